@@ -1,0 +1,18 @@
+"""kvcache: a Cython-accelerated CPU KV cache and grouped-query attention core.
+
+The public names are those of spec/API.md.  ``kvcache.reference`` holds the pure-NumPy twin of
+every compiled kernel (the test oracle and the benchmark baseline).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .modes import KvMode
+from .layer import LayerKvCache
+from .model import EvictionPolicy, KvCache
+from . import reference
+from ._config import show_config
+
+__all__ = ["KvMode", "LayerKvCache", "KvCache", "EvictionPolicy", "reference", "show_config",
+           "__version__"]

@@ -1,0 +1,47 @@
+"""show_config(): what was built and what the thread pools look like."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+
+def config_info():
+    """The facts show_config prints, as a dict."""
+    import numpy as np
+    from . import __version__, _core
+
+    info = {
+        "kvcache": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "numpy": np.__version__,
+        "openmp_built": _core.openmp_built(),
+        "threads": _core.max_threads(),
+        "chunk_rows": _core.CHUNK_ROWS,
+    }
+    try:
+        from threadpoolctl import threadpool_info
+        info["threadpools"] = [
+            {k: d.get(k) for k in ("user_api", "internal_api", "num_threads", "version", "filepath")}
+            for d in threadpool_info()
+        ]
+    except ImportError:  # threadpoolctl is a runtime dependency; keep show_config usable anyway
+        info["threadpools"] = "threadpoolctl not installed"
+    return info
+
+
+def show_config(file=None):
+    """Print kvcache's version, whether OpenMP was built in, thread counts and threadpoolctl's view."""
+    info = config_info()
+    out = file or sys.stdout
+    for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "threads", "chunk_rows"):
+        print(f"{key:>14}: {info[key]}", file=out)
+    print(f"{'threadpools':>14}:", file=out)
+    pools = info["threadpools"]
+    if isinstance(pools, str):
+        print(f"{'':>16}{pools}", file=out)
+    else:
+        for pool in pools:
+            print(f"{'':>16}{pool['user_api']}/{pool['internal_api']} threads={pool['num_threads']} "
+                  f"version={pool['version']} ({pool['filepath']})", file=out)

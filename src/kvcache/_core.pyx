@@ -1,0 +1,338 @@
+# Compiled kernels of kvcache.  Directives are set once in setup.py.
+#
+# House rules (ARCHITECTURE.md): kernels take memoryviews and plain numbers, never touch a Python
+# object inside `nogil`, never raise.  All validation, conversion, allocation and thread-count
+# resolution happen in the Python layer (layer.py), once per call.  Every function here has a
+# NumPy twin of the same name in kvcache/reference.py.
+#
+# Summation orders (documented, thread-count independent):
+#   * a row's score is one kvc_dot_f32 (16-lane partial sums, see _kernels.h) times `scale`;
+#     in q8, sum over 32-channel groups (in order) of ks[g] * kvc_dot_i8, times `scale`;
+#   * the softmax of a query runs over its visible rows [first, end) in one piece;
+#   * V is accumulated per chunk of CHUNK_ROWS rows (chunk c = absolute rows
+#     [c*CHUNK_ROWS, (c+1)*CHUNK_ROWS)), rows in order inside a chunk, and the chunk partials are
+#     added in chunk order.  The chunking is fixed by row index, so results are bit-identical
+#     for any thread count and for any number of queries sharing the pass;
+#   * importance: for each row p, the probabilities of the queries are added in query order.
+
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy, memset
+from libc.math cimport fabsf, tanhf, isfinite
+from libc.stdint cimport int8_t
+from cython.parallel cimport prange
+
+from kvcache._openmp cimport KVC_OPENMP_BUILT, omp_get_max_threads
+
+cdef extern from "_kernels.h" nogil:
+    float kvc_dot_f32(const float *a, const float *b, Py_ssize_t n)
+    float kvc_score_q8(const int8_t *kq, const float *ks, const float *qc, Py_ssize_t hd,
+                       Py_ssize_t group)
+    void kvc_axpy_f32(float *y, float w, const float *x, Py_ssize_t n)
+    void kvc_axpy_i8(float *y, float w, const int8_t *x, Py_ssize_t n)
+    void kvc_softmax(float *s, Py_ssize_t n)
+    float kvc_expf(float x)
+    void kvc_quant_row(const float *x, const float *col, Py_ssize_t hd, Py_ssize_t group,
+                       int8_t *q, float *s)
+
+CHUNK_ROWS = 256
+cdef Py_ssize_t _CHUNK = 256
+K_GROUP = 32
+cdef Py_ssize_t _K_GROUP = 32
+# below this many multiply-adds a call stays on the calling thread
+cdef Py_ssize_t _PAR_WORK = 1 << 16
+
+
+def openmp_built():
+    """True when the extension was compiled with OpenMP."""
+    return bool(KVC_OPENMP_BUILT)
+
+
+def max_threads():
+    """The OpenMP thread count in force now (threadpoolctl / OMP_NUM_THREADS aware)."""
+    return omp_get_max_threads()
+
+
+def store_rows_f32(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive__h,
+                   const Py_ssize_t[::1] head_len__h, float[:, :, ::1] store__hcd):
+    """store[h, head_len[h] + i] = x[i, h] for every alive head h and row i."""
+    cdef Py_ssize_t n = x__nhd.shape[0], nkv = x__nhd.shape[1], hd = x__nhd.shape[2]
+    cdef Py_ssize_t h, i
+    with nogil:
+        for h in range(nkv):
+            if alive__h[h]:
+                for i in range(n):
+                    memcpy(&store__hcd[h, head_len__h[h] + i, 0], &x__nhd[i, h, 0],
+                           hd * sizeof(float))
+
+
+def store_rows_q8(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive__h,
+                  const Py_ssize_t[::1] head_len__h, const float[:, ::1] col__hd,
+                  const unsigned char[::1] col_on__h, Py_ssize_t group,
+                  int8_t[:, :, ::1] q__hcd, float[:, :, ::1] s__hcg):
+    """Quantise x[i, h] (divided by col[h] where col_on[h]) into q/s at row head_len[h] + i."""
+    cdef Py_ssize_t n = x__nhd.shape[0], nkv = x__nhd.shape[1], hd = x__nhd.shape[2]
+    cdef Py_ssize_t h, i, r
+    with nogil:
+        for h in range(nkv):
+            if alive__h[h]:
+                for i in range(n):
+                    r = head_len__h[h] + i
+                    kvc_quant_row(&x__nhd[i, h, 0], &col__hd[h, 0] if col_on__h[h] else NULL,
+                                  hd, group, &q__hcd[h, r, 0], &s__hcg[h, r, 0])
+
+
+def quantize_rows(const float[:, ::1] x__nd, const float[::1] col__d, Py_ssize_t group,
+                  int8_t[:, ::1] q__nd, float[:, ::1] s__ng, int n_threads):
+    """Row quantisation (spec 3.1) of x (n, hd) into q (n, hd) and s (n, ceil(hd/group)).
+
+    col of length 0 means "no column field" (col == 1)."""
+    cdef Py_ssize_t n = x__nd.shape[0], hd = x__nd.shape[1], i
+    cdef bint has_col = col__d.shape[0] > 0
+    if n == 0:
+        return
+    for i in prange(n, nogil=True, num_threads=n_threads, schedule="static",
+                    use_threads_if=n * hd > _PAR_WORK):
+        kvc_quant_row(&x__nd[i, 0], &col__d[0] if has_col else NULL, hd, group,
+                      &q__nd[i, 0], &s__ng[i, 0])
+
+
+def stream_read(const float[::1] buf, int n_threads):
+    """Sum a large buffer with every thread: the read-bandwidth probe of the benchmark."""
+    cdef Py_ssize_t n = buf.shape[0], nblk, b, lo, hi
+    cdef Py_ssize_t blk = 1 << 16
+    cdef double total = 0.0
+    nblk = (n + blk - 1) // blk
+    for b in prange(nblk, nogil=True, num_threads=n_threads, schedule="static"):
+        lo = b * blk
+        hi = lo + blk
+        if hi > n:
+            hi = n
+        total += _block_sum(&buf[lo], hi - lo)
+    return total
+
+
+cdef inline double _block_sum(const float *p, Py_ssize_t n) noexcept nogil:
+    cdef float acc[16]
+    cdef Py_ssize_t i = 0
+    cdef int l
+    for l in range(16):
+        acc[l] = 0.0
+    while i + 16 <= n:
+        for l in range(16):
+            acc[l] += p[i + l]
+        i += 16
+    while i < n:
+        acc[0] += p[i]
+        i += 1
+    cdef double s = 0.0
+    for l in range(16):
+        s += acc[l]
+    return s
+
+
+def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
+                const float[:, :, ::1] ks__hcg,
+                const float[:, :, ::1] vf__hcd, const int8_t[:, :, ::1] vq__hcd,
+                const float[:, :, ::1] vs__hc1, const float[:, ::1] vcol__hd,
+                const Py_ssize_t[::1] head_len__h,
+                const float[:, ::1] q__jd, const Py_ssize_t[::1] group_q0,
+                Py_ssize_t n_pos, Py_ssize_t n_back, Py_ssize_t window, Py_ssize_t first,
+                float scale, float softcap,
+                float[:, ::1] out__jd, float[:, ::1] probs__jl, float[::1] imp__l,
+                int imp_mode, bint quant_k, bint quant_v, int n_threads):
+    """Grouped attention of nq queries over the head-major storage of one layer.
+
+    Queries of KV head g are rows [group_q0[g], group_q0[g+1]) of q, ordered position-major
+    (n_pos positions, each with the group's heads).  Query position i of a group sees the
+    stored rows [first_i, end_i) with end_i = head_len[g] - n_back + i + 1 (clamped to
+    [0, head_len[g]]), first_i = max(end_i - window, 0) when window > 0, then
+    first_i = min(max(first_i, first), end_i - 1).  In q8-K mode q must already be multiplied
+    by the frozen key columns.
+
+    Fills out (nq, hd) and probs (nq, L) (normalised probabilities, 0 outside the visible
+    rows).  imp_mode 0: importance untouched; 1: imp[p] += probs[j, p] for each query j in
+    order (attend_group); 2: imp[p] += (sum over queries in order of probs[j, p])
+    (attend_all_heads: a fresh buffer added once).  Rows p >= head_len of a query's group and
+    p >= len(imp) are never touched.
+    """
+    cdef Py_ssize_t nkv = head_len__h.shape[0], hd = q__jd.shape[1], nq = q__jd.shape[0]
+    cdef Py_ssize_t L = probs__jl.shape[1], n_imp = imp__l.shape[0]
+    cdef Py_ssize_t g, j, jl, t, c, p, p0, p1, cnt, per, i, e, f, ntasks, maxcnt, work
+    cdef float sc, w
+    cdef float *part
+    cdef float *acc
+    cdef Py_ssize_t *q_first
+    cdef Py_ssize_t *q_end
+    cdef Py_ssize_t *task_g
+    cdef Py_ssize_t *task_p0
+    cdef Py_ssize_t *task_p1
+    cdef Py_ssize_t *g_task0
+    cdef Py_ssize_t *q_group
+    cdef Py_ssize_t lo, hi
+    cdef float tmp
+    cdef bint par
+
+    if nq == 0:
+        return
+    q_first = <Py_ssize_t *> malloc(nq * sizeof(Py_ssize_t))
+    q_end = <Py_ssize_t *> malloc(nq * sizeof(Py_ssize_t))
+    q_group = <Py_ssize_t *> malloc(nq * sizeof(Py_ssize_t))
+    g_task0 = <Py_ssize_t *> malloc((nkv + 1) * sizeof(Py_ssize_t))
+    task_g = task_p0 = task_p1 = NULL
+    part = NULL
+    try:
+        # ---- visible ranges and the (group, chunk) task list -----------------------------
+        ntasks = 0
+        maxcnt = 0
+        work = 0
+        for g in range(nkv):
+            cnt = group_q0[g + 1] - group_q0[g]
+            g_task0[g] = ntasks
+            if cnt == 0:
+                continue
+            if cnt > maxcnt:
+                maxcnt = cnt
+            per = cnt // n_pos
+            lo = head_len__h[g]
+            hi = 0
+            for jl in range(cnt):
+                j = group_q0[g] + jl
+                i = jl // per
+                e = head_len__h[g] - n_back + i + 1
+                if e < 0:
+                    e = 0
+                if e > head_len__h[g]:
+                    e = head_len__h[g]
+                if e > L:
+                    e = L
+                f = 0
+                if window > 0 and e - window > 0:
+                    f = e - window
+                if first > f:
+                    f = first
+                if f > e - 1:
+                    f = e - 1
+                if f < 0:
+                    f = 0
+                q_first[j] = f
+                q_end[j] = e
+                q_group[j] = g
+                if e > f:
+                    if f < lo:
+                        lo = f
+                    if e > hi:
+                        hi = e
+                    work += (e - f) * hd
+            if hi > lo:
+                ntasks += (hi - 1) // _CHUNK - lo // _CHUNK + 1
+        g_task0[nkv] = ntasks
+        task_g = <Py_ssize_t *> malloc((ntasks + 1) * sizeof(Py_ssize_t))
+        task_p0 = <Py_ssize_t *> malloc((ntasks + 1) * sizeof(Py_ssize_t))
+        task_p1 = <Py_ssize_t *> malloc((ntasks + 1) * sizeof(Py_ssize_t))
+        t = 0
+        for g in range(nkv):
+            lo = head_len__h[g]
+            hi = 0
+            for j in range(group_q0[g], group_q0[g + 1]):
+                if q_end[j] > q_first[j]:
+                    if q_first[j] < lo:
+                        lo = q_first[j]
+                    if q_end[j] > hi:
+                        hi = q_end[j]
+            if hi <= lo:
+                continue
+            for c in range(lo // _CHUNK, (hi - 1) // _CHUNK + 1):
+                task_g[t] = g
+                task_p0[t] = lo if c * _CHUNK < lo else c * _CHUNK
+                task_p1[t] = hi if (c + 1) * _CHUNK > hi else (c + 1) * _CHUNK
+                t += 1
+        part = <float *> malloc((ntasks * maxcnt * hd + 1) * sizeof(float))
+        if part == NULL or task_g == NULL or task_p0 == NULL or task_p1 == NULL \
+                or q_first == NULL or q_end == NULL or q_group == NULL or g_task0 == NULL:
+            raise MemoryError()
+        par = work > _PAR_WORK
+
+        # ---- 1. scores: each K row of a chunk is read once for all the group's queries ---
+        for t in prange(ntasks, nogil=True, num_threads=n_threads, schedule="dynamic",
+                        use_threads_if=par):
+            g = task_g[t]
+            for p in range(task_p0[t], task_p1[t]):
+                for j in range(group_q0[g], group_q0[g + 1]):
+                    if p < q_first[j] or p >= q_end[j]:
+                        continue
+                    if quant_k:
+                        sc = kvc_score_q8(&kq__hcd[g, p, 0], &ks__hcg[g, p, 0], &q__jd[j, 0],
+                                          hd, _K_GROUP) * scale
+                    else:
+                        sc = kvc_dot_f32(&q__jd[j, 0], &kf__hcd[g, p, 0], hd) * scale
+                    if softcap > 0 and isfinite(sc):
+                        sc = softcap * tanhf(sc / softcap)
+                    probs__jl[j, p] = sc
+
+        # ---- 2. softmax per query over its visible rows; zeros elsewhere ----------------
+        for j in prange(nq, nogil=True, num_threads=n_threads, schedule="dynamic",
+                        use_threads_if=par):
+            if q_first[j] > 0:
+                memset(&probs__jl[j, 0], 0, q_first[j] * sizeof(float))
+            if q_end[j] < L:
+                memset(&probs__jl[j, q_end[j]], 0, (L - q_end[j]) * sizeof(float))
+            if q_end[j] > q_first[j]:
+                kvc_softmax(&probs__jl[j, q_first[j]], q_end[j] - q_first[j])
+
+        # ---- 3. V partials per chunk: each V row read once for all the group's queries ---
+        for t in prange(ntasks, nogil=True, num_threads=n_threads, schedule="dynamic",
+                        use_threads_if=par):
+            g = task_g[t]
+            acc = part + t * maxcnt * hd
+            memset(acc, 0, maxcnt * hd * sizeof(float))
+            for p in range(task_p0[t], task_p1[t]):
+                for j in range(group_q0[g], group_q0[g + 1]):
+                    if p < q_first[j] or p >= q_end[j]:
+                        continue
+                    w = probs__jl[j, p]
+                    if quant_v:
+                        w = w * vs__hc1[g, p, 0]
+                    if fabsf(w) < 1e-12:
+                        continue
+                    if quant_v:
+                        kvc_axpy_i8(acc + (j - group_q0[g]) * hd, w, &vq__hcd[g, p, 0], hd)
+                    else:
+                        kvc_axpy_f32(acc + (j - group_q0[g]) * hd, w, &vf__hcd[g, p, 0], hd)
+
+        # ---- 4. merge the chunk partials in chunk order ---------------------------------
+        for j in prange(nq, nogil=True, num_threads=n_threads, schedule="static",
+                        use_threads_if=par):
+            g = q_group[j]
+            memset(&out__jd[j, 0], 0, hd * sizeof(float))
+            for t in range(g_task0[g], g_task0[g + 1]):
+                if task_p1[t] <= q_first[j] or task_p0[t] >= q_end[j]:
+                    continue
+                kvc_axpy_f32(&out__jd[j, 0], 1.0, part + (t * maxcnt + j - group_q0[g]) * hd, hd)
+            if quant_v:
+                for e in range(hd):
+                    out__jd[j, e] = out__jd[j, e] * vcol__hd[g, e]
+
+        # ---- 5. importance --------------------------------------------------------------
+        if imp_mode != 0:
+            hi = n_imp if n_imp < L else L
+            for p in prange(hi, nogil=True, num_threads=n_threads, schedule="static",
+                            use_threads_if=par):
+                if imp_mode == 1:
+                    for j in range(nq):
+                        if p < head_len__h[q_group[j]]:
+                            imp__l[p] += probs__jl[j, p]
+                else:
+                    tmp = 0.0
+                    for j in range(nq):
+                        if p < head_len__h[q_group[j]]:
+                            tmp = tmp + probs__jl[j, p]
+                    imp__l[p] += tmp
+    finally:
+        free(q_first)
+        free(q_end)
+        free(q_group)
+        free(g_task0)
+        free(task_g)
+        free(task_p0)
+        free(task_p1)
+        free(part)

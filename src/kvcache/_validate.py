@@ -1,0 +1,111 @@
+"""The one array validator used by every public entry point.
+
+Conventions (spec/API.md): anything ``np.asarray`` accepts; bool/int/float data become
+C-contiguous float32; complex, object, string and other dtypes raise TypeError; a wrong shape
+raises ValueError naming the parameter ("expected ..., got ...").
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+_F32 = np.dtype(np.float32)
+
+
+def as_f32(name, value, shapes=None):
+    """Return ``value`` as a C-contiguous float32 ndarray.
+
+    Parameters
+    ----------
+    name : str
+        Parameter name used in error messages.
+    value : array_like
+    shapes : sequence of tuple, optional
+        Allowed shapes; ``None`` entries in a shape match any size.  When given and no shape
+        matches, ValueError says which were expected.
+    """
+    if isinstance(value, np.ndarray) and value.dtype == _F32 and value.flags.c_contiguous:
+        arr = value
+    else:
+        try:
+            arr = np.asarray(value)
+        except Exception as exc:  # ragged lists and the like
+            raise ValueError(f"{name}: cannot be read as an array ({exc})") from None
+        if arr.dtype.kind not in "biuf":
+            raise TypeError(f"{name}: expected real numbers (float32), got dtype {arr.dtype}")
+        arr = np.ascontiguousarray(arr, dtype=_F32)
+    if shapes is not None and not any(_shape_ok(arr.shape, s) for s in shapes):
+        raise ValueError(f"{name}: expected shape {_fmt_shapes(shapes)}, got {arr.shape}")
+    return arr
+
+
+def out_f32(name, value, size=None, shape=None):
+    """Check a caller-provided output buffer: writable, C-contiguous float32 ndarray."""
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"{name}: expected a writable float32 numpy array, got {type(value).__name__}")
+    if value.dtype != _F32:
+        raise TypeError(f"{name}: expected dtype float32, got {value.dtype}")
+    if not value.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {value.strides}")
+    if not value.flags.writeable:
+        raise ValueError(f"{name}: expected a writable array, got a read-only one")
+    if size is not None and value.size != size:
+        raise ValueError(f"{name}: expected {size} elements, got {value.size} (shape {value.shape})")
+    if shape is not None and value.shape != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {value.shape}")
+    return value
+
+
+def as_index(name, value, size):
+    """An integer index in [0, size); IndexError outside, TypeError for non-integers."""
+    idx = as_int(name, value)
+    if not 0 <= idx < size:
+        raise IndexError(f"{name}: index {idx} out of range for {size} heads")
+    return idx
+
+
+def as_int(name, value, minimum=None):
+    """An integer (anything with ``__index__``, bools excluded); ValueError below ``minimum``."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an integer, got bool")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {v}")
+    return v
+
+
+def as_float(name, value, *, finite=True, minimum=None):
+    """A real number as a Python float; ValueError when not finite or below ``minimum``."""
+    if isinstance(value, (str, bytes)) or isinstance(value, complex):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}") from None
+    if finite and not np.isfinite(v):
+        raise ValueError(f"{name}: expected a finite number, got {v}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name}: expected a number >= {minimum}, got {v}")
+    return v
+
+
+def readonly(arr):
+    """A read-only view of ``arr``."""
+    view = arr.view()
+    view.flags.writeable = False
+    return view
+
+
+def _shape_ok(shape, pattern):
+    return len(shape) == len(pattern) and all(p is None or p == s for s, p in zip(shape, pattern))
+
+
+def _fmt_shapes(shapes):
+    parts = ["(" + ", ".join("n" if d is None else str(d) for d in s) + ("," if len(s) == 1 else "") + ")"
+             for s in shapes]
+    return " or ".join(parts)

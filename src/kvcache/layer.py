@@ -1,0 +1,621 @@
+"""LayerKvCache: one layer's K/V rows, head-major, in float32 or int8 (spec layer-kv-cache.md).
+
+Storage.  Every store is one C-contiguous array ``(num_kv_heads, capacity, trailing)``, so a
+head's rows are one contiguous block (head-major).  ``capacity`` grows geometrically (x2), so an
+append is amortised O(1): the whole cache is copied only when the capacity doubles.  Each head
+has its own stored length; dead heads (``alive[h] == False``) store nothing while ``seq_len``
+and importance still advance.  Stores per mode:
+
+* K: float32 rows ``_kf`` or int8 rows ``_kq`` with one scale per 32 channels ``_ks``;
+* V: float32 rows ``_vf`` or int8 rows ``_vq`` with one scale per row ``_vs``;
+* frozen column fields ``_kcol``/``_vcol`` (rows of ones where not frozen).
+
+Views handed out (``head_keys`` and friends, ``importance``) are read-only and show the
+storage as it is; a later append, truncation or eviction may change or re-allocate what they
+point to.  Take a copy to keep a snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from . import quant
+from ._validate import as_f32, as_float, as_index, as_int, out_f32, readonly
+from .modes import KvMode
+
+try:
+    from . import _core
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        "kvcache's compiled extension kvcache._core is not built. Install the package with "
+        "`pip install .` (or `pip install -e .`) from a checkout; a C compiler is needed."
+    ) from exc
+
+__all__ = ["LayerKvCache"]
+
+_F32 = np.float32
+_MIN_CAPACITY = 16
+_PROBS_BUDGET = 64 << 20     # bytes of probability scratch per prefill block
+
+_tls = threading.local()
+
+
+def _scratch(name, n):
+    """A per-thread float32 scratch buffer of at least ``n`` elements (reused across calls)."""
+    buf = getattr(_tls, name, None)
+    if buf is None or buf.size < n:
+        size = max(n, 1 if buf is None else 2 * buf.size)
+        buf = np.empty(size, dtype=_F32)
+        setattr(_tls, name, buf)
+    return buf[:n]
+
+
+def default_scale(head_dim):
+    """1/sqrt(head_dim) as float32 (computed in double, rounded once)."""
+    return float(_F32(1.0 / math.sqrt(head_dim)))
+
+
+class LayerKvCache:
+    """KV cache of one attention layer, head-major, float32 or int8 rows.
+
+    Parameters
+    ----------
+    num_kv_heads : int
+        Number of KV heads (>= 1).
+    head_dim : int
+        Channels per head (>= 1).
+    mode : KvMode, optional
+        Storage precision; ``None`` reads ``KVCACHE_KV`` through :meth:`KvMode.from_env`.
+
+    Examples
+    --------
+    >>> import numpy as np, kvcache as kc
+    >>> c = kc.LayerKvCache(2, 4, mode=kc.KvMode.F32)
+    >>> c.append(np.ones((2, 4)), np.ones((2, 4)))
+    >>> c.attend_all_heads(np.ones((4, 4))).shape
+    (4, 4)
+    """
+
+    def __init__(self, num_kv_heads, head_dim, mode=None):
+        nkv = as_int("num_kv_heads", num_kv_heads, minimum=1)
+        hd = as_int("head_dim", head_dim, minimum=1)
+        if mode is None:
+            mode = KvMode.from_env()
+        if not isinstance(mode, KvMode):
+            raise TypeError(f"mode: expected a KvMode, got {type(mode).__name__}")
+        self._mode = mode
+        self._nkv = nkv
+        self._hd = hd
+        self._ngk = quant.n_groups(hd, quant.K_GROUP)
+        self.o1 = None
+        self._linear_state = np.zeros(0, dtype=_F32)
+        self._linear_scratch = np.zeros(0, dtype=_F32)
+        self._empty_f = np.zeros((nkv, 0, hd), dtype=_F32)
+        self._empty_q = np.zeros((nkv, 0, hd), dtype=np.int8)
+        self._empty_s = np.zeros((nkv, 0, 1), dtype=_F32)
+        self._reset_storage()
+
+    # ------------------------------------------------------------------ storage basics
+    def _reset_storage(self):
+        nkv, hd = self._nkv, self._hd
+        self._seq_len = 0
+        self._cap = 0
+        self._len = np.zeros(nkv, dtype=np.intp)
+        self._kf = self._empty_f
+        self._vf = self._empty_f
+        self._kq = self._empty_q
+        self._vq = self._empty_q
+        self._ks = np.zeros((nkv, 0, self._ngk), dtype=_F32)
+        self._vs = self._empty_s
+        self._kcol = np.ones((nkv, hd), dtype=_F32)
+        self._vcol = np.ones((nkv, hd), dtype=_F32)
+        self._kcol_on = np.zeros(nkv, dtype=np.uint8)
+        self._vcol_on = np.zeros(nkv, dtype=np.uint8)
+        self._imp = np.zeros(0, dtype=_F32)
+        self._imp_len = 0
+
+    def _stores(self):
+        """Names of the (nkv, cap, .) stores this mode uses."""
+        names = ["_kq", "_ks"] if self._mode.quant_k else ["_kf"]
+        names += ["_vq", "_vs"] if self._mode.quant_v else ["_vf"]
+        return names
+
+    def _trailing(self, name):
+        return {"_kf": (self._hd, _F32), "_vf": (self._hd, _F32), "_kq": (self._hd, np.int8),
+                "_vq": (self._hd, np.int8), "_ks": (self._ngk, _F32), "_vs": (1, _F32)}[name]
+
+    def _reserve(self, n):
+        """Make room for ``n`` more rows on every head and ``n`` more importance entries.
+
+        Allocates before anything is modified, so a MemoryError leaves the cache as it was.
+        """
+        need = int(self._len.max(initial=0)) + n
+        if need > self._cap:
+            cap = max(need, 2 * self._cap, _MIN_CAPACITY)
+            used = int(self._len.max(initial=0))
+            fresh = {}
+            for name in self._stores():
+                width, dtype = self._trailing(name)
+                arr = np.empty((self._nkv, cap, width), dtype=dtype)
+                arr[:, :used] = getattr(self, name)[:, :used]
+                fresh[name] = arr
+            for name, arr in fresh.items():
+                setattr(self, name, arr)
+            self._cap = cap
+        need = self._imp_len + n
+        if need > self._imp.shape[0]:
+            imp = np.empty(max(need, 2 * self._imp.shape[0], _MIN_CAPACITY), dtype=_F32)
+            imp[: self._imp_len] = self._imp[: self._imp_len]
+            self._imp = imp
+
+    # ------------------------------------------------------------------ public fields
+    @property
+    def mode(self):
+        """The storage precision (:class:`KvMode`)."""
+        return self._mode
+
+    @property
+    def seq_len(self):
+        """Positions appended so far (dead heads included)."""
+        return self._seq_len
+
+    @property
+    def num_kv_heads(self):
+        return self._nkv
+
+    @property
+    def head_dim(self):
+        return self._hd
+
+    @property
+    def linear_state(self):
+        """Linear-core state: a 1-D float32 array owned by the layer (assignable)."""
+        return self._linear_state
+
+    @linear_state.setter
+    def linear_state(self, value):
+        self._linear_state = self._as_state("linear_state", value)
+
+    @property
+    def linear_scratch(self):
+        """Tentative lane-2 linear state during a speculative verify (assignable)."""
+        return self._linear_scratch
+
+    @linear_scratch.setter
+    def linear_scratch(self, value):
+        self._linear_scratch = self._as_state("linear_scratch", value)
+
+    @staticmethod
+    def _as_state(name, value):
+        arr = as_f32(name, value)
+        if arr.ndim != 1:
+            raise ValueError(f"{name}: expected a 1-D array, got shape {arr.shape}")
+        return arr.copy()
+
+    def commit_linear_scratch(self):
+        """Accept lane 2: swap the scratch in as the linear state, then empty the scratch.
+
+        Does nothing when the scratch is empty (no pending lane-2 state)."""
+        if self._linear_scratch.size:
+            self._linear_state = self._linear_scratch
+            self._linear_scratch = np.zeros(0, dtype=_F32)
+
+    def discard_linear_scratch(self):
+        """Reject lane 2: drop the scratch; the linear state stays as it is."""
+        self._linear_scratch = np.zeros(0, dtype=_F32)
+
+    @property
+    def importance(self):
+        """Accumulated attention mass per stored position, read-only float32 view."""
+        return readonly(self._imp[: self._imp_len])
+
+    def __len__(self):
+        return self._seq_len
+
+    def __bool__(self):
+        return True
+
+    def __repr__(self):
+        return (f"LayerKvCache(num_kv_heads={self._nkv}, head_dim={self._hd}, mode={self._mode!r}, "
+                f"seq_len={self._seq_len})")
+
+    # ------------------------------------------------------------------ append
+    def _as_rows(self, name, value):
+        nkv, hd = self._nkv, self._hd
+        arr = as_f32(name, value, shapes=[(nkv, hd), (nkv * hd,), (None, nkv, hd)])
+        return arr.reshape(-1, nkv, hd)
+
+    def _as_alive(self, alive):
+        if alive is None:
+            return np.ones(self._nkv, dtype=np.uint8)
+        arr = np.asarray(alive)
+        if arr.dtype != np.bool_:
+            if arr.dtype.kind in "iu" and arr.size and np.all((arr == 0) | (arr == 1)):
+                arr = arr.astype(np.bool_)
+            elif arr.size:
+                raise TypeError(f"alive: expected booleans, got dtype {arr.dtype}")
+        if arr.shape != (self._nkv,):
+            raise ValueError(f"alive: expected shape ({self._nkv},), got {arr.shape}")
+        return arr.astype(np.uint8)
+
+    def append(self, k_new, v_new, alive=None):
+        """Append K/V for one position or a block of ``n`` positions.
+
+        Parameters
+        ----------
+        k_new, v_new : array_like of shape (num_kv_heads, head_dim), (num_kv_heads*head_dim,)
+            or (n, num_kv_heads, head_dim)
+        alive : sequence of bool of length num_kv_heads, optional
+            Heads marked False store nothing for these positions; ``seq_len`` and importance
+            still advance.  None means every head is alive.
+        """
+        self._check_exact("append")
+        k3 = self._as_rows("k_new", k_new)
+        v3 = self._as_rows("v_new", v_new)
+        if k3.shape != v3.shape:
+            raise ValueError(f"v_new: expected the shape of k_new {k3.shape}, got {v3.shape}")
+        live = self._as_alive(alive)
+        n = k3.shape[0]
+        if n == 0:
+            return
+        self._reserve(n)
+        if self._mode.is_f32:
+            self._store(k3, v3, live)
+            return
+        # q8: the column freeze fires at the start of the first single append that finds
+        # seq_len >= 64 with no column frozen yet; split the block there so a block append
+        # is identical to n single appends.
+        i = 0
+        while i < n:
+            if self._seq_len >= quant.COL_WARMUP and not self._any_col_frozen():
+                self._freeze_columns()
+            j = n if self._any_col_frozen() else min(n, max(i + 1, i + quant.COL_WARMUP - self._seq_len))
+            self._store(k3[i:j], v3[i:j], live)
+            i = j
+
+    def _any_col_frozen(self):
+        return bool(self._kcol_on.any() or self._vcol_on.any())
+
+    def _freeze_columns(self):
+        if self._mode.quant_k:
+            quant.freeze_columns(self._kq, self._ks, self._len, quant.K_GROUP, self._kcol,
+                                 self._kcol_on, _core)
+        if self._mode.quant_v:
+            quant.freeze_columns(self._vq, self._vs, self._len, self._hd, self._vcol,
+                                 self._vcol_on, _core)
+
+    def _store(self, k3, v3, live):
+        n = k3.shape[0]
+        if self._mode.quant_k:
+            _core.store_rows_q8(k3, live, self._len, self._kcol, self._kcol_on, quant.K_GROUP,
+                                self._kq, self._ks)
+        else:
+            _core.store_rows_f32(k3, live, self._len, self._kf)
+        if self._mode.quant_v:
+            _core.store_rows_q8(v3, live, self._len, self._vcol, self._vcol_on, self._hd,
+                                self._vq, self._vs)
+        else:
+            _core.store_rows_f32(v3, live, self._len, self._vf)
+        self._len += live.astype(np.intp) * n
+        self._imp[self._imp_len: self._imp_len + n] = 0.0
+        self._imp_len += n
+        self._seq_len += n
+
+    # ------------------------------------------------------------------ accessors
+    def head_len(self, h):
+        """Rows stored for KV head ``h`` (0 for a head that was always dead)."""
+        return int(self._len[as_index("kv_head", h, self._nkv)])
+
+    def head_keys(self, h):
+        """Read-only float32 view (head_len(h), head_dim) of head h's keys.
+
+        Empty (0, head_dim) when K is stored as int8."""
+        h = as_index("kv_head", h, self._nkv)
+        if self._mode.quant_k:
+            return readonly(np.zeros((0, self._hd), dtype=_F32))
+        return readonly(self._kf[h, : self._len[h]])
+
+    def head_values(self, h):
+        """Read-only float32 view (head_len(h), head_dim) of head h's values.
+
+        Empty (0, head_dim) when V is stored as int8."""
+        h = as_index("kv_head", h, self._nkv)
+        if self._mode.quant_v:
+            return readonly(np.zeros((0, self._hd), dtype=_F32))
+        return readonly(self._vf[h, : self._len[h]])
+
+    def k_heads(self):
+        """List of :meth:`head_keys` views, one per KV head."""
+        return [self.head_keys(h) for h in range(self._nkv)]
+
+    def v_heads(self):
+        """List of :meth:`head_values` views, one per KV head."""
+        return [self.head_values(h) for h in range(self._nkv)]
+
+    def q8_rows(self, h):
+        """Read-only views of head h's int8 storage: (kq, ks, vq, vs), None for f32 parts.
+
+        kq (head_len, head_dim) int8, ks (head_len, ceil(head_dim/32)) float32,
+        vq (head_len, head_dim) int8, vs (head_len,) float32."""
+        h = as_index("kv_head", h, self._nkv)
+        n = self._len[h]
+        k = (readonly(self._kq[h, :n]), readonly(self._ks[h, :n])) if self._mode.quant_k else (None, None)
+        v = (readonly(self._vq[h, :n]), readonly(self._vs[h, :n, 0])) if self._mode.quant_v else (None, None)
+        return k + v
+
+    def columns(self, h):
+        """Frozen column fields of head h: (kcol, vcol), each a read-only (head_dim,) view or None."""
+        h = as_index("kv_head", h, self._nkv)
+        return (readonly(self._kcol[h]) if self._kcol_on[h] else None,
+                readonly(self._vcol[h]) if self._vcol_on[h] else None)
+
+    # ------------------------------------------------------------------ attention
+    def _check_exact(self, what):
+        o1 = self.o1
+        if o1 is not None and getattr(o1, "sealed", False):
+            raise RuntimeError(f"{what}: this layer is sealed in O(1) mode; use o1_step")
+
+    def _queries(self, qk, groups):
+        """Fold the frozen key columns into queries (nkv, m, hd) when K is int8."""
+        if self._mode.quant_k and self._kcol_on.any():
+            return np.ascontiguousarray(qk * self._kcol[:, None, :])
+        return np.ascontiguousarray(qk)
+
+    def _run(self, kernels, q2, group_q0, n_pos, n_back, window, first, scale, softcap, out2,
+             L, imp, imp_mode):
+        probs = _scratch("probs", q2.shape[0] * max(L, 1)).reshape(q2.shape[0], max(L, 1))
+        kernels.attend_rows(self._kf, self._kq, self._ks, self._vf, self._vq, self._vs,
+                            self._vcol, self._len, q2, group_q0, n_pos, n_back, window, first,
+                            scale, softcap, out2, probs, imp, imp_mode, self._mode.quant_k,
+                            self._mode.quant_v, _core.max_threads())
+        return probs
+
+    def attend(self, q, kv_head, *, _kernels=None):
+        """Attention of one query head over KV head ``kv_head``'s stored rows.
+
+        Always the plain form: scale 1/sqrt(head_dim), no softcap, no window.
+
+        Returns
+        -------
+        out : ndarray of shape (head_dim,), float32
+        probs : ndarray of shape (head_len(kv_head),), float32
+        """
+        kernels = _core if _kernels is None else _kernels
+        hd = self._hd
+        qa = as_f32("q", q, shapes=[(hd,), (1, hd)])
+        h = as_index("kv_head", kv_head, self._nkv)
+        stored = int(self._len[h])
+        out = np.zeros((1, hd), dtype=_F32)
+        if stored == 0:
+            return out.reshape(hd), np.zeros(0, dtype=_F32)
+        qk = np.zeros((self._nkv, 1, hd), dtype=_F32) if self._mode.quant_k else None
+        if qk is not None:
+            qk[h, 0] = qa.reshape(hd)
+            q2 = self._queries(qk, None)[h]
+        else:
+            q2 = qa.reshape(1, hd)
+        group_q0 = np.zeros(self._nkv + 1, dtype=np.intp)
+        group_q0[h + 1:] = 1
+        probs = self._run(kernels, q2, group_q0, 1, 1, 0, 0, default_scale(hd), 0.0, out,
+                          stored, np.zeros(0, dtype=_F32), 0)
+        return out.reshape(hd), probs[0, :stored].copy()
+
+    def attend_group(self, q_group, kv_head, out, imp_acc, scale, first, softcap, *, _kernels=None):
+        """Grouped attention of the query heads of one KV group, in one pass over its rows.
+
+        Parameters
+        ----------
+        q_group : array_like of shape (n_q, head_dim) or (n_q*head_dim,)
+        kv_head : int
+        out : ndarray, float32, writable, n_q*head_dim elements -- filled in place
+        imp_acc : ndarray of shape (m,), float32, writable -- probabilities ADDED in place
+            over the first min(m, head_len) rows, head by head in order
+        scale : float
+            Score scale.
+        first : int
+            Earliest visible row (clamped to head_len - 1).
+        softcap : float
+            0 for off, else scores become softcap*tanh(score/softcap) (finite scores only).
+
+        Bit-for-bit equal to :meth:`attend` per head (probabilities summed in head order)
+        when ``scale == 1/sqrt(head_dim)`` (as float32), ``first == 0`` and ``softcap == 0``.
+        """
+        kernels = _core if _kernels is None else _kernels
+        hd = self._hd
+        qa = as_f32("q_group", q_group)
+        if qa.size == 0 or qa.size % hd or qa.ndim not in (1, 2) or (qa.ndim == 2 and qa.shape[1] != hd):
+            raise ValueError(f"q_group: expected shape (n_q, {hd}) or (n_q*{hd},) with n_q >= 1, "
+                             f"got {qa.shape}")
+        h = as_index("kv_head", kv_head, self._nkv)
+        out = out_f32("out", out, size=qa.size)
+        imp_acc = out_f32("imp_acc", imp_acc)
+        if imp_acc.ndim != 1:
+            raise ValueError(f"imp_acc: expected a 1-D array, got shape {imp_acc.shape}")
+        scale = as_float("scale", scale)
+        first = as_int("first", first, minimum=0)
+        softcap = as_float("softcap", softcap, minimum=0.0)
+        nq = qa.size // hd
+        stored = int(self._len[h])
+        if stored == 0:
+            out.fill(0.0)
+            return None
+        qk = np.zeros((self._nkv, nq, hd), dtype=_F32)
+        qk[h] = qa.reshape(nq, hd)
+        q2 = self._queries(qk, None)[h]
+        group_q0 = np.zeros(self._nkv + 1, dtype=np.intp)
+        group_q0[h + 1:] = nq
+        self._run(kernels, q2, group_q0, 1, 1, 0, first, scale, softcap, out.reshape(nq, hd),
+                  stored, imp_acc, 1)
+        return None
+
+    def attend_all_heads(self, q, *, scale=None, window=None, softcap=0.0, out=None, _kernels=None):
+        """Whole-layer grouped-query attention of the newest position(s).
+
+        Parameters
+        ----------
+        q : array_like of shape (num_heads, head_dim) or (n, num_heads, head_dim)
+            num_heads a positive multiple of num_kv_heads; head h reads KV head
+            h // (num_heads // num_kv_heads).  With n positions (already appended), query i
+            sees stored rows up to stored - n + i (causal within the block).
+        scale : float, optional
+            Score scale, default 1/sqrt(head_dim).
+        window : int, optional
+            Sliding window: only the last ``window`` rows up to and including the query's own.
+        softcap : float
+            0 (off) or the Gemma-2 logit cap: cap*tanh(score/cap) on finite scores.
+        out : ndarray, optional
+            float32 C-contiguous array of the result shape, filled and returned.
+
+        Returns
+        -------
+        ndarray of shape (num_heads, head_dim) or (n, num_heads, head_dim), float32
+
+        Every query's attention mass is added into :attr:`importance` (per row, summed over
+        KV groups in order, then positions, then heads within the group).
+        """
+        kernels = _core if _kernels is None else _kernels
+        self._check_exact("attend_all_heads")
+        nkv, hd = self._nkv, self._hd
+        qa = as_f32("q", q, shapes=[(None, hd), (None, None, hd)])
+        single = qa.ndim == 2
+        q3 = qa.reshape((1,) + qa.shape) if single else qa
+        n, nh = q3.shape[0], q3.shape[1]
+        if nh == 0 or nh % nkv:
+            raise ValueError(f"q: expected num_heads a positive multiple of num_kv_heads={nkv}, "
+                             f"got {nh}")
+        if n > self._seq_len:
+            raise ValueError(f"q: expected at most seq_len={self._seq_len} positions (queries "
+                             f"attend the newest, already appended rows), got {n}")
+        scale = default_scale(hd) if scale is None else as_float("scale", scale)
+        window = 0 if window is None else as_int("window", window, minimum=1)
+        softcap = as_float("softcap", softcap, minimum=0.0)
+        res_shape = (nh, hd) if single else (n, nh, hd)
+        if out is None:
+            out = np.empty(res_shape, dtype=_F32)
+        else:
+            out = out_f32("out", out, shape=res_shape)
+        if n == 0:
+            return out
+        hpk = nh // nkv
+        maxlen = int(self._len.max())
+        # block the positions so the probability scratch stays bounded
+        per_pos = nh * max(maxlen, 1) * 4
+        block = max(1, min(n, _PROBS_BUDGET // per_pos))
+        imp = self._imp[: self._imp_len]
+        out3 = out.reshape(n, nh, hd)
+        for i0 in range(0, n, block):
+            i1 = min(n, i0 + block)
+            nb = i1 - i0
+            qk = q3[i0:i1].reshape(nb, nkv, hpk, hd).transpose(1, 0, 2, 3).reshape(nkv, nb * hpk, hd)
+            q2 = self._queries(qk, None).reshape(nkv * nb * hpk, hd)
+            group_q0 = np.arange(nkv + 1, dtype=np.intp) * (nb * hpk)
+            L = max(0, maxlen - n + i1)
+            if nb == 1:
+                o2 = out3[i0].reshape(nh, hd)
+                self._run(kernels, q2, group_q0, 1, n - i0, window, 0, scale, softcap, o2, L,
+                          imp, 2)
+            else:
+                o2 = np.empty((nkv * nb * hpk, hd), dtype=_F32)
+                self._run(kernels, q2, group_q0, nb, n - i0, window, 0, scale, softcap, o2, L,
+                          imp, 2)
+                out3[i0:i1] = o2.reshape(nkv, nb, hpk, hd).transpose(1, 0, 2, 3).reshape(nb, nh, hd)
+        return out
+
+    def accumulate_imp(self, probs):
+        """Add attention mass: ``importance[i] += probs[i]`` over the overlapping prefix."""
+        p = as_f32("probs", probs)
+        if p.ndim != 1:
+            raise ValueError(f"probs: expected a 1-D array, got shape {p.shape}")
+        m = min(self._imp_len, p.shape[0])
+        self._imp[:m] += p[:m]
+
+    # ------------------------------------------------------------------ rollback, eviction
+    def truncate_last(self, n):
+        """Roll back the newest ``n`` positions (speculative-decode reject).
+
+        Drops min(n, seq_len) positions from every head (dead heads saturate at 0) and from
+        the importance; keeps the column fields and the linear state."""
+        n = as_int("n", n, minimum=0)
+        self._check_exact("truncate_last")
+        d = min(n, self._seq_len)
+        if d == 0:
+            return
+        np.maximum(self._len - d, 0, out=self._len)
+        self._imp_len = max(self._imp_len - d, 0)
+        self._seq_len -= d
+
+    def clear(self):
+        """Forget everything: rows, columns, importance, linear state and scratch, O(1) state.
+
+        Keeps mode, num_kv_heads and head_dim."""
+        self._reset_storage()
+        self._linear_state = np.zeros(0, dtype=_F32)
+        self._linear_scratch = np.zeros(0, dtype=_F32)
+        self.o1 = None
+
+    def _shift_rows(self, h, keep_idx=None, drop=0):
+        """Compact head h's rows: keep rows ``keep_idx`` (sorted) or drop the first ``drop``."""
+        n = int(self._len[h])
+        for name in self._stores():
+            arr = getattr(self, name)
+            if keep_idx is None:
+                arr[h, : n - drop] = arr[h, drop:n].copy()
+            else:
+                arr[h, : keep_idx.size] = arr[h, keep_idx]
+        self._len[h] = n - drop if keep_idx is None else keep_idx.size
+
+    def _evict(self, keep):
+        """Recent policy: keep the newest ``keep`` positions."""
+        if self.o1 is not None or self._seq_len <= keep:
+            return
+        drop = self._seq_len - keep
+        for h in range(self._nkv):
+            self._shift_rows(h, drop=min(drop, int(self._len[h])))
+        d = min(drop, self._imp_len)
+        self._imp[: self._imp_len - d] = self._imp[d: self._imp_len].copy()
+        self._imp_len -= d
+        self._seq_len = keep
+
+    def _evict_born(self, keep, sink, recent):
+        """Born policy: keep ``sink`` first rows, ``recent`` last rows, and the middle rows of
+        highest importance (stable, descending; NaN ranks last), in chronological order."""
+        if self.o1 is not None or self._imp_len <= keep:
+            return
+        total = self._imp_len
+        sink_n = min(sink, keep)
+        recent_n = min(recent, keep - sink_n)
+        budget = keep - sink_n - recent_n
+        middle = np.arange(sink_n, total - recent_n)
+        imp = self._imp[:total]
+        if budget > 0 and middle.size:
+            vals = imp[middle].astype(np.float64)
+            order = np.argsort(np.where(np.isnan(vals), np.inf, -vals), kind="stable")
+            chosen = middle[order[:budget]]
+        else:
+            chosen = middle[:0]
+        kept = np.sort(np.concatenate([np.arange(sink_n), chosen,
+                                       np.arange(total - recent_n, total)])).astype(np.intp)
+        for h in range(self._nkv):
+            idx = kept[kept < self._len[h]]
+            self._shift_rows(h, keep_idx=idx)
+        self._imp[: kept.size] = imp[kept]
+        self._imp_len = kept.size
+        self._seq_len = int(kept.size)
+
+    # ------------------------------------------------------------------ accounting
+    def memory_bytes(self):
+        """Bytes held by the rows, scales, frozen columns and linear state (spec section 8).
+
+        Counts lengths, not capacities; excludes importance and the linear scratch."""
+        rows = int(self._len.sum())
+        hd = self._hd
+        total = 0
+        total += rows * (hd + 4 * self._ngk) if self._mode.quant_k else rows * hd * 4
+        total += rows * (hd + 4) if self._mode.quant_v else rows * hd * 4
+        total += 4 * hd * int(self._kcol_on.sum() + self._vcol_on.sum())
+        total += 4 * self._linear_state.size
+        total += self.o1_memory_bytes() if hasattr(self, "o1_memory_bytes") else 0
+        return total

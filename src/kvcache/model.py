@@ -1,0 +1,139 @@
+"""KvCache (every layer of a model) and EvictionPolicy (spec layer-kv-cache.md section 5)."""
+
+from __future__ import annotations
+
+from ._validate import as_int
+from .layer import LayerKvCache
+from .modes import KvMode
+
+__all__ = ["EvictionPolicy", "KvCache"]
+
+
+class EvictionPolicy:
+    """How :meth:`KvCache.evict` chooses the positions to keep.
+
+    ``EvictionPolicy.RECENT`` keeps the newest positions.  ``EvictionPolicy.born(sink)`` keeps
+    the first ``sink`` positions, the newest ``max(keep // 2, 1)``, and fills the rest of the
+    budget with the positions that received the most attention mass (importance).
+    """
+
+    __slots__ = ("_kind", "_sink")
+
+    RECENT: "EvictionPolicy"  # set below
+
+    def __init__(self, kind, sink=0):
+        if kind not in ("recent", "born"):
+            raise ValueError(f"kind: expected 'recent' or 'born', got {kind!r}")
+        object.__setattr__(self, "_kind", kind)
+        object.__setattr__(self, "_sink", as_int("sink", sink, minimum=0))
+
+    @classmethod
+    def born(cls, sink=4):
+        """Born (attention-mass) eviction keeping ``sink`` leading positions."""
+        return cls("born", sink)
+
+    @property
+    def kind(self):
+        return self._kind
+
+    @property
+    def sink(self):
+        return self._sink
+
+    def __setattr__(self, name, value):
+        raise AttributeError("EvictionPolicy is immutable")
+
+    def __eq__(self, other):
+        if not isinstance(other, EvictionPolicy):
+            return NotImplemented
+        return (self._kind, self._sink) == (other._kind, other._sink)
+
+    def __hash__(self):
+        return hash((self._kind, self._sink))
+
+    def __repr__(self):
+        return "EvictionPolicy.RECENT" if self._kind == "recent" else f"EvictionPolicy.born(sink={self._sink})"
+
+
+EvictionPolicy.RECENT = EvictionPolicy("recent")
+
+
+class KvCache:
+    """The KV caches of every layer of a model, with an eviction policy.
+
+    Parameters
+    ----------
+    n_layers, num_kv_heads, head_dim : int
+    max_seq_len : int
+        :meth:`needs_eviction` turns True once a layer holds this many positions.
+    policy : EvictionPolicy
+        Default ``EvictionPolicy.born(sink=4)``.
+    mode : KvMode, optional
+        Storage precision of every layer (None reads ``KVCACHE_KV``).
+    """
+
+    def __init__(self, n_layers, num_kv_heads, head_dim, max_seq_len=32768,
+                 policy=None, mode=None):
+        n_layers = as_int("n_layers", n_layers, minimum=0)
+        self.max_seq_len = as_int("max_seq_len", max_seq_len, minimum=1)
+        if policy is None:
+            policy = EvictionPolicy.born(sink=4)
+        if not isinstance(policy, EvictionPolicy):
+            raise TypeError(f"policy: expected an EvictionPolicy, got {type(policy).__name__}")
+        self.policy = policy
+        if mode is None:
+            mode = KvMode.from_env()
+        self.layers = [LayerKvCache(num_kv_heads, head_dim, mode) for _ in range(n_layers)]
+        self.num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
+        self.head_dim = as_int("head_dim", head_dim, minimum=1)
+        self.mode = mode
+
+    def seq_len(self):
+        """The longest layer's seq_len (0 when there are no layers)."""
+        return max((layer.seq_len for layer in self.layers), default=0)
+
+    def needs_eviction(self):
+        return self.seq_len() >= self.max_seq_len
+
+    def evict(self, keep):
+        """Shrink every layer to at most ``keep`` positions with the cache's policy.
+
+        Layers carrying O(1) state (collecting or sealed) are skipped."""
+        keep = as_int("keep", keep, minimum=0)
+        for layer in self.layers:
+            if self.policy.kind == "recent":
+                layer._evict(keep)
+            else:
+                layer._evict_born(keep, self.policy.sink, max(keep // 2, 1))
+
+    def truncate_last(self, n):
+        """Roll back the newest ``n`` positions on every layer."""
+        n = as_int("n", n, minimum=0)
+        for layer in self.layers:
+            layer._check_exact("truncate_last")
+        for layer in self.layers:
+            layer.truncate_last(n)
+
+    def clear(self):
+        for layer in self.layers:
+            layer.clear()
+
+    def memory_bytes(self):
+        return sum(layer.memory_bytes() for layer in self.layers)
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __bool__(self):
+        return True
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def __repr__(self):
+        return (f"KvCache(n_layers={len(self.layers)}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, policy={self.policy!r}, "
+                f"mode={self.mode!r}, seq_len={self.seq_len()})")
