@@ -21,18 +21,23 @@ from libc.math cimport fabsf, tanhf, isfinite
 from libc.stdint cimport int8_t
 from cython.parallel cimport prange
 
-from kvcache._openmp cimport KVC_OPENMP_BUILT, omp_get_max_threads
+from kvcache._openmp cimport KVC_OPENMP_BUILT, omp_get_max_threads, omp_get_thread_num
 
 cdef extern from "_kernels.h" nogil:
-    float kvc_dot_f32(const float *a, const float *b, Py_ssize_t n)
-    float kvc_score_q8(const int8_t *kq, const float *ks, const float *qc, Py_ssize_t hd,
-                       Py_ssize_t group)
+    void kvc_task_scores(const float *q, Py_ssize_t nq, const Py_ssize_t *qf,
+                         const Py_ssize_t *qe, const float *kf, const int8_t *kq,
+                         const float *ks, Py_ssize_t ng, int quant_k, Py_ssize_t p0,
+                         Py_ssize_t p1, Py_ssize_t hd, float scale, float softcap,
+                         float *probs, Py_ssize_t L, float *scratch)
+    void kvc_task_values(const float *probs, Py_ssize_t L, Py_ssize_t nq,
+                         const Py_ssize_t *qf, const Py_ssize_t *qe, const float *vf,
+                         const int8_t *vq, const float *vs, int quant_v, Py_ssize_t p0,
+                         Py_ssize_t p1, Py_ssize_t hd, float *acc, float *scratch)
     void kvc_axpy_f32(float *y, float w, const float *x, Py_ssize_t n)
-    void kvc_axpy_i8(float *y, float w, const int8_t *x, Py_ssize_t n)
     void kvc_softmax(float *s, Py_ssize_t n)
-    float kvc_expf(float x)
     void kvc_quant_row(const float *x, const float *col, Py_ssize_t hd, Py_ssize_t group,
                        int8_t *q, float *s)
+    bint KVC_SIMD
 
 CHUNK_ROWS = 256
 cdef Py_ssize_t _CHUNK = 256
@@ -40,6 +45,11 @@ K_GROUP = 32
 cdef Py_ssize_t _K_GROUP = 32
 # below this many multiply-adds a call stays on the calling thread
 cdef Py_ssize_t _PAR_WORK = 1 << 16
+
+
+def simd_built():
+    """True when the AVX2/FMA inner loops were compiled in."""
+    return bool(KVC_SIMD)
 
 
 def openmp_built():
@@ -158,9 +168,7 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
     cdef Py_ssize_t nkv = head_len__h.shape[0], hd = q__jd.shape[1], nq = q__jd.shape[0]
     cdef Py_ssize_t L = probs__jl.shape[1], n_imp = imp__l.shape[0]
     cdef Py_ssize_t g, j, jl, t, c, p, p0, p1, cnt, per, i, e, f, ntasks, maxcnt, work
-    cdef float sc, w
     cdef float *part
-    cdef float *acc
     cdef Py_ssize_t *q_first
     cdef Py_ssize_t *q_end
     cdef Py_ssize_t *task_g
@@ -169,8 +177,9 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
     cdef Py_ssize_t *g_task0
     cdef Py_ssize_t *q_group
     cdef Py_ssize_t lo, hi
-    cdef float tmp
     cdef bint par
+    cdef float *scratch
+    cdef Py_ssize_t nscr, ngk
 
     if nq == 0:
         return
@@ -180,6 +189,7 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
     g_task0 = <Py_ssize_t *> malloc((nkv + 1) * sizeof(Py_ssize_t))
     task_g = task_p0 = task_p1 = NULL
     part = NULL
+    scratch = NULL
     try:
         # ---- visible ranges and the (group, chunk) task list -----------------------------
         ntasks = 0
@@ -252,22 +262,25 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
             raise MemoryError()
         par = work > _PAR_WORK
 
-        # ---- 1. scores: each K row of a chunk is read once for all the group's queries ---
+        # ---- per-thread scratch: a block of 4 widened rows, or a chunk of importance sums
+        nscr = 4 * hd if 4 * hd > _CHUNK else _CHUNK
+        scratch = <float *> malloc((n_threads * nscr + 1) * sizeof(float))
+        if scratch == NULL:
+            raise MemoryError()
+        ngk = ks__hcg.shape[2]
+
+        # ---- 1. scores: a block of 4 K rows is read once for all the group's queries ------
         for t in prange(ntasks, nogil=True, num_threads=n_threads, schedule="dynamic",
                         use_threads_if=par):
             g = task_g[t]
-            for p in range(task_p0[t], task_p1[t]):
-                for j in range(group_q0[g], group_q0[g + 1]):
-                    if p < q_first[j] or p >= q_end[j]:
-                        continue
-                    if quant_k:
-                        sc = kvc_score_q8(&kq__hcd[g, p, 0], &ks__hcg[g, p, 0], &q__jd[j, 0],
-                                          hd, _K_GROUP) * scale
-                    else:
-                        sc = kvc_dot_f32(&q__jd[j, 0], &kf__hcd[g, p, 0], hd) * scale
-                    if softcap > 0 and isfinite(sc):
-                        sc = softcap * tanhf(sc / softcap)
-                    probs__jl[j, p] = sc
+            kvc_task_scores(&q__jd[group_q0[g], 0], group_q0[g + 1] - group_q0[g],
+                            q_first + group_q0[g], q_end + group_q0[g],
+                            NULL if quant_k else &kf__hcd[g, 0, 0],
+                            &kq__hcd[g, 0, 0] if quant_k else NULL,
+                            &ks__hcg[g, 0, 0] if quant_k else NULL, ngk, quant_k,
+                            task_p0[t], task_p1[t], hd, scale, softcap,
+                            &probs__jl[group_q0[g], 0], L,
+                            scratch + omp_get_thread_num() * nscr)
 
         # ---- 2. softmax per query over its visible rows; zeros elsewhere ----------------
         for j in prange(nq, nogil=True, num_threads=n_threads, schedule="dynamic",
@@ -279,25 +292,17 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
             if q_end[j] > q_first[j]:
                 kvc_softmax(&probs__jl[j, q_first[j]], q_end[j] - q_first[j])
 
-        # ---- 3. V partials per chunk: each V row read once for all the group's queries ---
+        # ---- 3. V partials per chunk: a block of 4 V rows read once for the group -------
         for t in prange(ntasks, nogil=True, num_threads=n_threads, schedule="dynamic",
                         use_threads_if=par):
             g = task_g[t]
-            acc = part + t * maxcnt * hd
-            memset(acc, 0, maxcnt * hd * sizeof(float))
-            for p in range(task_p0[t], task_p1[t]):
-                for j in range(group_q0[g], group_q0[g + 1]):
-                    if p < q_first[j] or p >= q_end[j]:
-                        continue
-                    w = probs__jl[j, p]
-                    if quant_v:
-                        w = w * vs__hc1[g, p, 0]
-                    if fabsf(w) < 1e-12:
-                        continue
-                    if quant_v:
-                        kvc_axpy_i8(acc + (j - group_q0[g]) * hd, w, &vq__hcd[g, p, 0], hd)
-                    else:
-                        kvc_axpy_f32(acc + (j - group_q0[g]) * hd, w, &vf__hcd[g, p, 0], hd)
+            kvc_task_values(&probs__jl[group_q0[g], 0], L, group_q0[g + 1] - group_q0[g],
+                            q_first + group_q0[g], q_end + group_q0[g],
+                            NULL if quant_v else &vf__hcd[g, 0, 0],
+                            &vq__hcd[g, 0, 0] if quant_v else NULL,
+                            &vs__hc1[g, 0, 0] if quant_v else NULL, quant_v,
+                            task_p0[t], task_p1[t], hd, part + t * maxcnt * hd,
+                            scratch + omp_get_thread_num() * nscr)
 
         # ---- 4. merge the chunk partials in chunk order ---------------------------------
         for j in prange(nq, nogil=True, num_threads=n_threads, schedule="static",
@@ -312,21 +317,14 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
                 for e in range(hd):
                     out__jd[j, e] = out__jd[j, e] * vcol__hd[g, e]
 
-        # ---- 5. importance --------------------------------------------------------------
+        # ---- 5. importance, per chunk of rows: queries added in order ------------------
         if imp_mode != 0:
             hi = n_imp if n_imp < L else L
-            for p in prange(hi, nogil=True, num_threads=n_threads, schedule="static",
-                            use_threads_if=par):
-                if imp_mode == 1:
-                    for j in range(nq):
-                        if p < head_len__h[q_group[j]]:
-                            imp__l[p] += probs__jl[j, p]
-                else:
-                    tmp = 0.0
-                    for j in range(nq):
-                        if p < head_len__h[q_group[j]]:
-                            tmp = tmp + probs__jl[j, p]
-                    imp__l[p] += tmp
+            for c in prange((hi + _CHUNK - 1) // _CHUNK, nogil=True, num_threads=n_threads,
+                            schedule="static", use_threads_if=par):
+                _importance_chunk(probs__jl, q_group, head_len__h, nq, c * _CHUNK,
+                                  min(hi, (c + 1) * _CHUNK), imp__l, imp_mode,
+                                  scratch + omp_get_thread_num() * nscr)
     finally:
         free(q_first)
         free(q_end)
@@ -336,3 +334,29 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
         free(task_p0)
         free(task_p1)
         free(part)
+        free(scratch)
+
+
+cdef void _importance_chunk(const float[:, ::1] probs__jl, const Py_ssize_t *q_group,
+                            const Py_ssize_t[::1] head_len__h, Py_ssize_t nq, Py_ssize_t p0,
+                            Py_ssize_t p1, float[::1] imp__l, int imp_mode,
+                            float *tmp) noexcept nogil:
+    """imp[p] += probs[j, p] for each query j in order (mode 1), or imp[p] += (sum over j in
+    order, from 0) (mode 2), for p in [p0, p1) below the query's group head_len."""
+    cdef Py_ssize_t j, p, hi
+    if imp_mode == 2:
+        for p in range(p1 - p0):
+            tmp[p] = 0.0
+    for j in range(nq):
+        hi = head_len__h[q_group[j]]
+        if hi > p1:
+            hi = p1
+        if imp_mode == 1:
+            for p in range(p0, hi):
+                imp__l[p] += probs__jl[j, p]
+        else:
+            for p in range(p0, hi):
+                tmp[p - p0] = tmp[p - p0] + probs__jl[j, p]
+    if imp_mode == 2:
+        for p in range(p0, p1):
+            imp__l[p] += tmp[p - p0]
