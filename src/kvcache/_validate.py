@@ -35,7 +35,7 @@ def as_f32(name, value, shapes=None):
             raise ValueError(f"{name}: cannot be read as an array ({exc})") from None
         if arr.dtype.kind not in "biuf":
             raise TypeError(f"{name}: expected real numbers (float32), got dtype {arr.dtype}")
-        arr = np.ascontiguousarray(arr, dtype=_F32)
+        arr = np.asarray(arr, dtype=_F32, order="C")   # keeps 0-d as 0-d (ascontiguousarray would not)
     if shapes is not None and not any(_shape_ok(arr.shape, s) for s in shapes):
         raise ValueError(f"{name}: expected shape {_fmt_shapes(shapes)}, got {arr.shape}")
     return arr
