@@ -17,6 +17,7 @@ def config_info():
         "platform": platform.platform(),
         "numpy": np.__version__,
         "openmp_built": _core.openmp_built(),
+        "simd_built": _core.simd_built(),
         "threads": _core.max_threads(),
         "chunk_rows": _core.CHUNK_ROWS,
     }
@@ -35,7 +36,8 @@ def show_config(file=None):
     """Print kvcache's version, whether OpenMP was built in, thread counts and threadpoolctl's view."""
     info = config_info()
     out = file or sys.stdout
-    for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "threads", "chunk_rows"):
+    for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "simd_built", "threads",
+                "chunk_rows"):
         print(f"{key:>14}: {info[key]}", file=out)
     print(f"{'threadpools':>14}:", file=out)
     pools = info["threadpools"]
