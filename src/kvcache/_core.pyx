@@ -5,14 +5,17 @@
 # resolution happen in the Python layer (layer.py), once per call.  Every function here has a
 # NumPy twin of the same name in kvcache/reference.py.
 #
-# Summation orders (documented, thread-count independent):
-#   * a row's score is one kvc_dot_f32 (16-lane partial sums, see _kernels.h) times `scale`;
-#     in q8, sum over 32-channel groups (in order) of ks[g] * kvc_dot_i8, times `scale`;
+# Summation orders (documented, thread-count independent; the code is in _kernels.h):
+#   * a row's f32 score is kvc_dot_f32 (16 fused-multiply-add lanes folded pairwise, then the
+#     tail) times `scale`; a q8 score is kvc_score_q8w: per 32-channel group a 16-lane partial
+#     of widened int8 values times the (column-folded) query, folded into the lanes with the
+#     group's scale, then the lanes folded pairwise, times `scale`;
 #   * the softmax of a query runs over its visible rows [first, end) in one piece;
 #   * V is accumulated per chunk of CHUNK_ROWS rows (chunk c = absolute rows
-#     [c*CHUNK_ROWS, (c+1)*CHUNK_ROWS)), rows in order inside a chunk, and the chunk partials are
-#     added in chunk order.  The chunking is fixed by row index, so results are bit-identical
-#     for any thread count and for any number of queries sharing the pass;
+#     [c*CHUNK_ROWS, (c+1)*CHUNK_ROWS)), rows in order inside a chunk (one fused multiply-add
+#     per element and row), and the chunk partials are added in chunk order.  The chunking is
+#     fixed by row index, so results are bit-identical for any thread count and for any
+#     number of queries sharing the pass;
 #   * importance: for each row p, the probabilities of the queries are added in query order.
 
 from libc.stdlib cimport malloc, free
