@@ -871,3 +871,12 @@ def test_truncate_last_undoes_appends_bit_exactly(snapshot, assert_same_state, c
             o1, p1 = twin.attend(q[-1, 0], h)
             o2, p2 = layer.attend(q[-1, 0], h)
             assert o1.tobytes() == o2.tobytes() and p1.tobytes() == p2.tobytes()
+
+
+def test_views_cannot_be_made_writable_again(rng, make_kv):
+    layer = kc.LayerKvCache(2, 8, mode=F32)
+    layer.append(*make_kv(rng, 3, 2, 8))
+    for view in (layer.head_keys(0), layer.head_values(1), layer.importance, *layer.k_heads()):
+        with pytest.raises(ValueError):
+            view.flags.writeable = True
+        assert not view.flags.writeable

@@ -32,7 +32,8 @@ def as_f32(name, value, shapes=None):
         try:
             arr = np.asarray(value)
         except Exception as exc:  # ragged lists and the like
-            raise ValueError(f"{name}: cannot be read as an array ({exc})") from None
+            raise ValueError(f"{name}: expected a rectangular array of numbers, got {type(value).__name__} "
+                             f"that numpy cannot read ({exc})") from None
         if arr.dtype.kind not in "biuf":
             raise TypeError(f"{name}: expected real numbers (float32), got dtype {arr.dtype}")
         arr = np.asarray(arr, dtype=_F32, order="C")   # keeps 0-d as 0-d (ascontiguousarray would not)
@@ -95,10 +96,11 @@ def as_float(name, value, *, finite=True, minimum=None):
 
 
 def readonly(arr):
-    """A read-only view of ``arr``."""
-    view = arr.view()
-    view.flags.writeable = False
-    return view
+    """A read-only view of ``arr`` that cannot be made writable again.
+
+    The view is built on a read-only memoryview of the storage, so setting
+    ``flags.writeable = True`` on it raises instead of opening the cache to writes."""
+    return np.asarray(memoryview(arr).toreadonly())
 
 
 def _shape_ok(shape, pattern):

@@ -32,15 +32,17 @@ def dequantize(q, s, group):
     """
     hd = q.shape[1]
     scales = np.repeat(s, group, axis=1)[:, :hd]          # (n, hd)
-    return q.astype(np.float32) * scales                   # (n, hd) float32
+    with np.errstate(invalid="ignore", over="ignore"):     # inf scales from inf rows: IEEE
+        return q.astype(np.float32) * scales               # (n, hd) float32
 
 
 def column_field(x):
     """Per-channel RMS of rows ``x`` (n, hd), float32, rows accumulated in order, floored."""
     sq = np.zeros(x.shape[1], dtype=np.float32)
-    for row in x:                                          # row order, as the spec says
-        sq += row * row
-    col = np.sqrt(sq / np.float32(x.shape[0]))
+    with np.errstate(invalid="ignore", over="ignore"):
+        for row in x:                                      # row order, as the spec says
+            sq += row * row
+        col = np.sqrt(sq / np.float32(x.shape[0]))
     return np.maximum(col, COL_FLOOR).astype(np.float32)
 
 
