@@ -18,7 +18,7 @@
 #     number of queries sharing the pass;
 #   * importance: for each row p, the probabilities of the queries are added in query order.
 
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy, memset
 from libc.math cimport fabsf, tanhf, isfinite
 from libc.stdint cimport int8_t
@@ -48,6 +48,8 @@ K_GROUP = 32
 cdef Py_ssize_t _K_GROUP = 32
 # below this many multiply-adds a call stays on the calling thread
 cdef Py_ssize_t _PAR_WORK = 1 << 16
+# probabilities of one batch of groups: about half of a core's L2
+cdef Py_ssize_t _BATCH_BYTES = 384 * 1024
 
 
 def simd_built():
@@ -182,6 +184,8 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
     cdef Py_ssize_t lo, hi
     cdef bint par
     cdef float *scratch
+    cdef float *imp_tmp
+    cdef Py_ssize_t ga, gb, t0, t1, j0, j1
     cdef Py_ssize_t nscr, ngk
 
     if nq == 0:
@@ -193,6 +197,7 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
     task_g = task_p0 = task_p1 = NULL
     part = NULL
     scratch = NULL
+    imp_tmp = NULL
     try:
         # ---- visible ranges and the (group, chunk) task list -----------------------------
         ntasks = 0
@@ -266,48 +271,76 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
         par = work > _PAR_WORK
 
         # ---- per-thread scratch: a block of 4 widened rows, or a chunk of importance sums
-        nscr = 4 * hd if 4 * hd > _CHUNK else _CHUNK
+        # 4 widened K rows, or the value pass's 256 x 4 weights and 256 masks
+        nscr = 4 * hd if 4 * hd > 5 * _CHUNK else 5 * _CHUNK
         scratch = <float *> malloc((n_threads * nscr + 1) * sizeof(float))
         if scratch == NULL:
             raise MemoryError()
         ngk = ks__hcg.shape[2]
 
-        # ---- 1. scores: a block of 4 K rows is read once for all the group's queries ------
-        for t in prange(ntasks, nogil=True, num_threads=n_threads, schedule="dynamic",
-                        use_threads_if=par):
-            g = task_g[t]
-            kvc_task_scores(&q__jd[group_q0[g], 0], group_q0[g + 1] - group_q0[g],
-                            q_first + group_q0[g], q_end + group_q0[g],
-                            NULL if quant_k else &kf__hcd[g, 0, 0],
-                            &kq__hcd[g, 0, 0] if quant_k else NULL,
-                            &ks__hcg[g, 0, 0] if quant_k else NULL, ngk, quant_k,
-                            task_p0[t], task_p1[t], hd, scale, softcap,
-                            &probs__jl[group_q0[g], 0], L,
-                            scratch + omp_get_thread_num() * nscr)
+        # ---- groups are processed in batches whose probabilities (batch queries x L floats)
+        # stay in the core's L2 between the score, softmax, value and importance passes
+        if imp_mode == 2:
+            imp_tmp = <float *> calloc(L + 1, sizeof(float))
+            if imp_tmp == NULL:
+                raise MemoryError()
+        ga = 0
+        while ga < nkv:
+            gb = ga + 1
+            while gb < nkv and (group_q0[gb + 1] - group_q0[ga]) * L * 4 <= _BATCH_BYTES:
+                gb += 1
+            t0 = g_task0[ga]
+            t1 = g_task0[gb]
+            j0 = group_q0[ga]
+            j1 = group_q0[gb]
+            ga = gb
+            if t1 == t0:
+                continue
 
-        # ---- 2. softmax per query over its visible rows; zeros elsewhere ----------------
-        for j in prange(nq, nogil=True, num_threads=n_threads, schedule="dynamic",
-                        use_threads_if=par):
-            if q_first[j] > 0:
-                memset(&probs__jl[j, 0], 0, q_first[j] * sizeof(float))
-            if q_end[j] < L:
-                memset(&probs__jl[j, q_end[j]], 0, (L - q_end[j]) * sizeof(float))
-            if q_end[j] > q_first[j]:
-                kvc_softmax(&probs__jl[j, q_first[j]], q_end[j] - q_first[j])
+            # 1. scores: a block of 4 K rows is read once for all the group's queries
+            for t in prange(t0, t1, nogil=True, num_threads=n_threads, schedule="static",
+                            use_threads_if=par):
+                g = task_g[t]
+                kvc_task_scores(&q__jd[group_q0[g], 0], group_q0[g + 1] - group_q0[g],
+                                q_first + group_q0[g], q_end + group_q0[g],
+                                NULL if quant_k else &kf__hcd[g, 0, 0],
+                                &kq__hcd[g, 0, 0] if quant_k else NULL,
+                                &ks__hcg[g, 0, 0] if quant_k else NULL, ngk, quant_k,
+                                task_p0[t], task_p1[t], hd, scale, softcap,
+                                &probs__jl[group_q0[g], 0], L,
+                                scratch + omp_get_thread_num() * nscr)
 
-        # ---- 3. V partials per chunk: a block of 4 V rows read once for the group -------
-        for t in prange(ntasks, nogil=True, num_threads=n_threads, schedule="dynamic",
-                        use_threads_if=par):
-            g = task_g[t]
-            kvc_task_values(&probs__jl[group_q0[g], 0], L, group_q0[g + 1] - group_q0[g],
-                            q_first + group_q0[g], q_end + group_q0[g],
-                            NULL if quant_v else &vf__hcd[g, 0, 0],
-                            &vq__hcd[g, 0, 0] if quant_v else NULL,
-                            &vs__hc1[g, 0, 0] if quant_v else NULL, quant_v,
-                            task_p0[t], task_p1[t], hd, part + t * maxcnt * hd,
-                            scratch + omp_get_thread_num() * nscr)
+            # 2. softmax per query over its visible rows; zeros elsewhere
+            for j in prange(j0, j1, nogil=True, num_threads=n_threads, schedule="static",
+                            use_threads_if=par):
+                if q_first[j] > 0:
+                    memset(&probs__jl[j, 0], 0, q_first[j] * sizeof(float))
+                if q_end[j] < L:
+                    memset(&probs__jl[j, q_end[j]], 0, (L - q_end[j]) * sizeof(float))
+                if q_end[j] > q_first[j]:
+                    kvc_softmax(&probs__jl[j, q_first[j]], q_end[j] - q_first[j])
 
-        # ---- 4. merge the chunk partials in chunk order ---------------------------------
+            # 3. V partials per chunk: a block of 4 V rows read once for the group
+            for t in prange(t0, t1, nogil=True, num_threads=n_threads, schedule="static",
+                            use_threads_if=par):
+                g = task_g[t]
+                kvc_task_values(&probs__jl[group_q0[g], 0], L, group_q0[g + 1] - group_q0[g],
+                                q_first + group_q0[g], q_end + group_q0[g],
+                                NULL if quant_v else &vf__hcd[g, 0, 0],
+                                &vq__hcd[g, 0, 0] if quant_v else NULL,
+                                &vs__hc1[g, 0, 0] if quant_v else NULL, quant_v,
+                                task_p0[t], task_p1[t], hd, part + t * maxcnt * hd,
+                                scratch + omp_get_thread_num() * nscr)
+
+            # 4. importance of the batch's queries, in query order, per chunk of rows
+            if imp_mode != 0:
+                hi = n_imp if n_imp < L else L
+                for c in prange((hi + _CHUNK - 1) // _CHUNK, nogil=True, num_threads=n_threads,
+                                schedule="static", use_threads_if=par):
+                    _importance_chunk(probs__jl, q_group, head_len__h, j0, j1, c * _CHUNK,
+                                      min(hi, (c + 1) * _CHUNK), imp__l, imp_mode, imp_tmp)
+
+        # ---- 5. merge the chunk partials in chunk order ---------------------------------
         for j in prange(nq, nogil=True, num_threads=n_threads, schedule="static",
                         use_threads_if=par):
             g = q_group[j]
@@ -320,14 +353,12 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
                 for e in range(hd):
                     out__jd[j, e] = out__jd[j, e] * vcol__hd[g, e]
 
-        # ---- 5. importance, per chunk of rows: queries added in order ------------------
-        if imp_mode != 0:
+        # ---- 6. attend_all_heads importance: the fresh per-row sums are added once -------
+        if imp_mode == 2:
             hi = n_imp if n_imp < L else L
-            for c in prange((hi + _CHUNK - 1) // _CHUNK, nogil=True, num_threads=n_threads,
-                            schedule="static", use_threads_if=par):
-                _importance_chunk(probs__jl, q_group, head_len__h, nq, c * _CHUNK,
-                                  min(hi, (c + 1) * _CHUNK), imp__l, imp_mode,
-                                  scratch + omp_get_thread_num() * nscr)
+            for p in prange(hi, nogil=True, num_threads=n_threads, schedule="static",
+                            use_threads_if=par):
+                imp__l[p] += imp_tmp[p]
     finally:
         free(q_first)
         free(q_end)
@@ -338,19 +369,17 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
         free(task_p1)
         free(part)
         free(scratch)
+        free(imp_tmp)
 
 
 cdef void _importance_chunk(const float[:, ::1] probs__jl, const Py_ssize_t *q_group,
-                            const Py_ssize_t[::1] head_len__h, Py_ssize_t nq, Py_ssize_t p0,
-                            Py_ssize_t p1, float[::1] imp__l, int imp_mode,
-                            float *tmp) noexcept nogil:
-    """imp[p] += probs[j, p] for each query j in order (mode 1), or imp[p] += (sum over j in
-    order, from 0) (mode 2), for p in [p0, p1) below the query's group head_len."""
+                            const Py_ssize_t[::1] head_len__h, Py_ssize_t j0, Py_ssize_t j1,
+                            Py_ssize_t p0, Py_ssize_t p1, float[::1] imp__l, int imp_mode,
+                            float *imp_tmp) noexcept nogil:
+    """For p in [p0, p1) below the query's group head_len, add probs[j, p] for the queries
+    j in [j0, j1) in order: into imp (mode 1) or into the fresh buffer imp_tmp (mode 2)."""
     cdef Py_ssize_t j, p, hi
-    if imp_mode == 2:
-        for p in range(p1 - p0):
-            tmp[p] = 0.0
-    for j in range(nq):
+    for j in range(j0, j1):
         hi = head_len__h[q_group[j]]
         if hi > p1:
             hi = p1
@@ -359,7 +388,4 @@ cdef void _importance_chunk(const float[:, ::1] probs__jl, const Py_ssize_t *q_g
                 imp__l[p] += probs__jl[j, p]
         else:
             for p in range(p0, hi):
-                tmp[p - p0] = tmp[p - p0] + probs__jl[j, p]
-    if imp_mode == 2:
-        for p in range(p0, p1):
-            imp__l[p] += tmp[p - p0]
+                imp_tmp[p] = imp_tmp[p] + probs__jl[j, p]

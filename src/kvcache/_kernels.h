@@ -20,6 +20,12 @@
 
 #define KVC_LANES 16
 
+#if defined(__GNUC__)
+#define KVC_INLINE static inline __attribute__((always_inline))
+#else
+#define KVC_INLINE static inline
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVC_SIMD 1
@@ -29,33 +35,46 @@
 
 /* ---------------------------------------------------------------------------------------
  * The canonical 16-lane reduction.  Lane l (0..15) accumulates, with fused multiply-add,
- * the products of elements i with i % 16 == l over the full 16-blocks; the lanes are folded
- * l += l+8, l += l+4, l += l+2, 0 += 1; the tail (n % 16 elements) is accumulated in order
- * with fmaf and added last.  The AVX2 path and the portable path compute exactly this, so a
- * build gives the same bits whichever it uses.
+ * the products of elements i with i % 16 == l over the full 16-blocks.  The lanes are then
+ * folded as a[l] = acc[l] + acc[l+8] (l < 8), b[m] = a[2m] + a[2m+1] (m < 4),
+ * result = (b[0] + b[1]) + (b[2] + b[3]) -- the tree that two horizontal adds give, so four
+ * rows fold together in a handful of instructions.  The tail (n % 16 elements) is accumulated
+ * in order with fmaf and added last.  The AVX2 path and the portable path compute exactly
+ * this, so a build gives the same bits whichever it uses.
  * ------------------------------------------------------------------------------------- */
 
-static inline float kvc_hsum16(float *acc)
+KVC_INLINE float kvc_hsum16(const float *acc)
 {
-    int w, l;
-    for (w = KVC_LANES / 2; w > 0; w >>= 1)
-        for (l = 0; l < w; ++l)
-            acc[l] += acc[l + w];
-    return acc[0];
+    float a[8], b[4];
+    int l;
+    for (l = 0; l < 8; ++l)
+        a[l] = acc[l] + acc[l + 8];
+    for (l = 0; l < 4; ++l)
+        b[l] = a[2 * l] + a[2 * l + 1];
+    return (b[0] + b[1]) + (b[2] + b[3]);
 }
 
 #if KVC_SIMD
-static inline float kvc_fold(__m256 lo, __m256 hi)
+KVC_INLINE float kvc_fold(__m256 lo, __m256 hi)
 {
-    __m256 s = _mm256_add_ps(lo, hi);
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-    return _mm_cvtss_f32(x);
+    __m256 h = _mm256_add_ps(lo, hi);
+    h = _mm256_hadd_ps(h, h);
+    h = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+/* The folds of four rows at once, as the four lanes of the result. */
+KVC_INLINE __m128 kvc_fold4(__m256 lo0, __m256 hi0, __m256 lo1, __m256 hi1, __m256 lo2,
+                            __m256 hi2, __m256 lo3, __m256 hi3)
+{
+    __m256 h01 = _mm256_hadd_ps(_mm256_add_ps(lo0, hi0), _mm256_add_ps(lo1, hi1));
+    __m256 h23 = _mm256_hadd_ps(_mm256_add_ps(lo2, hi2), _mm256_add_ps(lo3, hi3));
+    __m256 h = _mm256_hadd_ps(h01, h23);
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 #endif
 
-static inline float kvc_dot_f32(const float *restrict a, const float *restrict b, ptrdiff_t n)
+KVC_INLINE float kvc_dot_f32(const float *restrict a, const float *restrict b, ptrdiff_t n)
 {
     ptrdiff_t i = 0;
     float tail = 0.0f, head;
@@ -80,7 +99,7 @@ static inline float kvc_dot_f32(const float *restrict a, const float *restrict b
 }
 
 /* Four dot products of q with rows k0..k3, each bit-identical to kvc_dot_f32(q, kr, n). */
-static inline void kvc_dot4_f32(const float *restrict q, const float *k0, const float *k1,
+KVC_INLINE void kvc_dot4_f32(const float *restrict q, const float *k0, const float *k1,
                                 const float *k2, const float *k3, ptrdiff_t n, float *out)
 {
 #if KVC_SIMD
@@ -104,10 +123,8 @@ static inline void kvc_dot4_f32(const float *restrict q, const float *k0, const 
         t2 = fmaf(q[i], k2[i], t2);
         t3 = fmaf(q[i], k3[i], t3);
     }
-    out[0] = kvc_fold(a0, b0) + t0;
-    out[1] = kvc_fold(a1, b1) + t1;
-    out[2] = kvc_fold(a2, b2) + t2;
-    out[3] = kvc_fold(a3, b3) + t3;
+    _mm_storeu_ps(out, _mm_add_ps(kvc_fold4(a0, b0, a1, b1, a2, b2, a3, b3),
+                                  _mm_setr_ps(t0, t1, t2, t3)));
 #else
     out[0] = kvc_dot_f32(q, k0, n);
     out[1] = kvc_dot_f32(q, k1, n);
@@ -117,7 +134,7 @@ static inline void kvc_dot4_f32(const float *restrict q, const float *k0, const 
 }
 
 /* int8 -> float widening of one row (no scale applied). */
-static inline void kvc_widen_i8(const int8_t *restrict x, float *restrict y, ptrdiff_t n)
+KVC_INLINE void kvc_widen_i8(const int8_t *restrict x, float *restrict y, ptrdiff_t n)
 {
     ptrdiff_t i;
     for (i = 0; i < n; ++i)
@@ -129,7 +146,7 @@ static inline void kvc_widen_i8(const int8_t *restrict x, float *restrict y, ptr
  * folded into the lane accumulator as acc = fma(ks[g], p_g, acc); the group's remainder
  * (len % 16 elements, in order) gives t_g, folded as tail = fmaf(ks[g], t_g, tail).
  * Result: fold(acc) + tail.  The caller multiplies by the softmax scale. */
-static inline float kvc_score_q8w(const float *restrict kw, const float *restrict ks,
+KVC_INLINE float kvc_score_q8w(const float *restrict kw, const float *restrict ks,
                                   const float *restrict qc, ptrdiff_t hd, ptrdiff_t group)
 {
     ptrdiff_t g0, gi = 0, i;
@@ -172,8 +189,49 @@ static inline float kvc_score_q8w(const float *restrict kw, const float *restric
 #endif
 }
 
+/* Four q8 scores (widened rows kw, kw + hd, kw + 2hd, kw + 3hd with scale rows ks0..ks3),
+ * each bit-identical to kvc_score_q8w; only for hd % 16 == 0 (no group remainders). */
+KVC_INLINE void kvc_score4_q8w(const float *restrict kw, const float *ks0, const float *ks1,
+                               const float *ks2, const float *ks3, const float *restrict qc,
+                               ptrdiff_t hd, ptrdiff_t group, float *out)
+{
+#if KVC_SIMD
+    const float *k0 = kw, *k1 = kw + hd, *k2 = kw + 2 * hd, *k3 = kw + 3 * hd;
+    __m256 z = _mm256_setzero_ps();
+    __m256 a0 = z, b0 = z, a1 = z, b1 = z, a2 = z, b2 = z, a3 = z, b3 = z;
+    ptrdiff_t g0, gi = 0, i;
+    for (g0 = 0; g0 < hd; g0 += group, ++gi) {
+        ptrdiff_t g1 = hd - g0 < group ? hd : g0 + group;
+        __m256 p0 = z, r0 = z, p1 = z, r1 = z, p2 = z, r2 = z, p3 = z, r3 = z;
+        for (i = g0; i + KVC_LANES <= g1; i += KVC_LANES) {
+            __m256 ql = _mm256_loadu_ps(qc + i), qh = _mm256_loadu_ps(qc + i + 8);
+            p0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + i), ql, p0);
+            r0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + i + 8), qh, r0);
+            p1 = _mm256_fmadd_ps(_mm256_loadu_ps(k1 + i), ql, p1);
+            r1 = _mm256_fmadd_ps(_mm256_loadu_ps(k1 + i + 8), qh, r1);
+            p2 = _mm256_fmadd_ps(_mm256_loadu_ps(k2 + i), ql, p2);
+            r2 = _mm256_fmadd_ps(_mm256_loadu_ps(k2 + i + 8), qh, r2);
+            p3 = _mm256_fmadd_ps(_mm256_loadu_ps(k3 + i), ql, p3);
+            r3 = _mm256_fmadd_ps(_mm256_loadu_ps(k3 + i + 8), qh, r3);
+        }
+        __m256 s;
+        s = _mm256_set1_ps(ks0[gi]); a0 = _mm256_fmadd_ps(s, p0, a0); b0 = _mm256_fmadd_ps(s, r0, b0);
+        s = _mm256_set1_ps(ks1[gi]); a1 = _mm256_fmadd_ps(s, p1, a1); b1 = _mm256_fmadd_ps(s, r1, b1);
+        s = _mm256_set1_ps(ks2[gi]); a2 = _mm256_fmadd_ps(s, p2, a2); b2 = _mm256_fmadd_ps(s, r2, b2);
+        s = _mm256_set1_ps(ks3[gi]); a3 = _mm256_fmadd_ps(s, p3, a3); b3 = _mm256_fmadd_ps(s, r3, b3);
+    }
+    /* + 0.0f: the single-row path adds its (empty) tail, which turns -0 into +0 */
+    _mm_storeu_ps(out, _mm_add_ps(kvc_fold4(a0, b0, a1, b1, a2, b2, a3, b3), _mm_setzero_ps()));
+#else
+    out[0] = kvc_score_q8w(kw, ks0, qc, hd, group);
+    out[1] = kvc_score_q8w(kw + hd, ks1, qc, hd, group);
+    out[2] = kvc_score_q8w(kw + 2 * hd, ks2, qc, hd, group);
+    out[3] = kvc_score_q8w(kw + 3 * hd, ks3, qc, hd, group);
+#endif
+}
+
 /* y += w * x, one fused multiply-add per element. */
-static inline void kvc_axpy_f32(float *restrict y, float w, const float *restrict x, ptrdiff_t n)
+KVC_INLINE void kvc_axpy_f32(float *restrict y, float w, const float *restrict x, ptrdiff_t n)
 {
     ptrdiff_t i = 0;
 #if KVC_SIMD
@@ -187,7 +245,7 @@ static inline void kvc_axpy_f32(float *restrict y, float w, const float *restric
 
 /* y = fma(w3, x3, fma(w2, x2, fma(w1, x1, fma(w0, x0, y)))): four kvc_axpy_f32 in row order,
  * with y loaded and stored once. */
-static inline void kvc_axpy4_f32(float *restrict y, const float *w, const float *x0,
+KVC_INLINE void kvc_axpy4_f32(float *restrict y, const float *w, const float *x0,
                                  const float *x1, const float *x2, const float *x3, ptrdiff_t n)
 {
     ptrdiff_t i = 0;
@@ -213,64 +271,111 @@ static inline void kvc_axpy4_f32(float *restrict y, const float *w, const float 
     }
 }
 
+/* exp(x) = 2^n * exp(r), x = n ln2 + r, |r| <= ln2/2: Cody-Waite reduction and a degree-6
+ * polynomial, every step an explicit fused multiply-add so that the scalar and the 8-lane
+ * versions give the same bits.  exp(-inf) = 0, NaN propagates, below -87.3 flushes to 0. */
+#define KVC_EXP_LOG2E 1.44269504088896341f
+#define KVC_EXP_LN2HI 0.693359375f
+#define KVC_EXP_LN2LO -2.12194440e-4f
+#define KVC_EXP_SHIFT 12582912.0f /* 1.5 * 2^23: adding it rounds to the nearest integer */
+
 static inline float kvc_expf(float x)
 {
-    /* exp(x) = 2^n * exp(r), x = n ln2 + r, |r| <= ln2/2 */
-    const float log2e = 1.44269504088896341f;
-    const float ln2_hi = 0.693359375f;
-    const float ln2_lo = -2.12194440e-4f;
-    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to nearest integer */
     float xc = x > 88.0f ? 88.0f : x;
-    xc = xc < -87.0f ? -87.0f : xc;
-    float t = xc * log2e + shifter;
-    float n = t - shifter;
-    float r = xc - n * ln2_hi;
-    r = r - n * ln2_lo;
+    xc = xc < -87.0f || xc != xc ? -87.0f : xc;
+    float n = fmaf(xc, KVC_EXP_LOG2E, KVC_EXP_SHIFT) - KVC_EXP_SHIFT;
+    float r = fmaf(-n, KVC_EXP_LN2HI, xc);
+    r = fmaf(-n, KVC_EXP_LN2LO, r);
     float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    float nc = n == n ? n : 0.0f; /* NaN input: keep the conversion defined; p is NaN anyway */
-    int32_t ni = (int32_t)nc;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p * r, r, r) + 1.0f;
+    int32_t ni = (int32_t)n;
     uint32_t bits = (uint32_t)(ni + 127) << 23;
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     float y = p * two_n;
     y = x < -87.33654f ? 0.0f : y;
     y = x > 88.72283f ? INFINITY : y;
-    return y;
+    return x != x ? x : y;
 }
 
-/* Max over s[0:n]; NaN entries are ignored, the fold starts at -inf. */
+#if KVC_SIMD
+KVC_INLINE __m256 kvc_expf8(__m256 x)
+{
+    /* NaN lanes are computed as -87 and put back at the end */
+    __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 sh = _mm256_set1_ps(KVC_EXP_SHIFT);
+    __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(KVC_EXP_LOG2E), sh), sh);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(KVC_EXP_LN2HI), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(KVC_EXP_LN2LO), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    y = _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ), y);
+    y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.72283f), _CMP_GT_OQ));
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+#endif
+
+/* Max over s[0:n]; NaN entries are ignored, the fold starts at -inf (order does not matter). */
 static inline float kvc_max(const float *restrict s, ptrdiff_t n)
 {
-    float mx[KVC_LANES];
     ptrdiff_t i = 0;
-    int l;
-    for (l = 0; l < KVC_LANES; ++l)
-        mx[l] = -INFINITY;
-    for (; i + KVC_LANES <= n; i += KVC_LANES)
-        for (l = 0; l < KVC_LANES; ++l)
-            mx[l] = s[i + l] > mx[l] ? s[i + l] : mx[l];
     float m = -INFINITY;
-    for (l = 0; l < KVC_LANES; ++l)
-        m = mx[l] > m ? mx[l] : m;
+#if KVC_SIMD
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+#define KVC_MAXV(acc, off) { __m256 v = _mm256_loadu_ps(s + i + (off)); \
+        acc = _mm256_blendv_ps(acc, v, _mm256_cmp_ps(v, acc, _CMP_GT_OQ)); }
+    for (; i + 32 <= n; i += 32) {
+        KVC_MAXV(m0, 0) KVC_MAXV(m1, 8) KVC_MAXV(m2, 16) KVC_MAXV(m3, 24)
+    }
+    for (; i + 8 <= n; i += 8)
+        KVC_MAXV(m0, 0)
+#undef KVC_MAXV
+    float tmp[32];
+    int l;
+    _mm256_storeu_ps(tmp, m0);
+    _mm256_storeu_ps(tmp + 8, m1);
+    _mm256_storeu_ps(tmp + 16, m2);
+    _mm256_storeu_ps(tmp + 24, m3);
+    for (l = 0; l < 32; ++l)
+        m = tmp[l] > m ? tmp[l] : m;
+#endif
     for (; i < n; ++i)
         m = s[i] > m ? s[i] : m;
     return m;
 }
 
-/* In-place stable softmax of s[0:n]: m = max (NaN ignored), e = exp(s - m),
- * sum in the 16-lane order, divide by the sum only when it is > 0. */
+/* In-place stable softmax of s[0:n]: m = max (NaN ignored), e = exp(s - m), summed in the
+ * canonical 16-lane order, divided by the sum only when it is > 0. */
 static inline void kvc_softmax(float *restrict s, ptrdiff_t n)
 {
     float m = kvc_max(s, n);
-    float acc[KVC_LANES] = {0};
-    float tail = 0.0f;
+    float tail = 0.0f, sum;
     ptrdiff_t i = 0;
+#if KVC_SIMD
+    __m256 mv = _mm256_set1_ps(m), lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (; i + KVC_LANES <= n; i += KVC_LANES) {
+        __m256 e0 = kvc_expf8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+        __m256 e1 = kvc_expf8(_mm256_sub_ps(_mm256_loadu_ps(s + i + 8), mv));
+        _mm256_storeu_ps(s + i, e0);
+        _mm256_storeu_ps(s + i + 8, e1);
+        lo = _mm256_add_ps(lo, e0);
+        hi = _mm256_add_ps(hi, e1);
+    }
+    sum = kvc_fold(lo, hi);
+#else
+    float acc[KVC_LANES] = {0};
     int l;
     for (; i + KVC_LANES <= n; i += KVC_LANES)
         for (l = 0; l < KVC_LANES; ++l) {
@@ -278,28 +383,32 @@ static inline void kvc_softmax(float *restrict s, ptrdiff_t n)
             s[i + l] = e;
             acc[l] += e;
         }
+    sum = kvc_hsum16(acc);
+#endif
     for (; i < n; ++i) {
         float e = kvc_expf(s[i] - m);
         s[i] = e;
         tail += e;
     }
-    float sum = kvc_hsum16(acc) + tail;
-    if (sum > 0.0f)
-        for (i = 0; i < n; ++i)
+    sum = sum + tail;
+    if (sum > 0.0f) {
+        i = 0;
+#if KVC_SIMD
+        __m256 sv = _mm256_set1_ps(sum);
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(s + i, _mm256_div_ps(_mm256_loadu_ps(s + i), sv));
+#endif
+        for (; i < n; ++i)
             s[i] = s[i] / sum;
+    }
 }
 
-/* ---------------------------------------------------------------------------------------
- * Task bodies of attend_rows: one (KV head, chunk of rows) each.  Queries are the group's
- * nq query rows; query j sees rows [qf[j], qe[j]).  probs row j starts at probs + j*L.
- * scratch holds at least 4*hd floats (a block of widened int8 rows, never a whole cache).
- * ------------------------------------------------------------------------------------- */
 #ifndef KVC_PREFETCH_ROWS
-#define KVC_PREFETCH_ROWS 32
+#define KVC_PREFETCH_ROWS 16
 #endif
 
 /* Ask for rows [p, p+nb) of a row-major store (row_bytes each) ahead of use. */
-static inline void kvc_prefetch_rows(const void *base, ptrdiff_t p, ptrdiff_t nb, ptrdiff_t row_bytes)
+KVC_INLINE void kvc_prefetch_rows(const void *base, ptrdiff_t p, ptrdiff_t nb, ptrdiff_t row_bytes)
 {
 #if defined(__GNUC__)
     const char *a = (const char *)base + p * row_bytes;
@@ -309,7 +418,7 @@ static inline void kvc_prefetch_rows(const void *base, ptrdiff_t p, ptrdiff_t nb
 #endif
 }
 
-static inline void kvc_task_scores(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
+KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                                    const ptrdiff_t *qe, const float *kf, const int8_t *kq,
                                    const float *ks, ptrdiff_t ng, int quant_k, ptrdiff_t p0,
                                    ptrdiff_t p1, ptrdiff_t hd, float scale, float softcap,
@@ -320,8 +429,10 @@ static inline void kvc_task_scores(const float *q, ptrdiff_t nq, const ptrdiff_t
     for (p = p0; p < p1; p += 4) {
         ptrdiff_t nb = p1 - p < 4 ? p1 - p : 4;
         if (p + KVC_PREFETCH_ROWS + 4 <= p1) {
-            if (quant_k)
+            if (quant_k) {
                 kvc_prefetch_rows(kq, p + KVC_PREFETCH_ROWS, 4, hd);
+                kvc_prefetch_rows(ks, p + KVC_PREFETCH_ROWS, 4, ng * 4);
+            }
             else
                 kvc_prefetch_rows(kf, p + KVC_PREFETCH_ROWS, 4, hd * 4);
         }
@@ -336,9 +447,16 @@ static inline void kvc_task_scores(const float *q, ptrdiff_t nq, const ptrdiff_t
         for (j = 0; j < nq; ++j) {
             const float *qj = q + j * hd;
             float *s = probs + j * L;
-            if (!quant_k && nb == 4 && p >= qf[j] && p + 4 <= qe[j]) {
-                kvc_dot4_f32(qj, rows[0], rows[1], rows[2], rows[3], hd, s + p);
-                continue;
+            if (nb == 4 && p >= qf[j] && p + 4 <= qe[j]) {
+                if (!quant_k) {
+                    kvc_dot4_f32(qj, rows[0], rows[1], rows[2], rows[3], hd, s + p);
+                    continue;
+                }
+                if (hd % KVC_LANES == 0) {
+                    kvc_score4_q8w(scratch, ks + p * ng, ks + (p + 1) * ng, ks + (p + 2) * ng,
+                                   ks + (p + 3) * ng, qj, hd, 32, s + p);
+                    continue;
+                }
             }
             for (r = 0; r < nb; ++r) {
                 ptrdiff_t pr = p + r;
@@ -361,55 +479,153 @@ static inline void kvc_task_scores(const float *q, ptrdiff_t nq, const ptrdiff_t
     }
 }
 
-static inline void kvc_task_values(const float *probs, ptrdiff_t L, ptrdiff_t nq,
-                                   const ptrdiff_t *qf, const ptrdiff_t *qe, const float *vf,
-                                   const int8_t *vq, const float *vs, int quant_v, ptrdiff_t p0,
-                                   ptrdiff_t p1, ptrdiff_t hd, float *acc, float *scratch)
+/* Value pass of one task.  For every query j and channel d the accumulation is
+ * acc[j][d] = fma(w_p, v_p[d], acc[j][d]) over the visible, non-skipped rows p in order
+ * (w_p = prob, times the row scale in q8; rows with |w_p| < 1e-12 are skipped).  The loops
+ * below only choose how that per-element chain is scheduled: queries in quads, channels in
+ * blocks of 32 held in registers while the chunk's rows stream past, each V row (int8 rows
+ * widened on the fly, 32 channels at a time) read once per block for the whole quad. */
+#define KVC_VBLOCK 32
+#define KVC_VROWS 256
+
+KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t nq,
+                                     const ptrdiff_t *qf, const ptrdiff_t *qe, const float *vf,
+                                     const int8_t *vq, const float *vs, int quant_v, ptrdiff_t p0,
+                                     ptrdiff_t p1, ptrdiff_t hd, float *acc, float *scratch)
 {
-    ptrdiff_t p, j, r;
-    const float *rows[4] = {0, 0, 0, 0};
+    /* scratch: KVC_VROWS * 4 weights and KVC_VROWS use-masks (as floats) */
+    float *wq = scratch;
+    int32_t *use = (int32_t *)(scratch + KVC_VROWS * 4);
+    ptrdiff_t j0, p, d0, d, r;
     memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
-    for (p = p0; p < p1; p += 4) {
-        ptrdiff_t nb = p1 - p < 4 ? p1 - p : 4;
-        if (p + KVC_PREFETCH_ROWS + 4 <= p1) {
-            if (quant_v)
-                kvc_prefetch_rows(vq, p + KVC_PREFETCH_ROWS, 4, hd);
-            else
-                kvc_prefetch_rows(vf, p + KVC_PREFETCH_ROWS, 4, hd * 4);
-        }
-        for (r = 0; r < nb; ++r) {
-            if (quant_v) {
-                kvc_widen_i8(vq + (p + r) * hd, scratch + r * hd, hd);
-                rows[r] = scratch + r * hd;
-            } else {
-                rows[r] = vf + (p + r) * hd;
+    for (j0 = 0; j0 < nq; j0 += 4) {
+        ptrdiff_t nj = nq - j0 < 4 ? nq - j0 : 4, jj;
+        ptrdiff_t c0, c1 = p0;
+        for (c0 = p0; c0 < p1; c0 = c1) {
+            c1 = p1 - c0 < KVC_VROWS ? p1 : c0 + KVC_VROWS;
+            /* weights and skip flags of the quad for rows [c0, c1) */
+            for (p = c0; p < c1; ++p) {
+                int32_t mask = 0;
+                for (jj = 0; jj < 4; ++jj) {
+                    float w = 0.0f;
+                    if (jj < nj && p >= qf[j0 + jj] && p < qe[j0 + jj]) {
+                        w = probs[(j0 + jj) * L + p];
+                        if (quant_v)
+                            w = w * vs[p];
+                        if (!(fabsf(w) < 1e-12f))
+                            mask |= 1 << jj;
+                    }
+                    wq[(p - c0) * 4 + jj] = w;
+                }
+                use[p - c0] = mask;
             }
-        }
-        for (j = 0; j < nq; ++j) {
-            float w[4];
-            int use[4], all = nb == 4;
-            for (r = 0; r < nb; ++r) {
-                ptrdiff_t pr = p + r;
-                use[r] = 0;
-                if (pr < qf[j] || pr >= qe[j]) {
-                    all = 0;
+            for (d0 = 0; d0 < hd; d0 += KVC_VBLOCK) {
+                ptrdiff_t dn = hd - d0 < KVC_VBLOCK ? hd - d0 : KVC_VBLOCK;
+#if KVC_SIMD
+                if (dn == KVC_VBLOCK) {
+                    __m256 a[4][4];
+                    for (jj = 0; jj < 4; ++jj)
+                        for (r = 0; r < 4; ++r)
+                            a[jj][r] = jj < nj ? _mm256_loadu_ps(acc + (j0 + jj) * hd + d0 + 8 * r)
+                                               : _mm256_setzero_ps();
+                    for (p = c0; p < c1; ++p) {
+                        int32_t m = use[p - c0];
+                        if (d0 == 0 && p + KVC_PREFETCH_ROWS < c1) {
+                            /* the first block's pass pulls whole rows in for the others */
+                            if (quant_v)
+                                kvc_prefetch_rows(vq, p + KVC_PREFETCH_ROWS, 1, hd);
+                            else
+                                kvc_prefetch_rows(vf, p + KVC_PREFETCH_ROWS, 1, hd * 4);
+                        }
+                        if (!m)
+                            continue;
+                        __m256 v[4];
+                        if (quant_v) {
+                            const int8_t *src = vq + p * hd + d0;
+                            for (r = 0; r < 4; ++r)
+                                v[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                    _mm_loadl_epi64((const __m128i *)(src + 8 * r))));
+                        } else {
+                            const float *src = vf + p * hd + d0;
+                            for (r = 0; r < 4; ++r)
+                                v[r] = _mm256_loadu_ps(src + 8 * r);
+                        }
+                        const float *w = wq + (p - c0) * 4;
+                        if (m == 15) {
+                            for (jj = 0; jj < 4; ++jj) {
+                                __m256 wb = _mm256_broadcast_ss(w + jj);
+                                for (r = 0; r < 4; ++r)
+                                    a[jj][r] = _mm256_fmadd_ps(wb, v[r], a[jj][r]);
+                            }
+                        } else {
+                            for (jj = 0; jj < 4; ++jj) {
+                                if (!(m >> jj & 1))
+                                    continue;
+                                __m256 wb = _mm256_broadcast_ss(w + jj);
+                                for (r = 0; r < 4; ++r)
+                                    a[jj][r] = _mm256_fmadd_ps(wb, v[r], a[jj][r]);
+                            }
+                        }
+                    }
+                    for (jj = 0; jj < nj; ++jj)
+                        for (r = 0; r < 4; ++r)
+                            _mm256_storeu_ps(acc + (j0 + jj) * hd + d0 + 8 * r, a[jj][r]);
                     continue;
                 }
-                w[r] = probs[j * L + pr];
-                if (quant_v)
-                    w[r] = w[r] * vs[pr];
-                use[r] = !(fabsf(w[r]) < 1e-12f);
-                all = all && use[r];
+#endif
+                for (p = c0; p < c1; ++p) {
+                    int32_t m = use[p - c0];
+                    const float *w = wq + (p - c0) * 4;
+                    for (jj = 0; jj < nj; ++jj) {
+                        float *y;
+                        if (!(m >> jj & 1))
+                            continue;
+                        y = acc + (j0 + jj) * hd + d0;
+                        if (quant_v)
+                            for (d = 0; d < dn; ++d)
+                                y[d] = fmaf(w[jj], (float)vq[p * hd + d0 + d], y[d]);
+                        else
+                            for (d = 0; d < dn; ++d)
+                                y[d] = fmaf(w[jj], vf[p * hd + d0 + d], y[d]);
+                    }
+                }
             }
-            if (all) {
-                kvc_axpy4_f32(acc + j * hd, w, rows[0], rows[1], rows[2], rows[3], hd);
-                continue;
-            }
-            for (r = 0; r < nb; ++r)
-                if (use[r])
-                    kvc_axpy_f32(acc + j * hd, w[r], rows[r], hd);
         }
     }
+}
+
+/* The task bodies specialised for the common head dims (the constant lets the compiler unroll
+ * the inner loops; the arithmetic, and so every bit of the result, is the same). */
+static void kvc_task_scores(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
+                            const float *kf, const int8_t *kq, const float *ks, ptrdiff_t ng,
+                            int quant_k, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd, float scale,
+                            float softcap, float *probs, ptrdiff_t L, float *scratch)
+{
+#define KVC_SCORES(HD) kvc_task_scores_impl(q, nq, qf, qe, kf, kq, ks, ng, quant_k, p0, p1, HD, \
+                                            scale, softcap, probs, L, scratch)
+    switch (hd) {
+    case 64: KVC_SCORES(64); break;
+    case 128: KVC_SCORES(128); break;
+    case 256: KVC_SCORES(256); break;
+    default: KVC_SCORES(hd); break;
+    }
+#undef KVC_SCORES
+}
+
+static void kvc_task_values(const float *probs, ptrdiff_t L, ptrdiff_t nq, const ptrdiff_t *qf,
+                            const ptrdiff_t *qe, const float *vf, const int8_t *vq, const float *vs,
+                            int quant_v, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd, float *acc,
+                            float *scratch)
+{
+#define KVC_VALUES(HD) kvc_task_values_impl(probs, L, nq, qf, qe, vf, vq, vs, quant_v, p0, p1, HD, \
+                                            acc, scratch)
+    switch (hd) {
+    case 64: KVC_VALUES(64); break;
+    case 128: KVC_VALUES(128); break;
+    case 256: KVC_VALUES(256); break;
+    default: KVC_VALUES(hd); break;
+    }
+#undef KVC_VALUES
 }
 
 /* Quantise one row (x / col when col != NULL) in groups of `group` channels:
