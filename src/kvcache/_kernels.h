@@ -74,47 +74,70 @@ KVC_INLINE __m128 kvc_fold4(__m256 lo0, __m256 hi0, __m256 lo1, __m256 hi1, __m2
 }
 #endif
 
+/* ---------------------------------------------------------------------------------------
+ * float32 dot products (K scores) use 8 lanes: lane l accumulates, with fused multiply-add,
+ * the products of elements i with i % 8 == l over the full 8-blocks; the lanes fold as
+ * b[m] = a[2m] + a[2m+1], result = (b[0] + b[1]) + (b[2] + b[3]); the tail (n % 8
+ * elements) is accumulated in order with fmaf and added last.  One accumulator register per
+ * (query, row) lets a 4 x 4 block of queries and rows run with one load per two FMAs.
+ * ------------------------------------------------------------------------------------- */
+
+KVC_INLINE float kvc_hsum8(const float *a)
+{
+    float b0 = a[0] + a[1], b1 = a[2] + a[3], b2 = a[4] + a[5], b3 = a[6] + a[7];
+    return (b0 + b1) + (b2 + b3);
+}
+
+#if KVC_SIMD
+KVC_INLINE float kvc_fold8(__m256 a)
+{
+    __m256 h = _mm256_hadd_ps(a, a);
+    h = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+KVC_INLINE __m128 kvc_fold8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
+{
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
 KVC_INLINE float kvc_dot_f32(const float *restrict a, const float *restrict b, ptrdiff_t n)
 {
     ptrdiff_t i = 0;
     float tail = 0.0f, head;
 #if KVC_SIMD
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    for (; i + KVC_LANES <= n; i += KVC_LANES) {
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), hi);
-    }
-    head = kvc_fold(lo, hi);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    head = kvc_fold8(acc);
 #else
-    float acc[KVC_LANES] = {0};
+    float acc[8] = {0};
     int l;
-    for (; i + KVC_LANES <= n; i += KVC_LANES)
-        for (l = 0; l < KVC_LANES; ++l)
+    for (; i + 8 <= n; i += 8)
+        for (l = 0; l < 8; ++l)
             acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
-    head = kvc_hsum16(acc);
+    head = kvc_hsum8(acc);
 #endif
     for (; i < n; ++i)
         tail = fmaf(a[i], b[i], tail);
     return head + tail;
 }
 
-/* Four dot products of q with rows k0..k3, each bit-identical to kvc_dot_f32(q, kr, n). */
+/* out[r] = kvc_dot_f32(q, k_r, n) for four rows, bit for bit. */
 KVC_INLINE void kvc_dot4_f32(const float *restrict q, const float *k0, const float *k1,
-                                const float *k2, const float *k3, ptrdiff_t n, float *out)
+                             const float *k2, const float *k3, ptrdiff_t n, float *out)
 {
 #if KVC_SIMD
     ptrdiff_t i = 0;
-    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
-    for (; i + KVC_LANES <= n; i += KVC_LANES) {
-        __m256 ql = _mm256_loadu_ps(q + i), qh = _mm256_loadu_ps(q + i + 8);
-        a0 = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k0 + i), a0);
-        b0 = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k0 + i + 8), b0);
-        a1 = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k1 + i), a1);
-        b1 = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k1 + i + 8), b1);
-        a2 = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k2 + i), a2);
-        b2 = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k2 + i + 8), b2);
-        a3 = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k3 + i), a3);
-        b3 = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k3 + i + 8), b3);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
     }
     float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
     for (; i < n; ++i) {
@@ -123,13 +146,45 @@ KVC_INLINE void kvc_dot4_f32(const float *restrict q, const float *k0, const flo
         t2 = fmaf(q[i], k2[i], t2);
         t3 = fmaf(q[i], k3[i], t3);
     }
-    _mm_storeu_ps(out, _mm_add_ps(kvc_fold4(a0, b0, a1, b1, a2, b2, a3, b3),
-                                  _mm_setr_ps(t0, t1, t2, t3)));
+    _mm_storeu_ps(out, _mm_add_ps(kvc_fold8x4(a0, a1, a2, a3), _mm_setr_ps(t0, t1, t2, t3)));
 #else
     out[0] = kvc_dot_f32(q, k0, n);
     out[1] = kvc_dot_f32(q, k1, n);
     out[2] = kvc_dot_f32(q, k2, n);
     out[3] = kvc_dot_f32(q, k3, n);
+#endif
+}
+
+/* out[j*ostride + r] = kvc_dot_f32(q_j, k_r, n) for two queries and four rows, bit for bit:
+ * each K row block is loaded once for both queries (13 vector registers: no spills). */
+KVC_INLINE void kvc_dot2x4_f32(const float *q0, const float *q1, const float *k0,
+                               const float *k1, const float *k2, const float *k3, ptrdiff_t n,
+                               float *out, ptrdiff_t ostride)
+{
+#if KVC_SIMD
+    ptrdiff_t i = 0;
+    __m256 z = _mm256_setzero_ps();
+    __m256 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
+    if (n % 8) {   /* head dims that are not a multiple of 8: the single-query path */
+        kvc_dot4_f32(q0, k0, k1, k2, k3, n, out);
+        kvc_dot4_f32(q1, k0, k1, k2, k3, n, out + ostride);
+        return;
+    }
+    for (; i < n; i += 8) {
+        __m256 r0 = _mm256_loadu_ps(k0 + i), r1 = _mm256_loadu_ps(k1 + i);
+        __m256 r2 = _mm256_loadu_ps(k2 + i), r3 = _mm256_loadu_ps(k3 + i);
+        __m256 qa = _mm256_loadu_ps(q0 + i), qb = _mm256_loadu_ps(q1 + i);
+        a00 = _mm256_fmadd_ps(qa, r0, a00); a01 = _mm256_fmadd_ps(qa, r1, a01);
+        a02 = _mm256_fmadd_ps(qa, r2, a02); a03 = _mm256_fmadd_ps(qa, r3, a03);
+        a10 = _mm256_fmadd_ps(qb, r0, a10); a11 = _mm256_fmadd_ps(qb, r1, a11);
+        a12 = _mm256_fmadd_ps(qb, r2, a12); a13 = _mm256_fmadd_ps(qb, r3, a13);
+    }
+    __m128 zero = _mm_setzero_ps();   /* the single-query path adds its (empty) tail */
+    _mm_storeu_ps(out, _mm_add_ps(kvc_fold8x4(a00, a01, a02, a03), zero));
+    _mm_storeu_ps(out + ostride, _mm_add_ps(kvc_fold8x4(a10, a11, a12, a13), zero));
+#else
+    kvc_dot4_f32(q0, k0, k1, k2, k3, n, out);
+    kvc_dot4_f32(q1, k0, k1, k2, k3, n, out + ostride);
 #endif
 }
 
@@ -444,7 +499,15 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
                 rows[r] = kf + (p + r) * hd;
             }
         }
-        for (j = 0; j < nq; ++j) {
+        j = 0;
+        if (!quant_k && nb == 4)
+            for (; j + 2 <= nq; j += 2) {
+                if (!(p >= qf[j] && p + 4 <= qe[j] && p >= qf[j + 1] && p + 4 <= qe[j + 1]))
+                    break;
+                kvc_dot2x4_f32(q + j * hd, q + (j + 1) * hd, rows[0], rows[1], rows[2],
+                               rows[3], hd, probs + j * L + p, L);
+            }
+        for (; j < nq; ++j) {
             const float *qj = q + j * hd;
             float *s = probs + j * L;
             if (nb == 4 && p >= qf[j] && p + 4 <= qe[j]) {
