@@ -544,115 +544,57 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
 
 /* Value pass of one task.  For every query j and channel d the accumulation is
  * acc[j][d] = fma(w_p, v_p[d], acc[j][d]) over the visible, non-skipped rows p in order
- * (w_p = prob, times the row scale in q8; rows with |w_p| < 1e-12 are skipped).  The loops
- * below only choose how that per-element chain is scheduled: queries in quads, channels in
- * blocks of 32 held in registers while the chunk's rows stream past, each V row (int8 rows
- * widened on the fly, 32 channels at a time) read once per block for the whole quad. */
-#define KVC_VBLOCK 32
-#define KVC_VROWS 256
-
+ * (w_p = prob, times the row scale in q8; rows with |w_p| < 1e-12 are skipped).  Rows stream
+ * past in prefetched blocks of four (int8 rows widened into the 4-row scratch); each query's
+ * accumulator is loaded and stored once per block (kvc_axpy4_f32). */
 KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t nq,
-                                     const ptrdiff_t *qf, const ptrdiff_t *qe, const float *vf,
-                                     const int8_t *vq, const float *vs, int quant_v, ptrdiff_t p0,
-                                     ptrdiff_t p1, ptrdiff_t hd, float *acc, float *scratch)
+                                   const ptrdiff_t *qf, const ptrdiff_t *qe, const float *vf,
+                                   const int8_t *vq, const float *vs, int quant_v, ptrdiff_t p0,
+                                   ptrdiff_t p1, ptrdiff_t hd, float *acc, float *scratch)
 {
-    /* scratch: KVC_VROWS * 4 weights and KVC_VROWS use-masks (as floats) */
-    float *wq = scratch;
-    int32_t *use = (int32_t *)(scratch + KVC_VROWS * 4);
-    ptrdiff_t j0, p, d0, d, r;
+    ptrdiff_t p, j, r;
+    const float *rows[4] = {0, 0, 0, 0};
     memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
-    for (j0 = 0; j0 < nq; j0 += 4) {
-        ptrdiff_t nj = nq - j0 < 4 ? nq - j0 : 4, jj;
-        ptrdiff_t c0, c1 = p0;
-        for (c0 = p0; c0 < p1; c0 = c1) {
-            c1 = p1 - c0 < KVC_VROWS ? p1 : c0 + KVC_VROWS;
-            /* weights and skip flags of the quad for rows [c0, c1) */
-            for (p = c0; p < c1; ++p) {
-                int32_t mask = 0;
-                for (jj = 0; jj < 4; ++jj) {
-                    float w = 0.0f;
-                    if (jj < nj && p >= qf[j0 + jj] && p < qe[j0 + jj]) {
-                        w = probs[(j0 + jj) * L + p];
-                        if (quant_v)
-                            w = w * vs[p];
-                        if (!(fabsf(w) < 1e-12f))
-                            mask |= 1 << jj;
-                    }
-                    wq[(p - c0) * 4 + jj] = w;
-                }
-                use[p - c0] = mask;
+    for (p = p0; p < p1; p += 4) {
+        ptrdiff_t nb = p1 - p < 4 ? p1 - p : 4;
+        if (p + KVC_PREFETCH_ROWS + 4 <= p1) {
+            if (quant_v) {
+                kvc_prefetch_rows(vq, p + KVC_PREFETCH_ROWS, 4, hd);
+                kvc_prefetch_rows(vs, p + KVC_PREFETCH_ROWS, 4, 4);
+            } else
+                kvc_prefetch_rows(vf, p + KVC_PREFETCH_ROWS, 4, hd * 4);
+        }
+        for (r = 0; r < nb; ++r) {
+            if (quant_v) {
+                kvc_widen_i8(vq + (p + r) * hd, scratch + r * hd, hd);
+                rows[r] = scratch + r * hd;
+            } else {
+                rows[r] = vf + (p + r) * hd;
             }
-            for (d0 = 0; d0 < hd; d0 += KVC_VBLOCK) {
-                ptrdiff_t dn = hd - d0 < KVC_VBLOCK ? hd - d0 : KVC_VBLOCK;
-#if KVC_SIMD
-                if (dn == KVC_VBLOCK) {
-                    __m256 a[4][4];
-                    for (jj = 0; jj < 4; ++jj)
-                        for (r = 0; r < 4; ++r)
-                            a[jj][r] = jj < nj ? _mm256_loadu_ps(acc + (j0 + jj) * hd + d0 + 8 * r)
-                                               : _mm256_setzero_ps();
-                    for (p = c0; p < c1; ++p) {
-                        int32_t m = use[p - c0];
-                        if (d0 == 0 && p + KVC_PREFETCH_ROWS < c1) {
-                            /* the first block's pass pulls whole rows in for the others */
-                            if (quant_v)
-                                kvc_prefetch_rows(vq, p + KVC_PREFETCH_ROWS, 1, hd);
-                            else
-                                kvc_prefetch_rows(vf, p + KVC_PREFETCH_ROWS, 1, hd * 4);
-                        }
-                        if (!m)
-                            continue;
-                        __m256 v[4];
-                        if (quant_v) {
-                            const int8_t *src = vq + p * hd + d0;
-                            for (r = 0; r < 4; ++r)
-                                v[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                    _mm_loadl_epi64((const __m128i *)(src + 8 * r))));
-                        } else {
-                            const float *src = vf + p * hd + d0;
-                            for (r = 0; r < 4; ++r)
-                                v[r] = _mm256_loadu_ps(src + 8 * r);
-                        }
-                        const float *w = wq + (p - c0) * 4;
-                        if (m == 15) {
-                            for (jj = 0; jj < 4; ++jj) {
-                                __m256 wb = _mm256_broadcast_ss(w + jj);
-                                for (r = 0; r < 4; ++r)
-                                    a[jj][r] = _mm256_fmadd_ps(wb, v[r], a[jj][r]);
-                            }
-                        } else {
-                            for (jj = 0; jj < 4; ++jj) {
-                                if (!(m >> jj & 1))
-                                    continue;
-                                __m256 wb = _mm256_broadcast_ss(w + jj);
-                                for (r = 0; r < 4; ++r)
-                                    a[jj][r] = _mm256_fmadd_ps(wb, v[r], a[jj][r]);
-                            }
-                        }
-                    }
-                    for (jj = 0; jj < nj; ++jj)
-                        for (r = 0; r < 4; ++r)
-                            _mm256_storeu_ps(acc + (j0 + jj) * hd + d0 + 8 * r, a[jj][r]);
+        }
+        for (j = 0; j < nq; ++j) {
+            float w[4];
+            int use[4], all = nb == 4;
+            for (r = 0; r < nb; ++r) {
+                ptrdiff_t pr = p + r;
+                use[r] = 0;
+                if (pr < qf[j] || pr >= qe[j]) {
+                    all = 0;
                     continue;
                 }
-#endif
-                for (p = c0; p < c1; ++p) {
-                    int32_t m = use[p - c0];
-                    const float *w = wq + (p - c0) * 4;
-                    for (jj = 0; jj < nj; ++jj) {
-                        float *y;
-                        if (!(m >> jj & 1))
-                            continue;
-                        y = acc + (j0 + jj) * hd + d0;
-                        if (quant_v)
-                            for (d = 0; d < dn; ++d)
-                                y[d] = fmaf(w[jj], (float)vq[p * hd + d0 + d], y[d]);
-                        else
-                            for (d = 0; d < dn; ++d)
-                                y[d] = fmaf(w[jj], vf[p * hd + d0 + d], y[d]);
-                    }
-                }
+                w[r] = probs[j * L + pr];
+                if (quant_v)
+                    w[r] = w[r] * vs[pr];
+                use[r] = !(fabsf(w[r]) < 1e-12f);
+                all = all && use[r];
             }
+            if (all) {
+                kvc_axpy4_f32(acc + j * hd, w, rows[0], rows[1], rows[2], rows[3], hd);
+                continue;
+            }
+            for (r = 0; r < nb; ++r)
+                if (use[r])
+                    kvc_axpy_f32(acc + j * hd, w[r], rows[r], hd);
         }
     }
 }
