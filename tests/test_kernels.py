@@ -110,9 +110,12 @@ def test_results_do_not_depend_on_thread_count(mode, rng):
 
 
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
-def test_attend_all_heads_equals_attend_per_head_bitexact(mode, rng):
-    """One decode position: each head's output is the per-head attend, bit for bit."""
-    nkv, fan, hd = 2, 3, 64
+@pytest.mark.parametrize("hd", [1, 31, 64, 128])
+@pytest.mark.parametrize("fan", [1, 3, 4])
+def test_attend_all_heads_equals_attend_per_head_bitexact(mode, hd, fan, rng):
+    """One decode position: each head's output is the per-head attend, bit for bit (query
+    pairs and single queries take different loops that must compute the same bits)."""
+    nkv = 2
     a, _ = pair(nkv, hd, mode, 600, rng)
     q = rng.standard_normal((nkv * fan, hd), dtype=np.float32)
     got = a.attend_all_heads(q)

@@ -6,7 +6,7 @@
 # NumPy twin of the same name in kvcache/reference.py.
 #
 # Summation orders (documented, thread-count independent; the code is in _kernels.h):
-#   * a row's f32 score is kvc_dot_f32 (16 fused-multiply-add lanes folded pairwise, then the
+#   * a row's f32 score is kvc_dot_f32 (8 fused-multiply-add lanes folded pairwise, then the
 #     tail) times `scale`; a q8 score is kvc_score_q8w: per 32-channel group a 16-lane partial
 #     of widened int8 values times the (column-folded) query, folded into the lanes with the
 #     group's scale, then the lanes folded pairwise, times `scale`;

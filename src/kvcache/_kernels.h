@@ -1,14 +1,17 @@
-/* Inner loops of the kvcache kernels, written so that gcc/clang vectorise them without
- * -ffast-math.  Every reduction has a FIXED summation order that does not depend on the
- * thread count or on how many heads share a pass, which is what makes attend() and
- * attend_group() bit-identical:
+/* Inner loops of the kvcache kernels (AVX2/FMA intrinsics with a portable C twin that
+ * computes the same bits).  No -ffast-math: every reduction has a FIXED order that does not
+ * depend on the thread count or on how many queries share a pass, which is what makes
+ * attend() and attend_group() (and attend_all_heads) bit-identical:
  *
- *   dot products  16 interleaved partial sums (lane l takes elements i with i % 16 == l over
- *                 the whole 16-blocks), combined pairwise (8, 4, 2, 1), then the scalar tail
- *                 (the last n % 16 elements, in order) is added.
- *   softmax sum   the same 16-lane scheme over the exponentials.
- *   exp           kvc_expf: Cody-Waite reduction and a degree-6 polynomial, |rel err| < 2 ulp,
- *                 exp(-inf) = 0, NaN propagates, arguments below -87.3 flush to 0.
+ *   f32 scores    8 lanes of fused multiply-adds (lane l: elements i % 8 == l), folded
+ *                 (0+1, 2+3, 4+5, 6+7), then pairs, then the tail (n % 8, in order, fmaf).
+ *   q8 scores     per 32-channel group a 16-lane partial of widened int8 values times the
+ *                 query, folded into 16 lane accumulators with the group's scale (fma); the
+ *                 lanes fold l + (l+8), then as above; group remainders go through fmaf.
+ *   softmax       max ignoring NaN; exp by kvc_expf (Cody-Waite, degree-6 polynomial, explicit
+ *                 FMAs, max error 1.42 ulp, exp(-inf) = 0, NaN propagates, < -87.3 -> 0); the
+ *                 sum in the 16-lane order; division by the sum when it is > 0.
+ *   values        per element one fma per visible, non-skipped row, rows in order.
  */
 #ifndef KVCACHE_KERNELS_H
 #define KVCACHE_KERNELS_H
