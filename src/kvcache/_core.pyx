@@ -7,7 +7,7 @@
 #
 # Summation orders (documented, thread-count independent; the code is in _kernels.h):
 #   * a row's f32 score is kvc_dot_f32 (8 fused-multiply-add lanes folded pairwise, then the
-#     tail) times `scale`; a q8 score is kvc_score_q8w: per 32-channel group a 16-lane partial
+#     tail) times `scale`; a q8 score is kvc_score_q8w: per 32-channel group an 8-lane partial
 #     of widened int8 values times the (column-folded) query, folded into the lanes with the
 #     group's scale, then the lanes folded pairwise, times `scale`;
 #   * the softmax of a query runs over its visible rows [first, end) in one piece;

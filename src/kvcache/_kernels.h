@@ -5,9 +5,9 @@
  *
  *   f32 scores    8 lanes of fused multiply-adds (lane l: elements i % 8 == l), folded
  *                 (0+1, 2+3, 4+5, 6+7), then pairs, then the tail (n % 8, in order, fmaf).
- *   q8 scores     per 32-channel group a 16-lane partial of widened int8 values times the
- *                 query, folded into 16 lane accumulators with the group's scale (fma); the
- *                 lanes fold l + (l+8), then as above; group remainders go through fmaf.
+ *   q8 scores     per 32-channel group an 8-lane partial of widened int8 values times the
+ *                 query, folded into 8 lane accumulators with the group's scale (fma); the
+ *                 lanes fold as above; group remainders (len % 8) go through fmaf.
  *   softmax       max ignoring NaN; exp by kvc_expf (Cody-Waite, degree-6 polynomial, explicit
  *                 FMAs, max error 1.42 ulp, exp(-inf) = 0, NaN propagates, < -87.3 -> 0); the
  *                 sum in the 16-lane order; division by the sum when it is > 0.
@@ -200,19 +200,19 @@ KVC_INLINE void kvc_widen_i8(const int8_t *restrict x, float *restrict y, ptrdif
 }
 
 /* q8 score of one widened K row kw (float copy of the int8 values, unscaled) with scales ks:
- * per 32-channel group g, a 16-lane partial p_g (fma over the group's full 16-blocks) is
+ * per 32-channel group g, an 8-lane partial p_g (fma over the group's full 8-blocks) is
  * folded into the lane accumulator as acc = fma(ks[g], p_g, acc); the group's remainder
- * (len % 16 elements, in order) gives t_g, folded as tail = fmaf(ks[g], t_g, tail).
- * Result: fold(acc) + tail.  The caller multiplies by the softmax scale. */
+ * (len % 8 elements, in order) gives t_g, folded as tail = fmaf(ks[g], t_g, tail).
+ * Result: fold8(acc) + tail.  The caller multiplies by the softmax scale. */
 KVC_INLINE float kvc_score_q8w(const float *restrict kw, const float *restrict ks,
-                                  const float *restrict qc, ptrdiff_t hd, ptrdiff_t group)
+                               const float *restrict qc, ptrdiff_t hd, ptrdiff_t group)
 {
     ptrdiff_t g0, gi = 0, i;
     float tail = 0.0f;
 #if KVC_SIMD
-    __m256 alo = _mm256_setzero_ps(), ahi = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
 #else
-    float acc[KVC_LANES] = {0};
+    float acc[8] = {0};
     int l;
 #endif
     for (g0 = 0; g0 < hd; g0 += group, ++gi) {
@@ -220,35 +220,31 @@ KVC_INLINE float kvc_score_q8w(const float *restrict kw, const float *restrict k
         float t = 0.0f;
         i = g0;
 #if KVC_SIMD
-        __m256 plo = _mm256_setzero_ps(), phi = _mm256_setzero_ps();
-        for (; i + KVC_LANES <= g1; i += KVC_LANES) {
-            plo = _mm256_fmadd_ps(_mm256_loadu_ps(kw + i), _mm256_loadu_ps(qc + i), plo);
-            phi = _mm256_fmadd_ps(_mm256_loadu_ps(kw + i + 8), _mm256_loadu_ps(qc + i + 8), phi);
-        }
-        __m256 sg = _mm256_set1_ps(ks[gi]);
-        alo = _mm256_fmadd_ps(sg, plo, alo);
-        ahi = _mm256_fmadd_ps(sg, phi, ahi);
+        __m256 pv = _mm256_setzero_ps();
+        for (; i + 8 <= g1; i += 8)
+            pv = _mm256_fmadd_ps(_mm256_loadu_ps(kw + i), _mm256_loadu_ps(qc + i), pv);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(ks[gi]), pv, acc);
 #else
-        float p[KVC_LANES] = {0};
-        for (; i + KVC_LANES <= g1; i += KVC_LANES)
-            for (l = 0; l < KVC_LANES; ++l)
-                p[l] = fmaf(kw[i + l], qc[i + l], p[l]);
-        for (l = 0; l < KVC_LANES; ++l)
-            acc[l] = fmaf(ks[gi], p[l], acc[l]);
+        float pv[8] = {0};
+        for (; i + 8 <= g1; i += 8)
+            for (l = 0; l < 8; ++l)
+                pv[l] = fmaf(kw[i + l], qc[i + l], pv[l]);
+        for (l = 0; l < 8; ++l)
+            acc[l] = fmaf(ks[gi], pv[l], acc[l]);
 #endif
         for (; i < g1; ++i)
             t = fmaf(kw[i], qc[i], t);
         tail = fmaf(ks[gi], t, tail);
     }
 #if KVC_SIMD
-    return kvc_fold(alo, ahi) + tail;
+    return kvc_fold8(acc) + tail;
 #else
-    return kvc_hsum16(acc) + tail;
+    return kvc_hsum8(acc) + tail;
 #endif
 }
 
 /* Four q8 scores (widened rows kw, kw + hd, kw + 2hd, kw + 3hd with scale rows ks0..ks3),
- * each bit-identical to kvc_score_q8w; only for hd % 16 == 0 (no group remainders). */
+ * each bit-identical to kvc_score_q8w; only for hd % 8 == 0 (no group remainders). */
 KVC_INLINE void kvc_score4_q8w(const float *restrict kw, const float *ks0, const float *ks1,
                                const float *ks2, const float *ks3, const float *restrict qc,
                                ptrdiff_t hd, ptrdiff_t group, float *out)
@@ -256,30 +252,25 @@ KVC_INLINE void kvc_score4_q8w(const float *restrict kw, const float *ks0, const
 #if KVC_SIMD
     const float *k0 = kw, *k1 = kw + hd, *k2 = kw + 2 * hd, *k3 = kw + 3 * hd;
     __m256 z = _mm256_setzero_ps();
-    __m256 a0 = z, b0 = z, a1 = z, b1 = z, a2 = z, b2 = z, a3 = z, b3 = z;
+    __m256 a0 = z, a1 = z, a2 = z, a3 = z;
     ptrdiff_t g0, gi = 0, i;
     for (g0 = 0; g0 < hd; g0 += group, ++gi) {
         ptrdiff_t g1 = hd - g0 < group ? hd : g0 + group;
-        __m256 p0 = z, r0 = z, p1 = z, r1 = z, p2 = z, r2 = z, p3 = z, r3 = z;
-        for (i = g0; i + KVC_LANES <= g1; i += KVC_LANES) {
-            __m256 ql = _mm256_loadu_ps(qc + i), qh = _mm256_loadu_ps(qc + i + 8);
-            p0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + i), ql, p0);
-            r0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + i + 8), qh, r0);
-            p1 = _mm256_fmadd_ps(_mm256_loadu_ps(k1 + i), ql, p1);
-            r1 = _mm256_fmadd_ps(_mm256_loadu_ps(k1 + i + 8), qh, r1);
-            p2 = _mm256_fmadd_ps(_mm256_loadu_ps(k2 + i), ql, p2);
-            r2 = _mm256_fmadd_ps(_mm256_loadu_ps(k2 + i + 8), qh, r2);
-            p3 = _mm256_fmadd_ps(_mm256_loadu_ps(k3 + i), ql, p3);
-            r3 = _mm256_fmadd_ps(_mm256_loadu_ps(k3 + i + 8), qh, r3);
+        __m256 p0 = z, p1 = z, p2 = z, p3 = z;
+        for (i = g0; i + 8 <= g1; i += 8) {
+            __m256 qv = _mm256_loadu_ps(qc + i);
+            p0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + i), qv, p0);
+            p1 = _mm256_fmadd_ps(_mm256_loadu_ps(k1 + i), qv, p1);
+            p2 = _mm256_fmadd_ps(_mm256_loadu_ps(k2 + i), qv, p2);
+            p3 = _mm256_fmadd_ps(_mm256_loadu_ps(k3 + i), qv, p3);
         }
-        __m256 s;
-        s = _mm256_set1_ps(ks0[gi]); a0 = _mm256_fmadd_ps(s, p0, a0); b0 = _mm256_fmadd_ps(s, r0, b0);
-        s = _mm256_set1_ps(ks1[gi]); a1 = _mm256_fmadd_ps(s, p1, a1); b1 = _mm256_fmadd_ps(s, r1, b1);
-        s = _mm256_set1_ps(ks2[gi]); a2 = _mm256_fmadd_ps(s, p2, a2); b2 = _mm256_fmadd_ps(s, r2, b2);
-        s = _mm256_set1_ps(ks3[gi]); a3 = _mm256_fmadd_ps(s, p3, a3); b3 = _mm256_fmadd_ps(s, r3, b3);
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(ks0[gi]), p0, a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(ks1[gi]), p1, a1);
+        a2 = _mm256_fmadd_ps(_mm256_set1_ps(ks2[gi]), p2, a2);
+        a3 = _mm256_fmadd_ps(_mm256_set1_ps(ks3[gi]), p3, a3);
     }
     /* + 0.0f: the single-row path adds its (empty) tail, which turns -0 into +0 */
-    _mm_storeu_ps(out, _mm_add_ps(kvc_fold4(a0, b0, a1, b1, a2, b2, a3, b3), _mm_setzero_ps()));
+    _mm_storeu_ps(out, _mm_add_ps(kvc_fold8x4(a0, a1, a2, a3), _mm_setzero_ps()));
 #else
     out[0] = kvc_score_q8w(kw, ks0, qc, hd, group);
     out[1] = kvc_score_q8w(kw + hd, ks1, qc, hd, group);
@@ -518,7 +509,7 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
                     kvc_dot4_f32(qj, rows[0], rows[1], rows[2], rows[3], hd, s + p);
                     continue;
                 }
-                if (hd % KVC_LANES == 0) {
+                if (hd % 8 == 0) {
                     kvc_score4_q8w(scratch, ks + p * ng, ks + (p + 1) * ng, ks + (p + 2) * ng,
                                    ks + (p + 3) * ng, qj, hd, 32, s + p);
                     continue;
