@@ -467,6 +467,32 @@ KVC_INLINE void kvc_prefetch_rows(const void *base, ptrdiff_t p, ptrdiff_t nb, p
 #endif
 }
 
+/* Point rows[0..nb) at rows p..p+nb of a store -- float rows in place, int8 rows widened
+ * (unscaled) into the 4-row scratch -- and prefetch the block KVC_PREFETCH_ROWS rows ahead,
+ * with its scale rows (scale_bytes per row) when the store is int8. */
+KVC_INLINE void kvc_row_block(const float *f, const int8_t *q, const float *scale,
+                              ptrdiff_t scale_bytes, int quant, ptrdiff_t p, ptrdiff_t p1,
+                              ptrdiff_t nb, ptrdiff_t hd, float *scratch, const float **rows)
+{
+    ptrdiff_t r;
+    if (p + KVC_PREFETCH_ROWS + 4 <= p1) {
+        if (quant) {
+            kvc_prefetch_rows(q, p + KVC_PREFETCH_ROWS, 4, hd);
+            kvc_prefetch_rows(scale, p + KVC_PREFETCH_ROWS, 4, scale_bytes);
+        } else {
+            kvc_prefetch_rows(f, p + KVC_PREFETCH_ROWS, 4, hd * 4);
+        }
+    }
+    for (r = 0; r < nb; ++r) {
+        if (quant) {
+            kvc_widen_i8(q + (p + r) * hd, scratch + r * hd, hd);
+            rows[r] = scratch + r * hd;
+        } else {
+            rows[r] = f + (p + r) * hd;
+        }
+    }
+}
+
 KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                                    const ptrdiff_t *qe, const float *kf, const int8_t *kq,
                                    const float *ks, ptrdiff_t ng, int quant_k, ptrdiff_t p0,
@@ -477,22 +503,7 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
     const float *rows[4] = {0, 0, 0, 0};
     for (p = p0; p < p1; p += 4) {
         ptrdiff_t nb = p1 - p < 4 ? p1 - p : 4;
-        if (p + KVC_PREFETCH_ROWS + 4 <= p1) {
-            if (quant_k) {
-                kvc_prefetch_rows(kq, p + KVC_PREFETCH_ROWS, 4, hd);
-                kvc_prefetch_rows(ks, p + KVC_PREFETCH_ROWS, 4, ng * 4);
-            }
-            else
-                kvc_prefetch_rows(kf, p + KVC_PREFETCH_ROWS, 4, hd * 4);
-        }
-        for (r = 0; r < nb; ++r) {
-            if (quant_k) {
-                kvc_widen_i8(kq + (p + r) * hd, scratch + r * hd, hd);
-                rows[r] = scratch + r * hd;
-            } else {
-                rows[r] = kf + (p + r) * hd;
-            }
-        }
+        kvc_row_block(kf, kq, ks, ng * 4, quant_k, p, p1, nb, hd, scratch, rows);
         j = 0;
         if (!quant_k && nb == 4)
             for (; j + 2 <= nq; j += 2) {
@@ -551,21 +562,7 @@ KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t 
     memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
     for (p = p0; p < p1; p += 4) {
         ptrdiff_t nb = p1 - p < 4 ? p1 - p : 4;
-        if (p + KVC_PREFETCH_ROWS + 4 <= p1) {
-            if (quant_v) {
-                kvc_prefetch_rows(vq, p + KVC_PREFETCH_ROWS, 4, hd);
-                kvc_prefetch_rows(vs, p + KVC_PREFETCH_ROWS, 4, 4);
-            } else
-                kvc_prefetch_rows(vf, p + KVC_PREFETCH_ROWS, 4, hd * 4);
-        }
-        for (r = 0; r < nb; ++r) {
-            if (quant_v) {
-                kvc_widen_i8(vq + (p + r) * hd, scratch + r * hd, hd);
-                rows[r] = scratch + r * hd;
-            } else {
-                rows[r] = vf + (p + r) * hd;
-            }
-        }
+        kvc_row_block(vf, vq, vs, 4, quant_v, p, p1, nb, hd, scratch, rows);
         for (j = 0; j < nq; ++j) {
             float w[4];
             int use[4], all = nb == 4;
