@@ -560,6 +560,40 @@ KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t 
     ptrdiff_t p, j, r;
     const float *rows[4] = {0, 0, 0, 0};
     memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
+#if KVC_SIMD
+    if (!quant_v && hd == 64) {
+        /* 64 channels fit in 8 registers: each query sweeps the chunk with its accumulator
+         * held in registers (the first sweep streams the rows in, the others hit L2) */
+        for (j = 0; j < nq; ++j) {
+            ptrdiff_t lo = p0 > qf[j] ? p0 : qf[j], hi = p1 < qe[j] ? p1 : qe[j];
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0,
+                   a6 = a0, a7 = a0;
+            for (p = lo; p < hi; ++p) {
+                const float *v = vf + p * 64;
+                float w = probs[j * L + p];
+                if (j == 0 && p + KVC_PREFETCH_ROWS < hi)
+                    kvc_prefetch_rows(vf, p + KVC_PREFETCH_ROWS, 1, 64 * 4);
+                if (fabsf(w) < 1e-12f)
+                    continue;
+                __m256 wb = _mm256_set1_ps(w);
+                a0 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v), a0);
+                a1 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 8), a1);
+                a2 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 16), a2);
+                a3 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 24), a3);
+                a4 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 32), a4);
+                a5 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 40), a5);
+                a6 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 48), a6);
+                a7 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 56), a7);
+            }
+            float *y = acc + j * 64;
+            _mm256_storeu_ps(y, a0); _mm256_storeu_ps(y + 8, a1);
+            _mm256_storeu_ps(y + 16, a2); _mm256_storeu_ps(y + 24, a3);
+            _mm256_storeu_ps(y + 32, a4); _mm256_storeu_ps(y + 40, a5);
+            _mm256_storeu_ps(y + 48, a6); _mm256_storeu_ps(y + 56, a7);
+        }
+        return;
+    }
+#endif
     for (p = p0; p < p1; p += 4) {
         ptrdiff_t nb = p1 - p < 4 ? p1 - p : 4;
         kvc_row_block(vf, vq, vs, 4, quant_v, p, p1, nb, hd, scratch, rows);
