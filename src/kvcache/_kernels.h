@@ -547,6 +547,116 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
     }
 }
 
+/* The value pass scheduled the other way round, used for int8 V rows (whose four 32-channel
+ * blocks share two cache lines, so re-walking a chunk per block costs no extra memory
+ * traffic): per quad of queries and block of 32 channels, the quad's accumulators stay in
+ * registers while the chunk's rows stream past, each row widened once for the quad.  Same
+ * per-element chain as kvc_task_values_impl. */
+#define KVC_VBLOCK 32
+#define KVC_VROWS 256
+
+KVC_INLINE void kvc_task_values_blocked(const float *probs, ptrdiff_t L, ptrdiff_t nq,
+                                     const ptrdiff_t *qf, const ptrdiff_t *qe, const float *vf,
+                                     const int8_t *vq, const float *vs, int quant_v, ptrdiff_t p0,
+                                     ptrdiff_t p1, ptrdiff_t hd, float *acc, float *scratch)
+{
+    /* scratch: KVC_VROWS * 4 weights and KVC_VROWS use-masks (as floats) */
+    float *wq = scratch;
+    int32_t *use = (int32_t *)(scratch + KVC_VROWS * 4);
+    ptrdiff_t j0, p, d0, d, r;
+    memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
+    for (j0 = 0; j0 < nq; j0 += 4) {
+        ptrdiff_t nj = nq - j0 < 4 ? nq - j0 : 4, jj;
+        ptrdiff_t c0, c1 = p0;
+        for (c0 = p0; c0 < p1; c0 = c1) {
+            c1 = p1 - c0 < KVC_VROWS ? p1 : c0 + KVC_VROWS;
+            /* weights and skip flags of the quad for rows [c0, c1) */
+            for (p = c0; p < c1; ++p) {
+                int32_t mask = 0;
+                for (jj = 0; jj < 4; ++jj) {
+                    float w = 0.0f;
+                    if (jj < nj && p >= qf[j0 + jj] && p < qe[j0 + jj]) {
+                        w = probs[(j0 + jj) * L + p];
+                        if (quant_v)
+                            w = w * vs[p];
+                        if (!(fabsf(w) < 1e-12f))
+                            mask |= 1 << jj;
+                    }
+                    wq[(p - c0) * 4 + jj] = w;
+                }
+                use[p - c0] = mask;
+            }
+            for (d0 = 0; d0 < hd; d0 += KVC_VBLOCK) {
+                ptrdiff_t dn = hd - d0 < KVC_VBLOCK ? hd - d0 : KVC_VBLOCK;
+#if KVC_SIMD
+                if (dn == KVC_VBLOCK) {
+                    /* named registers: an array here ends up on the stack */
+#define KVC_LD(J, R) (J < nj ? _mm256_loadu_ps(acc + (j0 + J) * hd + d0 + 8 * R) : _mm256_setzero_ps())
+                    __m256 a00 = KVC_LD(0, 0), a01 = KVC_LD(0, 1), a02 = KVC_LD(0, 2), a03 = KVC_LD(0, 3);
+                    __m256 a10 = KVC_LD(1, 0), a11 = KVC_LD(1, 1), a12 = KVC_LD(1, 2), a13 = KVC_LD(1, 3);
+                    __m256 a20 = KVC_LD(2, 0), a21 = KVC_LD(2, 1), a22 = KVC_LD(2, 2), a23 = KVC_LD(2, 3);
+                    __m256 a30 = KVC_LD(3, 0), a31 = KVC_LD(3, 1), a32 = KVC_LD(3, 2), a33 = KVC_LD(3, 3);
+#undef KVC_LD
+                    for (p = c0; p < c1; ++p) {
+                        int32_t m = use[p - c0];
+                        if (d0 == 0 && p + KVC_PREFETCH_ROWS < c1) {
+                            if (quant_v)
+                                kvc_prefetch_rows(vq, p + KVC_PREFETCH_ROWS, 1, hd);
+                            else
+                                kvc_prefetch_rows(vf, p + KVC_PREFETCH_ROWS, 1, hd * 4);
+                        }
+                        if (!m)
+                            continue;
+                        __m256 v0, v1, v2, v3;
+                        if (quant_v) {
+                            const int8_t *src = vq + p * hd + d0;
+                            v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
+                            v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8))));
+                            v2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 16))));
+                            v3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 24))));
+                        } else {
+                            const float *src = vf + p * hd + d0;
+                            v0 = _mm256_loadu_ps(src);
+                            v1 = _mm256_loadu_ps(src + 8);
+                            v2 = _mm256_loadu_ps(src + 16);
+                            v3 = _mm256_loadu_ps(src + 24);
+                        }
+                        const float *w = wq + (p - c0) * 4;
+#define KVC_UPD(J) if (m >> J & 1) { __m256 wb = _mm256_broadcast_ss(w + J); \
+                            a##J##0 = _mm256_fmadd_ps(wb, v0, a##J##0); a##J##1 = _mm256_fmadd_ps(wb, v1, a##J##1); \
+                            a##J##2 = _mm256_fmadd_ps(wb, v2, a##J##2); a##J##3 = _mm256_fmadd_ps(wb, v3, a##J##3); }
+                        KVC_UPD(0) KVC_UPD(1) KVC_UPD(2) KVC_UPD(3)
+#undef KVC_UPD
+                    }
+#define KVC_ST(J) if (J < nj) { float *y = acc + (j0 + J) * hd + d0; \
+                        _mm256_storeu_ps(y, a##J##0); _mm256_storeu_ps(y + 8, a##J##1); \
+                        _mm256_storeu_ps(y + 16, a##J##2); _mm256_storeu_ps(y + 24, a##J##3); }
+                    KVC_ST(0) KVC_ST(1) KVC_ST(2) KVC_ST(3)
+#undef KVC_ST
+                    continue;
+                }
+#endif
+                for (p = c0; p < c1; ++p) {
+                    int32_t m = use[p - c0];
+                    const float *w = wq + (p - c0) * 4;
+                    for (jj = 0; jj < nj; ++jj) {
+                        float *y;
+                        if (!(m >> jj & 1))
+                            continue;
+                        y = acc + (j0 + jj) * hd + d0;
+                        if (quant_v)
+                            for (d = 0; d < dn; ++d)
+                                y[d] = fmaf(w[jj], (float)vq[p * hd + d0 + d], y[d]);
+                        else
+                            for (d = 0; d < dn; ++d)
+                                y[d] = fmaf(w[jj], vf[p * hd + d0 + d], y[d]);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* Value pass of one task.  For every query j and channel d the accumulation is
  * acc[j][d] = fma(w_p, v_p[d], acc[j][d]) over the visible, non-skipped rows p in order
  * (w_p = prob, times the row scale in q8; rows with |w_p| < 1e-12 are skipped).  Rows stream
@@ -559,6 +669,11 @@ KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t 
 {
     ptrdiff_t p, j, r;
     const float *rows[4] = {0, 0, 0, 0};
+    if (quant_v) {
+        kvc_task_values_blocked(probs, L, nq, qf, qe, vf, vq, vs, quant_v, p0, p1, hd, acc,
+                                scratch);
+        return;
+    }
     memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
 #if KVC_SIMD
     if (!quant_v && hd == 64) {
