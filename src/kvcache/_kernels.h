@@ -66,15 +66,6 @@ KVC_INLINE float kvc_fold(__m256 lo, __m256 hi)
     return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
-/* The folds of four rows at once, as the four lanes of the result. */
-KVC_INLINE __m128 kvc_fold4(__m256 lo0, __m256 hi0, __m256 lo1, __m256 hi1, __m256 lo2,
-                            __m256 hi2, __m256 lo3, __m256 hi3)
-{
-    __m256 h01 = _mm256_hadd_ps(_mm256_add_ps(lo0, hi0), _mm256_add_ps(lo1, hi1));
-    __m256 h23 = _mm256_hadd_ps(_mm256_add_ps(lo2, hi2), _mm256_add_ps(lo3, hi3));
-    __m256 h = _mm256_hadd_ps(h01, h23);
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 #endif
 
 /* ---------------------------------------------------------------------------------------
@@ -547,7 +538,7 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
     }
 }
 
-/* The value pass scheduled the other way round, used for int8 V rows (whose four 32-channel
+/* The value pass scheduled the other way round, for int8 V rows (whose four 32-channel
  * blocks share two cache lines, so re-walking a chunk per block costs no extra memory
  * traffic): per quad of queries and block of 32 channels, the quad's accumulators stay in
  * registers while the chunk's rows stream past, each row widened once for the quad.  Same
@@ -555,10 +546,10 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
 #define KVC_VBLOCK 32
 #define KVC_VROWS 256
 
-KVC_INLINE void kvc_task_values_blocked(const float *probs, ptrdiff_t L, ptrdiff_t nq,
-                                     const ptrdiff_t *qf, const ptrdiff_t *qe, const float *vf,
-                                     const int8_t *vq, const float *vs, int quant_v, ptrdiff_t p0,
-                                     ptrdiff_t p1, ptrdiff_t hd, float *acc, float *scratch)
+KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq,
+                                   const ptrdiff_t *qf, const ptrdiff_t *qe, const int8_t *vq,
+                                   const float *vs, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd,
+                                   float *acc, float *scratch)
 {
     /* scratch: KVC_VROWS * 4 weights and KVC_VROWS use-masks (as floats) */
     float *wq = scratch;
@@ -577,8 +568,7 @@ KVC_INLINE void kvc_task_values_blocked(const float *probs, ptrdiff_t L, ptrdiff
                     float w = 0.0f;
                     if (jj < nj && p >= qf[j0 + jj] && p < qe[j0 + jj]) {
                         w = probs[(j0 + jj) * L + p];
-                        if (quant_v)
-                            w = w * vs[p];
+                        w = w * vs[p];
                         if (!(fabsf(w) < 1e-12f))
                             mask |= 1 << jj;
                     }
@@ -599,28 +589,15 @@ KVC_INLINE void kvc_task_values_blocked(const float *probs, ptrdiff_t L, ptrdiff
 #undef KVC_LD
                     for (p = c0; p < c1; ++p) {
                         int32_t m = use[p - c0];
-                        if (d0 == 0 && p + KVC_PREFETCH_ROWS < c1) {
-                            if (quant_v)
-                                kvc_prefetch_rows(vq, p + KVC_PREFETCH_ROWS, 1, hd);
-                            else
-                                kvc_prefetch_rows(vf, p + KVC_PREFETCH_ROWS, 1, hd * 4);
-                        }
+                        if (d0 == 0 && p + KVC_PREFETCH_ROWS < c1)
+                            kvc_prefetch_rows(vq, p + KVC_PREFETCH_ROWS, 1, hd);
                         if (!m)
                             continue;
-                        __m256 v0, v1, v2, v3;
-                        if (quant_v) {
-                            const int8_t *src = vq + p * hd + d0;
-                            v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
-                            v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8))));
-                            v2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 16))));
-                            v3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 24))));
-                        } else {
-                            const float *src = vf + p * hd + d0;
-                            v0 = _mm256_loadu_ps(src);
-                            v1 = _mm256_loadu_ps(src + 8);
-                            v2 = _mm256_loadu_ps(src + 16);
-                            v3 = _mm256_loadu_ps(src + 24);
-                        }
+                        const int8_t *src = vq + p * hd + d0;
+                        __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
+                        __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8))));
+                        __m256 v2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 16))));
+                        __m256 v3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 24))));
                         const float *w = wq + (p - c0) * 4;
 #define KVC_UPD(J) if (m >> J & 1) { __m256 wb = _mm256_broadcast_ss(w + J); \
                             a##J##0 = _mm256_fmadd_ps(wb, v0, a##J##0); a##J##1 = _mm256_fmadd_ps(wb, v1, a##J##1); \
@@ -644,12 +621,8 @@ KVC_INLINE void kvc_task_values_blocked(const float *probs, ptrdiff_t L, ptrdiff
                         if (!(m >> jj & 1))
                             continue;
                         y = acc + (j0 + jj) * hd + d0;
-                        if (quant_v)
-                            for (d = 0; d < dn; ++d)
-                                y[d] = fmaf(w[jj], (float)vq[p * hd + d0 + d], y[d]);
-                        else
-                            for (d = 0; d < dn; ++d)
-                                y[d] = fmaf(w[jj], vf[p * hd + d0 + d], y[d]);
+                        for (d = 0; d < dn; ++d)
+                            y[d] = fmaf(w[jj], (float)vq[p * hd + d0 + d], y[d]);
                     }
                 }
             }
@@ -670,8 +643,7 @@ KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t 
     ptrdiff_t p, j, r;
     const float *rows[4] = {0, 0, 0, 0};
     if (quant_v) {
-        kvc_task_values_blocked(probs, L, nq, qf, qe, vf, vq, vs, quant_v, p0, p1, hd, acc,
-                                scratch);
+        kvc_task_values_q8(probs, L, nq, qf, qe, vq, vs, p0, p1, hd, acc, scratch);
         return;
     }
     memset(acc, 0, (size_t)(nq * hd) * sizeof(float));

@@ -358,7 +358,7 @@ class LayerKvCache:
         if o1 is not None and getattr(o1, "sealed", False):
             raise RuntimeError(f"{what}: this layer is sealed in O(1) mode; use o1_step")
 
-    def _queries(self, qk, groups):
+    def _queries(self, qk):
         """Fold the frozen key columns into queries (nkv, m, hd) when K is int8."""
         if self._mode.quant_k and self._kcol_on.any():
             return np.ascontiguousarray(qk * self._kcol[:, None, :])
@@ -394,7 +394,7 @@ class LayerKvCache:
         qk = np.zeros((self._nkv, 1, hd), dtype=_F32) if self._mode.quant_k else None
         if qk is not None:
             qk[h, 0] = qa.reshape(hd)
-            q2 = self._queries(qk, None)[h]
+            q2 = self._queries(qk)[h]
         else:
             q2 = qa.reshape(1, hd)
         group_q0 = np.zeros(self._nkv + 1, dtype=np.intp)
@@ -444,7 +444,7 @@ class LayerKvCache:
             return None
         qk = np.zeros((self._nkv, nq, hd), dtype=_F32)
         qk[h] = qa.reshape(nq, hd)
-        q2 = self._queries(qk, None)[h]
+        q2 = self._queries(qk)[h]
         group_q0 = np.zeros(self._nkv + 1, dtype=np.intp)
         group_q0[h + 1:] = nq
         self._run(kernels, q2, group_q0, 1, 1, 0, first, scale, softcap, out.reshape(nq, hd),
@@ -510,7 +510,7 @@ class LayerKvCache:
             i1 = min(n, i0 + block)
             nb = i1 - i0
             qk = q3[i0:i1].reshape(nb, nkv, hpk, hd).transpose(1, 0, 2, 3).reshape(nkv, nb * hpk, hd)
-            q2 = self._queries(qk, None).reshape(nkv * nb * hpk, hd)
+            q2 = self._queries(qk).reshape(nkv * nb * hpk, hd)
             group_q0 = np.arange(nkv + 1, dtype=np.intp) * (nb * hpk)
             L = max(0, maxlen - n + i1)
             if nb == 1:
