@@ -29,7 +29,7 @@
 #define KVC_INLINE static inline
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KVC_NO_SIMD)
 #include <immintrin.h>
 #define KVC_SIMD 1
 #else
