@@ -1,0 +1,66 @@
+/* Runs the inner loops of _kernels.h on fixed pseudo-random inputs and prints every result as
+ * raw bits.  tests/test_portable_twin.py builds it twice -- with the AVX2/FMA path and with
+ * -DKVC_NO_SIMD (the portable C path) -- and requires identical output. */
+#include "_kernels.h"
+#include <stdio.h>
+
+static uint32_t state = 20261129u;
+static float rnd(void)
+{
+    state = state * 1664525u + 1013904223u;
+    return ((float)(state >> 8) / 16777216.0f - 0.5f) * 4.0f;
+}
+
+static void out(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    printf("%08x\n", b);
+}
+
+#define HDMAX 136
+#define ROWS 37
+
+int main(void)
+{
+    static float q[8 * HDMAX], k[ROWS * HDMAX], v[ROWS * HDMAX], ks[ROWS * 8], vs[ROWS];
+    static float probs[8 * 64], acc[8 * HDMAX], scratch[4096], res[16];
+    static int8_t kq[ROWS * HDMAX], vq[ROWS * HDMAX];
+    ptrdiff_t hds[] = {1, 7, 8, 31, 32, 40, 64, 72, 128, 136};
+    ptrdiff_t qf[8] = {0, 1, 0, 3, 0, 0, 5, 0}, qe[8] = {37, 37, 30, 37, 37, 36, 37, 21};
+    int i, h;
+    for (i = 0; i < 8 * HDMAX; ++i) q[i] = rnd();
+    for (i = 0; i < ROWS * HDMAX; ++i) {
+        k[i] = rnd();
+        v[i] = rnd();
+        kq[i] = (int8_t)(rnd() * 60.0f);
+        vq[i] = (int8_t)(rnd() * 60.0f);
+    }
+    for (i = 0; i < ROWS * 8; ++i) ks[i] = rnd() * rnd();
+    for (i = 0; i < ROWS; ++i) vs[i] = rnd() * 0.1f;
+    for (h = 0; h < 10; ++h) {
+        ptrdiff_t hd = hds[h], ng = (hd + 31) / 32;
+        int quant;
+        out(kvc_dot_f32(q, k, hd));
+        kvc_dot4_f32(q, k, k + hd, k + 2 * hd, k + 3 * hd, hd, res);
+        kvc_dot2x4_f32(q, q + hd, k, k + hd, k + 2 * hd, k + 3 * hd, hd, res + 4, 8);
+        for (i = 0; i < 16; ++i) out(res[i]);
+        for (i = 0; i < 4 * hd; ++i) scratch[i] = (float)kq[i];
+        out(kvc_score_q8w(scratch, ks, q, hd, 32));
+        if (hd % 8 == 0) {
+            kvc_score4_q8w(scratch, ks, ks + ng, ks + 2 * ng, ks + 3 * ng, q, hd, 32, res);
+            for (i = 0; i < 4; ++i) out(res[i]);
+        }
+        for (quant = 0; quant < 2; ++quant) {
+            memset(probs, 0, sizeof probs);
+            kvc_task_scores(q, 8, qf, qe, k, kq, ks, ng, quant, 0, ROWS, hd, 0.3f, 2.5f, probs, 64,
+                            scratch);
+            for (i = 0; i < 8; ++i)
+                if (qe[i] > qf[i]) kvc_softmax(probs + i * 64 + qf[i], qe[i] - qf[i]);
+            for (i = 0; i < 8 * 64; ++i) out(probs[i]);
+            kvc_task_values(probs, 64, 8, qf, qe, v, vq, vs, quant, 0, ROWS, hd, acc, scratch);
+            for (i = 0; i < 8 * hd; ++i) out(acc[i]);
+        }
+    }
+    return 0;
+}
