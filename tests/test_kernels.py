@@ -225,3 +225,14 @@ def test_fuzz_shapes_against_reference(nkv, fan, hd, rows, n, window, softcap, m
 def test_default_scale_is_float32_of_inverse_sqrt():
     for hd in HEAD_DIMS:
         assert default_scale(hd) == float(np.float32(1.0 / np.sqrt(hd)))
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_out_may_alias_q(mode, rng):
+    a, b = pair(2, 32, mode, 300, rng)
+    for shape in ((4, 32), (5, 4, 32)):
+        q = rng.standard_normal(shape, dtype=np.float32)
+        want = b.attend_all_heads(q.copy())
+        got = a.attend_all_heads(q, out=q)
+        assert got is q
+        assert np.array_equal(q, want)

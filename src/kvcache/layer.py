@@ -475,6 +475,12 @@ class LayerKvCache:
 
         Every query's attention mass is added into :attr:`importance` (per row, summed over
         KV groups in order, then positions, then heads within the group).
+
+        Notes
+        -----
+        A long prefill is processed in blocks of positions so that the probabilities of a block
+        fit a 64 MB per-thread scratch, which is kept for the next call; each block's mass is
+        summed afresh and then added to the importance.  ``out`` may be ``q`` itself.
         """
         kernels = _core if _kernels is None else _kernels
         self._check_exact("attend_all_heads")
