@@ -14,7 +14,6 @@ U8 = npt.NDArray[np.uint8]
 IP = npt.NDArray[np.intp]
 
 CHUNK_ROWS: int
-K_GROUP: int
 
 def simd_built() -> bool: ...
 def openmp_built() -> bool: ...

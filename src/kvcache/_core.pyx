@@ -41,11 +41,10 @@ cdef extern from "_kernels.h" nogil:
     void kvc_quant_row(const float *x, const float *col, Py_ssize_t hd, Py_ssize_t group,
                        int8_t *q, float *s)
     bint KVC_SIMD
+    Py_ssize_t KVC_SCRATCH_FLOATS(Py_ssize_t hd)
 
 CHUNK_ROWS = 256
 cdef Py_ssize_t _CHUNK = 256
-K_GROUP = 32
-cdef Py_ssize_t _K_GROUP = 32
 # below this many multiply-adds a call stays on the calling thread
 cdef Py_ssize_t _PAR_WORK = 1 << 16
 # probabilities of one batch of groups: about half of a core's L2
@@ -180,6 +179,8 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
     cdef Py_ssize_t *task_p0
     cdef Py_ssize_t *task_p1
     cdef Py_ssize_t *g_task0
+    cdef Py_ssize_t *g_lo
+    cdef Py_ssize_t *g_hi
     cdef Py_ssize_t *q_group
     cdef Py_ssize_t lo, hi
     cdef bint par
@@ -194,11 +195,16 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
     q_end = <Py_ssize_t *> malloc(nq * sizeof(Py_ssize_t))
     q_group = <Py_ssize_t *> malloc(nq * sizeof(Py_ssize_t))
     g_task0 = <Py_ssize_t *> malloc((nkv + 1) * sizeof(Py_ssize_t))
+    g_lo = <Py_ssize_t *> malloc(nkv * sizeof(Py_ssize_t))
+    g_hi = <Py_ssize_t *> malloc(nkv * sizeof(Py_ssize_t))
     task_g = task_p0 = task_p1 = NULL
     part = NULL
     scratch = NULL
     imp_tmp = NULL
     try:
+        if q_first == NULL or q_end == NULL or q_group == NULL or g_task0 == NULL \
+                or g_lo == NULL or g_hi == NULL:
+            raise MemoryError()
         # ---- visible ranges and the (group, chunk) task list -----------------------------
         ntasks = 0
         maxcnt = 0
@@ -206,6 +212,7 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
         for g in range(nkv):
             cnt = group_q0[g + 1] - group_q0[g]
             g_task0[g] = ntasks
+            g_lo[g] = g_hi[g] = 0
             if cnt == 0:
                 continue
             if cnt > maxcnt:
@@ -242,21 +249,24 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
                         hi = e
                     work += (e - f) * hd
             if hi > lo:
+                g_lo[g] = lo
+                g_hi[g] = hi
                 ntasks += (hi - 1) // _CHUNK - lo // _CHUNK + 1
         g_task0[nkv] = ntasks
         task_g = <Py_ssize_t *> malloc((ntasks + 1) * sizeof(Py_ssize_t))
         task_p0 = <Py_ssize_t *> malloc((ntasks + 1) * sizeof(Py_ssize_t))
         task_p1 = <Py_ssize_t *> malloc((ntasks + 1) * sizeof(Py_ssize_t))
+        part = <float *> malloc((ntasks * maxcnt * hd + 1) * sizeof(float))
+        # per-thread scratch, sized by _kernels.h for the passes that use it
+        nscr = KVC_SCRATCH_FLOATS(hd)
+        scratch = <float *> malloc((n_threads * nscr + 1) * sizeof(float))
+        if part == NULL or task_g == NULL or task_p0 == NULL or task_p1 == NULL \
+                or scratch == NULL:
+            raise MemoryError()
         t = 0
         for g in range(nkv):
-            lo = head_len__h[g]
-            hi = 0
-            for j in range(group_q0[g], group_q0[g + 1]):
-                if q_end[j] > q_first[j]:
-                    if q_first[j] < lo:
-                        lo = q_first[j]
-                    if q_end[j] > hi:
-                        hi = q_end[j]
+            lo = g_lo[g]
+            hi = g_hi[g]
             if hi <= lo:
                 continue
             for c in range(lo // _CHUNK, (hi - 1) // _CHUNK + 1):
@@ -264,18 +274,7 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
                 task_p0[t] = lo if c * _CHUNK < lo else c * _CHUNK
                 task_p1[t] = hi if (c + 1) * _CHUNK > hi else (c + 1) * _CHUNK
                 t += 1
-        part = <float *> malloc((ntasks * maxcnt * hd + 1) * sizeof(float))
-        if part == NULL or task_g == NULL or task_p0 == NULL or task_p1 == NULL \
-                or q_first == NULL or q_end == NULL or q_group == NULL or g_task0 == NULL:
-            raise MemoryError()
         par = work > _PAR_WORK
-
-        # ---- per-thread scratch: a block of 4 widened rows, or a chunk of importance sums
-        # 4 widened K rows, or the value pass's 256 x 4 weights and 256 masks
-        nscr = 4 * hd if 4 * hd > 5 * _CHUNK else 5 * _CHUNK
-        scratch = <float *> malloc((n_threads * nscr + 1) * sizeof(float))
-        if scratch == NULL:
-            raise MemoryError()
         ngk = ks__hcg.shape[2]
 
         # ---- groups are processed in batches whose probabilities (batch queries x L floats)
@@ -364,6 +363,8 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
         free(q_end)
         free(q_group)
         free(g_task0)
+        free(g_lo)
+        free(g_hi)
         free(task_g)
         free(task_p0)
         free(task_p1)

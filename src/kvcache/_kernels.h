@@ -544,7 +544,11 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
  * registers while the chunk's rows stream past, each row widened once for the quad.  Same
  * per-element chain as kvc_task_values_impl. */
 #define KVC_VBLOCK 32
-#define KVC_VROWS 256
+#define KVC_VROWS 256 /* rows of one task at most: the chunk size of _core.pyx */
+
+/* Per-thread scratch floats a task needs: four widened rows (K, and f32-path V), or the
+ * int8 value pass's KVC_VROWS x 4 weights and KVC_VROWS masks. */
+#define KVC_SCRATCH_FLOATS(hd) (4 * (hd) > 5 * KVC_VROWS ? 4 * (hd) : 5 * KVC_VROWS)
 
 KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq,
                                    const ptrdiff_t *qf, const ptrdiff_t *qe, const int8_t *vq,
@@ -713,6 +717,12 @@ KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t 
 
 /* The task bodies specialised for the common head dims (the constant lets the compiler unroll
  * the inner loops; the arithmetic, and so every bit of the result, is the same). */
+#define KVC_BY_HEAD_DIM(hd, CALL) switch (hd) { \
+    case 64: CALL(64); break; \
+    case 128: CALL(128); break; \
+    case 256: CALL(256); break; \
+    default: CALL(hd); break; }
+
 static void kvc_task_scores(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
                             const float *kf, const int8_t *kq, const float *ks, ptrdiff_t ng,
                             int quant_k, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd, float scale,
@@ -720,12 +730,7 @@ static void kvc_task_scores(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, c
 {
 #define KVC_SCORES(HD) kvc_task_scores_impl(q, nq, qf, qe, kf, kq, ks, ng, quant_k, p0, p1, HD, \
                                             scale, softcap, probs, L, scratch)
-    switch (hd) {
-    case 64: KVC_SCORES(64); break;
-    case 128: KVC_SCORES(128); break;
-    case 256: KVC_SCORES(256); break;
-    default: KVC_SCORES(hd); break;
-    }
+    KVC_BY_HEAD_DIM(hd, KVC_SCORES);
 #undef KVC_SCORES
 }
 
@@ -736,12 +741,7 @@ static void kvc_task_values(const float *probs, ptrdiff_t L, ptrdiff_t nq, const
 {
 #define KVC_VALUES(HD) kvc_task_values_impl(probs, L, nq, qf, qe, vf, vq, vs, quant_v, p0, p1, HD, \
                                             acc, scratch)
-    switch (hd) {
-    case 64: KVC_VALUES(64); break;
-    case 128: KVC_VALUES(128); break;
-    case 256: KVC_VALUES(256); break;
-    default: KVC_VALUES(hd); break;
-    }
+    KVC_BY_HEAD_DIM(hd, KVC_VALUES);
 #undef KVC_VALUES
 }
 
