@@ -364,6 +364,14 @@ class LayerKvCache:
             return np.ascontiguousarray(qk * self._kcol[:, None, :])
         return np.ascontiguousarray(qk)
 
+    def _one_group(self, h, q2d):
+        """Queries (nq, hd) of KV head h alone: the column-folded queries and group offsets."""
+        if self._mode.quant_k and self._kcol_on.any():
+            q2d = q2d * self._kcol[h]
+        group_q0 = np.zeros(self._nkv + 1, dtype=np.intp)
+        group_q0[h + 1:] = q2d.shape[0]
+        return np.ascontiguousarray(q2d), group_q0
+
     def _run(self, kernels, q2, group_q0, n_pos, n_back, window, first, scale, softcap, out2,
              L, imp, imp_mode):
         probs = _scratch("probs", q2.shape[0] * max(L, 1)).reshape(q2.shape[0], max(L, 1))
@@ -391,14 +399,7 @@ class LayerKvCache:
         out = np.zeros((1, hd), dtype=_F32)
         if stored == 0:
             return out.reshape(hd), np.zeros(0, dtype=_F32)
-        qk = np.zeros((self._nkv, 1, hd), dtype=_F32) if self._mode.quant_k else None
-        if qk is not None:
-            qk[h, 0] = qa.reshape(hd)
-            q2 = self._queries(qk)[h]
-        else:
-            q2 = qa.reshape(1, hd)
-        group_q0 = np.zeros(self._nkv + 1, dtype=np.intp)
-        group_q0[h + 1:] = 1
+        q2, group_q0 = self._one_group(h, qa.reshape(1, hd))
         probs = self._run(kernels, q2, group_q0, 1, 1, 0, 0, default_scale(hd), 0.0, out,
                           stored, np.zeros(0, dtype=_F32), 0)
         return out.reshape(hd), probs[0, :stored].copy()
@@ -442,11 +443,7 @@ class LayerKvCache:
         if stored == 0:
             out.fill(0.0)
             return None
-        qk = np.zeros((self._nkv, nq, hd), dtype=_F32)
-        qk[h] = qa.reshape(nq, hd)
-        q2 = self._queries(qk)[h]
-        group_q0 = np.zeros(self._nkv + 1, dtype=np.intp)
-        group_q0[h + 1:] = nq
+        q2, group_q0 = self._one_group(h, qa.reshape(nq, hd))
         self._run(kernels, q2, group_q0, 1, 1, 0, first, scale, softcap, out.reshape(nq, hd),
                   stored, imp_acc, 1)
         return None
@@ -623,5 +620,4 @@ class LayerKvCache:
         total += rows * (hd + 4) if self._mode.quant_v else rows * hd * 4
         total += 4 * hd * int(self._kcol_on.sum() + self._vcol_on.sum())
         total += 4 * self._linear_state.size
-        total += self.o1_memory_bytes() if hasattr(self, "o1_memory_bytes") else 0
         return total
