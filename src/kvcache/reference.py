@@ -17,9 +17,10 @@ import sys
 
 import numpy as np
 
+from .quant import K_GROUP
+
 _F32 = np.float32
 CHUNK_ROWS = 256
-K_GROUP = 32
 
 
 def openmp_built():
