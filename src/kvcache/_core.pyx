@@ -40,6 +40,16 @@ cdef extern from "_kernels.h" nogil:
     void kvc_softmax(float *s, Py_ssize_t n)
     void kvc_quant_row(const float *x, const float *col, Py_ssize_t hd, Py_ssize_t group,
                        int8_t *q, float *s)
+    void kvc_o1_absorb(const float *qt, const float *k, const float *v, Py_ssize_t m,
+                       Py_ssize_t d, Py_ssize_t dv, float scale, float *t_hat, float *z_hat,
+                       float *m_max, float *l)
+    void kvc_o1_head(const float *q, Py_ssize_t d, Py_ssize_t dv, float scale,
+                     const float *sink_k, const float *sink_v, Py_ssize_t ns,
+                     const float *win_k, const float *win_v, Py_ssize_t nw, Py_ssize_t slot,
+                     const float *k_new, const float *v_new, const float *k_tilde,
+                     const float *mu, const float *t_hat, const float *z_hat,
+                     const float *m_max, Py_ssize_t m, int use_far, int fm, float *out,
+                     float *scr)
     bint KVC_SIMD
     Py_ssize_t KVC_SCRATCH_FLOATS(Py_ssize_t hd)
 
@@ -390,3 +400,108 @@ cdef void _importance_chunk(const float[:, ::1] probs__jl, const Py_ssize_t *q_g
         else:
             for p in range(p0, hi):
                 imp_tmp[p] = imp_tmp[p] + probs__jl[j, p]
+
+
+# ----------------------------------------------------------------------------------------------
+# O(1) Nystrom decode (spec 6.4).  The state lives in o1.py as stacked float32 arrays: the group-
+# shared part (window ring, sinks, key landmarks) indexed by KV group g, the per-head part
+# (query landmarks, mixing matrix, far accumulators) by query head h; head h belongs to group
+# h // (H // G).  The per-head arithmetic and its order are in _kernels.h (kvc_o1_absorb,
+# kvc_o1_head); heads are independent, so the result is the same for any thread count.
+
+cdef inline const float *_cptr3(const float[:, :, ::1] a) noexcept nogil:
+    return &a[0, 0, 0] if a.shape[0] * a.shape[1] * a.shape[2] > 0 else NULL
+
+cdef inline float *_ptr3(float[:, :, ::1] a) noexcept nogil:
+    return &a[0, 0, 0] if a.shape[0] * a.shape[1] * a.shape[2] > 0 else NULL
+
+cdef inline float *_ptr2(float[:, ::1] a) noexcept nogil:
+    return &a[0, 0] if a.shape[0] * a.shape[1] > 0 else NULL
+
+
+def o1_absorb(const float[:, :, ::1] q_tilde__hmd, const float[:, :, ::1] keys__gnd,
+              const float[:, :, ::1] values__gne, Py_ssize_t row0, Py_ssize_t n, float scale,
+              float[:, :, ::1] t_hat__hme, float[:, ::1] z_hat__hm, float[:, ::1] m_max__hm,
+              float[:, ::1] scr__hm, int n_threads):
+    """Far-field insertion of rows [row0, row0 + n) of every group, in row order.
+
+    Head h (group g = h // (H // G)) absorbs keys[g, i] / values[g, i] into t_hat[h],
+    z_hat[h], m_max[h] with the per-landmark running max; scr (H, >= m) is scratch."""
+    cdef Py_ssize_t H = q_tilde__hmd.shape[0], m = q_tilde__hmd.shape[1]
+    cdef Py_ssize_t d = q_tilde__hmd.shape[2], G = keys__gnd.shape[0]
+    cdef Py_ssize_t rows = keys__gnd.shape[1], dv = values__gne.shape[2]
+    cdef Py_ssize_t hpk, h, g, i
+    cdef const float *qt = _cptr3(q_tilde__hmd)
+    cdef const float *kp = _cptr3(keys__gnd)
+    cdef const float *vp = _cptr3(values__gne)
+    cdef float *tp = _ptr3(t_hat__hme)
+    cdef float *zp = _ptr2(z_hat__hm)
+    cdef float *mp = _ptr2(m_max__hm)
+    cdef float *sp = _ptr2(scr__hm)
+    cdef Py_ssize_t sstride = scr__hm.shape[1]
+    if H == 0 or m == 0 or n <= 0 or G == 0:
+        return
+    hpk = H // G
+    for h in prange(H, nogil=True, num_threads=n_threads, schedule="static",
+                    use_threads_if=n * m * (d + dv) > _PAR_WORK):
+        g = h // hpk
+        for i in range(row0, row0 + n):
+            kvc_o1_absorb(qt + h * m * d, kp + (g * rows + i) * d, vp + (g * rows + i) * dv,
+                          m, d, dv, scale, tp + h * m * dv, zp + h * m, mp + h * m,
+                          sp + h * sstride)
+
+
+def o1_step(const float[:, ::1] q__hd, const float[:, ::1] k_new__gd,
+            const float[:, ::1] v_new__ge, const float[:, :, ::1] sink_k__gsd,
+            const float[:, :, ::1] sink_v__gse, float[:, :, ::1] win_k__gcd,
+            float[:, :, ::1] win_v__gce, Py_ssize_t win_len, Py_ssize_t slot, bint absorb,
+            const float[:, :, ::1] k_tilde__gmd, const float[:, :, ::1] q_tilde__hmd,
+            const float[:, :, ::1] mu__hmm, float[:, :, ::1] t_hat__hme,
+            float[:, ::1] z_hat__hm, float[:, ::1] m_max__hm, bint use_far, bint fm,
+            float scale, float[:, ::1] out__he, float[:, ::1] scr__hx, int n_threads):
+    """One decode step of every head of a sealed layer.
+
+    When ``absorb``, head h first absorbs window row ``slot`` of its group (the key leaving a
+    full ring) into its far field.  The output then reads the sinks and window rows
+    [0, win_len) in slot order, row ``slot`` taken from (k_new, v_new) -- the caller counts
+    the new row in win_len -- plus the far field when ``use_far``.  Finally the new rows are
+    written into the ring at ``slot``.  scr: (H, >= sink_len + win_len + 3 m) scratch."""
+    cdef Py_ssize_t H = q__hd.shape[0], d = q__hd.shape[1], dv = v_new__ge.shape[1]
+    cdef Py_ssize_t G = k_new__gd.shape[0], ns = sink_k__gsd.shape[1]
+    cdef Py_ssize_t cap = win_k__gcd.shape[1], m = q_tilde__hmd.shape[1]
+    cdef Py_ssize_t sstride = scr__hx.shape[1], hpk, h, g
+    cdef const float *qp = &q__hd[0, 0]
+    cdef const float *knp = &k_new__gd[0, 0]
+    cdef const float *vnp = &v_new__ge[0, 0]
+    cdef const float *skp = _cptr3(sink_k__gsd)
+    cdef const float *svp = _cptr3(sink_v__gse)
+    cdef float *wkp = _ptr3(win_k__gcd)
+    cdef float *wvp = _ptr3(win_v__gce)
+    cdef const float *ktp = _cptr3(k_tilde__gmd)
+    cdef const float *qtp = _cptr3(q_tilde__hmd)
+    cdef const float *mup = _cptr3(mu__hmm)
+    cdef float *tp = _ptr3(t_hat__hme)
+    cdef float *zp = _ptr2(z_hat__hm)
+    cdef float *mp = _ptr2(m_max__hm)
+    cdef float *op = &out__he[0, 0]
+    cdef float *sp = &scr__hx[0, 0]
+    hpk = H // G
+    for h in prange(H, nogil=True, num_threads=n_threads, schedule="static",
+                    use_threads_if=H > 1 and H * (ns + win_len + m) * (d + dv) > _PAR_WORK):
+        g = h // hpk
+        if absorb and m > 0:
+            kvc_o1_absorb(qtp + h * m * d, wkp + (g * cap + slot) * d, wvp + (g * cap + slot) * dv,
+                          m, d, dv, scale, tp + h * m * dv, zp + h * m, mp + h * m,
+                          sp + h * sstride + ns + win_len + 2 * m)
+        kvc_o1_head(qp + h * d, d, dv, scale,
+                    skp + g * ns * d if ns > 0 else NULL, svp + g * ns * dv if ns > 0 else NULL, ns,
+                    wkp + g * cap * d, wvp + g * cap * dv, win_len, slot,
+                    knp + g * d, vnp + g * dv,
+                    ktp + g * m * d if m > 0 else NULL, mup + h * m * m if m > 0 else NULL,
+                    tp + h * m * dv if m > 0 else NULL, zp + h * m if m > 0 else NULL,
+                    mp + h * m if m > 0 else NULL, m, use_far, fm,
+                    op + h * dv, sp + h * sstride)
+    with nogil:
+        for g in range(G):
+            memcpy(wkp + (g * cap + slot) * d, knp + g * d, d * sizeof(float))
+            memcpy(wvp + (g * cap + slot) * dv, vnp + g * dv, dv * sizeof(float))

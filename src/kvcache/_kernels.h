@@ -772,4 +772,128 @@ static inline void kvc_quant_row(const float *restrict x, const float *restrict 
     }
 }
 
+/* ---------------------------------------------------------------------------------------
+ * O(1) Nystrom decode (spec layer-kv-cache.md 6.4).  Per head; every reduction in a fixed
+ * order, so a head's result does not depend on the thread count or on which other heads
+ * share the call (a group's output is bit-identical to independent single-head states).
+ *   landmark scores  l_i = kvc_dot_f32(qt_i, k) * scale          (four landmarks per pass)
+ *   far absorb       if l_i > m_max_i: r = exp(m_max_i - l_i), z_i *= r, t_i *= r, m_max_i = l_i;
+ *                    e = exp(l_i - m_max_i); z_i += e; t_i = fma(e, v, t_i)
+ *   near scores      kvc_dot_f32(q, row) * scale, sinks first, then the window in SLOT order
+ *   mixing row       u_b = fma(fh_a, M[a][b], u_b) over a ascending (FM: u_b = max(u_b, 0))
+ *   far denominator  far_den = fma(gain_b, z_b, far_den) over b ascending; used when >= 0
+ *   output           out = sum_b gain_b t_b (b ascending, fma), then every near entry in
+ *                    order: den += p_j (plain adds), out = fma(p_j, value_j, out);
+ *                    out /= max(den, 1e-30)
+ * ------------------------------------------------------------------------------------- */
+
+/* Absorb one key/value (k: d floats, v: dv floats) into one head's far field.
+ * qt: the head's m x d query landmarks; t_hat m x dv, z_hat m, m_max m; l: m floats scratch. */
+static void kvc_o1_absorb(const float *restrict qt, const float *restrict k,
+                          const float *restrict v, ptrdiff_t m, ptrdiff_t d, ptrdiff_t dv,
+                          float scale, float *restrict t_hat, float *restrict z_hat,
+                          float *restrict m_max, float *restrict l)
+{
+    ptrdiff_t i = 0, j;
+    for (; i + 4 <= m; i += 4)
+        kvc_dot4_f32(k, qt + i * d, qt + (i + 1) * d, qt + (i + 2) * d, qt + (i + 3) * d, d, l + i);
+    for (; i < m; ++i)
+        l[i] = kvc_dot_f32(k, qt + i * d, d);
+    for (i = 0; i < m; ++i) {
+        float li = l[i] * scale;
+        float *restrict ti = t_hat + i * dv;
+        if (li > m_max[i]) {
+            float r = kvc_expf(m_max[i] - li);
+            z_hat[i] *= r;
+            for (j = 0; j < dv; ++j)
+                ti[j] *= r;
+            m_max[i] = li;
+        }
+        float e = kvc_expf(li - m_max[i]);
+        z_hat[i] += e;
+        kvc_axpy_f32(ti, e, v, dv);
+    }
+}
+
+/* One head's decode output (spec 6.4 "per-head output").
+ * Near rows: ns sink rows (sink_k/sink_v), then nw window rows in slot order, where row `slot`
+ * is read from (k_new, v_new) instead of the ring (slot < 0: none).  The far field (k_tilde
+ * m x d of the group; mu m x m, t_hat m x dv, z_hat, m_max of the head) is used when use_far.
+ * scr: ns + nw + 2 m floats. */
+static void kvc_o1_head(const float *restrict q, ptrdiff_t d, ptrdiff_t dv, float scale,
+                        const float *sink_k, const float *sink_v, ptrdiff_t ns,
+                        const float *win_k, const float *win_v, ptrdiff_t nw, ptrdiff_t slot,
+                        const float *k_new, const float *v_new,
+                        const float *k_tilde, const float *mu, const float *t_hat,
+                        const float *z_hat, const float *m_max, ptrdiff_t m, int use_far,
+                        int fm, float *restrict out, float *restrict scr)
+{
+    ptrdiff_t n = ns + nw, j, a, b;
+    float *restrict s = scr, *restrict fh = scr + n, *restrict u = scr + n + m;
+    const float *rows[4];
+#define KVC_O1_KROW(J) ((J) < ns ? sink_k + (J) * d : ((J) - ns == slot ? k_new : win_k + ((J) - ns) * d))
+#define KVC_O1_VROW(J) ((J) < ns ? sink_v + (J) * dv : ((J) - ns == slot ? v_new : win_v + ((J) - ns) * dv))
+    for (j = 0; j + 4 <= n; j += 4) {
+        kvc_dot4_f32(q, KVC_O1_KROW(j), KVC_O1_KROW(j + 1), KVC_O1_KROW(j + 2), KVC_O1_KROW(j + 3), d, s + j);
+    }
+    for (; j < n; ++j)
+        s[j] = kvc_dot_f32(q, KVC_O1_KROW(j), d);
+    for (j = 0; j < n; ++j)
+        s[j] *= scale;
+    float c_all = kvc_max(s, n), den = 0.0f;
+    memset(out, 0, (size_t)dv * sizeof(float));
+    if (use_far && m > 0) {
+        for (a = 0; a + 4 <= m; a += 4)
+            kvc_dot4_f32(q, k_tilde + a * d, k_tilde + (a + 1) * d, k_tilde + (a + 2) * d,
+                         k_tilde + (a + 3) * d, d, fh + a);
+        for (; a < m; ++a)
+            fh[a] = kvc_dot_f32(q, k_tilde + a * d, d);
+        for (a = 0; a < m; ++a)
+            fh[a] *= scale;
+        float f = kvc_max(fh, m);
+        for (a = 0; a < m; ++a)
+            fh[a] = kvc_expf(fh[a] - f);
+        memset(u, 0, (size_t)m * sizeof(float));
+        for (a = 0; a < m; ++a)
+            kvc_axpy_f32(u, fh[a], mu + a * m, m);
+        if (fm)
+            for (b = 0; b < m; ++b)
+                u[b] = u[b] > 0.0f ? u[b] : 0.0f;
+        float mx = -INFINITY;
+        for (b = 0; b < m; ++b) {
+            float e = f + m_max[b];
+            mx = e > mx ? e : mx;
+        }
+        c_all = mx > c_all ? mx : c_all;
+        float far_den = 0.0f;
+        for (b = 0; b < m; ++b) {
+            u[b] *= kvc_expf(f + m_max[b] - c_all);
+            far_den = fmaf(u[b], z_hat[b], far_den);
+        }
+        if (far_den >= 0.0f) {
+            den = far_den;
+            for (b = 0; b < m; ++b)
+                kvc_axpy_f32(out, u[b], t_hat + b * dv, dv);
+        }
+    }
+    for (j = 0; j < n; ++j) {
+        s[j] = kvc_expf(s[j] - c_all);
+        den += s[j];
+    }
+    for (j = 0; j + 4 <= n; j += 4) {
+        rows[0] = KVC_O1_VROW(j);
+        rows[1] = KVC_O1_VROW(j + 1);
+        rows[2] = KVC_O1_VROW(j + 2);
+        rows[3] = KVC_O1_VROW(j + 3);
+        kvc_axpy4_f32(out, s + j, rows[0], rows[1], rows[2], rows[3], dv);
+    }
+    for (; j < n; ++j)
+        kvc_axpy_f32(out, s[j], KVC_O1_VROW(j), dv);
+#undef KVC_O1_KROW
+#undef KVC_O1_VROW
+    den = den > 1e-30f ? den : 1e-30f;
+    for (j = 0; j < dv; ++j)
+        out[j] /= den;
+}
+
 #endif

@@ -17,6 +17,7 @@ point to.  Take a copy to keep a snapshot.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
@@ -25,6 +26,7 @@ import numpy as np
 from . import quant
 from ._validate import as_f32, as_float, as_index, as_int, out_f32, readonly
 from .modes import KvMode
+from .o1 import O1Collecting, O1Rect, O1Sealed, O1Snapshot, check_seal
 
 try:
     from . import _core
@@ -41,6 +43,7 @@ _MIN_CAPACITY = 16
 _PROBS_BUDGET = 64 << 20     # bytes of probability scratch per prefill block
 
 _tls = threading.local()
+_log = logging.getLogger("kvcache")
 
 
 def _scratch(name, n):
@@ -392,6 +395,7 @@ class LayerKvCache:
         probs : ndarray of shape (head_len(kv_head),), float32
         """
         kernels = _core if _kernels is None else _kernels
+        self._check_exact("attend")
         hd = self._hd
         qa = as_f32("q", q, shapes=[(hd,), (1, hd)])
         h = as_index("kv_head", kv_head, self._nkv)
@@ -425,6 +429,7 @@ class LayerKvCache:
         when ``scale == 1/sqrt(head_dim)`` (as float32), ``first == 0`` and ``softcap == 0``.
         """
         kernels = _core if _kernels is None else _kernels
+        self._check_exact("attend_group")
         hd = self._hd
         qa = as_f32("q_group", q_group)
         if qa.size == 0 or qa.size % hd or qa.ndim not in (1, 2) or (qa.ndim == 2 and qa.shape[1] != hd):
@@ -620,4 +625,157 @@ class LayerKvCache:
         total += rows * (hd + 4) if self._mode.quant_v else rows * hd * 4
         total += 4 * hd * int(self._kcol_on.sum() + self._vcol_on.sum())
         total += 4 * self._linear_state.size
+        total += self.o1_memory_bytes()
         return total
+
+    # ------------------------------------------------------------------ O(1) override
+    def o1_begin(self, m, w, sink, rect=O1Rect.AGGREGATE):
+        """Start collecting the prompt's query trace for an O(1) seal (spec 6.1).
+
+        Parameters
+        ----------
+        m : int
+            Landmark budget (>= 4; a seal prompt shorter than 8*m uses t // 8, at least 4).
+        w : int
+            Exact window rows (>= 1).
+        sink : int
+            Sink rows kept exact for ever (>= 0).
+        rect : O1Rect or {"agg", "aggregate", "fm"}
+            Far-field rectifier.
+
+        Replaces any collecting trace.  Meant to be called on a fresh (cleared) layer; the
+        trace must then cover every position the layer holds when :meth:`o1_seal` runs.
+        A sealed layer has released its KV: call :meth:`clear` before beginning again.
+        """
+        m = as_int("m", m, minimum=4)
+        w = as_int("w", w, minimum=1)
+        sink = as_int("sink", sink, minimum=0)
+        rect = O1Rect.parse(rect)
+        if self.o1_sealed():
+            raise RuntimeError("o1_begin: this layer is sealed and its KV was released; "
+                               "call clear() before beginning a new O(1) prompt")
+        self.o1 = O1Collecting(m, w, sink, rect, self._hd)
+
+    def o1_push_q(self, q_all):
+        """Append one prompt position's queries (num_heads, head_dim) -- or several,
+        (n, num_heads, head_dim) -- to the trace.  Call it once per position, in order, before
+        or after the position's append.  A no-op unless the layer is collecting."""
+        hd = self._hd
+        qa = as_f32("q_all", q_all)
+        if qa.ndim not in (1, 2, 3) or qa.size == 0 or qa.size % hd or (qa.ndim > 1 and qa.shape[-1] != hd):
+            raise ValueError(f"q_all: expected shape (num_heads, {hd}), (n, num_heads, {hd}) or a "
+                             f"flat vector of a positive multiple of {hd} floats, got {qa.shape}")
+        if isinstance(self.o1, O1Collecting):
+            self.o1.push(qa)
+
+    def o1_sealed(self):
+        """True when the layer is sealed (O(1) decode through :meth:`o1_step`)."""
+        return self.o1 is not None and bool(getattr(self.o1, "sealed", False))
+
+    def o1_seal(self, num_heads):
+        """Freeze the prompt into per-group Nystrom states and release the layer's KV.
+
+        Idempotent: when the layer is not collecting, returns :meth:`o1_sealed` and changes
+        nothing.  Otherwise the collecting state is consumed.  The seal needs, with
+        ``t = seq_len``: t > 0, F32 storage, a trace of exactly ``t * num_heads * head_dim``
+        floats, ``num_heads`` a multiple of ``num_kv_heads``, and every KV head holding all t
+        rows.  When one fails, a warning is logged (logger ``"kvcache"``), ``o1`` becomes None,
+        the layer keeps its KV and stays exact, and False is returned.  On success the K/V
+        rows and the importance are released, ``seq_len`` stays t and True is returned (also
+        for a short prompt sealed in exact-only mode, see :class:`kvcache.o1.O1Sealed`).
+
+        Raises ValueError when ``num_heads`` is not a positive integer (nothing changes).
+        """
+        nh = as_int("num_heads", num_heads, minimum=1)
+        coll = self.o1
+        if not isinstance(coll, O1Collecting):
+            return self.o1_sealed()
+        reason = check_seal(self, coll, nh)
+        if reason is not None:
+            self.o1 = None
+            _log.warning("kvcache O(1): seal refused, the layer stays exact: %s", reason)
+            return False
+        t, hd = self._seq_len, self._hd
+        try:
+            state = O1Sealed.seal(coll._q[: coll._len].reshape(t, nh, hd), self._kf, self._vf,
+                                  t=t, m=coll.m, w=coll.w, sink=coll.sink, rect=coll.rect,
+                                  kernels=_core, n_threads=_core.max_threads())
+        except BaseException:
+            self.o1 = coll          # e.g. MemoryError: nothing changed, still collecting
+            raise
+        linear_state, linear_scratch = self._linear_state, self._linear_scratch
+        self._reset_storage()
+        self._seq_len = t
+        self._linear_state, self._linear_scratch = linear_state, linear_scratch
+        self.o1 = state
+        return True
+
+    def _sealed_state(self, what):
+        if not self.o1_sealed():
+            raise RuntimeError(f"{what}: the layer is not sealed (call o1_begin, push every prompt "
+                               f"position's queries with o1_push_q, then o1_seal)")
+        return self.o1
+
+    def o1_step(self, q_all, k_new, v_new, num_heads):
+        """One O(1) decode step: insert (k_new, v_new) once per KV group, return every head's
+        attention output.
+
+        Parameters
+        ----------
+        q_all : array_like of shape (num_heads, head_dim) or (num_heads*head_dim,)
+        k_new, v_new : array_like of shape (num_kv_heads, head_dim) or flat
+        num_heads : int
+            Must be the value the layer was sealed with.
+
+        Returns
+        -------
+        ndarray of shape (num_heads, head_dim), float32
+
+        ``seq_len`` grows by one; nothing is stored per position.
+        """
+        nh = as_int("num_heads", num_heads, minimum=1)
+        state = self._sealed_state("o1_step")
+        if nh != state.num_heads:
+            raise ValueError(f"num_heads: expected {state.num_heads} (the value the layer was "
+                             f"sealed with), got {nh}")
+        nkv, hd = self._nkv, self._hd
+        q = as_f32("q_all", q_all, shapes=[(nh, hd), (nh * hd,)]).reshape(nh, hd)
+        k = as_f32("k_new", k_new, shapes=[(nkv, hd), (nkv * hd,)]).reshape(nkv, hd)
+        v = as_f32("v_new", v_new, shapes=[(nkv, hd), (nkv * hd,)]).reshape(nkv, hd)
+        if np.may_share_memory(k, state.win_k) or np.may_share_memory(v, state.win_v):
+            k, v = k.copy(), v.copy()
+        out = np.empty((nh, hd), dtype=_F32)
+        state.step(q, k, v, out, _core, _core.max_threads())
+        self._seq_len += 1
+        return out
+
+    def o1_views(self):
+        """One :class:`kvcache.O1DeviceView` per KV group, or None when the layer is not sealed
+        or was sealed in exact-only mode."""
+        return self.o1.views() if self.o1_sealed() else None
+
+    def o1_memory_bytes(self):
+        """Bytes of the O(1) state: 4 per collected trace float while collecting, the sealed
+        state's arrays once sealed (spec 6.8), 0 otherwise.  Included in memory_bytes()."""
+        o1 = self.o1
+        if isinstance(o1, (O1Collecting, O1Sealed)):
+            return o1.memory_bytes()
+        return 0
+
+    def o1_snapshot(self):
+        """A copy of the sealed state's ring, far accumulators and seq_len (speculative decode).
+
+        Restore it with :meth:`o1_restore` to roll back, bit for bit, the steps taken since."""
+        return self._sealed_state("o1_snapshot").snapshot(self._seq_len)
+
+    def o1_restore(self, snapshot):
+        """Put back a snapshot taken by :meth:`o1_snapshot` on this same sealed state."""
+        if not isinstance(snapshot, O1Snapshot):
+            raise TypeError(f"snapshot: expected an O1Snapshot from o1_snapshot(), got "
+                            f"{type(snapshot).__name__}")
+        state = self._sealed_state("o1_restore")
+        if snapshot._owner is not state:
+            raise ValueError("snapshot: it was taken from another O(1) state (another layer, or "
+                             "before a clear/re-seal); it cannot be restored here")
+        state.restore(snapshot)
+        self._seq_len = snapshot.seq_len

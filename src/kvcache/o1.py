@@ -1,0 +1,455 @@
+"""The O(1) Nystrom override of a LayerKvCache (spec layer-kv-cache.md section 6).
+
+A long prompt is frozen, at the end of prefill, into a state of constant size per KV group:
+
+* group-shared (stored once per KV group): ``sink`` sink keys/values, an exact window ring of
+  the last ``w`` keys/values, and ``m_eff`` key landmarks (segment means of the prompt keys);
+* per query head: ``m_eff`` query landmarks (segment means of that head's prompt queries), the
+  ridge pseudo-inverse ``M`` of ``Au = exp(s Q~ K~^T)``, and the far-field accumulators
+  ``T^`` (m_eff x dv), ``Z^`` (m_eff) kept at scale ``exp(-m_max)`` per landmark.
+
+Each decode step inserts the new key/value once per group; the key that leaves a full window
+is absorbed into every head's far field; each head's output is the joint-denominator mix of
+the exact near set (sinks and window) and the Nystrom far field.  Time and memory per step do
+not depend on the context length.
+
+State machine (``LayerKvCache.o1``)::
+
+    None --o1_begin--> O1Collecting --o1_seal ok--> O1Sealed
+                              |  (preconditions fail: layer stays exact, o1 = None)
+    clear() returns to None from anywhere.
+
+Numbers.  The seal maths (segment means, ``Au``, the ridge pseudo-inverse) run in float64 and
+are stored as float32; the replay of the prompt through the window and every decode step run
+in float32 in the compiled kernels (``_core.o1_absorb`` / ``_core.o1_step``, whose summation
+orders are written down in ``_kernels.h``).  The score scale is ``1/sqrt(head_dim)`` in
+float32; the layer's own scale and softcap are not used (to use a scale ``s'``, multiply the
+pushed queries and the step queries by ``s' * sqrt(head_dim)``: landmarks are means, so the
+operator is then exactly the one with scale ``s'``).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._validate import readonly
+
+__all__ = ["O1Rect", "O1Collecting", "O1Sealed", "O1DeviceView", "O1HeadView", "O1Snapshot",
+           "EXACT_SLACK", "seg_means", "ridge_pinv", "effective_landmarks", "o1_scale",
+           "check_seal"]
+
+log = logging.getLogger("kvcache")
+
+_F32 = np.float32
+EXACT_SLACK = 8          # a seal prompt of t <= w + sink + EXACT_SLACK positions is kept exact
+_RIDGE = 1e-6            # ridge, relative to mean(diag(A^T A))
+_RIDGE_TRIES = 12        # ridge x10 per failed Cholesky, this many attempts
+_EXACT_EXTRA = 64        # spare window rows allocated for an exact-only group at seal
+
+
+class O1Rect(enum.Enum):
+    """Rectifier of the Nystrom far field (spec 6.5).
+
+    AGGREGATE (default): drop the far field when its aggregate denominator is negative.
+    FM: also clamp the landmark mixing row ``u = F M`` at 0, so every output lies in the hull
+    of the values (measurably worse perplexity upstream).
+    """
+
+    AGGREGATE = "aggregate"
+    FM = "fm"
+
+    @classmethod
+    def parse(cls, value):
+        """An O1Rect from itself or from ``"agg"``/``"aggregate"``/``"fm"`` (any case)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            key = value.strip().lower()
+            if key in ("agg", "aggregate"):
+                return cls.AGGREGATE
+            if key == "fm":
+                return cls.FM
+            raise ValueError(f"rect: expected 'agg', 'aggregate' or 'fm', got {value!r}")
+        raise TypeError(f"rect: expected an O1Rect or a string, got {type(value).__name__}")
+
+
+def o1_scale(d):
+    """The operator's score scale 1/sqrt(d), computed in float32 as upstream does."""
+    return _F32(1.0) / np.sqrt(_F32(d))
+
+
+def effective_landmarks(t, m):
+    """``m_eff = clamp(t // 8, 4, m)``: fewer landmarks for a short seal prompt."""
+    return min(max(t // 8, 4), m)
+
+
+def seg_means(x, m):
+    """Segment means (float64) of the rows of ``x`` (..., t, d) into m landmarks.
+
+    Segment i covers rows ``[floor(i t / m), floor((i + 1) t / m))`` (the Nystromformer recipe);
+    sums are accumulated in float64 without a float64 copy of ``x``.
+    """
+    x = np.asarray(x)
+    t = x.shape[-2]
+    bounds = (np.arange(m + 1) * t) // m                                # (m+1,)
+    out = np.empty(x.shape[:-2] + (m, x.shape[-1]))                    # (..., m, d)
+    for i in range(m):
+        a, b = int(bounds[i]), int(bounds[i + 1])
+        out[..., i, :] = x[..., a:b, :].sum(axis=-2, dtype=np.float64) / max(b - a, 1)
+    return out
+
+
+def ridge_pinv(a):
+    """Ridge pseudo-inverse ``(A^T A + lam I)^-1 A^T`` of a square float64 matrix (spec 6.3).
+
+    ``lam = 1e-6 mean(diag(A^T A))`` (at least the smallest positive float64); a Cholesky that
+    fails (non-positive or non-finite pivot) multiplies lam by 10, up to 12 attempts; after
+    that the fallback is ``I / mean(diag(A^T A))``.
+    """
+    a = np.asarray(a, dtype=np.float64)
+    n = a.shape[0]
+    with np.errstate(all="ignore"):
+        g = a.T @ a
+        mean_diag = float(np.mean(np.diag(g))) if n else 1.0
+        lam = max(_RIDGE * mean_diag, np.finfo(np.float64).tiny) if mean_diag == mean_diag else np.nan
+        eye = np.eye(n)
+        for _ in range(_RIDGE_TRIES):
+            try:
+                low = np.linalg.cholesky(g + lam * eye)
+            except np.linalg.LinAlgError:
+                low = None
+            if low is not None and np.all(np.isfinite(low)) and np.all(np.diag(low) > 0):
+                y = _solve_lower(low, a.T)
+                return _solve_lower(low.T[::-1, ::-1], y[::-1])[::-1]
+            lam *= 10.0
+        return eye / mean_diag
+
+
+def _solve_lower(low, b):
+    """Forward substitution ``low @ x = b`` (low lower-triangular), column-vectorised."""
+    n = low.shape[0]
+    x = np.empty_like(b)
+    for i in range(n):
+        x[i] = (b[i] - low[i, :i] @ x[:i]) / low[i, i]
+    return x
+
+
+# ---------------------------------------------------------------------------------- states
+class O1Collecting:
+    """O(1) requested, prompt in progress: the query trace is being collected.
+
+    The trace is position-major float32, ``num_heads * head_dim`` floats per position, appended
+    verbatim by :meth:`LayerKvCache.o1_push_q`."""
+
+    sealed = False
+
+    def __init__(self, m, w, sink, rect, head_dim):
+        self.m, self.w, self.sink, self.rect = m, w, sink, rect
+        self._hd = head_dim
+        self._q = np.zeros(0, dtype=_F32)
+        self._len = 0
+
+    def push(self, q):
+        """Append the float32 values of ``q`` (already validated) to the trace."""
+        flat = q.reshape(-1)
+        need = self._len + flat.size
+        if need > self._q.size:
+            grown = np.empty(max(need, 2 * self._q.size, 1024), dtype=_F32)
+            grown[: self._len] = self._q[: self._len]
+            self._q = grown
+        self._q[self._len: need] = flat
+        self._len = need
+
+    @property
+    def trace(self):
+        """The collected queries, a read-only flat float32 view."""
+        return readonly(self._q[: self._len])
+
+    def memory_bytes(self):
+        return 4 * self._len
+
+    def __repr__(self):
+        return (f"O1Collecting(m={self.m}, w={self.w}, sink={self.sink}, rect={self.rect.name}, "
+                f"trace_floats={self._len})")
+
+
+@dataclass(frozen=True)
+class O1HeadView:
+    """Read-only views of one query head's part of a sealed group (spec 6.6)."""
+
+    rect_fm: bool
+    t_hat: np.ndarray      # (m_eff, dv) far numerators, at scale exp(-m_max) per landmark
+    z_hat: np.ndarray      # (m_eff,) far denominators, same scale
+    m_max: np.ndarray      # (m_eff,) running max of the landmark logits
+    q_tilde: np.ndarray    # (m_eff, d) query landmarks
+    mu: np.ndarray         # (m_eff, m_eff) ridge pseudo-inverse M of Au
+
+
+@dataclass(frozen=True)
+class O1DeviceView:
+    """Read-only views of one KV group's sealed state, for device mirrors (spec 6.6).
+
+    Scalars are a snapshot taken by :meth:`LayerKvCache.o1_views`; the arrays are live views of
+    the state (a later ``o1_step`` changes the ring and the far accumulators under them).
+    Arrays are 2-D row-major (``win_k.ravel()`` is upstream's flat ``[w*d]`` slice, no copy).
+    """
+
+    m_eff: int
+    w: int
+    sink_len: int
+    d: int
+    dv: int
+    exact_only: bool
+    scale: float
+    win_len: int
+    win_head: int
+    far_len: int
+    win_k: np.ndarray      # (w, d) window ring, slot order
+    win_v: np.ndarray      # (w, dv)
+    sink_k: np.ndarray     # (sink_len, d)
+    sink_v: np.ndarray     # (sink_len, dv)
+    k_tilde: np.ndarray    # (m_eff, d) key landmarks
+    heads: tuple           # O1HeadView per query head of the group
+
+
+class O1Snapshot:
+    """An opaque copy of a sealed layer's mutable O(1) state (ring, far accumulators, counts).
+
+    Made by :meth:`LayerKvCache.o1_snapshot`; :meth:`LayerKvCache.o1_restore` puts it back,
+    bit for bit, into the same sealed state."""
+
+    __slots__ = ("_owner", "_arrays", "_counts", "seq_len")
+
+    def __init__(self, owner, arrays, counts, seq_len):
+        self._owner = owner
+        self._arrays = arrays
+        self._counts = counts
+        self.seq_len = seq_len
+
+    def __repr__(self):
+        return f"O1Snapshot(seq_len={self.seq_len}, bytes={sum(a.nbytes for a in self._arrays.values())})"
+
+
+class O1Sealed:
+    """A sealed layer: per-group Nystrom states (group-shared arrays stacked over the G KV
+    groups, per-head arrays stacked over the H query heads; head h is in group h // (H // G)).
+
+    Skeleton mode: ``win_k`` (G, w, d) ring, ``sink_k`` (G, sink, d), ``k_tilde`` (G, m_eff, d),
+    ``q_tilde`` (H, m_eff, d), ``mu`` (H, m_eff, m_eff), ``t_hat`` (H, m_eff, dv), ``z_hat`` and
+    ``m_max`` (H, m_eff), and per-head scratch (H, sink + w + 3 m_eff).
+    Exact-only mode (a short seal prompt): every key stays an exact window row (the window
+    grows, no landmarks, no sinks): the output is plain causal softmax.
+    """
+
+    sealed = True
+
+    def __init__(self, *, num_heads, num_kv_heads, d, dv, m, w, sink, rect, exact_only):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.hpk = num_heads // num_kv_heads
+        self.d, self.dv = d, dv
+        self.m, self.w, self.sink = m, w, sink
+        self.rect = rect
+        self.exact_only = exact_only
+        self.scale = float(o1_scale(d))
+        self.m_eff = 0
+        self.sink_len = 0
+        self.win_len = 0
+        self.win_head = 0
+        self.far_len = 0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def seal(cls, q_trace, keys, values, *, t, m, w, sink, rect, kernels, n_threads):
+        """Build the state from a prompt of t positions (spec 6.3).
+
+        q_trace (t, H, d); keys (G, cap, d) and values (G, cap, dv) with the prompt in rows
+        [0, t) (the layer's own head-major stores): float32, C-contiguous."""
+        nh, d = q_trace.shape[1], q_trace.shape[2]
+        nkv, dv = values.shape[0], values.shape[2]
+        st = cls(num_heads=nh, num_kv_heads=nkv, d=d, dv=dv, m=m, w=w, sink=sink, rect=rect,
+                 exact_only=t <= w + sink + EXACT_SLACK)
+        if st.exact_only:
+            cap = t + _EXACT_EXTRA
+            st.win_k = np.zeros((nkv, cap, d), dtype=_F32)
+            st.win_v = np.zeros((nkv, cap, dv), dtype=_F32)
+            st.win_k[:, :t] = keys[:, :t]
+            st.win_v[:, :t] = values[:, :t]
+            st.win_len = t
+            st._empty_parts()
+            log.info("kvcache O(1): seal prompt of %d positions <= w + sink + %d = %d; the layer "
+                     "stays exact (window holds every key, cost grows with the context)",
+                     t, EXACT_SLACK, w + sink + EXACT_SLACK)
+            return st
+        m_eff = effective_landmarks(t, m)
+        if m_eff < m:
+            log.warning("kvcache O(1): landmark budget m=%d clamped to %d by a %d-position seal "
+                        "prompt (use a prompt of at least 8*m = %d positions)", m, m_eff, t, 8 * m)
+        st.m_eff = m_eff
+        st.sink_len = sink
+        st.sink_k = np.ascontiguousarray(keys[:, :sink])
+        st.sink_v = np.ascontiguousarray(values[:, :sink])
+        st.k_tilde = seg_means(keys[:, :t], m_eff).astype(_F32)                       # (G, m, d)
+        q_heads = np.ascontiguousarray(q_trace.transpose(1, 0, 2))              # (H, t, d)
+        st.q_tilde = seg_means(q_heads, m_eff).astype(_F32)                    # (H, m, d)
+        s64 = float(st.scale)
+        st.mu = np.empty((nh, m_eff, m_eff), dtype=_F32)
+        kt64 = st.k_tilde.astype(np.float64)
+        for h in range(nh):
+            with np.errstate(over="ignore", invalid="ignore"):
+                au = np.exp(s64 * (st.q_tilde[h].astype(np.float64) @ kt64[h // st.hpk].T))
+            st.mu[h] = ridge_pinv(au)
+        st.t_hat = np.zeros((nh, m_eff, dv), dtype=_F32)
+        st.z_hat = np.zeros((nh, m_eff), dtype=_F32)
+        st.m_max = np.full((nh, m_eff), -np.inf, dtype=_F32)
+        st.scr = np.zeros((nh, sink + w + 3 * m_eff), dtype=_F32)
+        # replay: keys sink .. t-w-1 leave the window in order and enter the far field
+        n_far = t - sink - w
+        kernels.o1_absorb(st.q_tilde, keys, values, sink, n_far, st.scale, st.t_hat, st.z_hat,
+                          st.m_max, st.scr, n_threads)
+        st.far_len = n_far
+        # ...and key j >= sink sits in ring slot (j - sink) % w
+        st.win_k = np.zeros((nkv, w, d), dtype=_F32)
+        st.win_v = np.zeros((nkv, w, dv), dtype=_F32)
+        tail = np.arange(t - w, t)
+        st.win_k[:, (tail - sink) % w] = keys[:, t - w: t]
+        st.win_v[:, (tail - sink) % w] = values[:, t - w: t]
+        st.win_len = w
+        st.win_head = (t - sink) % w
+        return st
+
+    def _empty_parts(self):
+        nkv, nh, d, dv = self.num_kv_heads, self.num_heads, self.d, self.dv
+        self.sink_k = np.zeros((nkv, 0, d), dtype=_F32)
+        self.sink_v = np.zeros((nkv, 0, dv), dtype=_F32)
+        self.k_tilde = np.zeros((nkv, 0, d), dtype=_F32)
+        self.q_tilde = np.zeros((nh, 0, d), dtype=_F32)
+        self.mu = np.zeros((nh, 0, 0), dtype=_F32)
+        self.t_hat = np.zeros((nh, 0, dv), dtype=_F32)
+        self.z_hat = np.zeros((nh, 0), dtype=_F32)
+        self.m_max = np.zeros((nh, 0), dtype=_F32)
+        self.scr = np.zeros((nh, 0), dtype=_F32)
+
+    # ------------------------------------------------------------------ decode
+    def step(self, q, k_new, v_new, out, kernels, n_threads):
+        """One decode step; q (H, d), k_new (G, d), v_new (G, dv) float32; fills out (H, dv)."""
+        if self.exact_only:
+            if self.win_len == self.win_k.shape[1]:
+                self._grow_exact()
+            slot, absorb = self.win_len, False
+            win_len = self.win_len + 1
+            scr = np.empty((self.num_heads, win_len), dtype=_F32)
+        elif self.win_len == self.w:
+            slot, absorb = self.win_head, True
+            win_len = self.w
+            scr = self.scr
+        else:  # unreachable after a skeleton seal (the ring is full), kept for completeness
+            slot, absorb = self.win_len, False
+            win_len = self.win_len + 1
+            scr = self.scr
+        far_len = self.far_len + (1 if absorb else 0)
+        kernels.o1_step(q, k_new, v_new, self.sink_k, self.sink_v, self.win_k, self.win_v,
+                        win_len, slot, absorb, self.k_tilde, self.q_tilde, self.mu, self.t_hat,
+                        self.z_hat, self.m_max, far_len > 0, self.rect is O1Rect.FM,
+                        self.scale, out, scr, n_threads)
+        self.win_len = win_len
+        if absorb:
+            self.win_head = (self.win_head + 1) % self.w
+        self.far_len = far_len
+
+    def _grow_exact(self):
+        n, cap = self.win_len, self.win_k.shape[1]
+        new_cap = max(2 * cap, _EXACT_EXTRA)
+        for name in ("win_k", "win_v"):
+            old = getattr(self, name)
+            grown = np.zeros((old.shape[0], new_cap, old.shape[2]), dtype=_F32)
+            grown[:, :n] = old[:, :n]
+            setattr(self, name, grown)
+
+    # ------------------------------------------------------------------ accounting, views
+    def memory_bytes(self):
+        """Bytes of the state (spec 6.8): group rings, sinks and key landmarks; per head the
+        query landmarks, M, the far accumulators and the step scratch.  An exact-only group
+        counts the window rows it holds (it grows with the context)."""
+        if self.exact_only:
+            return 4 * self.num_kv_heads * self.win_len * (self.d + self.dv)
+        arrays = (self.win_k, self.win_v, self.sink_k, self.sink_v, self.k_tilde, self.q_tilde,
+                  self.mu, self.t_hat, self.z_hat, self.m_max, self.scr)
+        return int(sum(a.nbytes for a in arrays))
+
+    def views(self):
+        if self.exact_only:
+            return None
+        groups = []
+        for g in range(self.num_kv_heads):
+            heads = tuple(
+                O1HeadView(rect_fm=self.rect is O1Rect.FM, t_hat=readonly(self.t_hat[h]),
+                           z_hat=readonly(self.z_hat[h]), m_max=readonly(self.m_max[h]),
+                           q_tilde=readonly(self.q_tilde[h]), mu=readonly(self.mu[h]))
+                for h in range(g * self.hpk, (g + 1) * self.hpk))
+            groups.append(O1DeviceView(
+                m_eff=self.m_eff, w=self.w, sink_len=self.sink_len, d=self.d, dv=self.dv,
+                exact_only=False, scale=self.scale, win_len=self.win_len, win_head=self.win_head,
+                far_len=self.far_len, win_k=readonly(self.win_k[g]), win_v=readonly(self.win_v[g]),
+                sink_k=readonly(self.sink_k[g]), sink_v=readonly(self.sink_v[g]),
+                k_tilde=readonly(self.k_tilde[g]), heads=heads))
+        return groups
+
+    # ------------------------------------------------------------------ rollback
+    _MUTABLE = ("win_k", "win_v", "t_hat", "z_hat", "m_max")
+
+    def snapshot(self, seq_len):
+        n = self.win_len
+        arrays = {name: getattr(self, name).copy() for name in ("t_hat", "z_hat", "m_max")}
+        if self.exact_only:
+            arrays["win_k"] = self.win_k[:, :n].copy()
+            arrays["win_v"] = self.win_v[:, :n].copy()
+        else:
+            arrays["win_k"] = self.win_k.copy()
+            arrays["win_v"] = self.win_v.copy()
+        counts = (self.win_len, self.win_head, self.far_len)
+        return O1Snapshot(self, arrays, counts, seq_len)
+
+    def restore(self, snap):
+        """Copy a snapshot back in place (views handed out stay valid)."""
+        for name in ("t_hat", "z_hat", "m_max"):
+            np.copyto(getattr(self, name), snap._arrays[name])
+        n = snap._counts[0]
+        if self.exact_only:
+            self.win_k[:, :n] = snap._arrays["win_k"]
+            self.win_v[:, :n] = snap._arrays["win_v"]
+        else:
+            np.copyto(self.win_k, snap._arrays["win_k"])
+            np.copyto(self.win_v, snap._arrays["win_v"])
+        self.win_len, self.win_head, self.far_len = snap._counts
+
+    def __repr__(self):
+        mode = "exact-only" if self.exact_only else f"m_eff={self.m_eff}"
+        return (f"O1Sealed(groups={self.num_kv_heads}, heads={self.num_heads}, {mode}, "
+                f"w={self.w}, sink={self.sink_len}, rect={self.rect.name}, far_len={self.far_len})")
+
+
+def check_seal(layer, coll, num_heads):
+    """The reason a seal is refused (spec 6.1 preconditions), or None when it may proceed."""
+    t = layer.seq_len
+    nkv = layer.num_kv_heads
+    hd = layer.head_dim
+    if t <= 0:
+        return "nothing to seal (seq_len == 0)"
+    if not layer.mode.is_f32:
+        return f"the layer stores int8 rows ({layer.mode!r}); the O(1) seal needs F32 KV rows"
+    if coll._len != t * num_heads * hd:
+        return (f"the query trace holds {coll._len} floats, expected seq_len * num_heads * "
+                f"head_dim = {t} * {num_heads} * {hd} = {t * num_heads * hd} (a full trace)")
+    if num_heads % nkv:
+        return f"num_heads={num_heads} is not a multiple of num_kv_heads={nkv}"
+    lens = [layer.head_len(h) for h in range(nkv)]
+    if any(n != t for n in lens):
+        return (f"every KV head must hold all {t} positions (no dead heads, no eviction); "
+                f"head lengths are {lens}")
+    return None
+
