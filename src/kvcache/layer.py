@@ -672,7 +672,7 @@ class LayerKvCache:
         """True when the layer is sealed (O(1) decode through :meth:`o1_step`)."""
         return self.o1 is not None and bool(getattr(self.o1, "sealed", False))
 
-    def o1_seal(self, num_heads):
+    def o1_seal(self, num_heads, *, _kernels=None):
         """Freeze the prompt into per-group Nystrom states and release the layer's KV.
 
         Idempotent: when the layer is not collecting, returns :meth:`o1_sealed` and changes
@@ -699,7 +699,8 @@ class LayerKvCache:
         try:
             state = O1Sealed.seal(coll._q[: coll._len].reshape(t, nh, hd), self._kf, self._vf,
                                   t=t, m=coll.m, w=coll.w, sink=coll.sink, rect=coll.rect,
-                                  kernels=_core, n_threads=_core.max_threads())
+                                  kernels=_core if _kernels is None else _kernels,
+                                  n_threads=_core.max_threads())
         except BaseException:
             self.o1 = coll          # e.g. MemoryError: nothing changed, still collecting
             raise
@@ -716,7 +717,7 @@ class LayerKvCache:
                                f"position's queries with o1_push_q, then o1_seal)")
         return self.o1
 
-    def o1_step(self, q_all, k_new, v_new, num_heads):
+    def o1_step(self, q_all, k_new, v_new, num_heads, *, _kernels=None):
         """One O(1) decode step: insert (k_new, v_new) once per KV group, return every head's
         attention output.
 
@@ -745,7 +746,7 @@ class LayerKvCache:
         if np.may_share_memory(k, state.win_k) or np.may_share_memory(v, state.win_v):
             k, v = k.copy(), v.copy()
         out = np.empty((nh, hd), dtype=_F32)
-        state.step(q, k, v, out, _core, _core.max_threads())
+        state.step(q, k, v, out, _core if _kernels is None else _kernels, _core.max_threads())
         self._seq_len += 1
         return out
 

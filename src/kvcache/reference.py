@@ -8,7 +8,12 @@ kernels to float32 rounding, not bit for bit (the exceptions, bit-identical by c
 are row quantisation and the row stores).
 
 Convenience wrappers run a LayerKvCache's own driver on these kernels:
-``attend_all_heads(layer, q, ...)``, ``attend(layer, q, h)``, ``attend_group(layer, ...)``.
+``attend_all_heads(layer, q, ...)``, ``attend(layer, q, h)``, ``attend_group(layer, ...)``,
+``o1_seal(layer, num_heads)``, ``o1_step_layer(layer, q, k, v, num_heads)``.
+
+The O(1) Nystrom operator has, besides the kernel twins ``o1_absorb``/``o1_step``, its two
+float64 forms: ``nystrom_stream`` (seal, replay, decode steps) and ``nystrom_matrix`` (the
+definition, with an explicit far weight per key); see the end of this module.
 """
 
 from __future__ import annotations
@@ -167,3 +172,223 @@ def attend_group(layer, q_group, kv_head, out, imp_acc, scale, first, softcap):
     """``layer.attend_group`` run on the NumPy kernels."""
     return layer.attend_group(q_group, kv_head, out, imp_acc, scale, first, softcap,
                               _kernels=_this())
+
+
+def o1_seal(layer, num_heads):
+    """``layer.o1_seal`` with the prompt replayed by the NumPy ``o1_absorb``."""
+    return layer.o1_seal(num_heads, _kernels=_this())
+
+
+def o1_step_layer(layer, q_all, k_new, v_new, num_heads):
+    """``layer.o1_step`` run on the NumPy ``o1_step``."""
+    return layer.o1_step(q_all, k_new, v_new, num_heads, _kernels=_this())
+
+
+# ---------------------------------------------------------------------------------------------
+# O(1) Nystrom operator (spec layer-kv-cache.md 6.2-6.4 and 10.5).
+#
+# o1_absorb / o1_step are the twins of the compiled kernels (same arguments; they compute in the
+# dtype of the state arrays, so the same code is the float32 twin and, fed float64 arrays, the
+# float64 streaming reference).  nystrom_stream and nystrom_matrix are the operator's two
+# float64 forms, written from the definitions and independent of kvcache.o1's seal code.
+
+def o1_absorb(q_tilde__hmd, keys__gnd, values__gne, row0, n, scale, t_hat__hme, z_hat__hm,
+              m_max__hm, scr__hm=None, n_threads=1):
+    """Twin of ``_core.o1_absorb``: rows [row0, row0+n) of every group enter the far field of
+    each of the group's heads, in row order, with the per-landmark running max."""
+    H, m = q_tilde__hmd.shape[:2]
+    if H == 0 or m == 0 or n <= 0:
+        return
+    dt = t_hat__hme.dtype.type
+    hpk = H // keys__gnd.shape[0]
+    s = dt(scale)
+    for h in range(H):
+        g = h // hpk
+        qt, T, Z, M = q_tilde__hmd[h], t_hat__hme[h], z_hat__hm[h], m_max__hm[h]
+        for i in range(row0, row0 + n):
+            k, v = keys__gnd[g, i], values__gne[g, i]                    # (d,), (dv,)
+            with np.errstate(invalid="ignore", over="ignore"):
+                l = (qt @ k).astype(dt) * s                              # (m,)
+                up = l > M                                               # landmarks whose max moves
+                r = np.exp(M[up] - l[up]).astype(dt)                     # exp(-inf) = 0 at first
+                Z[up] *= r
+                T[up] *= r[:, None]
+                M[up] = l[up]
+                e = np.exp(l - M).astype(dt)                             # (m,)
+                Z += e
+                T += e[:, None] * v[None, :]
+
+
+def o1_step(q__hd, k_new__gd, v_new__ge, sink_k__gsd, sink_v__gse, win_k__gcd, win_v__gce,
+            win_len, slot, absorb, k_tilde__gmd, q_tilde__hmd, mu__hmm, t_hat__hme, z_hat__hm,
+            m_max__hm, use_far, fm, scale, out__he, scr__hx=None, n_threads=1):
+    """Twin of ``_core.o1_step`` (one decode step of every head; see its docstring)."""
+    H = q__hd.shape[0]
+    G = k_new__gd.shape[0]
+    hpk = H // G
+    m = q_tilde__hmd.shape[1]
+    dt = out__he.dtype.type
+    s = dt(scale)
+    if absorb and m > 0:
+        o1_absorb(q_tilde__hmd, win_k__gcd, win_v__gce, slot, 1, scale, t_hat__hme, z_hat__hm,
+                  m_max__hm)
+    for h in range(H):
+        g = h // hpk
+        wk = win_k__gcd[g, :win_len].copy()                              # (nw, d) slot order
+        wv = win_v__gce[g, :win_len].copy()
+        wk[slot], wv[slot] = k_new__gd[g], v_new__ge[g]
+        keys = np.concatenate([sink_k__gsd[g], wk])                      # (ns+nw, d) sinks first
+        vals = np.concatenate([sink_v__gse[g], wv])
+        with np.errstate(invalid="ignore", over="ignore"):
+            sc = (keys @ q__hd[h]).astype(dt) * s                        # (n,)
+            c_all = np.fmax.reduce(sc, initial=-np.inf)
+            num = np.zeros(out__he.shape[1], dtype=dt)
+            den = dt(0)
+            if use_far and m > 0:
+                f_a = (k_tilde__gmd[g] @ q__hd[h]).astype(dt) * s        # (m,)
+                f = np.fmax.reduce(f_a, initial=-np.inf)
+                u = (np.exp(f_a - f).astype(dt) @ mu__hmm[h]).astype(dt)  # (m,)
+                if fm:
+                    u = np.where(u > 0, u, dt(0))
+                c_all = max(c_all, np.fmax.reduce(f + m_max__hm[h], initial=-np.inf))
+                gain = u * np.exp(f + m_max__hm[h] - c_all).astype(dt)   # (m,)
+                far_den = dt(gain @ z_hat__hm[h])
+                if far_den >= 0:
+                    den = far_den
+                    num = (gain @ t_hat__hme[h]).astype(dt)              # (dv,)
+            p = np.exp(sc - c_all).astype(dt)                            # (n,)
+            den = dt(den + p.sum(dtype=dt))
+            num = num + (p @ vals).astype(dt)
+            out__he[h] = num / max(den, dt(1e-30))
+    win_k__gcd[:, slot] = k_new__gd
+    win_v__gce[:, slot] = v_new__ge
+
+
+def _o1_inputs(q, k, v):
+    """(t, H, d), (t, G, d), (t, G, dv) float64 views of the operator's inputs (2-D: H = G = 1)."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    if q.ndim == 2:
+        q, k, v = q[:, None], k[:, None], v[:, None]
+    return q, k, v
+
+
+def _softmax_rows(q, k, v, s, p, H, G):
+    """Exact causal softmax attention of positions p..t-1: (t-p, H, dv)."""
+    t = q.shape[0]
+    hpk = H // G
+    out = np.empty((t - p, H, v.shape[2]))
+    for i in range(p, t):
+        for h in range(H):
+            sc = s * (k[: i + 1, h // hpk] @ q[i, h])                    # (i+1,)
+            e = np.exp(sc - sc.max())
+            out[i - p, h] = e @ v[: i + 1, h // hpk] / e.sum()
+    return out
+
+
+def nystrom_stream(q, k, v, p, m, w, sink, rect="aggregate"):
+    """The O(1) operator in streaming form, float64 (spec 6.3-6.4).
+
+    Seal on positions [0, p) -- segment-mean landmarks, ``M = (Au^T Au + lam I)^-1 Au^T`` with
+    ``lam = 1e-6 mean(diag(Au^T Au))`` -- replay the prompt through the window (a key enters the
+    far field exactly when it leaves the window), then one decode step per position i in
+    [p, t), the new key inserted before the output is read.
+
+    Parameters
+    ----------
+    q : array_like (t, H, d);  k : (t, G, d);  v : (t, G, dv)   (2-D arrays: H = G = 1)
+    p, m, w, sink : int
+    rect : "aggregate" or "fm"
+
+    Returns
+    -------
+    ndarray of shape (t - p, H, dv), float64
+    """
+    q, k, v = _o1_inputs(q, k, v)
+    t, H, d = q.shape
+    G, dv = k.shape[1], v.shape[2]
+    s = float(_F32(1.0) / np.sqrt(_F32(d)))
+    if p <= w + sink + 8:                                   # exact-only: plain softmax
+        return _softmax_rows(q, k, v, s, p, H, G)
+    hpk = H // G
+    me = min(max(p // 8, 4), m)
+    bounds = (np.arange(me + 1) * p) // me
+    seg = lambda x: np.stack([x[a:b].mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:])])
+    kt = np.stack([seg(k[:p, g]) for g in range(G)])                    # (G, me, d)
+    qt = np.stack([seg(q[:p, h]) for h in range(H)])                    # (H, me, d)
+    mu = np.empty((H, me, me))
+    for h in range(H):
+        au = np.exp(s * qt[h] @ kt[h // hpk].T)                         # (me, me)
+        ata = au.T @ au
+        lam = 1e-6 * np.mean(np.diag(ata))
+        mu[h] = np.linalg.solve(ata + lam * np.eye(me), au.T)
+    kg = np.ascontiguousarray(k.transpose(1, 0, 2))                     # (G, t, d)
+    vg = np.ascontiguousarray(v.transpose(1, 0, 2))                     # (G, t, dv)
+    t_hat = np.zeros((H, me, dv))
+    z_hat = np.zeros((H, me))
+    m_max = np.full((H, me), -np.inf)
+    o1_absorb(qt, kg, vg, sink, p - sink - w, s, t_hat, z_hat, m_max)
+    win_k = np.zeros((G, w, d))
+    win_v = np.zeros((G, w, dv))
+    tail = np.arange(p - w, p)
+    win_k[:, (tail - sink) % w] = kg[:, p - w:p]
+    win_v[:, (tail - sink) % w] = vg[:, p - w:p]
+    head = (p - sink) % w
+    out = np.empty((t - p, H, dv))
+    for i in range(p, t):
+        o1_step(q[i], k[i], v[i], kg[:, :sink], vg[:, :sink], win_k, win_v, w, head, True, kt,
+                qt, mu, t_hat, z_hat, m_max, True, str(rect).lower().endswith("fm"), s, out[i - p])
+        head = (head + 1) % w
+    return out
+
+
+def nystrom_matrix(q, k, v, p, m, w, sink, *, clip=True):
+    """The O(1) operator in matrix form, float64 (spec 10.5), and how often the clip fired.
+
+    For decode position i (keys 0..i): near set ``i - j < w or j < sink``, far set
+    ``sink <= j <= i - w``; far weight of key j is ``((F M) E)_j`` with ``F = exp(s q_i K~^T)``,
+    ``M = pinv(Au, rtol=1e-6)`` and ``E = exp(s Q~ k_j)`` (landmarks from the prefix [0, p)),
+    clipped at 0 when ``clip``; one joint denominator with the exact near weights.
+
+    Returns
+    -------
+    out : ndarray (t - p, H, dv), float64
+    clipped : int
+        Number of far weights that were negative (and clipped, when ``clip``).
+    """
+    q, k, v = _o1_inputs(q, k, v)
+    t, H, d = q.shape
+    G, dv = k.shape[1], v.shape[2]
+    s = float(_F32(1.0) / np.sqrt(_F32(d)))
+    if p <= w + sink + 8:
+        return _softmax_rows(q, k, v, s, p, H, G), 0
+    hpk = H // G
+    me = min(max(p // 8, 4), m)
+    bounds = (np.arange(me + 1) * p) // me
+    out = np.empty((t - p, H, dv))
+    clipped = 0
+    for h in range(H):
+        g = h // hpk
+        kt = np.stack([k[a:b, g].mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:])])  # (me, d)
+        qt = np.stack([q[a:b, h].mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:])])  # (me, d)
+        mu = np.linalg.pinv(np.exp(s * qt @ kt.T), rtol=1e-6)            # (me, me)
+        for i in range(p, t):
+            j = np.arange(i + 1)
+            near = (i - j < w) | (j < sink)                             # (i+1,)
+            far = ~near
+            kn, vn = k[: i + 1][near, g], v[: i + 1][near, g]          # near rows
+            kf, vf = k[: i + 1][far, g], v[: i + 1][far, g]            # far rows
+            ln = s * (kn @ q[i, h])                                     # near logits
+            fl = s * (kt @ q[i, h])                                     # (me,) landmark logits
+            el = s * (kf @ qt.T)                                        # (nfar, me)
+            f = fl.max()
+            gmax = el.max() if el.size else 0.0
+            c = max(ln.max(), f + gmax)
+            wn = np.exp(ln - c)
+            wf = (np.exp(el - gmax) @ (np.exp(fl - f) @ mu)) * np.exp(f + gmax - c)  # (nfar,)
+            neg = wf < 0
+            clipped += int(neg.sum())
+            if clip:
+                wf = np.where(neg, 0.0, wf)
+            num = wn @ vn + wf @ vf
+            out[i - p, h] = num / (wn.sum() + wf.sum())
+    return out, clipped
