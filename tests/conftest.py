@@ -48,7 +48,25 @@ def _snapshot(layer):
         "linear_scratch": _copy(layer.linear_scratch),
         "memory_bytes": layer.memory_bytes(),
         "o1": layer.o1,
+        "o1_state": _o1_state(layer.o1),
     }
+
+
+_O1_ARRAYS = ("win_k", "win_v", "sink_k", "sink_v", "k_tilde", "q_tilde", "mu", "t_hat", "z_hat",
+              "m_max")
+
+
+def _o1_state(o1):
+    """Copies of everything an O(1) state holds (None when there is no real state)."""
+    if o1 is None or not hasattr(o1, "memory_bytes"):
+        return None
+    if not o1.sealed:
+        return {"kind": "collecting", "params": (o1.m, o1.w, o1.sink, o1.rect),
+                "trace": np.array(o1.trace, copy=True)}
+    state = {"kind": "sealed", "counts": (o1.win_len, o1.win_head, o1.far_len, o1.m_eff)}
+    for name in _O1_ARRAYS:
+        state[name] = np.array(getattr(o1, name), copy=True)
+    return state
 
 
 def _bits_equal(a, b):
@@ -63,6 +81,15 @@ def _assert_same_state(before, after):
     for key in ("mode", "seq_len", "head_len", "memory_bytes"):
         assert before[key] == after[key], key
     assert before["o1"] is after["o1"]
+    a, b = before["o1_state"], after["o1_state"]
+    assert (a is None) == (b is None)
+    if a is not None:
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], np.ndarray):
+                assert _bits_equal(a[key], b[key]), f"o1.{key}"
+            else:
+                assert a[key] == b[key], f"o1.{key}"
     for key in ("importance", "linear_state", "linear_scratch"):
         assert _bits_equal(before[key], after[key]), key
     for key in ("keys", "values", "q8", "cols"):
