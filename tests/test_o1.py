@@ -18,7 +18,7 @@ from threadpoolctl import threadpool_limits
 
 import kvcache as kc
 from kvcache import _core, reference
-from kvcache.o1 import EXACT_SLACK, effective_landmarks, ridge_pinv, seg_means
+from kvcache.o1 import EXACT_SLACK, O1Collecting, effective_landmarks, ridge_pinv, seg_means
 
 F32 = kc.KvMode.F32
 RECTS = [kc.O1Rect.AGGREGATE, kc.O1Rect.FM]
@@ -514,3 +514,329 @@ def test_sealed_layer_refuses_the_exact_paths(rng):
     assert c.o1 is None and c.seq_len == 0 and c.memory_bytes() == 0
     c.append(k[0], v[0])
     assert c.attend_all_heads(q[0]).shape == (H, d)
+
+
+# ------------------------------------------------------------------------------------ seal maths
+def test_seg_means_segments():
+    x = np.arange(10, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)   # (10, 3)
+    got = seg_means(x, 4)                     # segments [0,2) [2,5) [5,7) [7,10)
+    np.testing.assert_array_equal(got[:, 0], [0.5, 3.0, 5.5, 8.0])
+    assert got.dtype == np.float64 and got.shape == (4, 3)
+    batched = seg_means(np.stack([x, 2 * x]), 4)
+    np.testing.assert_array_equal(batched[1], 2 * got)
+
+
+def test_ridge_pinv_is_the_ridge_solution(rng):
+    a = np.exp(rng.standard_normal((6, 6)) * 0.5)
+    got = ridge_pinv(a)
+    g = a.T @ a
+    lam = 1e-6 * np.mean(np.diag(g))
+    np.testing.assert_allclose(got, np.linalg.solve(g + lam * np.eye(6), a.T), rtol=1e-7, atol=1e-10)
+    np.testing.assert_allclose(got @ a, np.eye(6), atol=1e-3)
+
+
+def test_ridge_pinv_survives_singular_and_non_finite_matrices():
+    ones = np.ones((4, 4))                       # rank 1: the ridge makes it solvable
+    got = ridge_pinv(ones)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(ones @ got @ ones, ones, rtol=1e-4)
+    bad = np.full((3, 3), np.nan)                # every Cholesky fails: I / mean(diag(G))
+    assert np.isnan(ridge_pinv(bad)).all()
+    inf = np.full((3, 3), np.inf)
+    np.testing.assert_array_equal(ridge_pinv(inf), np.zeros((3, 3)))
+
+
+def test_seal_with_overflowing_scores_stays_finite_where_it_can(rng):
+    # huge keys overflow exp in Au: the seal must not crash; outputs of the exact near set
+    # stay defined even when the far field is dropped
+    H, G, d, m, w, sink, p = 1, 1, 8, 4, 8, 2, 64
+    q = rng.standard_normal((p + 4, H, d)).astype(np.float32) * 40
+    k = rng.standard_normal((p + 4, G, d)).astype(np.float32) * 40
+    v = rng.standard_normal((p + 4, G, d)).astype(np.float32)
+    c = sealed_layer(q, k, v, p, m, w, sink)
+    out = decode(c, q, k, v, p, H)
+    assert out.shape == (4, H, d)
+
+
+def test_block_and_single_position_pushes_build_the_same_state(rng):
+    H, G, d, m, w, sink, t, p = 4, 2, 16, 4, 16, 4, 120, 90
+    q, k, v = clustered(rng, t, p, H, G, d, m)
+    a = sealed_layer(q, k, v, p, m, w, sink, block=True)
+    b = sealed_layer(q, k, v, p, m, w, sink, block=False)
+    c = kc.LayerKvCache(G, d, mode=F32)          # flat per-position pushes
+    c.o1_begin(m, w, sink)
+    for i in range(p):
+        c.o1_push_q(q[i].reshape(-1))
+    c.append(k[:p], v[:p])
+    assert c.o1_seal(H)
+    for name in ("win_k", "k_tilde", "q_tilde", "mu", "t_hat", "z_hat", "m_max"):
+        assert getattr(a.o1, name).tobytes() == getattr(b.o1, name).tobytes() == getattr(c.o1, name).tobytes()
+
+
+# ------------------------------------------------------------------------------------ state machine
+def collecting_layer(rng, t=40, H=4, G=2, d=8, m=4, w=8, sink=2, mode=F32, alive=None, push=None):
+    c = kc.LayerKvCache(G, d, mode=mode)
+    c.o1_begin(m, w, sink)
+    c.o1_push_q(rng.standard_normal((t if push is None else push, H, d)))
+    c.append(rng.standard_normal((t, G, d)), rng.standard_normal((t, G, d)), alive=alive)
+    return c
+
+
+def test_seal_is_idempotent(rng):
+    c = collecting_layer(rng)
+    assert c.o1_seal(4)
+    state = c.o1
+    snap = state.snapshot(c.seq_len)
+    assert c.o1_seal(4) and c.o1 is state
+    assert c.o1_seal(8) and c.o1 is state        # not collecting: nothing is checked or changed
+    assert np.array_equal(snap._arrays["t_hat"], state.t_hat)
+    plain = kc.LayerKvCache(1, 4, mode=F32)
+    assert plain.o1_seal(2) is False and plain.o1 is None and not plain.o1_sealed()
+
+
+@pytest.mark.parametrize("case", ["q8", "short_trace", "long_trace", "dead_head", "fanout", "empty",
+                                  "trace_after_eviction"])
+def test_failed_seal_keeps_the_layer_exact(rng, caplog, snapshot, case):
+    H = 4
+    if case == "q8":
+        c = collecting_layer(rng, mode=kc.KvMode.Q8())
+    elif case == "short_trace":
+        c = collecting_layer(rng, push=39)
+    elif case == "long_trace":
+        c = collecting_layer(rng, push=41)
+    elif case == "dead_head":
+        c = collecting_layer(rng, alive=[True, False])
+    elif case == "fanout":
+        c = collecting_layer(rng, H=3, G=2)
+        H = 3
+    elif case == "empty":
+        c = kc.LayerKvCache(2, 8, mode=F32)
+        c.o1_begin(4, 8, 2)
+    else:
+        c = collecting_layer(rng)
+        c.o1 = None                              # eviction runs only without O(1) state...
+        c._evict(30)
+        c.o1_begin(4, 8, 2)                      # ...then the trace no longer matches
+        c.o1_push_q(rng.standard_normal((40, 4, 8)))
+    before = snapshot(c)
+    with caplog.at_level(logging.WARNING, logger="kvcache"):
+        assert c.o1_seal(H) is False
+    assert "seal refused" in caplog.text
+    assert c.o1 is None and not c.o1_sealed()
+    after = snapshot(c)
+    for key in ("seq_len", "head_len", "keys", "values", "q8", "importance"):
+        if key in ("keys", "values", "q8"):
+            assert all(np.array_equal(x, y) if not isinstance(x, tuple) else
+                       all((a is None and b is None) or np.array_equal(a, b) for a, b in zip(x, y))
+                       for x, y in zip(before[key], after[key]))
+        elif key == "importance":
+            assert np.array_equal(before[key], after[key])
+        else:
+            assert before[key] == after[key]
+    assert c.o1_seal(H) is False                 # the trace is gone: the layer stays exact
+    if c.seq_len:
+        assert c.attend_all_heads(rng.standard_normal((4, 8))).shape == (4, 8)
+
+
+def test_num_heads_zero_and_other_impossible_arguments_raise(rng, snapshot, assert_same_state):
+    c = collecting_layer(rng)
+    before = snapshot(c)
+    for bad, exc in ((0, ValueError), (-4, ValueError), (2.5, TypeError), ("4", TypeError),
+                     (True, TypeError)):
+        with pytest.raises(exc):
+            c.o1_seal(bad)
+        assert_same_state(before, snapshot(c))
+    assert isinstance(c.o1, O1Collecting)
+    for args, exc in (((3, 8, 2), ValueError), ((4, 0, 2), ValueError), ((4, 8, -1), ValueError),
+                      ((4.0, 8, 2), TypeError), ((4, 8, 2, "mean"), ValueError),
+                      ((4, 8, 2, 3), TypeError)):
+        with pytest.raises(exc):
+            c.o1_begin(*args)
+        assert_same_state(before, snapshot(c))
+
+
+def test_rect_strings_parse():
+    assert kc.O1Rect.parse("agg") is kc.O1Rect.AGGREGATE
+    assert kc.O1Rect.parse("Aggregate") is kc.O1Rect.AGGREGATE
+    assert kc.O1Rect.parse(" FM ") is kc.O1Rect.FM
+    c = kc.LayerKvCache(1, 4, mode=F32)
+    c.o1_begin(4, 4, 0, "fm")
+    assert c.o1.rect is kc.O1Rect.FM
+
+
+def test_begin_restarts_the_trace_and_refuses_a_sealed_layer(rng):
+    c = collecting_layer(rng)
+    c.o1_begin(4, 8, 2)
+    assert c.o1_memory_bytes() == 0 and c.seq_len == 40
+    c.o1_push_q(rng.standard_normal((40, 4, 8)))
+    assert c.o1_seal(4)
+    with pytest.raises(RuntimeError, match="clear"):
+        c.o1_begin(4, 8, 2)
+    assert c.o1_sealed()
+    c.clear()
+    c.o1_begin(4, 8, 2)
+    assert not c.o1_sealed() and c.o1_memory_bytes() == 0
+
+
+def test_push_q_is_a_no_op_unless_collecting(rng):
+    c = kc.LayerKvCache(2, 8, mode=F32)
+    c.o1_push_q(rng.standard_normal((4, 8)))
+    assert c.o1 is None and c.memory_bytes() == 0
+
+
+@pytest.mark.parametrize("bad,exc", [(np.zeros((4, 7)), ValueError), (np.zeros(12), ValueError),
+                                     (np.zeros((0, 8)), ValueError), (np.zeros((2, 2, 2, 8)), ValueError),
+                                     (np.zeros((4, 8), complex), TypeError), ("abc", TypeError)])
+def test_push_q_bad_input(rng, snapshot, assert_same_state, bad, exc):
+    c = kc.LayerKvCache(2, 8, mode=F32)
+    c.o1_begin(4, 8, 2)
+    c.o1_push_q(rng.standard_normal((4, 8)))
+    before = snapshot(c)
+    with pytest.raises(exc):
+        c.o1_push_q(bad)
+    assert_same_state(before, snapshot(c))
+
+
+# ------------------------------------------------------------------------------------ o1_step bad input
+@pytest.fixture
+def sealed(rng):
+    H, G, d, m, w, sink, t, p = 4, 2, 8, 4, 8, 2, 60, 50
+    q, k, v = clustered(rng, t, p, H, G, d, m)
+    return sealed_layer(q, k, v, p, m, w, sink)
+
+
+@pytest.mark.parametrize("which,bad,exc", [
+    ("q", np.zeros((4, 7)), ValueError), ("q", np.zeros((3, 8)), ValueError),
+    ("q", np.zeros(31), ValueError), ("k", np.zeros((1, 8)), ValueError),
+    ("k", np.zeros((2, 9)), ValueError), ("v", np.zeros(15), ValueError),
+    ("v", np.zeros((2, 8), complex), TypeError), ("q", [[1, 2]], ValueError),
+    ("k", None, TypeError), ("h", 0, ValueError), ("h", 8, ValueError), ("h", 2.0, TypeError)])
+def test_o1_step_bad_input_leaves_the_state_unchanged(rng, sealed, snapshot, assert_same_state,
+                                                     which, bad, exc):
+    args = {"q": rng.standard_normal((4, 8)), "k": rng.standard_normal((2, 8)),
+            "v": rng.standard_normal((2, 8)), "h": 4}
+    args[which] = bad
+    before = snapshot(sealed)
+    with pytest.raises(exc):
+        sealed.o1_step(args["q"], args["k"], args["v"], args["h"])
+    assert_same_state(before, snapshot(sealed))
+
+
+def test_step_before_seal_raises(rng, snapshot, assert_same_state):
+    c = collecting_layer(rng)
+    for layer in (c, kc.LayerKvCache(2, 8, mode=F32)):
+        before = snapshot(layer)
+        with pytest.raises(RuntimeError, match="not sealed"):
+            layer.o1_step(np.zeros((4, 8)), np.zeros((2, 8)), np.zeros((2, 8)), 4)
+        for call in (layer.o1_snapshot, lambda: layer.o1_restore(None)):
+            with pytest.raises((RuntimeError, TypeError)):
+                call()
+        assert_same_state(before, snapshot(layer))
+        assert layer.o1_views() is None
+
+
+def test_non_finite_inputs_do_not_crash(sealed):
+    out = sealed.o1_step(np.full((4, 8), np.nan), np.full((2, 8), np.inf), np.zeros((2, 8)), 4)
+    assert out.shape == (4, 8)
+    out = sealed.o1_step(np.ones((4, 8)), np.ones((2, 8)), np.ones((2, 8)), 4)
+    assert out.shape == (4, 8)
+
+
+def test_step_accepts_its_own_state_views(sealed, rng):
+    view = sealed.o1_views()[0]
+    k = np.stack([view.win_k[view.win_head], view.win_k[view.win_head]])
+    a = sealed.o1_step(rng.standard_normal((4, 8)), k, k, 4)
+    assert np.isfinite(a).all()
+
+
+# ------------------------------------------------------------------------------------ views
+def test_views_expose_the_state_read_only(rng):
+    H, G, d, m, w, sink, t, p = 6, 2, 16, 4, 16, 4, 120, 100
+    q, k, v = clustered(rng, t, p, H, G, d, m)
+    c = sealed_layer(q, k, v, p, m, w, sink, rect="fm")
+    views = c.o1_views()
+    assert len(views) == G and all(isinstance(x, kc.O1DeviceView) for x in views)
+    o1 = c.o1
+    for g, view in enumerate(views):
+        assert (view.m_eff, view.w, view.sink_len, view.d, view.dv) == (o1.m_eff, w, sink, d, d)
+        assert view.exact_only is False and view.scale == float(np.float32(1) / np.sqrt(np.float32(d)))
+        assert (view.win_len, view.win_head, view.far_len) == (w, (p - sink) % w, p - sink - w)
+        assert view.win_k.shape == (w, d) and view.sink_k.shape == (sink, d)
+        assert view.k_tilde.shape == (o1.m_eff, d)
+        assert len(view.heads) == H // G
+        for hh, head in enumerate(view.heads):
+            h = g * (H // G) + hh
+            assert head.rect_fm is True
+            assert head.t_hat.shape == (o1.m_eff, d) and head.mu.shape == (o1.m_eff, o1.m_eff)
+            assert np.shares_memory(head.t_hat, o1.t_hat[h]) and np.array_equal(head.q_tilde, o1.q_tilde[h])
+        for arr in (view.win_k, view.win_v, view.sink_k, view.sink_v, view.k_tilde,
+                    view.heads[0].t_hat, view.heads[0].z_hat, view.heads[0].m_max, view.heads[0].mu):
+            assert not arr.flags.writeable
+            with pytest.raises(ValueError):
+                arr.flags.writeable = True
+    before = views[0].heads[0].t_hat.copy()
+    c.o1_step(q[p], k[p], v[p], H)
+    assert not np.array_equal(before, views[0].heads[0].t_hat)     # live views
+
+
+@pytest.mark.parametrize("rect", RECTS)
+def test_one_step_rebuilt_from_views_alone_matches_o1_step(rng, rect):
+    H, G, d, m, w, sink, t, p = 4, 2, 16, 4, 16, 4, 101, 100
+    q, k, v = clustered(rng, t, p, H, G, d, m)
+    c = sealed_layer(q, k, v, p, m, w, sink, rect)
+    views = c.o1_views()
+    stack = lambda f: np.ascontiguousarray(np.stack([f(x) for x in views]))
+    heads = [hv for x in views for hv in x.heads]
+    hstack = lambda name: np.ascontiguousarray(np.stack([getattr(hv, name) for hv in heads]))
+    win_k, win_v = stack(lambda x: x.win_k), stack(lambda x: x.win_v)
+    t_hat, z_hat, m_max = hstack("t_hat"), hstack("z_hat"), hstack("m_max")
+    x = views[0]
+    out = np.empty((H, d), np.float32)
+    _core.o1_step(q[p], k[p], v[p], stack(lambda x: x.sink_k), stack(lambda x: x.sink_v), win_k,
+                  win_v, x.win_len, x.win_head, True, stack(lambda x: x.k_tilde), hstack("q_tilde"),
+                  hstack("mu"), t_hat, z_hat, m_max, True, heads[0].rect_fm, x.scale, out,
+                  np.zeros((H, x.sink_len + x.win_len + 3 * x.m_eff), np.float32), 1)
+    assert out.tobytes() == c.o1_step(q[p], k[p], v[p], H).tobytes()
+    assert t_hat.tobytes() == c.o1.t_hat.tobytes()
+
+
+# ------------------------------------------------------------------------------------ snapshot / restore
+@pytest.mark.parametrize("p", [100, 20])       # skeleton and exact-only
+def test_snapshot_restore_is_bit_exact(rng, p):
+    H, G, d, m, w, sink = 4, 2, 16, 4, 16, 4
+    t = p + 150
+    q, k, v = clustered(rng, t, p, H, G, d, m)
+    q2, k2, v2 = clustered(rng, t, p, H, G, d, m)
+    c = sealed_layer(q, k, v, p, m, w, sink)
+    for i in range(p, p + 5):
+        c.o1_step(q[i], k[i], v[i], H)
+    snap = c.o1_snapshot()
+    views = c.o1_views()
+    mem = c.memory_bytes()
+    run = lambda qq, kk, vv: np.array([c.o1_step(qq[i], kk[i], vv[i], H) for i in range(p + 5, t)])
+    first = run(q, k, v)
+    c.o1_restore(snap)
+    assert c.seq_len == p + 5 and c.memory_bytes() == mem
+    run(q2, k2, v2)                          # a rejected branch (the exact-only window grows)
+    c.o1_restore(snap)
+    again = run(q, k, v)
+    assert first.tobytes() == again.tobytes()
+    if views is not None:                    # restore writes in place: views stay live
+        assert np.shares_memory(views[0].heads[0].t_hat, c.o1.t_hat)
+    c.o1_restore(snap)                       # a snapshot can be restored more than once
+    assert c.seq_len == p + 5
+
+
+def test_restore_refuses_foreign_snapshots(rng):
+    H, G, d, m, w, sink, t, p = 2, 1, 8, 4, 8, 2, 60, 50
+    q, k, v = clustered(rng, t, p, H, G, d, m)
+    a = sealed_layer(q, k, v, p, m, w, sink)
+    b = sealed_layer(q, k, v, p, m, w, sink)
+    snap = a.o1_snapshot()
+    with pytest.raises(ValueError, match="another"):
+        b.o1_restore(snap)
+    with pytest.raises(TypeError):
+        a.o1_restore({"seq_len": 3})
+    a.clear()
+    with pytest.raises(RuntimeError):
+        a.o1_restore(snap)

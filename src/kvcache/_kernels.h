@@ -558,7 +558,7 @@ KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq
     /* scratch: KVC_VROWS * 4 weights and KVC_VROWS use-masks (as floats) */
     float *wq = scratch;
     int32_t *use = (int32_t *)(scratch + KVC_VROWS * 4);
-    ptrdiff_t j0, p, d0, d, r;
+    ptrdiff_t j0, p, d0, d;
     memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
     for (j0 = 0; j0 < nq; j0 += 4) {
         ptrdiff_t nj = nq - j0 < 4 ? nq - j0 : 4, jj;

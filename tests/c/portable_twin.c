@@ -61,6 +61,29 @@ int main(void)
             kvc_task_values(probs, 64, 8, qf, qe, v, vq, vs, quant, 0, ROWS, hd, acc, scratch);
             for (i = 0; i < 8 * hd; ++i) out(acc[i]);
         }
+        {   /* O(1): six far insertions into one head, then its output for both rectifiers */
+            static float t_hat[8 * HDMAX], z_hat[8], m_max[8], l[8], o1scr[64];
+            ptrdiff_t m = 5, r;
+            int fm;
+            for (i = 0; i < 8; ++i) {
+                z_hat[i] = 0.0f;
+                m_max[i] = -INFINITY;
+            }
+            memset(t_hat, 0, sizeof t_hat);
+            for (r = 0; r < 6; ++r)
+                kvc_o1_absorb(q, k + r * hd, v + r * hd, m, hd, hd, 0.3f, t_hat, z_hat, m_max, l);
+            for (i = 0; i < m * hd; ++i) out(t_hat[i]);
+            for (i = 0; i < m; ++i) {
+                out(z_hat[i]);
+                out(m_max[i]);
+            }
+            for (fm = 0; fm < 2; ++fm) {
+                kvc_o1_head(q + hd, hd, hd, 0.3f, k + 6 * hd, v + 6 * hd, 2, k + 8 * hd, v + 8 * hd,
+                            9, 4, k + 20 * hd, v + 20 * hd, k + 21 * hd, ks, t_hat, z_hat, m_max,
+                            m, 1, fm, acc, o1scr);
+                for (i = 0; i < hd; ++i) out(acc[i]);
+            }
+        }
     }
     return 0;
 }
