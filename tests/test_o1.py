@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pathlib
 
 import numpy as np
@@ -22,7 +23,21 @@ from kvcache.o1 import EXACT_SLACK, O1Collecting, effective_landmarks, ridge_pin
 
 F32 = kc.KvMode.F32
 RECTS = [kc.O1Rect.AGGREGATE, kc.O1Rect.FM]
-GOLDEN = pathlib.Path(__file__).resolve().parents[2] / "shared" / "conformance" / "nystrom_golden.json"
+
+
+def _golden_path():
+    """../shared/conformance/nystrom_golden.json beside the checkout (or $KVCACHE_CONFORMANCE)."""
+    env = os.environ.get("KVCACHE_CONFORMANCE")
+    if env:
+        return pathlib.Path(env) / "nystrom_golden.json"
+    for parent in pathlib.Path(__file__).resolve().parents:
+        path = parent / "shared" / "conformance" / "nystrom_golden.json"
+        if path.is_file():
+            return path
+    return pathlib.Path(__file__).resolve().parents[2] / "shared" / "conformance" / "nystrom_golden.json"
+
+
+GOLDEN = _golden_path()
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -92,7 +107,8 @@ def causal_softmax(q, k, v, p):
 @pytest.fixture(scope="module")
 def golden():
     if not GOLDEN.is_file():
-        pytest.skip(f"conformance data not present at {GOLDEN} (it lives outside the repository)")
+        pytest.skip(f"conformance data not present at {GOLDEN} (it lives outside the repository, "
+                    f"in ../shared/conformance; set KVCACHE_CONFORMANCE to its folder)")
     data = json.loads(GOLDEN.read_text())
     for key in ("q", "k", "v", "out", "out_sink0"):
         data[key] = np.asarray(data[key], dtype=np.float64)
