@@ -29,3 +29,13 @@ def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: 
                 n_pos: int, n_back: int, window: int, first: int, scale: float, softcap: float,
                 out__jd: F32, probs__jl: F32, imp__l: F32, imp_mode: int, quant_k: bool,
                 quant_v: bool, n_threads: int) -> None: ...
+# O(1) Nystrom decode: ``g`` KV group, ``h`` query head, ``m`` landmarks, ``d``/``e`` key/value
+# dims, ``s`` sink rows, ``c`` window capacity, ``x`` scratch floats per head.
+def o1_absorb(q_tilde__hmd: F32, keys__gnd: F32, values__gne: F32, row0: int, n: int,
+              scale: float, t_hat__hme: F32, z_hat__hm: F32, m_max__hm: F32, scr__hm: F32,
+              n_threads: int) -> None: ...
+def o1_step(q__hd: F32, k_new__gd: F32, v_new__ge: F32, sink_k__gsd: F32, sink_v__gse: F32,
+            win_k__gcd: F32, win_v__gce: F32, win_len: int, slot: int, absorb: bool,
+            k_tilde__gmd: F32, q_tilde__hmd: F32, mu__hmm: F32, t_hat__hme: F32, z_hat__hm: F32,
+            m_max__hm: F32, use_far: bool, fm: bool, scale: float, out__he: F32, scr__hx: F32,
+            n_threads: int) -> None: ...
