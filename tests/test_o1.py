@@ -856,3 +856,25 @@ def test_restore_refuses_foreign_snapshots(rng):
     a.clear()
     with pytest.raises(RuntimeError):
         a.o1_restore(snap)
+
+
+# ------------------------------------------------------------------------------------ shape fuzzing
+from hypothesis import given, settings, strategies as hst  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(G=hst.integers(1, 3), hpk=hst.integers(1, 3), d=hst.integers(1, 40), m=hst.integers(4, 9),
+       w=hst.integers(1, 20), sink=hst.integers(0, 5), p=hst.integers(1, 150),
+       steps=hst.integers(1, 8), rect=hst.sampled_from(RECTS), seed=hst.integers(0, 2**32 - 1))
+def test_kernel_matches_stream_over_random_geometry(G, hpk, d, m, w, sink, p, steps, rect, seed):
+    rng = np.random.default_rng(seed)
+    H = G * hpk
+    q, k, v = clustered(rng, p + steps, p, H, G, d, m)
+    c = sealed_layer(q, k, v, p, m, w, sink, rect)
+    assert c.o1.exact_only == (p <= w + sink + EXACT_SLACK)
+    if not c.o1.exact_only:
+        assert c.o1.m_eff == effective_landmarks(p, m) and c.o1.far_len == p - sink - w
+    out = decode(c, q, k, v, p, H)
+    ref = reference.nystrom_stream(q, k, v, p, m, w, sink, rect=rect.value)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-4)
+    assert c.seq_len == p + steps and c.head_len(0) == 0

@@ -222,8 +222,9 @@ class LayerKvCache:
         return True
 
     def __repr__(self):
+        o1 = "" if self.o1 is None else (", o1=sealed" if self.o1_sealed() else ", o1=collecting")
         return (f"LayerKvCache(num_kv_heads={self._nkv}, head_dim={self._hd}, mode={self._mode!r}, "
-                f"seq_len={self._seq_len})")
+                f"seq_len={self._seq_len}{o1})")
 
     # ------------------------------------------------------------------ append
     def _as_rows(self, name, value):
@@ -545,7 +546,9 @@ class LayerKvCache:
         """Roll back the newest ``n`` positions (speculative-decode reject).
 
         Drops min(n, seq_len) positions from every head (dead heads saturate at 0) and from
-        the importance; keeps the column fields and the linear state."""
+        the importance; keeps the column fields and the linear state.  A sealed O(1) layer
+        raises RuntimeError (its far-field insertions cannot be undone): roll it back with
+        :meth:`o1_snapshot` / :meth:`o1_restore` instead."""
         n = as_int("n", n, minimum=0)
         self._check_exact("truncate_last")
         d = min(n, self._seq_len)
