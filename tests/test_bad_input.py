@@ -406,10 +406,10 @@ def test_kvcache_rejects_bad_input_and_stays_unchanged(model, snapshot, assert_s
 
 
 def test_kvcache_truncate_refused_by_one_layer_touches_none(model, snapshot, assert_same_state):
-    class Sealed:
-        sealed = True
-
-    model.layers[1].o1 = Sealed()
+    layer = model.layers[1]
+    layer.o1_begin(4, 8, 2)
+    layer.o1_push_q(np.zeros((layer.seq_len, layer.num_kv_heads, layer.head_dim)))
+    assert layer.o1_seal(layer.num_kv_heads)
     before = [snapshot(layer) for layer in model.layers]
     with pytest.raises(RuntimeError):
         model.truncate_last(1)

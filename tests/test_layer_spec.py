@@ -675,7 +675,7 @@ def test_commit_with_empty_scratch_keeps_state():
 def test_clear_keeps_geometry_and_mode(rng, make_kv):
     k, v = make_kv(rng, 70, 3, 8)
     layer = filled(kc.KvMode.Q8(k=True, v=False), k, v)
-    layer.o1 = object()
+    layer.o1_begin(4, 8, 2)
     layer.clear()
     assert (layer.num_kv_heads, layer.head_dim) == (3, 8)
     assert layer.mode == kc.KvMode.Q8(k=True, v=False)

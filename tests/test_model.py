@@ -217,7 +217,7 @@ def test_eviction_gathers_every_store_of_every_mode(rng, make_kv, mode, policy):
                          ids=["recent", "born"])
 def test_eviction_skips_layers_with_o1_state(snapshot, assert_same_state, policy):
     kv = model_with_lengths([12, 12, 12], policy=policy)
-    kv.layers[1].o1 = object()              # an O(1) state still collecting its trace
+    kv.layers[1].o1_begin(4, 8, 2)          # an O(1) state still collecting its trace
     frozen = snapshot(kv.layers[1])
     kv.evict(4)
     assert_same_state(frozen, snapshot(kv.layers[1]))

@@ -274,6 +274,18 @@ def test_o1_step_kernel_matches_twin(rng, rect_fm, absorb, H, G, d, dv, m, ns, w
     assert np.array_equal(sa["win_v"], sb["win_v"])
 
 
+def test_threaded_decode_step_is_bit_identical(rng):
+    # large enough that the step itself runs on several threads (work > the kernel's threshold)
+    H, G, d, m, w, sink, t, p = 16, 4, 64, 32, 128, 4, 420, 400
+    q, k, v = clustered(rng, t, p, H, G, d, m)
+    outs = []
+    for n in (1, 2, 3):
+        with threadpool_limits(n, user_api="openmp"):
+            c = sealed_layer(q, k, v, p, m, w, sink)
+            outs.append(decode(c, q, k, v, p, H).tobytes())
+    assert outs[0] == outs[1] == outs[2]
+
+
 def test_results_do_not_depend_on_thread_count(rng):
     H, G, d, m, w, sink, t, p = 8, 2, 64, 8, 16, 4, 300, 200
     q, k, v = clustered(rng, t, p, H, G, d, m)
@@ -349,6 +361,20 @@ def test_fm_rect_keeps_outputs_in_the_value_hull_where_aggregate_leaves_it():
         assert excess[kc.O1Rect.FM] < 1e-3
         agg_excess.append(excess[kc.O1Rect.AGGREGATE])
     assert max(agg_excess) > 1e-2          # the regime is adversarial for AGGREGATE
+
+
+def test_aggregate_guard_matches_the_reference_where_it_fires():
+    # the adversarial iid regime: the far denominator goes negative on many steps and the
+    # guard drops the far field; kernel and float64 stream must agree there too
+    d, m, w, sink, t, p = 16, 32, 16, 4, 320, 256
+    rng = np.random.default_rng(0)
+    q = (3 * rng.standard_normal((t, 1, d))).astype(np.float32)
+    k = (3 * rng.standard_normal((t, 1, d))).astype(np.float32)
+    v = (2 * rng.random((t, 1, d))).astype(np.float32)
+    out = decode(sealed_layer(q, k, v, p, m, w, sink), q, k, v, p, 1)
+    ref, dropped = reference.nystrom_stream(q, k, v, p, m, w, sink, return_dropped=True)
+    assert 0 < dropped < t - p
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-4)
 
 
 def test_far_len_counts_every_evicted_position_once(rng):
@@ -458,6 +484,7 @@ def test_sealed_memory_is_positive_counted_and_constant(rng):
     assert c.importance.shape == (0,)
     mem = c.o1_memory_bytes()
     assert mem > 0 and c.memory_bytes() == mem
+    assert c.linear_state.size == 0
     for i in range(p, t):
         c.o1_step(q[i], k[i], v[i], H)
         assert c.o1_memory_bytes() == mem and c.memory_bytes() == mem
@@ -562,16 +589,46 @@ def test_ridge_pinv_survives_singular_and_non_finite_matrices():
     np.testing.assert_array_equal(ridge_pinv(inf), np.zeros((3, 3)))
 
 
-def test_seal_with_overflowing_scores_stays_finite_where_it_can(rng):
-    # huge keys overflow exp in Au: the seal must not crash; outputs of the exact near set
-    # stay defined even when the far field is dropped
+def test_ridge_pinv_retries_with_ten_times_the_ridge(rng, monkeypatch):
+    a = np.exp(rng.standard_normal((5, 5)) * 0.5)
+    g = a.T @ a
+    lam = 1e-6 * np.mean(np.diag(g))
+    real = np.linalg.cholesky
+    calls = []
+
+    def failing(x, fails):
+        calls.append(x[0, 0] - g[0, 0])                 # the ridge added on this attempt
+        if len(calls) <= fails:
+            raise np.linalg.LinAlgError("forced failure")
+        return real(x)
+
+    monkeypatch.setattr(np.linalg, "cholesky", lambda x: failing(x, 3))
+    got = ridge_pinv(a)
+    np.testing.assert_allclose(calls, lam * 10.0 ** np.arange(4), rtol=1e-6)
+    np.testing.assert_allclose(got, np.linalg.solve(g + 1000 * lam * np.eye(5), a.T), rtol=1e-7, atol=1e-12)
+    calls.clear()
+    monkeypatch.setattr(np.linalg, "cholesky", lambda x: failing(x, 99))
+    got = ridge_pinv(a)
+    assert len(calls) == 12
+    np.testing.assert_allclose(got, np.eye(5) / np.mean(np.diag(g)))
+
+
+def test_seal_with_overflowing_scores_stays_finite(rng):
+    # huge queries and keys overflow exp in Au (float64 inf): the ridge pseudo-inverse falls
+    # back, the far field carries no weight, and the exact near set still gives finite outputs
     H, G, d, m, w, sink, p = 1, 1, 8, 4, 8, 2, 64
-    q = rng.standard_normal((p + 4, H, d)).astype(np.float32) * 40
-    k = rng.standard_normal((p + 4, G, d)).astype(np.float32) * 40
+    q = rng.standard_normal((p + 4, H, d)).astype(np.float32) * 400
+    k = rng.standard_normal((p + 4, G, d)).astype(np.float32) * 400
     v = rng.standard_normal((p + 4, G, d)).astype(np.float32)
     c = sealed_layer(q, k, v, p, m, w, sink)
+    with np.errstate(over="ignore"):
+        au = np.exp(float(c.o1.scale) * np.float64(c.o1.q_tilde[0]) @ np.float64(c.o1.k_tilde[0]).T)
+    assert not np.isfinite(au).all()
+    assert np.isfinite(c.o1.mu).all()
     out = decode(c, q, k, v, p, H)
-    assert out.shape == (4, H, d)
+    assert np.isfinite(out).all()
+    lo, hi = v.min(axis=(0, 1)), v.max(axis=(0, 1))
+    assert (out >= lo - 1e-5).all() and (out <= hi + 1e-5).all()   # a convex mix of values
 
 
 def test_block_and_single_position_pushes_build_the_same_state(rng):
@@ -671,6 +728,45 @@ def test_num_heads_zero_and_other_impossible_arguments_raise(rng, snapshot, asse
         assert_same_state(before, snapshot(c))
 
 
+def test_seal_keeps_the_linear_state(rng):
+    c = collecting_layer(rng)
+    c.linear_state = [1.0, 2.0]
+    c.linear_scratch = [3.0]
+    assert c.o1_seal(4)
+    assert c.linear_state.tolist() == [1.0, 2.0] and c.linear_scratch.tolist() == [3.0]
+    assert c.memory_bytes() == c.o1_memory_bytes() + 8
+
+
+def test_o1_attribute_accepts_only_matching_states(rng):
+    c = collecting_layer(rng)
+    assert c.o1_seal(4)
+    state = c.o1
+    other = kc.LayerKvCache(2, 8, mode=F32)
+    other.o1 = state                               # same geometry: the state moves
+    assert other.o1_sealed()
+    for bad, exc in ((object(), TypeError), ("sealed", TypeError)):
+        with pytest.raises(exc):
+            other.o1 = bad
+    for layer in (kc.LayerKvCache(1, 8, mode=F32), kc.LayerKvCache(2, 16, mode=F32)):
+        with pytest.raises(ValueError, match="expected a state"):
+            layer.o1 = state
+        assert layer.o1 is None
+    wide = kc.LayerKvCache(2, 16, mode=F32)
+    wide.o1_begin(4, 8, 2)
+    with pytest.raises(ValueError):
+        c.o1 = wide.o1
+
+
+@pytest.mark.parametrize("field,value", [("win_head", 10**8), ("win_len", 10**6), ("exact_only", True),
+                                         ("w", 3)])
+def test_corrupted_state_raises_instead_of_crashing(rng, field, value):
+    c = collecting_layer(rng, t=60)
+    assert c.o1_seal(4)
+    setattr(c.o1, field, value)
+    with pytest.raises(ValueError, match="inconsistent"):
+        c.o1_step(np.ones((4, 8)), np.ones((2, 8)), np.ones((2, 8)), 4)
+
+
 def test_rect_strings_parse():
     assert kc.O1Rect.parse("agg") is kc.O1Rect.AGGREGATE
     assert kc.O1Rect.parse("Aggregate") is kc.O1Rect.AGGREGATE
@@ -758,11 +854,20 @@ def test_non_finite_inputs_do_not_crash(sealed):
     assert out.shape == (4, 8)
 
 
-def test_step_accepts_its_own_state_views(sealed, rng):
-    view = sealed.o1_views()[0]
-    k = np.stack([view.win_k[view.win_head], view.win_k[view.win_head]])
-    a = sealed.o1_step(rng.standard_normal((4, 8)), k, k, 4)
-    assert np.isfinite(a).all()
+def test_step_accepts_its_own_state_views(rng):
+    # k_new / v_new that ARE rows of the ring (the slot about to be overwritten among them)
+    H, G, d, m, w, sink, t, p = 2, 1, 8, 4, 8, 2, 60, 50
+    q, k, v = clustered(rng, t, p, H, G, d, m)
+    a = sealed_layer(q, k, v, p, m, w, sink)
+    b = sealed_layer(q, k, v, p, m, w, sink)
+    slot = a.o1.win_head
+    view = a.o1_views()[0]
+    k_view, v_view = view.win_k[slot:slot + 1], view.win_v[slot:slot + 1]   # (1, d) live views
+    assert np.shares_memory(k_view, a.o1.win_k)
+    expect = b.o1_step(q[p], np.array(k_view), np.array(v_view), H)
+    got = a.o1_step(q[p], k_view, v_view, H)
+    assert got.tobytes() == expect.tobytes()
+    assert a.o1.win_k.tobytes() == b.o1.win_k.tobytes()
 
 
 # ------------------------------------------------------------------------------------ views

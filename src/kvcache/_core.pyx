@@ -419,6 +419,11 @@ cdef inline float *_ptr2(float[:, ::1] a) noexcept nogil:
     return &a[0, 0] if a.shape[0] * a.shape[1] > 0 else NULL
 
 
+cdef inline _o1_check(bint ok, str what):
+    if not ok:
+        raise ValueError(f"O(1) kernel: inconsistent state or arguments, expected {what}")
+
+
 def o1_absorb(const float[:, :, ::1] q_tilde__hmd, const float[:, :, ::1] keys__gnd,
               const float[:, :, ::1] values__gne, Py_ssize_t row0, Py_ssize_t n, float scale,
               float[:, :, ::1] t_hat__hme, float[:, ::1] z_hat__hm, float[:, ::1] m_max__hm,
@@ -439,8 +444,16 @@ def o1_absorb(const float[:, :, ::1] q_tilde__hmd, const float[:, :, ::1] keys__
     cdef float *mp = _ptr2(m_max__hm)
     cdef float *sp = _ptr2(scr__hm)
     cdef Py_ssize_t sstride = scr__hm.shape[1]
-    if H == 0 or m == 0 or n <= 0 or G == 0:
+    if H == 0 or m == 0 or n <= 0:
         return
+    _o1_check(G > 0 and H % G == 0, "H a positive multiple of G")
+    _o1_check(keys__gnd.shape[2] == d and values__gne.shape[0] == G
+              and values__gne.shape[1] == rows, "keys (G, n, d) and values (G, n, dv)")
+    _o1_check(t_hat__hme.shape[0] == H and t_hat__hme.shape[1] == m and t_hat__hme.shape[2] == dv
+              and z_hat__hm.shape[0] == H and z_hat__hm.shape[1] == m
+              and m_max__hm.shape[0] == H and m_max__hm.shape[1] == m, "far accumulators (H, m, .)")
+    _o1_check(scr__hm.shape[0] == H and scr__hm.shape[1] >= m, "scratch (H, >= m)")
+    _o1_check(0 <= row0 and row0 + n <= rows, "rows [row0, row0 + n) inside keys")
     hpk = H // G
     for h in prange(H, nogil=True, num_threads=n_threads, schedule="static",
                     use_threads_if=n * m * (d + dv) > _PAR_WORK):
@@ -470,9 +483,9 @@ def o1_step(const float[:, ::1] q__hd, const float[:, ::1] k_new__gd,
     cdef Py_ssize_t G = k_new__gd.shape[0], ns = sink_k__gsd.shape[1]
     cdef Py_ssize_t cap = win_k__gcd.shape[1], m = q_tilde__hmd.shape[1]
     cdef Py_ssize_t sstride = scr__hx.shape[1], hpk, h, g
-    cdef const float *qp = &q__hd[0, 0]
-    cdef const float *knp = &k_new__gd[0, 0]
-    cdef const float *vnp = &v_new__ge[0, 0]
+    cdef const float *qp
+    cdef const float *knp
+    cdef const float *vnp
     cdef const float *skp = _cptr3(sink_k__gsd)
     cdef const float *svp = _cptr3(sink_v__gse)
     cdef float *wkp = _ptr3(win_k__gcd)
@@ -483,8 +496,33 @@ def o1_step(const float[:, ::1] q__hd, const float[:, ::1] k_new__gd,
     cdef float *tp = _ptr3(t_hat__hme)
     cdef float *zp = _ptr2(z_hat__hm)
     cdef float *mp = _ptr2(m_max__hm)
-    cdef float *op = &out__he[0, 0]
-    cdef float *sp = &scr__hx[0, 0]
+    cdef float *op
+    cdef float *sp
+    _o1_check(H > 0 and G > 0 and H % G == 0, "H a positive multiple of G")
+    _o1_check(k_new__gd.shape[1] == d and v_new__ge.shape[0] == G, "k_new (G, d), v_new (G, dv)")
+    _o1_check(sink_k__gsd.shape[0] == G and sink_k__gsd.shape[2] == d
+              and sink_v__gse.shape[0] == G and sink_v__gse.shape[1] == ns
+              and sink_v__gse.shape[2] == dv, "sinks (G, s, d) and (G, s, dv)")
+    _o1_check(win_k__gcd.shape[0] == G and win_k__gcd.shape[2] == d
+              and win_v__gce.shape[0] == G and win_v__gce.shape[1] == cap
+              and win_v__gce.shape[2] == dv, "window (G, c, d) and (G, c, dv)")
+    _o1_check(1 <= win_len <= cap and 0 <= slot < win_len, "0 <= slot < win_len <= capacity")
+    _o1_check(k_tilde__gmd.shape[0] == G and k_tilde__gmd.shape[1] == m
+              and k_tilde__gmd.shape[2] == d and q_tilde__hmd.shape[0] == H
+              and q_tilde__hmd.shape[2] == d and mu__hmm.shape[0] == H
+              and mu__hmm.shape[1] == m and mu__hmm.shape[2] == m
+              and t_hat__hme.shape[0] == H and t_hat__hme.shape[1] == m
+              and t_hat__hme.shape[2] == dv and z_hat__hm.shape[0] == H
+              and z_hat__hm.shape[1] == m and m_max__hm.shape[0] == H
+              and m_max__hm.shape[1] == m, "landmark state (G|H, m, .)")
+    _o1_check(out__he.shape[0] == H and out__he.shape[1] == dv, "out (H, dv)")
+    _o1_check(scr__hx.shape[0] == H and scr__hx.shape[1] >= ns + win_len + 3 * m,
+              "scratch (H, >= sinks + win_len + 3 m)")
+    qp = &q__hd[0, 0]
+    knp = &k_new__gd[0, 0]
+    vnp = &v_new__ge[0, 0]
+    op = &out__he[0, 0]
+    sp = &scr__hx[0, 0]
     hpk = H // G
     for h in prange(H, nogil=True, num_threads=n_threads, schedule="static",
                     use_threads_if=H > 1 and H * (ns + win_len + m) * (d + dv) > _PAR_WORK):

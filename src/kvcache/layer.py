@@ -93,7 +93,7 @@ class LayerKvCache:
         self._nkv = nkv
         self._hd = hd
         self._ngk = quant.n_groups(hd, quant.K_GROUP)
-        self.o1 = None
+        self._o1 = None
         self._linear_state = np.zeros(0, dtype=_F32)
         self._linear_scratch = np.zeros(0, dtype=_F32)
         self._empty_f = np.zeros((nkv, 0, hd), dtype=_F32)
@@ -209,6 +209,31 @@ class LayerKvCache:
     def discard_linear_scratch(self):
         """Reject lane 2: drop the scratch; the linear state stays as it is."""
         self._linear_scratch = np.zeros(0, dtype=_F32)
+
+    @property
+    def o1(self):
+        """The O(1) state: None, an :class:`kvcache.o1.O1Collecting` (trace being collected) or
+        an :class:`kvcache.o1.O1Sealed` (sealed; decode with :meth:`o1_step`).
+
+        Assignable, for moving a state between layers of the same geometry: None, or a state
+        whose head_dim (and, sealed, num_kv_heads) matches this layer; anything else raises."""
+        return self._o1
+
+    @o1.setter
+    def o1(self, value):
+        if value is None:
+            pass
+        elif isinstance(value, O1Collecting):
+            if value._hd != self._hd:
+                raise ValueError(f"o1: expected a state for head_dim={self._hd}, got head_dim={value._hd}")
+        elif isinstance(value, O1Sealed):
+            if (value.num_kv_heads, value.d, value.dv) != (self._nkv, self._hd, self._hd):
+                raise ValueError(f"o1: expected a state for num_kv_heads={self._nkv}, "
+                                 f"head_dim={self._hd}, got num_kv_heads={value.num_kv_heads}, "
+                                 f"d={value.d}, dv={value.dv}")
+        else:
+            raise TypeError(f"o1: expected None, O1Collecting or O1Sealed, got {type(value).__name__}")
+        self._o1 = value
 
     @property
     def importance(self):

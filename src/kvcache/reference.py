@@ -222,7 +222,10 @@ def o1_absorb(q_tilde__hmd, keys__gnd, values__gne, row0, n, scale, t_hat__hme, 
 def o1_step(q__hd, k_new__gd, v_new__ge, sink_k__gsd, sink_v__gse, win_k__gcd, win_v__gce,
             win_len, slot, absorb, k_tilde__gmd, q_tilde__hmd, mu__hmm, t_hat__hme, z_hat__hm,
             m_max__hm, use_far, fm, scale, out__he, scr__hx=None, n_threads=1):
-    """Twin of ``_core.o1_step`` (one decode step of every head; see its docstring)."""
+    """Twin of ``_core.o1_step`` (one decode step of every head; see its docstring).
+
+    Returns the number of heads whose far field was dropped by the aggregate guard
+    (far denominator < 0); the compiled kernel returns None."""
     H = q__hd.shape[0]
     G = k_new__gd.shape[0]
     hpk = H // G
@@ -232,6 +235,7 @@ def o1_step(q__hd, k_new__gd, v_new__ge, sink_k__gsd, sink_v__gse, win_k__gcd, w
     if absorb and m > 0:
         o1_absorb(q_tilde__hmd, win_k__gcd, win_v__gce, slot, 1, scale, t_hat__hme, z_hat__hm,
                   m_max__hm)
+    dropped = 0
     for h in range(H):
         g = h // hpk
         wk = win_k__gcd[g, :win_len].copy()                              # (nw, d) slot order
@@ -256,12 +260,15 @@ def o1_step(q__hd, k_new__gd, v_new__ge, sink_k__gsd, sink_v__gse, win_k__gcd, w
                 if far_den >= 0:
                     den = far_den
                     num = (gain @ t_hat__hme[h]).astype(dt)              # (dv,)
+                else:
+                    dropped += 1
             p = np.exp(sc - c_all).astype(dt)                            # (n,)
             den = dt(den + p.sum(dtype=dt))
             num = num + (p @ vals).astype(dt)
             out__he[h] = num / max(den, dt(1e-30))
     win_k__gcd[:, slot] = k_new__gd
     win_v__gce[:, slot] = v_new__ge
+    return dropped
 
 
 def _o1_inputs(q, k, v):
@@ -285,7 +292,7 @@ def _softmax_rows(q, k, v, s, p, H, G):
     return out
 
 
-def nystrom_stream(q, k, v, p, m, w, sink, rect="aggregate"):
+def nystrom_stream(q, k, v, p, m, w, sink, rect="aggregate", *, return_dropped=False):
     """The O(1) operator in streaming form, float64 (spec 6.3-6.4).
 
     Seal on positions [0, p) -- segment-mean landmarks, ``M = (Au^T Au + lam I)^-1 Au^T`` with
@@ -298,17 +305,21 @@ def nystrom_stream(q, k, v, p, m, w, sink, rect="aggregate"):
     q : array_like (t, H, d);  k : (t, G, d);  v : (t, G, dv)   (2-D arrays: H = G = 1)
     p, m, w, sink : int
     rect : "aggregate" or "fm"
+    return_dropped : bool
+        Also return how many (step, head) outputs had their far field dropped by the
+        aggregate guard.
 
     Returns
     -------
-    ndarray of shape (t - p, H, dv), float64
+    ndarray of shape (t - p, H, dv), float64  (and the dropped count when asked)
     """
     q, k, v = _o1_inputs(q, k, v)
     t, H, d = q.shape
     G, dv = k.shape[1], v.shape[2]
     s = float(_F32(1.0) / np.sqrt(_F32(d)))
     if p <= w + sink + 8:                                   # exact-only: plain softmax
-        return _softmax_rows(q, k, v, s, p, H, G)
+        out = _softmax_rows(q, k, v, s, p, H, G)
+        return (out, 0) if return_dropped else out
     hpk = H // G
     me = min(max(p // 8, 4), m)
     bounds = (np.arange(me + 1) * p) // me
@@ -334,11 +345,13 @@ def nystrom_stream(q, k, v, p, m, w, sink, rect="aggregate"):
     win_v[:, (tail - sink) % w] = vg[:, p - w:p]
     head = (p - sink) % w
     out = np.empty((t - p, H, dv))
+    dropped = 0
     for i in range(p, t):
-        o1_step(q[i], k[i], v[i], kg[:, :sink], vg[:, :sink], win_k, win_v, w, head, True, kt,
-                qt, mu, t_hat, z_hat, m_max, True, str(rect).lower().endswith("fm"), s, out[i - p])
+        dropped += o1_step(q[i], k[i], v[i], kg[:, :sink], vg[:, :sink], win_k, win_v, w, head,
+                           True, kt, qt, mu, t_hat, z_hat, m_max, True,
+                           str(rect).lower().endswith("fm"), s, out[i - p])
         head = (head + 1) % w
-    return out
+    return (out, dropped) if return_dropped else out
 
 
 def nystrom_matrix(q, k, v, p, m, w, sink, *, clip=True):
