@@ -26,6 +26,19 @@ orders are written down in ``_kernels.h``).  The score scale is ``1/sqrt(head_di
 float32; the layer's own scale and softcap are not used (to use a scale ``s'``, multiply the
 pushed queries and the step queries by ``s' * sqrt(head_dim)``: landmarks are means, so the
 operator is then exactly the one with scale ``s'``).
+
+Where this differs from the upstream engine (deliberately):
+
+* bad arguments raise instead of being clamped or ignored: ``o1_begin`` with m < 4, w < 1 or
+  sink < 0 (ValueError), ``o1_push_q`` with a shape that is not whole positions (even when not
+  collecting), ``o1_seal(num_heads)`` with num_heads < 1 (even when already sealed);
+* ``o1_step`` before a seal raises RuntimeError (upstream returns zeros); so do ``o1_begin`` on
+  a sealed layer (its KV is gone: ``clear()`` first) and ``truncate_last`` on a sealed layer
+  (use ``o1_snapshot``/``o1_restore``, which upstream does not offer on the cache);
+* a seal that raises (e.g. MemoryError) leaves the layer collecting, as before the call;
+* ``Au`` is computed from the float32-stored landmarks, widened (so ``M`` belongs to the very
+  landmarks the decode step uses); sink and window scores use the same dot product;
+* device views hold 2-D arrays (their ``ravel()`` is upstream's flat slice, without a copy).
 """
 
 from __future__ import annotations
