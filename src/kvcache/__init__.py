@@ -11,9 +11,10 @@ __version__ = "0.1.0"
 from .modes import KvMode
 from .layer import LayerKvCache
 from .o1 import O1DeviceView, O1HeadView, O1Rect, O1Snapshot
+from .wire import WireError
 from .model import EvictionPolicy, KvCache
 from . import reference
 from ._config import show_config
 
 __all__ = ["KvMode", "LayerKvCache", "KvCache", "EvictionPolicy", "O1Rect", "O1DeviceView",
-           "O1HeadView", "O1Snapshot", "reference", "show_config", "__version__"]
+           "O1HeadView", "O1Snapshot", "WireError", "reference", "show_config", "__version__"]

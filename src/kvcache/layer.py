@@ -656,6 +656,85 @@ class LayerKvCache:
         total += self.o1_memory_bytes()
         return total
 
+    # ------------------------------------------------------------------ byte formats
+    def _install(self, st):
+        """Replace the whole state with a parsed, validated one (kvcache.wire); no checks here,
+        nothing can fail half-way: attribute assignments only."""
+        nkv = self._nkv
+        mode = st["mode"]
+        cap = st["cap"]
+        self._mode = mode
+        self._seq_len = st["seq_len"]
+        self._cap = cap
+        self._len = st["len"]
+        self._kf = st["kf"] if st["kf"] is not None else self._empty_f
+        self._vf = st["vf"] if st["vf"] is not None else self._empty_f
+        self._kq = st["kq"] if st["kq"] is not None else self._empty_q
+        self._vq = st["vq"] if st["vq"] is not None else self._empty_q
+        self._ks = st["ks"] if st["ks"] is not None else np.zeros((nkv, 0, self._ngk), dtype=_F32)
+        self._vs = st["vs"] if st["vs"] is not None else self._empty_s
+        self._kcol, self._vcol = st["kcol"], st["vcol"]
+        self._kcol_on, self._vcol_on = st["kcol_on"], st["vcol_on"]
+        self._imp = st["imp"]
+        self._imp_len = st["imp"].shape[0]
+        self._linear_state = st["linear_state"]
+        if "linear_scratch" in st:
+            self._linear_scratch = st["linear_scratch"]
+        self._o1 = st["o1"]
+
+    def export_wire(self, f16=False):
+        """The layer in the legacy wire layout (spec section 7; byte layout in kvcache.wire).
+
+        Parameters
+        ----------
+        f16 : bool
+            Send K/V rows as IEEE binary16 (linear state and importance stay float32).
+
+        Raises
+        ------
+        kvcache.WireError
+            For what the layout cannot describe: int8 storage (the message says "F32"), O(1)
+            state, frozen columns.  Use :meth:`to_bytes` for those.
+        """
+        from . import wire
+        return wire.export_wire(self, f16)
+
+    def import_wire(self, buf):
+        """Install a legacy-layout buffer (from :meth:`export_wire` or the upstream engine).
+
+        Atomic: the buffer is parsed and validated completely (geometry, lengths, no trailing
+        bytes) before anything changes; a bad buffer raises kvcache.WireError and leaves the
+        layer untouched.  The layer becomes F32; columns and O(1) state are reset;
+        ``linear_scratch`` is kept."""
+        from . import wire
+        self._install(wire.import_wire(self, buf))
+
+    def to_bytes(self, *, f16=False, fingerprint=None):
+        """The whole layer in kvcache's versioned, checksummed format (see kvcache.wire).
+
+        Carries everything the layer holds: f32 or int8 rows with their scales and frozen
+        columns, dead heads, importance, linear state and scratch, O(1) state (collecting or
+        sealed).
+
+        Parameters
+        ----------
+        f16 : bool
+            Store float32 K/V rows as binary16 (int8 rows, scales and state are unchanged).
+        fingerprint : bytes or str, optional
+            Identifies the model/configuration; :meth:`from_bytes` checks it when given one.
+        """
+        from . import wire
+        return wire.layer_to_bytes(self, f16, fingerprint)
+
+    def from_bytes(self, buf, *, fingerprint=None):
+        """Install a buffer made by :meth:`to_bytes` into this layer, atomically.
+
+        The digest, the format, the geometry (num_kv_heads and head_dim must match; the mode
+        comes from the buffer) and, when given, the fingerprint are checked and the whole body
+        validated before anything changes.  Every bad buffer raises kvcache.WireError."""
+        from . import wire
+        self._install(wire.layer_from_bytes(self, buf, fingerprint))
+
     # ------------------------------------------------------------------ O(1) override
     def o1_begin(self, m, w, sink, rect=O1Rect.AGGREGATE):
         """Start collecting the prompt's query trace for an O(1) seal (spec 6.1).

@@ -121,6 +121,25 @@ class KvCache:
     def memory_bytes(self):
         return sum(layer.memory_bytes() for layer in self.layers)
 
+    def save(self, path, *, fingerprint=None, f16=False):
+        """Write every layer to ``path`` in kvcache's versioned, checksummed format.
+
+        Atomic: the file is written under a temporary name in the same folder, flushed to disk
+        (fsync) and renamed over ``path``, so a crash never leaves a half-written file under
+        the final name.  ``fingerprint`` (bytes or str) identifies the model; ``f16`` stores
+        float32 K/V rows as binary16.  Byte layout: kvcache.wire."""
+        from . import wire
+        wire.save_model(self, path, fingerprint, f16)
+
+    @classmethod
+    def load(cls, path, *, fingerprint=None):
+        """Read a file written by :meth:`save` (memory-mapped, verified, then copied).
+
+        Raises kvcache.WireError for anything wrong with the file (truncated, corrupted,
+        another format or version, a fingerprint that does not match the one given)."""
+        from . import wire
+        return wire.load_model(cls, path, fingerprint)
+
     def __len__(self):
         return len(self.layers)
 

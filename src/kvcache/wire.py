@@ -1,0 +1,800 @@
+"""Byte formats of kvcache: the legacy wire layout and the versioned, checksummed format.
+
+Both are little-endian on every machine.  Nothing here uses pickle: a buffer is parsed field by
+field, every length is checked against the bytes actually present before anything is
+allocated, and nothing is installed into a cache until the whole buffer has been validated.
+Every bad buffer raises :class:`WireError` (a ValueError) saying what is wrong.
+
+Legacy layout (``LayerKvCache.export_wire`` / ``import_wire``, spec layer-kv-cache.md section 7)
+------------------------------------------------------------------------------------------------
+No magic, no version, no checksum (byte-compatible with the upstream engine)::
+
+    u32 f16_flag            1 when K/V rows are binary16, else 0 (import: non-zero = f16)
+    u32 seq_len
+    u32 num_kv_heads
+    u32 head_dim
+    u32 n_lin               floats of linear_state
+    u32 n_imp               floats of importance
+    f32 x n_lin             linear_state (always f32)
+    f32 x n_imp             importance (always f32)
+    per KV head h = 0 .. num_kv_heads-1:
+        u32 n_k             floats of head h's keys (rows * head_dim; 0 for a dead head)
+        n_k x f32|f16       keys, row-major
+        u32 n_v
+        n_v x f32|f16       values
+
+Export refuses (in this order) a cache stored as int8 (any q8 mode), one with O(1) state
+(collecting or sealed), and one with frozen columns: the layout cannot describe them.  f16 is
+NumPy's IEEE conversion (round to nearest even, also for subnormals, where the upstream writer
+rounds half up).  Import checks the geometry first (the message names both shapes, e.g.
+"peer sent 2×4 per position, this layer is 2×8"), then the lengths (each head's rows a whole
+number of head_dim, K and V rows equal, at most seq_len rows, importance covering every
+position), refuses trailing bytes, and installs atomically: the layer becomes F32 with the
+parsed rows, importance and linear state; columns and O(1) state are reset; linear_scratch is
+kept.
+
+Versioned format (``to_bytes`` / ``from_bytes``, ``KvCache.save`` / ``KvCache.load``)
+------------------------------------------------------------------------------------
+A buffer is a header, a body, and an 8-byte digest of every byte before it::
+
+    offset size
+    0      8    magic  89 4B 56 43 41 43 48 45  ("\\x89KVCACHE": the high bit catches 7-bit
+                                                 channels, the text catches mix-ups)
+    8      2    u16 format version (1)
+    10     1    u8  kind: 1 = one LayerKvCache, 2 = a KvCache (every layer of a model)
+    11     1    u8  digest algorithm: 1 = XXH3-64 (``xxhash``), 2 = CRC-32 (``zlib``, zero-extended)
+    12     4    u32 flags (0; any other value is refused)
+    16     8    u64 total length of the buffer in bytes, digest included
+    24     4    u32 fingerprint length F (0: none)
+    28     F    fingerprint bytes (a str is stored as UTF-8)
+    28+F        zero padding to a multiple of 8
+    ...         body (below)
+    L-8    8    u64 digest of bytes [0, L-8)
+
+Every array below starts at a multiple of 8 from the start of the buffer ("pad8": zero bytes up
+to the next multiple of 8).  Floats are IEEE binary32 ("f32") unless the layer body's f16 flag
+is set, in which case the float K/V rows (only those) are binary16.
+
+Layer body (kind 1; also each layer of a model body)::
+
+    u32 num_kv_heads G, u32 head_dim D
+    u8  quant_k, u8 quant_v          (1: that component is stored as int8)
+    u8  o1 state                     (0 none, 1 collecting, 2 sealed)
+    u8  f16                          (1: float K/V rows are binary16)
+    u32 reserved (0)
+    u64 seq_len, u64 imp_len, u64 n_linear_state, u64 n_linear_scratch
+    u64 x G  head_len[h]
+    u8 x G   kcol_on[h],  u8 x G  vcol_on[h],  pad8
+    f32 x G*D  kcol (rows of ones where not frozen), pad8
+    f32 x G*D  vcol, pad8
+    f32 x imp_len importance, pad8
+    f32 x n_linear_state, pad8
+    f32 x n_linear_scratch, pad8
+    per head h: keys   float: f32|f16 x head_len*D, pad8
+                       int8:  i8 x head_len*D, pad8, f32 x head_len*ceil(D/32) scales, pad8
+                values float: f32|f16 x head_len*D, pad8
+                       int8:  i8 x head_len*D, pad8, f32 x head_len scales, pad8
+    o1 collecting:  u32 m, u32 w, u32 sink, u32 rect (0 aggregate, 1 fm), u64 trace floats T,
+                    f32 x T trace, pad8
+    o1 sealed:      u32 num_heads H, u32 m, u32 w, u32 sink, u32 rect, u32 exact_only,
+                    u32 m_eff M, u32 sink_len S, u64 window rows R (w, or win_len when
+                    exact-only), u64 win_len, u64 win_head, u64 far_len, then f32 arrays, each
+                    pad8: win_k (G,R,D), win_v (G,R,D), sink_k (G,S,D), sink_v (G,S,D),
+                    k_tilde (G,M,D), q_tilde (H,M,D), mu (H,M,M), t_hat (H,M,D), z_hat (H,M),
+                    m_max (H,M)
+
+Model body (kind 2)::
+
+    u32 n_layers, u32 num_kv_heads, u32 head_dim
+    u8  quant_k, u8 quant_v          (the KvCache's mode for new layers)
+    u8  policy (0 recent, 1 born), u8 reserved (0)
+    u64 policy sink, u64 max_seq_len
+    per layer: u64 body length, then the layer body (its length is a multiple of 8)
+
+Import verifies, in order: the length (truncated / trailing bytes), the magic, the version, the
+flags, the digest algorithm, the total length field, the digest, the kind, the fingerprint
+(when the caller gives one: it must equal the stored one, and a buffer without one does not
+match), then every field of the body against the target and against the body's own
+invariants.  The digest is XXH3-64 when the ``xxhash`` package is installed (measured fastest:
+see ``python -m kvcache bench --sections wire``), else zlib's CRC-32; a reader needs the
+algorithm the writer used and says which package to install when it lacks it.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+import zlib
+
+import numpy as np
+
+from . import quant
+
+__all__ = ["WireError", "MAGIC", "VERSION", "KIND_LAYER", "KIND_MODEL", "ALG_XXH3", "ALG_CRC32",
+           "default_algorithm"]
+
+MAGIC = b"\x89KVCACHE"
+VERSION = 1
+KIND_LAYER = 1
+KIND_MODEL = 2
+ALG_XXH3 = 1
+ALG_CRC32 = 2
+_ALG_NAMES = {ALG_XXH3: "XXH3-64", ALG_CRC32: "CRC-32"}
+_HEADER_FIXED = 28
+_CHUNK = 256 << 10               # bytes copied, then hashed while still in L2, per step
+_MAX_FINGERPRINT = 1 << 16
+
+_F32 = np.dtype("<f4")
+_F16 = np.dtype("<f2")
+_I8 = np.dtype("i1")
+
+
+class WireError(ValueError):
+    """A buffer that is not a valid kvcache buffer for this target (nothing was installed)."""
+
+
+# ---------------------------------------------------------------------------------- digests
+class _Crc32:
+    """zlib.crc32 with the update/intdigest interface of xxhash's hashers."""
+
+    def __init__(self):
+        self._v = 0
+
+    def update(self, data):
+        self._v = zlib.crc32(data, self._v)
+
+    def intdigest(self):
+        return self._v
+
+
+def _xxhash():
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    return xxhash
+
+
+def default_algorithm():
+    """The digest a writer uses: XXH3-64 when ``xxhash`` is installed, else CRC-32."""
+    return ALG_XXH3 if _xxhash() is not None else ALG_CRC32
+
+
+class _NullHasher:
+    """Digest 0: only for the benchmark's "what does the checksum cost" comparison."""
+
+    def update(self, data):
+        pass
+
+    def intdigest(self):
+        return 0
+
+
+_BENCH_NO_DIGEST = False     # the benchmark sets it to time exports without the digest
+
+
+def _hasher(alg):
+    if _BENCH_NO_DIGEST:
+        return _NullHasher()
+    if alg == ALG_XXH3:
+        xxhash = _xxhash()
+        if xxhash is None:
+            raise WireError("the buffer's digest is XXH3-64, which needs the 'xxhash' package "
+                            "(pip install xxhash, or the kvcache[wire] extra)")
+        return xxhash.xxh3_64()
+    if alg == ALG_CRC32:
+        return _Crc32()
+    raise WireError(f"unknown digest algorithm {alg} (this kvcache knows "
+                    f"{', '.join(f'{k} = {v}' for k, v in _ALG_NAMES.items())})")
+
+
+def _digest(alg, mv):
+    h = _hasher(alg)
+    for i in range(0, len(mv), 8 * _CHUNK):
+        h.update(mv[i: i + 8 * _CHUNK])
+    return h.intdigest()
+
+
+# ---------------------------------------------------------------------------------- writing
+def _pad(n):
+    return -n % 8
+
+
+class _Plan:
+    """The pieces of a buffer, in order: small ``bytes`` and NumPy arrays written raw
+    (as ``dtype``: f32 arrays may be written as f16).  Offsets follow from the sizes."""
+
+    def __init__(self):
+        self.pieces = []
+        self.size = 0
+
+    def raw(self, data):
+        self.pieces.append(bytes(data))
+        self.size += len(data)
+
+    def pack(self, fmt, *values):
+        self.raw(struct.pack("<" + fmt, *values))
+
+    def pad8(self):
+        if self.size % 8:
+            self.raw(bytes(_pad(self.size)))
+
+    def array(self, arr, dtype=None):
+        """Write ``arr`` (any shape, C order) as ``dtype`` (default its own, little-endian)."""
+        arr = np.ascontiguousarray(arr)
+        dtype = np.dtype(dtype or arr.dtype).newbyteorder("<")
+        if arr.size:
+            self.pieces.append((arr.reshape(-1), dtype))
+            self.size += arr.size * dtype.itemsize
+        self.pad8()
+
+    def write_into(self, out, hasher=None):
+        """Copy every piece into ``out`` (uint8, len >= size), hashing what it writes."""
+        pos = 0
+        for piece in self.pieces:
+            if isinstance(piece, bytes):
+                n = len(piece)
+                out[pos: pos + n] = np.frombuffer(piece, np.uint8)
+                if hasher is not None:
+                    hasher.update(out[pos: pos + n])
+                pos += n
+                continue
+            src, dtype = piece
+            step = max(_CHUNK // dtype.itemsize, 1)
+            nbytes = src.size * dtype.itemsize
+            dst = out[pos: pos + nbytes].view(dtype)
+            for i in range(0, src.size, step):
+                j = min(i + step, src.size)
+                np.copyto(dst[i:j], src[i:j], casting="unsafe")
+                if hasher is not None:
+                    hasher.update(out[pos + i * dtype.itemsize: pos + j * dtype.itemsize])
+            pos += nbytes
+        return pos
+
+    def write_file(self, fh, hasher):
+        """Stream every piece to a binary file object, hashing what it writes."""
+        buf = np.empty(_CHUNK, np.uint8)
+        for piece in self.pieces:
+            if isinstance(piece, bytes):
+                fh.write(piece)
+                hasher.update(piece)
+                continue
+            src, dtype = piece
+            step = max(_CHUNK // dtype.itemsize, 1)
+            for i in range(0, src.size, step):
+                j = min(i + step, src.size)
+                n = (j - i) * dtype.itemsize
+                chunk = buf[:n]
+                np.copyto(chunk.view(dtype), src[i:j], casting="unsafe")
+                fh.write(chunk)
+                hasher.update(chunk)
+
+
+def _fresh(n):
+    """A new bytes object of n bytes and a writable uint8 view of it (see _core.fresh_bytes)."""
+    from . import _core
+    b, view = _core.fresh_bytes(n)
+    return b, np.asarray(view) if n else np.zeros(0, np.uint8)
+
+
+def _header(plan, kind, alg, fp, total):
+    plan.raw(MAGIC)
+    plan.pack("HBBIQI", VERSION, kind, alg, 0, total, len(fp))
+    plan.raw(fp)
+    plan.pad8()
+
+
+def _header_size(fp):
+    n = _HEADER_FIXED + len(fp)
+    return n + _pad(n)
+
+
+def _as_fingerprint(fingerprint):
+    if fingerprint is None:
+        return None
+    if isinstance(fingerprint, str):
+        fp = fingerprint.encode("utf-8")
+    elif isinstance(fingerprint, (bytes, bytearray, memoryview)):
+        fp = bytes(fingerprint)
+    else:
+        raise TypeError(f"fingerprint: expected bytes or str, got {type(fingerprint).__name__}")
+    if len(fp) > _MAX_FINGERPRINT:
+        raise ValueError(f"fingerprint: expected at most {_MAX_FINGERPRINT} bytes, got {len(fp)}")
+    return fp
+
+
+def _finish(body, kind, fingerprint, f16=False):
+    """bytes of a whole buffer: header + body plan + digest."""
+    fp = _as_fingerprint(fingerprint) or b""
+    alg = default_algorithm()
+    total = _header_size(fp) + body.size + 8
+    plan = _Plan()
+    _header(plan, kind, alg, fp, total)
+    plan.pieces += body.pieces
+    plan.size += body.size
+    out_bytes, out = _fresh(total)
+    hasher = _hasher(alg)
+    pos = plan.write_into(out, hasher)
+    out[pos: pos + 8] = np.frombuffer(struct.pack("<Q", hasher.intdigest()), np.uint8)
+    del out
+    return out_bytes
+
+
+def _save(path, body, kind, fingerprint):
+    """Write header + body + digest to ``path`` atomically (temp file, fsync, rename)."""
+    fp = _as_fingerprint(fingerprint) or b""
+    alg = default_algorithm()
+    total = _header_size(fp) + body.size + 8
+    head = _Plan()
+    _header(head, kind, alg, fp, total)
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".kvcache-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            hasher = _hasher(alg)
+            head.write_file(fh, hasher)
+            body.write_file(fh, hasher)
+            fh.write(struct.pack("<Q", hasher.intdigest()))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable (best effort: not every platform can open a folder)
+        dfd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+# ---------------------------------------------------------------------------------- reading
+class _Reader:
+    """Bounds-checked reads from a uint8 array; arrays come back as views (no copy)."""
+
+    def __init__(self, buf, start=0, end=None, what="buffer"):
+        self.buf = buf
+        self.pos = start
+        self.end = len(buf) if end is None else end
+        self.what = what
+
+    def _take(self, n, field):
+        if n < 0 or self.pos + n > self.end:
+            raise WireError(f"{self.what}: truncated: {field} needs {n} bytes at offset "
+                            f"{self.pos}, {max(self.end - self.pos, 0)} left")
+        p = self.pos
+        self.pos += n
+        return p
+
+    def unpack(self, fmt, field):
+        fmt = "<" + fmt
+        p = self._take(struct.calcsize(fmt), field)
+        return struct.unpack_from(fmt, self.buf, p)
+
+    def bytes(self, n, field):
+        p = self._take(n, field)
+        return bytes(self.buf[p: p + n])
+
+    def array(self, dtype, count, field, pad=True):
+        dtype = np.dtype(dtype)
+        if count < 0:
+            raise WireError(f"{self.what}: {field}: negative length {count}")
+        p = self._take(count * dtype.itemsize, field)
+        out = self.buf[p: p + count * dtype.itemsize].view(dtype)
+        if pad:
+            self.pad8(field)
+        return out
+
+    def pad8(self, field):
+        n = _pad(self.pos)
+        if n:
+            p = self._take(n, f"padding after {field}")
+            if self.buf[p: p + n].any():
+                raise WireError(f"{self.what}: non-zero padding after {field} at offset {p}")
+
+    def done(self):
+        if self.pos != self.end:
+            raise WireError(f"{self.what}: {self.end - self.pos} unexpected bytes after offset "
+                            f"{self.pos}")
+
+
+def _as_u8(buf):
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise TypeError(f"buf: expected a bytes-like object, got {type(buf).__name__}") from None
+    if not mv.c_contiguous:
+        raise WireError("buf: expected a C-contiguous buffer")
+    return np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, np.uint8)
+
+
+def _open(buf, kind, fingerprint):
+    """Verify the header and the digest of a versioned buffer; return a reader at its body."""
+    fp_want = _as_fingerprint(fingerprint)
+    u8 = _as_u8(buf)
+    n = len(u8)
+    if n < _HEADER_FIXED + 8:
+        raise WireError(f"truncated: {n} bytes, a kvcache buffer has at least {_HEADER_FIXED + 8}")
+    if bytes(u8[:8]) != MAGIC:
+        raise WireError(f"not a kvcache buffer (magic {bytes(u8[:8])!r}, expected {MAGIC!r}); "
+                        "a legacy export_wire buffer goes to import_wire")
+    version, kind_got, alg, flags, total, fp_len = struct.unpack_from("<HBBIQI", u8, 8)
+    if version != VERSION:
+        raise WireError(f"unsupported format version {version} (this kvcache reads version {VERSION})")
+    if total != n:
+        what = "truncated" if n < total else "trailing bytes"
+        raise WireError(f"{what}: the header says {total} bytes, the buffer has {n}")
+    if flags != 0:
+        raise WireError(f"unsupported flags 0x{flags:08x} (version {VERSION} defines none)")
+    hasher = _hasher(alg)
+    del hasher
+    stored = struct.unpack_from("<Q", u8, n - 8)[0]
+    if _digest(alg, u8[: n - 8]) != stored:
+        raise WireError(f"checksum mismatch: the buffer is corrupted ({_ALG_NAMES[alg]} of its "
+                        f"{n - 8} bytes does not match the stored digest)")
+    if kind_got != kind:
+        names = {KIND_LAYER: "one LayerKvCache", KIND_MODEL: "a whole KvCache"}
+        raise WireError(f"the buffer holds {names.get(kind_got, f'kind {kind_got}')}, expected "
+                        f"{names[kind]}")
+    rd = _Reader(u8, _HEADER_FIXED, n - 8)
+    fp = rd.bytes(fp_len, "fingerprint")
+    rd.pad8("fingerprint")
+    if fp_want is not None and fp != fp_want:
+        got = "no fingerprint" if not fp else f"fingerprint {fp[:64]!r}"
+        raise WireError(f"fingerprint mismatch: the buffer carries {got}, expected {fp_want[:64]!r} "
+                        "(it was made for another model or configuration)")
+    return rd
+
+
+# ---------------------------------------------------------------------------------- layer body
+def layer_plan(layer, f16=False):
+    """The body pieces of one layer (spec: the module docstring)."""
+    from .o1 import O1Collecting, O1Rect, O1Sealed
+    f16 = bool(f16)
+    nkv, hd = layer.num_kv_heads, layer.head_dim
+    mode = layer.mode
+    o1 = layer.o1
+    o1_kind = 2 if isinstance(o1, O1Sealed) else 1 if isinstance(o1, O1Collecting) else 0
+    lens = layer._len
+    plan = _Plan()
+    plan.pack("IIBBBBI", nkv, hd, int(mode.quant_k), int(mode.quant_v), o1_kind, int(f16), 0)
+    plan.pack("QQQQ", layer.seq_len, layer._imp_len, layer._linear_state.size,
+              layer._linear_scratch.size)
+    plan.pack(f"{nkv}Q", *[int(x) for x in lens])
+    plan.raw(layer._kcol_on.astype(np.uint8).tobytes() + layer._vcol_on.astype(np.uint8).tobytes())
+    plan.pad8()
+    plan.array(layer._kcol, _F32)
+    plan.array(layer._vcol, _F32)
+    plan.array(layer._imp[: layer._imp_len], _F32)
+    plan.array(layer._linear_state, _F32)
+    plan.array(layer._linear_scratch, _F32)
+    rows_dtype = _F16 if f16 else _F32
+    for h in range(nkv):
+        n = int(lens[h])
+        if mode.quant_k:
+            plan.array(layer._kq[h, :n], _I8)
+            plan.array(layer._ks[h, :n], _F32)
+        else:
+            plan.array(layer._kf[h, :n], rows_dtype)
+        if mode.quant_v:
+            plan.array(layer._vq[h, :n], _I8)
+            plan.array(layer._vs[h, :n, 0], _F32)
+        else:
+            plan.array(layer._vf[h, :n], rows_dtype)
+    if o1_kind == 1:
+        plan.pack("IIIIQ", o1.m, o1.w, o1.sink, int(o1.rect is O1Rect.FM), o1._len)
+        plan.array(o1._q[: o1._len], _F32)
+    elif o1_kind == 2:
+        rows = o1.win_len if o1.exact_only else o1.w
+        plan.pack("IIIIIIIIQQQQ", o1.num_heads, o1.m, o1.w, o1.sink, int(o1.rect is O1Rect.FM),
+                  int(o1.exact_only), o1.m_eff, o1.sink_len, rows, o1.win_len, o1.win_head,
+                  o1.far_len)
+        plan.array(o1.win_k[:, :rows], _F32)
+        plan.array(o1.win_v[:, :rows], _F32)
+        for name in ("sink_k", "sink_v", "k_tilde", "q_tilde", "mu", "t_hat", "z_hat", "m_max"):
+            plan.array(getattr(o1, name), _F32)
+    return plan
+
+
+def _f32(view, shape):
+    """A native float32 copy of a little-endian f32/f16 view, reshaped."""
+    return np.array(view, dtype=np.float32).reshape(shape)
+
+
+def parse_layer(rd, num_kv_heads=None, head_dim=None):
+    """Parse and validate one layer body; return the state dict for LayerKvCache._install."""
+    from .modes import KvMode
+    from .o1 import O1Collecting, O1Rect
+    nkv, hd, qk, qv, o1_kind, f16, reserved = rd.unpack("IIBBBBI", "layer geometry")
+    if num_kv_heads is not None and (nkv, hd) != (num_kv_heads, head_dim):
+        raise WireError(f"geometry mismatch: the buffer holds {nkv}×{hd} per position "
+                        f"(num_kv_heads×head_dim), this layer is {num_kv_heads}×{head_dim}")
+    if nkv < 1 or hd < 1 or nkv > 1 << 20 or hd > 1 << 20:
+        raise WireError(f"impossible geometry num_kv_heads={nkv}, head_dim={hd}")
+    if qk > 1 or qv > 1 or o1_kind > 2 or f16 > 1 or reserved:
+        raise WireError(f"invalid layer flags quant_k={qk} quant_v={qv} o1={o1_kind} f16={f16} "
+                        f"reserved={reserved}")
+    mode = KvMode.F32 if not (qk or qv) else KvMode.Q8(k=bool(qk), v=bool(qv))
+    seq_len, imp_len, n_lin, n_scr = rd.unpack("QQQQ", "layer lengths")
+    lens = np.array(rd.unpack(f"{nkv}Q", "head lengths"), dtype=np.intp) if nkv else np.zeros(0, np.intp)
+    cols = rd.array(np.uint8, 2 * nkv, "column flags")
+    kcol_on, vcol_on = cols[:nkv].copy(), cols[nkv:].copy()
+    if (cols > 1).any():
+        raise WireError("invalid column flags (expected 0 or 1)")
+    if (kcol_on.any() and not qk) or (vcol_on.any() and not qv):
+        raise WireError("frozen columns on a component stored as float32")
+    if (lens > seq_len).any():
+        raise WireError(f"a head holds more rows ({int(lens.max())}) than seq_len={seq_len}")
+    sealed = o1_kind == 2
+    if sealed:
+        if imp_len != 0 or lens.any() or qk or qv:
+            raise WireError("a sealed O(1) layer holds no KV rows and no importance, in F32 mode")
+    elif imp_len != seq_len:
+        raise WireError(f"importance covers {imp_len} positions, expected seq_len={seq_len}")
+    st = {"mode": mode, "seq_len": int(seq_len), "len": lens, "kcol_on": kcol_on,
+          "vcol_on": vcol_on}
+    st["kcol"] = _f32(rd.array(_F32, nkv * hd, "kcol"), (nkv, hd))
+    st["vcol"] = _f32(rd.array(_F32, nkv * hd, "vcol"), (nkv, hd))
+    st["imp"] = _f32(rd.array(_F32, imp_len, "importance"), (imp_len,))
+    st["linear_state"] = _f32(rd.array(_F32, n_lin, "linear_state"), (n_lin,))
+    st["linear_scratch"] = _f32(rd.array(_F32, n_scr, "linear_scratch"), (n_scr,))
+    rows_dtype = _F16 if f16 else _F32
+    ngk = quant.n_groups(hd, quant.K_GROUP)
+    cap = max(int(lens.max(initial=0)), 1)
+    kf = vf = kq = vq = ks = vs = None
+    if qk:
+        kq = np.zeros((nkv, cap, hd), np.int8)
+        ks = np.zeros((nkv, cap, ngk), np.float32)
+    else:
+        kf = np.zeros((nkv, cap, hd), np.float32)
+    if qv:
+        vq = np.zeros((nkv, cap, hd), np.int8)
+        vs = np.zeros((nkv, cap, 1), np.float32)
+    else:
+        vf = np.zeros((nkv, cap, hd), np.float32)
+    for h in range(nkv):
+        n = int(lens[h])
+        if qk:
+            kq[h, :n] = rd.array(_I8, n * hd, f"head {h} int8 keys").reshape(n, hd)
+            ks[h, :n] = rd.array(_F32, n * ngk, f"head {h} key scales").reshape(n, ngk)
+        else:
+            kf[h, :n] = rd.array(rows_dtype, n * hd, f"head {h} keys").reshape(n, hd)
+        if qv:
+            vq[h, :n] = rd.array(_I8, n * hd, f"head {h} int8 values").reshape(n, hd)
+            vs[h, :n, 0] = rd.array(_F32, n, f"head {h} value scales")
+        else:
+            vf[h, :n] = rd.array(rows_dtype, n * hd, f"head {h} values").reshape(n, hd)
+    st.update(kf=kf, vf=vf, kq=kq, ks=ks, vq=vq, vs=vs, cap=cap)
+    st["o1"] = None
+    if o1_kind == 1:
+        m, w, sink, rect, tlen = rd.unpack("IIIIQ", "O(1) collecting parameters")
+        if m < 4 or w < 1 or rect > 1:
+            raise WireError(f"invalid O(1) parameters m={m} w={w} rect={rect}")
+        coll = O1Collecting(m, w, sink, O1Rect.FM if rect else O1Rect.AGGREGATE, hd)
+        coll.push(_f32(rd.array(_F32, tlen, "O(1) query trace"), (tlen,)))
+        st["o1"] = coll
+    elif o1_kind == 2:
+        st["o1"] = _parse_sealed(rd, nkv, hd, int(seq_len))
+    return st
+
+
+def _parse_sealed(rd, nkv, hd, seq_len):
+    from .o1 import O1Rect, O1Sealed
+    (nh, m, w, sink, rect, exact, m_eff, sink_len, rows, win_len, win_head,
+     far_len) = rd.unpack("IIIIIIIIQQQQ", "O(1) sealed parameters")
+    bad = None
+    if nh < 1 or nh % nkv or m < 4 or w < 1 or rect > 1 or exact > 1:
+        bad = f"num_heads={nh} m={m} w={w} rect={rect} exact_only={exact}"
+    elif exact:
+        if m_eff or sink_len or far_len or win_head or rows != win_len or win_len != seq_len:
+            bad = (f"exact-only state with m_eff={m_eff} sink_len={sink_len} far_len={far_len} "
+                   f"win_head={win_head} rows={rows} win_len={win_len} seq_len={seq_len}")
+    else:
+        if (rows != w or win_len != w or win_head >= w or sink_len != sink or m_eff < 4
+                or m_eff > m or seq_len != far_len + w + sink):
+            bad = (f"skeleton state with rows={rows} win_len={win_len} win_head={win_head} "
+                   f"sink_len={sink_len} m_eff={m_eff} far_len={far_len} seq_len={seq_len}")
+    if bad:
+        raise WireError(f"inconsistent O(1) state: {bad}")
+    st = O1Sealed(num_heads=nh, num_kv_heads=nkv, d=hd, dv=hd, m=m, w=w, sink=sink,
+                  rect=O1Rect.FM if rect else O1Rect.AGGREGATE, exact_only=bool(exact))
+    st.m_eff, st.sink_len = m_eff, sink_len
+    st.win_len, st.win_head, st.far_len = win_len, win_head, far_len
+    shapes = {"win_k": (nkv, rows, hd), "win_v": (nkv, rows, hd), "sink_k": (nkv, sink_len, hd),
+              "sink_v": (nkv, sink_len, hd), "k_tilde": (nkv, m_eff, hd),
+              "q_tilde": (nh, m_eff, hd), "mu": (nh, m_eff, m_eff), "t_hat": (nh, m_eff, hd),
+              "z_hat": (nh, m_eff), "m_max": (nh, m_eff)}
+    for name, shape in shapes.items():
+        setattr(st, name, _f32(rd.array(_F32, int(np.prod(shape)), f"O(1) {name}"), shape))
+    if exact:
+        for name in ("win_k", "win_v"):       # room to grow, as after a seal
+            arr = getattr(st, name)
+            grown = np.zeros((nkv, rows + 64, hd), np.float32)
+            grown[:, :rows] = arr
+            setattr(st, name, grown)
+        st.scr = np.zeros((nh, 0), np.float32)
+    else:
+        st.scr = np.zeros((nh, sink + w + 3 * m_eff), np.float32)
+    return st
+
+
+# ---------------------------------------------------------------------------------- legacy
+def export_wire(layer, f16=False):
+    if not layer.mode.is_f32:
+        raise WireError(f"export_wire: the legacy layout describes F32 caches only; this layer is "
+                        f"{layer.mode!r} (use to_bytes, which carries int8 storage)")
+    if layer.o1 is not None:
+        raise WireError("export_wire: a Nyström overlay (O(1) state) is not part of this format "
+                        "(use to_bytes)")
+    if layer._kcol_on.any() or layer._vcol_on.any():
+        raise WireError("export_wire: frozen columns under an F32 cache are not part of this format")
+    f16 = bool(f16)
+    nkv, hd = layer.num_kv_heads, layer.head_dim
+    rows = _F16 if f16 else _F32
+    plan = _Plan()
+    plan.pack("6I", int(f16), layer.seq_len, nkv, hd, layer._linear_state.size, layer._imp_len)
+    for arr in (layer._linear_state, layer._imp[: layer._imp_len]):
+        if arr.size:
+            plan.pieces.append((np.ascontiguousarray(arr).reshape(-1), _F32))
+            plan.size += 4 * arr.size
+    for h in range(nkv):
+        n = int(layer._len[h])
+        for store in (layer._kf, layer._vf):
+            plan.pack("I", n * hd)
+            if n:
+                plan.pieces.append((store[h, :n].reshape(-1), rows))
+                plan.size += n * hd * rows.itemsize
+    out_bytes, out = _fresh(plan.size)
+    plan.write_into(out)
+    del out
+    return out_bytes
+
+
+def import_wire(layer, buf):
+    """Parse and validate a legacy buffer; return the state for LayerKvCache._install."""
+    u8 = _as_u8(buf)
+    rd = _Reader(u8, what="kv import")
+    try:
+        f16, seq_len, heads, hd, n_lin, n_imp = rd.unpack("6I", "header")
+    except WireError:
+        raise WireError(f"kv import: truncated header ({len(u8)} bytes, the header has 24)") from None
+    nkv, want_hd = layer.num_kv_heads, layer.head_dim
+    if (heads, hd) != (nkv, want_hd):
+        raise WireError(f"kv import: peer sent {heads}×{hd} per position, this layer is "
+                        f"{nkv}×{want_hd}")
+    rows_dtype = _F16 if f16 else _F32
+
+    def arr(dtype, count, field):
+        try:
+            return rd.array(dtype, count, field, pad=False)
+        except WireError as exc:
+            raise WireError(f"kv import: truncated payload ({exc})") from None
+
+    lin = _f32(arr(_F32, n_lin, "linear_state"), (n_lin,))
+    imp = _f32(arr(_F32, n_imp, "importance"), (n_imp,))
+    heads_k, heads_v = [], []
+    for h in range(nkv):
+        for out, what in ((heads_k, "keys"), (heads_v, "values")):
+            try:
+                (n,) = rd.unpack("I", f"head {h} {what} length")
+            except WireError:
+                raise WireError(f"kv import: truncated header (head {h} {what} length)") from None
+            if n % hd:
+                raise WireError(f"kv import: head {h} {what}: {n} floats is not a whole number of "
+                                f"rows of head_dim={hd}")
+            out.append(arr(rows_dtype, n, f"head {h} {what}"))
+    if rd.pos != len(u8):
+        raise WireError(f"kv import: {len(u8) - rd.pos} trailing bytes after the last head")
+    lens = np.array([a.size // hd for a in heads_k], dtype=np.intp)
+    for h in range(nkv):
+        if heads_v[h].size != heads_k[h].size:
+            raise WireError(f"kv import: head {h} sends {heads_k[h].size // hd} key rows but "
+                            f"{heads_v[h].size // hd} value rows")
+    if (lens > seq_len).any():
+        raise WireError(f"kv import: a head sends {int(lens.max())} rows, more than seq_len={seq_len}")
+    if n_imp != seq_len:
+        raise WireError(f"kv import: importance covers {n_imp} positions, expected seq_len={seq_len}")
+    cap = max(int(lens.max(initial=0)), 1)
+    kf = np.zeros((nkv, cap, hd), np.float32)
+    vf = np.zeros((nkv, cap, hd), np.float32)
+    for h in range(nkv):
+        n = int(lens[h])
+        kf[h, :n] = heads_k[h].reshape(n, hd)
+        vf[h, :n] = heads_v[h].reshape(n, hd)
+    from .modes import KvMode
+    return {"mode": KvMode.F32, "seq_len": int(seq_len), "len": lens, "cap": cap,
+            "kf": kf, "vf": vf, "kq": None, "ks": None, "vq": None, "vs": None,
+            "kcol": np.ones((nkv, hd), np.float32), "vcol": np.ones((nkv, hd), np.float32),
+            "kcol_on": np.zeros(nkv, np.uint8), "vcol_on": np.zeros(nkv, np.uint8),
+            "imp": imp, "linear_state": lin, "o1": None}
+
+
+# ---------------------------------------------------------------------------------- entry points
+def layer_to_bytes(layer, f16=False, fingerprint=None):
+    return _finish(layer_plan(layer, f16), KIND_LAYER, fingerprint)
+
+
+def layer_from_bytes(layer, buf, fingerprint=None):
+    rd = _open(buf, KIND_LAYER, fingerprint)
+    rd.what = "layer body"
+    st = parse_layer(rd, layer.num_kv_heads, layer.head_dim)
+    rd.done()
+    return st
+
+
+def model_plan(model, f16=False):
+    plan = _Plan()
+    mode = model.mode
+    pol = model.policy
+    plan.pack("IIIBBBBQQ", len(model.layers), model.num_kv_heads, model.head_dim,
+              int(mode.quant_k), int(mode.quant_v), 1 if pol.kind == "born" else 0, 0,
+              pol.sink, model.max_seq_len)
+    for layer in model.layers:
+        lp = layer_plan(layer, f16)
+        plan.pack("Q", lp.size)
+        plan.pieces += lp.pieces
+        plan.size += lp.size
+    return plan
+
+
+def save_model(model, path, fingerprint=None, f16=False):
+    _save(path, model_plan(model, f16), KIND_MODEL, fingerprint)
+
+
+def load_model(cls, path, fingerprint=None):
+    import mmap
+    from .modes import KvMode
+    from .model import EvictionPolicy
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            raise WireError(f"{path}: empty file")
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            u8 = np.frombuffer(mm, np.uint8)
+            try:
+                model = _parse_model(cls, u8, fingerprint, KvMode, EvictionPolicy)
+            finally:
+                del u8
+    return model
+
+
+def model_from_bytes(cls, buf, fingerprint=None):
+    from .modes import KvMode
+    from .model import EvictionPolicy
+    return _parse_model(cls, buf, fingerprint, KvMode, EvictionPolicy)
+
+
+def _parse_model(cls, buf, fingerprint, KvMode, EvictionPolicy):
+    rd = _open(buf, KIND_MODEL, fingerprint)
+    rd.what = "model body"
+    n_layers, nkv, hd, qk, qv, pol, reserved, sink, max_seq = rd.unpack("IIIBBBBQQ", "model header")
+    if qk > 1 or qv > 1 or pol > 1 or reserved or nkv < 1 or hd < 1 or max_seq < 1:
+        raise WireError(f"invalid model header: num_kv_heads={nkv} head_dim={hd} quant=({qk},{qv}) "
+                        f"policy={pol} max_seq_len={max_seq}")
+    mode = KvMode.F32 if not (qk or qv) else KvMode.Q8(k=bool(qk), v=bool(qv))
+    policy = EvictionPolicy.born(sink) if pol else EvictionPolicy.RECENT
+    states = []
+    for i in range(n_layers):
+        (size,) = rd.unpack("Q", f"layer {i} length")
+        end = rd.pos + size
+        if size % 8 or end > rd.end:
+            raise WireError(f"model body: layer {i} length {size} is not valid here")
+        sub = _Reader(rd.buf, rd.pos, end, what=f"layer {i}")
+        states.append(parse_layer(sub, nkv, hd))
+        sub.done()
+        rd.pos = end
+    rd.done()
+    model = cls(n_layers, nkv, hd, max_seq_len=max_seq, policy=policy, mode=mode)
+    for layer, st in zip(model.layers, states):
+        layer._install(st)
+    return model
