@@ -550,6 +550,16 @@ def parse_layer(rd, num_kv_heads=None, head_dim=None):
     st["linear_scratch"] = _f32(rd.array(_F32, n_scr, "linear_scratch"), (n_scr,))
     rows_dtype = _F16 if f16 else _F32
     ngk = quant.n_groups(hd, quant.K_GROUP)
+    # the rows must be present before storage for them is allocated (a crafted header must
+    # not make us allocate what the buffer does not hold)
+    need = 0
+    for n in (int(x) for x in lens):
+        for q, scale_w in ((qk, 4 * ngk), (qv, 4)):
+            need += n * hd + _pad(n * hd) + n * scale_w + _pad(n * scale_w) if q else \
+                n * hd * rows_dtype.itemsize + _pad(n * hd * rows_dtype.itemsize)
+    if need > rd.end - rd.pos:
+        raise WireError(f"{rd.what}: truncated: the head lengths {lens.tolist()} need {need} bytes "
+                        f"of rows, {rd.end - rd.pos} left")
     cap = max(int(lens.max(initial=0)), 1)
     kf = vf = kq = vq = ks = vs = None
     if qk:
@@ -752,20 +762,26 @@ def save_model(model, path, fingerprint=None, f16=False):
 
 
 def load_model(cls, path, fingerprint=None):
+    """KvCache.load: memory-map the file, verify and parse it, copy the arrays out."""
     import mmap
     from .modes import KvMode
     from .model import EvictionPolicy
     with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size == 0:
-            raise WireError(f"{path}: empty file")
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            u8 = np.frombuffer(mm, np.uint8)
-            try:
-                model = _parse_model(cls, u8, fingerprint, KvMode, EvictionPolicy)
-            finally:
-                del u8
-    return model
+        if os.fstat(fh.fileno()).st_size == 0:
+            raise WireError(f"{path}: empty file, not a kvcache file")
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        try:
+            return _parse_model(cls, np.frombuffer(mm, np.uint8), fingerprint, KvMode,
+                                EvictionPolicy)
+        except WireError as exc:
+            msg = str(exc)            # re-raised below, without frames that view the map
+        raise WireError(f"{path}: {msg}")
+    finally:
+        try:
+            mm.close()
+        except BufferError:           # a view is still alive (an unexpected error's traceback)
+            pass
 
 
 def model_from_bytes(cls, buf, fingerprint=None):

@@ -1,0 +1,604 @@
+"""Byte formats (issue 4): the legacy wire layout and the versioned, checksummed format.
+
+Golden bytes pin both layouts; round trips cover every mode and layer state; the decoders are
+fuzzed exhaustively on small buffers (every truncation, every single-bit flip) and with
+hypothesis (random bytes, structure-aware mutations with a recomputed digest); save() is
+atomic under injected failures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings, strategies as hst
+
+import kvcache as kc
+from kvcache import wire
+
+F32 = kc.KvMode.F32
+MODES = [kc.KvMode.F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False), kc.KvMode.Q8(k=False, v=True)]
+MODE_IDS = ["f32", "q8", "q8k", "q8v"]
+
+
+# ------------------------------------------------------------------------------------ helpers
+def filled(mode, n=90, nkv=2, hd=8, seed=0, attend=True):
+    rng = np.random.default_rng(seed)
+    c = kc.LayerKvCache(nkv, hd, mode=mode)
+    c.append(rng.standard_normal((n, nkv, hd)), rng.standard_normal((n, nkv, hd)))
+    if attend and n:
+        c.attend_all_heads(rng.standard_normal((min(n, 3), 2 * nkv, hd)))
+    return c
+
+
+def sealed(p=60, exact=False, nkv=2, hd=8, seed=1):
+    rng = np.random.default_rng(seed)
+    c = kc.LayerKvCache(nkv, hd, mode=F32)
+    c.o1_begin(4, 40 if exact else 8, 2)
+    c.o1_push_q(rng.standard_normal((p, 2 * nkv, hd)))
+    c.append(rng.standard_normal((p, nkv, hd)), rng.standard_normal((p, nkv, hd)))
+    assert c.o1_seal(2 * nkv)
+    for _ in range(3):
+        c.o1_step(rng.standard_normal((2 * nkv, hd)), rng.standard_normal((nkv, hd)),
+                  rng.standard_normal((nkv, hd)), 2 * nkv)
+    return c
+
+
+def states():
+    """(id, factory) of every layer state the versioned format must carry."""
+    out = []
+    for mode, mid in zip(MODES, MODE_IDS):
+        out.append((f"{mid}-empty", lambda m=mode: kc.LayerKvCache(2, 8, mode=m)))
+        out.append((f"{mid}-filled", lambda m=mode: filled(m)))
+        out.append((f"{mid}-short", lambda m=mode: filled(m, n=5)))       # before the column freeze
+
+        def dead(m=mode):
+            c = filled(m, n=70)
+            rng = np.random.default_rng(3)
+            for i in range(6):
+                c.append(rng.standard_normal((2, 8)), rng.standard_normal((2, 8)), alive=[i % 2 == 0, False])
+            return c
+        out.append((f"{mid}-dead-heads", dead))
+
+        def evicted(m=mode):
+            kv = kc.KvCache(1, 2, 8, mode=m, policy=kc.EvictionPolicy.born(sink=2))
+            kv.layers[0] = filled(m, n=100)
+            kv.evict(40)
+            return kv.layers[0]
+        out.append((f"{mid}-evicted", evicted))
+
+        def truncated(m=mode):
+            c = filled(m, n=80)
+            c.truncate_last(7)
+            return c
+        out.append((f"{mid}-truncated", truncated))
+
+        def linear(m=mode):
+            c = filled(m, n=20)
+            c.linear_state = [1.5, -2.0, 3.25]
+            c.linear_scratch = [7.0]
+            return c
+        out.append((f"{mid}-linear", linear))
+
+    def collecting():
+        c = filled(F32, n=30, attend=False)
+        c.o1_begin(4, 8, 2, "fm")
+        c.o1_push_q(np.arange(30 * 4 * 8, dtype=np.float32).reshape(30, 4, 8))
+        return c
+    out.append(("o1-collecting", collecting))
+    out.append(("o1-sealed", lambda: sealed()))
+    out.append(("o1-sealed-exact-only", lambda: sealed(p=20, exact=True)))
+    return out
+
+
+STATES = states()
+
+
+def observe(c, rng_seed=5):
+    """Everything observable about a layer, plus its answers to the same queries."""
+    rng = np.random.default_rng(rng_seed)
+    nkv, hd = c.num_kv_heads, c.head_dim
+    obs = {"mode": c.mode, "seq_len": c.seq_len, "mem": c.memory_bytes(),
+           "o1_mem": c.o1_memory_bytes(), "sealed": c.o1_sealed(),
+           "lens": [c.head_len(h) for h in range(nkv)],
+           "imp": c.importance.tobytes(), "lin": c.linear_state.tobytes(),
+           "scr": c.linear_scratch.tobytes(),
+           "keys": [c.head_keys(h).tobytes() for h in range(nkv)],
+           "values": [c.head_values(h).tobytes() for h in range(nkv)],
+           "q8": [[None if a is None else a.tobytes() for a in c.q8_rows(h)] for h in range(nkv)],
+           "cols": [[None if a is None else a.tobytes() for a in c.columns(h)] for h in range(nkv)]}
+    if isinstance(c.o1, kc.o1.O1Collecting):
+        obs["trace"] = c.o1.trace.tobytes()
+    q = rng.standard_normal((2 * nkv, hd)).astype(np.float32)
+    k = rng.standard_normal((nkv, hd)).astype(np.float32)
+    if c.o1_sealed():
+        obs["step"] = c.o1_step(q, k, k, 2 * nkv).tobytes()
+        obs["after"] = c.o1.t_hat.tobytes()
+    elif c.seq_len:
+        obs["attend"] = [tuple(a.tobytes() for a in c.attend(q[h], h)) for h in range(nkv)]
+        obs["all"] = c.attend_all_heads(q).tobytes()
+        obs["imp_after"] = c.importance.tobytes()
+        c.append(np.tile(k, (70, 1, 1)), np.tile(k, (70, 1, 1)))     # growth, column freeze
+        obs["grown"] = c.attend_all_heads(q).tobytes()
+        obs["cols_after"] = [[None if a is None else a.tobytes() for a in c.columns(h)] for h in range(nkv)]
+    return obs
+
+
+def reseal(buf, edit=None):
+    """A copy of a versioned buffer with ``edit(bytearray)`` applied and a correct digest."""
+    b = bytearray(buf)
+    if edit is not None:
+        edit(b)
+    alg = b[11]
+    body = bytes(b[:-8])
+    d = xxhash.xxh3_64_intdigest(body) if alg == wire.ALG_XXH3 else zlib.crc32(body)
+    b[-8:] = struct.pack("<Q", d)
+    return bytes(b)
+
+
+# ------------------------------------------------------------------------------------ legacy layout
+def test_legacy_round_trip_reproduces_attention():
+    rng = np.random.default_rng(0)
+    c = kc.LayerKvCache(2, 4, mode=F32)
+    for _ in range(5):
+        c.append(rng.standard_normal((2, 4)), rng.standard_normal((2, 4)))
+    c.linear_state = [0.5, -0.25, 1.0]
+    buf = c.export_wire()
+    assert isinstance(buf, bytes)
+    assert len(buf) == 24 + 4 * (3 + 5) + 2 * (8 + 4 * (5 * 4 + 5 * 4))
+    d = kc.LayerKvCache(2, 4, mode=F32)
+    d.import_wire(buf)
+    assert d.seq_len == 5 and d.linear_state.tolist() == [0.5, -0.25, 1.0]
+    q = rng.standard_normal(4)
+    for h in range(2):
+        (o1, p1), (o2, p2) = c.attend(q, h), d.attend(q, h)
+        assert o1.tobytes() == o2.tobytes() and p1.tobytes() == p2.tobytes()
+
+
+def test_legacy_golden_bytes():
+    c = kc.LayerKvCache(2, 2, mode=F32)
+    c.append([[1.0, 2.0], [3.0, 4.0]], [[5.0, 6.0], [7.0, 8.0]])
+    c.append([[0.5, -1.0], [0.0, 0.0]], [[1.0, 1.0], [2.0, 2.0]], alive=[True, False])
+    c.linear_state = [0.25]
+    c.accumulate_imp([0.75, 1.5])
+    expect = struct.pack("<6I", 0, 2, 2, 2, 1, 2) + struct.pack("<3f", 0.25, 0.75, 1.5)
+    expect += struct.pack("<I4f", 4, 1.0, 2.0, 0.5, -1.0) + struct.pack("<I4f", 4, 5.0, 6.0, 1.0, 1.0)
+    expect += struct.pack("<I2f", 2, 3.0, 4.0) + struct.pack("<I2f", 2, 7.0, 8.0)
+    assert c.export_wire() == expect
+    half = struct.pack("<6I", 1, 2, 2, 2, 1, 2) + struct.pack("<3f", 0.25, 0.75, 1.5)
+    half += struct.pack("<I4e", 4, 1.0, 2.0, 0.5, -1.0) + struct.pack("<I4e", 4, 5.0, 6.0, 1.0, 1.0)
+    half += struct.pack("<I2e", 2, 3.0, 4.0) + struct.pack("<I2e", 2, 7.0, 8.0)
+    assert c.export_wire(f16=True) == half
+    assert hashlib.sha256(half).hexdigest()[:16] == "f704ce7822389339"
+
+
+def test_legacy_f16_is_numpy_rounding():
+    c = filled(F32, n=10, attend=False)
+    d = kc.LayerKvCache(2, 8, mode=F32)
+    d.import_wire(c.export_wire(f16=True))
+    for h in range(2):
+        want = c.head_keys(h).astype(np.float16).astype(np.float32)
+        assert d.head_keys(h).tobytes() == want.tobytes()
+    assert d.importance.tobytes() == c.importance.tobytes()      # always f32
+
+
+@pytest.mark.parametrize("mode", MODES[1:], ids=MODE_IDS[1:])
+def test_legacy_refuses_int8_storage(mode, snapshot, assert_same_state):
+    c = filled(mode, n=10)
+    before = snapshot(c)
+    with pytest.raises(kc.WireError, match="F32"):
+        c.export_wire()
+    assert_same_state(before, snapshot(c))
+
+
+def test_legacy_refuses_o1_state_and_frozen_columns():
+    c = filled(F32, n=10)
+    c.o1_begin(4, 8, 2)
+    with pytest.raises(kc.WireError, match="Nyström"):
+        c.export_wire()
+    with pytest.raises(kc.WireError, match="Nyström"):
+        sealed().export_wire()
+    c = filled(F32, n=10)
+    c._kcol_on[1] = 1                     # (an F32 cache never freezes columns by itself)
+    with pytest.raises(kc.WireError, match="frozen columns"):
+        c.export_wire()
+
+
+def test_legacy_import_checks_geometry(snapshot, assert_same_state):
+    buf = filled(F32, n=3, nkv=2, hd=4).export_wire()
+    target = filled(F32, n=4, nkv=2, hd=8, seed=9)
+    before = snapshot(target)
+    with pytest.raises(kc.WireError, match="2×4") as info:
+        target.import_wire(buf)
+    assert "2×8" in str(info.value)
+    assert_same_state(before, snapshot(target))
+
+
+def _legacy(f16=0, seq=2, heads=((8, 8), (8, 8)), n_lin=1, n_imp=2, extra=b"", hd=4):
+    out = struct.pack("<6I", f16, seq, len(heads), hd, n_lin, n_imp) + bytes(4 * (n_lin + n_imp))
+    for nk, nv in heads:
+        out += struct.pack("<I", nk) + bytes(nk * (2 if f16 else 4))
+        out += struct.pack("<I", nv) + bytes(nv * (2 if f16 else 4))
+    return out + extra
+
+
+@pytest.mark.parametrize("buf,match", [
+    (b"", "truncated header"), (_legacy()[:23], "truncated header"),
+    (_legacy()[:-1], "truncated payload"), (_legacy()[:-36], "truncated header"),
+    (_legacy(extra=b"\0"), "trailing"), (_legacy(heads=((6, 6), (8, 8))), "whole number"),
+    (_legacy(heads=((8, 4), (8, 8))), "value rows"), (_legacy(heads=((12, 12), (8, 8))), "seq_len"),
+    (_legacy(n_imp=1), "importance"),
+    (struct.pack("<6I", 0, 2, 2, 4, 10**9, 2) + bytes(64), "truncated payload"),
+    (struct.pack("<6I", 0, 1, 2, 4, 0, 1) + bytes(4) + struct.pack("<I", 2**32 - 4), "truncated payload")])
+def test_legacy_import_rejects_bad_buffers_atomically(buf, match, snapshot, assert_same_state):
+    target = filled(F32, n=7, nkv=2, hd=4)
+    target.linear_state = [9.0]
+    before = snapshot(target)
+    with pytest.raises(kc.WireError, match=match):
+        target.import_wire(buf)
+    assert_same_state(before, snapshot(target))
+
+
+def test_legacy_import_of_a_valid_handmade_buffer():
+    c = kc.LayerKvCache(2, 4, mode=kc.KvMode.Q8())
+    c.linear_scratch = [4.0]
+    c.import_wire(_legacy())
+    assert c.mode == F32 and c.seq_len == 2 and c.head_len(0) == 2
+    assert c.linear_scratch.tolist() == [4.0]                 # untouched, as upstream
+    assert c.attend_all_heads(np.ones((2, 4))).shape == (2, 4)
+
+
+# ------------------------------------------------------------------------------------ versioned: round trips
+@pytest.mark.parametrize("name,make", STATES, ids=[s[0] for s in STATES])
+def test_round_trip_is_bit_exact(name, make):
+    a, b = make(), make()
+    buf = a.to_bytes(fingerprint="model-A")
+    target = kc.LayerKvCache(2, 8, mode=kc.KvMode.Q8(k=False, v=True))
+    target.linear_scratch = [123.0]
+    target.from_bytes(buf, fingerprint="model-A")
+    assert target.to_bytes(fingerprint="model-A") == buf       # re-export: the same bytes
+    assert observe(target) == observe(b)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_round_trip_f16_rounds_only_float_rows(mode):
+    c = filled(mode, n=80)
+    d = kc.LayerKvCache(2, 8, mode=F32)
+    d.from_bytes(c.to_bytes(f16=True))
+    assert d.mode == mode and d.importance.tobytes() == c.importance.tobytes()
+    for h in range(2):
+        for got, want in ((d.head_keys(h), c.head_keys(h)), (d.head_values(h), c.head_values(h))):
+            assert got.tobytes() == want.astype(np.float16).astype(np.float32).tobytes()
+        for got, want in zip(d.q8_rows(h), c.q8_rows(h)):
+            assert (got is None and want is None) or got.tobytes() == want.tobytes()
+    assert len(c.to_bytes(f16=True)) < len(c.to_bytes()) or not mode.is_f32 and mode.quant_k and mode.quant_v
+
+
+def test_golden_bytes_versioned(monkeypatch):
+    c = kc.LayerKvCache(1, 2, mode=F32)
+    c.append([[1.0, 2.0]], [[3.0, 4.0]])
+    c.linear_state = [0.5]
+    body = struct.pack("<IIBBBBI", 1, 2, 0, 0, 0, 0, 0) + struct.pack("<QQQQ", 1, 1, 1, 0)
+    body += struct.pack("<Q", 1) + bytes([0, 0]) + bytes(6)
+    body += struct.pack("<2f", 1, 1) + struct.pack("<2f", 1, 1)           # kcol, vcol (ones)
+    body += struct.pack("<f", 0) + bytes(4)                               # importance, pad
+    body += struct.pack("<f", 0.5) + bytes(4)                             # linear_state, pad
+    body += struct.pack("<2f", 1, 2) + struct.pack("<2f", 3, 4)           # head 0 keys, values
+    fp = b"llama-3-8b@rev1"
+    head = wire.MAGIC + struct.pack("<HBBIQI", 1, 1, wire.ALG_XXH3, 0, 48 + len(body) + 8, len(fp))
+    head += fp + bytes(5)                                                 # 28 + 15 -> 48
+    expect = head + body
+    expect += struct.pack("<Q", xxhash.xxh3_64_intdigest(expect))
+    assert c.to_bytes(fingerprint=fp) == expect
+    assert len(expect) == 168 and expect[-8:].hex() == "e5f0a45c035df55d"
+    monkeypatch.setattr(wire, "_xxhash", lambda: None)                   # the zlib fallback
+    crc = c.to_bytes(fingerprint=fp)
+    assert crc[11] == wire.ALG_CRC32
+    assert crc[:-8] == expect[:11] + bytes([wire.ALG_CRC32]) + expect[12:-8]
+    assert crc[-8:] == struct.pack("<Q", zlib.crc32(crc[:-8]))
+
+
+def test_crc32_buffers_read_everywhere_xxh3_needs_xxhash(monkeypatch):
+    c = filled(F32, n=10)
+    xx = c.to_bytes()
+    assert xx[11] == wire.ALG_XXH3
+    monkeypatch.setattr(wire, "_xxhash", lambda: None)
+    crc = c.to_bytes()
+    d = kc.LayerKvCache(2, 8, mode=F32)
+    d.from_bytes(crc)
+    assert observe(d) == observe(filled(F32, n=10))
+    with pytest.raises(kc.WireError, match="xxhash"):
+        d.from_bytes(xx)
+
+
+def test_fingerprints():
+    c = filled(F32, n=4)
+    d = kc.LayerKvCache(2, 8, mode=F32)
+    buf = c.to_bytes(fingerprint="modèle")
+    d.from_bytes(buf, fingerprint="modèle".encode())           # str is stored as UTF-8
+    d.from_bytes(buf)                                           # no fingerprint asked: not checked
+    with pytest.raises(kc.WireError, match="fingerprint mismatch"):
+        d.from_bytes(buf, fingerprint="other")
+    with pytest.raises(kc.WireError, match="no fingerprint"):
+        d.from_bytes(c.to_bytes(), fingerprint="modèle")
+    for bad in (3, 2.5, ["a"]):
+        with pytest.raises(TypeError):
+            c.to_bytes(fingerprint=bad)
+        with pytest.raises(TypeError):
+            d.from_bytes(buf, fingerprint=bad)
+    with pytest.raises(ValueError):
+        c.to_bytes(fingerprint=bytes(70_000))
+
+
+def test_geometry_mismatch_names_both_shapes(snapshot, assert_same_state):
+    buf = filled(F32, n=4, nkv=2, hd=8).to_bytes()
+    for nkv, hd in ((2, 4), (1, 8), (4, 8)):
+        d = filled(F32, n=3, nkv=nkv, hd=hd)
+        before = snapshot(d)
+        with pytest.raises(kc.WireError, match="2×8") as info:
+            d.from_bytes(buf)
+        assert f"{nkv}×{hd}" in str(info.value)
+        assert_same_state(before, snapshot(d))
+
+
+def test_accepts_any_bytes_like_and_refuses_other_types():
+    c = filled(F32, n=4)
+    buf = c.to_bytes()
+    for form in (bytearray(buf), memoryview(buf), np.frombuffer(buf, np.uint8)):
+        d = kc.LayerKvCache(2, 8, mode=F32)
+        d.from_bytes(form)
+        assert d.seq_len == 4
+    for bad in (None, 3, "text", [1, 2]):
+        with pytest.raises(TypeError):
+            kc.LayerKvCache(2, 8, mode=F32).from_bytes(bad)
+        with pytest.raises(TypeError):
+            kc.LayerKvCache(2, 8, mode=F32).import_wire(bad)
+
+
+def test_version_kind_flags_and_magic_are_checked(snapshot, assert_same_state):
+    buf = filled(F32, n=4).to_bytes()
+    target = filled(F32, n=6, seed=4)
+    before = snapshot(target)
+    cases = [
+        (reseal(buf, lambda b: b.__setitem__(slice(8, 10), struct.pack("<H", 2))), "version 2"),
+        (reseal(buf, lambda b: b.__setitem__(10, 2)), "whole KvCache"),
+        (reseal(buf, lambda b: b.__setitem__(10, 7)), "kind 7"),
+        (reseal(buf, lambda b: b.__setitem__(slice(12, 16), struct.pack("<I", 1))), "flags"),
+        (reseal(buf, lambda b: b.__setitem__(11, 9)), "digest algorithm 9"),
+        (b"GGUF" + buf[4:], "not a kvcache buffer"),
+        (filled(F32, n=4).export_wire(), "not a kvcache buffer|truncated"),
+        (buf + b"\0", "trailing"), (buf[:-1], "truncated"), (b"", "truncated"),
+    ]
+    for bad, match in cases:
+        with pytest.raises(kc.WireError, match=match):
+            target.from_bytes(bad)
+        assert_same_state(before, snapshot(target))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda b, o: b.__setitem__(slice(o + 16, o + 24), struct.pack("<Q", 3)), "head holds more rows|importance"),
+    (lambda b, o: b.__setitem__(slice(o + 24, o + 32), struct.pack("<Q", 2)), "importance covers"),
+    (lambda b, o: b.__setitem__(o + 8, 2), "invalid layer flags"),
+    (lambda b, o: b.__setitem__(o + 10, 2), "sealed O\\(1\\) layer|truncated|inconsistent"),
+    (lambda b, o: b.__setitem__(slice(o + 32, o + 40), struct.pack("<Q", 2**40)), "truncated"),
+    (lambda b, o: b.__setitem__(slice(o + 48, o + 56), struct.pack("<Q", 2**62)), "more rows"),
+    (lambda b, o: b.__setitem__(o + 64, 1), "frozen columns on a component stored as float32"),
+])
+def test_valid_digest_but_inconsistent_body_is_refused(edit, match, snapshot, assert_same_state):
+    c = filled(F32, n=4)
+    buf = c.to_bytes()
+    off = 32                                                    # body start (no fingerprint)
+    bad = reseal(buf, lambda b: edit(b, off))
+    target = filled(F32, n=6, seed=4)
+    before = snapshot(target)
+    with pytest.raises(kc.WireError, match=match):
+        target.from_bytes(bad)
+    assert_same_state(before, snapshot(target))
+
+
+def test_model_and_layer_buffers_do_not_mix(tmp_path):
+    kv = kc.KvCache(2, 2, 8, mode=F32)
+    path = tmp_path / "m.kvc"
+    kv.save(path)
+    with pytest.raises(kc.WireError, match="whole KvCache"):
+        kc.LayerKvCache(2, 8, mode=F32).from_bytes(path.read_bytes())
+    (tmp_path / "l.kvc").write_bytes(filled(F32, n=3).to_bytes())
+    with pytest.raises(kc.WireError, match="one LayerKvCache"):
+        kc.KvCache.load(tmp_path / "l.kvc")
+
+
+# ------------------------------------------------------------------------------------ fuzzing
+SMALL = {  # small valid buffers of different shapes, for the exhaustive sweeps
+    "f32": lambda: filled(F32, n=3, nkv=2, hd=4).to_bytes(fingerprint="fp"),
+    "q8": lambda: filled(kc.KvMode.Q8(), n=66, nkv=1, hd=4).to_bytes(),
+    "sealed": lambda: sealed(p=40, nkv=1, hd=4).to_bytes(),
+    "legacy": lambda: filled(F32, n=3, nkv=2, hd=4).export_wire(),
+}
+
+
+@pytest.mark.parametrize("kind", list(SMALL))
+def test_every_truncation_is_refused(kind, snapshot, assert_same_state):
+    buf = SMALL[kind]()
+    nkv, hd = (1, 4) if kind in ("q8", "sealed") else (2, 4)
+    target = filled(F32, n=5, nkv=nkv, hd=hd, seed=8)
+    before = snapshot(target)
+    load = target.import_wire if kind == "legacy" else target.from_bytes
+    for n in range(len(buf)):
+        with pytest.raises(kc.WireError):
+            load(buf[:n])
+    assert_same_state(before, snapshot(target))
+    load(buf)                                                     # the whole buffer is fine
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8", "sealed"])
+def test_every_single_bit_flip_is_detected(kind, snapshot, assert_same_state):
+    buf = SMALL[kind]()
+    nkv, hd = (1, 4) if kind in ("q8", "sealed") else (2, 4)
+    target = filled(F32, n=5, nkv=nkv, hd=hd, seed=8)
+    before = snapshot(target)
+    flipped = bytearray(buf)
+    count = 0
+    for i in range(len(buf)):
+        for bit in range(8):
+            flipped[i] ^= 1 << bit
+            with pytest.raises(kc.WireError):
+                target.from_bytes(flipped)
+            flipped[i] ^= 1 << bit
+            count += 1
+    assert count == 8 * len(buf)
+    assert_same_state(before, snapshot(target))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=hst.binary(min_size=0, max_size=400))
+def test_random_bytes_are_refused(data):
+    target = kc.LayerKvCache(2, 4, mode=F32)
+    with pytest.raises(kc.WireError):
+        target.from_bytes(data)
+    with pytest.raises(kc.WireError):
+        wire.model_from_bytes(kc.KvCache, data)
+    try:
+        target.import_wire(data)
+    except kc.WireError:
+        return
+    # a few random bytes can form a valid legacy buffer (e.g. all-zero lengths): it must work
+    assert target.mode == F32
+    if target.seq_len and target.head_len(0) and target.head_len(1):
+        assert target.attend_all_heads(np.ones((2, 4))).shape == (2, 4)
+
+
+def test_crafted_lengths_do_not_allocate_what_the_buffer_lacks(snapshot, assert_same_state):
+    # a valid digest over a body whose dead head 1 claims every position's rows: the row
+    # bytes are checked to be present before any storage is allocated
+    n = 1 << 12
+    c = kc.LayerKvCache(2, 4, mode=F32)
+    c.append(np.ones((n, 2, 4)), np.ones((n, 2, 4)), alive=[True, False])
+    buf = bytearray(c.to_bytes())
+    off = 32
+    assert struct.unpack_from("<QQ", buf, off + 48) == (n, 0)
+    struct.pack_into("<Q", buf, off + 56, n)
+    target = filled(F32, n=2, nkv=2, hd=4)
+    before = snapshot(target)
+    with pytest.raises(kc.WireError, match="head lengths"):
+        target.from_bytes(reseal(buf))
+    assert_same_state(before, snapshot(target))
+
+
+@settings(max_examples=400, deadline=None)
+@given(which=hst.sampled_from(["f32", "q8", "sealed"]), pos=hst.integers(0, 10**6),
+       value=hst.integers(0, 255), bit=hst.integers(0, 7), flip=hst.booleans())
+def test_mutated_bodies_with_valid_digests_never_crash(which, pos, value, bit, flip):
+    """Structure-aware fuzz: change one byte, recompute the digest: the decoder must either
+    refuse with WireError or install a state that then works."""
+    buf = SMALL[which]()
+    nkv, hd = (1, 4) if which in ("q8", "sealed") else (2, 4)
+    i = 32 + 8 + pos % (len(buf) - 48)            # inside the body (after header + fingerprint)
+
+    def edit(b):
+        b[i] = b[i] ^ (1 << bit) if flip else value
+    bad = reseal(buf, edit)
+    target = kc.LayerKvCache(nkv, hd, mode=F32)
+    try:
+        target.from_bytes(bad)
+    except kc.WireError:
+        return
+    # accepted: it is a consistent layer; exercise it
+    target.memory_bytes()
+    if target.o1_sealed():
+        target.o1_step(np.ones((target.o1.num_heads, hd)), np.ones((nkv, hd)), np.ones((nkv, hd)),
+                       target.o1.num_heads)
+    elif target.seq_len and all(target.head_len(h) for h in range(nkv)):
+        target.attend_all_heads(np.ones((nkv, hd)))
+    target.append(np.ones((nkv, hd)), np.ones((nkv, hd))) if not target.o1_sealed() else None
+    assert target.to_bytes() is not None
+
+
+# ------------------------------------------------------------------------------------ KvCache save / load
+def model(seed=0):
+    rng = np.random.default_rng(seed)
+    kv = kc.KvCache(3, 2, 8, max_seq_len=500, policy=kc.EvictionPolicy.born(sink=3), mode=kc.KvMode.Q8())
+    for i, layer in enumerate(kv.layers):
+        layer.append(rng.standard_normal((70 + i, 2, 8)), rng.standard_normal((70 + i, 2, 8)))
+        layer.attend_all_heads(rng.standard_normal((4, 8)))
+    kv.layers[1].linear_state = [1.0, 2.0]
+    return kv
+
+
+def test_save_load_round_trip(tmp_path):
+    kv = model()
+    path = tmp_path / "cache.kvc"
+    kv.save(path, fingerprint="m")
+    back = kc.KvCache.load(path, fingerprint="m")
+    assert (back.max_seq_len, back.policy, back.mode, back.num_kv_heads, back.head_dim) == \
+        (500, kc.EvictionPolicy.born(sink=3), kc.KvMode.Q8(), 2, 8)
+    assert len(back.layers) == 3 and back.memory_bytes() == kv.memory_bytes()
+    for a, b in zip(kv.layers, back.layers):
+        assert observe(a) == observe(b)
+    assert os.listdir(tmp_path) == ["cache.kvc"]
+    with pytest.raises(kc.WireError, match="fingerprint"):
+        kc.KvCache.load(path, fingerprint="n")
+    empty = kc.KvCache(0, 1, 4)
+    empty.save(tmp_path / "e.kvc")
+    assert kc.KvCache.load(tmp_path / "e.kvc").layers == []
+
+
+def test_save_carries_mixed_layer_states(tmp_path):
+    kv = kc.KvCache(2, 2, 8, mode=F32)
+    kv.layers[1] = sealed()
+    kv.layers[0] = filled(F32, n=63)
+    kv.save(tmp_path / "m.kvc", f16=True)
+    back = kc.KvCache.load(tmp_path / "m.kvc")
+    assert back.layers[1].o1_sealed() and not back.layers[0].o1_sealed()
+    assert back.layers[1].o1_memory_bytes() == kv.layers[1].o1_memory_bytes()
+
+
+def test_load_refuses_damaged_files(tmp_path):
+    path = tmp_path / "m.kvc"
+    model().save(path)
+    data = path.read_bytes()
+    for bad in (data[:-1], data[: len(data) // 2], b"", data + b"x",
+                data[:100] + bytes([data[100] ^ 4]) + data[101:]):
+        path.write_bytes(bad)
+        with pytest.raises(kc.WireError):
+            kc.KvCache.load(path)
+    with pytest.raises(FileNotFoundError):
+        kc.KvCache.load(tmp_path / "missing.kvc")
+
+
+class Boom(Exception):
+    pass
+
+
+def test_save_is_atomic_under_a_failed_write(tmp_path, monkeypatch):
+    path = tmp_path / "cache.kvc"
+    model(1).save(path)
+    old = path.read_bytes()
+    real = wire._Plan.write_file
+
+    def crash(self, fh, hasher):
+        fh.write(b"partial")
+        raise Boom("disk full")
+    monkeypatch.setattr(wire._Plan, "write_file", crash)
+    with pytest.raises(Boom):
+        model(2).save(path)
+    assert path.read_bytes() == old                            # the old file is intact
+    assert os.listdir(tmp_path) == ["cache.kvc"]               # no temporary left behind
+    monkeypatch.setattr(wire._Plan, "write_file", real)
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(Boom("rename")))
+    with pytest.raises(Boom):
+        model(2).save(tmp_path / "new.kvc")
+    assert os.listdir(tmp_path) == ["cache.kvc"]
+
+
+def test_save_fsyncs_before_rename(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"), real_replace(a, b))[1])
+    model().save(tmp_path / "m.kvc")
+    assert events[:2] == ["fsync", "replace"]
