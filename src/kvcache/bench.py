@@ -87,9 +87,43 @@ the step), and an exact f32 layer and an exact q8 layer are filled with the same
   issue's targets (flatness <= 1.2x, >= 20x faster and >= 10x less memory than exact f32 at 32k)
   are printed with pass/fail.
 
+Wire section (``--sections wire`` runs it alone)
+-----------------------------------------------
+Export and import throughput of the byte formats (``kvcache.wire``) for one Llama-3-8B layer
+(8 KV heads, head_dim 128) holding 32k positions (f32 KV = 256 MiB; quick: 4k), single thread
+(the writers and readers are NumPy copies plus the digest; no OpenMP).
+
+* **Variants.**  Versioned format: ``layer.to_bytes()`` and ``LayerKvCache(8, 128).from_bytes``
+  for f32 storage, f32 storage written with ``f16=True``, and q8 storage (a ``KvMode.Q8()``
+  layer filled with the same rows).  Legacy layout: ``export_wire()`` / ``import_wire()``, f32
+  and f16 (q8 storage is refused by that layout, by design).  The checksum's cost: f32
+  ``to_bytes()`` with ``kvcache.wire._BENCH_NO_DIGEST`` set (a null digest; such a buffer does
+  not import, so that variant is export only).  ``KvCache.save(path)`` / ``KvCache.load(path)``
+  of a model of 2 such f32 layers, in a temporary folder (save includes the fsync of the file
+  and of the folder; load reads a file that is in the page cache, having just been written).
+  Each import goes into a fresh ``LayerKvCache`` built before the timer starts.
+* **Round-robin.**  Per repeat every variant runs once (export, then import of that buffer,
+  which is then dropped), then save and load; odd repeats run the variants in reverse order, so
+  neither a variant's position nor the allocator's state favours one of them.  One untimed
+  warm-up round first (it also checks the round trips); the garbage collector is off and at
+  most one exported buffer is alive at a time.  Medians are reported, the best in the JSON.
+* **GB/s** = ``memory_bytes()`` of the exported layer (of every model layer for save/load) /
+  time, 1e9 bytes per GB; the buffer (file) bytes are shown beside it: f16 buffers are half
+  the layer, q8 layers are ~27% of f32.  Every export allocates a fresh buffer, so its time
+  includes the page faults of first touching it (``_core.fresh_bytes`` asks for huge pages).
+* **Checksum share** = 1 - (no-digest export) / (f32 export), from the medians; the paired
+  per-repeat median is in the JSON.  For information, the raw digest functions
+  (``xxhash.xxh3_64_intdigest``, ``zlib.crc32``, and ``crc32c.crc32c`` when that package is
+  installed) are timed over the f32 export buffer in the same rounds: the evidence for the
+  writer's choice (XXH3-64 when ``xxhash`` is installed, else CRC-32).  The writers hash each
+  256 KiB chunk right after copying it (in L2), the raw functions read a 256 MiB buffer from
+  DRAM.
+* **Targets** (the issue's): f32 ``to_bytes`` export and ``from_bytes`` import at >= 1 GB/s,
+  checksum included; the checksum <= 25% of the export time; printed with pass/fail.
+
 The workload classes here (:class:`KvcacheDecode`, :class:`TorchDecode`,
-:class:`ReferenceDecode`, :class:`AppendFill`, :class:`O1Decode`) are shared with the
-asv-style suite in ``benchmarks/`` so both measure the same thing.
+:class:`ReferenceDecode`, :class:`AppendFill`, :class:`O1Decode`, :class:`WireLayers`) are
+shared with the asv-style suite in ``benchmarks/`` so both measure the same thing.
 """
 
 from __future__ import annotations
@@ -104,14 +138,17 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import timeit
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import _core, reference
+from . import _core, reference, wire
 from .layer import LayerKvCache
+from .model import KvCache
 from .modes import KvMode
 
 __all__ = [
@@ -123,6 +160,7 @@ __all__ = [
     "ReferenceDecode",
     "SyntheticStream",
     "TorchDecode",
+    "WireLayers",
     "main",
     "measure_bandwidth",
 ]
@@ -139,7 +177,7 @@ QUICK_WORKING_SET = 512 * MiB
 MAX_LAYERS = 4096            # bounds object count for tiny layers (Qwen q8 at 1k is ~0.27 MiB)
 BANDWIDTH_BUFFER = GiB
 MODE_NAMES = ("f32", "q8")
-SECTIONS = ("decode", "append", "o1")
+SECTIONS = ("decode", "append", "o1", "wire")
 O1_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_O1_CONTEXTS = (1024, 4096)
 O1_M, O1_W, O1_SINK = 32, 128, 4
@@ -149,6 +187,17 @@ O1_BLOCK = 1024              # positions per generated block (data and prompt fi
 O1_FLUSH_BYTES = 256 * MiB   # buffer read before every timed O(1)-section call (cold caches)
 O1_DATA = ("clustered", "iid")
 O1_TARGETS = {"flatness": 1.2, "speedup_f32": 20.0, "memory_f32": 10.0, "context": 32768}
+WIRE_CONTEXT, QUICK_WIRE_CONTEXT = 32768, 4096
+WIRE_REPEATS, QUICK_WIRE_REPEATS = 15, 5
+WIRE_SAVE_LAYERS = 2         # layers of the KvCache.save / load model
+# name -> (format, storage of the exported layer, f16): the export/import pairs of the wire section
+WIRE_VARIANTS = {"f32": ("versioned", "f32", False),
+                 "f32 no digest": ("versioned", "f32", False),
+                 "f32 as f16": ("versioned", "f32", True),
+                 "q8": ("versioned", "q8", False),
+                 "legacy f32": ("legacy", "f32", False),
+                 "legacy f16": ("legacy", "f32", True)}
+WIRE_TARGETS = {"export_gbs": 1.0, "import_gbs": 1.0, "checksum_share": 0.25}
 
 
 # ---------------------------------------------------------------------------------------- geometry
@@ -535,6 +584,98 @@ class O1Decode:
         return self.exact[mode_name].memory_bytes()
 
 
+class WireLayers:
+    """Llama-geometry layers holding the same ``context`` random rows, for the wire section.
+
+    ``layers`` maps ``"f32"`` / ``"q8"`` (the storages in ``storages``) to a filled
+    :class:`LayerKvCache`; ``model_layers`` > 0 also builds ``model``, a :class:`KvCache` of that
+    many f32 layers holding the same rows (for ``save`` / ``load``).  :meth:`export` and
+    :meth:`load` run one variant of :data:`WIRE_VARIANTS` (the timed calls).
+    """
+
+    def __init__(self, geom, context, seed=3, storages=("f32", "q8"), model_layers=0):
+        self.geom, self.context = geom, context
+        nkv, hd = geom.num_kv_heads, geom.head_dim
+        k, v = random_kv(geom, context, seed)
+        self.layers = {}
+        for name in storages:
+            c = LayerKvCache(nkv, hd, mode=make_mode(name))
+            c.append(k, v)
+            self.layers[name] = c
+        self.model = None
+        if model_layers:
+            self.model = KvCache(model_layers, nkv, hd, max_seq_len=max(context, 1),
+                                 mode=KvMode.F32)
+            for c in self.model.layers:
+                c.append(k, v)
+        del k, v
+
+    @staticmethod
+    def variant(name):
+        """(format, storage, f16) of a :data:`WIRE_VARIANTS` name."""
+        try:
+            return WIRE_VARIANTS[name]
+        except KeyError:
+            raise ValueError(f"unknown wire variant {name!r}; choose from "
+                             f"{', '.join(WIRE_VARIANTS)}") from None
+
+    def layer_bytes(self, name):
+        """``memory_bytes()`` of the layer that variant ``name`` exports."""
+        return self.layers[self.variant(name)[1]].memory_bytes()
+
+    def model_bytes(self):
+        return sum(c.memory_bytes() for c in self.model.layers)
+
+    def export(self, name):
+        """The buffer of variant ``name``: ``to_bytes`` or ``export_wire`` of its layer.
+
+        ``"f32 no digest"`` is ``to_bytes()`` under ``kvcache.wire._BENCH_NO_DIGEST`` (a null
+        digest: the buffer does not import)."""
+        fmt, storage, f16 = self.variant(name)
+        layer = self.layers[storage]
+        if fmt == "legacy":
+            return layer.export_wire(f16=f16)
+        if name != "f32 no digest":
+            return layer.to_bytes(f16=f16)
+        wire._BENCH_NO_DIGEST = True
+        try:
+            return layer.to_bytes(f16=f16)
+        finally:
+            wire._BENCH_NO_DIGEST = False
+
+    def target(self):
+        """A fresh, empty layer to import into (the mode comes from the buffer)."""
+        return LayerKvCache(self.geom.num_kv_heads, self.geom.head_dim, mode=KvMode.F32)
+
+    def load(self, name, target, buf):
+        """Install variant ``name``'s buffer into ``target`` (``from_bytes`` / ``import_wire``)."""
+        if name == "f32 no digest":
+            raise ValueError("a buffer written without its digest does not import")
+        if self.variant(name)[0] == "legacy":
+            target.import_wire(buf)
+        else:
+            target.from_bytes(buf)
+
+    def check(self, name, target):
+        """Raise AssertionError unless ``target`` holds what variant ``name`` exported."""
+        fmt, storage, f16 = self.variant(name)
+        src = self.layers[storage]
+        if target.seq_len != src.seq_len or target.mode != src.mode:
+            raise AssertionError(f"wire {name}: round trip changed seq_len or mode "
+                                 f"({target.seq_len}, {target.mode!r})")
+        if storage == "q8":
+            same = all(np.array_equal(a, b) for h in range(src.num_kv_heads)
+                       for a, b in zip(src.q8_rows(h), target.q8_rows(h)))
+        else:
+            tol = 1e-3 if f16 else 0.0
+            same = all(np.allclose(a, b, rtol=tol, atol=tol) for h in (0, src.num_kv_heads - 1)
+                       for a, b in ((src.head_keys(h), target.head_keys(h)),
+                                    (src.head_values(h), target.head_values(h))))
+        if not same:
+            raise AssertionError(f"wire {name}: round trip changed the rows")
+
+
+
 # ---------------------------------------------------------------------------------------- timing
 def time_repeats(fn, repeats, warmup=1):
     """Seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones (gc off, timeit)."""
@@ -607,6 +748,10 @@ class Options:
     o1: bool = True
     o1_contexts: tuple = O1_CONTEXTS
     o1_repeats: int = O1_REPEATS
+    wire: bool = True
+    wire_context: int = WIRE_CONTEXT
+    wire_repeats: int = WIRE_REPEATS
+    wire_save_layers: int = WIRE_SAVE_LAYERS
 
 
 def run_torch(geom, context, k, v, opts, rec):
@@ -800,6 +945,218 @@ def run_o1(opts, bar):
     return rows, time.perf_counter() - t0
 
 
+def wire_digest_functions():
+    """{name: (function, library description)} of the raw digest functions the wire section
+    times: ``xxhash.xxh3_64_intdigest`` and ``crc32c.crc32c`` when those packages are installed,
+    ``zlib.crc32`` always."""
+    fns = {}
+    try:
+        import xxhash
+    except ImportError:
+        xxhash = None
+    if xxhash is not None:
+        fns["xxhash.xxh3_64_intdigest"] = (xxhash.xxh3_64_intdigest,
+                                           f"xxhash {_package_version('xxhash')}")
+    fns["zlib.crc32"] = (zlib.crc32, f"zlib {zlib.ZLIB_RUNTIME_VERSION}")
+    try:
+        import crc32c
+    except ImportError:
+        crc32c = None
+    if crc32c is not None:
+        hw = getattr(crc32c, "hardware_based", None)
+        how = "" if hw is None else (", hardware" if hw else ", software")
+        fns["crc32c.crc32c"] = (crc32c.crc32c, f"crc32c {_package_version('crc32c')}{how}")
+    return fns
+
+
+def _package_version(name):
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:                                        # noqa: BLE001 (metadata missing)
+        return "?"
+
+
+def filesystem_type(path):
+    """Type of the filesystem holding ``path`` (Linux /proc/mounts; None when unknown)."""
+    path = os.path.realpath(path)
+    best = ("", None)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best[0]):
+                    best = (mnt, parts[2])
+    except OSError:
+        return None
+    return best[1]
+
+
+WIRE_SAVE_LOAD = "KvCache save/load"
+
+
+def wire_round_robin(work, repeats, path, digests, bar=None):
+    """Interleaved wire timings (seconds).  Per repeat: every :data:`WIRE_VARIANTS` entry
+    exports once and (except the null-digest one) imports that buffer into a fresh layer,
+    the f32 buffer is also hashed by every function of ``digests``, then the buffer is dropped;
+    ``work.model`` (when built) is saved to ``path`` and loaded.  Odd repeats run in reverse
+    order.  One untimed warm-up round first, which also checks every round trip.
+
+    Returns ``(samples, sizes)``: ``{"<variant> export" | "<variant> import" | "save" | "load"
+    | "digest <name>": [s, ...]}`` and ``{variant | "save": buffer or file bytes}``."""
+    clock = time.perf_counter
+    order = list(WIRE_VARIANTS) + ([WIRE_SAVE_LOAD] if work.model is not None else [])
+    samples, sizes = {}, {}
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(repeats + 1):
+            got = {}
+            for name in (order if r % 2 == 0 else order[::-1]):
+                if name == WIRE_SAVE_LOAD:
+                    t0 = clock()
+                    work.model.save(path)
+                    got["save"] = clock() - t0
+                    sizes["save"] = os.path.getsize(path)
+                    t0 = clock()
+                    loaded = KvCache.load(path)
+                    got["load"] = clock() - t0
+                    if r == 0 and ([c.seq_len for c in loaded.layers]
+                                   != [c.seq_len for c in work.model.layers]):
+                        raise AssertionError("wire: KvCache.load did not restore the model")
+                    del loaded
+                    gc.collect()
+                    continue
+                t0 = clock()
+                buf = work.export(name)
+                got[f"{name} export"] = clock() - t0
+                sizes[name] = len(buf)
+                if name != "f32 no digest":
+                    target = work.target()
+                    t0 = clock()
+                    work.load(name, target, buf)
+                    got[f"{name} import"] = clock() - t0
+                    if r == 0:
+                        work.check(name, target)
+                    del target
+                if name == "f32":
+                    for d, fn in digests.items():
+                        t0 = clock()
+                        fn(buf)
+                        got[f"digest {d}"] = clock() - t0
+                del buf
+                gc.collect()
+            if r:                                            # round 0 is the warm-up
+                for key, t in got.items():
+                    samples.setdefault(key, []).append(t)
+            if bar is not None:
+                bar.update()
+    finally:
+        if gc_was_on:
+            gc.enable()
+    return samples, sizes
+
+
+def _timing(samples, nbytes):
+    """median / best ms and GB/s of ``nbytes`` per call."""
+    med, best = statistics.median(samples), min(samples)
+    return {"ms": med * 1e3, "best_ms": best * 1e3, "gbs": nbytes / med / 1e9,
+            "best_gbs": nbytes / best / 1e9, "samples_s": samples}
+
+
+def _wire_call(fmt):
+    return {"versioned": "to_bytes/from_bytes", "legacy": "export_wire/import_wire"}[fmt]
+
+
+def wire_rows(work, samples, sizes):
+    """Table rows of the wire section (one per variant, then save/load)."""
+    rows = []
+    for name, (fmt, storage, f16) in WIRE_VARIANTS.items():
+        nbytes = work.layer_bytes(name)
+        call = "to_bytes, null digest" if name == "f32 no digest" else _wire_call(fmt)
+        row = {"variant": name, "call": call, "format": fmt, "storage": storage, "f16": f16,
+               "rows": f"{storage} -> f16" if f16 else storage,
+               "layer_bytes": nbytes, "buffer_bytes": sizes[name]}
+        for op in ("export", "import"):
+            key = f"{name} {op}"
+            if key in samples:
+                row.update({f"{op}_{k}": v for k, v in _timing(samples[key], nbytes).items()})
+        rows.append(row)
+    if "save" in samples:
+        nbytes = work.model_bytes()
+        row = {"variant": WIRE_SAVE_LOAD, "call": "KvCache.save/load", "format": "versioned file",
+               "storage": "f32", "f16": False, "rows": f"{len(work.model.layers)} x f32",
+               "layer_bytes": nbytes, "buffer_bytes": sizes["save"]}
+        for op, key in (("export", "save"), ("import", "load")):
+            row.update({f"{op}_{k}": v for k, v in _timing(samples[key], nbytes).items()})
+        rows.append(row)
+    return rows
+
+
+def wire_digest_rows(samples, digests, nbytes):
+    """Rows of the raw digest functions, each over the ``nbytes`` f32 export buffer."""
+    in_use = {wire.ALG_XXH3: "xxhash.xxh3_64_intdigest",
+              wire.ALG_CRC32: "zlib.crc32"}[wire.default_algorithm()]
+    rows = []
+    for name, (_, library) in digests.items():
+        row = {"function": name, "library": library, "bytes": nbytes, "in_use": name == in_use}
+        row.update(_timing(samples[f"digest {name}"], nbytes))
+        rows.append(row)
+    return rows
+
+
+def wire_summary(rows, samples, context):
+    """The checksum share and the issue's targets, from the rows of one run."""
+    by = {r["variant"]: r for r in rows}
+    d, nd = samples["f32 export"], samples["f32 no digest export"]
+    alg = wire.default_algorithm()
+    s = {"context": context, "algorithm": alg,
+         "algorithm_name": {wire.ALG_XXH3: "XXH3-64 (xxhash)",
+                            wire.ALG_CRC32: "CRC-32 (zlib)"}.get(alg, str(alg)),
+         "checksum_share": 1.0 - statistics.median(nd) / statistics.median(d),
+         "checksum_share_best": 1.0 - min(nd) / min(d),
+         "checksum_share_paired": statistics.median(1.0 - b / a for a, b in zip(d, nd)),
+         "export_gbs": by["f32"]["export_gbs"], "import_gbs": by["f32"]["import_gbs"]}
+    s["export_pass"] = s["export_gbs"] >= WIRE_TARGETS["export_gbs"]
+    s["import_pass"] = s["import_gbs"] >= WIRE_TARGETS["import_gbs"]
+    s["checksum_pass"] = s["checksum_share"] <= WIRE_TARGETS["checksum_share"]
+    return s
+
+
+def run_wire(opts, bar):
+    """The wire section: export/import of every byte format, the checksum's cost, the raw
+    digest functions and KvCache save/load, one round-robin at ``opts.wire_context``."""
+    geom = GEOMETRIES["llama3-8b"]
+    t0 = time.perf_counter()
+    bar.set_postfix_str(f"wire {context_label(opts.wire_context)} setup")
+    work = WireLayers(geom, opts.wire_context, seed=opts.seed + 3,
+                      model_layers=opts.wire_save_layers)
+    bar.update()
+    digests = wire_digest_functions()
+    bar.set_postfix_str(f"wire {context_label(opts.wire_context)}")
+    with tempfile.TemporaryDirectory(prefix="kvcache-bench-wire-") as folder:
+        samples, sizes = wire_round_robin(work, opts.wire_repeats,
+                                          os.path.join(folder, "model.kvcache"),
+                                          {k: f for k, (f, _) in digests.items()}, bar)
+        fs = filesystem_type(folder)
+    rows = wire_rows(work, samples, sizes)
+    result = {"geometry": geom.label, "context": opts.wire_context,
+              "repeats": opts.wire_repeats, "save_layers": opts.wire_save_layers,
+              "folder": os.path.dirname(folder), "filesystem": fs, "rows": rows,
+              "digests": wire_digest_rows(samples, digests, sizes["f32"]),
+              "digests_missing": [n for n in ("xxhash", "crc32c") if not any(
+                  k.startswith(n) for k in digests)],
+              "summary": wire_summary(rows, samples, opts.wire_context)}
+    del work
+    gc.collect()
+    result["section_s"] = time.perf_counter() - t0
+    return result
+
+
 # ---------------------------------------------------------------------------------------- output
 def fmt(x, digits=3):
     """A number with ``digits`` significant digits, '-' for None."""
@@ -951,6 +1308,69 @@ def o1_notes(opts, rows, section_s):
                    f"{O1_TARGETS['memory_f32']:.0f}x less memory than the f32 KV at {at} "
                    f"{_pass(s['memory_pass'])}")
     out.append(f"O(1) section: {section_s:.1f} s (data generation, seals, accuracy steps and "
+               "timings).")
+    return out
+
+
+WIRE_HEADERS = ["call", "rows", "layer MiB", "buffer MiB", "export ms", "export GB/s",
+                "import ms", "import GB/s", "best export GB/s", "best import GB/s"]
+
+
+def wire_table(rows):
+    body = [[r["call"], r["rows"], fmt(r["layer_bytes"] / MiB), fmt(r["buffer_bytes"] / MiB),
+             fmt(r.get("export_ms")), fmt(r.get("export_gbs")), fmt(r.get("import_ms")),
+             fmt(r.get("import_gbs")), fmt(r.get("export_best_gbs")),
+             fmt(r.get("import_best_gbs"))] for r in rows]
+    return render_table(WIRE_HEADERS, body)
+
+
+def wire_digest_table(rows):
+    body = [[r["function"] + (" (in use)" if r["in_use"] else ""), r["library"],
+             fmt(r["bytes"] / MiB), fmt(r["ms"]), fmt(r["gbs"]), fmt(r["best_gbs"])]
+            for r in rows]
+    return render_table(["digest function", "package", "MiB", "ms", "GB/s", "best GB/s"], body)
+
+
+def wire_notes(result):
+    """Methodology, checksum and target lines printed under the wire tables."""
+    s = result["summary"]
+    ctx = context_label(result["context"])
+    fs = f", {result['filesystem']}" if result.get("filesystem") else ""
+    out = [(f"{result['geometry']} layer (8 KV heads, head_dim 128) holding {ctx} positions, "
+            f"one thread; times: median ms over {result['repeats']} round-robin repeats (every "
+            "variant once per repeat, odd repeats in reverse order, after one warm-up round "
+            "that also checks every round trip); 'best': the fastest repeat (all samples in the "
+            "JSON)."),
+           ("GB/s: memory_bytes() of the exported layer(s) / time (1e9 bytes per GB); buffer "
+            "MiB: bytes of the buffer (file).  Every export allocates a fresh buffer, so its time "
+            "includes first-touch page faults; each import goes into a fresh LayerKvCache."),
+           ("rows 'f32 -> f16': an f32 layer written with f16=True (imports as f32); 'q8': a "
+            "KvMode.Q8() layer holding the same rows.  export_wire refuses q8 storage by design "
+            "(the legacy layout describes F32 caches only), so it has no q8 row."),
+           (f"KvCache.save/load: a model of {result['save_layers']} such f32 layers, file in a "
+            f"temporary folder under {result['folder']}{fs}; save includes the fsync of the "
+            "file and of the folder; load memory-maps a file that is still in the page cache."),
+           (f"checksum: {s['algorithm_name']} (kvcache.wire.default_algorithm() = "
+            f"{s['algorithm']}); 'to_bytes, null digest' is the f32 export with "
+            "kvcache.wire._BENCH_NO_DIGEST set (export only: such a buffer does not import); "
+            f"checksum share = 1 - null-digest / f32 export = {100 * s['checksum_share']:.1f}% "
+            f"(paired per repeat {100 * s['checksum_share_paired']:.1f}%, best times "
+            f"{100 * s['checksum_share_best']:.1f}%)."),
+           ("digest functions: one call over the whole f32 export buffer, in the same rounds "
+            "(right after its import; at 32k it comes from DRAM); the writers instead hash each "
+            "256 KiB chunk right after copying it (from cache), so the checksum share above, not "
+            "these figures, is the digest's cost in an export.")]
+    if result["digests_missing"]:
+        out.append(f"not installed (not timed): {', '.join(result['digests_missing'])}")
+    note = "" if result["context"] == WIRE_CONTEXT else \
+        f" (judged at {ctx}; the issue's figure is for a {context_label(WIRE_CONTEXT)} layer)"
+    out.append(f"targets{note}: f32 to_bytes export >= {WIRE_TARGETS['export_gbs']:g} GB/s: "
+               f"{s['export_gbs']:.2f} GB/s {_pass(s['export_pass'])}; f32 from_bytes import >= "
+               f"{WIRE_TARGETS['import_gbs']:g} GB/s: {s['import_gbs']:.2f} GB/s "
+               f"{_pass(s['import_pass'])}; checksum <= "
+               f"{100 * WIRE_TARGETS['checksum_share']:.0f}% of the export time: "
+               f"{100 * s['checksum_share']:.1f}% {_pass(s['checksum_pass'])}")
+    out.append(f"wire section: {result['section_s']:.1f} s (data, layers, warm-up round and "
                "timings).")
     return out
 
@@ -1222,15 +1642,19 @@ def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m kvcache bench",
         description="Decode-attention benchmark: kvcache vs the NumPy reference and torch SDPA, "
-                    "over a working set larger than the last-level cache; append cost; and the "
-                    "O(1) Nystrom decode step vs exact f32/q8 attention (time, memory, error).")
+                    "over a working set larger than the last-level cache; append cost; the "
+                    "O(1) Nystrom decode step vs exact f32/q8 attention (time, memory, error); "
+                    "and export/import throughput of the byte formats (wire).")
     p.add_argument("--quick", action="store_true",
                    help="small subset (Llama, 1k and 16k, 3 repeats, 512 MiB working set; "
-                        "O(1) section at 1k and 4k, 7 repeats)")
+                        "O(1) section at 1k and 4k, 7 repeats; wire section at 4k, "
+                        f"{QUICK_WIRE_REPEATS} repeats)")
     p.add_argument("--sections", nargs="+", metavar="S",
                    help="sections to run, any of: decode (decode attention vs reference/torch), "
-                        "append (append cost), o1 (O(1) Nystrom decode vs exact f32/q8); "
-                        "default all, e.g. --sections o1 runs the O(1) section alone")
+                        "append (append cost), o1 (O(1) Nystrom decode vs exact f32/q8), "
+                        "wire (to_bytes/from_bytes, export_wire/import_wire, checksum cost, "
+                        "KvCache save/load); default all, e.g. --sections o1 runs the O(1) "
+                        "section alone")
     p.add_argument("--contexts", nargs="+", metavar="T", help="contexts, e.g. 1k 4k 16k 32k")
     p.add_argument("--geometries", nargs="+", metavar="G", help="llama3-8b and/or qwen2.5-0.5b")
     p.add_argument("--modes", nargs="+", metavar="M", help="f32 and/or q8")
@@ -1252,6 +1676,14 @@ def build_parser():
     p.add_argument("--o1-repeats", type=int,
                    help=f"round-robin repeats of the O(1) section (default {O1_REPEATS}, "
                         f"quick {QUICK_O1_REPEATS})")
+    p.add_argument("--no-wire", action="store_true", help="skip the wire section")
+    p.add_argument("--wire-context", metavar="T",
+                   help=f"positions of the wire section's layer (default "
+                        f"{context_label(WIRE_CONTEXT)}, quick "
+                        f"{context_label(QUICK_WIRE_CONTEXT)})")
+    p.add_argument("--wire-repeats", type=int,
+                   help=f"round-robin repeats of the wire section (default {WIRE_REPEATS}, "
+                        f"quick {QUICK_WIRE_REPEATS})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write raw results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib)")
@@ -1280,6 +1712,8 @@ def _resolve_options(args):
     decode = "decode" in sections
     o1_contexts = (_split(args.o1_contexts, parse_context)
                    or list(QUICK_O1_CONTEXTS if quick else O1_CONTEXTS))
+    wire_context = (parse_context(args.wire_context) if args.wire_context
+                    else QUICK_WIRE_CONTEXT if quick else WIRE_CONTEXT)
     torch_ok = decode and not args.no_torch and import_torch()[0] is not None
     if decode and not args.no_torch and not torch_ok:
         log.warning("torch is not installed: skipping the torch SDPA comparison")
@@ -1292,7 +1726,10 @@ def _resolve_options(args):
                    decode=decode, o1="o1" in sections and not args.no_o1,
                    o1_contexts=o1_contexts,
                    o1_repeats=max(1, args.o1_repeats
-                                  or (QUICK_O1_REPEATS if quick else O1_REPEATS)))
+                                  or (QUICK_O1_REPEATS if quick else O1_REPEATS)),
+                   wire="wire" in sections and not args.no_wire, wire_context=wire_context,
+                   wire_repeats=max(1, args.wire_repeats
+                                    or (QUICK_WIRE_REPEATS if quick else WIRE_REPEATS)))
 
 
 def check_plot_backend():
@@ -1306,7 +1743,7 @@ def check_plot_backend():
 
 
 def print_report(info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
-                 file=sys.stdout):
+                 file=sys.stdout, wire_result=None):
     def p(*a):
         print(*a, file=file)
 
@@ -1339,9 +1776,22 @@ def print_report(info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
         p(o1_table(o1_rows))
         for line in o1_notes(opts, o1_rows, o1_s):
             p("  " + line)
+    if wire_result:
+        p("")
+        p("byte formats (kvcache.wire): export / import throughput, one layer:")
+        p(wire_table(wire_result["rows"]))
+        p("")
+        p(f"raw digest functions over the {fmt(wire_result['digests'][0]['bytes'] / MiB)} MiB "
+          "f32 export buffer (for information: the pick by measurement):"
+          if wire_result["digests"] else "no digest functions timed")
+        if wire_result["digests"]:
+            p(wire_digest_table(wire_result["digests"]))
+        for line in wire_notes(wire_result):
+            p("  " + line)
 
 
-def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0):
+def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
+               wire_result=None):
     payload = {"machine": info,
                "options": {"geometries": [g.key for g in opts.geometries],
                            "contexts": opts.contexts, "modes": opts.modes,
@@ -1353,13 +1803,23 @@ def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=
                            "o1_section": opts.o1, "o1_contexts": opts.o1_contexts,
                            "o1_repeats": opts.o1_repeats, "o1_m": O1_M, "o1_w": O1_W,
                            "o1_sink": O1_SINK, "o1_error_steps": O1_ERROR_STEPS,
-                           "o1_flush_bytes": O1_FLUSH_BYTES},
+                           "o1_flush_bytes": O1_FLUSH_BYTES, "wire_section": opts.wire,
+                           "wire_context": opts.wire_context,
+                           "wire_repeats": opts.wire_repeats,
+                           "wire_save_layers": opts.wire_save_layers},
                "bandwidth": {str(n): b for n, b in bandwidth.items()},
                "decode": rows, "append": append_rows, "o1": list(o1_rows)}
     if o1_rows:
         payload["o1_summary"] = {str(n): v for n, v in o1_summary(o1_rows).items()}
         payload["o1_targets"] = O1_TARGETS
         payload["o1_section_s"] = o1_s
+    if wire_result:
+        payload["wire"] = wire_result["rows"]
+        payload["wire_digests"] = wire_result["digests"]
+        payload["wire_summary"] = wire_result["summary"]
+        payload["wire_targets"] = WIRE_TARGETS
+        payload["wire_info"] = {k: v for k, v in wire_result.items()
+                                if k not in ("rows", "digests", "summary")}
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)
 
@@ -1380,9 +1840,10 @@ def main(argv=None):
     n_tasks = ((len(opts.geometries) * len(opts.contexts) * (len(opts.modes) + opts.torch) + 1
                 if opts.decode else 0)
                + (len(APPEND_CONTEXTS) if opts.append else 0)
-               + (len(opts.o1_contexts) if opts.o1 else 0))
+               + (len(opts.o1_contexts) if opts.o1 else 0)
+               + (opts.wire_repeats + 2 if opts.wire else 0))
     bar = progress_bar(n_tasks, enabled=not args.no_progress)
-    bandwidth, rows, o1_rows, o1_s = {}, [], [], 0.0
+    bandwidth, rows, o1_rows, o1_s, wire_result = {}, [], [], 0.0, None
     try:
         if opts.decode:
             bar.set_postfix_str("bandwidth probe")
@@ -1394,13 +1855,17 @@ def main(argv=None):
         append_rows = run_append(opts, bar) if opts.append else []
         if opts.o1:
             o1_rows, o1_s = run_o1(opts, bar)
+        if opts.wire:
+            wire_result = run_wire(opts, bar)
     finally:
         bar.close()
     accuracy_warnings(rows)
     warn_if_busy(monitor, info)
-    print_report(info, opts, bandwidth, rows, append_rows, o1_rows, o1_s)
+    print_report(info, opts, bandwidth, rows, append_rows, o1_rows, o1_s,
+                 wire_result=wire_result)
     if args.json:
-        write_json(args.json, info, opts, bandwidth, rows, append_rows, o1_rows, o1_s)
+        write_json(args.json, info, opts, bandwidth, rows, append_rows, o1_rows, o1_s,
+                   wire_result=wire_result)
         print(f"raw results written to {args.json}")
     if args.plot and rows:
         write_plot(args.plot, rows, bandwidth)
