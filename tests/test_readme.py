@@ -6,7 +6,8 @@ import re
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_readme_python_blocks_run(capsys):
+def test_readme_python_blocks_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                 # the examples write files
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     assert len(blocks) >= 2
     namespace = {}
