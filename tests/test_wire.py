@@ -232,7 +232,7 @@ def _legacy(f16=0, seq=2, heads=((8, 8), (8, 8)), n_lin=1, n_imp=2, extra=b"", h
     (_legacy()[:-1], "truncated payload"), (_legacy()[:-36], "truncated header"),
     (_legacy(extra=b"\0"), "trailing"), (_legacy(heads=((6, 6), (8, 8))), "whole number"),
     (_legacy(heads=((8, 4), (8, 8))), "value rows"), (_legacy(heads=((12, 12), (8, 8))), "seq_len"),
-    (_legacy(n_imp=1), "importance"),
+    (_legacy(n_imp=3), "importance"),
     (struct.pack("<6I", 0, 2, 2, 4, 10**9, 2) + bytes(64), "truncated payload"),
     (struct.pack("<6I", 0, 1, 2, 4, 0, 1) + bytes(4) + struct.pack("<I", 2**32 - 4), "truncated payload")])
 def test_legacy_import_rejects_bad_buffers_atomically(buf, match, snapshot, assert_same_state):
@@ -382,7 +382,7 @@ def test_version_kind_flags_and_magic_are_checked(snapshot, assert_same_state):
 
 @pytest.mark.parametrize("edit,match", [
     (lambda b, o: b.__setitem__(slice(o + 16, o + 24), struct.pack("<Q", 3)), "head holds more rows|importance"),
-    (lambda b, o: b.__setitem__(slice(o + 24, o + 32), struct.pack("<Q", 2)), "importance covers"),
+    (lambda b, o: b.__setitem__(slice(o + 24, o + 32), struct.pack("<Q", 5)), "importance covers"),
     (lambda b, o: b.__setitem__(o + 8, 2), "invalid layer flags"),
     (lambda b, o: b.__setitem__(o + 10, 2), "sealed O\\(1\\) layer|truncated|inconsistent"),
     (lambda b, o: b.__setitem__(slice(o + 32, o + 40), struct.pack("<Q", 2**40)), "truncated"),
@@ -507,7 +507,11 @@ def test_mutated_bodies_with_valid_digests_never_crash(which, pos, value, bit, f
         target.from_bytes(bad)
     except kc.WireError:
         return
-    # accepted: it is a consistent layer; exercise it
+    # accepted: it is a consistent layer; it re-exports to the same bytes, and it works
+    again = target.to_bytes()
+    twin = kc.LayerKvCache(nkv, hd, mode=F32)
+    twin.from_bytes(again)
+    assert twin.to_bytes() == again
     target.memory_bytes()
     if target.o1_sealed():
         target.o1_step(np.ones((target.o1.num_heads, hd)), np.ones((nkv, hd)), np.ones((nkv, hd)),
@@ -620,3 +624,186 @@ def test_legacy_round_trip_of_every_f32_state(name, make, f16):
         assert d.importance.tobytes() == b.importance.tobytes() and d.memory_bytes() == b.memory_bytes()
         for h in range(2):
             assert d.head_values(h).tobytes() == b.head_values(h).astype(np.float16).astype(np.float32).tobytes()
+
+
+# ------------------------------------------------------------------------------------ review findings
+@pytest.mark.parametrize("value", [2**62, 2**63, 2**64 - 1])
+def test_huge_counts_are_refused_not_overflowing(value, snapshot, assert_same_state):
+    c = filled(F32, n=4, nkv=2, hd=4, attend=False)
+    buf = c.to_bytes()
+    target = filled(F32, n=2, nkv=2, hd=4)
+    before = snapshot(target)
+    for field in (16, 24, 48, 56):                    # seq_len, imp_len, head lengths
+        bad = reseal(buf, lambda b: struct.pack_into("<Q", b, 32 + field, value))
+        with pytest.raises(kc.WireError):
+            target.from_bytes(bad)
+    assert_same_state(before, snapshot(target))
+
+
+def test_reader_refuses_to_amplify_memory(monkeypatch):
+    """A body may not make the reader allocate much more than its own size (dense stores of
+    mostly dead heads, O(1) scratch): the guard is checked by shrinking its budget to zero."""
+    bufs = {"rows": filled(F32, n=40).to_bytes(), "sealed": sealed().to_bytes()}
+    monkeypatch.setattr(wire, "_ALLOC_FACTOR", 0)
+    monkeypatch.setattr(wire, "_ALLOC_SLACK", 0)
+    with pytest.raises(kc.WireError, match="storage"):
+        kc.LayerKvCache(2, 8, mode=F32).from_bytes(bufs["rows"])
+    with pytest.raises(kc.WireError, match="scratch"):
+        kc.LayerKvCache(2, 8, mode=F32).from_bytes(bufs["sealed"])
+
+
+def test_implausible_positions_are_refused():
+    c = sealed()
+    buf = c.to_bytes()
+    # the sealed parameters follow the (empty) rows; bump seq_len and far_len together
+    o1 = c.o1
+    body = 32
+    i = buf.index(struct.pack("<QQQQ", o1.w, o1.win_len, o1.win_head, o1.far_len))
+
+    def edit(b):
+        struct.pack_into("<Q", b, body + 16, 2**60 + o1.w + o1.sink)
+        struct.pack_into("<Q", b, i + 24, 2**60)
+    with pytest.raises(kc.WireError, match="implausible"):
+        kc.LayerKvCache(2, 8, mode=F32).from_bytes(reseal(buf, edit))
+
+
+def test_unfrozen_column_fields_must_be_ones():
+    c = filled(kc.KvMode.Q8(k=False, v=True), n=10, attend=False)   # no column frozen yet
+    buf = c.to_bytes()
+    off = 32 + 16 + 32 + 16 + 8 + 4 * 2 * 8                          # the vcol array
+    bad = reseal(buf, lambda b: struct.pack_into("<f", b, off, 2.0))
+    with pytest.raises(kc.WireError, match="vcol"):
+        kc.LayerKvCache(2, 8, mode=F32).from_bytes(bad)
+
+
+def test_writer_refuses_what_the_reader_would_refuse(tmp_path):
+    kv = kc.KvCache(2, 2, 8, mode=F32)
+    kv.layers[1] = kc.LayerKvCache(2, 4, mode=F32)
+    with pytest.raises(kc.WireError, match="layer 1 is 2×4"):
+        kv.save(tmp_path / "m.kvc")
+    assert os.listdir(tmp_path) == []
+    c = kc.LayerKvCache(2, 8, mode=F32)
+    with pytest.raises(ValueError):
+        c.o1_begin(2**32, 8, 2)
+    assert c.o1 is None
+
+
+def test_legacy_accepts_importance_shorter_than_seq_len():
+    # what the upstream engine sends for a layer whose importance was never accumulated
+    buf = struct.pack("<6I", 0, 12, 2, 4, 3, 0) + struct.pack("<3f", 1, 2, 3)
+    buf += struct.pack("<II", 0, 0) * 2
+    c = kc.LayerKvCache(2, 4, mode=F32)
+    c.import_wire(buf)
+    assert c.seq_len == 12 and c.importance.shape == (0,) and c.linear_state.tolist() == [1, 2, 3]
+    c.append(np.ones((2, 4)), np.ones((2, 4)))
+    assert c.attend_all_heads(np.ones((2, 4))).shape == (2, 4)
+    d = kc.LayerKvCache(2, 4, mode=F32)
+    d.from_bytes(c.to_bytes())
+    assert observe(d) == observe(c)
+
+
+def test_legacy_refusal_order_puts_int8_first():
+    c = filled(kc.KvMode.Q8(), n=10)
+    c.o1_begin(4, 8, 2)
+    with pytest.raises(kc.WireError, match="F32"):
+        c.export_wire()
+
+
+def test_f16_round_trip_attention_within_f16_rounding():
+    c = filled(F32, n=200)
+    d = kc.LayerKvCache(2, 8, mode=F32)
+    d.from_bytes(c.to_bytes(f16=True))
+    q = np.random.default_rng(3).standard_normal((4, 8)).astype(np.float32)
+    np.testing.assert_allclose(d.attend_all_heads(q), c.attend_all_heads(q), rtol=0, atol=5e-3)
+
+
+def test_policy_and_permissions_survive_save(tmp_path):
+    kv = kc.KvCache(1, 2, 8, policy=kc.EvictionPolicy("recent", 5), mode=F32)
+    path = tmp_path / "m.kvc"
+    kv.save(path)
+    assert kc.KvCache.load(path).policy == kc.EvictionPolicy("recent", 5)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_fresh_bytes_writer_keeps_its_bytes_alive():
+    from kvcache import _core
+    b, writer = _core.fresh_bytes(8 << 20)
+    del b
+    arr = np.frombuffer(writer, np.uint8)
+    arr[0], arr[-1] = 1, 2
+    assert arr[-1] == 2
+    with pytest.raises(ValueError):
+        _core.fresh_bytes(-1)
+
+
+GOLDEN_PINNED = {  # sha256 of deterministic buffers: pins every section's layout (and the digest)
+    "q8": "5fa173f39ca933d4e3f8d5b564eea63e4ae14095a4d2578f7fd7a6ec28912c7b",
+    "collecting": "daaa151ce88ca4b6532501b6a6fa4a8cf16512545d67015f059390d14ce6dca7",
+    "sealed": "d1439ca84ae56710825aab40e7e6fdb13ca38a3049c1bfd5a246406ba8199d4d",
+    "model": "9e65c27548d879fe6352847c401f7bb5977559036a415aa5cb21d8cdad454fe5",
+}
+
+
+def exact_rows(n, nkv, hd, seed):
+    """Deterministic rows of exactly representable values (no RNG, no libm): golden inputs."""
+    i = np.arange(n * nkv * hd, dtype=np.int64).reshape(n, nkv, hd)
+    return (((i * 7 + seed * 13) % 23) - 11).astype(np.float32) / 8
+
+
+def exact_layer(mode, n, nkv=2, hd=8, seed=0):
+    c = kc.LayerKvCache(nkv, hd, mode=mode)
+    c.append(exact_rows(n, nkv, hd, seed), exact_rows(n, nkv, hd, seed + 1))
+    c.attend_all_heads(exact_rows(3, 2 * nkv, hd, seed + 2))     # importance (our kernels: exact)
+    return c
+
+
+def golden_buffers(tmp_path):
+    out = {"q8": exact_layer(kc.KvMode.Q8(), 70, seed=11).to_bytes(fingerprint="g")}
+    c = exact_layer(F32, 30, seed=3)
+    c.o1_begin(4, 8, 2, "fm")
+    c.o1_push_q(exact_rows(30, 4, 8, 5))
+    out["collecting"] = c.to_bytes()
+    assert c.o1_seal(4)
+    for name in ("win_k", "win_v", "sink_k", "sink_v", "k_tilde", "q_tilde", "mu", "t_hat",
+                 "z_hat", "m_max"):                     # replace LAPACK-dependent values
+        arr = getattr(c.o1, name)
+        arr[...] = (np.arange(arr.size, dtype=np.float32) % 19 - 9).reshape(arr.shape) / 4
+    out["sealed"] = c.to_bytes(f16=True)
+    kv = kc.KvCache(2, 2, 8, policy=kc.EvictionPolicy.born(sink=2), mode=kc.KvMode.Q8(k=True, v=False))
+    kv.layers[0] = exact_layer(kc.KvMode.Q8(k=True, v=False), 12, seed=13)
+    kv.save(tmp_path / "g.kvc", fingerprint=b"\x00\x01")
+    out["model"] = (tmp_path / "g.kvc").read_bytes()
+    return out
+
+
+def test_golden_digests_of_every_section(tmp_path):
+    got = {k: hashlib.sha256(v).hexdigest() for k, v in golden_buffers(tmp_path).items()}
+    assert got == GOLDEN_PINNED
+
+
+@pytest.mark.parametrize("cut", ["truncate", "flip"])
+def test_model_buffers_are_swept_too(tmp_path, cut):
+    kv = kc.KvCache(2, 1, 4, mode=kc.KvMode.Q8())
+    kv.layers[0] = filled(kc.KvMode.Q8(), n=5, nkv=1, hd=4)
+    kv.layers[1] = sealed(p=40, nkv=1, hd=4)
+    kv.save(tmp_path / "m.kvc")
+    buf = (tmp_path / "m.kvc").read_bytes()
+    n = 0
+    if cut == "truncate":
+        for i in range(len(buf)):
+            with pytest.raises(kc.WireError):
+                wire.model_from_bytes(kc.KvCache, buf[:i])
+            n += 1
+    else:
+        b = bytearray(buf)
+        for i in range(len(buf)):
+            for bit in range(8):
+                b[i] ^= 1 << bit
+                with pytest.raises(kc.WireError):
+                    wire.model_from_bytes(kc.KvCache, b)
+                b[i] ^= 1 << bit
+                n += 1
+    assert n >= len(buf)
+    assert wire.model_from_bytes(kc.KvCache, buf).layers[1].o1_sealed()

@@ -23,6 +23,7 @@ from libc.string cimport memcpy, memset
 from libc.math cimport fabsf, tanhf, isfinite
 from libc.stdint cimport int8_t
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
+from cpython.buffer cimport PyBuffer_FillInfo
 from cython.parallel cimport prange
 
 from kvcache._openmp cimport KVC_OPENMP_BUILT, omp_get_max_threads, omp_get_thread_num
@@ -86,23 +87,36 @@ cdef Py_ssize_t _PAR_WORK = 1 << 16
 cdef Py_ssize_t _BATCH_BYTES = 384 * 1024
 
 
-def fresh_bytes(Py_ssize_t n):
-    """A new ``bytes`` object of n uninitialised bytes and a writable uint8 memoryview of it.
+cdef class _BytesWriter:
+    """A writable buffer over a bytes object being built; it keeps the bytes object alive."""
+    cdef object owner
+    cdef char *p
+    cdef Py_ssize_t n
 
-    For the wire writers: the caller fills the view, drops it, and only then hands the bytes
-    object out (it is never shared while being written).  Large buffers are advised to use
-    huge pages, which makes the first write several times faster on machines where 4 KiB page
-    faults are expensive."""
+    def __getbuffer__(self, Py_buffer *buf, int flags):
+        PyBuffer_FillInfo(buf, self, self.p, self.n, 0, flags)
+
+    def __releasebuffer__(self, Py_buffer *buf):
+        pass
+
+
+def fresh_bytes(Py_ssize_t n):
+    """A new ``bytes`` object of n uninitialised bytes and a writable buffer over its memory.
+
+    For the wire writers: the caller fills the buffer, drops it, and only then hands the bytes
+    object out (it is never shared while being written; the buffer object keeps it alive).
+    Large buffers are advised to use huge pages, which makes the first write several times
+    faster on machines where 4 KiB page faults are expensive."""
     if n < 0:
         raise ValueError(f"n: expected a size >= 0, got {n}")
     b = PyBytes_FromStringAndSize(NULL, n)
-    if n == 0:
-        return b, memoryview(bytearray(0))
-    cdef char *p = PyBytes_AS_STRING(b)
+    cdef _BytesWriter w = _BytesWriter.__new__(_BytesWriter)
+    w.owner = b
+    w.p = PyBytes_AS_STRING(b)
+    w.n = n
     if n >= (4 << 20):
-        kvc_advise_huge(p, <size_t>n)
-    cdef unsigned char[::1] view = <unsigned char[:n]> <unsigned char *> p
-    return b, view
+        kvc_advise_huge(w.p, <size_t>n)
+    return b, w
 
 
 def simd_built():

@@ -41,6 +41,7 @@ __all__ = ["LayerKvCache"]
 _F32 = np.float32
 _MIN_CAPACITY = 16
 _PROBS_BUDGET = 64 << 20     # bytes of probability scratch per prefill block
+_O1_MAX = (1 << 31) - 1      # bound of the O(1) parameters (they travel as u32)
 
 _tls = threading.local()
 _log = logging.getLogger("kvcache")
@@ -212,28 +213,12 @@ class LayerKvCache:
 
     @property
     def o1(self):
-        """The O(1) state: None, an :class:`kvcache.o1.O1Collecting` (trace being collected) or
-        an :class:`kvcache.o1.O1Sealed` (sealed; decode with :meth:`o1_step`).
+        """The O(1) state (read-only): None, an :class:`kvcache.o1.O1Collecting` (trace being
+        collected) or an :class:`kvcache.o1.O1Sealed` (sealed; decode with :meth:`o1_step`).
 
-        Assignable, for moving a state between layers of the same geometry: None, or a state
-        whose head_dim (and, sealed, num_kv_heads) matches this layer; anything else raises."""
+        Change it through o1_begin / o1_seal / clear (or from_bytes, to move a state between
+        layers): a state belongs to the layer whose positions it summarises."""
         return self._o1
-
-    @o1.setter
-    def o1(self, value):
-        if value is None:
-            pass
-        elif isinstance(value, O1Collecting):
-            if value._hd != self._hd:
-                raise ValueError(f"o1: expected a state for head_dim={self._hd}, got head_dim={value._hd}")
-        elif isinstance(value, O1Sealed):
-            if (value.num_kv_heads, value.d, value.dv) != (self._nkv, self._hd, self._hd):
-                raise ValueError(f"o1: expected a state for num_kv_heads={self._nkv}, "
-                                 f"head_dim={self._hd}, got num_kv_heads={value.num_kv_heads}, "
-                                 f"d={value.d}, dv={value.dv}")
-        else:
-            raise TypeError(f"o1: expected None, O1Collecting or O1Sealed, got {type(value).__name__}")
-        self._o1 = value
 
     @property
     def importance(self):
@@ -590,7 +575,7 @@ class LayerKvCache:
         self._reset_storage()
         self._linear_state = np.zeros(0, dtype=_F32)
         self._linear_scratch = np.zeros(0, dtype=_F32)
-        self.o1 = None
+        self._o1 = None
 
     def _shift_rows(self, h, keep_idx=None, drop=0):
         """Compact head h's rows: keep rows ``keep_idx`` (sorted) or drop the first ``drop``."""
@@ -660,9 +645,9 @@ class LayerKvCache:
     def _install(self, st):
         """Replace the whole state with a parsed, validated one (kvcache.wire); no checks here,
         nothing can fail half-way: attribute assignments only."""
-        nkv = self._nkv
         mode = st["mode"]
         cap = st["cap"]
+        ks = st["ks"] if st["ks"] is not None else np.zeros((self._nkv, 0, self._ngk), dtype=_F32)
         self._mode = mode
         self._seq_len = st["seq_len"]
         self._cap = cap
@@ -671,7 +656,7 @@ class LayerKvCache:
         self._vf = st["vf"] if st["vf"] is not None else self._empty_f
         self._kq = st["kq"] if st["kq"] is not None else self._empty_q
         self._vq = st["vq"] if st["vq"] is not None else self._empty_q
-        self._ks = st["ks"] if st["ks"] is not None else np.zeros((nkv, 0, self._ngk), dtype=_F32)
+        self._ks = ks
         self._vs = st["vs"] if st["vs"] is not None else self._empty_s
         self._kcol, self._vcol = st["kcol"], st["vcol"]
         self._kcol_on, self._vcol_on = st["kcol_on"], st["vcol_on"]
@@ -757,11 +742,14 @@ class LayerKvCache:
         m = as_int("m", m, minimum=4)
         w = as_int("w", w, minimum=1)
         sink = as_int("sink", sink, minimum=0)
+        for name, value in (("m", m), ("w", w), ("sink", sink)):
+            if value > _O1_MAX:
+                raise ValueError(f"{name}: expected an integer <= {_O1_MAX}, got {value}")
         rect = O1Rect.parse(rect)
         if self.o1_sealed():
             raise RuntimeError("o1_begin: this layer is sealed and its KV was released; "
                                "call clear() before beginning a new O(1) prompt")
-        self.o1 = O1Collecting(m, w, sink, rect, self._hd)
+        self._o1 = O1Collecting(m, w, sink, rect, self._hd)
 
     def o1_push_q(self, q_all):
         """Append one prompt position's queries (num_heads, head_dim) -- or several,
@@ -799,7 +787,7 @@ class LayerKvCache:
             return self.o1_sealed()
         reason = check_seal(self, coll, nh)
         if reason is not None:
-            self.o1 = None
+            self._o1 = None
             _log.warning("kvcache O(1): seal refused, the layer stays exact: %s", reason)
             return False
         t, hd = self._seq_len, self._hd
@@ -809,13 +797,13 @@ class LayerKvCache:
                                   kernels=_core if _kernels is None else _kernels,
                                   n_threads=_core.max_threads())
         except BaseException:
-            self.o1 = coll          # e.g. MemoryError: nothing changed, still collecting
+            self._o1 = coll          # e.g. MemoryError: nothing changed, still collecting
             raise
         linear_state, linear_scratch = self._linear_state, self._linear_scratch
         self._reset_storage()
         self._seq_len = t
         self._linear_state, self._linear_scratch = linear_state, linear_scratch
-        self.o1 = state
+        self._o1 = state
         return True
 
     def _sealed_state(self, what):

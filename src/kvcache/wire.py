@@ -28,8 +28,8 @@ Export refuses (in this order) a cache stored as int8 (any q8 mode), one with O(
 NumPy's IEEE conversion (round to nearest even, also for subnormals, where the upstream writer
 rounds half up).  Import checks the geometry first (the message names both shapes, e.g.
 "peer sent 2×4 per position, this layer is 2×8"), then the lengths (each head's rows a whole
-number of head_dim, K and V rows equal, at most seq_len rows, importance covering every
-position), refuses trailing bytes, and installs atomically: the layer becomes F32 with the
+number of head_dim, K and V rows equal, at most seq_len rows, importance for at most seq_len
+positions -- upstream's linear-core layers send none), refuses trailing bytes, and installs atomically: the layer becomes F32 with the
 parsed rows, importance and linear state; columns and O(1) state are reset; linear_scratch is
 kept.
 
@@ -88,14 +88,16 @@ Model body (kind 2)::
     u32 n_layers, u32 num_kv_heads, u32 head_dim
     u8  quant_k, u8 quant_v          (the KvCache's mode for new layers)
     u8  policy (0 recent, 1 born), u8 reserved (0)
-    u64 policy sink, u64 max_seq_len
+    u64 policy sink (kept for both kinds), u64 max_seq_len
     per layer: u64 body length, then the layer body (its length is a multiple of 8)
 
-Import verifies, in order: the length (truncated / trailing bytes), the magic, the version, the
-flags, the digest algorithm, the total length field, the digest, the kind, the fingerprint
-(when the caller gives one: it must equal the stored one, and a buffer without one does not
-match), then every field of the body against the target and against the body's own
-invariants.  The digest is XXH3-64 when the ``xxhash`` package is installed (measured fastest:
+Import verifies, in order: the minimum length, the magic, the version, the total length field
+against the buffer (truncated / trailing bytes), the flags, the digest algorithm, the digest,
+the kind, the fingerprint (when the caller gives one: it must equal the stored one, and a
+buffer without one does not match), then every field of the body against the target and
+against the body's own invariants.  Row bytes must be present before storage is allocated, and
+a body may not make the reader allocate more than 64 times its own size (plus 16 MiB).
+``KvCache.load`` reads the file into memory first (no memory map: see ``load_model``).  The digest is XXH3-64 when the ``xxhash`` package is installed (measured fastest:
 see ``python -m kvcache bench --sections wire``), else zlib's CRC-32; a reader needs the
 algorithm the writer used and says which package to install when it lacks it.
 """
@@ -104,7 +106,7 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
+import uuid
 import zlib
 
 import numpy as np
@@ -124,6 +126,9 @@ _ALG_NAMES = {ALG_XXH3: "XXH3-64", ALG_CRC32: "CRC-32"}
 _HEADER_FIXED = 28
 _CHUNK = 256 << 10               # bytes copied, then hashed while still in L2, per step
 _MAX_FINGERPRINT = 1 << 16
+MAX_POSITIONS = 1 << 48          # larger seq_len / far_len values are refused as implausible
+_ALLOC_FACTOR = 64               # a layer body may not make the reader allocate more than this
+_ALLOC_SLACK = 16 << 20          # many times its own size (plus this), e.g. through dead heads
 
 _F32 = np.dtype("<f4")
 _F16 = np.dtype("<f2")
@@ -274,8 +279,8 @@ class _Plan:
 def _fresh(n):
     """A new bytes object of n bytes and a writable uint8 view of it (see _core.fresh_bytes)."""
     from . import _core
-    b, view = _core.fresh_bytes(n)
-    return b, np.asarray(view) if n else np.zeros(0, np.uint8)
+    b, writer = _core.fresh_bytes(n)
+    return b, np.frombuffer(writer, np.uint8)
 
 
 def _header(plan, kind, alg, fp, total):
@@ -330,7 +335,8 @@ def _save(path, body, kind, fingerprint):
     _header(head, kind, alg, fp, total)
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".kvcache-", suffix=".tmp", dir=folder)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as fh:
             hasher = _hasher(alg)
@@ -525,26 +531,32 @@ def parse_layer(rd, num_kv_heads=None, head_dim=None):
         raise WireError(f"invalid layer flags quant_k={qk} quant_v={qv} o1={o1_kind} f16={f16} "
                         f"reserved={reserved}")
     mode = KvMode.F32 if not (qk or qv) else KvMode.Q8(k=bool(qk), v=bool(qv))
+    budget = _ALLOC_FACTOR * (rd.end - rd.pos) + _ALLOC_SLACK
     seq_len, imp_len, n_lin, n_scr = rd.unpack("QQQQ", "layer lengths")
-    lens = np.array(rd.unpack(f"{nkv}Q", "head lengths"), dtype=np.intp) if nkv else np.zeros(0, np.intp)
+    if seq_len > MAX_POSITIONS:
+        raise WireError(f"implausible seq_len={seq_len} (more than 2**48 positions)")
+    raw_lens = rd.unpack(f"{nkv}Q", "head lengths")
+    if max(raw_lens, default=0) > seq_len:
+        raise WireError(f"a head holds more rows ({max(raw_lens)}) than seq_len={seq_len}")
+    lens = np.array(raw_lens, dtype=np.intp)
     cols = rd.array(np.uint8, 2 * nkv, "column flags")
     kcol_on, vcol_on = cols[:nkv].copy(), cols[nkv:].copy()
     if (cols > 1).any():
         raise WireError("invalid column flags (expected 0 or 1)")
     if (kcol_on.any() and not qk) or (vcol_on.any() and not qv):
         raise WireError("frozen columns on a component stored as float32")
-    if (lens > seq_len).any():
-        raise WireError(f"a head holds more rows ({int(lens.max())}) than seq_len={seq_len}")
-    sealed = o1_kind == 2
-    if sealed:
+    if o1_kind == 2:
         if imp_len != 0 or lens.any() or qk or qv:
             raise WireError("a sealed O(1) layer holds no KV rows and no importance, in F32 mode")
-    elif imp_len != seq_len:
-        raise WireError(f"importance covers {imp_len} positions, expected seq_len={seq_len}")
+    elif imp_len > seq_len:
+        raise WireError(f"importance covers {imp_len} positions, more than seq_len={seq_len}")
     st = {"mode": mode, "seq_len": int(seq_len), "len": lens, "kcol_on": kcol_on,
           "vcol_on": vcol_on}
     st["kcol"] = _f32(rd.array(_F32, nkv * hd, "kcol"), (nkv, hd))
     st["vcol"] = _f32(rd.array(_F32, nkv * hd, "vcol"), (nkv, hd))
+    for name, on in (("kcol", kcol_on), ("vcol", vcol_on)):
+        if not (st[name][on == 0] == 1.0).all():
+            raise WireError(f"{name}: a column field that is not frozen must be all ones")
     st["imp"] = _f32(rd.array(_F32, imp_len, "importance"), (imp_len,))
     st["linear_state"] = _f32(rd.array(_F32, n_lin, "linear_state"), (n_lin,))
     st["linear_scratch"] = _f32(rd.array(_F32, n_scr, "linear_scratch"), (n_scr,))
@@ -560,7 +572,11 @@ def parse_layer(rd, num_kv_heads=None, head_dim=None):
     if need > rd.end - rd.pos:
         raise WireError(f"{rd.what}: truncated: the head lengths {lens.tolist()} need {need} bytes "
                         f"of rows, {rd.end - rd.pos} left")
-    cap = max(int(lens.max(initial=0)), 1)
+    cap = int(lens.max(initial=0))
+    store_bytes = nkv * cap * ((hd + 4 * ngk) if qk else 4 * hd) + nkv * cap * ((hd + 4) if qv else 4 * hd)
+    if store_bytes > budget:
+        raise WireError(f"{rd.what}: {nkv} heads of up to {cap} rows would need {store_bytes} bytes "
+                        f"of storage, more than {_ALLOC_FACTOR}x the buffer; refused")
     kf = vf = kq = vq = ks = vs = None
     if qk:
         kq = np.zeros((nkv, cap, hd), np.int8)
@@ -594,11 +610,11 @@ def parse_layer(rd, num_kv_heads=None, head_dim=None):
         coll.push(_f32(rd.array(_F32, tlen, "O(1) query trace"), (tlen,)))
         st["o1"] = coll
     elif o1_kind == 2:
-        st["o1"] = _parse_sealed(rd, nkv, hd, int(seq_len))
+        st["o1"] = _parse_sealed(rd, nkv, hd, int(seq_len), budget)
     return st
 
 
-def _parse_sealed(rd, nkv, hd, seq_len):
+def _parse_sealed(rd, nkv, hd, seq_len, budget):
     from .o1 import O1Rect, O1Sealed
     (nh, m, w, sink, rect, exact, m_eff, sink_len, rows, win_len, win_head,
      far_len) = rd.unpack("IIIIIIIIQQQQ", "O(1) sealed parameters")
@@ -614,6 +630,10 @@ def _parse_sealed(rd, nkv, hd, seq_len):
                 or m_eff > m or seq_len != far_len + w + sink):
             bad = (f"skeleton state with rows={rows} win_len={win_len} win_head={win_head} "
                    f"sink_len={sink_len} m_eff={m_eff} far_len={far_len} seq_len={seq_len}")
+    if not bad:
+        extra = 4 * nh * (sink + w + 3 * m_eff) if not exact else 4 * 2 * nkv * 64 * hd
+        if extra > budget:
+            bad = f"num_heads={nh} with a window of {w} and {sink} sinks needs {extra} bytes of scratch"
     if bad:
         raise WireError(f"inconsistent O(1) state: {bad}")
     st = O1Sealed(num_heads=nh, num_kv_heads=nkv, d=hd, dv=hd, m=m, w=w, sink=sink,
@@ -651,6 +671,11 @@ def export_wire(layer, f16=False):
     f16 = bool(f16)
     nkv, hd = layer.num_kv_heads, layer.head_dim
     rows = _F16 if f16 else _F32
+    biggest = max([layer.seq_len, layer._linear_state.size, layer._imp_len]
+                  + [int(n) * hd for n in layer._len])
+    if biggest >= 1 << 32:
+        raise WireError(f"export_wire: a count of {biggest} does not fit the layout's u32 fields "
+                        "(use to_bytes)")
     plan = _Plan()
     plan.pack("6I", int(f16), layer.seq_len, nkv, hd, layer._linear_state.size, layer._imp_len)
     for arr in (layer._linear_state, layer._imp[: layer._imp_len]):
@@ -712,9 +737,9 @@ def import_wire(layer, buf):
                             f"{heads_v[h].size // hd} value rows")
     if (lens > seq_len).any():
         raise WireError(f"kv import: a head sends {int(lens.max())} rows, more than seq_len={seq_len}")
-    if n_imp != seq_len:
-        raise WireError(f"kv import: importance covers {n_imp} positions, expected seq_len={seq_len}")
-    cap = max(int(lens.max(initial=0)), 1)
+    if n_imp > seq_len:
+        raise WireError(f"kv import: importance covers {n_imp} positions, more than seq_len={seq_len}")
+    cap = int(lens.max(initial=0))
     kf = np.zeros((nkv, cap, hd), np.float32)
     vf = np.zeros((nkv, cap, hd), np.float32)
     for h in range(nkv):
@@ -746,6 +771,10 @@ def model_plan(model, f16=False):
     plan = _Plan()
     mode = model.mode
     pol = model.policy
+    for i, layer in enumerate(model.layers):
+        if (layer.num_kv_heads, layer.head_dim) != (model.num_kv_heads, model.head_dim):
+            raise WireError(f"save: layer {i} is {layer.num_kv_heads}×{layer.head_dim}, the cache "
+                            f"is {model.num_kv_heads}×{model.head_dim}; nothing was written")
     plan.pack("IIIBBBBQQ", len(model.layers), model.num_kv_heads, model.head_dim,
               int(mode.quant_k), int(mode.quant_v), 1 if pol.kind == "born" else 0, 0,
               pol.sink, model.max_seq_len)
@@ -762,26 +791,32 @@ def save_model(model, path, fingerprint=None, f16=False):
 
 
 def load_model(cls, path, fingerprint=None):
-    """KvCache.load: memory-map the file, verify and parse it, copy the arrays out."""
-    import mmap
+    """KvCache.load: read the file into memory (one pass), then verify and parse it.
+
+    The file is read rather than memory-mapped: a mapped file that another process truncates
+    kills the interpreter (SIGBUS), and one rewritten in place could pass the digest and then
+    parse from different bytes."""
     from .modes import KvMode
     from .model import EvictionPolicy
     with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size == 0:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
             raise WireError(f"{path}: empty file, not a kvcache file")
-        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = np.empty(size, np.uint8)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            n = fh.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        del view
+        if got != size or fh.read(1):
+            raise WireError(f"{path}: the file changed size while it was read")
     try:
-        try:
-            return _parse_model(cls, np.frombuffer(mm, np.uint8), fingerprint, KvMode,
-                                EvictionPolicy)
-        except WireError as exc:
-            msg = str(exc)            # re-raised below, without frames that view the map
-        raise WireError(f"{path}: {msg}")
-    finally:
-        try:
-            mm.close()
-        except BufferError:           # a view is still alive (an unexpected error's traceback)
-            pass
+        return _parse_model(cls, buf, fingerprint, KvMode, EvictionPolicy)
+    except WireError as exc:
+        raise WireError(f"{path}: {exc}") from None
 
 
 def model_from_bytes(cls, buf, fingerprint=None):
@@ -798,7 +833,7 @@ def _parse_model(cls, buf, fingerprint, KvMode, EvictionPolicy):
         raise WireError(f"invalid model header: num_kv_heads={nkv} head_dim={hd} quant=({qk},{qv}) "
                         f"policy={pol} max_seq_len={max_seq}")
     mode = KvMode.F32 if not (qk or qv) else KvMode.Q8(k=bool(qk), v=bool(qv))
-    policy = EvictionPolicy.born(sink) if pol else EvictionPolicy.RECENT
+    policy = EvictionPolicy("born" if pol else "recent", sink)
     states = []
     for i in range(n_layers):
         (size,) = rd.unpack("Q", f"layer {i} length")
