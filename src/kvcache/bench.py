@@ -1349,7 +1349,8 @@ def wire_notes(result):
             "(the legacy layout describes F32 caches only), so it has no q8 row."),
            (f"KvCache.save/load: a model of {result['save_layers']} such f32 layers, file in a "
             f"temporary folder under {result['folder']}{fs}; save includes the fsync of the "
-            "file and of the folder; load memory-maps a file that is still in the page cache."),
+            "file and of the folder; load reads the file (still in the page cache) into memory, "
+            "verifies it and copies the layers out."),
            (f"checksum: {s['algorithm_name']} (kvcache.wire.default_algorithm() = "
             f"{s['algorithm']}); 'to_bytes, null digest' is the f32 export with "
             "kvcache.wire._BENCH_NO_DIGEST set (export only: such a buffer does not import); "

@@ -133,7 +133,8 @@ class KvCache:
 
     @classmethod
     def load(cls, path, *, fingerprint=None):
-        """Read a file written by :meth:`save` (memory-mapped, verified, then copied).
+        """Read a file written by :meth:`save` (read into memory, verified, then copied out;
+        not memory-mapped: see kvcache.wire.load_model).
 
         Raises kvcache.WireError for anything wrong with the file (truncated, corrupted,
         another format or version, a fingerprint that does not match the one given)."""
