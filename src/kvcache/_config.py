@@ -6,6 +6,15 @@ import platform
 import sys
 
 
+def _wire_digest():
+    """Which digest the versioned byte format writes (kvcache.wire)."""
+    from . import wire
+    xxhash = wire._xxhash()
+    if xxhash is not None:
+        return f"XXH3-64 (xxhash {getattr(xxhash, 'VERSION', '?')})"
+    return "CRC-32 (zlib; install xxhash for XXH3-64, and to read XXH3 buffers)"
+
+
 def config_info():
     """The facts show_config prints, as a dict."""
     import numpy as np
@@ -20,6 +29,7 @@ def config_info():
         "simd_built": _core.simd_built(),
         "threads": _core.max_threads(),
         "chunk_rows": _core.CHUNK_ROWS,
+        "wire_digest": _wire_digest(),
     }
     try:
         from threadpoolctl import threadpool_info
@@ -37,7 +47,7 @@ def show_config(file=None):
     info = config_info()
     out = file or sys.stdout
     for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "simd_built", "threads",
-                "chunk_rows"):
+                "chunk_rows", "wire_digest"):
         print(f"{key:>14}: {info[key]}", file=out)
     print(f"{'threadpools':>14}:", file=out)
     pools = info["threadpools"]
