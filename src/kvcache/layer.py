@@ -799,10 +799,8 @@ class LayerKvCache:
         except BaseException:
             self._o1 = coll          # e.g. MemoryError: nothing changed, still collecting
             raise
-        linear_state, linear_scratch = self._linear_state, self._linear_scratch
-        self._reset_storage()
+        self._reset_storage()          # rows, columns, importance (the linear state stays)
         self._seq_len = t
-        self._linear_state, self._linear_scratch = linear_state, linear_scratch
         self._o1 = state
         return True
 

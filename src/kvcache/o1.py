@@ -287,12 +287,7 @@ class O1Sealed:
         st = cls(num_heads=nh, num_kv_heads=nkv, d=d, dv=dv, m=m, w=w, sink=sink, rect=rect,
                  exact_only=t <= w + sink + EXACT_SLACK)
         if st.exact_only:
-            cap = t + _EXACT_EXTRA
-            st.win_k = np.zeros((nkv, cap, d), dtype=_F32)
-            st.win_v = np.zeros((nkv, cap, dv), dtype=_F32)
-            st.win_k[:, :t] = keys[:, :t]
-            st.win_v[:, :t] = values[:, :t]
-            st.win_len = t
+            st._set_exact_window(keys, values, t)
             st._empty_parts()
             log.info("kvcache O(1): seal prompt of %d positions <= w + sink + %d = %d; the layer "
                      "stays exact (window holds every key, cost grows with the context)",
@@ -307,8 +302,8 @@ class O1Sealed:
         st.sink_k = np.ascontiguousarray(keys[:, :sink])
         st.sink_v = np.ascontiguousarray(values[:, :sink])
         st.k_tilde = seg_means(keys[:, :t], m_eff).astype(_F32)                       # (G, m, d)
-        q_heads = np.ascontiguousarray(q_trace.transpose(1, 0, 2))              # (H, t, d)
-        st.q_tilde = seg_means(q_heads, m_eff).astype(_F32)                    # (H, m, d)
+        # a view, not a copy: at 32k positions the trace is 512 MiB for Llama-3-8B
+        st.q_tilde = seg_means(q_trace.transpose(1, 0, 2), m_eff).astype(_F32)   # (H, m, d)
         s64 = float(st.scale)
         st.mu = np.empty((nh, m_eff, m_eff), dtype=_F32)
         kt64 = st.k_tilde.astype(np.float64)
@@ -334,6 +329,15 @@ class O1Sealed:
         st.win_len = w
         st.win_head = (t - sink) % w
         return st
+
+    def _set_exact_window(self, keys, values, n):
+        """Exact-only: the window holds rows [0, n) of keys (G, >= n, d) and values, with
+        spare rows to grow into."""
+        self.win_k = np.zeros((self.num_kv_heads, n + _EXACT_EXTRA, self.d), dtype=_F32)
+        self.win_v = np.zeros((self.num_kv_heads, n + _EXACT_EXTRA, self.dv), dtype=_F32)
+        self.win_k[:, :n] = keys[:, :n]
+        self.win_v[:, :n] = values[:, :n]
+        self.win_len = n
 
     def _empty_parts(self):
         nkv, nh, d, dv = self.num_kv_heads, self.num_heads, self.d, self.dv
@@ -413,31 +417,22 @@ class O1Sealed:
         return groups
 
     # ------------------------------------------------------------------ rollback
-    _MUTABLE = ("win_k", "win_v", "t_hat", "z_hat", "m_max")
+    _FAR = ("t_hat", "z_hat", "m_max")        # per-head accumulators a step changes
+    _WINDOW = ("win_k", "win_v")              # rows [0, win_len) are live (the whole ring once full)
 
     def snapshot(self, seq_len):
-        n = self.win_len
-        arrays = {name: getattr(self, name).copy() for name in ("t_hat", "z_hat", "m_max")}
-        if self.exact_only:
-            arrays["win_k"] = self.win_k[:, :n].copy()
-            arrays["win_v"] = self.win_v[:, :n].copy()
-        else:
-            arrays["win_k"] = self.win_k.copy()
-            arrays["win_v"] = self.win_v.copy()
+        arrays = {name: getattr(self, name).copy() for name in self._FAR}
+        arrays.update((name, getattr(self, name)[:, : self.win_len].copy()) for name in self._WINDOW)
         counts = (self.win_len, self.win_head, self.far_len)
         return O1Snapshot(self, arrays, counts, seq_len)
 
     def restore(self, snap):
         """Copy a snapshot back in place (views handed out stay valid)."""
-        for name in ("t_hat", "z_hat", "m_max"):
+        for name in self._FAR:
             np.copyto(getattr(self, name), snap._arrays[name])
         n = snap._counts[0]
-        if self.exact_only:
-            self.win_k[:, :n] = snap._arrays["win_k"]
-            self.win_v[:, :n] = snap._arrays["win_v"]
-        else:
-            np.copyto(self.win_k, snap._arrays["win_k"])
-            np.copyto(self.win_v, snap._arrays["win_v"])
+        for name in self._WINDOW:
+            getattr(self, name)[:, :n] = snap._arrays[name]
         self.win_len, self.win_head, self.far_len = snap._counts
 
     def __repr__(self):

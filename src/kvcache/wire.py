@@ -111,7 +111,10 @@ import zlib
 
 import numpy as np
 
-from . import quant
+from . import _core, quant
+from .model import EvictionPolicy
+from .modes import KvMode
+from .o1 import _EXACT_EXTRA, O1Collecting, O1Rect, O1Sealed
 
 __all__ = ["WireError", "MAGIC", "VERSION", "KIND_LAYER", "KIND_MODEL", "ALG_XXH3", "ALG_CRC32",
            "default_algorithm"]
@@ -225,14 +228,21 @@ class _Plan:
         if self.size % 8:
             self.raw(bytes(_pad(self.size)))
 
-    def array(self, arr, dtype=None):
-        """Write ``arr`` (any shape, C order) as ``dtype`` (default its own, little-endian)."""
+    def array(self, arr, dtype=None, pad=True):
+        """Write ``arr`` (any shape, C order) as ``dtype`` (default its own, little-endian),
+        then pad to a multiple of 8 unless ``pad`` is False (the legacy layout has no padding)."""
         arr = np.ascontiguousarray(arr)
         dtype = np.dtype(dtype or arr.dtype).newbyteorder("<")
         if arr.size:
             self.pieces.append((arr.reshape(-1), dtype))
             self.size += arr.size * dtype.itemsize
-        self.pad8()
+        if pad:
+            self.pad8()
+
+    def extend(self, other):
+        """Append every piece of another plan."""
+        self.pieces += other.pieces
+        self.size += other.size
 
     def write_into(self, out, hasher=None):
         """Copy every piece into ``out`` (uint8, len >= size), hashing what it writes."""
@@ -278,7 +288,6 @@ class _Plan:
 
 def _fresh(n):
     """A new bytes object of n bytes and a writable uint8 view of it (see _core.fresh_bytes)."""
-    from . import _core
     b, writer = _core.fresh_bytes(n)
     return b, np.frombuffer(writer, np.uint8)
 
@@ -309,16 +318,20 @@ def _as_fingerprint(fingerprint):
     return fp
 
 
-def _finish(body, kind, fingerprint, f16=False):
-    """bytes of a whole buffer: header + body plan + digest."""
+def _framed(body, kind, fingerprint):
+    """The header and ``body`` as one plan (the digest follows it), and the digest algorithm."""
     fp = _as_fingerprint(fingerprint) or b""
     alg = default_algorithm()
-    total = _header_size(fp) + body.size + 8
     plan = _Plan()
-    _header(plan, kind, alg, fp, total)
-    plan.pieces += body.pieces
-    plan.size += body.size
-    out_bytes, out = _fresh(total)
+    _header(plan, kind, alg, fp, _header_size(fp) + body.size + 8)
+    plan.extend(body)
+    return plan, alg
+
+
+def _finish(body, kind, fingerprint):
+    """bytes of a whole buffer: header + body plan + digest."""
+    plan, alg = _framed(body, kind, fingerprint)
+    out_bytes, out = _fresh(plan.size + 8)
     hasher = _hasher(alg)
     pos = plan.write_into(out, hasher)
     out[pos: pos + 8] = np.frombuffer(struct.pack("<Q", hasher.intdigest()), np.uint8)
@@ -328,11 +341,7 @@ def _finish(body, kind, fingerprint, f16=False):
 
 def _save(path, body, kind, fingerprint):
     """Write header + body + digest to ``path`` atomically (temp file, fsync, rename)."""
-    fp = _as_fingerprint(fingerprint) or b""
-    alg = default_algorithm()
-    total = _header_size(fp) + body.size + 8
-    head = _Plan()
-    _header(head, kind, alg, fp, total)
+    plan, alg = _framed(body, kind, fingerprint)
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
@@ -340,8 +349,7 @@ def _save(path, body, kind, fingerprint):
     try:
         with os.fdopen(fd, "wb") as fh:
             hasher = _hasher(alg)
-            head.write_file(fh, hasher)
-            body.write_file(fh, hasher)
+            plan.write_file(fh, hasher)
             fh.write(struct.pack("<Q", hasher.intdigest()))
             fh.flush()
             os.fsync(fh.fileno())
@@ -442,8 +450,6 @@ def _open(buf, kind, fingerprint):
         raise WireError(f"{what}: the header says {total} bytes, the buffer has {n}")
     if flags != 0:
         raise WireError(f"unsupported flags 0x{flags:08x} (version {VERSION} defines none)")
-    hasher = _hasher(alg)
-    del hasher
     stored = struct.unpack_from("<Q", u8, n - 8)[0]
     if _digest(alg, u8[: n - 8]) != stored:
         raise WireError(f"checksum mismatch: the buffer is corrupted ({_ALG_NAMES[alg]} of its "
@@ -465,7 +471,6 @@ def _open(buf, kind, fingerprint):
 # ---------------------------------------------------------------------------------- layer body
 def layer_plan(layer, f16=False):
     """The body pieces of one layer (spec: the module docstring)."""
-    from .o1 import O1Collecting, O1Rect, O1Sealed
     f16 = bool(f16)
     nkv, hd = layer.num_kv_heads, layer.head_dim
     mode = layer.mode
@@ -512,6 +517,11 @@ def layer_plan(layer, f16=False):
     return plan
 
 
+def _mode(qk, qv):
+    """The KvMode of a body's quant_k / quant_v flags."""
+    return KvMode.Q8(k=bool(qk), v=bool(qv)) if qk or qv else KvMode.F32
+
+
 def _f32(view, shape):
     """A native float32 copy of a little-endian f32/f16 view, reshaped."""
     return np.array(view, dtype=np.float32).reshape(shape)
@@ -519,8 +529,6 @@ def _f32(view, shape):
 
 def parse_layer(rd, num_kv_heads=None, head_dim=None):
     """Parse and validate one layer body; return the state dict for LayerKvCache._install."""
-    from .modes import KvMode
-    from .o1 import O1Collecting, O1Rect
     nkv, hd, qk, qv, o1_kind, f16, reserved = rd.unpack("IIBBBBI", "layer geometry")
     if num_kv_heads is not None and (nkv, hd) != (num_kv_heads, head_dim):
         raise WireError(f"geometry mismatch: the buffer holds {nkv}×{hd} per position "
@@ -530,7 +538,7 @@ def parse_layer(rd, num_kv_heads=None, head_dim=None):
     if qk > 1 or qv > 1 or o1_kind > 2 or f16 > 1 or reserved:
         raise WireError(f"invalid layer flags quant_k={qk} quant_v={qv} o1={o1_kind} f16={f16} "
                         f"reserved={reserved}")
-    mode = KvMode.F32 if not (qk or qv) else KvMode.Q8(k=bool(qk), v=bool(qv))
+    mode = _mode(qk, qv)
     budget = _ALLOC_FACTOR * (rd.end - rd.pos) + _ALLOC_SLACK
     seq_len, imp_len, n_lin, n_scr = rd.unpack("QQQQ", "layer lengths")
     if seq_len > MAX_POSITIONS:
@@ -615,7 +623,6 @@ def parse_layer(rd, num_kv_heads=None, head_dim=None):
 
 
 def _parse_sealed(rd, nkv, hd, seq_len, budget):
-    from .o1 import O1Rect, O1Sealed
     (nh, m, w, sink, rect, exact, m_eff, sink_len, rows, win_len, win_head,
      far_len) = rd.unpack("IIIIIIIIQQQQ", "O(1) sealed parameters")
     bad = None
@@ -631,7 +638,7 @@ def _parse_sealed(rd, nkv, hd, seq_len, budget):
             bad = (f"skeleton state with rows={rows} win_len={win_len} win_head={win_head} "
                    f"sink_len={sink_len} m_eff={m_eff} far_len={far_len} seq_len={seq_len}")
     if not bad:
-        extra = 4 * nh * (sink + w + 3 * m_eff) if not exact else 4 * 2 * nkv * 64 * hd
+        extra = 4 * nh * (sink + w + 3 * m_eff) if not exact else 4 * 2 * nkv * _EXACT_EXTRA * hd
         if extra > budget:
             bad = f"num_heads={nh} with a window of {w} and {sink} sinks needs {extra} bytes of scratch"
     if bad:
@@ -647,11 +654,7 @@ def _parse_sealed(rd, nkv, hd, seq_len, budget):
     for name, shape in shapes.items():
         setattr(st, name, _f32(rd.array(_F32, int(np.prod(shape)), f"O(1) {name}"), shape))
     if exact:
-        for name in ("win_k", "win_v"):       # room to grow, as after a seal
-            arr = getattr(st, name)
-            grown = np.zeros((nkv, rows + 64, hd), np.float32)
-            grown[:, :rows] = arr
-            setattr(st, name, grown)
+        st._set_exact_window(st.win_k, st.win_v, rows)     # room to grow, as after a seal
         st.scr = np.zeros((nh, 0), np.float32)
     else:
         st.scr = np.zeros((nh, sink + w + 3 * m_eff), np.float32)
@@ -678,17 +681,13 @@ def export_wire(layer, f16=False):
                         "(use to_bytes)")
     plan = _Plan()
     plan.pack("6I", int(f16), layer.seq_len, nkv, hd, layer._linear_state.size, layer._imp_len)
-    for arr in (layer._linear_state, layer._imp[: layer._imp_len]):
-        if arr.size:
-            plan.pieces.append((np.ascontiguousarray(arr).reshape(-1), _F32))
-            plan.size += 4 * arr.size
+    plan.array(layer._linear_state, _F32, pad=False)
+    plan.array(layer._imp[: layer._imp_len], _F32, pad=False)
     for h in range(nkv):
         n = int(layer._len[h])
         for store in (layer._kf, layer._vf):
             plan.pack("I", n * hd)
-            if n:
-                plan.pieces.append((store[h, :n].reshape(-1), rows))
-                plan.size += n * hd * rows.itemsize
+            plan.array(store[h, :n], rows, pad=False)
     out_bytes, out = _fresh(plan.size)
     plan.write_into(out)
     del out
@@ -746,7 +745,6 @@ def import_wire(layer, buf):
         n = int(lens[h])
         kf[h, :n] = heads_k[h].reshape(n, hd)
         vf[h, :n] = heads_v[h].reshape(n, hd)
-    from .modes import KvMode
     return {"mode": KvMode.F32, "seq_len": int(seq_len), "len": lens, "cap": cap,
             "kf": kf, "vf": vf, "kq": None, "ks": None, "vq": None, "vs": None,
             "kcol": np.ones((nkv, hd), np.float32), "vcol": np.ones((nkv, hd), np.float32),
@@ -781,8 +779,7 @@ def model_plan(model, f16=False):
     for layer in model.layers:
         lp = layer_plan(layer, f16)
         plan.pack("Q", lp.size)
-        plan.pieces += lp.pieces
-        plan.size += lp.size
+        plan.extend(lp)
     return plan
 
 
@@ -796,8 +793,6 @@ def load_model(cls, path, fingerprint=None):
     The file is read rather than memory-mapped: a mapped file that another process truncates
     kills the interpreter (SIGBUS), and one rewritten in place could pass the digest and then
     parse from different bytes."""
-    from .modes import KvMode
-    from .model import EvictionPolicy
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size == 0:
@@ -814,25 +809,20 @@ def load_model(cls, path, fingerprint=None):
         if got != size or fh.read(1):
             raise WireError(f"{path}: the file changed size while it was read")
     try:
-        return _parse_model(cls, buf, fingerprint, KvMode, EvictionPolicy)
+        return model_from_bytes(cls, buf, fingerprint)
     except WireError as exc:
         raise WireError(f"{path}: {exc}") from None
 
 
 def model_from_bytes(cls, buf, fingerprint=None):
-    from .modes import KvMode
-    from .model import EvictionPolicy
-    return _parse_model(cls, buf, fingerprint, KvMode, EvictionPolicy)
-
-
-def _parse_model(cls, buf, fingerprint, KvMode, EvictionPolicy):
+    """Parse and validate a whole-model buffer into a new ``cls`` (a KvCache)."""
     rd = _open(buf, KIND_MODEL, fingerprint)
     rd.what = "model body"
     n_layers, nkv, hd, qk, qv, pol, reserved, sink, max_seq = rd.unpack("IIIBBBBQQ", "model header")
     if qk > 1 or qv > 1 or pol > 1 or reserved or nkv < 1 or hd < 1 or max_seq < 1:
         raise WireError(f"invalid model header: num_kv_heads={nkv} head_dim={hd} quant=({qk},{qv}) "
                         f"policy={pol} max_seq_len={max_seq}")
-    mode = KvMode.F32 if not (qk or qv) else KvMode.Q8(k=bool(qk), v=bool(qv))
+    mode = _mode(qk, qv)
     policy = EvictionPolicy("born" if pol else "recent", sink)
     states = []
     for i in range(n_layers):
