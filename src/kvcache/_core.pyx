@@ -20,11 +20,13 @@
 
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy, memset
-from libc.math cimport fabsf, tanhf, isfinite
+from libc.math cimport fabsf, tanhf, isfinite, INFINITY
 from libc.stdint cimport int8_t
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.buffer cimport PyBuffer_FillInfo
 from cython.parallel cimport prange
+
+import numpy as np
 
 from kvcache._openmp cimport KVC_OPENMP_BUILT, omp_get_max_threads, omp_get_thread_num
 
@@ -601,3 +603,122 @@ def o1_step(const float[:, ::1] q__hd, const float[:, ::1] k_new__gd,
         for g in range(G):
             memcpy(wkp + (g * cap + slot) * d, knp + g * d, d * sizeof(float))
             memcpy(wvp + (g * cap + slot) * dv, vnp + g * dv, dv * sizeof(float))
+
+
+# ---------------------------------------------------------------------------------------------
+# Absorbed MLA decode (DeepSeek-V2 Multi-head Latent Attention).  Inner loops and their
+# summation orders: _mla.h.
+
+cdef extern from "_mla.h" nogil:
+    void kvc_mla_fold(const float *qn, const float *qr, const float *wuk, Py_ssize_t dn,
+                      Py_ssize_t r, Py_ssize_t dr, Py_ssize_t h, Py_ssize_t Hp, float *qa,
+                      float *qT)
+    void kvc_mla_task(const float *qT, Py_ssize_t H, Py_ssize_t Hp, const float *lat,
+                      const float *kr, Py_ssize_t r, Py_ssize_t dr, Py_ssize_t p0, Py_ssize_t p1,
+                      Py_ssize_t pf_end, float scale, float *acc, float *m, float *l, float *S)
+    void kvc_mla_merge_head(const float *acc, Py_ssize_t acc_stride, const float *m,
+                            const float *l, Py_ssize_t ml_stride, Py_ssize_t nt,
+                            const float *wuv, Py_ssize_t r, Py_ssize_t dv, float *c, float *out)
+    Py_ssize_t KVC_MLA_BLOCK
+
+# partial accumulators of one call stay under this many bytes (a causal block of positions is
+# processed in groups that fit)
+cdef Py_ssize_t _MLA_PART_BYTES = 64 * 1024 * 1024
+
+
+def mla_task_rows(Py_ssize_t T):
+    """Rows per task for a cache of T rows: 256 * ceil(T / 8192), so at most ~32 tasks per
+    position.  A function of T only, which keeps results independent of the thread count."""
+    if T <= 0:
+        return 256
+    return 256 * ((T + 8191) // 8192)
+
+
+def mla_attend(const float[:, :, ::1] qn__nhk, const float[:, :, ::1] qr__nhe,
+               const float[:, ::1] lat__tr, const float[:, ::1] kr__te,
+               const float[:, :, ::1] wuk__hkr, const float[:, :, ::1] wuv__hjr, float scale,
+               float[:, :, ::1] out__nhj, int n_threads):
+    """Absorbed MLA attention of n query positions over the first T cached rows.
+
+    qn (n, H, dn) and qr (n, H, dr) are the no-RoPE and RoPE parts of the queries; lat (T, r)
+    and kr (T, dr) the cached latents and shared RoPE keys; wuk (H, dn, r) and wuv (H, dv, r)
+    the two halves of kv_b_proj.  Position i (0-based) attends causally to rows
+    [0, T - n + i + 1).  Writes out (n, H, dv).  Shapes are checked here (ValueError) before
+    any nogil code runs."""
+    cdef Py_ssize_t n = qn__nhk.shape[0], H = qn__nhk.shape[1], dn = qn__nhk.shape[2]
+    cdef Py_ssize_t T = lat__tr.shape[0], r = lat__tr.shape[1], dr = kr__te.shape[1]
+    cdef Py_ssize_t dv = wuv__hjr.shape[1]
+    cdef Py_ssize_t Hp, R, NT, G, g0, g1, ng, task, i, c, h, p0, p1, e, tid, nthr
+    if n == 0 or H == 0:
+        return
+    if not (qr__nhe.shape[0] == n and qr__nhe.shape[1] == H):
+        raise ValueError("MLA kernel: q_rope must be (n, H, d_rope) like q_nope")
+    if not (kr__te.shape[0] == T and r > 0 and dr == qr__nhe.shape[2]):
+        raise ValueError("MLA kernel: k_rope must be (T, d_rope) with the rows of latent")
+    if not (wuk__hkr.shape[0] == H and wuk__hkr.shape[1] == dn and wuk__hkr.shape[2] == r):
+        raise ValueError("MLA kernel: w_uk must be (H, d_nope, r)")
+    if not (wuv__hjr.shape[0] == H and wuv__hjr.shape[2] == r and dv > 0):
+        raise ValueError("MLA kernel: w_uv must be (H, d_v, r)")
+    if not (out__nhj.shape[0] == n and out__nhj.shape[1] == H and out__nhj.shape[2] == dv):
+        raise ValueError("MLA kernel: out must be (n, H, d_v)")
+    if T < n:
+        raise ValueError(f"MLA kernel: {n} query positions need at least {n} cached rows, got {T}")
+    Hp = (H + 7) // 8 * 8
+    R = mla_task_rows(T)
+    NT = (T + R - 1) // R
+    nthr = max(1, n_threads)
+    G = max(1, min(n, _MLA_PART_BYTES // max(1, NT * H * r * 4)))
+    qT_arr = np.zeros((G, r + dr, Hp), dtype=np.float32)
+    qa_arr = np.empty((G * H, r), dtype=np.float32)
+    acc_arr = np.empty((G * NT, H, r), dtype=np.float32)
+    ml_arr = np.empty((2, G * NT, Hp), dtype=np.float32)
+    s_arr = np.empty((nthr, KVC_MLA_BLOCK * Hp), dtype=np.float32)
+    cdef float[:, :, ::1] qT = qT_arr
+    cdef float[:, ::1] qa = qa_arr
+    cdef float[:, :, ::1] acc = acc_arr
+    cdef float[:, :, ::1] ml = ml_arr
+    cdef float[:, ::1] sbuf = s_arr
+    cdef float[:, ::1] cbuf = np.empty((G * H, r), dtype=np.float32)
+    cdef const float *qnp = &qn__nhk[0, 0, 0]
+    cdef const float *qrp = &qr__nhe[0, 0, 0] if dr > 0 else NULL
+    cdef const float *latp = &lat__tr[0, 0]
+    cdef const float *krp = &kr__te[0, 0] if dr > 0 else &lat__tr[0, 0]
+    cdef const float *wukp = &wuk__hkr[0, 0, 0] if dn > 0 else NULL
+    cdef const float *wuvp = &wuv__hjr[0, 0, 0]
+    cdef float *outp = &out__nhj[0, 0, 0]
+    cdef bint par_scores = T * H * (r + dr) > _PAR_WORK
+    cdef bint par_heads = H > 1 and H * (dn + dv) * r > _PAR_WORK
+    for g0 in range(0, n, G):
+        g1 = min(n, g0 + G)
+        ng = g1 - g0
+        for task in prange(ng * H, nogil=True, num_threads=nthr, schedule="static",
+                           use_threads_if=par_heads):
+            i = task // H
+            h = task % H
+            kvc_mla_fold(qnp + ((g0 + i) * H + h) * dn, qrp + ((g0 + i) * H + h) * dr if dr > 0 else qnp,
+                         wukp + h * dn * r if dn > 0 else NULL, dn, r, dr, h, Hp,
+                         &qa[task, 0], &qT[i, 0, 0])
+        # static: each thread takes a contiguous run of tasks, so the rows it prefetches at
+        # the end of one task are the start of its next
+        for task in prange(ng * NT, nogil=True, num_threads=nthr, schedule="static",
+                           use_threads_if=par_scores):
+            i = task // NT
+            c = task % NT
+            e = T - n + g0 + i + 1
+            p0 = c * R
+            p1 = min(p0 + R, e)
+            tid = omp_get_thread_num()
+            if p0 < p1:
+                kvc_mla_task(&qT[i, 0, 0], H, Hp, latp, krp, r, dr, p0, p1, e, scale,
+                             &acc[task, 0, 0], &ml[0, task, 0], &ml[1, task, 0], &sbuf[tid, 0])
+            else:
+                for h in range(Hp):
+                    ml[0, task, h] = -INFINITY
+                    ml[1, task, h] = 0
+        for task in prange(ng * H, nogil=True, num_threads=nthr, schedule="static",
+                           use_threads_if=par_heads):
+            i = task // H
+            h = task % H
+            kvc_mla_merge_head(&acc[i * NT, h, 0], H * r, &ml[0, i * NT, h], &ml[1, i * NT, h],
+                               Hp, NT, wuvp + h * dv * r, r, dv, &cbuf[task, 0],
+                               outp + ((g0 + i) * H + h) * dv)

@@ -1,7 +1,7 @@
 /* Runs the inner loops of _kernels.h on fixed pseudo-random inputs and prints every result as
  * raw bits.  tests/test_portable_twin.py builds it twice -- with the AVX2/FMA path and with
  * -DKVC_NO_SIMD (the portable C path) -- and requires identical output. */
-#include "_kernels.h"
+#include "_mla.h"
 #include <stdio.h>
 
 static uint32_t state = 20261129u;
@@ -83,6 +83,41 @@ int main(void)
                             m, 1, fm, acc, o1scr);
                 for (i = 0; i < hd; ++i) out(acc[i]);
             }
+        }
+    }
+    {   /* MLA: fold, tasks over 150 rows (three blocks, the last ragged) split in two, merge */
+        static float lat[150 * 40], kr[150 * 5], wuk[12 * 6 * 40], wuv[12 * 7 * 40];
+        static float qn[12 * 6], qr[12 * 5], qa[40], qT[45 * 16], macc[2 * 12 * 40];
+        static float mm[2 * 16], ml[2 * 16], S[KVC_MLA_BLOCK * 16], c[40], mo[12 * 7];
+        ptrdiff_t geo[][4] = {{12, 40, 5, 6}, {5, 19, 0, 3}, {16, 24, 3, 0}, {3, 8, 8, 4}};
+        int gi;
+        for (i = 0; i < 150 * 40; ++i) lat[i] = rnd();
+        for (i = 0; i < 150 * 5; ++i) kr[i] = rnd();
+        for (i = 0; i < 12 * 6 * 40; ++i) wuk[i] = rnd() * 0.2f;
+        for (i = 0; i < 12 * 7 * 40; ++i) wuv[i] = rnd() * 0.2f;
+        for (i = 0; i < 12 * 6; ++i) qn[i] = rnd();
+        for (i = 0; i < 12 * 5; ++i) qr[i] = rnd();
+        for (gi = 0; gi < 4; ++gi) {
+            ptrdiff_t H = geo[gi][0], r = geo[gi][1], dr = geo[gi][2], dn = geo[gi][3], dv = 7;
+            ptrdiff_t Hp = (H + 7) / 8 * 8, T = 150, split[3] = {0, 97, 150};
+            memset(qT, 0, sizeof qT);
+            for (h = 0; h < H; ++h)
+                kvc_mla_fold(qn + h * dn, qr + h * dr, wuk + h * dn * r, dn, r, dr, h, Hp, qa, qT);
+            for (i = 0; i < (r + dr) * Hp; ++i) out(qT[i]);
+            for (i = 0; i < 2; ++i)
+                kvc_mla_task(qT, H, Hp, lat, kr, r, dr, split[i], split[i + 1], T, 0.37f,
+                             macc + i * H * r, mm + i * Hp, ml + i * Hp, S);
+            for (i = 0; i < 2 * H * r; ++i) out(macc[i]);
+            for (i = 0; i < 2 * Hp; ++i) {
+                if (i % Hp < H) {
+                    out(mm[i]);
+                    out(ml[i]);
+                }
+            }
+            for (h = 0; h < H; ++h)
+                kvc_mla_merge_head(macc + h * r, H * r, mm + h, ml + h, Hp, 2, wuv + h * dv * r, r,
+                                   dv, c, mo + h * dv);
+            for (i = 0; i < H * dv; ++i) out(mo[i]);
         }
     }
     return 0;

@@ -1,0 +1,308 @@
+"""The absorbed MLA decode kernel (kvcache.mla_decode, _core.mla_attend) against its NumPy
+twins: the naive form that materialises K and V per head, and the absorbed form in NumPy."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvcache as kc
+from kvcache import _core, mla, reference as ref
+
+V2_LITE = dict(H=16, dn=128, dr=64, dv=128, r=512)
+
+
+def make(rng, n, T, H, dn, dr, dv, r, dtype=np.float32):
+    """Random MLA inputs of roughly the magnitudes a trained layer has: unit latents (post
+    RMSNorm), up-projections scaled by 1/sqrt(r)."""
+    qn = rng.standard_normal((n, H, dn))
+    qr = rng.standard_normal((n, H, dr))
+    lat = rng.standard_normal((T, r))
+    kr = rng.standard_normal((T, dr))
+    wuk = rng.standard_normal((H, dn, r)) / math.sqrt(r)
+    wuv = rng.standard_normal((H, dv, r)) / math.sqrt(r)
+    return [a.astype(dtype) for a in (qn, qr, lat, kr, wuk, wuv)]
+
+
+def rel(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
+
+
+def f64(args):
+    return [a.astype(np.float64) for a in args]
+
+
+# ---------------------------------------------------------------- the two NumPy forms agree
+
+@pytest.mark.parametrize("n,T", [(1, 1), (1, 33), (4, 9), (3, 3)])
+def test_reference_absorbed_equals_naive_in_float64(n, T):
+    rng = np.random.default_rng(n * 100 + T)
+    args = make(rng, n, T, 5, 7, 3, 6, 11, np.float64)
+    a = ref.mla_absorbed(*args, 0.3)
+    b = ref.mla_naive(*args, 0.3)
+    assert a.shape == b.shape == (n, 5, 6)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_reference_naive_is_attention_over_materialised_keys():
+    """The naive form spelled out with loops: concatenated [k_nope | k_rope] keys per head."""
+    rng = np.random.default_rng(7)
+    n, T, H, dn, dr, dv, r = 2, 6, 3, 4, 2, 5, 8
+    qn, qr, lat, kr, wuk, wuv = f64(make(rng, n, T, H, dn, dr, dv, r))
+    out = ref.mla_naive(qn, qr, lat, kr, wuk, wuv, 0.7)
+    for i in range(n):
+        vis = T - n + i + 1
+        for h in range(H):
+            k = np.concatenate([lat[:vis] @ wuk[h].T, kr[:vis]], axis=1)
+            q = np.concatenate([qn[i, h], qr[i, h]])
+            s = 0.7 * (k @ q)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            np.testing.assert_allclose(out[i, h], p @ (lat[:vis] @ wuv[h].T), rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------ the kernel against the forms
+
+GEOMS = [
+    dict(H=16, dn=128, dr=64, dv=128, r=512),      # DeepSeek-V2-Lite
+    dict(H=4, dn=4, dr=4, dv=4, r=8),              # the upstream tiny test config
+    dict(H=5, dn=7, dr=3, dv=6, r=19),             # nothing a multiple of 8
+    dict(H=12, dn=16, dr=0, dv=9, r=40),           # no RoPE part
+    dict(H=24, dn=0, dr=8, dv=16, r=64),           # no nope part; three head vectors
+    dict(H=1, dn=3, dr=5, dv=1, r=1),
+]
+
+
+@pytest.mark.parametrize("geom", GEOMS, ids=lambda g: "H{H}-r{r}-dr{dr}-dn{dn}".format(**g))
+@pytest.mark.parametrize("n,T", [(1, 1), (1, 200), (1, 1000), (3, 70), (8, 8)])
+def test_kernel_matches_naive_within_1e5(geom, n, T):
+    rng = np.random.default_rng(T * 31 + n)
+    args = make(rng, n, T, **geom)
+    scale = 1.0 / math.sqrt(max(1, geom["dn"] + geom["dr"]))
+    out = kc.mla_decode(*args, scale)
+    oracle = ref.mla_naive(*f64(args), scale)          # float64: the exact answer
+    naive32 = ref.mla_naive(*args, scale)              # what a float32 runner computes
+    assert out.shape == (n, geom["H"], geom["dv"]) and out.dtype == np.float32
+    assert rel(out, oracle) < 1e-5
+    assert rel(out, naive32) < 1e-5
+    twin = np.empty_like(out)
+    ref.mla_attend(*args, scale, twin)
+    assert rel(out, twin) < 1e-5
+
+
+@settings(max_examples=40, deadline=None)
+@given(H=st.integers(1, 20), dn=st.integers(0, 20), dr=st.integers(0, 12), dv=st.integers(1, 12),
+       r=st.integers(1, 70), T=st.integers(1, 300), n=st.integers(1, 4),
+       seed=st.integers(0, 2**31), scale=st.floats(0.01, 2.0))
+def test_kernel_matches_naive_random_geometries(H, dn, dr, dv, r, T, n, seed, scale):
+    n = min(n, T)
+    rng = np.random.default_rng(seed)
+    args = make(rng, n, T, H, dn, dr, dv, r)
+    out = kc.mla_decode(*args, scale)
+    assert rel(out, ref.mla_naive(*f64(args), scale)) < 1e-5
+
+
+def test_long_context_many_tasks_match():
+    """T above 8192 rows makes tasks of 512 rows; the merge across 20 tasks is exact enough."""
+    rng = np.random.default_rng(3)
+    g = dict(H=4, dn=8, dr=8, dv=8, r=32)
+    args = make(rng, 1, 9000, **g)
+    assert _core.mla_task_rows(9000) == 512
+    out = kc.mla_decode(*args, 0.25)
+    assert rel(out, ref.mla_naive(*f64(args), 0.25)) < 1e-5
+
+
+def test_single_position_shapes_and_out_argument():
+    rng = np.random.default_rng(1)
+    qn, qr, lat, kr, wuk, wuv = make(rng, 1, 50, 6, 8, 4, 5, 24)
+    one = kc.mla_decode(qn[0], qr[0], lat, kr, wuk, wuv, 0.2)
+    assert one.shape == (6, 5)
+    blk = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.2)
+    assert np.array_equal(one, blk[0])
+    buf = np.full((6, 5), np.nan, dtype=np.float32)
+    res = kc.mla_decode(qn[0], qr[0], lat, kr, wuk, wuv, 0.2, out=buf)
+    assert res is buf and np.array_equal(buf, one)
+
+
+# ------------------------------------------------------------------ determinism and causality
+
+@pytest.mark.parametrize("T", [5, 700, 9000])
+def test_bit_identical_for_any_thread_count(T):
+    rng = np.random.default_rng(T)
+    args = make(rng, 3, T, 16, 8, 8, 8, 64)
+    outs = []
+    for nt in (1, 2, 3, 4):
+        o = np.empty((3, 16, 8), dtype=np.float32)
+        _core.mla_attend(*args, 0.3, o, nt)
+        outs.append(o)
+    for o in outs[1:]:
+        assert o.tobytes() == outs[0].tobytes()
+
+
+def test_causal_block_equals_one_call_per_position_bit_for_bit():
+    """Position i of a block of n sees rows [0, T - n + i + 1): the same bits as a decode call
+    on that prefix (while both use the same task size)."""
+    rng = np.random.default_rng(11)
+    n, T = 5, 600
+    qn, qr, lat, kr, wuk, wuv = make(rng, n, T, 7, 6, 4, 5, 48)
+    blk = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.4)
+    for i in range(n):
+        vis = T - n + i + 1
+        one = kc.mla_decode(qn[i], qr[i], lat[:vis], kr[:vis], wuk, wuv, 0.4)
+        assert np.array_equal(blk[i], one)
+
+
+def test_rows_beyond_the_visible_range_are_never_read():
+    rng = np.random.default_rng(5)
+    qn, qr, lat, kr, wuk, wuv = make(rng, 1, 40, 4, 4, 4, 4, 16)
+    full = np.concatenate([lat, np.full((10, 16), np.nan, np.float32)])
+    fullk = np.concatenate([kr, np.full((10, 4), np.nan, np.float32)])
+    a = kc.mla_decode(qn[0], qr[0], lat, kr, wuk, wuv, 0.5)
+    b = kc.mla_decode(qn[0], qr[0], full[:40], fullk[:40], wuk, wuv, 0.5)
+    assert np.array_equal(a, b) and np.isfinite(a).all()
+
+
+def test_the_test_can_fail_a_wrong_w_uk_is_caught():
+    """Calibration: swapping two heads' W_UK moves the output far beyond the tolerance."""
+    rng = np.random.default_rng(2)
+    args = make(rng, 1, 300, **V2_LITE)
+    good = kc.mla_decode(*args, 0.1)
+    bad_wuk = args[4].copy()
+    bad_wuk[[0, 1]] = bad_wuk[[1, 0]]
+    bad = kc.mla_decode(*args[:4], bad_wuk, args[5], 0.1)
+    oracle = ref.mla_naive(*f64(args), 0.1)
+    assert rel(good, oracle) < 1e-5
+    assert rel(bad, oracle) > 1e-3
+
+
+def test_non_finite_inputs_do_not_crash():
+    rng = np.random.default_rng(4)
+    qn, qr, lat, kr, wuk, wuv = make(rng, 2, 30, 4, 4, 4, 4, 16)
+    lat[3, 2] = np.nan
+    kr[7, 1] = np.inf
+    out = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)
+    assert out.shape == (2, 4, 4)
+    assert not np.isfinite(out).all()
+
+
+# ------------------------------------------------------------------------------ bad input
+
+def good_args():
+    rng = np.random.default_rng(0)
+    qn, qr, lat, kr, wuk, wuv = make(rng, 2, 10, 3, 4, 2, 5, 8)
+    return dict(q_nope=qn, q_rope=qr, latent=lat, k_rope=kr, w_uk=wuk, w_uv=wuv, scale=0.5)
+
+
+@pytest.mark.parametrize("key,value,exc,match", [
+    ("q_nope", np.zeros((2, 3)), ValueError, "q_rope: expected 2 dimensions"),
+    ("q_nope", np.zeros((2, 3, 4, 1)), ValueError, "q_nope"),
+    ("q_rope", np.zeros((2, 2, 2)), ValueError, "q_rope"),
+    ("q_rope", np.zeros((2, 3, 3)), ValueError, "d_rope"),
+    ("latent", np.zeros((10,)), ValueError, "latent"),
+    ("latent", np.zeros((1, 8)), ValueError, "k_rope"),
+    ("latent", np.zeros((10, 0)), ValueError, "rank"),
+    ("k_rope", np.zeros((9, 2)), ValueError, "k_rope"),
+    ("w_uk", np.zeros((3, 4, 7)), ValueError, "w_uk"),
+    ("w_uk", np.zeros((2, 4, 8)), ValueError, "w_uk"),
+    ("w_uv", np.zeros((3, 5, 9)), ValueError, "w_uv"),
+    ("w_uv", np.zeros((3, 0, 8)), ValueError, "d_v"),
+    ("latent", np.zeros((10, 8), dtype=complex), TypeError, "latent"),
+    ("w_uv", "abc", TypeError, "w_uv"),
+    ("scale", 0.0, ValueError, "scale"),
+    ("scale", -1.0, ValueError, "scale"),
+    ("scale", float("nan"), ValueError, "scale"),
+    ("scale", float("inf"), ValueError, "scale"),
+    ("scale", "0.5", TypeError, "scale"),
+    ("scale", True, TypeError, "scale"),
+])
+def test_bad_input_raises_clearly(key, value, exc, match):
+    a = good_args()
+    a[key] = value
+    with pytest.raises(exc, match=match):
+        kc.mla_decode(**a)
+
+
+def test_more_queries_than_rows_is_refused():
+    a = good_args()
+    a["latent"], a["k_rope"] = a["latent"][:1], a["k_rope"][:1]
+    with pytest.raises(ValueError, match="at least 2 cached rows"):
+        kc.mla_decode(**a)
+
+
+@pytest.mark.parametrize("out", [np.zeros((2, 3, 4), np.float32), np.zeros((2, 3, 5), np.float64),
+                                 np.zeros((3, 2, 5), np.float32), np.zeros((2, 3, 10), np.float32)[..., ::2]])
+def test_bad_out_is_refused_and_left_alone(out):
+    before = out.copy()
+    with pytest.raises(ValueError, match="out"):
+        kc.mla_decode(**good_args(), out=out)
+    assert np.array_equal(out, before)
+
+
+def test_kernel_driver_checks_shapes_before_nogil():
+    """_core.mla_attend itself refuses inconsistent arrays (no crash with bounds checks off)."""
+    rng = np.random.default_rng(0)
+    qn, qr, lat, kr, wuk, wuv = make(rng, 1, 10, 3, 4, 2, 5, 8)
+    out = np.empty((1, 3, 5), np.float32)
+    with pytest.raises(ValueError):
+        _core.mla_attend(qn, qr, lat, kr[:5], wuk, wuv, 0.5, out, 1)
+    with pytest.raises(ValueError):
+        _core.mla_attend(qn, qr, lat, kr, wuk[:, :, :4], wuv, 0.5, out, 1)
+    with pytest.raises(ValueError):
+        _core.mla_attend(qn, qr, lat, kr, wuk, wuv, 0.5, out[:, :2], 1)
+    with pytest.raises(ValueError):
+        _core.mla_attend(qn, qr[:, :, :1], lat, kr, wuk, wuv, 0.5, out, 1)
+
+
+# ------------------------------------------------------------------- scale and weight helpers
+
+def test_yarn_mscale():
+    assert mla.yarn_get_mscale(1.0, 0.707) == 1.0
+    assert mla.yarn_get_mscale(0.5, 3.0) == 1.0
+    assert mla.yarn_get_mscale(40, 0.707) == pytest.approx(0.1 * 0.707 * math.log(40) + 1)
+
+
+def test_deepseek_v2_scale():
+    rs = {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+          "original_max_position_embeddings": 4096}
+    s = kc.mla_softmax_scale(128, 64, rs)
+    assert s == pytest.approx(0.1147214, abs=1e-7)
+    assert s == pytest.approx(192 ** -0.5 * 1.589626, rel=1e-6)
+    assert kc.mla_softmax_scale(128, 64, rs, apply_mscale=False) == pytest.approx(192 ** -0.5)
+    assert kc.mla_softmax_scale(128, 64) == pytest.approx(192 ** -0.5)
+    assert kc.mla_softmax_scale(128, 64, {"factor": 40, "mscale_all_dim": 0}) == pytest.approx(192 ** -0.5)
+    cfg = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rope_scaling": rs}
+    assert kc.mla_softmax_scale(config=cfg) == s
+
+    class Cfg:
+        qk_nope_head_dim, qk_rope_head_dim, rope_parameters = 128, 64, rs
+    assert kc.mla_softmax_scale(config=Cfg()) == s
+
+
+@pytest.mark.parametrize("args", [(None, 64), (128, -1), (1.5, 64), (0, 0)])
+def test_scale_helper_rejects_bad_dims(args):
+    with pytest.raises(ValueError):
+        kc.mla_softmax_scale(*args)
+
+
+def test_scale_helper_needs_factor_with_mscale_all_dim():
+    with pytest.raises(ValueError, match="factor"):
+        kc.mla_softmax_scale(128, 64, {"mscale_all_dim": 0.707})
+
+
+def test_split_kv_b_matches_the_hugging_face_layout():
+    rng = np.random.default_rng(9)
+    H, dn, dv, r = 3, 4, 5, 6
+    kv_b = rng.standard_normal((H * (dn + dv), r)).astype(np.float32)
+    wuk, wuv = kc.split_kv_b(kv_b, H, dn, dv)
+    assert wuk.shape == (H, dn, r) and wuv.shape == (H, dv, r)
+    for h in range(H):
+        base = h * (dn + dv)
+        assert np.array_equal(wuk[h], kv_b[base:base + dn])
+        assert np.array_equal(wuv[h], kv_b[base + dn:base + dn + dv])
+    # k_nope[h, t] = W_UK[h] c_t is the first dn entries of head h's kv_b_proj output
+    c = rng.standard_normal(r).astype(np.float32)
+    full = (kv_b @ c).reshape(H, dn + dv)
+    np.testing.assert_allclose(np.einsum("hkr,r->hk", wuk, c), full[:, :dn], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="rows"):
+        kc.split_kv_b(kv_b, H, dn, dv + 1)
