@@ -13,10 +13,15 @@ from .layer import LayerKvCache
 from .o1 import O1DeviceView, O1HeadView, O1Rect, O1Snapshot
 from .wire import WireError
 from .model import EvictionPolicy, KvCache
+from .latent import KvAllocId, LatentKvCache, LatentSlot, LazyLatentCache, StaticKvCache
+from .rebind import (DecodePlan, KvPlanSource, KvRebindSource, PlanValidity, RebindRefusal,
+                     RebindRefused)
 from .mla import mla_decode, mla_softmax_scale, split_kv_b, yarn_get_mscale
 from . import reference
 from ._config import show_config
 
 __all__ = ["KvMode", "LayerKvCache", "KvCache", "EvictionPolicy", "O1Rect", "O1DeviceView",
            "O1HeadView", "O1Snapshot", "WireError", "reference", "show_config", "__version__",
-           "mla_decode", "mla_softmax_scale", "split_kv_b", "yarn_get_mscale"]
+           "KvAllocId", "LatentSlot", "LatentKvCache", "StaticKvCache", "LazyLatentCache",
+           "KvRebindSource", "KvPlanSource", "DecodePlan", "PlanValidity", "RebindRefusal",
+           "RebindRefused", "mla_decode", "mla_softmax_scale", "split_kv_b", "yarn_get_mscale"]

@@ -1,0 +1,801 @@
+"""The fixed-capacity caches of kvcache.latent (spec latent-kv-cache.md 1-4, 6, 7; issue 5).
+
+KvAllocId (minting, threads, allocation-not-conversation), LatentKvCache (the upstream unit
+tests of spec section 6 in our own words, the write/advance protocol, bad input leaving the
+cache as it was, dtypes), StaticKvCache (layout, write/advance, grouped attention against the
+NumPy twin, a LayerKvCache holding the same rows and a plain softmax), LazyLatentCache (the
+upstream per-pass tests and the functional contract).
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import kvcache as kc
+from kvcache import reference
+
+MLA = [[5], [2]]
+
+
+# ------------------------------------------------------------------------------------ helpers
+def state(cache):
+    """Every observable of a persistent cache, copied (bytes of every buffer included)."""
+    layers = []
+    for slots in cache.layers:
+        if slots is None:
+            layers.append(None)
+        else:
+            layers.append([(s.storage.tobytes(), s.storage.shape, s.version, s.authority)
+                           for s in slots])
+    return {"layers": layers, "cached_len": cache.cached_len, "alloc_id": cache.alloc_id,
+            "location": cache.rebind_location(), "ids": [None if s is None else
+                                                         [id(x.storage) for x in s]
+                                                         for s in cache.layers]}
+
+
+def slabs(rng, seq, trailing=MLA, dtype=np.float32):
+    return [rng.standard_normal((seq, *t)).astype(dtype) for t in trailing]
+
+
+def no_ml_dtypes(monkeypatch):
+    """Make ``import ml_dtypes`` fail, as on a machine without it."""
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)
+
+
+# ------------------------------------------------------------------------------------ KvAllocId
+def test_alloc_id_is_a_frozen_hashable_value_minted_from_one():
+    a, b = kc.KvAllocId.next(), kc.KvAllocId.next()
+    assert a.get() >= 1 and b.get() > a.get()
+    assert a != b and a == a and hash(a) == hash(a)
+    assert {a: 1, b: 2}[a] == 1
+    assert copy.copy(a) is a and copy.deepcopy(a) is a
+    assert repr(a) == f"KvAllocId({a.get()})"
+    assert (a == a.get()) is False                    # not equal to a bare int
+    with pytest.raises(AttributeError):
+        a._value = 7
+    with pytest.raises(TypeError, match="KvAllocId.next"):
+        kc.KvAllocId(5)
+    with pytest.raises(TypeError, match="pickled"):
+        pickle.dumps(a)
+
+
+def test_alloc_ids_are_unique_across_threads():
+    n_threads, per = 8, 1000
+    barrier = threading.Barrier(n_threads)
+    found = [None] * n_threads
+
+    def mint(i):
+        barrier.wait()
+        found[i] = [kc.KvAllocId.next().get() for _ in range(per)]
+
+    threads = [threading.Thread(target=mint, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    values = [v for chunk in found for v in chunk]
+    assert len(values) == n_threads * per
+    assert len(set(values)) == n_threads * per
+    assert min(values) >= 1
+    for chunk in found:                               # each thread saw increasing ids
+        assert chunk == sorted(chunk)
+    assert kc.KvAllocId.next().get() > max(values)    # never reused
+
+
+@pytest.mark.parametrize("make", [
+    lambda: kc.LatentKvCache.with_capacity(2, 16, MLA),
+    lambda: kc.StaticKvCache.with_capacity(2, 2, 16, 4),
+], ids=["latent", "static"])
+def test_alloc_id_tracks_the_allocation_not_the_conversation(make, rng):
+    a, b = make(), make()
+    assert a.alloc_id != b.alloc_id                   # same geometry, different allocations
+    first = a.alloc_id
+    for layer in range(a.n_layers):
+        if isinstance(a, kc.LatentKvCache):
+            a.write_layer(layer, slabs(rng, 3))
+        else:
+            a.write_layer(layer, np.ones((2, 3, 4)), np.ones((2, 3, 4)))
+    a.advance(3)
+    a.bump_version(0, 0)
+    a.truncate_to(1)                                  # a rewind is not a re-allocation
+    assert a.alloc_id == first
+    a.clear()                                         # every buffer released: new id
+    assert a.alloc_id != first and a.alloc_id != b.alloc_id
+    assert a.alloc_id.get() > b.alloc_id.get()
+
+
+# ------------------------------------------------------------------------------------ LatentKvCache
+def test_with_capacity_allocates_every_layer_zeroed_on_cpu():
+    c = kc.LatentKvCache.with_capacity(3, 8, MLA, np.float32, "cpu")
+    assert (c.n_layers, c.n_slots, c.cached_len, c.max_seq_len) == (3, 2, 0, 8)
+    assert c.dtype == np.float32
+    assert c.slot_trailing == ((5,), (2,))
+    assert c.slot_shape(0) == (5,) and c.slot_shape(1) == (2,)
+    assert c.rebind_location() == "cpu"
+    assert len(c) == 0 and bool(c)
+    assert len(c.layers) == 3
+    seen = []
+    for layer in range(3):
+        k0, k1 = c.slot_storage(layer, 0), c.slot_storage(layer, 1)
+        assert k0.nbytes == 160 and k1.nbytes == 64
+        assert k0.shape == (8, 5) and k1.shape == (8, 2)
+        assert k0.flags.c_contiguous and k1.flags.c_contiguous
+        assert not k0.any() and not k1.any()
+        for s, slot in enumerate(c.layers[layer]):
+            assert isinstance(slot, kc.LatentSlot)
+            assert slot.storage is c.slot_storage(layer, s)
+            assert slot.layout == ((8, 5) if s == 0 else (8, 2))
+            assert slot.version == 0 and slot.authority == "host"
+        seen += [k0, k1]
+    for i, x in enumerate(seen):                      # six independent buffers
+        for y in seen[i + 1:]:
+            assert not np.shares_memory(x, y)
+    assert "LatentKvCache(n_layers=3" in repr(c)
+    assert "LatentSlot(layout=(8, 5)" in repr(c.layers[0][0])
+
+
+def test_slot_storage_is_the_live_buffer_and_none_out_of_range():
+    c = kc.LatentKvCache.with_capacity(3, 8, MLA)
+    buf = c.slot_storage(1, 0)
+    assert buf is c.slot_storage(1, 0) and buf.flags.writeable
+    buf[0, 0] = 4.0                                   # the live buffer, not a copy
+    assert c.layers[1][0].storage[0, 0] == 4.0
+    for layer, slot in [(3, 0), (99, 0), (-1, 0), (0, 2), (0, -1), (3, 9)]:
+        assert c.slot_storage(layer, slot) is None
+        assert c.rebind_slot(layer, slot) is None
+    assert c.rebind_slot(2, 1) is c.slot_storage(2, 1)
+    with pytest.raises(TypeError, match="layer: expected an integer"):
+        c.slot_storage(0.5, 0)
+    with pytest.raises(TypeError, match="slot"):
+        c.bump_version(0, "1")
+
+
+def test_slot_shape_out_of_range_raises_index_error():
+    c = kc.LatentKvCache.with_capacity(1, 8, MLA)
+    for s in (2, -1):
+        with pytest.raises(IndexError, match="slot"):
+            c.slot_shape(s)
+
+
+def test_bump_version_advances_per_slot_and_out_of_range_is_a_noop():
+    c = kc.LatentKvCache.with_capacity(2, 8, MLA)
+    c.bump_version(0, 0)
+    c.bump_version(0, 0)
+    c.bump_version(0, 1)
+    for layer, slot in [(2, 0), (-1, 0), (0, 2), (0, -1), (50, 50)]:
+        c.bump_version(layer, slot)
+    assert [s.version for s in c.layers[0]] == [2, 1]
+    assert [s.version for s in c.layers[1]] == [0, 0]
+    c.clear()
+    c.bump_version(0, 0)                              # unpopulated: no-op
+    assert c.layers == [None, None]
+
+
+@pytest.mark.parametrize("args, exc, match", [
+    ((0, 8, MLA), ValueError, "n_layers must be >= 1"),
+    ((3, 0, MLA), ValueError, "max_seq_len must be >= 1"),
+    ((3, 8, []), ValueError, "need at least one slot"),
+    ((0, 0, []), ValueError, "n_layers must be >= 1"),         # the spec's order
+    ((1, 0, []), ValueError, "max_seq_len must be >= 1"),
+    ((-2, 8, MLA), ValueError, "n_layers must be >= 1, got -2"),
+    ((3, -1, MLA), ValueError, "max_seq_len must be >= 1, got -1"),
+    ((2.5, 8, MLA), TypeError, "n_layers: expected an integer"),
+    (("3", 8, MLA), TypeError, "n_layers"),
+    ((True, 8, MLA), TypeError, "n_layers"),
+    ((3, 8.0, MLA), TypeError, "max_seq_len"),
+    ((3, 8, [[-1]]), ValueError, r"slot_trailing\[0\]\[0\]: expected a dimension >= 0"),
+    ((3, 8, [[5], [2.5]]), TypeError, r"slot_trailing\[1\]\[0\]"),
+    ((3, 8, [5, 2]), TypeError, r"slot_trailing\[0\]: expected a sequence of ints"),
+    ((3, 8, "ab"), TypeError, "slot_trailing"),
+    ((3, 8, None), TypeError, "slot_trailing"),
+    ((3, 8, [[2**40, 2**40]]), ValueError, "more than this platform can address"),
+])
+def test_with_capacity_rejects_bad_geometry(args, exc, match):
+    with pytest.raises(exc, match=match):
+        kc.LatentKvCache.with_capacity(*args)
+
+
+@pytest.mark.parametrize("device, exc", [("cuda", ValueError), ("cpu:1", ValueError),
+                                         (0, TypeError), (None, TypeError)])
+def test_with_capacity_rejects_other_devices(device, exc):
+    with pytest.raises(exc, match="device"):
+        kc.LatentKvCache.with_capacity(1, 8, MLA, device=device)
+
+
+@pytest.mark.parametrize("dtype, want", [(np.float32, np.float32), ("float16", np.float16),
+                                         (np.float64, np.float64), (None, np.float32),
+                                         (np.dtype("<f4"), np.float32)])
+def test_float_dtypes_allocate_in_that_dtype(dtype, want):
+    c = kc.LatentKvCache.with_capacity(1, 4, [[3]], dtype)
+    assert c.dtype == want and c.slot_storage(0, 0).dtype == want
+    assert c.slot_storage(0, 0).nbytes == 4 * 3 * np.dtype(want).itemsize
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.complex64, object, "U4", np.bool_,
+                                   "not-a-dtype", np.longdouble])
+def test_other_dtypes_raise_type_error(dtype):
+    with pytest.raises(TypeError, match="dtype"):
+        kc.LatentKvCache.with_capacity(1, 4, [[3]], dtype)
+    with pytest.raises(TypeError, match="dtype"):
+        kc.StaticKvCache.with_capacity(1, 1, 4, 2, dtype)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: kc.LatentKvCache.with_capacity(1, 4, [[3]], "bfloat16"),
+    lambda: kc.StaticKvCache.with_capacity(1, 1, 4, 2, "bf16"),
+    lambda: kc.LazyLatentCache.new(1, 4, [[3]], "bfloat16"),
+], ids=["latent", "static", "lazy"])
+def test_bfloat16_without_ml_dtypes_says_to_install_it(make, monkeypatch):
+    no_ml_dtypes(monkeypatch)
+    with pytest.raises(TypeError, match="pip install ml_dtypes"):
+        make()
+
+
+def test_bfloat16_with_ml_dtypes(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    for dtype in ("bfloat16", ml_dtypes.bfloat16):
+        c = kc.LatentKvCache.with_capacity(2, 8, MLA, dtype)
+        assert c.dtype == bf16 and c.slot_storage(1, 0).nbytes == 80
+    x = [np.arange(10, dtype=np.float32).reshape(2, 5), np.array([[0.5, -2], [3, 1]], np.float32)]
+    c.write_layer(0, x)
+    c.write_layer(1, [a.astype(bf16) for a in x])       # bf16 slabs are accepted as they are
+    c.advance(2)
+    for layer in range(2):
+        view = c.valid_view(layer, 0)
+        assert view.dtype == bf16 and not view.flags.writeable
+        np.testing.assert_array_equal(view.astype(np.float32), x[0])
+        np.testing.assert_array_equal(c.valid_view(layer, 1).astype(np.float32), x[1])
+    s = kc.StaticKvCache.with_capacity(1, 2, 4, 8, "bfloat16")
+    assert s.slot_storage(0, 0).nbytes == 128 and s.slot_storage(0, 1).nbytes == 128
+    with pytest.raises(TypeError, match="float32"):
+        s.attend(0, np.zeros((2, 8)))
+    lazy = kc.LazyLatentCache.new(1, 4, [[2]], "bfloat16").append(0, [x[1]]).advance_by(2)
+    np.testing.assert_array_equal(lazy.slot(0, 0).astype(np.float32), x[1])
+
+
+def test_empty_trailing_is_a_per_token_scalar_slot(rng):
+    c = kc.LatentKvCache.with_capacity(1, 6, [[], [3]])
+    assert c.slot_storage(0, 0).shape == (6,)
+    a = rng.standard_normal(4).astype(np.float32)
+    b = rng.standard_normal((4, 3)).astype(np.float32)
+    c.write_layer(0, [a, b])
+    c.advance(4)
+    np.testing.assert_array_equal(c.valid_view(0, 0), a)
+
+
+def test_write_layer_and_advance_two_unequal_slots_over_two_steps(rng):
+    c = kc.LatentKvCache.with_capacity(3, 8, MLA)
+    first = c.alloc_id
+    steps = [[slabs(rng, 2) for _ in range(3)], [slabs(rng, 1) for _ in range(3)]]
+    for n, step in zip((2, 1), steps):
+        for layer in range(3):
+            c.write_layer(layer, step[layer])
+        assert c.cached_len == (0 if n == 2 else 2)   # writing does not advance
+        c.advance(n)
+    assert c.cached_len == 3 and len(c) == 3 and c.alloc_id == first
+    for layer in range(3):
+        for s in range(2):
+            want = np.concatenate([steps[0][layer][s], steps[1][layer][s]])
+            view = c.valid_view(layer, s)
+            assert view.shape == (3,) + c.slot_shape(s)
+            np.testing.assert_array_equal(view, want)
+            assert not c.slot_storage(layer, s)[3:].any()   # the tail is still zero
+            assert c.layers[layer][s].version == 2         # once per advance, not per token
+
+
+def test_valid_view_is_read_only_rows_up_to_cached_len(rng):
+    c = kc.LatentKvCache.with_capacity(2, 8, MLA)
+    assert c.valid_view(0, 0).shape == (0, 5)
+    c.write_layer(0, slabs(rng, 4))
+    assert c.valid_view(0, 0).shape == (0, 5)          # written but not advanced
+    c.layers[1] = None                                 # a public field, as upstream
+    c.advance(4)
+    assert [s.version for s in c.layers[0]] == [1, 1]  # only populated slots are bumped
+    view = c.valid_view(0, 1)
+    assert view.shape == (4, 2) and not view.flags.writeable
+    with pytest.raises(ValueError):
+        view.flags.writeable = True
+    with pytest.raises(IndexError):
+        c.valid_view(2, 0)
+    with pytest.raises(IndexError):
+        c.valid_view(0, 2)
+    with pytest.raises(ValueError, match="layer 1 holds no storage"):
+        c.valid_view(1, 0)
+
+
+def test_slabs_of_other_float_dtypes_are_cast_to_the_cache_dtype(rng):
+    x64 = [rng.standard_normal((3, 5)), rng.standard_normal((3, 2))]
+    c = kc.LatentKvCache.with_capacity(1, 8, MLA, np.float32)
+    c.write_layer(0, x64)
+    c.advance(3)
+    for s in range(2):
+        np.testing.assert_array_equal(c.valid_view(0, s), x64[s].astype(np.float32))
+    h = kc.LatentKvCache.with_capacity(1, 8, MLA, np.float16)
+    h.write_layer(0, [a.astype(np.float32) for a in x64])
+    h.advance(3)
+    np.testing.assert_array_equal(h.valid_view(0, 0), x64[0].astype(np.float16))
+    d = kc.LatentKvCache.with_capacity(1, 8, MLA, np.float64)
+    d.write_layer(0, [a.astype(np.float16) for a in x64])
+    d.advance(3)
+    np.testing.assert_array_equal(d.valid_view(0, 1), x64[1].astype(np.float16).astype(np.float64))
+    lst = kc.LatentKvCache.with_capacity(1, 8, MLA)    # nested lists of floats are fine
+    lst.write_layer(0, [a.tolist() for a in x64])
+    lst.advance(3)
+    np.testing.assert_array_equal(lst.valid_view(0, 0), x64[0].astype(np.float32))
+
+
+def test_nan_and_inf_are_stored_as_values():
+    c = kc.LatentKvCache.with_capacity(1, 4, [[2]])
+    c.write_layer(0, [np.array([[np.nan, np.inf]], np.float32)])
+    c.advance(1)
+    v = c.valid_view(0, 0)
+    assert np.isnan(v[0, 0]) and v[0, 1] == np.inf
+
+
+def _filled(rng, cached=6, max_seq_len=8):
+    c = kc.LatentKvCache.with_capacity(2, max_seq_len, MLA)
+    for layer in range(2):
+        c.write_layer(layer, slabs(rng, cached))
+    c.advance(cached)
+    c.bump_version(1, 1)
+    return c
+
+
+Z5, Z2 = np.zeros((1, 5), np.float32), np.zeros((1, 2), np.float32)
+
+
+@pytest.mark.parametrize("layer, bad, exc, match", [
+    (0, [Z5], ValueError, "expected 2 slabs"),
+    (0, [Z5, Z2, Z2], ValueError, "expected 2 slabs"),
+    (0, [], ValueError, "expected 2 slabs"),
+    (0, [np.zeros((1, 4), np.float32), Z2], ValueError, r"slabs\[0\]: expected shape \(seq, 5\)"),
+    (0, [Z5, np.zeros((1, 3), np.float32)], ValueError, r"slabs\[1\]: expected shape \(1, 2\)"),
+    (0, [Z5, np.zeros((2, 2), np.float32)], ValueError, r"slabs\[1\].*seq=1 from slabs\[0\]"),
+    (0, [np.zeros((2, 5)), Z2], ValueError, r"slabs\[1\]"),
+    (0, [np.zeros(5, np.float32), Z2], ValueError, r"slabs\[0\]"),
+    (0, [np.float32(1.0), Z2], ValueError, "rank >= 1"),
+    (0, [np.zeros((0, 5)), np.zeros((0, 2))], ValueError, "seq >= 1"),
+    (0, [np.zeros((3, 5)), np.zeros((3, 2))], ValueError, "overflow max_seq_len=8"),
+    (0, [Z5.astype(np.complex64), Z2], TypeError, r"slabs\[0\]: expected real floating-point"),
+    (0, [Z5, Z2.astype(np.int32)], TypeError, r"slabs\[1\].*int32"),
+    (0, [Z5, Z2.astype(bool)], TypeError, r"slabs\[1\]"),
+    (0, [Z5, np.full((1, 2), None, object)], TypeError, r"slabs\[1\]"),
+    (0, [Z5, np.full((1, 2), "x")], TypeError, r"slabs\[1\]"),
+    (0, [[[1, 2, 3, 4, 5]], [[1, 2]]], TypeError, "int64"),
+    (0, [[[1.0, 2.0], [3.0]], Z2], ValueError, "rectangular"),
+    (0, np.zeros((2, 1, 5), np.float32), TypeError, "sequence of arrays"),
+    (0, 3, TypeError, "sequence of arrays"),
+    (2, [Z5, Z2], IndexError, "layer"),
+    (-1, [Z5, Z2], IndexError, "layer"),
+    ("0", [Z5, Z2], TypeError, "layer"),
+])
+def test_bad_write_raises_and_writes_nothing(rng, layer, bad, exc, match):
+    c = _filled(rng)
+    before = state(c)
+    with pytest.raises(exc, match=match):
+        c.write_layer(layer, bad)
+    assert state(c) == before
+
+
+@pytest.mark.parametrize("seq, exc", [(0, ValueError), (-1, ValueError), (3, ValueError),
+                                      (1.5, TypeError), (None, TypeError)])
+def test_bad_advance_changes_nothing(rng, seq, exc):
+    c = _filled(rng)
+    before = state(c)
+    with pytest.raises(exc):
+        c.advance(seq)
+    assert state(c) == before
+    c.advance(2)                                       # exactly to capacity is fine
+    assert c.cached_len == 8
+
+
+def test_truncate_to_is_shrink_only_metadata_only_and_keeps_the_id(rng):
+    c = kc.LatentKvCache.with_capacity(2, 16, MLA)
+    for layer in range(2):
+        c.write_layer(layer, slabs(rng, 15))
+    c.advance(15)
+    before = state(c)
+    c.truncate_to(20)
+    c.truncate_to(15)
+    assert state(c) == before                          # cannot grow; equal is a no-op
+    c.truncate_to(10)
+    after = state(c)
+    assert c.cached_len == 10 and after["alloc_id"] == before["alloc_id"]
+    assert after["layers"] == before["layers"]         # bytes and versions untouched
+    assert c.valid_view(0, 0).shape == (10, 5)
+    new = slabs(rng, 2)
+    c.write_layer(0, new)                              # the stale rows are overwritten
+    c.write_layer(1, new)
+    c.advance(2)
+    np.testing.assert_array_equal(c.valid_view(0, 0)[10:], new[0])
+    c.truncate_to(0)
+    assert c.cached_len == 0
+    with pytest.raises(ValueError, match="new_len"):
+        c.truncate_to(-1)
+    with pytest.raises(TypeError):
+        c.truncate_to(2.0)
+
+
+def test_clear_releases_the_layers_reminted_and_keeps_the_location(rng):
+    c = _filled(rng)
+    first = c.alloc_id
+    c.clear()
+    assert c.layers == [None, None] and c.n_layers == 2 and c.cached_len == 0
+    assert c.alloc_id != first
+    assert c.rebind_location() == "cpu"               # kept: a re-bind sees MISSING_SLOT
+    assert c.slot_storage(0, 0) is None and c.rebind_slot(1, 1) is None
+    assert c.slot_shape(1) == (2,) and c.n_slots == 2
+    before = state(c)
+    with pytest.raises(ValueError, match="cleared"):
+        c.write_layer(0, [Z5, Z2])
+    with pytest.raises(ValueError, match="cleared"):
+        c.advance(1)
+    assert state(c) == before
+
+
+def test_latent_and_lazy_caches_hold_byte_identical_buffers(rng):
+    c = kc.LatentKvCache.with_capacity(2, 8, MLA)
+    lazy = kc.LazyLatentCache.new(2, 8, MLA)
+    for n in (3, 1, 2):
+        for layer in range(2):
+            x = slabs(rng, n)
+            c.write_layer(layer, x)
+            lazy = lazy.append(layer, x)
+        c.advance(n)
+        lazy = lazy.advance_by(n)
+    assert lazy.current_seq_len == c.cached_len == 6
+    for layer in range(2):
+        for s in range(2):
+            assert lazy.slot_buffer_full(layer, s).tobytes() == c.slot_storage(layer, s).tobytes()
+
+
+# ------------------------------------------------------------------------------------ StaticKvCache
+def test_static_cache_layout_zeroed_k_and_v():
+    c = kc.StaticKvCache.with_capacity(2, 4, 32, 16)
+    assert (c.n_layers, c.num_kv_heads, c.max_seq_len, c.head_dim, c.n_slots) == (2, 4, 32, 16, 2)
+    assert c.dtype == np.float32 and c.cached_len == 0 and c.device_location == "cpu"
+    for layer in range(2):
+        k, v = c.slot_storage(layer, 0), c.slot_storage(layer, 1)
+        assert k.shape == v.shape == (1, 4, 32, 16)
+        assert k.nbytes == v.nbytes == 8192 and k.flags.c_contiguous
+        assert not k.any() and not v.any() and not np.shares_memory(k, v)
+        assert k is c.layers[layer][0].storage and v is c.rebind_slot(layer, 1)
+        assert [s.version for s in c.layers[layer]] == [0, 0]
+        assert c.layers[layer][0].authority == "host"
+    for layer, slot in [(2, 0), (-1, 0), (0, 2), (0, -1)]:
+        assert c.slot_storage(layer, slot) is None and c.rebind_slot(layer, slot) is None
+    c.bump_version(0, 1)
+    c.bump_version(0, 1)
+    c.bump_version(0, 5)
+    assert [s.version for s in c.layers[0]] == [0, 2]
+    assert "StaticKvCache(n_layers=2, num_kv_heads=4" in repr(c)
+
+
+@pytest.mark.parametrize("args, exc, match", [
+    ((0, 2, 8, 4), ValueError, "n_layers must be >= 1"),
+    ((1, 0, 8, 4), ValueError, "num_kv_heads must be >= 1"),
+    ((1, 2, 0, 4), ValueError, "max_seq_len must be >= 1"),
+    ((1, 2, 8, 0), ValueError, "head_dim must be >= 1"),
+    ((1, 2, 8, -4), ValueError, "head_dim must be >= 1"),
+    ((1, 2.0, 8, 4), TypeError, "num_kv_heads"),
+    ((1, 2**31, 2**31, 2**31), ValueError, "address"),
+])
+def test_static_cache_rejects_bad_geometry(args, exc, match):
+    with pytest.raises(exc, match=match):
+        kc.StaticKvCache.with_capacity(*args)
+
+
+def test_static_write_layer_both_shapes_two_steps(rng):
+    c = kc.StaticKvCache.with_capacity(2, 2, 8, 4)
+    k1, v1 = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 2, 3, 4))
+    for layer in range(2):
+        c.write_layer(layer, k1[layer][None], v1[layer][None])   # (1, nkv, seq, hd)
+    c.advance(3)
+    k2, v2 = rng.standard_normal((2, 2, 1, 4)), rng.standard_normal((2, 2, 1, 4))
+    for layer in range(2):
+        c.write_layer(layer, k2[layer], v2[layer])               # (nkv, seq, hd)
+    assert c.cached_len == 3
+    c.advance(1)
+    for layer in range(2):
+        k = c.valid_view(layer, 0)
+        assert k.shape == (1, 2, 4, 4) and not k.flags.writeable
+        np.testing.assert_array_equal(
+            k[0], np.concatenate([k1[layer], k2[layer]], axis=1).astype(np.float32))
+        np.testing.assert_array_equal(
+            c.valid_view(layer, 1)[0],
+            np.concatenate([v1[layer], v2[layer]], axis=1).astype(np.float32))
+        assert not c.slot_storage(layer, 0)[:, :, 4:].any()
+        assert [s.version for s in c.layers[layer]] == [2, 2]
+    with pytest.raises(IndexError):
+        c.valid_view(0, 2)
+
+
+def _static_filled(rng):
+    c = kc.StaticKvCache.with_capacity(2, 2, 8, 4)
+    for layer in range(2):
+        c.write_layer(layer, rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 6, 4)))
+    c.advance(6)
+    return c
+
+
+K1 = np.zeros((2, 1, 4), np.float32)
+
+
+@pytest.mark.parametrize("layer, k, v, exc, match", [
+    (0, K1, np.zeros((2, 2, 4)), ValueError, r"v: expected shape \(1, 2, 1, 4\)"),
+    (0, np.zeros((3, 1, 4)), K1, ValueError, r"k: expected shape \(1, 2, seq, 4\)"),
+    (0, K1, np.zeros((2, 1, 5)), ValueError, "v: expected shape"),
+    (0, np.zeros((2, 1, 2, 1, 4)), K1, ValueError, "k: expected shape"),
+    (0, np.zeros((2, 0, 4)), np.zeros((2, 0, 4)), ValueError, "seq >= 1"),
+    (0, np.zeros((2, 3, 4)), np.zeros((2, 3, 4)), ValueError, "overflow max_seq_len=8"),
+    (0, K1.astype(np.int64), K1, TypeError, "k: expected real floating-point"),
+    (0, K1, K1.astype(np.complex128), TypeError, "v: expected real floating-point"),
+    (2, K1, K1, IndexError, "layer"),
+])
+def test_static_bad_write_raises_and_writes_nothing(rng, layer, k, v, exc, match):
+    c = _static_filled(rng)
+    before = state(c)
+    with pytest.raises(exc, match=match):
+        c.write_layer(layer, k, v)
+    assert state(c) == before
+
+
+def test_static_truncate_and_clear(rng):
+    c = _static_filled(rng)
+    first = c.alloc_id
+    before = state(c)
+    c.truncate_to(7)
+    assert state(c) == before
+    c.truncate_to(2)
+    assert c.cached_len == 2 and c.alloc_id == first and state(c)["layers"] == before["layers"]
+    c.clear()
+    assert c.layers == [None, None] and c.cached_len == 0 and c.alloc_id != first
+    assert c.device_location is None and c.rebind_location() is None   # residency unprovable
+    assert c.slot_storage(0, 0) is None
+    with pytest.raises(ValueError, match="cleared"):
+        c.write_layer(0, K1, K1)
+    with pytest.raises(ValueError, match="cleared"):
+        c.attend(0, np.zeros((2, 4)))
+
+
+# ---------------------------------------------------------------------- StaticKvCache.attend
+def plain_attention(q3, k, v, scale, softcap=0.0, window=0):
+    """Causal grouped attention in float64: q3 (n, nh, hd); k, v (nkv, L, hd); the last query
+    is the newest row.  Written from the definition, independent of kvcache."""
+    q3, k, v = (np.asarray(x, np.float64) for x in (q3, k, v))
+    n, nh, hd = q3.shape
+    nkv, L = k.shape[:2]
+    out = np.zeros((n, nh, hd))
+    for i in range(n):
+        end = L - n + i + 1
+        start = max(end - window, 0) if window else 0
+        for h in range(nh):
+            g = h // (nh // nkv)
+            s = k[g, start:end] @ q3[i, h] * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ v[g, start:end]
+    return out
+
+
+def _static_with_rows(rng, n_layers, nkv, hd, rows, max_seq_len=64):
+    c = kc.StaticKvCache.with_capacity(n_layers, nkv, max_seq_len, hd)
+    ks = rng.standard_normal((n_layers, nkv, rows, hd)).astype(np.float32)
+    vs = rng.standard_normal((n_layers, nkv, rows, hd)).astype(np.float32)
+    for layer in range(n_layers):
+        c.write_layer(layer, ks[layer], vs[layer])
+    c.advance(rows)
+    return c, ks, vs
+
+
+@pytest.mark.parametrize("hpk", [1, 4], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("n", [None, 1, 5], ids=["one", "n1", "n5"])
+def test_static_attend_matches_reference_layer_and_plain_softmax(rng, hpk, n):
+    nkv, hd, rows = 2, 64, 37
+    nh = nkv * hpk
+    c, ks, vs = _static_with_rows(rng, 2, nkv, hd, rows)
+    shape = (nh, hd) if n is None else (n, nh, hd)
+    for layer in range(2):
+        q = rng.standard_normal(shape).astype(np.float32)
+        got = c.attend(layer, q)
+        assert got.shape == shape and got.dtype == np.float32
+        twin = c.attend(layer, q, _kernels=reference)              # the NumPy twin kernel
+        np.testing.assert_allclose(got, twin, rtol=1e-5, atol=1e-6)
+        lay = kc.LayerKvCache(nkv, hd, mode=kc.KvMode.F32)         # same rows, grown storage
+        lay.append(ks[layer].transpose(1, 0, 2), vs[layer].transpose(1, 0, 2))
+        np.testing.assert_array_equal(got, lay.attend_all_heads(q))   # same compiled kernel
+        np.testing.assert_allclose(got, reference.attend_all_heads(lay, q), rtol=1e-5, atol=1e-6)
+        q3 = q[None] if n is None else q
+        want = plain_attention(q3, ks[layer], vs[layer], 1 / np.sqrt(hd))
+        np.testing.assert_allclose(got.reshape(q3.shape), want, rtol=1e-4, atol=2e-5)
+
+
+def test_static_attend_scale_softcap_window(rng):
+    nkv, hd, rows = 2, 64, 20
+    c, ks, vs = _static_with_rows(rng, 1, nkv, hd, rows)
+    q = rng.standard_normal((3, 8, hd)).astype(np.float32)
+    got = c.attend(0, q, scale=0.3, softcap=2.0, window=6)
+    np.testing.assert_allclose(got, plain_attention(q, ks[0], vs[0], 0.3, 2.0, 6),
+                               rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(got, c.attend(0, q, scale=0.3, softcap=2.0, window=6,
+                                             _kernels=reference), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(got, c.attend(0, q))                    # the options matter
+
+
+def test_static_attend_after_truncate_ignores_stale_rows(rng):
+    nkv, hd = 2, 64
+    c, ks, vs = _static_with_rows(rng, 1, nkv, hd, 7)
+    junk = np.full((nkv, 5, hd), 50.0, np.float32)                 # would dominate if read
+    c.write_layer(0, junk, junk)
+    c.advance(5)
+    c.truncate_to(7)
+    for shape in [(8, hd), (4, 8, hd)]:
+        q = rng.standard_normal(shape).astype(np.float32)
+        got = c.attend(0, q)
+        q3 = q[None] if len(shape) == 2 else q
+        np.testing.assert_allclose(got.reshape(q3.shape),
+                                   plain_attention(q3, ks[0], vs[0], 1 / np.sqrt(hd)),
+                                   rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(got, c.attend(0, q, _kernels=reference), rtol=1e-5, atol=1e-6)
+
+
+def test_static_attend_long_block_is_chunked_like_the_layer(rng, monkeypatch):
+    import kvcache.latent as latent
+    monkeypatch.setattr(latent, "_PROBS_BUDGET", 4 * 4 * 30 * 3)   # blocks of 3 positions
+    c, ks, vs = _static_with_rows(rng, 1, 2, 8, 30)
+    q = rng.standard_normal((10, 4, 8)).astype(np.float32)
+    np.testing.assert_allclose(c.attend(0, q), plain_attention(q, ks[0], vs[0], 1 / np.sqrt(8)),
+                               rtol=1e-4, atol=2e-5)
+
+
+def test_static_attend_bad_input(rng):
+    c, _, _ = _static_with_rows(rng, 1, 2, 8, 3, max_seq_len=8)
+    cases = [
+        (lambda: c.attend(0, np.zeros((3, 8))), ValueError, "multiple of num_kv_heads=2"),
+        (lambda: c.attend(0, np.zeros((4, 7))), ValueError, "q: expected shape"),
+        (lambda: c.attend(0, np.zeros((4, 4, 8))), ValueError, "at most cached_len=3"),
+        (lambda: c.attend(0, np.zeros((4, 8), np.complex64)), TypeError, "q"),
+        (lambda: c.attend(1, np.zeros((4, 8))), IndexError, "layer"),
+        (lambda: c.attend(0, np.zeros((4, 8)), softcap=-1), ValueError, "softcap"),
+        (lambda: c.attend(0, np.zeros((4, 8)), window=-1), ValueError, "window"),
+        (lambda: c.attend(0, np.zeros((4, 8)), scale=np.nan), ValueError, "scale"),
+    ]
+    before = state(c)
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    assert state(c) == before
+    assert c.attend(0, np.zeros((0, 4, 8))).shape == (0, 4, 8)
+    empty = kc.StaticKvCache.with_capacity(1, 2, 8, 8)
+    with pytest.raises(ValueError, match="cached_len=0"):
+        empty.attend(0, np.zeros((4, 8)))
+    half = kc.StaticKvCache.with_capacity(1, 2, 8, 8, np.float16)
+    with pytest.raises(TypeError, match="float32"):
+        half.attend(0, np.zeros((4, 8)))
+
+
+# ---------------------------------------------------------------------------- LazyLatentCache
+def test_lazy_empty_cache_accessors():
+    c = kc.LazyLatentCache.new(2, 8, MLA)
+    assert (c.current_seq_len, c.max_seq_len, c.n_layers, c.n_slots) == (0, 8, 2, 2)
+    assert c.slot_trailing == ((5,), (2,)) and c.slot_shape(1) == (2,)
+    assert c.dtype == np.float32 and len(c) == 0 and bool(c)
+    s = c.slot(1, 0)
+    assert s.shape == (1, 5) and not s.any() and not s.flags.writeable   # clamped to >= 1 row
+    full = c.slot_buffer_full(0, 1)
+    assert full.shape == (8, 2) and not full.any() and not full.flags.writeable
+    with pytest.raises(IndexError):
+        c.slot_shape(2)
+    assert "LazyLatentCache(n_layers=2" in repr(c)
+    assert kc.LazyLatentCache(2, 8, MLA).slot_trailing == c.slot_trailing
+
+
+def test_lazy_mla_two_unequal_slots_over_two_steps(rng):
+    c = kc.LazyLatentCache.new(1, 8, MLA)
+    a, b = slabs(rng, 2), slabs(rng, 1)
+    c = c.append(0, a)
+    assert c.current_seq_len == 0                       # append does not advance
+    np.testing.assert_array_equal(c.slot_buffer_full(0, 0)[:2], a[0])
+    c = c.advance_by(2).append(0, b).advance_by(1)
+    assert c.current_seq_len == 3
+    for s in range(2):
+        np.testing.assert_array_equal(c.slot(0, s), np.concatenate([a[s], b[s]]))
+
+
+def test_lazy_single_slot_rank3_trailing(rng):
+    c = kc.LazyLatentCache.new(1, 6, [[2, 3, 4]])
+    x = rng.standard_normal((2, 2, 3, 4)).astype(np.float32)
+    c = c.append(0, [x]).advance_by(2)
+    assert c.slot(0, 0).shape == (2, 2, 3, 4)
+    np.testing.assert_array_equal(c.slot(0, 0), x)
+    assert c.slot_buffer_full(0, 0).shape == (6, 2, 3, 4)
+
+
+def test_lazy_multi_layer_isolation_with_one_advance_per_step(rng):
+    c = kc.LazyLatentCache.new(3, 8, MLA)
+    written = {layer: [] for layer in range(3)}
+    for n in (3, 2):
+        for layer in range(3):
+            x = slabs(rng, n)
+            written[layer].append(x)
+            c = c.append(layer, x)
+        c = c.advance_by(n)
+    assert c.current_seq_len == 5
+    for layer in range(3):
+        for s in range(2):
+            np.testing.assert_array_equal(
+                c.slot(layer, s), np.concatenate([w[s] for w in written[layer]]))
+
+
+def test_lazy_is_functional(rng):
+    c0 = kc.LazyLatentCache.new(2, 8, MLA)
+    x = slabs(rng, 2)
+    c1 = c0.append(1, x)
+    assert c1 is not c0
+    assert not c0.slot_buffer_full(1, 0).any() and c0.current_seq_len == 0   # untouched
+    c2 = c1.advance_by(2)
+    assert c1.current_seq_len == 0 and c2.current_seq_len == 2
+    np.testing.assert_array_equal(c2.slot(1, 1), x[1])
+    c3 = c2.append(1, slabs(rng, 1))                   # a branch does not disturb c2
+    np.testing.assert_array_equal(c2.slot_buffer_full(1, 0)[2], np.zeros(5))
+    assert c3.slot_buffer_full(1, 0)[2].any()
+    with pytest.raises(ValueError):
+        c2.slot(1, 0).flags.writeable = True
+    assert c2.append(0, [np.zeros((0, 5)), np.zeros((0, 2))]).current_seq_len == 2   # 0 rows
+
+
+def test_lazy_advance_by_clamps_to_capacity():
+    c = kc.LazyLatentCache.new(1, 4, [[1]])
+    assert c.advance_by(3).advance_by(5).current_seq_len == 4
+    assert c.advance_by(0).current_seq_len == 0
+    with pytest.raises(ValueError, match="n"):
+        c.advance_by(-1)
+
+
+@pytest.mark.parametrize("layer, bad, exc, match", [
+    (2, [Z5, Z2], IndexError, "layer"),
+    (-1, [Z5, Z2], IndexError, "layer"),
+    (0, [Z5], ValueError, "expected 2 slabs"),
+    (0, [np.float32(0.0), Z2], ValueError, "rank >= 1"),
+    (0, [np.zeros((1, 4)), Z2], ValueError, r"new_slots\[0\]: expected shape \(seq, 5\)"),
+    (0, [Z5, np.zeros((1, 3))], ValueError, r"new_slots\[1\]"),
+    (0, [np.zeros((2, 5)), np.zeros((1, 2))], ValueError, r"new_slots\[1\].*seq=2"),
+    (0, [np.zeros((4, 5)), np.zeros((4, 2))], ValueError, "overflow max_seq_len=8"),
+    (0, [Z5.astype(np.int16), Z2], TypeError, r"new_slots\[0\]"),
+    (0, [Z5, Z2.astype(np.complex64)], TypeError, r"new_slots\[1\]"),
+])
+def test_lazy_append_rejections(rng, layer, bad, exc, match):
+    c = kc.LazyLatentCache.new(2, 8, MLA).append(0, slabs(rng, 5)).advance_by(5)
+    before = [c.slot_buffer_full(la, s).tobytes() for la in range(2) for s in range(2)]
+    with pytest.raises(exc, match=match):
+        c.append(layer, bad)
+    assert c.current_seq_len == 5
+    assert [c.slot_buffer_full(la, s).tobytes() for la in range(2) for s in range(2)] == before
+
+
+@pytest.mark.parametrize("args, exc, match", [
+    ((0, 8, MLA), ValueError, "n_layers must be >= 1"),
+    ((1, 0, MLA), ValueError, "max_seq_len must be >= 1"),
+    ((1, 8, []), ValueError, "need at least one slot"),
+    ((1, 8, MLA, np.int32), TypeError, "unsupported dtype"),
+    ((1, 8, MLA, np.complex128), TypeError, "unsupported dtype"),
+])
+def test_lazy_new_rejections(args, exc, match):
+    with pytest.raises(exc, match=match):
+        kc.LazyLatentCache.new(*args)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_lazy_other_float_dtypes(rng, dtype):
+    x = slabs(rng, 2)
+    c = kc.LazyLatentCache.new(1, 4, MLA, dtype).append(0, x).advance_by(2)
+    assert c.slot(0, 0).dtype == dtype
+    np.testing.assert_array_equal(c.slot(0, 0), x[0].astype(dtype))
