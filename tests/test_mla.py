@@ -306,3 +306,117 @@ def test_split_kv_b_matches_the_hugging_face_layout():
     np.testing.assert_allclose(np.einsum("hkr,r->hk", wuk, c), full[:, :dn], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="rows"):
         kc.split_kv_b(kv_b, H, dn, dv + 1)
+
+
+# ------------------------------------------- persistent LatentKvCache decode vs one-shot attention
+
+class TinyMLA:
+    """A small DeepSeek-V2-style attention stack (the upstream test config: hidden 16, 4 heads,
+    d_rope 4, d_nope 4, d_v 4, kv_lora_rank 8, 3 layers) in NumPy, with residual connections.
+    It decodes either through a LatentKvCache and kc.mla_decode (the absorbed kernel) or in
+    one shot over the whole sequence with the naive form in float64."""
+
+    def __init__(self, seed, L=3, hidden=16, H=4, dn=4, dr=4, dv=4, r=8):
+        rng = np.random.default_rng(seed)
+        self.L, self.hidden, self.H, self.dn, self.dr, self.dv, self.r = L, hidden, H, dn, dr, dv, r
+        w = lambda *s: rng.standard_normal(s) / math.sqrt(s[-1])          # noqa: E731
+        self.wq = [w(H * (dn + dr), hidden) for _ in range(L)]
+        self.wkva = [w(r + dr, hidden) for _ in range(L)]
+        self.kv_b = [w(H * (dn + dv), r) for _ in range(L)]
+        self.wo = [w(hidden, H * dv) for _ in range(L)]
+        self.scale = kc.mla_softmax_scale(dn, dr)
+
+    def rope(self, x, pos):
+        """Rotate consecutive pairs (2i, 2i+1) by pos * 10000^(-2i/d) (the cached k_pe order)."""
+        d = x.shape[-1]
+        ang = pos[:, None] * 10000.0 ** (-np.arange(0, d, 2) / d)           # (n, d/2)
+        shape = (len(pos),) + (1,) * (x.ndim - 2) + (d // 2,)
+        cos, sin = np.cos(ang).reshape(shape), np.sin(ang).reshape(shape)
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = a * cos - b * sin
+        out[..., 1::2] = a * sin + b * cos
+        return out
+
+    def project(self, l, x, pos):
+        n, H = len(x), self.H
+        q = (x @ self.wq[l].T).reshape(n, H, self.dn + self.dr)
+        a = x @ self.wkva[l].T
+        c = a[:, :self.r] / np.sqrt(np.mean(a[:, :self.r] ** 2, axis=1, keepdims=True) + 1e-6)
+        return q[..., :self.dn], self.rope(q[..., self.dn:], pos), c, self.rope(a[:, self.r:], pos)
+
+    def step_cached(self, x, lc):
+        """One forward call of n tokens through the persistent cache (validate, write every
+        layer at cached_len, attend absorbed, then advance once)."""
+        n, t0 = len(x), lc.cached_len
+        pos = np.arange(t0, t0 + n, dtype=np.float64)
+        for l in range(self.L):
+            qn, qr, c, kpe = self.project(l, x, pos)
+            lc.write_layer(l, [c, kpe])
+            lat = lc.slot_storage(l, 0)[:t0 + n]
+            kr = lc.slot_storage(l, 1)[:t0 + n]
+            wuk, wuv = kc.split_kv_b(self.kv_b[l], self.H, self.dn, self.dv)
+            o = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, self.scale)
+            x = x + o.reshape(n, -1).astype(np.float64) @ self.wo[l].T
+        lc.advance(n)
+        return x
+
+    def one_shot(self, x):
+        T = len(x)
+        pos = np.arange(T, dtype=np.float64)
+        for l in range(self.L):
+            qn, qr, c, kpe = self.project(l, x, pos)
+            w3 = self.kv_b[l].reshape(self.H, self.dn + self.dv, self.r)
+            o = ref.mla_naive(qn, qr, c, kpe, w3[:, :self.dn], w3[:, self.dn:], self.scale)
+            x = x + o.reshape(T, -1) @ self.wo[l].T
+        return x
+
+
+@pytest.mark.parametrize("steps", [(3, 1, 1), (1, 1, 1, 1), (5,), (2, 4, 1)])
+def test_persistent_latent_cache_decode_equals_one_shot(steps):
+    model = TinyMLA(seed=sum(steps))
+    T = sum(steps)
+    rng = np.random.default_rng(T)
+    x = rng.standard_normal((T, model.hidden))
+    lc = kc.LatentKvCache.with_capacity(model.L, T + 3, [(model.r,), (model.dr,)])
+    outs, t = [], 0
+    for s in steps:
+        outs.append(model.step_cached(x[t:t + s], lc))
+        t += s
+        assert lc.cached_len == t
+    got = np.concatenate(outs)
+    want = model.one_shot(x)
+    assert np.max(np.abs(got - want)) < 1e-6 * np.max(np.abs(want))   # seen: ~1e-7
+    # every slot's version moved once per forward call, not per token
+    for l in range(model.L):
+        assert [slot.version for slot in lc.layers[l]] == [len(steps), len(steps)]
+
+
+def test_persistent_decode_detects_a_wrong_offset():
+    """Calibration: writing the decode step one row too early (overwriting the last cached
+    row) is far outside the tolerance of the test above."""
+    model = TinyMLA(seed=1)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, model.hidden))
+    lc = kc.LatentKvCache.with_capacity(model.L, 8, [(model.r,), (model.dr,)])
+    model.step_cached(x[:3], lc)
+    lc.truncate_to(2)                                  # the sabotage: rewind one row
+    got = model.step_cached(x[3:], lc)
+    want = model.one_shot(x)[3:]
+    assert np.max(np.abs(got - want)) > 1e-3 * np.max(np.abs(want))
+
+
+def test_rewind_then_redecode_matches_the_first_decode():
+    """Speculative rollback: truncate_to keeps the allocation; decoding the same token again
+    gives the same bits."""
+    model = TinyMLA(seed=2)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, model.hidden))
+    lc = kc.LatentKvCache.with_capacity(model.L, 8, [(model.r,), (model.dr,)])
+    model.step_cached(x[:4], lc)
+    first = model.step_cached(x[4:], lc)
+    aid = lc.alloc_id
+    lc.truncate_to(4)
+    again = model.step_cached(x[4:], lc)
+    assert lc.alloc_id == aid and lc.cached_len == 5
+    assert np.array_equal(first, again)

@@ -620,10 +620,24 @@ cdef extern from "_mla.h" nogil:
                             const float *l, Py_ssize_t ml_stride, Py_ssize_t nt,
                             const float *wuv, Py_ssize_t r, Py_ssize_t dv, float *c, float *out)
     Py_ssize_t KVC_MLA_BLOCK
+    float kvc_fma_probe(long iters, float x)
 
 # partial accumulators of one call stay under this many bytes (a causal block of positions is
 # processed in groups that fit)
 cdef Py_ssize_t _MLA_PART_BYTES = 64 * 1024 * 1024
+
+
+def fma_probe(long iters, int n_threads):
+    """Run ``iters`` x 80 float32 fused multiply-adds on each of ``n_threads`` threads (the
+    benchmark times it to get the machine's peak FMA rate).  Returns a checksum."""
+    cdef int t
+    cdef float acc = 0
+    cdef float[::1] res = np.zeros(max(1, n_threads), dtype=np.float32)
+    for t in prange(n_threads, nogil=True, num_threads=n_threads, schedule="static"):
+        res[t] = kvc_fma_probe(iters, 1.0 + t)
+    for t in range(n_threads):
+        acc += res[t]
+    return acc
 
 
 def mla_task_rows(Py_ssize_t T):

@@ -312,4 +312,38 @@ static void kvc_mla_merge_head(const float *acc, ptrdiff_t acc_stride, const flo
         out[j] = kvc_dot_f32(c, wuv + j * r, r);
 }
 
+/* Machine probe for the benchmark: `iters` steps of 10 independent chains of 8-lane fused
+ * multiply-adds (80 FMAs per step), enough chains to cover the FMA latency on current x86
+ * cores.  Returns a value that depends on every chain so nothing is optimised away. */
+static float kvc_fma_probe(long iters, float x)
+{
+    long i;
+    int k;
+#if KVC_SIMD
+    __m256 a[10], b = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+    for (k = 0; k < 10; ++k)
+        a[k] = _mm256_set1_ps(x + (float)k);
+    for (i = 0; i < iters; ++i)
+        for (k = 0; k < 10; ++k)
+            a[k] = _mm256_fmadd_ps(a[k], b, c);
+    __m256 s = a[0];
+    for (k = 1; k < 10; ++k)
+        s = _mm256_add_ps(s, a[k]);
+    float t[8];
+    _mm256_storeu_ps(t, s);
+    return t[0] + t[7];
+#else
+    float a[80];
+    for (k = 0; k < 80; ++k)
+        a[k] = x + (float)k;
+    for (i = 0; i < iters; ++i)
+        for (k = 0; k < 80; ++k)
+            a[k] = fmaf(a[k], 0.999999f, 1e-7f);
+    float s = 0.0f;
+    for (k = 0; k < 80; ++k)
+        s += a[k];
+    return s;
+#endif
+}
+
 #endif
