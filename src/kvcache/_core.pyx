@@ -693,7 +693,7 @@ def mla_attend(const float[:, :, ::1] qn__nhk, const float[:, :, ::1] qr__nhe,
     cdef float[:, :, ::1] ml = ml_arr
     cdef float[:, ::1] sbuf = s_arr
     cdef float[:, ::1] cbuf = np.empty((G * H, r), dtype=np.float32)
-    cdef const float *qnp = &qn__nhk[0, 0, 0]
+    cdef const float *qnp = &qn__nhk[0, 0, 0] if dn > 0 else &lat__tr[0, 0]
     cdef const float *qrp = &qr__nhe[0, 0, 0] if dr > 0 else NULL
     cdef const float *latp = &lat__tr[0, 0]
     cdef const float *krp = &kr__te[0, 0] if dr > 0 else &lat__tr[0, 0]
