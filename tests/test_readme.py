@@ -14,3 +14,5 @@ def test_readme_python_blocks_run(capsys, tmp_path, monkeypatch):
     for i, block in enumerate(blocks):
         exec(compile(block, f"README.md python block {i}", "exec"), namespace)
     assert namespace["layer"].o1_sealed()
+    assert namespace["out"].shape == (1, 16, 128)           # the MLA example's last step
+    assert namespace["lc"].cached_len == 0 and namespace["lc"].layers == [None, None]
