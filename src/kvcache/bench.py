@@ -121,9 +121,52 @@ Export and import throughput of the byte formats (``kvcache.wire``) for one Llam
 * **Targets** (the issue's): f32 ``to_bytes`` export and ``from_bytes`` import at >= 1 GB/s,
   checksum included; the checksum <= 25% of the export time; printed with pass/fail.
 
+MLA section (``--sections mla`` runs it alone)
+---------------------------------------------
+The absorbed Multi-head Latent Attention decode kernel (``kvcache._core.mla_attend``, what
+``kvcache.mla_decode`` runs) against the naive NumPy form (``kvcache.reference.mla_naive``,
+which materialises every head's K and V from the latent each step), DeepSeek-V2-Lite geometry:
+16 heads, kv_lora_rank r=512, qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, scale
+``mla_softmax_scale(128, 64, {"factor": 40, "mscale_all_dim": 0.707})``; one query position
+of one layer per step, contexts 1k, 4k, 16k, 32k (quick: 1k, 4k).
+
+* **Cache.**  A ``LatentKvCache.with_capacity(n_layers, T, [(512,), (64,)])`` filled with
+  ``write_layer`` + ``advance(T)`` (float32 standard normal rows, the same rows in every layer);
+  a step reads ``slot_storage(l, 0)[:T]`` and ``slot_storage(l, 1)[:T]`` (views, no copy).
+  Each layer has its own W_UK (16, 128, 512) and W_UV (16, 128, 512) copies (8 MiB together),
+  as in a model, so they are read from DRAM every step too.
+* **Working set above the last-level cache.**  Like the decode section: enough layers that
+  their latent, RoPE-key and weight bytes reach max(160 MiB, 4 x the reported LLC) (at least 2
+  layers), and a timed sweep runs one step on every layer in order, so each step finds its rows
+  evicted by the others.  Time per step = sweep / layers, median over ``--mla-repeats`` sweeps
+  (after one warm-up sweep), per thread count (``mla_attend``'s n_threads argument, under
+  ``threadpool_limits(n, "openmp")``).  The numpy arrays are large, so NumPy asks for
+  transparent huge pages for them.
+* **Naive form.**  ``reference.mla_naive`` on layer 0 under ``threadpool_limits(n)`` (its BLAS
+  matmuls), median of ``--mla-naive-repeats`` calls (default 3) after one warm-up, at every
+  context up to ``--mla-naive-max-context`` (default 32k); its output checks the kernel's
+  (relative error max|a-b| / max|b|).  Speedup = naive / kernel at the same thread count.
+* **Rates.**  Latent GB/s = T (512 + 64) 4 bytes / kernel time, and as % of the measured
+  ``stream_read`` bandwidth at the same thread count; "all GB/s" adds the two weight matrices
+  (2 x 16 x 128 x 512 x 4 bytes) read every step.
+* **Compute bound.**  The kernel does 16 (512 + 64) + 16 x 512 = 17408 fused multiply-adds per
+  cached row (scores with the folded query, then the latent-weighted sum), plus the fixed fold
+  and unfold of 2 x 16 x 128 x 512 per step.  ``_core.fma_probe`` (80 independent FMA chains per
+  thread) is timed per thread count, best of 5, for the machine's peak FMA rate; reported:
+  achieved GFMA/s, % of that peak, and the bandwidth the FMA peak can consume at 17408 FMAs per
+  2304-byte row (peak / 17408 x 2304 B/s) as % of the measured bandwidth: above that line a
+  latent-read target is out of reach for this kernel however the memory system performs.
+* **Memory.**  Cache bytes per token per layer: latent (512 + 64) x 4 = 2304 B against an
+  equivalent per-head f32 cache (16 heads x (K of 128 + 64 = 192, V of 128) x 4 = 20480 B) and
+  against the same per-head cache in kvcache's q8 layout.
+* **Targets** (the issue's, judged at 16k and the largest thread count): kernel >= 10x faster
+  than the naive NumPy form; latent read >= 60% of the measured bandwidth -- printed with
+  pass/fail next to the compute ceiling.
+
 The workload classes here (:class:`KvcacheDecode`, :class:`TorchDecode`,
-:class:`ReferenceDecode`, :class:`AppendFill`, :class:`O1Decode`, :class:`WireLayers`) are
-shared with the asv-style suite in ``benchmarks/`` so both measure the same thing.
+:class:`ReferenceDecode`, :class:`AppendFill`, :class:`O1Decode`, :class:`WireLayers`,
+:class:`MlaDecode`) are shared with the asv-style suite in ``benchmarks/`` so both measure the
+same thing.
 """
 
 from __future__ import annotations
@@ -156,6 +199,7 @@ __all__ = [
     "AppendFill",
     "Geometry",
     "KvcacheDecode",
+    "MlaDecode",
     "O1Decode",
     "ReferenceDecode",
     "SyntheticStream",
@@ -177,7 +221,7 @@ QUICK_WORKING_SET = 512 * MiB
 MAX_LAYERS = 4096            # bounds object count for tiny layers (Qwen q8 at 1k is ~0.27 MiB)
 BANDWIDTH_BUFFER = GiB
 MODE_NAMES = ("f32", "q8")
-SECTIONS = ("decode", "append", "o1", "wire")
+SECTIONS = ("decode", "append", "o1", "wire", "mla")
 O1_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_O1_CONTEXTS = (1024, 4096)
 O1_M, O1_W, O1_SINK = 32, 128, 4
@@ -198,6 +242,19 @@ WIRE_VARIANTS = {"f32": ("versioned", "f32", False),
                  "legacy f32": ("legacy", "f32", False),
                  "legacy f16": ("legacy", "f32", True)}
 WIRE_TARGETS = {"export_gbs": 1.0, "import_gbs": 1.0, "checksum_share": 0.25}
+# MLA section: DeepSeek-V2-Lite attention geometry
+MLA_HEADS, MLA_RANK, MLA_ROPE, MLA_NOPE, MLA_V = 16, 512, 64, 128, 128
+MLA_ROPE_SCALING = {"factor": 40, "mscale_all_dim": 0.707}
+MLA_CONTEXTS = (1024, 4096, 16384, 32768)
+QUICK_MLA_CONTEXTS = (1024, 4096)
+MLA_REPEATS, QUICK_MLA_REPEATS = 15, 5
+MLA_NAIVE_REPEATS, QUICK_MLA_NAIVE_REPEATS = 3, 2
+MLA_NAIVE_MAX_CONTEXT = 32768
+MLA_WORKING_SET = 160 * MiB  # at least; 4 x the reported LLC when that is more (capped at 1 GiB)
+MLA_MAX_LAYERS = 512
+MLA_FMA_ITERS, QUICK_MLA_FMA_ITERS = 10_000_000, 2_000_000
+MLA_FMA_PER_PROBE_ITER = 80  # FMAs per thread per fma_probe iteration
+MLA_TARGETS = {"context": 16384, "speedup_naive": 10.0, "pct_bandwidth": 60.0}
 
 
 # ---------------------------------------------------------------------------------------- geometry
@@ -676,6 +733,108 @@ class WireLayers:
 
 
 
+MLA_ROW_BYTES = (MLA_RANK + MLA_ROPE) * 4                  # latent + k_rope of one cached row
+MLA_WEIGHT_BYTES = MLA_HEADS * (MLA_NOPE + MLA_V) * MLA_RANK * 4   # W_UK + W_UV of one layer
+MLA_FMA_PER_ROW = MLA_HEADS * (MLA_RANK + MLA_ROPE) + MLA_HEADS * MLA_RANK    # 17408
+MLA_FMA_FIXED = MLA_HEADS * (MLA_NOPE + MLA_V) * MLA_RANK   # fold W_UK^T q + unfold W_UV c
+
+
+def mla_scale():
+    """DeepSeek-V2-Lite's softmax scale (``mla_softmax_scale(128, 64, rope_scaling)``)."""
+    from .mla import mla_softmax_scale
+    return mla_softmax_scale(MLA_NOPE, MLA_ROPE, MLA_ROPE_SCALING)
+
+
+def mla_cache_bytes_per_token():
+    """Cache bytes per token per layer: the MLA latent (slot 0 + slot 1) against a per-head
+    cache of the same attention (K of width qk_nope + qk_rope, V of width v_head_dim per head),
+    f32 and in kvcache's q8 layout (K: int8 + a float scale per 32 values, V: int8 + one scale
+    per row)."""
+    k, v = MLA_NOPE + MLA_ROPE, MLA_V
+    out = {"latent": MLA_ROW_BYTES,
+           "per_head_f32": MLA_HEADS * (k + v) * 4,
+           "per_head_q8": MLA_HEADS * ((k + 4 * math.ceil(k / 32)) + (v + 4))}
+    out["ratio_f32"] = out["per_head_f32"] / out["latent"]
+    out["ratio_q8"] = out["per_head_q8"] / out["latent"]
+    return out
+
+
+class MlaDecode:
+    """A :class:`kvcache.LatentKvCache` of ``n_layers`` MLA layers (DeepSeek-V2-Lite geometry)
+    holding ``context`` rows each, with per-layer weights; a step is one query position of one
+    layer through the absorbed kernel ``_core.mla_attend``.
+
+    Parameters
+    ----------
+    context : int
+        Cached rows per layer (the cache's capacity too).
+    working_set : int
+        Target bytes (latent + k_rope rows + W_UK + W_UV) of all layers together; sets the
+        layer count (at least ``min_layers``, at most ``max_layers``).
+    n_layers : int, optional
+        Explicit layer count (overrides ``working_set``).
+    """
+
+    def __init__(self, context, working_set=MLA_WORKING_SET, seed=0, n_layers=None,
+                 min_layers=2, max_layers=MLA_MAX_LAYERS):
+        from .latent import LatentKvCache
+        self.context = context
+        self.step_bytes = context * MLA_ROW_BYTES
+        self.layer_bytes = self.step_bytes + MLA_WEIGHT_BYTES
+        if n_layers is None:
+            n_layers = max(min_layers, layer_count(self.layer_bytes, working_set, max_layers))
+        self.n_layers = n_layers
+        self.scale = mla_scale()
+        rng = np.random.default_rng([seed, 0x4D4C41])
+        lat = rng.standard_normal((context, MLA_RANK), dtype=np.float32)
+        kr = rng.standard_normal((context, MLA_ROPE), dtype=np.float32)
+        self.cache = LatentKvCache.with_capacity(n_layers, context, [(MLA_RANK,), (MLA_ROPE,)])
+        for layer in range(n_layers):
+            self.cache.write_layer(layer, [lat, kr])
+        self.cache.advance(context)
+        del lat, kr
+        w = np.float32(MLA_RANK ** -0.5)
+        wuk = rng.standard_normal((MLA_HEADS, MLA_NOPE, MLA_RANK), dtype=np.float32) * w
+        wuv = rng.standard_normal((MLA_HEADS, MLA_V, MLA_RANK), dtype=np.float32) * w
+        self.weights = [(wuk.copy(), wuv.copy()) for _ in range(n_layers)]   # own memory each
+        self.views = [(self.cache.slot_storage(layer, 0)[:context],
+                       self.cache.slot_storage(layer, 1)[:context]) for layer in range(n_layers)]
+        self.qn = rng.standard_normal((1, MLA_HEADS, MLA_NOPE), dtype=np.float32)
+        self.qr = rng.standard_normal((1, MLA_HEADS, MLA_ROPE), dtype=np.float32)
+        self.out = np.empty((1, MLA_HEADS, MLA_V), dtype=np.float32)
+        self._next = 0
+
+    @property
+    def working_set_bytes(self):
+        return self.layer_bytes * self.n_layers
+
+    def _attend(self, layer, n_threads):
+        lat, kr = self.views[layer]
+        wuk, wuv = self.weights[layer]
+        _core.mla_attend(self.qn, self.qr, lat, kr, wuk, wuv, self.scale, self.out, n_threads)
+
+    def step(self, n_threads=1):
+        """One decode step (one query position) on the next layer of the rotation."""
+        self._attend(self._next, n_threads)
+        self._next = (self._next + 1) % self.n_layers
+
+    def sweep(self, n_threads=1):
+        """One decode step on every layer, in order."""
+        for layer in range(self.n_layers):
+            self._attend(layer, n_threads)
+
+    def output(self, n_threads=1, layer=0):
+        """The kernel's (1, H, d_v) result on ``layer`` (a copy)."""
+        self._attend(layer, n_threads)
+        return self.out.copy()
+
+    def naive(self, layer=0):
+        """``reference.mla_naive`` on ``layer``: (1, H, d_v)."""
+        lat, kr = self.views[layer]
+        wuk, wuv = self.weights[layer]
+        return reference.mla_naive(self.qn, self.qr, lat, kr, wuk, wuv, self.scale)
+
+
 # ---------------------------------------------------------------------------------------- timing
 def time_repeats(fn, repeats, warmup=1):
     """Seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones (gc off, timeit)."""
@@ -718,7 +877,7 @@ def measure_bandwidth(thread_counts, nbytes=BANDWIDTH_BUFFER, repeats=5):
         samples = time_repeats(lambda n=n: _core.stream_read(buf, n), repeats)
         result[n] = {"best_gbs": buf.nbytes / min(samples) / 1e9,
                      "median_gbs": buf.nbytes / statistics.median(samples) / 1e9,
-                     "samples_s": samples}
+                     "buffer_bytes": buf.nbytes, "samples_s": samples}
     return result
 
 
@@ -752,6 +911,14 @@ class Options:
     wire_context: int = WIRE_CONTEXT
     wire_repeats: int = WIRE_REPEATS
     wire_save_layers: int = WIRE_SAVE_LAYERS
+    mla: bool = True
+    mla_contexts: tuple = MLA_CONTEXTS
+    mla_repeats: int = MLA_REPEATS
+    mla_naive_repeats: int = MLA_NAIVE_REPEATS
+    mla_naive_max_context: int = MLA_NAIVE_MAX_CONTEXT
+    mla_working_set: int = MLA_WORKING_SET
+    mla_fma_iters: int = MLA_FMA_ITERS
+    bandwidth_bytes: int = BANDWIDTH_BUFFER
 
 
 def run_torch(geom, context, k, v, opts, rec):
@@ -1157,6 +1324,124 @@ def run_wire(opts, bar):
     return result
 
 
+def measure_fma_peak(thread_counts, iters=MLA_FMA_ITERS, repeats=5):
+    """Peak float32 FMA rate (GFMA/s) of ``_core.fma_probe`` per thread count.
+
+    ``fma_probe(iters, n)`` runs ``iters`` x 80 FMAs (independent chains) on each of ``n``
+    threads.  Returns ``{n: {"best_gfmas", "median_gfmas", "iters", "samples_s"}}``; "best" is
+    the figure used (the peak)."""
+    result = {}
+    for n in thread_counts:
+        fmas = iters * MLA_FMA_PER_PROBE_ITER * n
+        with omp_threads(n):
+            samples = time_repeats(lambda n=n: _core.fma_probe(iters, n), repeats)
+        result[n] = {"best_gfmas": fmas / min(samples) / 1e9,
+                     "median_gfmas": fmas / statistics.median(samples) / 1e9,
+                     "iters": iters, "samples_s": samples}
+    return result
+
+
+def run_mla_context(context, opts, bandwidth, fma, bar):
+    """MLA rows (one per thread count) at one context: the kernel over a rotating working set
+    of latent layers, the naive NumPy form on one layer, their agreement."""
+    label = context_label(context)
+    bar.set_postfix_str(f"mla {label} setup")
+    work = MlaDecode(context, opts.mla_working_set, seed=opts.seed)
+    kern = {}
+    for n in opts.threads:
+        bar.set_postfix_str(f"mla {label} kernel {n}t")
+        with omp_threads(n):
+            kern[n] = time_repeats(lambda n=n: work.sweep(n), opts.mla_repeats)
+    top = max(opts.threads)
+    with omp_threads(top):
+        out = work.output(top)
+    naive, err, naive_out = {}, None, [None]
+    run_naive = opts.reference and context <= opts.mla_naive_max_context
+
+    def naive_step():
+        naive_out[0] = work.naive()
+
+    if run_naive:
+        for n in opts.threads:
+            bar.set_postfix_str(f"mla {label} naive {n}t")
+            with numpy_threads(n):
+                naive[n] = time_repeats(naive_step, opts.mla_naive_repeats)
+        err = relative_error(out, naive_out[0])
+    rows = []
+    for n in opts.threads:
+        kernel_s = statistics.median(kern[n]) / work.n_layers
+        bw, peak = bandwidth[n]["best_gbs"], fma[n]["best_gfmas"]
+        fmas = context * MLA_FMA_PER_ROW + MLA_FMA_FIXED
+        row = {"geometry": "DeepSeek-V2-Lite MLA", "context": context, "threads": n,
+               "layers": work.n_layers, "step_bytes": work.step_bytes,
+               "weight_bytes": MLA_WEIGHT_BYTES, "layer_bytes": work.layer_bytes,
+               "working_set_bytes": work.working_set_bytes, "repeats": opts.mla_repeats,
+               "kernel_ms": kernel_s * 1e3, "kernel_samples_s": kern[n],
+               "latent_gbs": work.step_bytes / kernel_s / 1e9,
+               "all_gbs": work.layer_bytes / kernel_s / 1e9,
+               "bandwidth_gbs": bw, "fmas_per_step": fmas,
+               "kernel_gfmas": fmas / kernel_s / 1e9, "peak_gfmas": peak,
+               "fma_ceiling_gbs": peak / MLA_FMA_PER_ROW * MLA_ROW_BYTES}
+        row["pct_bandwidth"] = 100.0 * row["latent_gbs"] / bw
+        row["pct_bandwidth_all"] = 100.0 * row["all_gbs"] / bw
+        row["pct_peak_fma"] = 100.0 * row["kernel_gfmas"] / peak
+        row["fma_ceiling_pct_bandwidth"] = 100.0 * row["fma_ceiling_gbs"] / bw
+        if n in naive:
+            row.update(naive_ms=median_ms(naive[n]), naive_samples_s=naive[n],
+                       naive_repeats=opts.mla_naive_repeats, rel_err_vs_naive=err)
+            row["speedup_vs_naive"] = row["naive_ms"] / row["kernel_ms"]
+        rows.append(row)
+    del work, naive_out
+    gc.collect()
+    bar.update()
+    return rows
+
+
+def mla_summary(rows):
+    """The issue's MLA targets from the rows of one run, judged at the largest thread count
+    and 16k (None: not judged -- no 16k row, or no naive timing there)."""
+    top = max(r["threads"] for r in rows)
+    mine = sorted((r for r in rows if r["threads"] == top), key=lambda r: r["context"])
+    at = next((r for r in mine if r["context"] == MLA_TARGETS["context"]), mine[-1])
+    judged = at["context"] == MLA_TARGETS["context"]
+    s = {"threads": top, "target_context": at["context"],
+         "speedup_vs_naive": at.get("speedup_vs_naive"), "kernel_ms": at["kernel_ms"],
+         "naive_ms": at.get("naive_ms"), "latent_gbs": at["latent_gbs"],
+         "bandwidth_gbs": at["bandwidth_gbs"], "pct_bandwidth": at["pct_bandwidth"],
+         "peak_gfmas": at["peak_gfmas"], "kernel_gfmas": at["kernel_gfmas"],
+         "pct_peak_fma": at["pct_peak_fma"], "fma_ceiling_gbs": at["fma_ceiling_gbs"],
+         "fma_ceiling_pct_bandwidth": at["fma_ceiling_pct_bandwidth"]}
+    s["speedup_pass"] = (s["speedup_vs_naive"] >= MLA_TARGETS["speedup_naive"]
+                         if judged and s["speedup_vs_naive"] is not None else None)
+    s["bandwidth_pass"] = (s["pct_bandwidth"] >= MLA_TARGETS["pct_bandwidth"]) if judged else None
+    s["bandwidth_target_above_fma_ceiling"] = (MLA_TARGETS["pct_bandwidth"]
+                                               > s["fma_ceiling_pct_bandwidth"])
+    return s
+
+
+def run_mla(opts, bandwidth, bar):
+    """The MLA section: the FMA probe, then every context of ``opts.mla_contexts``."""
+    t0 = time.perf_counter()
+    bar.set_postfix_str("mla FMA probe")
+    fma = measure_fma_peak(opts.threads, opts.mla_fma_iters)
+    bar.update()
+    rows = []
+    for context in opts.mla_contexts:
+        rows += run_mla_context(context, opts, bandwidth, fma, bar)
+    return {"geometry": "DeepSeek-V2-Lite", "heads": MLA_HEADS, "kv_lora_rank": MLA_RANK,
+            "qk_rope_head_dim": MLA_ROPE, "qk_nope_head_dim": MLA_NOPE, "v_head_dim": MLA_V,
+            "rope_scaling": MLA_ROPE_SCALING, "scale": mla_scale(),
+            "contexts": list(opts.mla_contexts), "repeats": opts.mla_repeats,
+            "naive_repeats": opts.mla_naive_repeats,
+            "naive_max_context": opts.mla_naive_max_context if opts.reference else None,
+            "working_set_target_bytes": opts.mla_working_set,
+            "fma_per_row": MLA_FMA_PER_ROW, "fma_fixed": MLA_FMA_FIXED,
+            "row_bytes": MLA_ROW_BYTES, "weight_bytes": MLA_WEIGHT_BYTES,
+            "fma_peak": {n: v for n, v in fma.items()},
+            "memory": mla_cache_bytes_per_token(), "rows": rows, "summary": mla_summary(rows),
+            "section_s": time.perf_counter() - t0}
+
+
 # ---------------------------------------------------------------------------------------- output
 def fmt(x, digits=3):
     """A number with ``digits`` significant digits, '-' for None."""
@@ -1376,9 +1661,96 @@ def wire_notes(result):
     return out
 
 
+MLA_HEADERS = ["ctx", "thr", "layers x MiB", "kernel ms", "naive ms", "naive/kernel",
+               "latent GB/s", "%BW", "all GB/s", "GFMA/s", "%peak FMA", "FMA ceil %BW",
+               "err vs naive"]
+
+
+def mla_table(rows):
+    body = []
+    for r in rows:
+        err = r.get("rel_err_vs_naive")
+        body.append([context_label(r["context"]), r["threads"],
+                     f"{r['layers']} x {r['layer_bytes'] / MiB:.3g}", fmt(r["kernel_ms"]),
+                     fmt(r.get("naive_ms")), fmt_ratio(r.get("speedup_vs_naive")),
+                     fmt(r["latent_gbs"]), f"{r['pct_bandwidth']:.0f}%", fmt(r["all_gbs"]),
+                     fmt(r["kernel_gfmas"]), f"{r['pct_peak_fma']:.0f}%",
+                     f"{r['fma_ceiling_pct_bandwidth']:.0f}%",
+                     "-" if err is None else f"{err:.2g}"])
+    return render_table(MLA_HEADERS, body)
+
+
+def mla_notes(result):
+    """Methodology, compute-ceiling, memory and target lines printed under the MLA table."""
+    rows, s, mem = result["rows"], result["summary"], result["memory"]
+    layers = sorted({(r["context"], r["layers"]) for r in rows})
+    out = [(f"DeepSeek-V2-Lite MLA layer: {MLA_HEADS} heads, kv_lora_rank {MLA_RANK}, "
+            f"qk_rope_head_dim {MLA_ROPE}, qk_nope_head_dim {MLA_NOPE}, v_head_dim {MLA_V}, "
+            f"scale {result['scale']:.7g} (mla_softmax_scale(128, 64, {MLA_ROPE_SCALING})); "
+            "one query position of one layer per step."),
+           (f"kernel ms: _core.mla_attend (what kvcache.mla_decode runs, at n_threads = thr) on "
+            f"slot_storage views of a LatentKvCache, median over {result['repeats']} sweeps of "
+            "every layer ('layers x MiB': latent + k_rope rows + that layer's own W_UK/W_UV; "
+            f"target working set {result['working_set_target_bytes'] / MiB:.0f} MiB, so each "
+            "step reads its rows from DRAM), after one warm-up sweep."),
+           ((f"naive ms: kvcache.reference.mla_naive (K and V of every head materialised, NumPy "
+             f"BLAS at thr threads) on one layer, median of {result['naive_repeats']} calls "
+             f"after one warm-up, contexts <= {context_label(result['naive_max_context'])}; "
+             "naive/kernel: speedup at the same thread count; err: max|kernel - naive| / "
+             "max|naive|.") if result["naive_max_context"] else
+            "naive form skipped (--no-reference)."),
+           (f"latent GB/s: T x (r + d_rope) x 4 = T x {MLA_ROW_BYTES} bytes / kernel time; %BW: "
+            "of the measured read bandwidth (stream_read) at the same thread count; all GB/s "
+            f"adds W_UK + W_UV ({MLA_WEIGHT_BYTES / MiB:.0f} MiB) read every step."),
+           (f"compute: {MLA_FMA_PER_ROW} FMAs per cached row ({MLA_HEADS} x ({MLA_RANK} + "
+            f"{MLA_ROPE}) scores + {MLA_HEADS} x {MLA_RANK} latent sum) plus "
+            f"{MLA_FMA_FIXED} per step (fold/unfold); GFMA/s: achieved; %peak FMA: of "
+            "_core.fma_probe's rate (best of 5) at thr threads: "
+            + ", ".join(f"{n}t {v['best_gfmas']:.1f} GFMA/s"
+                        for n, v in result["fma_peak"].items())
+            + f"; FMA ceil %BW: the latent read rate at peak FMA (peak / {MLA_FMA_PER_ROW} x "
+            f"{MLA_ROW_BYTES} B/s) as % of the bandwidth -- no latent-read figure above it is "
+            "reachable by this kernel on this machine."),
+           (f"cache bytes per token per layer: latent (r + d_rope) x 4 = {mem['latent']} B; "
+            f"per-head f32 K ({MLA_NOPE + MLA_ROPE} wide) + V ({MLA_V} wide) x {MLA_HEADS} heads = "
+            f"{mem['per_head_f32']} B ({mem['ratio_f32']:.2f}x the latent); the same per-head "
+            f"cache in kvcache's q8 layout = {mem['per_head_q8']} B ({mem['ratio_q8']:.2f}x)."),
+           "layers per context: " + ", ".join(f"{context_label(t)} {n}" for t, n in layers)]
+    at, n = context_label(s["target_context"]), s["threads"]
+    note = "" if s["target_context"] == MLA_TARGETS["context"] else \
+        (f" (the targets are judged at {context_label(MLA_TARGETS['context'])}, not in this "
+         "run: n/a)")
+    speed = ("not timed" if s["speedup_vs_naive"] is None
+             else f"{s['speedup_vs_naive']:.1f}x ({fmt(s['naive_ms'])} ms / "
+                  f"{fmt(s['kernel_ms'])} ms)")
+    out.append(f"targets at {at}, {n} thread{'s' if n > 1 else ''}{note}: kernel >= "
+               f"{MLA_TARGETS['speedup_naive']:.0f}x faster than naive NumPy: {speed} "
+               f"{_pass(s['speedup_pass'])}; latent read >= {MLA_TARGETS['pct_bandwidth']:.0f}% "
+               f"of measured bandwidth: {s['pct_bandwidth']:.1f}% ({s['latent_gbs']:.2f} of "
+               f"{s['bandwidth_gbs']:.1f} GB/s) {_pass(s['bandwidth_pass'])}")
+    ceiling = (f"  compute ceiling beside it: peak {s['peak_gfmas']:.1f} GFMA/s / "
+               f"{MLA_FMA_PER_ROW} FMAs per {MLA_ROW_BYTES}-byte row = "
+               f"{s['fma_ceiling_gbs']:.2f} GB/s = {s['fma_ceiling_pct_bandwidth']:.1f}% of "
+               f"bandwidth; the kernel runs at {s['kernel_gfmas']:.1f} GFMA/s = "
+               f"{s['pct_peak_fma']:.0f}% of peak FMA.")
+    if s["bandwidth_target_above_fma_ceiling"]:
+        ceiling += (f"  The {MLA_TARGETS['pct_bandwidth']:.0f}% target is ABOVE this ceiling: "
+                    f"at {MLA_FMA_PER_ROW} FMAs per row even a kernel running at the FMA peak "
+                    "could not read the latent that fast on this machine (only fewer FMAs per "
+                    "row or more FMA throughput would).")
+    else:
+        ceiling += (f"  The {MLA_TARGETS['pct_bandwidth']:.0f}% target is within this "
+                    "ceiling.")
+    out.append(ceiling)
+    out.append(f"MLA section: {result['section_s']:.1f} s (FMA probe, cache fill, kernel and "
+               "naive timings).")
+    return out
+
+
 def bandwidth_lines(bandwidth):
     return [f"  {n} thread{'s' if n > 1 else ''}: {b['best_gbs']:.1f} GB/s best "
-            f"({b['median_gbs']:.1f} median) over a {BANDWIDTH_BUFFER // MiB} MiB float32 buffer"
+            f"({b['median_gbs']:.1f} median) over a "
+            f"{fmt(b.get('buffer_bytes', BANDWIDTH_BUFFER) / MiB)} MiB float32 buffer"
             for n, b in bandwidth.items()]
 
 
@@ -1412,6 +1784,17 @@ def accuracy_warnings(rows, tol=1e-3):
             if err is not None and not err <= tol:
                 log.warning("%s %s %s T=%d: %s = %.3g (> %g)", "kvcache", r["geometry"],
                             r["mode"], r["context"], key, err, tol)
+
+
+def mla_accuracy_warnings(rows, tol=1e-3):
+    """Warn when the MLA kernel disagrees with the naive form beyond ``tol`` (relative)."""
+    seen = set()
+    for r in rows:
+        err = r.get("rel_err_vs_naive")
+        if err is not None and r["context"] not in seen and not err <= tol:
+            seen.add(r["context"])
+            log.warning("mla T=%d: kernel vs naive relative error %.3g (> %g)", r["context"],
+                        err, tol)
 
 
 def machine_info():
@@ -1551,6 +1934,53 @@ def _line_style(threads, n):
     return "-" if n == threads[0] else ("--", ":", "-.")[threads.index(n) % 3 - 1]
 
 
+def mla_plot_path(path):
+    """``chart.png`` -> ``chart-mla.png`` (the MLA chart beside the decode chart)."""
+    stem, ext = os.path.splitext(path)
+    return f"{stem}-mla{ext or '.png'}"
+
+
+def write_mla_plot(path, result):
+    """MLA section chart: ms per step (kernel per thread count, naive) and latent read rate as
+    % of bandwidth with the FMA-peak ceiling, against context."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    threads = sorted({r["threads"] for r in rows})
+    contexts = sorted({r["context"] for r in rows})
+    fig, (ax_ms, ax_bw) = plt.subplots(1, 2, figsize=(13, 5))
+    for i, n in enumerate(threads):
+        mine = sorted((r for r in rows if r["threads"] == n), key=lambda r: r["context"])
+        ls = _line_style(threads, n)
+        xs = [r["context"] for r in mine]
+        ax_ms.plot(xs, [r["kernel_ms"] for r in mine], color="C0", marker="o", ls=ls,
+                   label=f"kernel {n}t")
+        naive = [(r["context"], r["naive_ms"]) for r in mine if "naive_ms" in r]
+        if naive:
+            ax_ms.plot(*zip(*naive), color="C3", marker="x", ls=ls, label=f"naive NumPy {n}t")
+        ax_bw.plot(xs, [r["pct_bandwidth"] for r in mine], color="C0", marker="o", ls=ls,
+                   label=f"latent read {n}t")
+        ax_bw.plot(xs, [r["fma_ceiling_pct_bandwidth"] for r in mine], color="grey", ls=ls,
+                   label=f"FMA-peak ceiling {n}t")
+    ax_bw.axhline(MLA_TARGETS["pct_bandwidth"], color="C3", lw=0.8, ls=":",
+                  label=f"target {MLA_TARGETS['pct_bandwidth']:.0f}%")
+    ax_ms.set_yscale("log")
+    ax_ms.set_ylabel("ms per decode step (one layer)")
+    ax_bw.set_ylabel("% of measured read bandwidth")
+    ax_ms.set_title("DeepSeek-V2-Lite MLA decode")
+    for ax in (ax_ms, ax_bw):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [context_label(c) for c in contexts])
+        ax.set_xlabel("context (rows)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_series(rows):
     """{(implementation, mode, threads): [(context, ms, GB/s), ...]} from result rows."""
     series = {}
@@ -1645,17 +2075,20 @@ def build_parser():
         description="Decode-attention benchmark: kvcache vs the NumPy reference and torch SDPA, "
                     "over a working set larger than the last-level cache; append cost; the "
                     "O(1) Nystrom decode step vs exact f32/q8 attention (time, memory, error); "
-                    "and export/import throughput of the byte formats (wire).")
+                    "export/import throughput of the byte formats (wire); and the absorbed "
+                    "MLA decode kernel vs the naive NumPy form (mla).")
     p.add_argument("--quick", action="store_true",
                    help="small subset (Llama, 1k and 16k, 3 repeats, 512 MiB working set; "
                         "O(1) section at 1k and 4k, 7 repeats; wire section at 4k, "
-                        f"{QUICK_WIRE_REPEATS} repeats)")
+                        f"{QUICK_WIRE_REPEATS} repeats; MLA section at 1k and 4k, "
+                        f"{QUICK_MLA_REPEATS} repeats)")
     p.add_argument("--sections", nargs="+", metavar="S",
                    help="sections to run, any of: decode (decode attention vs reference/torch), "
                         "append (append cost), o1 (O(1) Nystrom decode vs exact f32/q8), "
                         "wire (to_bytes/from_bytes, export_wire/import_wire, checksum cost, "
-                        "KvCache save/load); default all, e.g. --sections o1 runs the O(1) "
-                        "section alone")
+                        "KvCache save/load), mla (absorbed MLA decode kernel vs the naive "
+                        "NumPy form, latent read rate, compute ceiling); default all, e.g. "
+                        "--sections o1 runs the O(1) section alone")
     p.add_argument("--contexts", nargs="+", metavar="T", help="contexts, e.g. 1k 4k 16k 32k")
     p.add_argument("--geometries", nargs="+", metavar="G", help="llama3-8b and/or qwen2.5-0.5b")
     p.add_argument("--modes", nargs="+", metavar="M", help="f32 and/or q8")
@@ -1685,6 +2118,27 @@ def build_parser():
     p.add_argument("--wire-repeats", type=int,
                    help=f"round-robin repeats of the wire section (default {WIRE_REPEATS}, "
                         f"quick {QUICK_WIRE_REPEATS})")
+    p.add_argument("--no-mla", action="store_true", help="skip the MLA section")
+    p.add_argument("--mla-contexts", nargs="+", metavar="T",
+                   help="contexts of the MLA section (default 1k 4k 16k 32k, quick 1k 4k)")
+    p.add_argument("--mla-repeats", type=int,
+                   help=f"timed sweeps of the MLA kernel per context and thread count (default "
+                        f"{MLA_REPEATS}, quick {QUICK_MLA_REPEATS})")
+    p.add_argument("--mla-naive-repeats", type=int,
+                   help=f"timed calls of the naive NumPy MLA form (default {MLA_NAIVE_REPEATS}, "
+                        f"quick {QUICK_MLA_NAIVE_REPEATS})")
+    p.add_argument("--mla-naive-max-context", metavar="T",
+                   help="largest context at which the (slow) naive MLA form is timed (default "
+                        f"{context_label(MLA_NAIVE_MAX_CONTEXT)})")
+    p.add_argument("--mla-working-set-mib", type=int,
+                   help="target bytes of the MLA section's rotating layers, MiB (default "
+                        f"max({MLA_WORKING_SET // MiB}, 4 x the reported LLC), at most 1024)")
+    p.add_argument("--mla-fma-iters", type=int,
+                   help=f"iterations of the FMA peak probe (x80 FMAs per thread; default "
+                        f"{MLA_FMA_ITERS:_}, quick {QUICK_MLA_FMA_ITERS:_})")
+    p.add_argument("--bandwidth-mib", type=int,
+                   help=f"buffer of the read-bandwidth probe, MiB (default "
+                        f"{BANDWIDTH_BUFFER // MiB})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write raw results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib)")
@@ -1715,6 +2169,16 @@ def _resolve_options(args):
                    or list(QUICK_O1_CONTEXTS if quick else O1_CONTEXTS))
     wire_context = (parse_context(args.wire_context) if args.wire_context
                     else QUICK_WIRE_CONTEXT if quick else WIRE_CONTEXT)
+    mla_contexts = (_split(args.mla_contexts, parse_context)
+                    or list(QUICK_MLA_CONTEXTS if quick else MLA_CONTEXTS))
+    if args.mla_working_set_mib is not None:
+        if args.mla_working_set_mib < 1:
+            raise ValueError(f"--mla-working-set-mib must be >= 1, got {args.mla_working_set_mib}")
+        mla_ws = args.mla_working_set_mib * MiB
+    else:
+        mla_ws = max(MLA_WORKING_SET, min(GiB, 4 * (llc_bytes() or 0)))
+    if args.bandwidth_mib is not None and args.bandwidth_mib < 1:
+        raise ValueError(f"--bandwidth-mib must be >= 1, got {args.bandwidth_mib}")
     torch_ok = decode and not args.no_torch and import_torch()[0] is not None
     if decode and not args.no_torch and not torch_ok:
         log.warning("torch is not installed: skipping the torch SDPA comparison")
@@ -1730,7 +2194,21 @@ def _resolve_options(args):
                                   or (QUICK_O1_REPEATS if quick else O1_REPEATS)),
                    wire="wire" in sections and not args.no_wire, wire_context=wire_context,
                    wire_repeats=max(1, args.wire_repeats
-                                    or (QUICK_WIRE_REPEATS if quick else WIRE_REPEATS)))
+                                    or (QUICK_WIRE_REPEATS if quick else WIRE_REPEATS)),
+                   mla="mla" in sections and not args.no_mla, mla_contexts=mla_contexts,
+                   mla_repeats=max(1, args.mla_repeats
+                                   or (QUICK_MLA_REPEATS if quick else MLA_REPEATS)),
+                   mla_naive_repeats=max(1, args.mla_naive_repeats
+                                         or (QUICK_MLA_NAIVE_REPEATS if quick
+                                             else MLA_NAIVE_REPEATS)),
+                   mla_naive_max_context=(parse_context(args.mla_naive_max_context)
+                                          if args.mla_naive_max_context
+                                          else MLA_NAIVE_MAX_CONTEXT),
+                   mla_working_set=mla_ws,
+                   mla_fma_iters=max(1, args.mla_fma_iters
+                                     or (QUICK_MLA_FMA_ITERS if quick else MLA_FMA_ITERS)),
+                   bandwidth_bytes=(args.bandwidth_mib * MiB if args.bandwidth_mib
+                                    else BANDWIDTH_BUFFER))
 
 
 def check_plot_backend():
@@ -1744,7 +2222,9 @@ def check_plot_backend():
 
 
 def print_report(info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
-                 file=sys.stdout, wire_result=None):
+                 file=None, wire_result=None, mla_result=None):
+    file = sys.stdout if file is None else file              # at call time (capture, redirect)
+
     def p(*a):
         print(*a, file=file)
 
@@ -1789,10 +2269,17 @@ def print_report(info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
             p(wire_digest_table(wire_result["digests"]))
         for line in wire_notes(wire_result):
             p("  " + line)
+    if mla_result:
+        p("")
+        p("MLA decode (absorbed kernel _core.mla_attend vs naive NumPy reference.mla_naive), "
+          "one query position, one layer:")
+        p(mla_table(mla_result["rows"]))
+        for line in mla_notes(mla_result):
+            p("  " + line)
 
 
 def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
-               wire_result=None):
+               wire_result=None, mla_result=None):
     payload = {"machine": info,
                "options": {"geometries": [g.key for g in opts.geometries],
                            "contexts": opts.contexts, "modes": opts.modes,
@@ -1807,7 +2294,14 @@ def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=
                            "o1_flush_bytes": O1_FLUSH_BYTES, "wire_section": opts.wire,
                            "wire_context": opts.wire_context,
                            "wire_repeats": opts.wire_repeats,
-                           "wire_save_layers": opts.wire_save_layers},
+                           "wire_save_layers": opts.wire_save_layers,
+                           "mla_section": opts.mla, "mla_contexts": opts.mla_contexts,
+                           "mla_repeats": opts.mla_repeats,
+                           "mla_naive_repeats": opts.mla_naive_repeats,
+                           "mla_naive_max_context": opts.mla_naive_max_context,
+                           "mla_working_set_bytes": opts.mla_working_set,
+                           "mla_fma_iters": opts.mla_fma_iters,
+                           "bandwidth_bytes": opts.bandwidth_bytes},
                "bandwidth": {str(n): b for n, b in bandwidth.items()},
                "decode": rows, "append": append_rows, "o1": list(o1_rows)}
     if o1_rows:
@@ -1821,6 +2315,12 @@ def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=
         payload["wire_targets"] = WIRE_TARGETS
         payload["wire_info"] = {k: v for k, v in wire_result.items()
                                 if k not in ("rows", "digests", "summary")}
+    if mla_result:
+        payload["mla"] = mla_result["rows"]
+        payload["mla_summary"] = mla_result["summary"]
+        payload["mla_targets"] = MLA_TARGETS
+        payload["mla_info"] = {k: v for k, v in mla_result.items()
+                               if k not in ("rows", "summary")}
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)
 
@@ -1842,14 +2342,16 @@ def main(argv=None):
                 if opts.decode else 0)
                + (len(APPEND_CONTEXTS) if opts.append else 0)
                + (len(opts.o1_contexts) if opts.o1 else 0)
-               + (opts.wire_repeats + 2 if opts.wire else 0))
+               + (opts.wire_repeats + 2 if opts.wire else 0)
+               + (len(opts.mla_contexts) + 1 + (not opts.decode) if opts.mla else 0))
     bar = progress_bar(n_tasks, enabled=not args.no_progress)
-    bandwidth, rows, o1_rows, o1_s, wire_result = {}, [], [], 0.0, None
+    bandwidth, rows, o1_rows, o1_s, wire_result, mla_result = {}, [], [], 0.0, None, None
     try:
-        if opts.decode:
+        if opts.decode or opts.mla:
             bar.set_postfix_str("bandwidth probe")
-            bandwidth = measure_bandwidth(opts.threads)
+            bandwidth = measure_bandwidth(opts.threads, opts.bandwidth_bytes)
             bar.update()
+        if opts.decode:
             for geom in opts.geometries:
                 for context in opts.contexts:
                     rows += run_context(geom, context, opts, bandwidth, bar)
@@ -1858,17 +2360,25 @@ def main(argv=None):
             o1_rows, o1_s = run_o1(opts, bar)
         if opts.wire:
             wire_result = run_wire(opts, bar)
+        if opts.mla:
+            mla_result = run_mla(opts, bandwidth, bar)
     finally:
         bar.close()
     accuracy_warnings(rows)
+    if mla_result:
+        mla_accuracy_warnings(mla_result["rows"])
     warn_if_busy(monitor, info)
     print_report(info, opts, bandwidth, rows, append_rows, o1_rows, o1_s,
-                 wire_result=wire_result)
+                 wire_result=wire_result, mla_result=mla_result)
     if args.json:
         write_json(args.json, info, opts, bandwidth, rows, append_rows, o1_rows, o1_s,
-                   wire_result=wire_result)
+                   wire_result=wire_result, mla_result=mla_result)
         print(f"raw results written to {args.json}")
     if args.plot and rows:
         write_plot(args.plot, rows, bandwidth)
         print(f"chart written to {args.plot}")
+    if args.plot and mla_result:
+        path = mla_plot_path(args.plot) if rows else args.plot
+        write_mla_plot(path, mla_result)
+        print(f"MLA chart written to {path}")
     return 0
