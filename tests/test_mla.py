@@ -345,21 +345,36 @@ class TinyMLA:
         c = a[:, :self.r] / np.sqrt(np.mean(a[:, :self.r] ** 2, axis=1, keepdims=True) + 1e-6)
         return q[..., :self.dn], self.rope(q[..., self.dn:], pos), c, self.rope(a[:, self.r:], pos)
 
-    def step_cached(self, x, lc):
-        """One forward call of n tokens through the persistent cache (validate, write every
-        layer at cached_len, attend absorbed, then advance once)."""
+    def attend(self, l, x, qn, qr, lat, kr):
+        wuk, wuv = kc.split_kv_b(self.kv_b[l], self.H, self.dn, self.dv)
+        o = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, self.scale)
+        return x + o.reshape(len(x), -1).astype(np.float64) @ self.wo[l].T
+
+    def step_cached(self, x, lc, plan=None):
+        """One forward call of n tokens through the persistent cache (write every layer at
+        cached_len, attend absorbed, then advance once).  With a DecodePlan, attention reads
+        the plan's bound buffers (what a held plan does) instead of asking the cache."""
         n, t0 = len(x), lc.cached_len
         pos = np.arange(t0, t0 + n, dtype=np.float64)
         for l in range(self.L):
             qn, qr, c, kpe = self.project(l, x, pos)
             lc.write_layer(l, [c, kpe])
-            lat = lc.slot_storage(l, 0)[:t0 + n]
-            kr = lc.slot_storage(l, 1)[:t0 + n]
-            wuk, wuv = kc.split_kv_b(self.kv_b[l], self.H, self.dn, self.dv)
-            o = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, self.scale)
-            x = x + o.reshape(n, -1).astype(np.float64) @ self.wo[l].T
+            src = plan.storage if plan is not None else lc.slot_storage
+            x = self.attend(l, x, qn, qr, src(l, 0)[:t0 + n], src(l, 1)[:t0 + n])
         lc.advance(n)
         return x
+
+    def step_lazy(self, x, cache):
+        """The per-pass twin: functional appends at current_seq_len, reads of the full buffer
+        up to current_seq_len + n, one advance_by at the end.  Returns (x, new cache)."""
+        n, t0 = len(x), cache.current_seq_len
+        pos = np.arange(t0, t0 + n, dtype=np.float64)
+        for l in range(self.L):
+            qn, qr, c, kpe = self.project(l, x, pos)
+            cache = cache.append(l, [c, kpe])
+            x = self.attend(l, x, qn, qr, cache.slot_buffer_full(l, 0)[:t0 + n],
+                            cache.slot_buffer_full(l, 1)[:t0 + n])
+        return x, cache.advance_by(n)
 
     def one_shot(self, x):
         T = len(x)
@@ -372,7 +387,7 @@ class TinyMLA:
         return x
 
 
-@pytest.mark.parametrize("steps", [(3, 1, 1), (1, 1, 1, 1), (5,), (2, 4, 1)])
+@pytest.mark.parametrize("steps", [(3, 1), (3, 1, 1), (1, 1, 1, 1), (5,), (2, 4, 1)])
 def test_persistent_latent_cache_decode_equals_one_shot(steps):
     model = TinyMLA(seed=sum(steps))
     T = sum(steps)
@@ -387,6 +402,7 @@ def test_persistent_latent_cache_decode_equals_one_shot(steps):
     got = np.concatenate(outs)
     want = model.one_shot(x)
     assert np.max(np.abs(got - want)) < 1e-6 * np.max(np.abs(want))   # seen: ~1e-7
+    assert np.array_equal(got.argmax(axis=1), want.argmax(axis=1))
     # every slot's version moved once per forward call, not per token
     for l in range(model.L):
         assert [slot.version for slot in lc.layers[l]] == [len(steps), len(steps)]
@@ -420,3 +436,73 @@ def test_rewind_then_redecode_matches_the_first_decode():
     again = model.step_cached(x[4:], lc)
     assert lc.alloc_id == aid and lc.cached_len == 5
     assert np.array_equal(first, again)
+
+
+def test_lazy_latent_cache_per_pass_decode_equals_one_shot():
+    """Upstream's per-pass cached path: prefill 2, decode 1, decode 1 through LazyLatentCache."""
+    model = TinyMLA(seed=5)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, model.hidden))
+    cache = kc.LazyLatentCache.new(model.L, 6, [(model.r,), (model.dr,)])
+    outs, t = [], 0
+    for s in (2, 1, 1):
+        before = cache
+        o, cache = model.step_lazy(x[t:t + s], cache)
+        assert before.current_seq_len == t                 # functional: the old cache is intact
+        outs.append(o)
+        t += s
+        assert cache.current_seq_len == t
+    want = model.one_shot(x)
+    got = np.concatenate(outs)
+    assert np.max(np.abs(got - want)) < 1e-6 * np.max(np.abs(want))
+    # the two lifecycles hold byte-identical buffers
+    lc = kc.LatentKvCache.with_capacity(model.L, 6, [(model.r,), (model.dr,)])
+    model.step_cached(x[:2], lc)
+    model.step_cached(x[2:3], lc)
+    model.step_cached(x[3:], lc)
+    for l in range(model.L):
+        for s in range(2):
+            assert np.array_equal(np.asarray(cache.slot_buffer_full(l, s)), lc.slot_storage(l, s))
+
+
+def test_held_plan_rebinds_onto_a_swapped_latent_cache():
+    """GAP-028's MLA carrier: a plan held across a swap to a same-geometry cache (a server slot
+    retired and re-admitted) re-binds, and then decodes the NEW cache's history; without the
+    re-bind it would have read the old cache's rows."""
+    model = TinyMLA(seed=8)
+    rng = np.random.default_rng(8)
+    xa, xb = rng.standard_normal((5, model.hidden)), rng.standard_normal((5, model.hidden))
+    a = kc.LatentKvCache.with_capacity(model.L, 8, [(model.r,), (model.dr,)])
+    plan = kc.DecodePlan.build(a)
+    model.step_cached(xa[:4], a, plan)
+    b = kc.LatentKvCache.with_capacity(model.L, 8, [(model.r,), (model.dr,)])
+    model.step_cached(xb[:4], b)                            # B's prompt, prefilled without the plan
+    assert plan.validity_for(b) == kc.PlanValidity.ALLOCATION_CHANGED
+    stale = model.step_cached(xb[4:], b, plan)              # negative control: reads A's rows
+    b.truncate_to(4)
+    plan.rebind_kv(b)
+    assert plan.validity_for(b) == kc.PlanValidity.VALID
+    got = model.step_cached(xb[4:], b, plan)
+    want = model.one_shot(xb)[4:]
+    tol = 1e-6 * np.max(np.abs(want))
+    assert np.max(np.abs(got - want)) < tol
+    assert np.max(np.abs(stale - want)) > 10 * tol
+    # continuing on the same cache keeps the plan valid
+    assert plan.validity_for(b) == kc.PlanValidity.VALID
+
+
+def test_forward_that_overflows_capacity_changes_nothing():
+    """A forward call whose write would overflow fails at the first layer's write_layer, before
+    any row, length or version moved."""
+    model = TinyMLA(seed=9)
+    x = np.random.default_rng(9).standard_normal((4, model.hidden))
+    lc = kc.LatentKvCache.with_capacity(model.L, 5, [(model.r,), (model.dr,)])
+    model.step_cached(x[:3], lc)
+    snap = [[s.storage.copy() for s in lc.layers[l]] for l in range(model.L)]
+    with pytest.raises(ValueError):
+        model.step_cached(x, lc)
+    assert lc.cached_len == 3
+    for l in range(model.L):
+        assert [s.version for s in lc.layers[l]] == [1, 1]
+        for s, before in zip(lc.layers[l], snap[l]):
+            assert np.array_equal(s.storage, before)
