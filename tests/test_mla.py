@@ -92,8 +92,8 @@ def test_kernel_matches_naive_within_1e5(geom, n, T):
 
 
 @settings(max_examples=40, deadline=None)
-@given(H=st.integers(1, 20), dn=st.integers(0, 20), dr=st.integers(0, 12), dv=st.integers(1, 12),
-       r=st.integers(1, 70), T=st.integers(1, 300), n=st.integers(1, 4),
+@given(H=st.integers(1, 20), dn=st.integers(0, 20), dr=st.integers(0, 70), dv=st.integers(1, 12),
+       r=st.integers(1, 600), T=st.integers(1, 300), n=st.integers(1, 4),
        seed=st.integers(0, 2**31), scale=st.floats(0.01, 2.0))
 def test_kernel_matches_naive_random_geometries(H, dn, dr, dv, r, T, n, seed, scale):
     n = min(n, T)
@@ -176,14 +176,40 @@ def test_the_test_can_fail_a_wrong_w_uk_is_caught():
     assert rel(bad, oracle) > 1e-3
 
 
-def test_non_finite_inputs_do_not_crash():
+def test_non_finite_inputs_follow_the_ieee_softmax():
+    """NaN or infinite inputs give NaN exactly where the naive form (IEEE arithmetic) does:
+    a NaN score poisons its head's row; a head whose every score is -inf is 0/0."""
     rng = np.random.default_rng(4)
-    qn, qr, lat, kr, wuk, wuv = make(rng, 2, 30, 4, 4, 4, 4, 16)
-    lat[3, 2] = np.nan
-    kr[7, 1] = np.inf
+    qn, qr, lat, kr, wuk, wuv = make(rng, 2, 300, 4, 4, 4, 4, 16)
+    qn[0, 1, 2] = np.nan                      # position 0, head 1: every score NaN
+    want = ref.mla_naive(*f64([qn, qr, lat, kr, wuk, wuv]), 0.5)
     out = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)
-    assert out.shape == (2, 4, 4)
-    assert not np.isfinite(out).all()
+    assert np.isnan(out[0, 1]).all()
+    assert np.array_equal(np.isnan(out), np.isnan(want))
+    fin = np.isfinite(want)
+    assert fin.sum() == 7 * 4
+    assert np.max(np.abs(out[fin] - want[fin])) < 1e-5 * np.max(np.abs(want[fin]))
+    qn[0, 1, 2] = 0.0
+    lat[3, 2] = np.nan                        # a NaN row poisons every head that sees it
+    assert np.isnan(kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)).all()
+    lat[3, 2] = 0.0
+    qr[..., 0] = 1.0
+    kr[:, 0] = -np.inf                        # every score -inf: softmax is 0/0
+    with np.errstate(invalid="ignore"):
+        want = ref.mla_naive(*f64([qn, qr, lat, kr, wuk, wuv]), 0.5)
+    assert np.isnan(want).all() and np.isnan(kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)).all()
+
+
+@pytest.mark.parametrize("scale,w_scale", [(1.0, 1.0), (192 ** -0.5, 512 ** 0.5)])
+def test_sharp_softmax_stays_within_1e5(scale, w_scale):
+    """Scores far larger than a trained layer's (scale 1, or W_UK not scaled by 1/sqrt(r)):
+    the chunked score sums keep the kernel as accurate as NumPy's float32 forms."""
+    rng = np.random.default_rng(12)
+    args = make(rng, 1, 9000, **V2_LITE)
+    args[4] = (args[4] * w_scale).astype(np.float32)
+    out = kc.mla_decode(*args, scale)
+    oracle = ref.mla_naive(*f64(args), scale)
+    assert rel(out, oracle) < 1e-5
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -215,6 +241,8 @@ def good_args():
     ("scale", float("inf"), ValueError, "scale"),
     ("scale", "0.5", TypeError, "scale"),
     ("scale", True, TypeError, "scale"),
+    ("scale", 1e39, ValueError, "float32"),       # finite in float64, inf in float32
+    ("scale", 1e-46, ValueError, "float32"),      # rounds to 0 in float32
 ])
 def test_bad_input_raises_clearly(key, value, exc, match):
     a = good_args()
@@ -230,11 +258,13 @@ def test_more_queries_than_rows_is_refused():
         kc.mla_decode(**a)
 
 
-@pytest.mark.parametrize("out", [np.zeros((2, 3, 4), np.float32), np.zeros((2, 3, 5), np.float64),
-                                 np.zeros((3, 2, 5), np.float32), np.zeros((2, 3, 10), np.float32)[..., ::2]])
-def test_bad_out_is_refused_and_left_alone(out):
+@pytest.mark.parametrize("out,exc", [(np.zeros((2, 3, 4), np.float32), ValueError),
+                                     (np.zeros((2, 3, 5), np.float64), TypeError),
+                                     (np.zeros((3, 2, 5), np.float32), ValueError),
+                                     (np.zeros((2, 3, 10), np.float32)[..., ::2], ValueError)])
+def test_bad_out_is_refused_and_left_alone(out, exc):
     before = out.copy()
-    with pytest.raises(ValueError, match="out"):
+    with pytest.raises(exc, match="out"):
         kc.mla_decode(**good_args(), out=out)
     assert np.array_equal(out, before)
 

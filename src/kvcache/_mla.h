@@ -10,18 +10,21 @@
  *
  * Summation orders (fixed, independent of thread count and of the SIMD path):
  *   fold      qa[h][x] = sum over k ascending of qn[h][k] * wuk[h][k][x]: one fma per k
- *   scores    s[t][h] = (sum over x ascending of qa[h][x] lat[t][x], then over x ascending
- *             of qr[h][x] kr[t][x], one fma per element into ONE accumulator) * scale
+ *   scores    the latent part cut into chunks of KVC_MLA_CHUNK elements from x = 0, then
+ *             the RoPE part likewise; each chunk c_j = one fma per element, x ascending, from
+ *             0; s[t][h] = ((c_0 + c_1) + c_2 ...) * scale (chunks in order, latent first)
  *   task      a position's visible rows are cut into tasks of `task_rows` rows from row 0
  *             (a function of T only); a task walks its rows in blocks of KVC_MLA_BLOCK and
  *             keeps, per head, a running max m, sum l and latent accumulator acc[r]:
  *               b = max of the block's scores (NaN ignored); m' = max(m, b)
  *               if m' > m and m > -inf: a = exp(m - m'), l *= a, acc *= a
- *               p = exp(s - m') (0 when m' = -inf); l += p, rows ascending
+ *               p = exp(s - m') (0 when s = -inf; NaN scores stay NaN); l += p, rows
+ *               ascending
  *               acc[x] = fma(p, lat[t][x], acc[x]), rows ascending
  *   merge     per head over the tasks of its position in task order, skipping tasks with
- *             m = -inf: M = max m_c; w = exp(m_c - M); L = fma(l_c, w, L);
- *             c[x] = fma(w, acc_c[x], c[x]); then c[x] /= L when L > 0
+ *             m = -inf and l = 0: M = max m_c; w = exp(m_c - M); L = fma(l_c, w, L);
+ *             c[x] = fma(w, acc_c[x], c[x]); then c[x] /= L when L > 0, else NaN (all
+ *             scores -inf, or a NaN: the IEEE softmax's answer)
  *   unfold    out[h][j] = kvc_dot_f32(wuv[h][j], c[h], r)  (the 8-lane order of _kernels.h)
  * exp is kvc_expf / kvc_expf8 (identical bits).
  */
@@ -31,6 +34,7 @@
 #include "_kernels.h"
 
 #define KVC_MLA_BLOCK 64          /* rows per online-softmax block (~147 KiB at r=512) */
+#define KVC_MLA_CHUNK 64          /* elements per partial sum of a score */
 
 /* Prefetch rows [p, p+nb) of a row-major store into L2 (not L1: a block is larger than L1). */
 KVC_INLINE void kvc_mla_prefetch(const void *base, ptrdiff_t p, ptrdiff_t nb, ptrdiff_t row_bytes)
@@ -65,10 +69,13 @@ static void kvc_mla_fold(const float *restrict qn, const float *restrict qr,
 /* ---- scores of nb rows for all heads: S[t * Hp + h] ------------------------------------ */
 
 #if KVC_SIMD
-/* NR rows x NV head-vectors (8 heads each) of scores; NR * NV <= 12 accumulators. */
-KVC_INLINE void kvc_mla_score_tile(const float *restrict qT, ptrdiff_t Hp, const float *lat,
-                                   const float *kr, ptrdiff_t r, ptrdiff_t dr, int NR, int NV,
-                                   float scale, float *S)
+/* One chunk (len <= KVC_MLA_CHUNK elements) of the scores of NR rows x NV head-vectors (8 heads
+ * each): fresh accumulators, then S = c (first chunk) or S = S + c.  src points at element x0
+ * of row 0 (rows ld floats apart), qc at row x0 of qT.  pf: the same elements of the next
+ * block's rows, prefetched a cache line at a time (NULL: none). */
+KVC_INLINE void kvc_mla_score_chunk(const float *restrict qc, ptrdiff_t Hp, const float *src,
+                                    ptrdiff_t ld, ptrdiff_t len, int NR, int NV, float *S,
+                                    int first, const float *pf)
 {
     __m256 c[6][2];
     int i, v;
@@ -76,30 +83,46 @@ KVC_INLINE void kvc_mla_score_tile(const float *restrict qT, ptrdiff_t Hp, const
     for (i = 0; i < NR; ++i)
         for (v = 0; v < NV; ++v)
             c[i][v] = _mm256_setzero_ps();
-    for (x = 0; x < r; ++x) {
-        __m256 q0 = _mm256_loadu_ps(qT + x * Hp);
-        __m256 q1 = NV > 1 ? _mm256_loadu_ps(qT + x * Hp + 8) : q0;
+    for (x = 0; x < len; ++x) {
+        if (pf && (x & 15) == 0)
+            for (i = 0; i < NR; ++i)
+                __builtin_prefetch(pf + i * ld + x, 0, 2);
+        __m256 q0 = _mm256_loadu_ps(qc + x * Hp);
+        __m256 q1 = NV > 1 ? _mm256_loadu_ps(qc + x * Hp + 8) : q0;
         for (i = 0; i < NR; ++i) {
-            __m256 b = _mm256_broadcast_ss(lat + i * r + x);
+            __m256 b = _mm256_broadcast_ss(src + i * ld + x);
             c[i][0] = _mm256_fmadd_ps(q0, b, c[i][0]);
             if (NV > 1)
                 c[i][1] = _mm256_fmadd_ps(q1, b, c[i][1]);
         }
     }
-    for (x = 0; x < dr; ++x) {
-        __m256 q0 = _mm256_loadu_ps(qT + (r + x) * Hp);
-        __m256 q1 = NV > 1 ? _mm256_loadu_ps(qT + (r + x) * Hp + 8) : q0;
-        for (i = 0; i < NR; ++i) {
-            __m256 b = _mm256_broadcast_ss(kr + i * dr + x);
-            c[i][0] = _mm256_fmadd_ps(q0, b, c[i][0]);
-            if (NV > 1)
-                c[i][1] = _mm256_fmadd_ps(q1, b, c[i][1]);
+    for (i = 0; i < NR; ++i)
+        for (v = 0; v < NV; ++v) {
+            float *sp = S + i * Hp + 8 * v;
+            _mm256_storeu_ps(sp, first ? c[i][v] : _mm256_add_ps(_mm256_loadu_ps(sp), c[i][v]));
         }
-    }
+}
+
+/* Scores of NR rows x NV head-vectors: the latent part in chunks, then the RoPE part in
+ * chunks, then the scale.  pfl/pfk: the next block's rows to prefetch (NULL: none). */
+KVC_INLINE void kvc_mla_score_tile(const float *restrict qT, ptrdiff_t Hp, const float *lat,
+                                   const float *kr, ptrdiff_t r, ptrdiff_t dr, int NR, int NV,
+                                   float scale, float *S, const float *pfl, const float *pfk)
+{
+    ptrdiff_t x0;
+    int i, v;
+    for (x0 = 0; x0 < r; x0 += KVC_MLA_CHUNK)
+        kvc_mla_score_chunk(qT + x0 * Hp, Hp, lat + x0, r,
+                            r - x0 < KVC_MLA_CHUNK ? r - x0 : KVC_MLA_CHUNK, NR, NV, S, x0 == 0,
+                            pfl ? pfl + x0 : NULL);
+    for (x0 = 0; x0 < dr; x0 += KVC_MLA_CHUNK)
+        kvc_mla_score_chunk(qT + (r + x0) * Hp, Hp, kr + x0, dr,
+                            dr - x0 < KVC_MLA_CHUNK ? dr - x0 : KVC_MLA_CHUNK, NR, NV, S, 0,
+                            pfk ? pfk + x0 : NULL);
     __m256 sv = _mm256_set1_ps(scale);
     for (i = 0; i < NR; ++i)
         for (v = 0; v < NV; ++v)
-            _mm256_storeu_ps(S + i * Hp + 8 * v, _mm256_mul_ps(c[i][v], sv));
+            _mm256_storeu_ps(S + i * Hp + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(S + i * Hp + 8 * v), sv));
 }
 #endif
 
@@ -113,15 +136,20 @@ static void kvc_mla_scores(const float *restrict qT, ptrdiff_t Hp, const float *
 #if KVC_SIMD
     ptrdiff_t t = 0, v;
     for (; t + 6 <= nb; t += 6) {
-        if (t < pf_rows) {
-            ptrdiff_t np = pf_rows - t < 6 ? pf_rows - t : 6;
-            kvc_mla_prefetch(pf_lat, t, np, r * (ptrdiff_t)sizeof(float));
-            kvc_mla_prefetch(pf_kr, t, np, dr * (ptrdiff_t)sizeof(float));
+        /* rows t..t+5 of the next block are prefetched inside the first head-vector pass,
+         * spread over its arithmetic */
+        const float *pl = t + 6 <= pf_rows ? pf_lat + t * r : NULL;
+        const float *pk = t + 6 <= pf_rows ? pf_kr + t * dr : NULL;
+        if (!pl && t < pf_rows) {
+            kvc_mla_prefetch(pf_lat, t, pf_rows - t, r * (ptrdiff_t)sizeof(float));
+            kvc_mla_prefetch(pf_kr, t, pf_rows - t, dr * (ptrdiff_t)sizeof(float));
         }
-        for (v = 0; v + 16 <= Hp; v += 16)
-            kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, 6, 2, scale, S + t * Hp + v);
+        for (v = 0; v + 16 <= Hp; v += 16) {
+            kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, 6, 2, scale, S + t * Hp + v, pl, pk);
+            pl = pk = NULL;
+        }
         if (v < Hp)
-            kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, 6, 1, scale, S + t * Hp + v);
+            kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, 6, 1, scale, S + t * Hp + v, pl, pk);
     }
     if (t < nb) {
         if (t < pf_rows) {
@@ -130,9 +158,9 @@ static void kvc_mla_scores(const float *restrict qT, ptrdiff_t Hp, const float *
         }
 #define KVC_MLA_REM(NR) \
         for (v = 0; v + 16 <= Hp; v += 16) \
-            kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, NR, 2, scale, S + t * Hp + v); \
+            kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, NR, 2, scale, S + t * Hp + v, NULL, NULL); \
         if (v < Hp) \
-            kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, NR, 1, scale, S + t * Hp + v);
+            kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, NR, 1, scale, S + t * Hp + v, NULL, NULL);
         switch (nb - t) {
         case 5: KVC_MLA_REM(5) break;
         case 4: KVC_MLA_REM(4) break;
@@ -147,13 +175,24 @@ static void kvc_mla_scores(const float *restrict qT, ptrdiff_t Hp, const float *
     (void)pf_lat;
     (void)pf_kr;
     (void)pf_rows;
+    ptrdiff_t x0, x1;
     for (t = 0; t < nb; ++t)
         for (h = 0; h < Hp; ++h) {
             float s = 0.0f;
-            for (x = 0; x < r; ++x)
-                s = fmaf(qT[x * Hp + h], lat[t * r + x], s);
-            for (x = 0; x < dr; ++x)
-                s = fmaf(qT[(r + x) * Hp + h], kr[t * dr + x], s);
+            for (x0 = 0; x0 < r; x0 += KVC_MLA_CHUNK) {
+                float c = 0.0f;
+                x1 = r - x0 < KVC_MLA_CHUNK ? r : x0 + KVC_MLA_CHUNK;
+                for (x = x0; x < x1; ++x)
+                    c = fmaf(qT[x * Hp + h], lat[t * r + x], c);
+                s = x0 == 0 ? c : s + c;
+            }
+            for (x0 = 0; x0 < dr; x0 += KVC_MLA_CHUNK) {
+                float c = 0.0f;
+                x1 = dr - x0 < KVC_MLA_CHUNK ? dr : x0 + KVC_MLA_CHUNK;
+                for (x = x0; x < x1; ++x)
+                    c = fmaf(qT[(r + x) * Hp + h], kr[t * dr + x], c);
+                s = s + c;
+            }
             S[t * Hp + h] = s * scale;
         }
 #endif
@@ -263,15 +302,15 @@ static void kvc_mla_task(const float *restrict qT, ptrdiff_t H, ptrdiff_t Hp,
             h = 0;
 #if KVC_SIMD
             for (; h + 8 <= H; h += 8) {
-                __m256 mv = _mm256_loadu_ps(m + h);
-                __m256 e = kvc_expf8(_mm256_sub_ps(_mm256_loadu_ps(st + h), mv));
-                e = _mm256_andnot_ps(_mm256_cmp_ps(mv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), e);
+                __m256 sv = _mm256_loadu_ps(st + h);
+                __m256 e = kvc_expf8(_mm256_sub_ps(sv, _mm256_loadu_ps(m + h)));
+                e = _mm256_andnot_ps(_mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), e);
                 _mm256_storeu_ps(st + h, e);
                 _mm256_storeu_ps(l + h, _mm256_add_ps(_mm256_loadu_ps(l + h), e));
             }
 #endif
             for (; h < H; ++h) {
-                float e = m[h] == -INFINITY ? 0.0f : kvc_expf(st[h] - m[h]);
+                float e = st[h] == -INFINITY ? 0.0f : kvc_expf(st[h] - m[h]);
                 st[h] = e;
                 l[h] += e;
             }
@@ -296,8 +335,8 @@ static void kvc_mla_merge_head(const float *acc, ptrdiff_t acc_stride, const flo
     memset(c, 0, (size_t)r * sizeof(float));
     for (k = 0; k < nt; ++k) {
         float mk = m[k * ml_stride];
-        if (mk == -INFINITY)
-            continue;
+        if (mk == -INFINITY && l[k * ml_stride] == 0.0f)
+            continue;                 /* no rows, or every score -inf: contributes nothing */
         float w = kvc_expf(mk - M);
         L = fmaf(l[k * ml_stride], w, L);
         kvc_axpy_f32(c, w, acc + k * acc_stride, r);
@@ -305,6 +344,9 @@ static void kvc_mla_merge_head(const float *acc, ptrdiff_t acc_stride, const flo
     if (L > 0.0f)
         for (x = 0; x < r; ++x)
             c[x] = c[x] / L;
+    else                              /* every score -inf (0/0) or a NaN: as IEEE softmax does */
+        for (x = 0; x < r; ++x)
+            c[x] = NAN;
     for (; j + 4 <= dv; j += 4)
         kvc_dot4_f32(c, wuv + j * r, wuv + (j + 1) * r, wuv + (j + 2) * r, wuv + (j + 3) * r,
                      r, out + j);

@@ -118,16 +118,22 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, out=None):
                          f"(the block's own), got {T}")
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected a real number, got {type(scale).__name__}")
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: expected a finite number > 0, got {scale}")
+    with np.errstate(over="ignore", under="ignore"):
+        scale32 = np.float32(scale) if math.isfinite(float(scale)) else np.float32(np.nan)
+    if not (np.isfinite(scale32) and scale32 > 0):
+        raise ValueError(f"scale: expected a number > 0 that is finite in float32 (the kernel's "
+                         f"precision), got {scale!r}")
+    scale = float(scale32)
     shape = (H, dv) if single else (n, H, dv)
     if out is None:
         res = np.empty((n, H, dv), dtype=np.float32)
     else:
-        if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.flags.c_contiguous
-                and out.flags.writeable and out.shape == shape):
-            raise ValueError(f"out: expected a writeable C-contiguous float32 array of shape {shape}")
+        if not isinstance(out, np.ndarray) or out.dtype != np.float32:
+            raise TypeError(f"out: expected a float32 ndarray, got "
+                            f"{getattr(out, 'dtype', type(out).__name__)}")
+        if not (out.flags.c_contiguous and out.flags.writeable and out.shape == shape):
+            raise ValueError(f"out: expected a writeable C-contiguous array of shape {shape}, "
+                             f"got shape {out.shape}")
         res = out.reshape(n, H, dv)
     _core.mla_attend(qn, qr, lat, kr, wuk, wuv, scale, res, _core.max_threads())
     if out is not None:
@@ -177,13 +183,15 @@ def mla_softmax_scale(qk_nope_head_dim=None, qk_rope_head_dim=None, rope_scaling
 
     * DeepSeek's official inference code (V2, V2-Lite, V2.5, V3), the checkpoints' own
       ``modeling_deepseek.py`` (``trust_remote_code``) and transformers' in-library
-      DeepseekV2/DeepseekV3 (checked in transformers 5.24) multiply by ``m**2``.  For
+      DeepseekV3 multiply by ``m**2``; so does the in-library DeepseekV2 of transformers 5
+      (checked in 5.24, ``yarn_apply_mscale``).  For
       DeepSeek-V2 and V2-Lite (``factor=40``, ``mscale_all_dim=0.707``): ``m**2 = 1.589626``
       and ``scale = 192**-0.5 * 1.589626 = 0.1147214``.  Their YaRN RoPE additionally scales
       cos/sin by ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``, which is 1 for
       these configs (both 0.707) and is part of the RoPE, not of this scale.
-    * Some older in-library transformers copies and the upstream fuel port (v1) used the plain
-      ``(dn + dr) ** -0.5``: pass ``apply_mscale=False`` to match them.
+    * Earlier in-library DeepseekV2 code of transformers (4.x) used the plain
+      ``(dn + dr) ** -0.5`` and put YaRN's factor into the rotary embedding instead, as does
+      the upstream fuel port (v1): pass ``apply_mscale=False`` to match them.
     * A config without ``rope_scaling`` (or with ``mscale_all_dim`` 0) gets the plain scale
       either way.
     """
