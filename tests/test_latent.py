@@ -10,9 +10,13 @@ upstream per-pass tests and the functional contract).
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 import sys
 import threading
+import time
+import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -666,6 +670,9 @@ def test_static_attend_bad_input(rng):
         (lambda: c.attend(1, np.zeros((4, 8))), IndexError, "layer"),
         (lambda: c.attend(0, np.zeros((4, 8)), softcap=-1), ValueError, "softcap"),
         (lambda: c.attend(0, np.zeros((4, 8)), window=-1), ValueError, "window"),
+        (lambda: c.attend(0, np.zeros((4, 8)), window=0), ValueError, "window"),
+        (lambda: c.attend(0, np.zeros((4, 8)), window=True), TypeError, "window"),
+        (lambda: c.attend(0, np.zeros((4, 8)), window=2.0), TypeError, "window"),
         (lambda: c.attend(0, np.zeros((4, 8)), scale=np.nan), ValueError, "scale"),
     ]
     before = state(c)
@@ -799,3 +806,266 @@ def test_lazy_other_float_dtypes(rng, dtype):
     c = kc.LazyLatentCache.new(1, 4, MLA, dtype).append(0, x).advance_by(2)
     assert c.slot(0, 0).dtype == dtype
     np.testing.assert_array_equal(c.slot(0, 0), x[0].astype(dtype))
+
+
+# ------------------------------------------------------ review 5: writes, storages, sizes
+def _f16_pair(kind):
+    """A float16 cache and a bad write whose second half overflows float16 (1e6 > 65504)."""
+    if kind == "latent":
+        c = kc.LatentKvCache.with_capacity(2, 4, [[2], [2]], np.float16)
+        c.write_layer(0, [np.full((1, 2), 0.5), np.full((1, 2), 0.25)])
+        c.advance(1)
+        return c, lambda: c.write_layer(0, [np.ones((1, 2)), np.full((1, 2), 1e6)])
+    c = kc.StaticKvCache.with_capacity(2, 1, 4, 2, np.float16)
+    c.write_layer(0, np.full((1, 1, 2), 0.5), np.full((1, 1, 2), 0.25))
+    c.advance(1)
+    return c, lambda: c.write_layer(0, np.ones((1, 1, 2)), np.full((1, 1, 2), 1e6))
+
+
+@pytest.mark.parametrize("kind", ["latent", "static"])
+@pytest.mark.parametrize("mode", ["errstate", "warnings"])
+def test_write_whose_cast_raises_writes_nothing(kind, mode):
+    """B2: the cast into the cache dtype happens before the first slot is written, so an
+    overflow made fatal by np.errstate or by warnings-as-errors leaves slot 0 / K untouched."""
+    c, bad = _f16_pair(kind)
+    before = state(c)
+    if mode == "errstate":
+        with np.errstate(over="raise"), pytest.raises(FloatingPointError, match="overflow"):
+            bad()
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(RuntimeWarning, match="overflow"):
+                bad()
+    assert state(c) == before
+    with np.errstate(over="ignore"):                   # the default policy: IEEE inf, stored
+        bad()
+    assert np.isinf(c.slot_storage(0, 1)[..., 1, :] if kind == "static"
+                    else c.slot_storage(0, 1)[1]).all()
+
+
+@pytest.mark.parametrize("kind", ["latent", "static"])
+def test_slab_that_views_another_slot_is_read_before_the_write(kind):
+    """A slab aliasing a storage this call writes reads the values it had at the call."""
+    if kind == "latent":
+        c = kc.LatentKvCache.with_capacity(1, 4, [[2], [2]])
+        c.write_layer(0, [np.full((2, 2), 3.0), np.zeros((2, 2))])
+        c.advance(1)                                   # row 1 of slot 0 holds 3.0, is stale
+        old = c.slot_storage(0, 0)[1:2]                # the very rows about to be overwritten
+        c.write_layer(0, [np.full((1, 2), 9.0), old])
+        c.advance(1)
+        np.testing.assert_array_equal(c.valid_view(0, 0)[1], [9, 9])
+        np.testing.assert_array_equal(c.valid_view(0, 1)[1], [3, 3])
+    else:
+        c = kc.StaticKvCache.with_capacity(1, 1, 4, 2)
+        c.write_layer(0, np.full((1, 2, 2), 3.0), np.zeros((1, 2, 2)))
+        c.advance(1)
+        old = c.slot_storage(0, 0)[:, :, 1:2]
+        c.write_layer(0, np.full((1, 1, 2), 9.0), old)
+        c.advance(1)
+        np.testing.assert_array_equal(c.valid_view(0, 0)[0, 0, 1], [9, 9])
+        np.testing.assert_array_equal(c.valid_view(0, 1)[0, 0, 1], [3, 3])
+
+
+def _replacements(shape):
+    n = int(np.prod(shape))
+    return [
+        ("tiny", np.zeros((1,) * (len(shape) - 1) + (shape[-1],), np.float32), "has shape"),
+        ("rank", np.zeros(n, np.float32), "has shape"),
+        ("float64", np.zeros(shape, np.float64), "has dtype float64"),
+        ("strided", np.zeros(shape[:-1] + (2 * shape[-1],), np.float32)[..., ::2],
+         "not C-contiguous"),
+        ("list", np.zeros(shape, np.float32).tolist(), "not a numpy array"),
+        ("none", None, "NoneType"),
+    ]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["K", "V"])
+@pytest.mark.parametrize("case", range(6), ids=[r[0] for r in _replacements((1, 2, 3))])
+def test_static_replaced_storage_raises_instead_of_reading_out_of_bounds(rng, which, case):
+    """B3: attend hands the storage to the compiled kernel, which trusts its shape; a
+    replaced buffer (here K or V of a cache with 4096 rows) must raise, not crash."""
+    c = kc.StaticKvCache.with_capacity(2, 2, 64, 16)
+    for layer in range(2):
+        c.write_layer(layer, rng.standard_normal((2, 64, 16)), rng.standard_normal((2, 64, 16)))
+    c.advance(64)
+    name, bad, match = _replacements((1, 2, 64, 16))[case]
+    c.layers[1][which].storage = bad
+    good = c.attend(0, np.ones((4, 16)))               # layer 0 is untouched and still works
+    assert np.isfinite(good).all()
+    msg = rf"attend: the storage of layer 1, slot {which} .*{match}"
+    with pytest.raises(ValueError, match=msg):
+        c.attend(1, np.ones((4, 16)))
+    with pytest.raises(ValueError, match=rf"valid_view: the storage of layer 1, slot {which}"):
+        c.valid_view(1, which)
+    c.valid_view(1, 1 - which)                          # the other half is fine
+    c.truncate_to(10)
+    other = c.layers[1][1 - which].storage.copy()
+    with pytest.raises(ValueError, match=rf"write_layer: the storage of layer 1, slot {which}"):
+        c.write_layer(1, np.ones((2, 1, 16)), np.ones((2, 1, 16)))
+    np.testing.assert_array_equal(c.layers[1][1 - which].storage, other)   # no half write
+
+
+@pytest.mark.parametrize("case", range(6), ids=[r[0] for r in _replacements((1, 2, 3))])
+def test_latent_replaced_storage_raises_and_writes_nothing(rng, case):
+    c = _filled(rng)
+    name, bad, match = _replacements((8, 2))[case]
+    c.layers[1][1].storage = bad
+    before = [s.storage.tobytes() for s in c.layers[1][:1]] + [c.cached_len]
+    with pytest.raises(ValueError, match=rf"write_layer: the storage of layer 1, slot 1 .*{match}"):
+        c.write_layer(1, slabs(rng, 1))
+    assert [s.storage.tobytes() for s in c.layers[1][:1]] + [c.cached_len] == before
+    with pytest.raises(ValueError, match="valid_view: the storage of layer 1, slot 1"):
+        c.valid_view(1, 1)
+    assert c.valid_view(1, 0).shape == (6, 5)
+    c.write_layer(0, slabs(rng, 1))                    # another layer is unaffected
+
+
+def test_read_only_or_missing_slots_raise_before_a_write(rng):
+    c = _filled(rng)
+    ro = c.layers[0][1].storage.copy()
+    ro.flags.writeable = False
+    c.layers[0][1].storage = ro
+    before = c.layers[0][0].storage.tobytes()
+    with pytest.raises(ValueError, match="slot 1 is read-only"):
+        c.write_layer(0, slabs(rng, 1))
+    assert c.layers[0][0].storage.tobytes() == before
+    assert c.valid_view(0, 1).shape == (6, 2)          # reading a read-only buffer is fine
+    c.layers[1] = c.layers[1][:1]                      # a layer that lost a slot
+    with pytest.raises(ValueError, match=r"layer 1 holds 1 slots, expected a list of 2"):
+        c.write_layer(1, slabs(rng, 1))
+    s = kc.StaticKvCache.with_capacity(1, 1, 4, 2)
+    s.layers[0] = "KV"
+    with pytest.raises(ValueError, match="layer 0 holds a str"):
+        s.write_layer(0, np.ones((1, 1, 2)), np.ones((1, 1, 2)))
+
+
+def test_latent_slot_needs_an_array():
+    for bad in (None, [[0.0]], 3.0):
+        with pytest.raises(TypeError, match="LatentSlot: storage must be a numpy array"):
+            kc.LatentSlot(bad)
+    slot = kc.LatentSlot(np.zeros((4, 2), np.float32))
+    assert slot.layout == (4, 2) and slot.version == 0 and slot.authority == "host"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: kc.LatentKvCache.with_capacity(2**31, 1, [[1]]),
+    lambda: kc.LatentKvCache.with_capacity(2**40, 1, [[0]]),       # empty buffers, 2**40 objects
+    lambda: kc.StaticKvCache.with_capacity(2**31, 1, 1, 1),
+    lambda: kc.LazyLatentCache.new(2**33, 1, [[1]]),
+    lambda: kc.LazyLatentCache.new(2**40, 1, [[0]]),
+], ids=["latent", "latent-empty", "static", "lazy", "lazy-empty"])
+def test_huge_n_layers_is_refused_before_allocating(make):
+    """B4: the total (n_layers x buffers, plus ~200 B of objects per buffer) is bounded by the
+    machine's memory before the first buffer exists."""
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"geometry: \d+ layers .* more than this machine's"):
+        make()
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_total_size_bound_counts_buffers_and_objects(monkeypatch):
+    import kvcache.latent as latent
+    monkeypatch.setattr(latent, "_memory_limit", lambda: 10_000)
+    # 10 layers x (8*4*4 + 200) = 3280 bytes: fine; 40 layers = 13120: refused
+    assert kc.LatentKvCache.with_capacity(10, 8, [[4]]).n_layers == 10
+    for make in (lambda n: kc.LatentKvCache.with_capacity(n, 8, [[4]]),
+                 lambda n: kc.LazyLatentCache.new(n, 8, [[4]])):
+        make(10)
+        with pytest.raises(ValueError, match="40 layers of 1 buffer.*13120 bytes.*10000 bytes"):
+            make(40)
+    # two buffers per StaticKvCache layer: 5 x 2 x (1*8*4*4 + 200) = 3280; 20 layers = 13120
+    kc.StaticKvCache.with_capacity(5, 1, 8, 4)
+    with pytest.raises(ValueError, match="20 layers of 2 buffer"):
+        kc.StaticKvCache.with_capacity(20, 1, 8, 4)
+    with pytest.raises(ValueError, match="address"):   # one unaddressable buffer says so first
+        kc.LatentKvCache.with_capacity(1, 8, [[2**40, 2**40]])
+
+
+def test_memory_limit_is_physical_memory_or_2_48(monkeypatch):
+    import os
+
+    import kvcache.latent as latent
+    if hasattr(os, "sysconf"):
+        try:
+            want = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            want = 2**48
+        assert latent._memory_limit() == (want if want > 0 else 2**48)
+
+    def no_sysconf(name):
+        raise ValueError(name)
+
+    monkeypatch.setattr(os, "sysconf", no_sysconf, raising=False)
+    assert latent._memory_limit() == 2**48
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"scale": 1e39}, "scale: 1e.39 is not finite in float32"),
+    ({"scale": -1e39}, "scale: expected a number > 0"),
+    ({"scale": 1e-46}, "scale: 1e-46 underflows to 0 in float32"),
+    ({"scale": 0.0}, "scale: expected a number > 0"),
+    ({"scale": -0.5}, "scale: expected a number > 0"),
+    ({"scale": np.inf}, "scale: expected a finite number"),
+    ({"softcap": 1e39}, "softcap: 1e.39 is not finite in float32"),
+    ({"softcap": np.float64(3.5e38)}, "softcap: .* is not finite in float32"),
+    ({"softcap": 1e-46}, "softcap: 1e-46 underflows to 0 in float32"),
+    ({"softcap": np.nan}, "softcap: expected a finite number"),
+])
+def test_static_attend_scale_and_softcap_must_survive_float32(rng, kw, match):
+    """B5: values finite in float64 that the float32 kernel would see as inf or 0 are refused
+    (they made NaN output or silently turned the scale/softcap off), also with warnings as
+    errors (the check itself casts silently)."""
+    c, _, _ = _static_with_rows(rng, 1, 2, 8, 3, max_seq_len=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=match):
+            c.attend(0, np.ones((4, 8)), **kw)
+        q = rng.standard_normal((4, 8)).astype(np.float32)
+        tiny = c.attend(0, q, scale=1e-40, softcap=3e38)   # subnormal / near max: fine
+        assert np.isfinite(tiny).all()
+        np.testing.assert_array_equal(c.attend(0, q, scale=np.float32(0.3)),
+                                      c.attend(0, q, scale=float(np.float32(0.3))))
+
+
+def test_static_attend_window_follows_attend_all_heads(rng):
+    """B6: window=None is off (the default), 0 raises as in LayerKvCache.attend_all_heads, and
+    any window at least the capacity -- 2**63 or an np.uint64 included -- is the same as off
+    instead of an OverflowError."""
+    nkv, hd, rows = 2, 8, 12
+    c, ks, vs = _static_with_rows(rng, 1, nkv, hd, rows, max_seq_len=16)
+    q = rng.standard_normal((3, 4, hd)).astype(np.float32)
+    off = c.attend(0, q)
+    np.testing.assert_array_equal(off, c.attend(0, q, window=None))
+    for w in (rows, 16, 17, 2**62, 2**63, 2**64 + 5, 2**200, np.uint64(2**63),
+              np.uint64(2**64 - 1), np.int64(2**63 - 1)):
+        np.testing.assert_array_equal(c.attend(0, q, window=w), off)
+    np.testing.assert_allclose(c.attend(0, q, window=4),
+                               plain_attention(q, ks[0], vs[0], 1 / np.sqrt(hd), window=4),
+                               rtol=1e-4, atol=2e-5)
+    lay = kc.LayerKvCache(nkv, hd, mode=kc.KvMode.F32)          # same convention, same kernel
+    lay.append(ks[0].transpose(1, 0, 2), vs[0].transpose(1, 0, 2))
+    np.testing.assert_array_equal(off, lay.attend_all_heads(q, window=None))
+    np.testing.assert_array_equal(c.attend(0, q, window=5), lay.attend_all_heads(q, window=5))
+    for call in (lambda: c.attend(0, q, window=0), lambda: lay.attend_all_heads(q, window=0)):
+        with pytest.raises(ValueError, match="window: expected an integer >= 1, got 0"):
+            call()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: kc.LatentKvCache.with_capacity(2, 8, MLA),
+    lambda: kc.StaticKvCache.with_capacity(2, 2, 8, 4),
+], ids=["latent", "static"])
+def test_clear_releases_the_storages(make):
+    """clear() drops the cache's references: once the caller's own are gone, the buffers die
+    (a view the caller kept holds its buffer alive until it is dropped too)."""
+    c = make()
+    refs = [weakref.ref(c.slot_storage(layer, s)) for layer in range(2) for s in range(2)]
+    view = c.valid_view(0, 0)
+    gc.collect()
+    assert all(r() is not None for r in refs)          # held by the cache
+    c.clear()
+    assert [r() is None for r in refs] == [False, True, True, True]   # the view holds (0, 0)
+    del view
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4

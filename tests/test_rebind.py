@@ -211,6 +211,43 @@ def test_same_geometry_swap_is_rebound(make, rng):
     assert [a.slot_storage(la, 0).tobytes() for la in range(a.n_layers)] == a_bytes
 
 
+@pytest.mark.parametrize("make", [latent, static], ids=["latent", "static"])
+@pytest.mark.parametrize("keep", [2, 0], ids=["truncated", "truncated-to-0"])
+def test_truncated_caches_keep_or_rebind_the_plan(make, keep, rng):
+    """truncate_to keeps alloc_id: the plan's own cache stays VALID (re-binding onto it is a
+    no-op), and a plan moves onto *another* same-geometry cache that was truncated like any
+    swap, then decodes into that cache's rows from the truncated position on."""
+    a, b = make(), make()
+    plan = kc.DecodePlan.build(a, shape_key="m")
+    step(a, rng, 3)
+    a.truncate_to(keep)
+    assert plan.validity_for(a) is V
+    before = plan_state(plan)
+    plan.rebind_kv(a)                                  # onto its own truncated cache
+    assert plan_state(plan) == before and plan.validity_for(a) is V
+    step(b, rng, 5)
+    b.truncate_to(keep)
+    assert b.cached_len == keep
+    assert plan.validity_for(b) is AC
+    plan.rebind_kv(b)
+    assert plan.validity_for(b) is V and plan.validity_for(a) is AC
+    assert plan.alloc_id == b.alloc_id
+    for la in range(b.n_layers):
+        for w in (0, 1):
+            assert plan.storage(la, w) is b.slot_storage(la, w)
+    a_bytes = [a.slot_storage(la, w).tobytes() for la in range(a.n_layers) for w in (0, 1)]
+    step(b, rng)                                       # overwrites row `keep` of b
+    assert b.cached_len == keep + 1 and plan.validity_for(b) is V
+    for la in range(b.n_layers):
+        got = b.valid_view(la, 0)
+        row = got[keep] if isinstance(b, kc.LatentKvCache) else got[:, :, keep]
+        bound = plan.storage(la, 0)
+        mine = bound[keep] if isinstance(b, kc.LatentKvCache) else bound[:, :, keep]
+        np.testing.assert_array_equal(row, mine)      # the plan sees b's new row
+    assert [a.slot_storage(la, w).tobytes() for la in range(a.n_layers)
+            for w in (0, 1)] == a_bytes                # a untouched
+
+
 def test_rebind_onto_the_same_cache_is_a_noop():
     cache = latent()
     plan = kc.DecodePlan.build(cache)

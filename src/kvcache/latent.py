@@ -54,8 +54,19 @@ row is an activation, and integer input there is almost always a bug (token ids 
 mistake).
 
 Every mutating call validates everything (indices, slab count, shapes, a common ``seq``,
-capacity, dtypes) before it writes anything: a call that raises leaves the cache exactly as it
-was (same bytes, ``cached_len``, versions and ``alloc_id``).
+capacity, dtypes) and converts every slab to the cache dtype before it writes anything: a call
+that raises -- the cast itself included (``np.errstate(over="raise")``, warnings as errors) --
+leaves the cache exactly as it was (same bytes, ``cached_len``, versions and ``alloc_id``).
+
+``layers`` and ``LatentSlot.storage`` are public, writable fields (as upstream).  Every call
+that reads or writes a storage (``write_layer``, ``valid_view``, ``attend``) first checks it is
+still a numpy array of the cache dtype, exactly the allocated shape and C-contiguous (and
+writable, for a write); a replaced buffer raises ValueError naming the layer and slot.
+
+Sizes.  A buffer too large to address, or ``n_layers`` layers whose buffers (plus ~200 B of
+Python objects per buffer) exceed the machine's physical memory (``SC_PAGE_SIZE *
+SC_PHYS_PAGES``; 2**48 bytes where it is not reported), raise ValueError before anything is
+allocated -- all three caches, the lazy one counted as a pass that appends to every layer.
 
 Where this differs from the upstream engine (deliberately):
 
@@ -77,6 +88,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import sys
 import threading
 
@@ -274,13 +286,96 @@ def _trailing(slot_trailing):
     return tuple(out)
 
 
-def _check_bytes(shapes, dtype):
-    """ValueError (naming the geometry) when one buffer is too large to address at all."""
+# Estimated bytes of the Python objects around one buffer (ndarray header, LatentSlot, list
+# entry): what n_layers tiny buffers cost even when the buffers themselves are empty.
+_OBJ_OVERHEAD = 200
+_NO_SYSCONF_LIMIT = 2 ** 48
+
+
+def _memory_limit():
+    """Physical memory of this machine in bytes (``SC_PAGE_SIZE * SC_PHYS_PAGES``), or 2**48
+    where the platform does not report it: a total above it cannot possibly be allocated."""
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return _NO_SYSCONF_LIMIT
+    if pages > 0 and size > 0:
+        return pages * size
+    return _NO_SYSCONF_LIMIT
+
+
+def _check_bytes(shapes, dtype, n_layers=1):
+    """ValueError (naming the geometry) when one buffer is too large to address at all, or when
+    ``n_layers`` layers of these buffers (plus ~200 B of Python objects per buffer) would need
+    more than the machine's physical memory.  Checked before anything is allocated, so a huge
+    ``n_layers`` fails at once instead of allocating objects until the process runs out of
+    memory."""
+    per_layer = 0
     for shape in shapes:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > sys.maxsize:
             raise ValueError(f"geometry: one buffer of shape {shape} ({dtype}) would need "
                              f"{nbytes} bytes, more than this platform can address")
+        per_layer += nbytes + _OBJ_OVERHEAD
+    total = n_layers * per_layer
+    limit = _memory_limit()
+    if total > limit:
+        raise ValueError(f"geometry: {n_layers} layers of {len(shapes)} buffer(s) of shapes "
+                         f"{', '.join(_fmt_shape(s) for s in shapes)} ({dtype}) would need about "
+                         f"{total} bytes (buffers plus ~{_OBJ_OVERHEAD} B of objects per "
+                         f"buffer), more than this machine's {limit} bytes of memory")
+
+
+def _storage_problem(storage, shape, dtype, writable):
+    """Why ``storage`` cannot be used as a buffer of ``shape``/``dtype`` (None when it can)."""
+    if not isinstance(storage, np.ndarray):
+        return f"is a {type(storage).__name__}, not a numpy array"
+    if storage.dtype != dtype:
+        return f"has dtype {storage.dtype}"
+    if storage.shape != tuple(shape):
+        return f"has shape {storage.shape}"
+    if not storage.flags.c_contiguous:
+        return "is not C-contiguous"
+    if writable and not storage.flags.writeable:
+        return "is read-only"
+    return None
+
+
+def _cast_slabs(names, arrays, dtype, storages):
+    """Every slab as an array of the cache dtype, converted *before* anything is written.
+
+    A cast that raises (``np.errstate(over="raise")`` on float64 -> float16 overflow, warnings
+    turned into errors, a cast a dtype extension refuses) therefore raises while the cache is
+    still untouched.  A slab that already has the cache dtype is used as is, unless it shares
+    memory with one of the storages about to be written (a view of another slot), in which
+    case it is copied so an earlier slot's write cannot change it."""
+    out = []
+    for name, arr in zip(names, arrays):
+        if arr.dtype == dtype:
+            if any(np.may_share_memory(arr, st) for st in storages):
+                arr = arr.copy()
+        else:
+            arr = arr.astype(dtype)
+        out.append(arr)
+    return out
+
+
+def _f32_scalar(name, value, *, positive=False, minimum=None):
+    """A real number the float32 kernel receives unchanged in kind: finite in float64 *and*
+    after rounding to float32 (1e39 would become inf), not a nonzero value that underflows to
+    0 in float32 (1e-46), and > 0 when ``positive``.  Returns the float32-rounded value."""
+    v = as_float(name, value, minimum=minimum)
+    if positive and not v > 0:
+        raise ValueError(f"{name}: expected a number > 0, got {v}")
+    with np.errstate(all="ignore"):
+        f = float(np.asarray(v, dtype=np.float64).astype(_F32))
+    if not math.isfinite(f):
+        raise ValueError(f"{name}: {v} is not finite in float32 (the kernel computes in float32, "
+                         f"largest {float(np.finfo(_F32).max):.6g})")
+    if v != 0 and f == 0:
+        raise ValueError(f"{name}: {v} underflows to 0 in float32 (the kernel computes in "
+                         f"float32, smallest {float(np.finfo(_F32).smallest_subnormal):.6g})")
+    return f
 
 
 def _ro(buf, idx=Ellipsis):
@@ -374,6 +469,9 @@ class LatentSlot:
     __slots__ = ("storage", "layout", "version", "authority")
 
     def __init__(self, storage, layout=None, version=0, authority=_HOST):
+        if not isinstance(storage, np.ndarray):
+            raise TypeError(f"LatentSlot: storage must be a numpy array (the slot's buffer), got "
+                            f"{type(storage).__name__}")
         self.storage = storage
         self.layout = tuple(storage.shape) if layout is None else tuple(layout)
         self.version = version
@@ -475,6 +573,32 @@ class _SlotCache:
                              f"allocate a new cache with with_capacity")
         return li, slots
 
+    def _storages(self, what, li, slots, which=None, writable=False):
+        """The storages of layer ``li`` (or only slot ``which``), each checked against the
+        cache's geometry: a numpy array of the cache dtype, exactly the allocated shape,
+        C-contiguous (and writable when ``writable``).
+
+        ``layers`` and ``LatentSlot.storage`` are public, writable fields; a replaced buffer
+        of another shape must raise here (ValueError naming the layer and slot) rather than
+        let a write land half-way or the compiled kernel read out of bounds."""
+        n = self._n_slots
+        if not isinstance(slots, (list, tuple)) or len(slots) != n:
+            got = (f"{len(slots)} slots" if isinstance(slots, (list, tuple))
+                   else f"a {type(slots).__name__}")
+            raise ValueError(f"{what}: layer {li} holds {got}, expected a list of {n} LatentSlot "
+                             f"(was cache.layers[{li}] replaced?)")
+        out = []
+        for s in (range(n) if which is None else (which,)):
+            storage = getattr(slots[s], "storage", None)
+            want = self._storage_shape(s)
+            problem = _storage_problem(storage, want, self._dtype, writable)
+            if problem is not None:
+                raise ValueError(f"{what}: the storage of layer {li}, slot {s} {problem}; "
+                                 f"expected a C-contiguous{' writable' if writable else ''} "
+                                 f"{self._dtype} array of shape {want} (was it replaced?)")
+            out.append(storage)
+        return out
+
     # ---------------------------------------------------------------- positions
     def advance(self, seq):
         """Commit ``seq`` written positions: ``cached_len += seq``, then every populated
@@ -548,7 +672,9 @@ class LatentKvCache(_SlotCache):
     ------
     ValueError
         In this order: "n_layers must be >= 1", "max_seq_len must be >= 1", "need at least one
-        slot"; a negative trailing dimension; a buffer too large to address.
+        slot"; a negative trailing dimension; a buffer too large to address; ``n_layers``
+        layers of buffers (plus ~200 B of objects per buffer) larger than the machine's
+        physical memory (refused before anything is allocated).
     TypeError
         Non-integer sizes, an unsupported dtype, bfloat16 without ``ml_dtypes``.
 
@@ -570,7 +696,7 @@ class LatentKvCache(_SlotCache):
         dt = resolve_dtype(dtype)
         loc = _device(device)
         shapes = [(max_seq_len,) + t for t in trailing]
-        _check_bytes(shapes, dt)
+        _check_bytes(shapes, dt, n_layers)
         self.layers = self._allocate(n_layers, shapes, dt)
         self._cached_len = 0
         self._max_seq_len = max_seq_len
@@ -594,6 +720,9 @@ class LatentKvCache(_SlotCache):
         """Trailing shape of slot ``s`` (IndexError out of range)."""
         return self._trailing[_slot_index("slot", s, self._n_slots, "slots")]
 
+    def _storage_shape(self, s):
+        return (self._max_seq_len,) + self._trailing[s]
+
     def __repr__(self):
         return (f"LatentKvCache(n_layers={self.n_layers}, max_seq_len={self._max_seq_len}, "
                 f"slot_trailing={self._trailing}, dtype={self._dtype}, "
@@ -611,11 +740,13 @@ class LatentKvCache(_SlotCache):
         IndexError
             ``layer`` or ``s`` out of range.
         ValueError
-            The layer is unpopulated (cleared cache).
+            The layer is unpopulated (cleared cache), or its storage was replaced by one that
+            is not the allocated shape/dtype/C-contiguous buffer.
         """
-        _, slots = self._populated(layer, "valid_view")
+        li, slots = self._populated(layer, "valid_view")
         si = _slot_index("slot", s, self._n_slots, "slots")
-        return _ro(slots[si].storage, np.s_[: self._cached_len])
+        (storage,) = self._storages("valid_view", li, slots, which=si)
+        return _ro(storage, np.s_[: self._cached_len])
 
     def write_layer(self, layer, slabs):
         """Write one step's new rows of every slot of ``layer``, without advancing.
@@ -634,20 +765,27 @@ class LatentKvCache(_SlotCache):
             ``layer`` out of range.
         ValueError
             Unpopulated layer, wrong slab count, a wrong shape (including a ``seq`` that
-            differs from slab 0's), ``seq == 0``, or ``cached_len + seq > max_seq_len``.
+            differs from slab 0's), ``seq == 0``, ``cached_len + seq > max_seq_len``, or a
+            storage replaced by one that is not the allocated writable buffer.
         TypeError
             A slab that is not real floating point.
 
-        Everything is checked before the first row is written: on error nothing changed.
+        Everything is checked, and every slab converted to the cache dtype, before the first
+        row is written: on error nothing changed.  That includes an error of the cast itself
+        (``np.errstate(over="raise")`` or warnings as errors when a float64 slab overflows a
+        float16 cache), which propagates as NumPy raises it.
         """
-        _, slots = self._populated(layer, "write_layer")
+        li, slots = self._populated(layer, "write_layer")
+        storages = self._storages("write_layer", li, slots, writable=True)
         arrays, seq = _check_slabs(slabs, self._trailing)
         if seq < 1:
             raise ValueError("slabs: expected at least one position (seq >= 1), got seq=0")
         _check_capacity("slabs", self._cached_len, seq, self._max_seq_len)
+        arrays = _cast_slabs([f"slabs[{s}]" for s in range(len(arrays))], arrays, self._dtype,
+                             storages)
         c0 = self._cached_len
-        for slot, arr in zip(slots, arrays):
-            slot.storage[c0: c0 + seq] = arr
+        for storage, arr in zip(storages, arrays):         # same dtype: nothing left to raise
+            storage[c0: c0 + seq] = arr
 
     def clear(self):
         """Release every layer (``layers[l] = None``), ``cached_len = 0`` and mint a new
@@ -710,7 +848,7 @@ class StaticKvCache(_SlotCache):
         dt = resolve_dtype(dtype)
         loc = _device(device)
         shape = (1, nkv, max_seq_len, hd)
-        _check_bytes([shape], dt)
+        _check_bytes([shape, shape], dt, n_layers)
         self.layers = self._allocate(n_layers, [shape, shape], dt)
         self._cached_len = 0
         self._max_seq_len = max_seq_len
@@ -733,6 +871,9 @@ class StaticKvCache(_SlotCache):
     @property
     def head_dim(self):
         return self._hd
+
+    def _storage_shape(self, s):
+        return (1, self._nkv, self._max_seq_len, self._hd)
 
     @property
     def device_location(self):
@@ -768,26 +909,33 @@ class StaticKvCache(_SlotCache):
             Real floating point (cast to the cache dtype), the same ``seq >= 1``.
 
         Does not advance; call :meth:`advance` once after every layer is written.  Everything
-        is checked before anything is written (IndexError for ``layer``; ValueError for an
-        unpopulated layer, shapes, ``seq == 0`` or capacity; TypeError for dtypes).
+        is checked, and K and V converted to the cache dtype, before anything is written
+        (IndexError for ``layer``; ValueError for an unpopulated layer, shapes, ``seq == 0``,
+        capacity or a replaced storage that is not the allocated writable buffer; TypeError
+        for dtypes; an error of the cast itself, e.g. float16 overflow under
+        ``np.errstate(over="raise")``, propagates with the cache unchanged).
         """
-        _, slots = self._populated(layer, "write_layer")
+        li, slots = self._populated(layer, "write_layer")
+        storages = self._storages("write_layer", li, slots, writable=True)
         k4 = self._as_kv("k", k)
         seq = k4.shape[2]
         v4 = self._as_kv("v", v, seq=seq)
         if seq < 1:
             raise ValueError("k: expected at least one position (seq >= 1), got seq=0")
         _check_capacity("k", self._cached_len, seq, self._max_seq_len)
+        k4, v4 = _cast_slabs(("k", "v"), (k4, v4), self._dtype, storages)
         c0 = self._cached_len
-        slots[0].storage[:, :, c0: c0 + seq] = k4
-        slots[1].storage[:, :, c0: c0 + seq] = v4
+        storages[0][:, :, c0: c0 + seq] = k4               # same dtype: nothing left to raise
+        storages[1][:, :, c0: c0 + seq] = v4
 
     def valid_view(self, layer, which):
         """Read-only view ``(1, num_kv_heads, cached_len, head_dim)`` of K (``which=0``) or V
-        (``which=1``) of ``layer`` (IndexError out of range, ValueError when unpopulated)."""
-        _, slots = self._populated(layer, "valid_view")
+        (``which=1``) of ``layer`` (IndexError out of range, ValueError when unpopulated or
+        when the storage was replaced by one that is not the allocated buffer)."""
+        li, slots = self._populated(layer, "valid_view")
         wi = _slot_index("which", which, 2, "slots (0 = K, 1 = V)")
-        return _ro(slots[wi].storage, np.s_[:, :, : self._cached_len])
+        (storage,) = self._storages("valid_view", li, slots, which=wi)
+        return _ro(storage, np.s_[:, :, : self._cached_len])
 
     def clear(self):
         """Release every layer, ``cached_len = 0``, mint a new ``alloc_id`` and forget the
@@ -801,7 +949,7 @@ class StaticKvCache(_SlotCache):
         """Where the storage lives (KvRebindSource): ``"cpu"``, or None after :meth:`clear`."""
         return self._device
 
-    def attend(self, layer, q, *, scale=None, softcap=0.0, window=0, _kernels=None):
+    def attend(self, layer, q, *, scale=None, softcap=0.0, window=None, _kernels=None):
         """Grouped-query decode attention of the newest position(s) over ``layer``'s valid rows.
 
         Parameters
@@ -814,11 +962,17 @@ class StaticKvCache(_SlotCache):
             block whose last row is the newest cached position (query ``i`` sees rows up to
             ``cached_len - n + i``).  Written and advanced before attending, as in a forward.
         scale : float, optional
-            Score scale, default ``1/sqrt(head_dim)`` (rounded to float32).
+            Score scale > 0, default ``1/sqrt(head_dim)``.  Rounded to float32 (the kernel's
+            type): a value that is not finite there (1e39) or that underflows to 0 (1e-46)
+            raises ValueError.
         softcap : float
-            0 (off) or the Gemma-2 logit cap ``cap*tanh(score/cap)`` on finite scores.
-        window : int
-            0 (off) or a sliding window: only the last ``window`` rows up to the query's own.
+            0 (off) or the Gemma-2 logit cap ``cap*tanh(score/cap)`` on finite scores; >= 0 and
+            finite in float32, like ``scale``.
+        window : int, optional
+            None (off, the default) or a sliding window >= 1: only the last ``window`` rows up
+            to the query's own -- the convention of ``LayerKvCache.attend_all_heads`` (0 raises
+            ValueError there and here).  A window wider than ``max_seq_len`` (up to any int,
+            ``2**63`` or ``np.uint64`` included) is clamped to it, which changes nothing.
 
         Returns
         -------
@@ -830,17 +984,21 @@ class StaticKvCache(_SlotCache):
             The cache is not float32 (the compiled kernel reads float32 rows; read
             :meth:`valid_view` and compute in NumPy for other dtypes).
         ValueError
-            Shapes, ``n > cached_len``, an unpopulated layer, bad scale/softcap/window.
+            Shapes, ``n > cached_len``, an unpopulated layer, bad scale/softcap/window, or a K/V
+            storage replaced by one that is not the allocated float32 C-contiguous
+            ``(1, num_kv_heads, max_seq_len, head_dim)`` buffer (checked before the kernel
+            reads it: the kernel trusts the shape).
 
         Runs ``kvcache._core.attend_rows`` (the kernel of ``LayerKvCache.attend_all_heads``)
         directly on the K/V storage, which is already its head-major ``(nkv, capacity, hd)``
         layout: nothing is copied.
         """
         kernels = _core if _kernels is None else _kernels
-        _, slots = self._populated(layer, "attend")
+        li, slots = self._populated(layer, "attend")
         if self._dtype != _F32:
             raise TypeError(f"attend: needs a float32 cache (the compiled kernel reads float32 "
                             f"rows), this one is {self._dtype}; use valid_view() with NumPy")
+        k_store, v_store = self._storages("attend", li, slots)
         nkv, hd = self._nkv, self._hd
         qa = as_f32("q", q, shapes=[(None, hd), (None, None, hd)])
         single = qa.ndim == 2
@@ -853,15 +1011,18 @@ class StaticKvCache(_SlotCache):
         if n > L:
             raise ValueError(f"q: expected at most cached_len={L} positions (queries attend the "
                              f"newest, already written and advanced rows), got {n}")
-        scale = default_scale(hd) if scale is None else as_float("scale", scale)
-        softcap = as_float("softcap", softcap, minimum=0.0)
-        window = as_int("window", window, minimum=0)
+        scale = default_scale(hd) if scale is None else _f32_scalar("scale", scale, positive=True)
+        softcap = _f32_scalar("softcap", softcap, minimum=0.0)
+        # None = off (the kernel's 0); a window past capacity sees every row: clamp, so any int
+        # fits the kernel's Py_ssize_t
+        window = 0 if window is None else min(as_int("window", window, minimum=1),
+                                              self._max_seq_len)
         out = np.empty((nh, hd) if single else (n, nh, hd), dtype=_F32)
         if n == 0:
             return out
         hpk = nh // nkv
-        kf = slots[0].storage[0]                     # (nkv, max_seq_len, hd), C-contiguous view
-        vf = slots[1].storage[0]
+        kf = k_store[0]                              # (nkv, max_seq_len, hd), C-contiguous view
+        vf = v_store[0]
         empty_q = np.zeros((nkv, 0, hd), dtype=np.int8)
         empty_ks = np.zeros((nkv, 0, quant.n_groups(hd, quant.K_GROUP)), dtype=_F32)
         empty_vs = np.zeros((nkv, 0, 1), dtype=_F32)
@@ -937,7 +1098,7 @@ class LazyLatentCache:
         except TypeError as exc:
             raise TypeError(f"unsupported dtype: {exc}") from None
         shapes = [(max_seq_len,) + t for t in trailing]
-        _check_bytes(shapes, dt)
+        _check_bytes(shapes, dt, n_layers)     # what a pass appending to every layer needs
         zeros = []
         for shape in shapes:
             buf = np.zeros(shape, dtype=dt)
