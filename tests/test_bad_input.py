@@ -461,3 +461,23 @@ def test_from_env_refuses_garbage(monkeypatch):
     monkeypatch.setenv("KVCACHE_KV", "bf16")
     with pytest.raises(ValueError):
         kc.KvMode.from_env()
+
+
+def test_attend_all_heads_parameters_are_checked_in_float32():
+    """The kernel computes in float32: a scale or softcap that is finite in float64 but not in
+    float32 (1e39), or a nonzero one that underflows to 0 there (1e-46, which for the softcap
+    would silently turn it off), is refused; a window longer than any cache is no window,
+    even past the range of a C integer."""
+    c = kc.LayerKvCache(2, 8, kc.KvMode.F32)
+    rng = np.random.default_rng(0)
+    c.append(rng.standard_normal((2, 8)).astype(np.float32), rng.standard_normal((2, 8)).astype(np.float32))
+    c.append(rng.standard_normal((2, 8)).astype(np.float32), rng.standard_normal((2, 8)).astype(np.float32))
+    q = rng.standard_normal((4, 8)).astype(np.float32)
+    for kw in (dict(scale=1e39), dict(scale=-1e39), dict(softcap=1e39), dict(softcap=1e-46),
+               dict(scale=1e-46)):
+        with pytest.raises(ValueError, match="float32"):
+            c.attend_all_heads(q, **kw)
+    plain = c.attend_all_heads(q)
+    for w in (2**63, np.uint64(2**63), 2**200):
+        assert np.array_equal(c.attend_all_heads(q, window=w), plain)
+    assert c.seq_len == 2

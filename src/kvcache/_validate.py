@@ -7,6 +7,7 @@ raises ValueError naming the parameter ("expected ..., got ...").
 
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as np
@@ -93,6 +94,24 @@ def as_float(name, value, *, finite=True, minimum=None):
     if minimum is not None and v < minimum:
         raise ValueError(f"{name}: expected a number >= {minimum}, got {v}")
     return v
+
+
+def as_f32_scalar(name, value, *, positive=False, minimum=None):
+    """A real number the float32 kernel receives unchanged in kind: finite in float64 *and*
+    after rounding to float32 (1e39 would become inf), not a nonzero value that underflows to
+    0 in float32 (1e-46), and > 0 when ``positive``.  Returns the float32-rounded value."""
+    v = as_float(name, value, minimum=minimum)
+    if positive and not v > 0:
+        raise ValueError(f"{name}: expected a number > 0, got {v}")
+    with np.errstate(all="ignore"):
+        f = float(np.asarray(v, dtype=np.float64).astype(np.float32))
+    if not math.isfinite(f):
+        raise ValueError(f"{name}: {v} is not finite in float32 (the kernel computes in float32, "
+                         f"largest {float(np.finfo(np.float32).max):.6g})")
+    if v != 0 and f == 0:
+        raise ValueError(f"{name}: {v} underflows to 0 in float32 (the kernel computes in "
+                         f"float32, smallest {float(np.finfo(np.float32).smallest_subnormal):.6g})")
+    return f
 
 
 def readonly(arr):

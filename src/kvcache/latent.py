@@ -95,7 +95,7 @@ import threading
 import numpy as np
 
 from . import quant
-from ._validate import as_f32, as_float, as_int, readonly
+from ._validate import as_f32, as_f32_scalar, as_int, readonly
 from .layer import _PROBS_BUDGET, _scratch, default_scale
 
 try:
@@ -358,24 +358,6 @@ def _cast_slabs(names, arrays, dtype, storages):
             arr = arr.astype(dtype)
         out.append(arr)
     return out
-
-
-def _f32_scalar(name, value, *, positive=False, minimum=None):
-    """A real number the float32 kernel receives unchanged in kind: finite in float64 *and*
-    after rounding to float32 (1e39 would become inf), not a nonzero value that underflows to
-    0 in float32 (1e-46), and > 0 when ``positive``.  Returns the float32-rounded value."""
-    v = as_float(name, value, minimum=minimum)
-    if positive and not v > 0:
-        raise ValueError(f"{name}: expected a number > 0, got {v}")
-    with np.errstate(all="ignore"):
-        f = float(np.asarray(v, dtype=np.float64).astype(_F32))
-    if not math.isfinite(f):
-        raise ValueError(f"{name}: {v} is not finite in float32 (the kernel computes in float32, "
-                         f"largest {float(np.finfo(_F32).max):.6g})")
-    if v != 0 and f == 0:
-        raise ValueError(f"{name}: {v} underflows to 0 in float32 (the kernel computes in "
-                         f"float32, smallest {float(np.finfo(_F32).smallest_subnormal):.6g})")
-    return f
 
 
 def _ro(buf, idx=Ellipsis):
@@ -1011,8 +993,8 @@ class StaticKvCache(_SlotCache):
         if n > L:
             raise ValueError(f"q: expected at most cached_len={L} positions (queries attend the "
                              f"newest, already written and advanced rows), got {n}")
-        scale = default_scale(hd) if scale is None else _f32_scalar("scale", scale, positive=True)
-        softcap = _f32_scalar("softcap", softcap, minimum=0.0)
+        scale = default_scale(hd) if scale is None else as_f32_scalar("scale", scale, positive=True)
+        softcap = as_f32_scalar("softcap", softcap, minimum=0.0)
         # None = off (the kernel's 0); a window past capacity sees every row: clamp, so any int
         # fits the kernel's Py_ssize_t
         window = 0 if window is None else min(as_int("window", window, minimum=1),

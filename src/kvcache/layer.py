@@ -24,7 +24,7 @@ import threading
 import numpy as np
 
 from . import quant
-from ._validate import as_f32, as_float, as_index, as_int, out_f32, readonly
+from ._validate import as_f32, as_f32_scalar, as_index, as_int, out_f32, readonly
 from .modes import KvMode
 from .o1 import O1Collecting, O1Rect, O1Sealed, O1Snapshot, check_seal
 
@@ -451,9 +451,9 @@ class LayerKvCache:
         imp_acc = out_f32("imp_acc", imp_acc)
         if imp_acc.ndim != 1:
             raise ValueError(f"imp_acc: expected a 1-D array, got shape {imp_acc.shape}")
-        scale = as_float("scale", scale)
+        scale = as_f32_scalar("scale", scale)
         first = as_int("first", first, minimum=0)
-        softcap = as_float("softcap", softcap, minimum=0.0)
+        softcap = as_f32_scalar("softcap", softcap, minimum=0.0)
         nq = qa.size // hd
         stored = int(self._len[h])
         if stored == 0:
@@ -508,9 +508,10 @@ class LayerKvCache:
         if n > self._seq_len:
             raise ValueError(f"q: expected at most seq_len={self._seq_len} positions (queries "
                              f"attend the newest, already appended rows), got {n}")
-        scale = default_scale(hd) if scale is None else as_float("scale", scale)
-        window = 0 if window is None else as_int("window", window, minimum=1)
-        softcap = as_float("softcap", softcap, minimum=0.0)
+        scale = default_scale(hd) if scale is None else as_f32_scalar("scale", scale)
+        # a window longer than any cache is no window (and must not overflow Py_ssize_t)
+        window = 0 if window is None else min(as_int("window", window, minimum=1), 1 << 62)
+        softcap = as_f32_scalar("softcap", softcap, minimum=0.0)
         res_shape = (nh, hd) if single else (n, nh, hd)
         if out is None:
             out = np.empty(res_shape, dtype=_F32)
