@@ -96,7 +96,7 @@ import numpy as np
 
 from . import quant
 from ._validate import as_f32, as_f32_scalar, as_int, readonly
-from .layer import _PROBS_BUDGET, _scratch, default_scale
+from .layer import _PROBS_BUDGET, _scratch, default_scale, grouped_queries
 
 try:
     from . import _core
@@ -982,18 +982,13 @@ class StaticKvCache(_SlotCache):
                             f"rows), this one is {self._dtype}; use valid_view() with NumPy")
         k_store, v_store = self._storages("attend", li, slots)
         nkv, hd = self._nkv, self._hd
-        qa = as_f32("q", q, shapes=[(None, hd), (None, None, hd)])
-        single = qa.ndim == 2
-        q3 = qa.reshape((1,) + qa.shape) if single else qa
+        q3, single = grouped_queries(q, nkv, hd)
         n, nh = q3.shape[0], q3.shape[1]
-        if nh == 0 or nh % nkv:
-            raise ValueError(f"q: expected num_heads a positive multiple of num_kv_heads={nkv}, "
-                             f"got {nh}")
         L = self._cached_len
         if n > L:
             raise ValueError(f"q: expected at most cached_len={L} positions (queries attend the "
                              f"newest, already written and advanced rows), got {n}")
-        scale = default_scale(hd) if scale is None else as_f32_scalar("scale", scale, positive=True)
+        scale = default_scale(hd) if scale is None else as_f32_scalar("scale", scale)
         softcap = as_f32_scalar("softcap", softcap, minimum=0.0)
         # None = off (the kernel's 0); a window past capacity sees every row: clamp, so any int
         # fits the kernel's Py_ssize_t

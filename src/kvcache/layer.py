@@ -57,6 +57,19 @@ def _scratch(name, n):
     return buf[:n]
 
 
+def grouped_queries(q, nkv, hd):
+    """``q`` of shape (num_heads, hd) or (n, num_heads, hd) as float32 (n, num_heads, hd) and
+    whether it was one position; num_heads must be a positive multiple of ``nkv``."""
+    qa = as_f32("q", q, shapes=[(None, hd), (None, None, hd)])
+    single = qa.ndim == 2
+    q3 = qa.reshape((1,) + qa.shape) if single else qa
+    nh = q3.shape[1]
+    if nh == 0 or nh % nkv:
+        raise ValueError(f"q: expected num_heads a positive multiple of num_kv_heads={nkv}, "
+                         f"got {nh}")
+    return q3, single
+
+
 def default_scale(head_dim):
     """1/sqrt(head_dim) as float32 (computed in double, rounded once)."""
     return float(_F32(1.0 / math.sqrt(head_dim)))
@@ -498,13 +511,8 @@ class LayerKvCache:
         kernels = _core if _kernels is None else _kernels
         self._check_exact("attend_all_heads")
         nkv, hd = self._nkv, self._hd
-        qa = as_f32("q", q, shapes=[(None, hd), (None, None, hd)])
-        single = qa.ndim == 2
-        q3 = qa.reshape((1,) + qa.shape) if single else qa
+        q3, single = grouped_queries(q, nkv, hd)
         n, nh = q3.shape[0], q3.shape[1]
-        if nh == 0 or nh % nkv:
-            raise ValueError(f"q: expected num_heads a positive multiple of num_kv_heads={nkv}, "
-                             f"got {nh}")
         if n > self._seq_len:
             raise ValueError(f"q: expected at most seq_len={self._seq_len} positions (queries "
                              f"attend the newest, already appended rows), got {n}")
