@@ -15,6 +15,18 @@ import numpy as np
 _F32 = np.dtype(np.float32)
 
 
+def as_array(name, value):
+    """``np.asarray(value)`` (no copy for an ndarray); ValueError naming the parameter when
+    NumPy cannot read it as a rectangular array (ragged lists and the like)."""
+    if isinstance(value, np.ndarray):
+        return value
+    try:
+        return np.asarray(value)
+    except Exception as exc:
+        raise ValueError(f"{name}: expected a rectangular array of numbers, got "
+                         f"{type(value).__name__} that numpy cannot read ({exc})") from None
+
+
 def as_f32(name, value, shapes=None):
     """Return ``value`` as a C-contiguous float32 ndarray.
 
@@ -30,11 +42,7 @@ def as_f32(name, value, shapes=None):
     if isinstance(value, np.ndarray) and value.dtype == _F32 and value.flags.c_contiguous:
         arr = value
     else:
-        try:
-            arr = np.asarray(value)
-        except Exception as exc:  # ragged lists and the like
-            raise ValueError(f"{name}: expected a rectangular array of numbers, got {type(value).__name__} "
-                             f"that numpy cannot read ({exc})") from None
+        arr = as_array(name, value)
         if arr.dtype.kind not in "biuf":
             raise TypeError(f"{name}: expected real numbers (float32), got dtype {arr.dtype}")
         arr = np.asarray(arr, dtype=_F32, order="C")   # keeps 0-d as 0-d (ascontiguousarray would not)

@@ -95,7 +95,7 @@ import threading
 import numpy as np
 
 from . import quant
-from ._validate import as_f32, as_f32_scalar, as_int, readonly
+from ._validate import as_array, as_f32, as_f32_scalar, as_int, readonly
 from .layer import _PROBS_BUDGET, _scratch, default_scale, grouped_queries
 
 try:
@@ -223,14 +223,7 @@ def _is_real_float(dt):
 
 def _as_slab(name, value):
     """``value`` as an ndarray of real floats (no copy when it already is one)."""
-    if isinstance(value, np.ndarray):
-        arr = value
-    else:
-        try:
-            arr = np.asarray(value)
-        except Exception as exc:  # ragged lists and the like
-            raise ValueError(f"{name}: expected a rectangular array of numbers, got "
-                             f"{type(value).__name__} that numpy cannot read ({exc})") from None
+    arr = as_array(name, value)
     if not _is_real_float(arr.dtype):
         raise TypeError(f"{name}: expected real floating-point data (float16, float32, float64 or "
                         f"bfloat16), got dtype {arr.dtype}")
