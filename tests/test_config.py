@@ -21,3 +21,15 @@ def test_wire_digest_names_the_fallback(monkeypatch):
     assert _config.config_info()["wire_digest"].startswith("XXH3-64")
     monkeypatch.setattr(wire, "_xxhash", lambda: None)
     assert "CRC-32" in _config.config_info()["wire_digest"]
+
+
+def test_the_kernel_stub_lists_every_compiled_function():
+    """_core.pyi documents the compiled module: nothing missing, nothing stale."""
+    import ast
+    import pathlib
+
+    from kvcache import _core
+    compiled = {n for n in dir(_core) if not n.startswith("_") and callable(getattr(_core, n))}
+    stub = ast.parse((pathlib.Path(_core.__file__).parent / "_core.pyi").read_text())
+    declared = {node.name for node in stub.body if isinstance(node, ast.FunctionDef)}
+    assert compiled == declared
