@@ -481,3 +481,25 @@ def test_attend_all_heads_parameters_are_checked_in_float32():
     for w in (2**63, np.uint64(2**63), 2**200):
         assert np.array_equal(c.attend_all_heads(q, window=w), plain)
     assert c.seq_len == 2
+
+
+def test_attend_group_first_and_scale_edges():
+    """first past any length is clamped (no OverflowError); a scale beyond the float range is a
+    ValueError and a bool is not a scale; nothing is written on error."""
+    c = kc.LayerKvCache(1, 4, mode=kc.KvMode.F32)
+    c.append(np.ones((3, 1, 4), np.float32), np.arange(12, dtype=np.float32).reshape(3, 1, 4))
+    out, imp = np.zeros(4, np.float32), np.zeros(3, np.float32)
+    last = np.zeros(4, np.float32)
+    c.attend_group(np.ones(4), 0, last, np.zeros(3, np.float32), 0.5, 2, 0.0)
+    for first in (2**63, np.uint64(2**63), 10**30):
+        c.attend_group(np.ones(4), 0, out, imp, 0.5, first, 0.0)
+        assert np.array_equal(out, last)
+    out[:] = 7.0
+    for kw, exc in ((dict(scale=10**400), ValueError), (dict(scale=True), TypeError),
+                    (dict(softcap=10**400), ValueError)):
+        args = dict(scale=0.5, first=0, softcap=0.0) | kw
+        with pytest.raises(exc):
+            c.attend_group(np.ones(4), 0, out, imp, args["scale"], args["first"], args["softcap"])
+        with pytest.raises(exc):
+            c.attend_all_heads(np.ones((1, 4)), **kw)
+    assert (out == 7.0).all()

@@ -536,3 +536,41 @@ def test_forward_that_overflows_capacity_changes_nothing():
         assert [s.version for s in lc.layers[l]] == [1, 1]
         for s, before in zip(lc.layers[l], snap[l]):
             assert np.array_equal(s.storage, before)
+
+
+def test_hidden_rows_reach_neither_the_kernel_nor_its_twins():
+    """Position i of a block never reads rows past T - n + i: a NaN or -inf there changes
+    nothing for it, in the kernel and in both NumPy forms."""
+    rng = np.random.default_rng(13)
+    qn, qr, lat, kr, wuk, wuv = make(rng, 2, 6, 3, 4, 2, 5, 8)
+    lat[5] = np.nan
+    kr[5] = -np.inf
+    out = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)
+    for form in (ref.mla_naive, ref.mla_absorbed):
+        with np.errstate(invalid="ignore"):
+            want = form(*f64([qn, qr, lat, kr, wuk, wuv]), 0.5)
+        assert np.isfinite(want[0]).all() and np.isnan(want[1]).all()
+        assert rel(out[0], want[0]) < 1e-5
+    assert np.isnan(out[1]).all()
+    twin = np.empty_like(out)
+    with np.errstate(invalid="ignore"):
+        ref.mla_attend(qn, qr, lat, kr, wuk, wuv, 0.5, twin)
+    assert np.isfinite(twin[0]).all() and rel(out[0], twin[0]) < 1e-5
+
+
+def test_out_sharing_memory_with_an_input_is_refused():
+    a = good_args()
+    buf = np.zeros(4096, np.float32)
+    a["latent"] = buf[:80].reshape(10, 8)
+    before = buf.copy()
+    with pytest.raises(ValueError, match="share memory"):
+        kc.mla_decode(**a, out=buf[50:80].reshape(2, 3, 5))
+    assert np.array_equal(buf, before)
+    # the same buffer without overlap is fine
+    res = kc.mla_decode(**a, out=buf[100:130].reshape(2, 3, 5))
+    assert np.array_equal(res, kc.mla_decode(**a))
+
+
+def test_scale_beyond_the_float_range_is_a_value_error():
+    with pytest.raises(ValueError, match="finite"):
+        kc.mla_decode(**{**good_args(), "scale": 10**400})

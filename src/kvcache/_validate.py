@@ -91,10 +91,12 @@ def as_int(name, value, minimum=None):
 
 def as_float(name, value, *, finite=True, minimum=None):
     """A real number as a Python float; ValueError when not finite or below ``minimum``."""
-    if isinstance(value, (str, bytes)) or isinstance(value, complex):
+    if isinstance(value, (str, bytes, complex, bool, np.bool_)):
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
     try:
         v = float(value)
+    except OverflowError:                       # an int beyond the float range
+        raise ValueError(f"{name}: expected a finite number, got {value!r:.40}") from None
     except (TypeError, ValueError):
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__}") from None
     if finite and not np.isfinite(v):

@@ -465,7 +465,8 @@ class LayerKvCache:
         if imp_acc.ndim != 1:
             raise ValueError(f"imp_acc: expected a 1-D array, got shape {imp_acc.shape}")
         scale = as_f32_scalar("scale", scale)
-        first = as_int("first", first, minimum=0)
+        # clamped to head_len - 1 by the kernel; cap it so any int fits its Py_ssize_t
+        first = min(as_int("first", first, minimum=0), 1 << 62)
         softcap = as_f32_scalar("softcap", softcap, minimum=0.0)
         nq = qa.size // hd
         stored = int(self._len[h])

@@ -31,7 +31,7 @@ import numbers
 import numpy as np
 
 from . import _core
-from ._validate import as_f32
+from ._validate import as_f32, as_f32_scalar
 
 __all__ = ["mla_decode", "mla_softmax_scale", "yarn_get_mscale", "split_kv_b"]
 
@@ -116,15 +116,11 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, out=None):
     if T < n:
         raise ValueError(f"latent: {n} query positions need at least {n} cached rows "
                          f"(the block's own), got {T}")
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale: expected a real number, got {type(scale).__name__}")
-    with np.errstate(over="ignore", under="ignore"):
-        scale32 = np.float32(scale) if math.isfinite(float(scale)) else np.float32(np.nan)
-    if not (np.isfinite(scale32) and scale32 > 0):
-        raise ValueError(f"scale: expected a number > 0 that is finite in float32 (the kernel's "
-                         f"precision), got {scale!r}")
-    scale = float(scale32)
+    scale = as_f32_scalar("scale", scale, positive=True)
     shape = (H, dv) if single else (n, H, dv)
+    if out is not None and any(np.may_share_memory(out, a) for a in (qn, qr, lat, kr, wuk, wuv)):
+        # positions are computed in groups, so a later group would read what an earlier wrote
+        raise ValueError("out: must not share memory with any input")
     if out is None:
         res = np.empty((n, H, dv), dtype=np.float32)
     else:

@@ -413,14 +413,8 @@ def nystrom_matrix(q, k, v, p, m, w, sink, *, clip=True):
 # rows [0, T - n + i + 1).  Both forms compute in the inputs' float dtype (float32 in, float32
 # arithmetic; float64 in, float64: the high-precision oracle of the tests).
 
-def _mla_causal_mask(n, T):
-    """(n, T) boolean: True where row t is visible to query position i (t <= T - n + i)."""
-    return np.arange(T)[None, :] <= (T - n + np.arange(n))[:, None]
-
-
-def _mla_softmax(s, visible):
-    """Softmax over the last axis of s (n, H, T) restricted to visible (n, 1, T) rows."""
-    s = np.where(visible, s, -np.inf)
+def _mla_softmax(s):
+    """Softmax over the last axis (IEEE: a NaN, or every score -inf, gives NaN)."""
     m = s.max(axis=-1, keepdims=True)
     e = np.exp(s - m)
     return e / e.sum(axis=-1, keepdims=True)
@@ -428,13 +422,15 @@ def _mla_softmax(s, visible):
 
 def mla_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
     """The absorbed form in NumPy: fold W_UK into the query, score against [latent | k_rope],
-    softmax, accumulate the latent, apply W_UV.  Returns (n, H, dv)."""
+    softmax, accumulate the latent, apply W_UV.  Returns (n, H, dv).  Each position reads only
+    its visible rows (so nothing in a hidden row, not even a NaN, reaches it)."""
     n, T = q_nope.shape[0], latent.shape[0]
     q_abs = np.einsum("nhk,hkr->nhr", q_nope, w_uk)                        # (n, H, r)
-    s = (np.einsum("nhr,tr->nht", q_abs, latent)
-         + np.einsum("nhe,te->nht", q_rope, k_rope)) * q_nope.dtype.type(scale)   # (n, H, T)
-    p = _mla_softmax(s, _mla_causal_mask(n, T)[:, None, :])               # (n, H, T)
-    c = np.einsum("nht,tr->nhr", p, latent)                                # (n, H, r)
+    c = np.empty(q_abs.shape, dtype=np.result_type(q_abs, latent))
+    for i in range(n):
+        vis = T - n + i + 1
+        s = (q_abs[i] @ latent[:vis].T + q_rope[i] @ k_rope[:vis].T) * q_nope.dtype.type(scale)
+        c[i] = _mla_softmax(s) @ latent[:vis]                             # (H, r)
     return np.einsum("nhr,hjr->nhj", c, w_uv)                              # (n, H, dv)
 
 
@@ -442,15 +438,17 @@ def mla_naive(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
     """The naive form: materialise every head's keys K[h] = latent W_UK[h]^T (T, dn) and values
     V[h] = latent W_UV[h]^T (T, dv), then ordinary attention over [K[h] | k_rope].
     Returns (n, H, dv).  This is what a runner without weight absorption computes per step (and
-    what the benchmark times as the NumPy baseline)."""
+    what the benchmark times as the NumPy baseline).  Position i reads rows [0, T - n + i + 1)."""
     n, T = q_nope.shape[0], latent.shape[0]
     k_nope = np.matmul(latent[None], np.swapaxes(w_uk, 1, 2))                # (H, T, dn)
     v = np.matmul(latent[None], np.swapaxes(w_uv, 1, 2))                     # (H, T, dv)
-    s = (np.matmul(np.swapaxes(q_nope, 0, 1), np.swapaxes(k_nope, 1, 2))      # (H, n, T)
-         + np.matmul(np.swapaxes(q_rope, 0, 1), k_rope.T[None]))
-    s = np.swapaxes(s, 0, 1) * q_nope.dtype.type(scale)                      # (n, H, T)
-    p = _mla_softmax(s, _mla_causal_mask(n, T)[:, None, :])
-    return np.swapaxes(np.matmul(np.swapaxes(p, 0, 1), v), 0, 1)             # (n, H, dv)
+    out = np.empty((n, w_uv.shape[0], w_uv.shape[1]), dtype=v.dtype)
+    for i in range(n):
+        vis = T - n + i + 1
+        s = (np.matmul(k_nope[:, :vis], q_nope[i][:, :, None])[..., 0]      # (H, vis)
+             + q_rope[i] @ k_rope[:vis].T) * q_nope.dtype.type(scale)
+        out[i] = np.matmul(_mla_softmax(s)[:, None, :], v[:, :vis])[:, 0]   # (H, dv)
+    return out
 
 
 def mla_attend(qn__nhk, qr__nhe, lat__tr, kr__te, wuk__hkr, wuv__hjr, scale, out__nhj,
