@@ -447,15 +447,29 @@ static inline void kvc_softmax(float *restrict s, ptrdiff_t n)
 #define KVC_PREFETCH_ROWS 16
 #endif
 
-/* Ask for rows [p, p+nb) of a row-major store (row_bytes each) ahead of use. */
-KVC_INLINE void kvc_prefetch_rows(const void *base, ptrdiff_t p, ptrdiff_t nb, ptrdiff_t row_bytes)
+/* Ask for rows [p, p+nb) of a row-major store (row_bytes each) ahead of use: into every cache
+ * level, or with l2_only into L2 and below (for blocks larger than L1).  l2_only is a constant
+ * at every call, so the branch folds away. */
+KVC_INLINE void kvc_prefetch_rows_to(const void *base, ptrdiff_t p, ptrdiff_t nb,
+                                     ptrdiff_t row_bytes, int l2_only)
 {
 #if defined(__GNUC__)
     const char *a = (const char *)base + p * row_bytes;
     ptrdiff_t off, n = nb * row_bytes;
-    for (off = 0; off < n; off += 64)
-        __builtin_prefetch(a + off, 0, 3);
+    for (off = 0; off < n; off += 64) {
+        if (l2_only)
+            __builtin_prefetch(a + off, 0, 2);
+        else
+            __builtin_prefetch(a + off, 0, 3);
+    }
+#else
+    (void)base, (void)p, (void)nb, (void)row_bytes, (void)l2_only;
 #endif
+}
+
+KVC_INLINE void kvc_prefetch_rows(const void *base, ptrdiff_t p, ptrdiff_t nb, ptrdiff_t row_bytes)
+{
+    kvc_prefetch_rows_to(base, p, nb, row_bytes, 0);
 }
 
 /* Point rows[0..nb) at rows p..p+nb of a store -- float rows in place, int8 rows widened

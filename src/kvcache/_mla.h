@@ -36,17 +36,6 @@
 #define KVC_MLA_BLOCK 64          /* rows per online-softmax block (~147 KiB at r=512) */
 #define KVC_MLA_CHUNK 64          /* elements per partial sum of a score */
 
-/* Prefetch rows [p, p+nb) of a row-major store into L2 (not L1: a block is larger than L1). */
-KVC_INLINE void kvc_mla_prefetch(const void *base, ptrdiff_t p, ptrdiff_t nb, ptrdiff_t row_bytes)
-{
-#if defined(__GNUC__)
-    const char *a = (const char *)base + p * row_bytes;
-    ptrdiff_t off, n = nb * row_bytes;
-    for (off = 0; off < n; off += 64)
-        __builtin_prefetch(a + off, 0, 2);
-#endif
-}
-
 /* Absorbed query of one (position, head): qa = W_UK[h]^T qn, written into column h of qT,
  * followed by the head's RoPE query qr (dr floats) in rows r .. r + dr - 1. */
 static void kvc_mla_fold(const float *restrict qn, const float *restrict qr,
@@ -141,8 +130,8 @@ static void kvc_mla_scores(const float *restrict qT, ptrdiff_t Hp, const float *
         const float *pl = t + 6 <= pf_rows ? pf_lat + t * r : NULL;
         const float *pk = t + 6 <= pf_rows ? pf_kr + t * dr : NULL;
         if (!pl && t < pf_rows) {
-            kvc_mla_prefetch(pf_lat, t, pf_rows - t, r * (ptrdiff_t)sizeof(float));
-            kvc_mla_prefetch(pf_kr, t, pf_rows - t, dr * (ptrdiff_t)sizeof(float));
+            kvc_prefetch_rows_to(pf_lat, t, pf_rows - t, r * (ptrdiff_t)sizeof(float), 1);
+            kvc_prefetch_rows_to(pf_kr, t, pf_rows - t, dr * (ptrdiff_t)sizeof(float), 1);
         }
         for (v = 0; v + 16 <= Hp; v += 16) {
             kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, 6, 2, scale, S + t * Hp + v, pl, pk);
@@ -153,8 +142,8 @@ static void kvc_mla_scores(const float *restrict qT, ptrdiff_t Hp, const float *
     }
     if (t < nb) {
         if (t < pf_rows) {
-            kvc_mla_prefetch(pf_lat, t, pf_rows - t, r * (ptrdiff_t)sizeof(float));
-            kvc_mla_prefetch(pf_kr, t, pf_rows - t, dr * (ptrdiff_t)sizeof(float));
+            kvc_prefetch_rows_to(pf_lat, t, pf_rows - t, r * (ptrdiff_t)sizeof(float), 1);
+            kvc_prefetch_rows_to(pf_kr, t, pf_rows - t, dr * (ptrdiff_t)sizeof(float), 1);
         }
 #define KVC_MLA_REM(NR) \
         for (v = 0; v + 16 <= Hp; v += 16) \
