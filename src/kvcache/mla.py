@@ -73,8 +73,10 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, out=None):
     -----
     Inputs are converted to C-contiguous float32 (no copy when they already are: a slice
     ``slot_storage(l, 0)[:cached_len]`` of a float32 cache is passed as is).  Softmax and every
-    accumulation are float32.  Non-finite inputs give non-finite outputs; they are not scanned
-    for, as that would cost a pass over the cache.
+    accumulation are float32.  NaN or infinite inputs give what the IEEE softmax gives (NaN for
+    a position and head with a NaN score, or whose every score is -inf); rows a position cannot
+    see are never read.  Inputs are not scanned for them, as that would cost a pass over the
+    cache.
     """
     qn = as_f32("q_nope", q_nope)
     single = qn.ndim == 2
