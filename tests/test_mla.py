@@ -96,11 +96,36 @@ def test_kernel_matches_naive_within_1e5(geom, n, T):
        r=st.integers(1, 600), T=st.integers(1, 300), n=st.integers(1, 4),
        seed=st.integers(0, 2**31), scale=st.floats(0.01, 2.0))
 def test_kernel_matches_naive_random_geometries(H, dn, dr, dv, r, T, n, seed, scale):
+    """Within 1e-5 of the largest output -- or, where every output has cancelled to far below
+    the values it is summed from (tiny geometries: one head, one output channel), within 1e-5
+    of half those values' size: float32 rounding of the scores and weights is relative to the
+    summands, not to what is left after they cancel.  Hypothesis found such a case (H=1, d_v=1,
+    r=1, scale 1): a single output of 0.0097 summed from terms of size 0.19 (values up to 1.4);
+    the kernel was 1.8e-7 off, 1.8e-5 of the output but 9e-7 of the terms.  A sweep of 3,000
+    random draws from the same ranges never needed the second bound."""
     n = min(n, T)
     rng = np.random.default_rng(seed)
     args = make(rng, n, T, H, dn, dr, dv, r)
     out = kc.mla_decode(*args, scale)
-    assert rel(out, ref.mla_naive(*f64(args), scale)) < 1e-5
+    want = ref.mla_naive(*f64(args), scale)
+    err = np.max(np.abs(out - want))
+    assert err < 1e-5 * max(np.max(np.abs(want)), value_scale(args, scale) / 2)
+
+
+def value_scale(args, scale):
+    """max over positions, heads and output channels of sum_t p[t] |v[t, j]| in float64: the
+    size of the terms an output is summed from (never below the output itself)."""
+    qn, qr, lat, kr, wuk, wuv = f64(args)
+    n, T = qn.shape[0], lat.shape[0]
+    best = 0.0
+    for i in range(n):
+        vis = T - n + i + 1
+        for h in range(qn.shape[1]):
+            s = scale * ((lat[:vis] @ wuk[h].T) @ qn[i, h] + kr[:vis] @ qr[i, h])
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            best = max(best, float((p @ np.abs(lat[:vis] @ wuv[h].T)).max()))
+    return best
 
 
 def test_long_context_many_tasks_match():
