@@ -97,14 +97,7 @@ import numpy as np
 from . import quant
 from ._validate import as_array, as_f32, as_f32_scalar, as_int, readonly
 from .layer import _PROBS_BUDGET, _scratch, default_scale, grouped_queries
-
-try:
-    from . import _core
-except ImportError as exc:  # pragma: no cover - exercised only on a broken install
-    raise ImportError(
-        "kvcache's compiled extension kvcache._core is not built. Install the package with "
-        "`pip install .` (or `pip install -e .`) from a checkout; a C compiler is needed."
-    ) from exc
+from . import _core              # after .layer, whose import explains a missing _core
 
 __all__ = ["KvAllocId", "LatentSlot", "LatentKvCache", "StaticKvCache", "LazyLatentCache",
            "resolve_dtype"]
