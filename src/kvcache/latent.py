@@ -95,6 +95,7 @@ import threading
 import numpy as np
 
 from . import quant
+from ._generation import Generation
 from ._validate import as_array, as_f32, as_f32_scalar, as_int, readonly
 from .layer import _PROBS_BUDGET, _scratch, default_scale, grouped_queries
 from . import _core              # after .layer, whose import explains a missing _core
@@ -492,6 +493,21 @@ class _SlotCache:
         """The :class:`KvAllocId` of the storage this cache currently owns."""
         return self._alloc_id
 
+    @property
+    def generation(self):
+        """A counter that grows each time stored rows change other than by appending:
+        :meth:`truncate_to` (when it shrinks) and :meth:`clear`.  ``write_layer`` +
+        ``advance`` only append, and leave it alone.  Writes made by hand through
+        :meth:`slot_storage` into rows below ``cached_len`` are not seen: a device mirror
+        must then be re-synced with ``sync(full=True)``."""
+        return self._gen.value
+
+    def unchanged_prefix(self, since):
+        """The number of rows ``n`` such that rows ``[0, n)`` of every slot hold what they held
+        at generation ``since``; None when :meth:`clear` ran after ``since``.  Truncations
+        only lower it."""
+        return self._gen.unchanged_prefix(since, self._cached_len)
+
     def __len__(self):
         return self._cached_len
 
@@ -604,6 +620,7 @@ class _SlotCache:
         new_len = as_int("new_len", new_len, minimum=0)
         if new_len < self._cached_len:
             self._cached_len = new_len
+            self._gen.shrink(new_len)
 
     # ---------------------------------------------------------------- KvRebindSource
     def rebind_slot(self, layer, which):
@@ -673,6 +690,7 @@ class LatentKvCache(_SlotCache):
         self._n_slots = len(trailing)
         self._device = loc
         self._alloc_id = KvAllocId.next()
+        self._gen = Generation()
 
     @classmethod
     def with_capacity(cls, n_layers, max_seq_len, slot_trailing, dtype=np.float32, device="cpu"):
@@ -762,6 +780,7 @@ class LatentKvCache(_SlotCache):
         self.layers = [None] * len(self.layers)
         self._cached_len = 0
         self._alloc_id = KvAllocId.next()
+        self._gen.diverge()
 
     def rebind_location(self):
         """Where the storage lives (KvRebindSource): always the device given at allocation."""
@@ -825,6 +844,7 @@ class StaticKvCache(_SlotCache):
         self._hd = hd
         self._device = loc
         self._alloc_id = KvAllocId.next()
+        self._gen = Generation()
 
     @classmethod
     def with_capacity(cls, n_layers, num_kv_heads, max_seq_len, head_dim, dtype=np.float32,
@@ -912,6 +932,7 @@ class StaticKvCache(_SlotCache):
         self._cached_len = 0
         self._alloc_id = KvAllocId.next()
         self._device = None
+        self._gen.diverge()
 
     def rebind_location(self):
         """Where the storage lives (KvRebindSource): ``"cpu"``, or None after :meth:`clear`."""
@@ -1093,6 +1114,12 @@ class LazyLatentCache:
     def current_seq_len(self):
         """Positions committed by :meth:`advance_by`."""
         return self._len
+
+    @property
+    def generation(self):
+        """Always 0: a lazy cache is immutable, and the caches derived from it only append
+        (rows below ``current_seq_len`` are never rewritten)."""
+        return 0
 
     @property
     def max_seq_len(self):

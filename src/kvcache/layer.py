@@ -26,6 +26,7 @@ import numpy as np
 from . import quant
 from ._validate import as_f32, as_f32_scalar, as_index, as_int, out_f32, readonly
 from .modes import KvMode
+from ._generation import Generation
 from .o1 import O1Collecting, O1Rect, O1Sealed, O1Snapshot, check_seal
 
 try:
@@ -113,6 +114,7 @@ class LayerKvCache:
         self._empty_f = np.zeros((nkv, 0, hd), dtype=_F32)
         self._empty_q = np.zeros((nkv, 0, hd), dtype=np.int8)
         self._empty_s = np.zeros((nkv, 0, 1), dtype=_F32)
+        self._gen = Generation()
         self._reset_storage()
 
     # ------------------------------------------------------------------ storage basics
@@ -234,6 +236,27 @@ class LayerKvCache:
         return self._o1
 
     @property
+    def generation(self):
+        """A counter that grows each time stored rows change other than by appending.
+
+        Bumped by :meth:`truncate_last`, eviction, :meth:`clear`, :meth:`import_wire` /
+        :meth:`from_bytes`, the q8 column freeze (which requantises every stored row), a
+        successful :meth:`o1_seal` and :meth:`o1_restore`.  Appends (and ``o1_step``, which
+        appends to the O(1) state) leave it alone, so a device mirror that sees the same
+        generation only uploads what was appended; see :meth:`unchanged_prefix` and
+        :class:`kvcache.device.Mirror`."""
+        return self._gen.value
+
+    def unchanged_prefix(self, since):
+        """Per-head row counts ``n[h]`` such that rows ``[0, n[h])`` of head h hold what they
+        held at generation ``since`` (rows that existed then).
+
+        Returns an int array of shape (num_kv_heads,), or None when a change that may rewrite
+        any row (eviction, clear, import, column freeze, seal, O(1) restore) happened after
+        ``since``.  Truncations only lower the counts."""
+        return self._gen.unchanged_prefix(since, self._len)
+
+    @property
     def importance(self):
         """Accumulated attention mass per stored position, read-only float32 view."""
         return readonly(self._imp[: self._imp_len])
@@ -307,6 +330,8 @@ class LayerKvCache:
         return bool(self._kcol_on.any() or self._vcol_on.any())
 
     def _freeze_columns(self):
+        if self._len.any():                  # requantises every stored row (heads with rows)
+            self._gen.diverge()
         if self._mode.quant_k:
             quant.freeze_columns(self._kq, self._ks, self._len, quant.K_GROUP, self._kcol,
                                  self._kcol_on, _core)
@@ -577,6 +602,7 @@ class LayerKvCache:
         np.maximum(self._len - d, 0, out=self._len)
         self._imp_len = max(self._imp_len - d, 0)
         self._seq_len -= d
+        self._gen.shrink(self._len)
 
     def clear(self):
         """Forget everything: rows, columns, importance, linear state and scratch, O(1) state.
@@ -586,6 +612,7 @@ class LayerKvCache:
         self._linear_state = np.zeros(0, dtype=_F32)
         self._linear_scratch = np.zeros(0, dtype=_F32)
         self._o1 = None
+        self._gen.diverge()
 
     def _shift_rows(self, h, keep_idx=None, drop=0):
         """Compact head h's rows: keep rows ``keep_idx`` (sorted) or drop the first ``drop``."""
@@ -609,6 +636,7 @@ class LayerKvCache:
         self._imp[: self._imp_len - d] = self._imp[d: self._imp_len].copy()
         self._imp_len -= d
         self._seq_len = keep
+        self._gen.diverge()
 
     def _evict_born(self, keep, sink, recent):
         """Born policy: keep ``sink`` first rows, ``recent`` last rows, and the middle rows of
@@ -635,6 +663,7 @@ class LayerKvCache:
         self._imp[: kept.size] = imp[kept]
         self._imp_len = kept.size
         self._seq_len = int(kept.size)
+        self._gen.diverge()
 
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self):
@@ -676,6 +705,7 @@ class LayerKvCache:
         if "linear_scratch" in st:
             self._linear_scratch = st["linear_scratch"]
         self._o1 = st["o1"]
+        self._gen.diverge()
 
     def export_wire(self, f16=False):
         """The layer in the legacy wire layout (spec section 7; byte layout in kvcache.wire).
@@ -812,6 +842,7 @@ class LayerKvCache:
         self._reset_storage()          # rows, columns, importance (the linear state stays)
         self._seq_len = t
         self._o1 = state
+        self._gen.diverge()
         return True
 
     def _sealed_state(self, what):
@@ -883,3 +914,4 @@ class LayerKvCache:
                              "before a clear/re-seal); it cannot be restored here")
         state.restore(snapshot)
         self._seq_len = snapshot.seq_len
+        self._gen.diverge()

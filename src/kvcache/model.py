@@ -92,6 +92,12 @@ class KvCache:
         """The longest layer's seq_len (0 when there are no layers)."""
         return max((layer.seq_len for layer in self.layers), default=0)
 
+    @property
+    def generation(self):
+        """The sum of the layers' :attr:`LayerKvCache.generation` counters: it grows whenever
+        any layer's stored rows change other than by appending."""
+        return sum(layer.generation for layer in self.layers)
+
     def needs_eviction(self):
         return self.seq_len() >= self.max_seq_len
 
