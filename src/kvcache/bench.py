@@ -163,6 +163,25 @@ of one layer per step, contexts 1k, 4k, 16k, 32k (quick: 1k, 4k).
   than the naive NumPy form; latent read >= 60% of the measured bandwidth -- printed with
   pass/fail next to the compute ceiling.
 
+Sync section (``--sections sync`` runs it alone)
+-----------------------------------------------
+What keeping a device mirror in step costs (``kvcache.device.Mirror``): one layer at 32k
+positions (quick: 4k) -- Llama-3-8B attention (8 KV heads x 128) in f32 and in q8, and a
+DeepSeek-V2-Lite latent layer (``LatentKvCache``, slots 512 + 64, float32) -- mirrored with
+the torch backend on its CPU device (``--sync-backend numpy`` for host arrays; no GPU is
+assumed: on the CPU "device" a sync is a memory copy, so the bytes are the portable figure and
+the times say what a copy of that size costs here).
+
+* **decode step**: append one position, then ``sync()``; median bytes and time of
+  ``--sync-steps`` steps (default 101, quick 21).  The first step after the initial upload
+  grows the device capacity (doubling): its device-to-device copy is reported apart.
+* **rollback step** (speculative decode): ``truncate_last(4)`` then append 5 positions, then
+  ``sync()``: only the rows from the truncation point on move.  Not for the latent cache
+  (``truncate_to`` is the same operation).
+* **full re-upload**: ``sync(full=True)``, what a mirror without a generation counter pays at
+  every step (median of ``--sync-full-repeats``, default 7, quick 3).
+* Ratios full / step of bytes and of time, measured in the same run.
+
 The workload classes here (:class:`KvcacheDecode`, :class:`TorchDecode`,
 :class:`ReferenceDecode`, :class:`AppendFill`, :class:`O1Decode`, :class:`WireLayers`,
 :class:`MlaDecode`) are shared with the asv-style suite in ``benchmarks/`` so both measure the
@@ -199,6 +218,7 @@ __all__ = [
     "AppendFill",
     "Geometry",
     "KvcacheDecode",
+    "MirrorSync",
     "MlaDecode",
     "O1Decode",
     "ReferenceDecode",
@@ -221,7 +241,7 @@ QUICK_WORKING_SET = 512 * MiB
 MAX_LAYERS = 4096            # bounds object count for tiny layers (Qwen q8 at 1k is ~0.27 MiB)
 BANDWIDTH_BUFFER = GiB
 MODE_NAMES = ("f32", "q8")
-SECTIONS = ("decode", "append", "o1", "wire", "mla")
+SECTIONS = ("decode", "append", "o1", "wire", "mla", "sync")
 O1_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_O1_CONTEXTS = (1024, 4096)
 O1_M, O1_W, O1_SINK = 32, 128, 4
@@ -255,6 +275,12 @@ MLA_MAX_LAYERS = 512
 MLA_FMA_ITERS, QUICK_MLA_FMA_ITERS = 10_000_000, 2_000_000
 MLA_FMA_PER_PROBE_ITER = 80  # FMAs per thread per fma_probe iteration
 MLA_TARGETS = {"context": 16384, "speedup_naive": 10.0, "pct_bandwidth": 60.0}
+# sync section: the cost of keeping a kvcache.device.Mirror in step
+SYNC_CONTEXT, QUICK_SYNC_CONTEXT = 32768, 4096
+SYNC_STEPS, QUICK_SYNC_STEPS = 101, 21
+SYNC_FULL_REPEATS, QUICK_SYNC_FULL_REPEATS = 7, 3
+SYNC_CASES = ("f32", "q8", "latent")
+SYNC_ROLLBACK = (4, 5)       # truncate_last(4), then append 5: one speculative-decode round
 
 
 # ---------------------------------------------------------------------------------------- geometry
@@ -759,6 +785,71 @@ def mla_cache_bytes_per_token():
     return out
 
 
+class MirrorSync:
+    """One layer of ``context`` positions and its :class:`kvcache.device.Mirror`.
+
+    Parameters
+    ----------
+    case : {"f32", "q8", "latent"}
+        Llama-3-8B attention (8 KV heads x 128) stored f32 or q8, or a DeepSeek-V2-Lite latent
+        layer (``LatentKvCache`` slots 512 and 64, float32).
+    context : int
+    backend : {"torch", "numpy"}
+        The mirror's backend (on the CPU device).
+    spare : int
+        Positions appended after the fill (the latent cache's capacity covers them).
+    """
+
+    NKV, HD = 8, 128
+
+    def __init__(self, case, context, backend="torch", seed=0, spare=1024):
+        from .device import Mirror
+        from .latent import LatentKvCache
+        self.case = case
+        rng = np.random.default_rng([seed, 0x53594E43])
+        if case == "latent":
+            self.width = [(MLA_RANK,), (MLA_ROPE,)]
+            self.cache = LatentKvCache.with_capacity(1, context + spare, self.width)
+            for start in range(0, context, 4096):
+                n = min(4096, context - start)
+                self.cache.write_layer(0, [rng.standard_normal((n,) + w, dtype=np.float32)
+                                           for w in self.width])
+                self.cache.advance(n)
+            self.new = [rng.standard_normal((spare,) + w, dtype=np.float32) for w in self.width]
+        else:
+            mode = KvMode.F32 if case == "f32" else KvMode.Q8(True, True)
+            self.cache = LayerKvCache(self.NKV, self.HD, mode)
+            for start in range(0, context, 4096):
+                n = min(4096, context - start)
+                shape = (n, self.NKV, self.HD)
+                self.cache.append(rng.standard_normal(shape, dtype=np.float32),
+                                  rng.standard_normal(shape, dtype=np.float32))
+            shape = (spare, self.NKV, self.HD)
+            self.new = [rng.standard_normal(shape, dtype=np.float32) for _ in range(2)]
+        self.used = 0
+        self.mirror = Mirror(self.cache, backend=backend)
+        self.initial = self.mirror.total
+
+    def append(self, n=1):
+        a, self.used = self.used, self.used + n
+        if self.case == "latent":
+            self.cache.write_layer(0, [x[a: a + n] for x in self.new])
+            self.cache.advance(n)
+        else:
+            self.cache.append(self.new[0][a: a + n], self.new[1][a: a + n])
+
+    def timed_sync(self, full=False):
+        t0 = time.perf_counter()
+        stats = self.mirror.sync(full=full)
+        return time.perf_counter() - t0, stats
+
+    def rollback(self):
+        """One speculative-decode round: drop the last drafts, append the next ones."""
+        drop, add = SYNC_ROLLBACK
+        self.cache.truncate_last(drop)
+        self.append(add)
+
+
 class MlaDecode:
     """A :class:`kvcache.LatentKvCache` of ``n_layers`` MLA layers (DeepSeek-V2-Lite geometry)
     holding ``context`` rows each, with per-layer weights; a step is one query position of one
@@ -919,6 +1010,11 @@ class Options:
     mla_working_set: int = MLA_WORKING_SET
     mla_fma_iters: int = MLA_FMA_ITERS
     bandwidth_bytes: int = BANDWIDTH_BUFFER
+    sync: bool = True
+    sync_context: int = SYNC_CONTEXT
+    sync_steps: int = SYNC_STEPS
+    sync_full_repeats: int = SYNC_FULL_REPEATS
+    sync_backend: str = "torch"
 
 
 def run_torch(geom, context, k, v, opts, rec):
@@ -1440,6 +1536,87 @@ def run_mla(opts, bandwidth, bar):
             "fma_peak": {n: v for n, v in fma.items()},
             "memory": mla_cache_bytes_per_token(), "rows": rows, "summary": mla_summary(rows),
             "section_s": time.perf_counter() - t0}
+
+
+def run_sync_case(case, opts):
+    """Median decode-step, rollback-step and full re-upload costs of one mirrored layer."""
+    steps, fulls = opts.sync_steps, opts.sync_full_repeats
+    work = MirrorSync(case, opts.sync_context, opts.sync_backend, opts.seed,
+                      spare=steps + 2 + (steps * SYNC_ROLLBACK[1] if case != "latent" else 0))
+    step_s, step_b, growth = [], [], []
+    for _ in range(steps):
+        work.append(1)
+        t, st = work.timed_sync()
+        if st.device_bytes:                 # the one step that doubled the device capacity
+            growth.append({"ms": 1e3 * t, "device_bytes": st.device_bytes, "bytes": st.bytes})
+            continue
+        step_s.append(t)
+        step_b.append(st.bytes)
+    rec = {"case": case, "context": opts.sync_context, "backend": opts.sync_backend,
+           "device": str(work.mirror.device), "initial_bytes": work.initial.bytes,
+           "step_ms": 1e3 * statistics.median(step_s), "step_bytes": statistics.median(step_b),
+           "step_samples_s": step_s, "growth": growth, "capacity": work.mirror.capacity}
+    if case != "latent":
+        roll_s, roll_b = [], []
+        for _ in range(steps):
+            work.rollback()
+            t, st = work.timed_sync()
+            if not st.device_bytes:
+                roll_s.append(t)
+                roll_b.append(st.bytes)
+        rec.update(rollback_ms=1e3 * statistics.median(roll_s),
+                   rollback_bytes=statistics.median(roll_b))
+    full_s, full_b = [], []
+    for _ in range(fulls):
+        t, st = work.timed_sync(full=True)
+        full_s.append(t)
+        full_b.append(st.bytes)
+    rec.update(full_ms=1e3 * statistics.median(full_s), full_bytes=statistics.median(full_b),
+               full_samples_s=full_s, context_at_end=work.cache.seq_len if case != "latent"
+               else work.cache.cached_len)
+    rec["bytes_ratio"] = rec["full_bytes"] / rec["step_bytes"] if rec["step_bytes"] else None
+    rec["time_ratio"] = rec["full_ms"] / rec["step_ms"] if rec["step_ms"] else None
+    del work
+    gc.collect()
+    return rec
+
+
+def run_sync(opts, bar):
+    rows = []
+    for case in SYNC_CASES:
+        bar.set_postfix_str(f"sync {case}")
+        rows.append(run_sync_case(case, opts))
+        bar.update()
+    return rows
+
+
+def sync_table(rows):
+    body = []
+    for r in rows:
+        roll = r.get("rollback_bytes")
+        body.append([r["case"], context_label(r["context"]), f"{r['backend']}:{r['device']}",
+                     f"{r['step_bytes'] / 1024:.3g}", fmt(r["step_ms"]),
+                     "-" if roll is None else f"{roll / 1024:.3g}",
+                     fmt(r.get("rollback_ms")), f"{r['full_bytes'] / MiB:.4g}",
+                     fmt(r["full_ms"]), fmt_ratio(r["bytes_ratio"]), fmt_ratio(r["time_ratio"])])
+    return render_table(["layer", "ctx", "mirror", "step KiB", "step ms", "rollback KiB",
+                         "rollback ms", "full MiB", "full ms", "bytes full/step",
+                         "time full/step"], body)
+
+
+def sync_notes(rows, opts):
+    out = [f"medians of {opts.sync_steps} steps / {opts.sync_full_repeats} full re-uploads; "
+           f"a step appends one position and syncs; a rollback step is truncate_last"
+           f"({SYNC_ROLLBACK[0]}) + append {SYNC_ROLLBACK[1]} + sync"]
+    for r in rows:
+        for g in r["growth"]:
+            out.append(f"{r['case']}: one step grew the device capacity (doubling): "
+                       f"{g['device_bytes'] / MiB:.4g} MiB copied device-to-device in "
+                       f"{fmt(g['ms'])} ms (not in the step median)")
+    if opts.sync_backend == "torch":
+        out.append("the torch 'device' here is the CPU: a sync is a host memory copy; on a GPU "
+                   "the same bytes cross the bus")
+    return out
 
 
 # ---------------------------------------------------------------------------------------- output
@@ -2087,7 +2264,8 @@ def build_parser():
                         "append (append cost), o1 (O(1) Nystrom decode vs exact f32/q8), "
                         "wire (to_bytes/from_bytes, export_wire/import_wire, checksum cost, "
                         "KvCache save/load), mla (absorbed MLA decode kernel vs the naive "
-                        "NumPy form, latent read rate, compute ceiling); default all, e.g. "
+                        "NumPy form, latent read rate, compute ceiling), sync (device-mirror "
+                        "sync per decode step vs a full re-upload); default all, e.g. "
                         "--sections o1 runs the O(1) section alone")
     p.add_argument("--contexts", nargs="+", metavar="T", help="contexts, e.g. 1k 4k 16k 32k")
     p.add_argument("--geometries", nargs="+", metavar="G", help="llama3-8b and/or qwen2.5-0.5b")
@@ -2136,6 +2314,19 @@ def build_parser():
     p.add_argument("--mla-fma-iters", type=int,
                    help=f"iterations of the FMA peak probe (x80 FMAs per thread; default "
                         f"{MLA_FMA_ITERS:_}, quick {QUICK_MLA_FMA_ITERS:_})")
+    p.add_argument("--no-sync", action="store_true", help="skip the sync section")
+    p.add_argument("--sync-context", metavar="T",
+                   help=f"positions of the sync section's layers (default "
+                        f"{context_label(SYNC_CONTEXT)}, quick {context_label(QUICK_SYNC_CONTEXT)})")
+    p.add_argument("--sync-steps", type=int,
+                   help=f"decode (and rollback) steps timed in the sync section (default "
+                        f"{SYNC_STEPS}, quick {QUICK_SYNC_STEPS})")
+    p.add_argument("--sync-full-repeats", type=int,
+                   help=f"full re-uploads timed in the sync section (default {SYNC_FULL_REPEATS}, "
+                        f"quick {QUICK_SYNC_FULL_REPEATS})")
+    p.add_argument("--sync-backend", choices=("torch", "numpy"),
+                   help="the mirror's backend in the sync section (default torch when installed, "
+                        "else numpy)")
     p.add_argument("--bandwidth-mib", type=int,
                    help=f"buffer of the read-bandwidth probe, MiB (default "
                         f"{BANDWIDTH_BUFFER // MiB})")
@@ -2179,6 +2370,7 @@ def _resolve_options(args):
         mla_ws = max(MLA_WORKING_SET, min(GiB, 4 * (llc_bytes() or 0)))
     if args.bandwidth_mib is not None and args.bandwidth_mib < 1:
         raise ValueError(f"--bandwidth-mib must be >= 1, got {args.bandwidth_mib}")
+    sync_backend = args.sync_backend or ("torch" if import_torch()[0] is not None else "numpy")
     torch_ok = decode and not args.no_torch and import_torch()[0] is not None
     if decode and not args.no_torch and not torch_ok:
         log.warning("torch is not installed: skipping the torch SDPA comparison")
@@ -2208,7 +2400,16 @@ def _resolve_options(args):
                    mla_fma_iters=max(1, args.mla_fma_iters
                                      or (QUICK_MLA_FMA_ITERS if quick else MLA_FMA_ITERS)),
                    bandwidth_bytes=(args.bandwidth_mib * MiB if args.bandwidth_mib
-                                    else BANDWIDTH_BUFFER))
+                                    else BANDWIDTH_BUFFER),
+                   sync="sync" in sections and not args.no_sync,
+                   sync_context=(parse_context(args.sync_context) if args.sync_context
+                                 else QUICK_SYNC_CONTEXT if quick else SYNC_CONTEXT),
+                   sync_steps=max(1, args.sync_steps
+                                  or (QUICK_SYNC_STEPS if quick else SYNC_STEPS)),
+                   sync_full_repeats=max(1, args.sync_full_repeats
+                                         or (QUICK_SYNC_FULL_REPEATS if quick
+                                             else SYNC_FULL_REPEATS)),
+                   sync_backend=sync_backend)
 
 
 def check_plot_backend():
@@ -2222,7 +2423,7 @@ def check_plot_backend():
 
 
 def print_report(info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
-                 file=None, wire_result=None, mla_result=None):
+                 file=None, wire_result=None, mla_result=None, sync_rows=()):
     file = sys.stdout if file is None else file              # at call time (capture, redirect)
 
     def p(*a):
@@ -2276,10 +2477,17 @@ def print_report(info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
         p(mla_table(mla_result["rows"]))
         for line in mla_notes(mla_result):
             p("  " + line)
+    if sync_rows:
+        p("")
+        p("device mirror sync (kvcache.device.Mirror): per decode step vs a full re-upload, "
+          "one layer:")
+        p(sync_table(sync_rows))
+        for line in sync_notes(sync_rows, opts):
+            p("  " + line)
 
 
 def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
-               wire_result=None, mla_result=None):
+               wire_result=None, mla_result=None, sync_rows=()):
     payload = {"machine": info,
                "options": {"geometries": [g.key for g in opts.geometries],
                            "contexts": opts.contexts, "modes": opts.modes,
@@ -2301,7 +2509,11 @@ def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=
                            "mla_naive_max_context": opts.mla_naive_max_context,
                            "mla_working_set_bytes": opts.mla_working_set,
                            "mla_fma_iters": opts.mla_fma_iters,
-                           "bandwidth_bytes": opts.bandwidth_bytes},
+                           "bandwidth_bytes": opts.bandwidth_bytes,
+                           "sync_section": opts.sync, "sync_context": opts.sync_context,
+                           "sync_steps": opts.sync_steps,
+                           "sync_full_repeats": opts.sync_full_repeats,
+                           "sync_backend": opts.sync_backend},
                "bandwidth": {str(n): b for n, b in bandwidth.items()},
                "decode": rows, "append": append_rows, "o1": list(o1_rows)}
     if o1_rows:
@@ -2321,6 +2533,8 @@ def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=
         payload["mla_targets"] = MLA_TARGETS
         payload["mla_info"] = {k: v for k, v in mla_result.items()
                                if k not in ("rows", "summary")}
+    if sync_rows:
+        payload["sync"] = list(sync_rows)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)
 
@@ -2343,9 +2557,11 @@ def main(argv=None):
                + (len(APPEND_CONTEXTS) if opts.append else 0)
                + (len(opts.o1_contexts) if opts.o1 else 0)
                + (opts.wire_repeats + 2 if opts.wire else 0)
-               + (len(opts.mla_contexts) + 1 + (not opts.decode) if opts.mla else 0))
+               + (len(opts.mla_contexts) + 1 + (not opts.decode) if opts.mla else 0)
+               + (len(SYNC_CASES) if opts.sync else 0))
     bar = progress_bar(n_tasks, enabled=not args.no_progress)
     bandwidth, rows, o1_rows, o1_s, wire_result, mla_result = {}, [], [], 0.0, None, None
+    sync_rows = []
     try:
         if opts.decode or opts.mla:
             bar.set_postfix_str("bandwidth probe")
@@ -2362,6 +2578,8 @@ def main(argv=None):
             wire_result = run_wire(opts, bar)
         if opts.mla:
             mla_result = run_mla(opts, bandwidth, bar)
+        if opts.sync:
+            sync_rows = run_sync(opts, bar)
     finally:
         bar.close()
     accuracy_warnings(rows)
@@ -2369,10 +2587,10 @@ def main(argv=None):
         mla_accuracy_warnings(mla_result["rows"])
     warn_if_busy(monitor, info)
     print_report(info, opts, bandwidth, rows, append_rows, o1_rows, o1_s,
-                 wire_result=wire_result, mla_result=mla_result)
+                 wire_result=wire_result, mla_result=mla_result, sync_rows=sync_rows)
     if args.json:
         write_json(args.json, info, opts, bandwidth, rows, append_rows, o1_rows, o1_s,
-                   wire_result=wire_result, mla_result=mla_result)
+                   wire_result=wire_result, mla_result=mla_result, sync_rows=sync_rows)
         print(f"raw results written to {args.json}")
     if args.plot and rows:
         write_plot(args.plot, rows, bandwidth)
