@@ -9,6 +9,7 @@ a divergence.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import sys
 
@@ -632,3 +633,148 @@ def test_cuda_mirror_follows_random_sequences(rng):
     s.o1_step(rng.normal(size=(4, 8)), rng.normal(size=(2, 8)), rng.normal(size=(2, 8)), 4)
     sm.sync()
     assert_layer_mirrored(sm, s)
+
+
+# ------------------------------------------------------------------------------ review fixes
+class _FakeCupy:
+    """A stand-in for CuPy (NumPy arrays that remember the device they were made on and
+    refuse writes made while another device is current), to run the cupy backend's code."""
+
+    def __init__(self):
+        fake = self
+        self.current = 0
+
+        class ndarray(np.ndarray):
+            def __array_finalize__(self, obj):
+                self.dev = getattr(obj, "dev", fake.current)
+
+            def __setitem__(self, key, value):
+                if self.dev != fake.current:
+                    raise AssertionError(f"write to device {self.dev} while {fake.current} "
+                                         f"is current")
+                np.ndarray.__setitem__(self, key, value)
+
+        class Device:
+            def __init__(self, ordinal=0):
+                self.id = ordinal
+
+            def __enter__(self):
+                self.prev, fake.current = fake.current, self.id
+
+            def __exit__(self, *exc):
+                fake.current = self.prev
+
+        self.ndarray = ndarray
+        self.cuda = type("cuda", (), {"Device": Device})
+
+    def _wrap(self, a):
+        out = np.asarray(a).view(self.ndarray)
+        out.dev = self.current
+        return out
+
+    def empty(self, shape, dtype):
+        return self._wrap(np.empty(shape, dtype))
+
+    def asarray(self, a):
+        return self._wrap(np.array(a))
+
+    def asnumpy(self, a):
+        return np.array(a)
+
+
+def test_cupy_backend_runs_on_its_device(rng, monkeypatch):
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    c = kc.LayerKvCache(2, 8, mode=Q8KV)
+    m = kd.Mirror(c, backend="cupy", device="cuda:1")
+    assert m.backend == "cupy" and m.device.id == 1
+    layer_ops(rng, c, 120, lambda: (m.sync(), assert_layer_mirrored(m, c)))
+    for _ in range(200):                                     # grow: copies made on device 1
+        c.append(rows(rng, 1, 2, 8), rows(rng, 1, 2, 8))
+        m.sync()
+    assert m.total.device_bytes > 0
+    assert_layer_mirrored(m, c)
+    lc, write = latent_case(rng)
+    lm = kd.Mirror(lc, backend="cupy", device=1)
+    for _ in range(30):
+        write(3)
+        lc.advance(3)
+        lm.sync()
+    assert lm.total.device_bytes > 0
+    assert_slots_mirrored(lm, lc)
+    if importlib.util.find_spec("ml_dtypes"):
+        with pytest.raises(TypeError, match="no bfloat16"):
+            kd.Mirror(latent_case(rng, "bfloat16")[0], backend="cupy")
+    for bad in (True, -1, 1.5, "cuda:x", "cpu"):
+        with pytest.raises(ValueError, match="device"):
+            kd.Mirror(c, backend="cupy", device=bad)
+    with pytest.raises(TypeError, match="cupy array"):
+        m.to_numpy(np.zeros(2))
+
+
+def test_sync_takes_a_bool_and_a_bad_one_changes_nothing(rng):
+    c = kc.LayerKvCache(1, 4, mode=F32)
+    c.append(rows(rng, 3, 1, 4), rows(rng, 3, 1, 4))
+    m = kd.Mirror(c, backend="numpy")
+    for bad in ("False", np.array([1, 0]), None, 1):
+        with pytest.raises(TypeError, match="full"):
+            m.sync(full=bad)
+    assert m.generation == c.generation and not m.sync().full
+    assert m.sync(full=np.bool_(True)).full
+
+
+def test_more_bad_input_is_refused_clearly(rng):
+    with pytest.raises(TypeError, match="expected a LayerKvCache"):
+        kd.LayerMirror(None, backend="numpy")
+    with pytest.raises(TypeError):
+        kd.SyncStats(False, 0, 0, 0) + 1
+    with pytest.raises(TypeError, match="DLPack"):
+        kd.as_tensor(np.array(["a"]), "numpy")
+    with pytest.raises(TypeError, match="DLPack"):
+        kd.as_tensor(np.zeros(2, dtype=">f4"), "numpy")
+    with pytest.raises(ValueError, match="backend"):
+        kd.as_tensor(np.zeros(2, np.float32), "cupy")
+    with pytest.raises(TypeError, match="O1DeviceView"):
+        kd.tensors(np.zeros(2), "numpy")
+    lc, write = latent_case(rng)
+    m = kd.Mirror(lc, backend="numpy")
+    lc.layers.append(None)
+    with pytest.raises(ValueError, match="resized"):
+        m.sync()
+
+
+def test_torch_refuses_devices_that_hold_no_data():
+    _torch_or_skip()
+    with pytest.raises(ValueError, match="meta"):
+        kd.Mirror(kc.LayerKvCache(1, 4, mode=F32), backend="torch", device="meta")
+
+
+def test_as_tensor_falls_back_where_dlpack_refuses_read_only_arrays(rng, monkeypatch):
+    """NumPy < 2.1 and older torch speak only unversioned DLPack, which cannot mark an array
+    read-only, so NumPy refuses to export one: the fallback still shares the memory."""
+    torch = _torch_or_skip()
+    c = kc.LayerKvCache(1, 4, mode=F32)
+    c.append(rows(rng, 3, 1, 4), rows(rng, 3, 1, 4))
+    view = c.head_keys(0)
+
+    def refuse(array):
+        raise BufferError("Cannot export readonly array since signalling readonly is unsupported")
+    monkeypatch.setattr(torch, "from_dlpack", refuse)
+    monkeypatch.setattr(np, "from_dlpack", refuse)
+    t = kd.as_tensor(view, "torch")
+    assert t.data_ptr() == view.ctypes.data and torch.equal(t, torch.tensor(view))
+    a = kd.as_tensor(view, "numpy")
+    assert a.ctypes.data == view.ctypes.data and not a.flags.writeable
+    with pytest.raises(BufferError):                         # a writable array has no excuse
+        kd.as_tensor(np.zeros(3, np.float32), "torch")
+
+
+def test_exact_only_layer_reports_full_only_when_it_changed(rng):
+    c = kc.LayerKvCache(1, 4, mode=F32)
+    c.o1_begin(4, 8, 2)
+    for _ in range(5):
+        c.append(rng.normal(size=(1, 4)), rng.normal(size=(1, 4)))
+        c.o1_push_q(rng.normal(size=(1, 4)))
+    m = kd.Mirror(c, backend="numpy")
+    assert c.o1_seal(1) and m.sync().full
+    assert m.sync() == kd.SyncStats(False, 0, 0, 0)

@@ -87,17 +87,40 @@ def as_tensor(array, backend="torch"):
     """
     if not isinstance(array, np.ndarray):
         raise TypeError(f"array: expected a numpy array, got {type(array).__name__}")
-    if backend == "torch":
-        torch = _import("torch")
-        if _is_bf16(array.dtype):
-            return torch.from_dlpack(array.view(np.uint16)).view(torch.bfloat16)
-        return torch.from_dlpack(array)
+    if backend not in ("torch", "numpy"):
+        raise ValueError(f"backend: expected 'torch' or 'numpy' (CuPy cannot wrap host memory; "
+                         f"use Mirror(..., backend='cupy')), got {backend!r}")
+    bf16 = _is_bf16(array.dtype)
+    if not bf16 and (array.dtype.kind not in "biuf" or not array.dtype.isnative):
+        raise TypeError(f"array: DLPack carries native-endian bool, integer and float arrays, "
+                        f"got dtype {array.dtype}")
     if backend == "numpy":
-        if _is_bf16(array.dtype):
-            return array.view()
-        return np.from_dlpack(array)
-    raise ValueError(f"backend: expected 'torch' or 'numpy' (CuPy cannot wrap host memory; "
-                     f"use Mirror(..., backend='cupy')), got {backend!r}")
+        return array.view() if bf16 else _from_dlpack(np.from_dlpack, array, array.view)
+    torch = _import("torch")
+    if bf16:
+        return _from_dlpack(torch.from_dlpack, array.view(np.uint16),
+                            lambda: _torch_from_numpy(torch, array.view(np.uint16))
+                            ).view(torch.bfloat16)
+    return _from_dlpack(torch.from_dlpack, array, lambda: _torch_from_numpy(torch, array))
+
+
+def _from_dlpack(consume, array, fallback):
+    """``consume(array)``; for a read-only array on a NumPy or torch too old for versioned
+    DLPack (which alone carries the read-only flag: NumPy < 2.1, torch < 2.8 or so) the
+    exporter refuses, and ``fallback()`` wraps the same memory another way."""
+    try:
+        return consume(array)
+    except BufferError:
+        if array.flags.writeable:
+            raise
+        return fallback()
+
+
+def _torch_from_numpy(torch, array):
+    import warnings
+    with warnings.catch_warnings():          # "not writable": documented above, not a surprise
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
 
 
 def tensors(view, backend="torch"):
@@ -140,6 +163,15 @@ class _TorchBackend:
             raise ValueError(f"device: torch does not know {device!r} ({exc})") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device: {dev} was asked for, but torch sees no CUDA device")
+        if dev.type == "meta":
+            raise ValueError("device: 'meta' tensors hold no data; a mirror needs a real device")
+        try:                                   # fail here, not half-way through the first sync
+            probe = torch.zeros(2, dtype=torch.int8, device=dev)
+            probe[1:].copy_(torch.ones(1, dtype=torch.int8))
+            probe.cpu()
+        except Exception as exc:
+            raise RuntimeError(f"device: torch cannot allocate and copy on {dev} "
+                               f"({type(exc).__name__}: {exc})") from None
         self.device = dev
         self._cpu = dev.type == "cpu"
 
@@ -166,6 +198,9 @@ class _TorchBackend:
         dst.copy_(src)
 
     def to_numpy(self, t):
+        if not isinstance(t, self._torch.Tensor):
+            raise TypeError(f"tensor: expected a torch.Tensor of this mirror, got "
+                            f"{type(t).__name__}")
         t = t.detach().cpu()
         if t.dtype == self._torch.bfloat16:
             import ml_dtypes
@@ -185,10 +220,8 @@ class _ArrayBackend:
             self._xp = np
             self.device = "cpu"
         else:
+            ordinal = _cuda_ordinal(device)
             self._xp = _import("cupy")
-            ordinal = 0 if device is None else device
-            if isinstance(ordinal, str) and ordinal.startswith("cuda"):
-                ordinal = int(ordinal.partition(":")[2] or 0)
             self.device = self._xp.cuda.Device(ordinal)
 
     def empty(self, shape, np_dtype):
@@ -207,10 +240,35 @@ class _ArrayBackend:
             dst[...] = src
 
     def copy(self, dst, src):
-        dst[...] = src
+        if self.name == "cupy":
+            with self.device:
+                dst[...] = src
+        else:
+            dst[...] = src
 
     def to_numpy(self, a):
-        return self._xp.asnumpy(a) if self.name == "cupy" else np.array(a)
+        if not isinstance(a, self._xp.ndarray):
+            raise TypeError(f"tensor: expected a {self.name} array of this mirror, got "
+                            f"{type(a).__name__}")
+        if self.name == "cupy":
+            with self.device:
+                return self._xp.asnumpy(a)
+        return np.array(a)
+
+
+def _cuda_ordinal(device):
+    """CuPy's device: None (0), an int >= 0 or "cuda" / "cuda:N"."""
+    if device is None:
+        return 0
+    if isinstance(device, (int, np.integer)) and not isinstance(device, (bool, np.bool_)):
+        if device >= 0:
+            return int(device)
+    elif isinstance(device, str) and device.split(":")[0] == "cuda":
+        tail = device.partition(":")[2]
+        if tail == "" or tail.isdigit():
+            return int(tail or 0)
+    raise ValueError(f"device: the cupy backend takes a CUDA device ordinal (an int >= 0) or "
+                     f"'cuda[:N]', got {device!r}")
 
 
 def _backend(backend, device):
@@ -244,6 +302,8 @@ class SyncStats:
     device_bytes: int
 
     def __add__(self, other):
+        if not isinstance(other, SyncStats):
+            return NotImplemented
         return SyncStats(self.full or other.full, self.rows + other.rows,
                          self.bytes + other.bytes, self.device_bytes + other.device_bytes)
 
@@ -252,8 +312,8 @@ _NOTHING = SyncStats(False, 0, 0, 0)
 
 
 def _grow(need, cap, limit=None):
-    """The next device capacity: ``cap`` doubled (at least 64) until it holds ``need``, so an
-    append after a full upload does not grow it at once; at most ``limit``."""
+    """The next device capacity: ``cap`` doubled (at least 64) until it holds ``need``, at most
+    ``limit`` (a full upload sizes from 64 the same way, so it usually leaves room)."""
     new = max(2 * cap, _MIN_DEVICE_ROWS)
     while new < need:
         new *= 2
@@ -280,7 +340,9 @@ class Mirror:
         (default 0); numpy: None or ``"cpu"``.
 
     The accessors mirror the cache's own (same names, signatures and shapes: see each
-    subclass's ``MIRRORED``) and return device arrays as of the last sync.  They are views of
+    subclass's ``MIRRORED``) and return device arrays as of the last sync.  What a device
+    kernel does not read stays on the cache: importance, the linear state, the O(1) collecting
+    trace, ``slot_storage`` / ``layers`` (the full host buffers), the device location.  They are views of
     the mirror's storage: do not write through them, and do not keep them across a sync that
     grows the capacity (they would point at the old storage).
     """
@@ -332,7 +394,8 @@ class Mirror:
 
     @property
     def generation(self):
-        """The cache's ``generation`` at the last sync."""
+        """The cache's ``generation`` at the last sync; None before the first one completes
+        and after a failed one (the next sync is then full)."""
         return self._gen
 
     def sync(self, full=False):
@@ -351,6 +414,8 @@ class Mirror:
         When an upload fails part-way (a device out of memory, say), the error propagates
         and the next sync is a full one.
         """
+        if not isinstance(full, (bool, np.bool_)):
+            raise TypeError(f"full: expected a bool, got {type(full).__name__}")
         gen = self._cache.generation
         try:
             stats = self._sync(bool(full) or self._gen is None, gen)
@@ -377,7 +442,7 @@ class LayerMirror(Mirror):
     has no device form (spec 6.9): its mirror holds no rows and ``o1_views()`` is None.
     """
 
-    MIRRORED = ("seq_len", "num_kv_heads", "head_dim", "mode", "generation", "head_len",
+    MIRRORED = ("seq_len", "num_kv_heads", "head_dim", "mode", "generation", "__len__", "head_len",
                 "head_keys", "head_values", "k_heads", "v_heads", "q8_rows", "columns",
                 "o1_sealed", "o1_views")
 
@@ -390,6 +455,7 @@ class LayerMirror(Mirror):
             raise TypeError(f"cache: expected a LayerKvCache, got {type(cache).__name__}")
 
     def __init__(self, cache, backend="torch", device=None):
+        self._check_cache(cache)
         nkv, hd = cache.num_kv_heads, cache.head_dim
         self._mode = None
         self._lens = np.zeros(nkv, dtype=np.intp)
@@ -468,7 +534,7 @@ class LayerMirror(Mirror):
         st = c.o1
         if st.exact_only:
             o1 = {"exact_only": True}
-            stats = SyncStats(True, 0, 0, 0)
+            stats = SyncStats(full or self._o1 is None or gen != self._gen, 0, 0, 0)
         else:
             full = full or self._o1 is None or gen != self._gen
             if not full and c.seq_len == self._seq:
@@ -517,6 +583,9 @@ class LayerMirror(Mirror):
     def capacity(self):
         """Rows per head the device storage holds before it must grow."""
         return self._cap
+
+    def __len__(self):
+        return self._seq
 
     def head_len(self, h):
         return int(self._lens[as_index("kv_head", h, self._nkv)])
@@ -594,8 +663,8 @@ class KvCacheMirror(Mirror):
     """Mirror of a :class:`~kvcache.KvCache`: one :class:`LayerMirror` per layer
     (``mirror[i]``, ``mirror.layers``), synced together."""
 
-    MIRRORED = ("seq_len", "num_kv_heads", "head_dim", "mode", "generation", "__len__",
-                "__getitem__")
+    MIRRORED = ("seq_len", "num_kv_heads", "head_dim", "mode", "max_seq_len", "generation",
+                "__len__", "__getitem__")
 
     def _check_cache(self, cache):
         if not isinstance(cache, KvCache):
@@ -637,6 +706,10 @@ class KvCacheMirror(Mirror):
     def mode(self):
         return self._cache.mode
 
+    @property
+    def max_seq_len(self):
+        return self._cache.max_seq_len
+
     def __len__(self):
         return len(self.layers)
 
@@ -668,6 +741,9 @@ class _SlotMirror(Mirror):
     def _sync(self, full, gen):
         c = self._cache
         ax = self._AXIS
+        if len(c.layers) != len(self._layers):
+            raise ValueError(f"cache: its list of layers was resized ({len(self._layers)} -> "
+                             f"{len(c.layers)}) since this mirror was made; make a new Mirror")
         populated = [slots is not None for slots in c.layers]
         hosts = [c._storages("sync", li, slots) if slots is not None else None
                  for li, slots in enumerate(c.layers)]              # validates every storage
@@ -720,6 +796,9 @@ class _SlotMirror(Mirror):
         """The cache's ``cached_len`` at the last sync."""
         return self._len
 
+    def __len__(self):
+        return self._len
+
     @property
     def max_seq_len(self):
         return self._cache.max_seq_len
@@ -746,9 +825,9 @@ class _SlotMirror(Mirror):
         """Positions the device storage holds before it must grow (at most max_seq_len)."""
         return self._cap
 
-    def _device_rows(self, layer, s, name):
+    def _device_rows(self, layer, s, name, what="slots"):
         li = _slot_index("layer", layer, len(self._layers), "layers")
-        si = _slot_index(name, s, self.n_slots, "slots")
+        si = _slot_index(name, s, self.n_slots, what)
         slots = self._layers[li]
         if slots is None:
             raise ValueError(f"valid_view: layer {li} holds no storage (the cache was cleared)")
@@ -763,8 +842,8 @@ class LatentMirror(_SlotMirror):
     """Mirror of a :class:`~kvcache.LatentKvCache`: slot ``s`` of a populated layer is a device
     array ``(capacity, *slot_trailing[s])``; unpopulated (cleared) layers are None."""
 
-    MIRRORED = ("cached_len", "max_seq_len", "dtype", "n_layers", "n_slots", "alloc_id",
-                "generation", "slot_trailing", "slot_shape", "valid_view")
+    MIRRORED = ("cached_len", "__len__", "max_seq_len", "dtype", "n_layers", "n_slots",
+                "alloc_id", "generation", "slot_trailing", "slot_shape", "valid_view")
     _AXIS = 0
 
     def _check_cache(self, cache):
@@ -788,8 +867,8 @@ class StaticMirror(_SlotMirror):
     """Mirror of a :class:`~kvcache.StaticKvCache`: K and V of a populated layer are device
     arrays ``(1, num_kv_heads, capacity, head_dim)``."""
 
-    MIRRORED = ("cached_len", "max_seq_len", "dtype", "n_layers", "n_slots", "alloc_id",
-                "generation", "num_kv_heads", "head_dim", "valid_view")
+    MIRRORED = ("cached_len", "__len__", "max_seq_len", "dtype", "n_layers", "n_slots",
+                "alloc_id", "generation", "num_kv_heads", "head_dim", "valid_view")
     _AXIS = 2
 
     def _check_cache(self, cache):
@@ -806,4 +885,4 @@ class StaticMirror(_SlotMirror):
 
     def valid_view(self, layer, which):
         """Device ``(1, num_kv_heads, cached_len, head_dim)`` K (``which=0``) or V (1)."""
-        return self._device_rows(layer, which, "which")
+        return self._device_rows(layer, which, "which", "slots (0 = K, 1 = V)")

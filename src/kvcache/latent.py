@@ -504,8 +504,9 @@ class _SlotCache:
 
     def unchanged_prefix(self, since):
         """The number of rows ``n`` such that rows ``[0, n)`` of every slot hold what they held
-        at generation ``since``; None when :meth:`clear` ran after ``since``.  Truncations
-        only lower it."""
+        at generation ``since``; None when :meth:`clear` ran after ``since``, when more than
+        64 truncations did (only the last 64 are remembered), or when ``since`` is not a
+        generation this cache has had.  Truncations only lower it."""
         return self._gen.unchanged_prefix(since, self._cached_len)
 
     def __len__(self):

@@ -253,7 +253,9 @@ class LayerKvCache:
 
         Returns an int array of shape (num_kv_heads,), or None when a change that may rewrite
         any row (eviction, clear, import, column freeze, seal, O(1) restore) happened after
-        ``since``.  Truncations only lower the counts."""
+        ``since``, when more than 64 truncations did (only the last 64 are remembered), or
+        when ``since`` is not a generation this cache has had.  Truncations only lower the
+        counts."""
         return self._gen.unchanged_prefix(since, self._len)
 
     @property

@@ -95,7 +95,8 @@ class KvCache:
     @property
     def generation(self):
         """The sum of the layers' :attr:`LayerKvCache.generation` counters: it grows whenever
-        any layer's stored rows change other than by appending."""
+        any layer's stored rows change other than by appending (as long as ``layers`` itself
+        is not edited by hand)."""
         return sum(layer.generation for layer in self.layers)
 
     def needs_eviction(self):
