@@ -1,0 +1,335 @@
+"""kvcache.runner against Hugging Face transformers, and the generate command.
+
+For each family a tiny random model is created by transformers (norm weights and biases
+perturbed so that they matter), saved with ``save_pretrained`` and loaded by the runner; the
+prompt logits and 32 greedy decode steps must match transformers' own logits to 1e-4 (max
+absolute difference, float32) with identical greedy tokens.  transformers' ``generate`` runs
+with its end-of-sequence token disabled, so that both sides decode exactly 32 raw argmaxes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import kvcache.__main__ as cli
+from kvcache import runner as kr
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+TOL = 1e-4
+PROMPT, STEPS = 20, 32
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+CASES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=LLAMA3, rope_theta=5e5)),
+    "llama-linear": ("LlamaConfig", "LlamaForCausalLM",
+                     dict(rope_scaling={"rope_type": "linear", "factor": 4.0},
+                          tie_word_embeddings=True)),
+    "mistral-window8": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6)),
+    "gemma2-window8": ("Gemma2Config", "Gemma2ForCausalLM",
+                       dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                            attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                            attn_implementation="eager")),
+}
+
+
+def make_hf_model(case, seed=0):
+    cfg_name, model_name, extra = CASES[case]
+    torch.manual_seed(seed)
+    kw = dict(COMMON)
+    kw.update(json.loads(json.dumps(extra)))     # transformers edits the dicts it is given
+    impl = kw.pop("attn_implementation", None)
+    cfg = getattr(tf, cfg_name)(**kw)
+    if impl:
+        cfg._attn_implementation = impl
+    model = getattr(tf, model_name)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "embed" in name or "lm_head" in name:
+                p.normal_(0.0, 1.0)          # logits of order 1: greedy ties are unlikely
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """case -> (transformers model, checkpoint folder), built once per module."""
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            model = make_hf_model(case)
+            path = tmp_path_factory.mktemp(case)
+            model.save_pretrained(path)
+            cache[case] = (model, path)
+        return cache[case]
+    return get
+
+
+def hf_greedy(model, ids):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(ids):].tolist()
+    return tokens, [lg[0].numpy() for lg in out.logits]
+
+
+def prompt_ids(seed=1, n=PROMPT):
+    return np.random.default_rng(seed).integers(0, COMMON["vocab_size"], n).tolist()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prompt_logits_and_greedy_decode_match_transformers(saved, case):
+    model, path = saved(case)
+    ids = prompt_ids()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    r = kr.Runner.from_pretrained(path)
+    got = r.prefill(ids, all_logits=True)
+    assert got.shape == want.shape
+    prompt_err = float(np.abs(got - want).max())
+    assert prompt_err <= TOL, prompt_err
+    tokens, logits = hf_greedy(model, ids)
+    r.reset()
+    lg = r.prefill(ids)
+    step_err = 0.0
+    mine = []
+    for t in range(STEPS):
+        step_err = max(step_err, float(np.abs(lg - logits[t]).max()))
+        mine.append(int(np.argmax(lg)))
+        lg = r.step(tokens[t])
+    assert step_err <= TOL, step_err
+    assert mine == tokens
+    r.reset()
+    assert r.generate(ids, STEPS, stop=()) == tokens
+    print(f"{case}: prompt max |diff| {prompt_err:.2e}, decode max |diff| {step_err:.2e}")
+
+
+def test_windows_really_bind(saved):
+    """The sliding-window cases are only evidence if the prompt outruns the window and the
+    window changes the answer: without it the logits move far beyond the tolerance."""
+    for case in ("mistral-window8", "gemma2-window8"):
+        model, path = saved(case)
+        ids = prompt_ids()
+        assert len(ids) > model.config.sliding_window
+        r = kr.Runner.from_pretrained(path)
+        assert any(w == 8 for w in r.config.layer_windows)
+        if case.startswith("gemma2"):
+            assert r.config.layer_windows[0] == 8 and r.config.layer_windows[1] is None
+        with_w = r.prefill(ids, all_logits=True)
+        r2 = kr.Runner.from_pretrained(path)
+        r2.config = kr.replace(r2.config, layer_windows=(None,) * r2.config.num_layers)
+        without = r2.prefill(ids, all_logits=True)
+        assert np.abs(with_w - without).max() > 100 * TOL
+
+
+def test_q8_agrees_with_f32(saved):
+    """KV in int8: top-1 agreement and KL divergence against f32 over the prompt and 32 steps
+    of f32's greedy continuation (teacher forced), per family."""
+    report = {}
+    for case in CASES:
+        _, path = saved(case)
+        ids = prompt_ids(seed=2, n=48)
+        f32, q8 = (kr.Runner.from_pretrained(path, kv=kv) for kv in ("f32", "q8"))
+        a, b = f32.prefill(ids, all_logits=True), q8.prefill(ids, all_logits=True)
+        rows_a, rows_b = list(a), list(b)
+        tok = int(np.argmax(a[-1]))
+        for _ in range(STEPS):
+            la, lb = f32.step(tok), q8.step(tok)
+            rows_a.append(la)
+            rows_b.append(lb)
+            tok = int(np.argmax(la))
+        A, B = np.array(rows_a, np.float64), np.array(rows_b, np.float64)
+        top1 = float(np.mean(A.argmax(1) == B.argmax(1)))
+        pa = np.exp(A - A.max(1, keepdims=True))
+        pa /= pa.sum(1, keepdims=True)
+        lpb = B - B.max(1, keepdims=True)
+        lpb -= np.log(np.exp(lpb).sum(1, keepdims=True))
+        kl = float(np.mean(np.sum(pa * (np.log(pa) - lpb), axis=1)))
+        report[case] = (top1, kl)
+        assert not np.array_equal(A, B)                       # int8 storage was really used
+        assert top1 >= 0.9 and kl < 1e-2, (case, top1, kl)
+    print("q8 vs f32 (top-1 agreement, mean KL):",
+          {k: (round(t, 3), f"{kl:.1e}") for k, (t, kl) in report.items()})
+
+
+def test_rollback_then_redecode_is_bit_identical(saved):
+    _, path = saved("qwen2")
+    r = kr.Runner.from_pretrained(path, kv="q8")
+    ids = prompt_ids()
+    r.prefill(ids)
+    first = [r.step(t) for t in (5, 6, 7)]
+    r.rollback(2)                                   # reject the last two drafts
+    assert r.position == PROMPT + 1 and r.cache.seq_len() == PROMPT + 1
+    again = [r.step(t) for t in (6, 7)]
+    np.testing.assert_array_equal(first[1], again[0])
+    np.testing.assert_array_equal(first[2], again[1])
+    r.rollback(10**6)
+    assert r.position == 0
+
+
+def test_sharded_bf16_checkpoint_and_4x_config_layout(saved, tmp_path):
+    model, _ = saved("llama")
+    ids = prompt_ids()
+    shard = tmp_path / "sharded"
+    model.save_pretrained(shard, max_shard_size="60KB")
+    assert (shard / "model.safetensors.index.json").exists()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    r = kr.Runner.from_pretrained(shard)
+    assert np.abs(r.prefill(ids, all_logits=True) - want).max() <= TOL
+    # the same config in transformers 4.x's layout reads to the same ModelConfig
+    cfg = json.loads((shard / "config.json").read_text())
+    old = json.loads(json.dumps(cfg))
+    rope = old.pop("rope_parameters")
+    old["rope_theta"] = rope.pop("rope_theta")
+    old["rope_scaling"] = rope
+    assert kr.ModelConfig.from_hf(old) == kr.ModelConfig.from_hf(cfg)
+    # a bfloat16 checkpoint loads (to float32) and stays close
+    bf = tmp_path / "bf16"
+    model.to(torch.bfloat16).save_pretrained(bf)
+    model.to(torch.float32)
+    got = kr.Runner.from_pretrained(bf).prefill(ids, all_logits=True)
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+
+
+def test_o1_layers_seal_and_decode(saved):
+    _, path = saved("llama")
+    ids = prompt_ids(seed=3, n=64)
+    exact = kr.Runner.from_pretrained(path)
+    o1 = kr.Runner.from_pretrained(path, kv="q8", o1_layers="deep2", o1_params=(4, 8, 2))
+    assert o1.o1_layers == (1, 2)
+    a, b = exact.prefill(ids), o1.prefill(ids)
+    np.testing.assert_allclose(a, b, atol=0.05 * np.abs(a).max())   # q8 layer 0 only
+    assert all(o1.cache.layers[i].o1_sealed() for i in (1, 2))
+    mem = o1.memory_bytes()
+    agree = 0
+    for _ in range(16):
+        la, lb = exact.step(int(np.argmax(a))), o1.step(int(np.argmax(a)))
+        agree += int(np.argmax(la) == np.argmax(lb))
+        a = la
+    assert agree >= 12
+    sealed_bytes = [o1.cache.layers[i].memory_bytes() for i in (1, 2)]
+    o1.step(3)
+    assert [o1.cache.layers[i].memory_bytes() for i in (1, 2)] == sealed_bytes  # constant
+    assert o1.memory_bytes() > mem - 1                          # layer 0 still grows
+    with pytest.raises(RuntimeError, match="sealed"):
+        o1.rollback(1)
+    with pytest.raises(ValueError, match="one position per call"):
+        o1.forward([1, 2])
+
+
+def test_o1_refuses_sliding_layers(saved):
+    _, path = saved("gemma2-window8")
+    with pytest.raises(ValueError, match="sliding window"):
+        kr.Runner.from_pretrained(path, o1_layers="0,1")        # "0" alone means none
+    assert kr.Runner.from_pretrained(path, o1_layers="1").o1_layers == (1,)
+
+
+# ------------------------------------------------------------------------------ sampling
+def test_sampling_is_seeded_and_follows_top_p():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(0)
+    draws = np.array([kr.sample(logits, 1.0, 1.0, rng) for _ in range(20000)])
+    freq = np.bincount(draws, minlength=4) / draws.size
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.015)
+    draws = np.array([kr.sample(logits, 1.0, 0.75, rng) for _ in range(20000)])
+    freq = np.bincount(draws, minlength=4) / draws.size         # nucleus {0, 1}: 0.5+0.3
+    np.testing.assert_allclose(freq, [0.625, 0.375, 0, 0], atol=0.015)
+    assert kr.sample(logits, 0.0) == 0
+    assert all(kr.sample(logits, 1.0, 1e-9, rng) == 0 for _ in range(50))
+    r = kr.Runner.random()
+    a = r.generate([1, 2, 3], 12, temperature=0.8, top_p=0.9, seed=7)
+    r.reset()
+    assert r.generate([1, 2, 3], 12, temperature=0.8, top_p=0.9, seed=7) == a
+
+
+def test_bad_input_is_refused(saved, tmp_path):
+    r = kr.Runner.random()
+    for bad, match in (([], "non-empty"), ([1.5], "token ids"), ([600], r"\[0, 512\)"),
+                       ([[1, 2]], "1-D")):
+        with pytest.raises(ValueError, match=match):
+            r.forward(bad)
+    assert r.position == 0 and r.cache.seq_len() == 0
+    with pytest.raises(ValueError, match="top_p"):
+        r.generate([1], 3, top_p=0)
+    with pytest.raises(ValueError, match="kv"):
+        kr.Runner.random(kv="int4")
+    with pytest.raises(ValueError, match="o1 layers"):
+        kr.Runner.random(o1_layers="two")
+    r.prefill([1, 2])
+    with pytest.raises(ValueError, match="already holds"):
+        r.prefill([1, 2])
+    small = kr.Runner.random(max_seq_len=4)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        small.forward([1, 2, 3, 4, 5])
+    _, path = saved("llama")
+    cfg = json.loads((path / "config.json").read_text())
+    with pytest.raises(ValueError, match="model_type"):
+        kr.ModelConfig.from_hf(dict(cfg, model_type="gpt2"))
+    with pytest.raises(ValueError, match="rope type"):
+        kr.ModelConfig.from_hf(dict(cfg, rope_parameters={"rope_type": "yarn", "factor": 2.0}))
+    weights = kr.load_safetensors(path)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(KeyError, match="up_proj"):
+        kr.Runner(kr.ModelConfig.from_hf(cfg), weights)
+    with pytest.raises(FileNotFoundError):
+        kr.load_safetensors(tmp_path)
+
+
+def test_parse_layers():
+    assert kr.parse_layers("all", 4) == (0, 1, 2, 3)
+    assert kr.parse_layers("deep2", 4) == (2, 3)
+    assert kr.parse_layers("deep9", 4) == (0, 1, 2, 3)
+    assert kr.parse_layers("3, 1, 9", 4) == (1, 3)
+    for none in ("", "off", "0", "none", None):
+        assert kr.parse_layers(none, 4) == ()
+    assert kr.parse_layers([2, 0], 4) == (0, 2)
+
+
+# ------------------------------------------------------------------------------ command line
+def test_generate_command_runs_without_a_model(capsys):
+    assert cli.main(["generate", "--max-new-tokens", "5", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "embedded random-weight Llama" in out and "tokens/s" in out
+    assert "cache memory" in out and "attention share" in out
+
+
+def test_generate_command_with_a_checkpoint_and_tokenizer(saved, capsys, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    _, path = saved("qwen2")
+    folder = tmp_path / "with_tok"
+    folder.mkdir()
+    for f in path.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    vocab = {f"w{i}": i for i in range(128)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()
+    tok.save(str(folder / "tokenizer.json"))
+    argv = ["generate", "--model", str(folder), "--prompt", "w5 w17 w99", "--max-new-tokens",
+            "6", "--kv", "q8", "--no-progress"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "prompt (3 tokens): 'w5 w17 w99'" in out and "output (6 tokens): 'w" in out
+    argv = ["generate", "--model", str(path), "--ids", "5,17", "99", "--max-new-tokens", "4",
+            "--no-progress"]
+    assert cli.main(argv) == 0
+    assert "prompt (3 tokens): [5, 17, 99]" in capsys.readouterr().out
+    assert cli.main(["generate", "--model", str(tmp_path / "nope"), "--no-progress"]) == 1
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", str(path), "--prompt", "hi", "--no-progress"])
+    assert "tokenizer.json" in capsys.readouterr().err
