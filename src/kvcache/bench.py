@@ -182,6 +182,28 @@ the times say what a copy of that size costs here).
   every step (median of ``--sync-full-repeats``, default 7, quick 3).
 * Ratios full / step of bytes and of time, measured in the same run.
 
+Runner section (``--sections runner`` runs it alone; needs torch and transformers)
+------------------------------------------------------------------------------
+Decode tokens/s of :class:`kvcache.runner.Runner` against transformers' own CPU ``generate``
+(``attn_implementation="sdpa"``, its default ``DynamicCache``) on the same random-weight model,
+in the same run: a Llama-style decoder of 8 layers, hidden 1024, 16 query / 4 KV heads of 64,
+MLP 2816, vocabulary 32000 (float32 weights from ``torch.manual_seed``; about 555 MB read per
+token, so a step is a memory-bound pass over the weights plus the cache).
+
+* **Context.**  Prompt lengths 512, 4k and 16k (quick: 512, 4k).  Both caches are filled with
+  the same random K/V rows instead of running the prompt through the model (a 16k prefill would
+  take minutes on each side and is not what is measured); transformers gets them through
+  ``DynamicCache.update``, the runner through ``LayerKvCache.append`` (f32, and q8, which
+  quantises them).
+* **Decode.**  ``--runner-steps`` greedy steps (default 16, quick 8) on each side, starting
+  from the same last token.  Per-token time = median of the step intervals (the runner's
+  ``step`` calls; transformers' via a logits processor that stamps each step, the first
+  interval, which includes ``generate``'s setup, dropped).  tokens/s = 1 / that median.
+* **Attention share.**  The runner times its attention calls (``append`` +
+  ``attend_all_heads``); share = attention time / step time over the timed steps.
+* **Check.**  The first step's logits of the runner (f32) and of transformers, from the same
+  cache and token, must agree (max |diff| printed; a warning above 1e-3).
+
 The workload classes here (:class:`KvcacheDecode`, :class:`TorchDecode`,
 :class:`ReferenceDecode`, :class:`AppendFill`, :class:`O1Decode`, :class:`WireLayers`,
 :class:`MlaDecode`) are shared with the asv-style suite in ``benchmarks/`` so both measure the
@@ -241,7 +263,7 @@ QUICK_WORKING_SET = 512 * MiB
 MAX_LAYERS = 4096            # bounds object count for tiny layers (Qwen q8 at 1k is ~0.27 MiB)
 BANDWIDTH_BUFFER = GiB
 MODE_NAMES = ("f32", "q8")
-SECTIONS = ("decode", "append", "o1", "wire", "mla", "sync")
+SECTIONS = ("decode", "append", "o1", "wire", "mla", "sync", "runner")
 O1_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_O1_CONTEXTS = (1024, 4096)
 O1_M, O1_W, O1_SINK = 32, 128, 4
@@ -281,6 +303,12 @@ SYNC_STEPS, QUICK_SYNC_STEPS = 101, 21
 SYNC_FULL_REPEATS, QUICK_SYNC_FULL_REPEATS = 7, 3
 SYNC_CASES = ("f32", "q8", "latent")
 SYNC_ROLLBACK = (4, 5)       # truncate_last(4), then append 5: one speculative-decode round
+# runner section: kvcache.runner vs transformers generate on one random-weight model
+RUNNER_CONTEXTS, QUICK_RUNNER_CONTEXTS = (512, 4096, 16384), (512, 4096)
+RUNNER_STEPS, QUICK_RUNNER_STEPS = 16, 8
+RUNNER_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                    max_position_embeddings=32768)
 
 
 # ---------------------------------------------------------------------------------------- geometry
@@ -1015,6 +1043,9 @@ class Options:
     sync_steps: int = SYNC_STEPS
     sync_full_repeats: int = SYNC_FULL_REPEATS
     sync_backend: str = "torch"
+    runner: bool = True
+    runner_contexts: tuple = RUNNER_CONTEXTS
+    runner_steps: int = RUNNER_STEPS
 
 
 def run_torch(geom, context, k, v, opts, rec):
@@ -1616,6 +1647,159 @@ def sync_notes(rows, opts):
     if opts.sync_backend == "torch":
         out.append("the torch 'device' here is the CPU: a sync is a host memory copy; on a GPU "
                    "the same bytes cross the bus")
+    return out
+
+
+class RunnerVsTransformers:
+    """One random-weight Llama-style model in transformers and in :class:`kvcache.runner.Runner`
+    (the same float32 weights), with caches filled to a context of the same random K/V rows.
+
+    Parameters
+    ----------
+    model_kwargs : dict, optional
+        ``transformers.LlamaConfig`` arguments (default ``RUNNER_MODEL``).
+    """
+
+    def __init__(self, model_kwargs=None, seed=0):
+        import torch
+        import transformers
+        from .runner import ModelConfig, Runner
+        self.torch = torch
+        torch.manual_seed(seed)
+        cfg = transformers.LlamaConfig(**(model_kwargs or RUNNER_MODEL))
+        cfg._attn_implementation = "sdpa"
+        self.model = transformers.LlamaForCausalLM(cfg).eval()
+        self.model.generation_config.eos_token_id = None
+        self.cfg = cfg
+        self._weights = {k: v.detach().numpy() for k, v in self.model.state_dict().items()}
+        self.rcfg = ModelConfig.from_hf(cfg.to_dict())
+        self._Runner = Runner
+        self.nkv = cfg.num_key_value_heads
+        self.hd = cfg.hidden_size // cfg.num_attention_heads
+        self.seed = seed
+
+    def kv_rows(self, context):
+        rng = np.random.default_rng([self.seed, context])
+        shape = (context, self.nkv, self.hd)
+        return [(rng.standard_normal(shape, dtype=np.float32),
+                 rng.standard_normal(shape, dtype=np.float32))
+                for _ in range(self.cfg.num_hidden_layers)]
+
+    def runner(self, rows, kv):
+        context = rows[0][0].shape[0]
+        r = self._Runner(self.rcfg, self._weights, kv=kv, max_seq_len=context + 4096)
+        for layer, (k, v) in zip(r.cache.layers, rows):
+            layer.append(k, v)
+        r.position = context
+        return r
+
+    def time_runner(self, rows, kv, steps, token):
+        r = self.runner(rows, kv)
+        first = r.step(token)
+        tok = int(np.argmax(first))
+        times, att = [], []
+        for _ in range(steps):
+            a0, t0 = r.timings["attention_s"], time.perf_counter()
+            tok = int(np.argmax(r.step(tok)))
+            times.append(time.perf_counter() - t0)
+            att.append(r.timings["attention_s"] - a0)
+        return {"step_s": times, "attention_s": att, "first_logits": first,
+                "cache_bytes": r.memory_bytes()}
+
+    def time_transformers(self, rows, steps, token):
+        torch = self.torch
+        from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+        cache = DynamicCache(config=self.cfg)
+        for i, (k, v) in enumerate(rows):
+            cache.update(torch.from_numpy(np.ascontiguousarray(k.transpose(1, 0, 2)))[None],
+                         torch.from_numpy(np.ascontiguousarray(v.transpose(1, 0, 2)))[None], i)
+        stamps = []
+
+        class Stamp(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                stamps.append(time.perf_counter())
+                return scores
+
+        context = rows[0][0].shape[0]
+        ids = torch.zeros((1, context + 1), dtype=torch.long)
+        ids[0, -1] = token
+        # the ids before the last stand for the cached rows; an explicit mask keeps generate
+        # from taking them (zeros, the pad id) for padding and masking the cache out
+        kwargs = dict(max_new_tokens=steps + 1, do_sample=False, pad_token_id=0,
+                      attention_mask=torch.ones_like(ids),
+                      logits_processor=LogitsProcessorList([Stamp()]), output_logits=True,
+                      return_dict_in_generate=True)
+        with torch.no_grad():
+            try:
+                out = self.model.generate(ids, cache=cache, **kwargs)
+            except (TypeError, ValueError):      # transformers before the `cache` argument
+                out = self.model.generate(ids, past_key_values=cache, **kwargs)
+        return {"step_s": [float(d) for d in np.diff(stamps)],
+                "first_logits": out.logits[0][0].numpy()}
+
+
+def run_runner(opts, bar):
+    """The runner section: per context, the runner (f32, q8) and transformers in turn."""
+    try:
+        work = RunnerVsTransformers(seed=opts.seed)
+    except ImportError as exc:
+        log.warning("runner section skipped: it needs torch and transformers (%s)", exc)
+        return []
+    rows = []
+    token = 17
+    for context in opts.runner_contexts:
+        bar.set_postfix_str(f"runner {context_label(context)}")
+        kv = work.kv_rows(context)
+        rec = {"context": context, "steps": opts.runner_steps}
+        first = None
+        for mode in ("f32", "q8"):
+            res = work.time_runner(kv, mode, opts.runner_steps, token)
+            med = statistics.median(res["step_s"])
+            rec[mode] = {"tokens_per_s": 1.0 / med, "step_ms": 1e3 * med,
+                         "attention_share": sum(res["attention_s"]) / sum(res["step_s"]),
+                         "cache_bytes": res["cache_bytes"], "step_samples_s": res["step_s"]}
+            if first is None:
+                first = res["first_logits"]
+            gc.collect()
+        hf = work.time_transformers(kv, opts.runner_steps, token)
+        med = statistics.median(hf["step_s"])
+        rec["transformers"] = {"tokens_per_s": 1.0 / med, "step_ms": 1e3 * med,
+                               "step_samples_s": hf["step_s"]}
+        rec["max_abs_logit_diff"] = float(np.abs(first - hf["first_logits"]).max())
+        for mode in ("f32", "q8"):
+            rec[mode]["speedup_vs_transformers"] = (rec[mode]["tokens_per_s"]
+                                                    / rec["transformers"]["tokens_per_s"])
+        rows.append(rec)
+        del kv
+        gc.collect()
+        bar.update()
+    return rows
+
+
+def runner_table(rows):
+    body = []
+    for r in rows:
+        f, q, h = r["f32"], r["q8"], r["transformers"]
+        body.append([context_label(r["context"]), fmt(f["tokens_per_s"]), fmt(q["tokens_per_s"]),
+                     fmt(h["tokens_per_s"]), fmt_ratio(f["speedup_vs_transformers"]),
+                     fmt_ratio(q["speedup_vs_transformers"]),
+                     f"{100 * f['attention_share']:.0f}%", f"{100 * q['attention_share']:.0f}%",
+                     f"{f['cache_bytes'] / MiB:.4g}", f"{q['cache_bytes'] / MiB:.4g}",
+                     f"{r['max_abs_logit_diff']:.1e}"])
+    return render_table(["ctx", "runner f32 tok/s", "runner q8 tok/s", "transformers tok/s",
+                         "f32/hf", "q8/hf", "attn f32", "attn q8", "cache f32 MiB",
+                         "cache q8 MiB", "|dlogit|"], body)
+
+
+def runner_notes(rows, opts):
+    out = [f"median of {opts.runner_steps} greedy steps per side; transformers "
+           f"{_package_version('transformers')} generate (sdpa, DynamicCache), torch "
+           f"{_package_version('torch')}; model: Llama-style, {RUNNER_MODEL}",
+           "attn = share of the runner's step time in append + attend_all_heads"]
+    for r in rows:
+        if r["max_abs_logit_diff"] > 1e-3:
+            out.append(f"WARNING: at {context_label(r['context'])} the first-step logits differ "
+                       f"by {r['max_abs_logit_diff']:.2g} (> 1e-3)")
     return out
 
 
@@ -2265,7 +2449,8 @@ def build_parser():
                         "wire (to_bytes/from_bytes, export_wire/import_wire, checksum cost, "
                         "KvCache save/load), mla (absorbed MLA decode kernel vs the naive "
                         "NumPy form, latent read rate, compute ceiling), sync (device-mirror "
-                        "sync per decode step vs a full re-upload); default all, e.g. "
+                        "sync per decode step vs a full re-upload), runner (decode tokens/s "
+                        "of kvcache.runner vs transformers generate); default all, e.g. "
                         "--sections o1 runs the O(1) section alone")
     p.add_argument("--contexts", nargs="+", metavar="T", help="contexts, e.g. 1k 4k 16k 32k")
     p.add_argument("--geometries", nargs="+", metavar="G", help="llama3-8b and/or qwen2.5-0.5b")
@@ -2327,6 +2512,13 @@ def build_parser():
     p.add_argument("--sync-backend", choices=("torch", "numpy"),
                    help="the mirror's backend in the sync section (default torch when installed, "
                         "else numpy)")
+    p.add_argument("--no-runner", action="store_true", help="skip the runner section")
+    p.add_argument("--runner-contexts", nargs="+", metavar="T",
+                   help="prompt lengths of the runner section (default 512 4k 16k, quick "
+                        "512 4k)")
+    p.add_argument("--runner-steps", type=int,
+                   help=f"decode steps timed per side in the runner section (default "
+                        f"{RUNNER_STEPS}, quick {QUICK_RUNNER_STEPS})")
     p.add_argument("--bandwidth-mib", type=int,
                    help=f"buffer of the read-bandwidth probe, MiB (default "
                         f"{BANDWIDTH_BUFFER // MiB})")
@@ -2409,7 +2601,12 @@ def _resolve_options(args):
                    sync_full_repeats=max(1, args.sync_full_repeats
                                          or (QUICK_SYNC_FULL_REPEATS if quick
                                              else SYNC_FULL_REPEATS)),
-                   sync_backend=sync_backend)
+                   sync_backend=sync_backend,
+                   runner="runner" in sections and not args.no_runner,
+                   runner_contexts=(_split(args.runner_contexts, parse_context)
+                                    or list(QUICK_RUNNER_CONTEXTS if quick else RUNNER_CONTEXTS)),
+                   runner_steps=max(2, args.runner_steps
+                                    or (QUICK_RUNNER_STEPS if quick else RUNNER_STEPS)))
 
 
 def check_plot_backend():
@@ -2423,7 +2620,7 @@ def check_plot_backend():
 
 
 def print_report(info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
-                 file=None, wire_result=None, mla_result=None, sync_rows=()):
+                 file=None, wire_result=None, mla_result=None, sync_rows=(), runner_rows=()):
     file = sys.stdout if file is None else file              # at call time (capture, redirect)
 
     def p(*a):
@@ -2484,10 +2681,17 @@ def print_report(info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
         p(sync_table(sync_rows))
         for line in sync_notes(sync_rows, opts):
             p("  " + line)
+    if runner_rows:
+        p("")
+        p("decode tokens/s: kvcache.runner vs transformers generate, the same random-weight "
+          "model and cache contents:")
+        p(runner_table(runner_rows))
+        for line in runner_notes(runner_rows, opts):
+            p("  " + line)
 
 
 def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
-               wire_result=None, mla_result=None, sync_rows=()):
+               wire_result=None, mla_result=None, sync_rows=(), runner_rows=()):
     payload = {"machine": info,
                "options": {"geometries": [g.key for g in opts.geometries],
                            "contexts": opts.contexts, "modes": opts.modes,
@@ -2513,7 +2717,10 @@ def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=
                            "sync_section": opts.sync, "sync_context": opts.sync_context,
                            "sync_steps": opts.sync_steps,
                            "sync_full_repeats": opts.sync_full_repeats,
-                           "sync_backend": opts.sync_backend},
+                           "sync_backend": opts.sync_backend,
+                           "runner_section": opts.runner,
+                           "runner_contexts": opts.runner_contexts,
+                           "runner_steps": opts.runner_steps, "runner_model": RUNNER_MODEL},
                "bandwidth": {str(n): b for n, b in bandwidth.items()},
                "decode": rows, "append": append_rows, "o1": list(o1_rows)}
     if o1_rows:
@@ -2535,6 +2742,8 @@ def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=
                                if k not in ("rows", "summary")}
     if sync_rows:
         payload["sync"] = list(sync_rows)
+    if runner_rows:
+        payload["runner"] = list(runner_rows)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)
 
@@ -2558,10 +2767,11 @@ def main(argv=None):
                + (len(opts.o1_contexts) if opts.o1 else 0)
                + (opts.wire_repeats + 2 if opts.wire else 0)
                + (len(opts.mla_contexts) + 1 + (not opts.decode) if opts.mla else 0)
-               + (len(SYNC_CASES) if opts.sync else 0))
+               + (len(SYNC_CASES) if opts.sync else 0)
+               + (len(opts.runner_contexts) if opts.runner else 0))
     bar = progress_bar(n_tasks, enabled=not args.no_progress)
     bandwidth, rows, o1_rows, o1_s, wire_result, mla_result = {}, [], [], 0.0, None, None
-    sync_rows = []
+    sync_rows, runner_rows = [], []
     try:
         if opts.decode or opts.mla:
             bar.set_postfix_str("bandwidth probe")
@@ -2580,6 +2790,8 @@ def main(argv=None):
             mla_result = run_mla(opts, bandwidth, bar)
         if opts.sync:
             sync_rows = run_sync(opts, bar)
+        if opts.runner:
+            runner_rows = run_runner(opts, bar)
     finally:
         bar.close()
     accuracy_warnings(rows)
@@ -2587,10 +2799,12 @@ def main(argv=None):
         mla_accuracy_warnings(mla_result["rows"])
     warn_if_busy(monitor, info)
     print_report(info, opts, bandwidth, rows, append_rows, o1_rows, o1_s,
-                 wire_result=wire_result, mla_result=mla_result, sync_rows=sync_rows)
+                 wire_result=wire_result, mla_result=mla_result, sync_rows=sync_rows,
+                 runner_rows=runner_rows)
     if args.json:
         write_json(args.json, info, opts, bandwidth, rows, append_rows, o1_rows, o1_s,
-                   wire_result=wire_result, mla_result=mla_result, sync_rows=sync_rows)
+                   wire_result=wire_result, mla_result=mla_result, sync_rows=sync_rows,
+                   runner_rows=runner_rows)
         print(f"raw results written to {args.json}")
     if args.plot and rows:
         write_plot(args.plot, rows, bandwidth)
