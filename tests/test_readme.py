@@ -1,4 +1,7 @@
-"""The README's Python examples run as written (they share one namespace, in order)."""
+"""The README's Python examples run as written (they share one namespace, in order).
+
+Blocks fenced as ``py`` instead of ``python`` are illustrations that need outside files (a
+checkpoint) and are not run."""
 
 import pathlib
 import re

@@ -1,0 +1,619 @@
+"""Hugging Face transformers integration: a ``Cache`` stored in kvcache, and kvcache attention.
+
+Importing this module registers an attention implementation named ``"kvcache"`` with
+transformers, so a causal language model loaded with it decodes through kvcache's grouped-query
+kernels, reading K/V straight from a :class:`kvcache.LayerKvCache` per decoder layer::
+
+    import kvcache.hf
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="kvcache")
+    cache = kvcache.hf.HfKvCache(model.config, mode="q8")      # or "f32" (the default)
+    out = model.generate(input_ids, max_new_tokens=64, do_sample=False, cache=cache)
+    # (transformers < 5.24 names that argument past_key_values; kvcache.hf.generate picks the name)
+
+How the pieces fit
+------------------
+transformers' attention modules call ``cache.update(key, value, layer_idx)`` with the new
+positions' keys and values, then the registered attention function with the queries.
+:meth:`HfKvCache.update` appends the new rows to the layer's :class:`~kvcache.LayerKvCache` and
+returns the *new* key/value tensors unchanged (no concatenated copy of the history is built),
+with the layer attached to the key tensor.  :func:`kvcache_attention` finds the layer there and
+calls :meth:`~kvcache.LayerKvCache.attend_all_heads` once for the whole block of queries
+(``scale`` = the module's ``scaling``, ``window`` = the ``sliding_window`` the model passes,
+``softcap`` = Gemma-2's ``attn_logit_softcapping``).  The n queries of a block attend causally
+to every stored row up to their own, so a prefill is one call and a decode step is one call.
+Tensors cross to NumPy without copies where their layout allows (``Tensor.numpy()``).
+
+Masks.  kvcache attention is causal by construction, with the sliding window applied in the
+kernel, so no mask tensor is ever built: the mask function registered under the same name
+returns None.  It raises instead of silently ignoring what it cannot express: padding (a 2-D
+``attention_mask`` with zeros) and mask overlays (image-token or packed-sequence masks,
+bidirectional attention).  An explicit 4-D mask passed by the caller is refused by the
+attention function.  transformers' sliding mask (``kv_idx > q_idx - window`` and
+``kv_idx <= q_idx``) is exactly kvcache's ``window=w``: the last ``w`` rows up to and including
+the query's own.
+
+Without an :class:`HfKvCache` (``use_cache=False``, or ``generate`` with its default
+``DynamicCache``) the attention function still computes through kvcache's kernels: it copies
+the keys and values it is given into a temporary float32 layer per batch row.  That is correct
+(batch rows without padding) but not the fast path; pass an :class:`HfKvCache` for decoding.
+
+Supported versions
+------------------
+transformers >= 5.0, < 6 with PyTorch on the CPU.  Written against 5.24.0 (the release pip
+installs today, torch 2.13) and verified there and on 5.0.0, 5.8.1, 5.14.1 and 5.20.2 with
+Llama, Mistral, Qwen2 and Gemma-2 (the test suite of ``tests/test_hf.py``).  The differences
+inside 5.x are handled: early releases size masks from ``cache_position``, name the cache
+argument ``past_key_values`` (5.24: ``cache``; the old name still works with a FutureWarning)
+and call ``crop`` with an absolute length.  Importing with transformers older than 5.0 raises
+ImportError: 4.57 calls mask functions differently (probed: its plain causal masks arrive
+looking like overlays) and has other cache-layer signatures.  The model families are those
+whose attention modules pass ``scaling`` (and, where they have them, ``sliding_window`` and
+``softcap``) to the attention interface; models needing attention sinks (``s_aux``), chunked
+attention or bidirectional attention are refused with an error.
+
+Limitations
+-----------
+* Batch size 1 (one sequence per cache); beam search and batched generation raise.
+* CPU tensors only; inference only (no gradients flow through kvcache attention, and a module
+  in training mode raises).  float16/bfloat16 models work, converting to float32 at the
+  boundary.
+* Sliding-window layers keep every row (the window is applied in the kernel), so memory grows
+  like a full layer; in exchange :meth:`HfKvCache.crop` rolls back any layer kind exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from .layer import LayerKvCache
+from .modes import KvMode
+
+try:
+    import torch
+    import transformers
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as exc:     # tests/test_hf.py hides transformers to exercise this
+    raise ImportError(
+        "kvcache.hf needs PyTorch and Hugging Face transformers (>= 5.0, < 6; verified up to "
+        "5.24.0).  Install them with `pip install 'kvcache[hf]'` or `pip install torch transformers`."
+    ) from exc
+
+__all__ = ["ATTN_IMPLEMENTATION", "HfKvCache", "HfKvLayer", "generate", "kvcache_attention",
+           "kvcache_mask", "parse_mode", "register"]
+
+#: The name the attention (and mask) function is registered under.
+ATTN_IMPLEMENTATION = "kvcache"
+
+_MIN_TRANSFORMERS = (5, 0)
+_VERIFIED_TRANSFORMERS = "5.0.0 to 5.24.0"
+_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+_TAG = "_kvcache_layer"          # attribute carrying the HfKvLayer on the key tensor
+
+
+def _version_tuple(text):
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+if _version_tuple(transformers.__version__) < _MIN_TRANSFORMERS:
+    raise ImportError(
+        f"kvcache.hf needs transformers >= {'.'.join(map(str, _MIN_TRANSFORMERS))} (verified with "
+        f"{_VERIFIED_TRANSFORMERS}), found {transformers.__version__}; upgrade with "
+        "`pip install -U transformers`.")
+
+
+def parse_mode(mode):
+    """A :class:`kvcache.KvMode` from a mode or its name.
+
+    Parameters
+    ----------
+    mode : KvMode, str or None
+        ``None`` reads ``KVCACHE_KV`` (:meth:`KvMode.from_env`, float32 when unset); strings
+        are ``"f32"``, ``"q8"`` (int8 K and V), ``"q8k"`` (int8 K only) or ``"q8v"`` (int8 V
+        only), case-insensitive.
+
+    Returns
+    -------
+    KvMode
+    """
+    if mode is None:
+        return KvMode.from_env()
+    if isinstance(mode, KvMode):
+        return mode
+    if isinstance(mode, str):
+        key = mode.strip().lower()
+        table = {"f32": KvMode.F32, "float32": KvMode.F32, "q8": KvMode.Q8(True, True),
+                 "q8k": KvMode.Q8(True, False), "q8v": KvMode.Q8(False, True)}
+        if key in table:
+            return table[key]
+        raise ValueError(f"mode: expected 'f32', 'q8', 'q8k' or 'q8v', got {mode!r}")
+    raise TypeError(f"mode: expected a KvMode, a mode name or None, got {type(mode).__name__}")
+
+
+def _check_cpu(name, tensor):
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor (kvcache stores and computes on the CPU), "
+                         f"got device {tensor.device}; load the model on the CPU")
+
+
+def _as_numpy(tensor):
+    """A float32 NumPy view of a CPU tensor (a copy only when the dtype must change)."""
+    t = tensor.detach()
+    if t.dtype != torch.float32:
+        t = t.to(torch.float32)
+    return t.numpy()
+
+
+def _rows(states):
+    """(batch=1, nkv, n, hd) key/value states as a float32 array (n, nkv, hd)."""
+    return _as_numpy(states[0].transpose(0, 1))
+
+
+class _Handoff:
+    """State shared by a cache and its layers: the layer whose rows were appended by the last
+    ``update`` and not yet attended (None when every update was followed by kvcache attention)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self):
+        self.pending = None
+
+
+class HfKvLayer(CacheLayerMixin):
+    """One decoder layer of an :class:`HfKvCache`: a :class:`kvcache.LayerKvCache` behind
+    transformers' cache-layer interface.
+
+    Created by :class:`HfKvCache`; the kvcache layer itself is created on the first
+    :meth:`update` (its geometry is read from the key tensor) and is :attr:`kv`.
+
+    Parameters
+    ----------
+    mode : KvMode
+    sliding_window : int, optional
+        The layer's window from the config: reported to transformers (``is_sliding``) and used
+        by :func:`kvcache_attention` when the model passes none.
+    """
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = True
+
+    def __init__(self, mode=KvMode.F32, sliding_window=None, _handoff=None):
+        super().__init__()
+        self.mode = parse_mode(mode)
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.kv = None
+        self._handoff = _Handoff() if _handoff is None else _handoff
+
+    def __repr__(self):
+        window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
+        return f"HfKvLayer(mode={self.mode!r}, seq_len={self.get_seq_length()}{window})"
+
+    # ------------------------------------------------------------------ storage
+    def lazy_initialization(self, key_states, value_states):
+        """Create the kvcache layer for keys shaped (1, num_kv_heads, n, head_dim)."""
+        _check_batch(key_states)
+        self.kv = LayerKvCache(int(key_states.shape[1]), int(key_states.shape[-1]), mode=self.mode)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Append the new positions and return the new key/value states.
+
+        Parameters
+        ----------
+        key_states, value_states : torch.Tensor of shape (1, num_kv_heads, n, head_dim)
+            The keys (after rotary embedding) and values of the n new positions, on the CPU.
+
+        Returns
+        -------
+        key_states, value_states : torch.Tensor
+            The tensors given, not the history: the key tensor carries this layer so that
+            :func:`kvcache_attention` attends over the stored rows without materialising them.
+        """
+        _check_batch(key_states)
+        _check_cpu("key_states", key_states)
+        _check_cpu("value_states", value_states)
+        if tuple(key_states.shape) != tuple(value_states.shape):
+            raise ValueError(f"value_states: expected the shape of key_states "
+                             f"{tuple(key_states.shape)}, got {tuple(value_states.shape)}")
+        if self.kv is None:
+            self.lazy_initialization(key_states, value_states)
+        self.kv.append(_rows(key_states), _rows(value_states))
+        setattr(key_states, _TAG, self)
+        return key_states, value_states
+
+    def get_seq_length(self):
+        """Positions stored."""
+        return 0 if self.kv is None else self.kv.seq_len
+
+    def get_mask_sizes(self, query_length):
+        """(kv_length, kv_offset) for mask creation: every stored row plus the queries, offset 0.
+
+        ``query_length`` is the number of queries (transformers 5.24) or their
+        ``cache_position`` tensor (early 5.x releases)."""
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self.get_seq_length() + int(query_length), 0
+
+    def get_max_length(self):
+        """-1: the layer grows without bound."""
+        return -1
+
+    get_max_cache_shape = get_max_length      # the name early 5.x releases use
+
+    def reset(self):
+        """Forget every position (keeps the mode and geometry)."""
+        if self.kv is not None:
+            self.kv.clear()
+
+    def crop(self, tokens_to_remove):
+        """Roll back positions (speculative decoding).
+
+        Parameters
+        ----------
+        tokens_to_remove : int
+            Negative: drop the newest ``-tokens_to_remove`` positions (what transformers 5.x
+            passes).  Positive: keep the first ``tokens_to_remove`` positions (the older
+            absolute form of ``crop(max_length)``).  0: nothing (as in transformers 5.24).
+        """
+        n = int(tokens_to_remove)
+        if self.kv is None or n == 0:
+            return
+        drop = -n if n < 0 else max(self.kv.seq_len - n, 0)
+        self.kv.truncate_last(drop)
+
+    def offload(self):
+        """No-op: kvcache storage lives on the CPU already."""
+
+    def prefetch(self):
+        """No-op: kvcache storage lives on the CPU already."""
+
+    def reorder_cache(self, beam_idx):
+        """Beam search is not supported: raises unless ``beam_idx`` is the identity ``[0]``."""
+        _refuse_batch_op("reorder_cache (beam search)", beam_idx)
+
+    def batch_repeat_interleave(self, repeats):
+        """Only ``repeats == 1`` (a no-op) is supported: the cache holds one sequence."""
+        if int(repeats) != 1:
+            raise NotImplementedError(
+                f"HfKvCache holds one sequence (batch size 1) and cannot be repeated {repeats} "
+                "times for beam search or num_return_sequences > 1")
+
+    def batch_select_indices(self, indices):
+        """Only selecting row 0 (a no-op) is supported: the cache holds one sequence."""
+        _refuse_batch_op("batch_select_indices", indices)
+
+
+def _check_batch(states):
+    if states.ndim != 4:
+        raise ValueError(f"key_states: expected shape (batch, num_kv_heads, seq, head_dim), got "
+                         f"{tuple(states.shape)}")
+    if states.shape[0] != 1:
+        raise ValueError(
+            f"key_states: expected batch size 1, got {states.shape[0]}; HfKvCache holds one "
+            "sequence, so batched generation, num_return_sequences > 1 and beam search are not "
+            "supported (run sequences one at a time, each with its own cache)")
+
+
+def _refuse_batch_op(what, indices):
+    idx = torch.as_tensor(indices).reshape(-1)
+    if idx.numel() == 1 and int(idx[0]) == 0:
+        return
+    raise NotImplementedError(
+        f"HfKvCache.{what}: the cache holds one sequence (batch size 1); beam search and "
+        f"batch re-indexing are not supported (got indices {idx.tolist()})")
+
+
+class HfKvCache(Cache):
+    """A transformers ``Cache`` whose layers are :class:`kvcache.LayerKvCache` objects.
+
+    Use it with a model loaded with ``attn_implementation="kvcache"``; attention then reads
+    K/V from kvcache storage (float32 or int8 rows) through kvcache's kernels.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig, optional
+        The model's config (``model.config``).  Gives the number of layers and which ones use
+        a sliding window; without it layers are added as ``update`` reaches them.  Configs
+        with layer types other than full and sliding attention raise NotImplementedError.
+    mode : KvMode, str or None
+        Storage precision of every layer, see :func:`parse_mode`; None reads ``KVCACHE_KV``
+        (float32 when unset).
+
+    Attributes
+    ----------
+    mode : KvMode
+    layers : list of HfKvLayer
+
+    Notes
+    -----
+    One sequence per cache (batch size 1).  ``crop`` rolls back any layer, sliding ones
+    included, because every row is kept; ``reorder_cache`` (beam search) raises.
+
+    Examples
+    --------
+    >>> cache = HfKvCache(model.config, mode="q8")                       # doctest: +SKIP
+    >>> model.generate(ids, max_new_tokens=32, do_sample=False, cache=cache)  # doctest: +SKIP
+    """
+
+    def __init__(self, config=None, mode=None):
+        self.mode = parse_mode(mode)
+        self._handoff = _Handoff()
+        layers = []
+        if config is not None:
+            windows = _layer_windows(config)
+            layers = [HfKvLayer(self.mode, w, self._handoff) for w in windows]
+        super().__init__(layers=layers)
+
+    def __repr__(self):
+        return (f"HfKvCache(mode={self.mode!r}, num_layers={len(self.layers)}, "
+                f"seq_len={self.get_seq_length()})")
+
+    def __bool__(self):
+        return True
+
+    @property
+    def is_croppable(self):
+        """True: :meth:`crop` rolls every layer back exactly (sliding layers included)."""
+        return True
+
+    @property
+    def kv_layers(self):
+        """The kvcache layers, one per decoder layer (None for a layer not yet updated)."""
+        return [layer.kv for layer in self.layers]
+
+    def memory_bytes(self):
+        """Bytes of K/V storage held, summed over layers (see LayerKvCache.memory_bytes)."""
+        return sum(kv.memory_bytes() for kv in self.kv_layers if kv is not None)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Append the new positions of layer ``layer_idx``; see :meth:`HfKvLayer.update`.
+
+        Raises RuntimeError when the previous update was not consumed by kvcache attention:
+        the model is not running ``attn_implementation="kvcache"``, and its attention would
+        have seen only the new positions.
+        """
+        pending = self._handoff.pending
+        if pending is not None:
+            raise RuntimeError(
+                f"HfKvCache: the attention of layer {pending} did not go through kvcache (the "
+                "model's attn_implementation is not 'kvcache'), so it saw only the new positions. "
+                "Load the model with attn_implementation='kvcache' (after `import kvcache.hf`) or "
+                "call model.set_attn_implementation('kvcache'), and start from a new cache "
+                "(this one is now inconsistent)")
+        while len(self.layers) <= layer_idx:
+            self.layers.append(HfKvLayer(self.mode, None, self._handoff))
+        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        self._handoff.pending = layer_idx
+        return keys, values
+
+    def reset(self):
+        """Forget every position in every layer (keeps layers, mode and geometry)."""
+        self._handoff.pending = None
+        super().reset()
+
+
+def _layer_windows(config):
+    """Per decoder layer: the sliding window (int) or None for full attention."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n_layers = getattr(cfg, "num_hidden_layers", None)
+    if n_layers is None:
+        raise ValueError("config: expected a decoder config with num_hidden_layers, got "
+                         f"{type(config).__name__} without it")
+    if getattr(cfg, "attention_chunk_size", None) is not None:
+        raise NotImplementedError("HfKvCache: chunked attention (attention_chunk_size) is not "
+                                  "supported by kvcache attention")
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        bad = sorted({t for t in types if t not in _SUPPORTED_LAYER_TYPES})
+        if bad:
+            raise NotImplementedError(f"HfKvCache: layer types {bad} are not supported (kvcache "
+                                      f"attention covers {list(_SUPPORTED_LAYER_TYPES)})")
+    return [_config_window(cfg, i) for i in range(n_layers)]
+
+
+def _config_window(config, index):
+    """Layer ``index``'s sliding window as transformers' masks derive it: the config's
+    ``sliding_window`` on layers typed "sliding_attention", or on every layer of a config
+    without ``layer_types`` (Mistral); None otherwise."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return window
+    return window if types[index] == "sliding_attention" else None
+
+
+# ---------------------------------------------------------------------------- attention function
+def kvcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      sliding_window=None, softcap=None, **kwargs):
+    """transformers attention function computing through kvcache's kernels.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The calling attention module.
+    query : torch.Tensor of shape (batch, num_heads, n, head_dim)
+    key, value : torch.Tensor of shape (batch, num_kv_heads, kv_len, head_dim)
+        From :meth:`HfKvCache.update`: the n new positions, the key carrying its kvcache
+        layer, which holds the history.  From any other cache (or none): every position the
+        queries see, the queries being the last n of them.
+    attention_mask : None
+        kvcache builds the causal (and sliding-window) pattern itself; a mask tensor raises.
+    dropout : float
+        Must be 0 (inference only).
+    scaling : float, optional
+        Score scale, default ``head_dim ** -0.5``.
+    sliding_window : int, optional
+        Attend only to the last ``sliding_window`` positions up to and including the query's.
+        When None, the module's ``sliding_window`` attribute or the window the config gives
+        this layer is used (the one transformers' mask would apply).
+    softcap : float, optional
+        Attention logit softcapping (Gemma-2): ``softcap * tanh(score / softcap)``.
+
+    Returns
+    -------
+    attn_output : torch.Tensor of shape (batch, n, num_heads, head_dim), the query's dtype
+    attn_weights : None
+    """
+    layer = getattr(key, _TAG, None)
+    if layer is not None:
+        layer._handoff.pending = None           # consumed, whatever happens next
+    if getattr(module, "training", False) or (dropout or 0.0) > 0.0:
+        raise RuntimeError("kvcache attention is inference-only (no dropout, no gradients); "
+                           "call model.eval()")
+    if attention_mask is not None:
+        raise ValueError(
+            "attention_mask: kvcache attention applies the causal and sliding-window patterns "
+            "itself and takes no explicit 4-D mask, got a tensor of shape "
+            f"{tuple(attention_mask.shape)}")
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        raise NotImplementedError("kvcache attention is causal only (bidirectional attention "
+                                  "is not supported)")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("kvcache attention does not support attention sinks (s_aux)")
+    _check_cpu("query", query)
+    batch, num_heads, n, head_dim = query.shape
+    window = _window(module, layer, sliding_window)
+    cap = float(softcap) if softcap else 0.0
+    scale = None if scaling is None else float(scaling)
+    out = torch.empty((batch, n, num_heads, head_dim), dtype=torch.float32)
+    q = _as_numpy(query.transpose(1, 2))                 # (batch, n, num_heads, head_dim)
+    if layer is not None:
+        if batch != 1:
+            _check_batch(query)
+        if key.shape[2] != n:
+            raise ValueError(f"query: expected the {key.shape[2]} positions just appended to the "
+                             f"cache, got {n}")
+        layer.kv.attend_all_heads(q[0], scale=scale, window=window, softcap=cap,
+                                  out=out[0].numpy())
+    else:
+        _check_cpu("key", key)
+        if key.shape[2] < n:
+            raise ValueError(f"key: expected at least the {n} query positions, got {key.shape[2]}")
+        k = _as_numpy(key.transpose(1, 2))               # (batch, kv_len, num_kv_heads, head_dim)
+        v = _as_numpy(value.transpose(1, 2))
+        for b in range(batch):
+            tmp = LayerKvCache(k.shape[2], head_dim, mode=KvMode.F32)
+            tmp.append(k[b], v[b])
+            tmp.attend_all_heads(q[b], scale=scale, window=window, softcap=cap,
+                                 out=out[b].numpy())
+    if query.dtype != torch.float32:
+        out = out.to(query.dtype)
+    return out, None
+
+
+def _window(module, layer, sliding_window):
+    """The sliding window of this call: the ``sliding_window`` the model passes, else the
+    module's ``sliding_window`` attribute, else the one the config gives the layer (what
+    transformers' mask uses; some models, e.g. Qwen2-MoE and PhiMoE, only tell the mask)."""
+    window = sliding_window
+    if window is None:
+        window = getattr(module, "sliding_window", None)
+    if window is None and layer is not None:
+        window = layer.sliding_window
+    if window is None:
+        config = getattr(module, "config", None)
+        index = getattr(module, "layer_idx", None)
+        if config is not None and index is not None:
+            window = _config_window(config, index)
+    return int(window) if window else None
+
+
+def kvcache_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
+                 mask_function=None, attention_mask=None, allow_is_causal_skip=True, use_vmap=False,
+                 **kwargs):
+    """transformers mask function for kvcache attention: returns None (no mask is needed).
+
+    Raises instead of dropping information the kernels cannot apply: padding zeros in the
+    2-D ``attention_mask`` (ValueError), and mask patterns other than causal / sliding-window
+    causal -- overlays, packed sequences, bidirectional or chunked attention
+    (NotImplementedError).
+    """
+    if use_vmap or not allow_is_causal_skip or "allow_is_bidirectional_skip" in kwargs:
+        raise NotImplementedError(
+            "kvcache attention is causal (optionally sliding-window) over one unpadded sequence; "
+            "this model asked for another mask pattern (overlay, packed sequences, "
+            "bidirectional or blockwise attention)")
+    config = kwargs.get("config")
+    if config is not None and getattr(config, "attention_chunk_size", None) is not None:
+        raise NotImplementedError("kvcache attention does not support chunked attention")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "attention_mask: kvcache attention does not support padding (the 2-D mask has zeros); "
+            "pass one unpadded sequence (batch size 1), or drop the padding tokens")
+    return None
+
+
+def register(name=ATTN_IMPLEMENTATION):
+    """Register :func:`kvcache_attention` and :func:`kvcache_mask` with transformers.
+
+    Idempotent; done once on import.  Afterwards
+    ``AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)`` (or
+    ``model.set_attn_implementation(name)``) routes attention through kvcache.
+
+    Parameters
+    ----------
+    name : str
+        Registration name, default ``"kvcache"``.
+
+    Returns
+    -------
+    str
+        The name registered.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(name, kvcache_attention)
+    AttentionMaskInterface.register(name, kvcache_mask)
+    return name
+
+
+def _cache_kwarg(model):
+    """The keyword the model's ``forward`` takes its cache under: ``cache`` (transformers 5.24)
+    or ``past_key_values`` (older releases)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def generate(model, input_ids, *, mode=None, cache=None, **kwargs):
+    """``model.generate`` with an :class:`HfKvCache`.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Loaded with ``attn_implementation="kvcache"``.
+    input_ids : torch.LongTensor of shape (1, n)
+    mode : KvMode, str or None
+        Storage precision of a new cache (ignored when ``cache`` is given).
+    cache : HfKvCache, optional
+        A cache to continue from (multi-turn); a new one is made otherwise.
+    **kwargs
+        Passed to ``model.generate`` (``max_new_tokens``, ``do_sample``, ...).
+
+    Returns
+    -------
+    What ``model.generate`` returns.  The cache is reachable through the output when
+    ``return_dict_in_generate=True``, or pass your own ``cache``.
+    """
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != ATTN_IMPLEMENTATION:
+        raise ValueError(f"model: expected attn_implementation={ATTN_IMPLEMENTATION!r}, got "
+                         f"{impl!r}; load it with attn_implementation='kvcache' or call "
+                         "model.set_attn_implementation('kvcache')")
+    if cache is None:
+        cache = HfKvCache(model.config, mode=mode)
+    elif not isinstance(cache, HfKvCache):
+        raise TypeError(f"cache: expected an HfKvCache, got {type(cache).__name__}")
+    kwargs[_cache_kwarg(model)] = cache
+    return model.generate(input_ids, **kwargs)
+
+
+register()

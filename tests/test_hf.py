@@ -1,0 +1,320 @@
+"""kvcache.hf: transformers Cache + "kvcache" attention against transformers' own path.
+
+Tiny random models of four families (Llama, Mistral with a sliding window shorter than the
+prompt, Qwen2 with projection biases, Gemma-2 with alternating sliding layers, logit softcapping
+and query_pre_attn_scalar) are saved, reloaded with ``attn_implementation="kvcache"`` and with
+the default implementation (sdpa; eager for Gemma-2), and compared: prompt logits, greedy
+``generate`` tokens and per-step logits, int8 (q8) agreement, rollback (crop, prompt-lookup
+speculative decoding) and the errors promised for what the integration does not support.
+
+The measured figures are printed with the prefix ``[hf]`` (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+kh = pytest.importorskip("kvcache.hf")
+
+import kvcache as kc  # noqa: E402
+
+PROMPT = 40           # > sliding window (8) and < 64, so the q8 column freeze happens in decode
+NEW = 32
+TOL = 1e-4            # max abs logit difference vs transformers' default attention
+
+
+def _report(*parts):
+    print("[hf]", *parts)
+
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,
+               pad_token_id=0, bos_token_id=None, eos_token_id=None, initializer_range=0.2)
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2, sliding_window=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=24,
+                    attn_logit_softcapping=5.0, final_logit_softcapping=30.0)),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def fam(request, tmp_path_factory):
+    """A tiny seeded model saved to disk, loaded twice: kvcache attention and the default."""
+    cfg_name, model_name, extra = FAMILIES[request.param]
+    config = getattr(transformers, cfg_name)(**_COMMON, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    auto = transformers.AutoModelForCausalLM
+    mk = auto.from_pretrained(path, attn_implementation="kvcache")
+    # Gemma-2 needs eager in every 5.x (5.24 picks it by default; early 5.x picked sdpa, which
+    # dropped the attention softcap)
+    ref_impl = {"attn_implementation": "eager"} if request.param == "gemma2" else {}
+    mr = auto.from_pretrained(path, **ref_impl)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (1, PROMPT), generator=gen)
+    with torch.no_grad():
+        ref = mr.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
+                          output_logits=True)
+    return types.SimpleNamespace(name=request.param, mk=mk, mr=mr, ids=ids, path=path,
+                                 ref_seq=ref.sequences, ref_logits=torch.stack(ref.logits))
+
+
+# transformers 5.24 names the cache argument ``cache``; early 5.x releases ``past_key_values``
+_FORWARD_PARAMS = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+_CACHE_KW = "cache" if "cache" in _FORWARD_PARAMS else "past_key_values"
+
+
+def _cache(cache):
+    return {_CACHE_KW: cache}
+
+
+def _forward(model, ids, cache=None, **kw):
+    with torch.no_grad():
+        if cache is None:
+            return model(ids, **kw).logits
+        return model(ids, use_cache=True, **_cache(cache), **kw).logits
+
+
+# ----------------------------------------------------------------------------------- parity
+def test_prompt_logits_match_default_attention(fam):
+    assert fam.mk.config._attn_implementation == "kvcache"
+    assert fam.mr.config._attn_implementation in ("sdpa", "eager")
+    cache = kh.HfKvCache(fam.mk.config, mode="f32")
+    got = _forward(fam.mk, fam.ids, cache)
+    want = _forward(fam.mr, fam.ids)
+    diff = (got - want).abs().max().item()
+    _report(f"{fam.name}: prompt logits max abs diff {diff:.2e} "
+            f"(vs {fam.mr.config._attn_implementation})")
+    assert diff <= TOL
+    assert cache.get_seq_length() == PROMPT
+    assert all(isinstance(kv, kc.LayerKvCache) and kv.seq_len == PROMPT for kv in cache.kv_layers)
+    assert cache.memory_bytes() > 0
+
+
+def test_generate_matches_default_attention(fam):
+    cache = kh.HfKvCache(fam.mk.config, mode=kc.KvMode.F32)
+    with torch.no_grad():
+        out = fam.mk.generate(fam.ids, max_new_tokens=NEW, do_sample=False, **_cache(cache),
+                              return_dict_in_generate=True, output_logits=True)
+    diff = (torch.stack(out.logits) - fam.ref_logits).abs().max().item()
+    same = torch.equal(out.sequences, fam.ref_seq)
+    _report(f"{fam.name}: generate {NEW} tokens equal={same}, "
+            f"per-step logits max abs diff {diff:.2e}")
+    assert same
+    assert diff <= TOL
+    # the cache holds every position but the last generated token (never fed back)
+    assert cache.get_seq_length() == PROMPT + NEW - 1
+
+
+def test_without_hfkvcache_attention_still_matches(fam):
+    """No cache / transformers' DynamicCache: the kernels run on a temporary layer."""
+    got = _forward(fam.mk, fam.ids, use_cache=False)
+    diff = (got - _forward(fam.mr, fam.ids)).abs().max().item()
+    assert diff <= TOL
+    with torch.no_grad():
+        seq = fam.mk.generate(fam.ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(seq, fam.ref_seq[:, :PROMPT + 8])
+
+
+def test_multi_turn_reuses_the_cache(fam):
+    cache = kh.HfKvCache(fam.mk.config)
+    with torch.no_grad():
+        first = fam.mk.generate(fam.ids, max_new_tokens=NEW // 2, do_sample=False, **_cache(cache))
+        second = fam.mk.generate(first, max_new_tokens=NEW // 2, do_sample=False, **_cache(cache))
+    assert torch.equal(second, fam.ref_seq)
+
+
+# ----------------------------------------------------------------------------------- q8
+def test_q8_agrees_with_f32(fam):
+    """Teacher-forced along the f32 greedy sequence: prefill the prompt, then decode step by
+    step (crossing the 64-row column freeze), comparing top-1 with the f32 cache."""
+    seq = fam.ref_seq
+    caches = {m: kh.HfKvCache(fam.mk.config, mode=m) for m in ("f32", "q8")}
+    logits = {}
+    for m, cache in caches.items():
+        rows = [_forward(fam.mk, seq[:, :PROMPT], cache)[0, -1]]
+        for i in range(PROMPT, seq.shape[1] - 1):
+            rows.append(_forward(fam.mk, seq[:, i:i + 1], cache)[0, -1])
+        logits[m] = torch.stack(rows)
+    agree = (logits["q8"].argmax(-1) == logits["f32"].argmax(-1)).float().mean().item()
+    diff = (logits["q8"] - logits["f32"]).abs().max().item()
+    _report(f"{fam.name}: q8 top-1 agreement with f32 {agree:.3f} over {len(logits['q8'])} steps, "
+            f"max abs logit diff {diff:.2e}")
+    assert agree >= 0.9
+    assert diff > 0                                       # int8 storage was really used
+    kv = caches["q8"].kv_layers[0]
+    assert kv.mode == kc.KvMode.Q8(True, True) and kv.q8_rows(0)[0] is not None
+    assert caches["q8"].memory_bytes() < caches["f32"].memory_bytes()
+
+
+def test_generate_helper_q8(fam):
+    with torch.no_grad():
+        seq = kh.generate(fam.mk, fam.ids, mode="q8", max_new_tokens=4, do_sample=False)
+    assert seq.shape == (1, PROMPT + 4)
+    with pytest.raises(ValueError, match="attn_implementation"):
+        kh.generate(fam.mr, fam.ids, max_new_tokens=1)
+
+
+# ----------------------------------------------------------------------------------- rollback
+def test_crop_then_refeed_equals_fresh_forward(fam):
+    seq = fam.ref_seq[:, :PROMPT + 8]
+    cache = kh.HfKvCache(fam.mk.config)
+    _forward(fam.mk, seq, cache)
+    cache.crop(-5)                                        # drop the newest 5 (transformers 5.x)
+    assert cache.get_seq_length() == PROMPT + 3
+    cache.crop(0)                                         # no-op
+    assert cache.get_seq_length() == PROMPT + 3
+    redo = _forward(fam.mk, seq[:, -5:], cache)
+    fresh = _forward(fam.mk, seq)[:, -5:]
+    assert (redo - fresh).abs().max().item() <= 1e-5
+    cache.crop(PROMPT)                                    # absolute form keeps the first PROMPT
+    assert [kv.seq_len for kv in cache.kv_layers] == [PROMPT] * len(cache.layers)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+
+
+def test_prompt_lookup_speculative_decoding(fam, monkeypatch):
+    """Assisted generation verifies drafts and crops the rejected ones; tokens must match."""
+    dropped = []
+    cache = kh.HfKvCache(fam.mk.config)
+    real = cache.crop
+
+    def crop(n):
+        before = cache.get_seq_length()
+        real(n)
+        dropped.append(before - cache.get_seq_length())
+
+    monkeypatch.setattr(cache, "crop", crop)
+    prompt = torch.cat([fam.ids[:, :20], fam.ids[:, :20]], dim=1)   # repeated n-grams to draft
+    with torch.no_grad():
+        # an eos id is set because early 5.x prompt lookup needs one (the prompt never holds 0)
+        want = fam.mr.generate(prompt, max_new_tokens=NEW, do_sample=False, eos_token_id=0)
+        got = fam.mk.generate(prompt, max_new_tokens=NEW, do_sample=False, **_cache(cache),
+                              prompt_lookup_num_tokens=4, eos_token_id=0)
+    assert torch.equal(got, want)
+    assert max(dropped) > 0                               # drafts were rejected and rolled back
+
+
+# ----------------------------------------------------------------------------------- errors
+@pytest.fixture(scope="module")
+def llama():
+    config = transformers.LlamaConfig(**_COMMON, num_hidden_layers=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("kvcache")
+    return model
+
+
+def test_batch_and_beam_search_raise(llama):
+    ids = torch.randint(3, 128, (2, 6))
+    with pytest.raises(ValueError, match="batch size 1"):
+        _forward(llama, ids, kh.HfKvCache(llama.config))
+    with pytest.raises(ValueError, match="beam search"), torch.no_grad():
+        llama.generate(ids[:1], max_new_tokens=2, num_beams=2, do_sample=False,
+                       **_cache(kh.HfKvCache(llama.config)))
+    cache = kh.HfKvCache(llama.config)
+    _forward(llama, ids[:1], cache)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        cache.reorder_cache(torch.tensor([1, 0]))
+    cache.reorder_cache(torch.tensor([0]))                # the identity is fine
+    with pytest.raises(NotImplementedError):
+        cache.batch_repeat_interleave(2)
+    with pytest.raises(NotImplementedError):
+        cache.batch_select_indices(torch.tensor([1]))
+    assert cache.get_seq_length() == 6
+
+
+def test_padding_and_explicit_masks_raise(llama):
+    ids = torch.randint(3, 128, (1, 6))
+    mask = torch.ones(1, 6, dtype=torch.long)
+    _forward(llama, ids, kh.HfKvCache(llama.config), attention_mask=mask)   # all ones: fine
+    mask[0, 0] = 0
+    with pytest.raises(ValueError, match="padding"):
+        _forward(llama, ids, kh.HfKvCache(llama.config), attention_mask=mask)
+    mask4 = torch.zeros(1, 1, 6, 6)
+    with pytest.raises(ValueError, match="4-D mask"):
+        _forward(llama, ids, kh.HfKvCache(llama.config), attention_mask=mask4)
+
+
+def test_cache_with_another_attention_raises(llama):
+    llama.set_attn_implementation("sdpa")
+    try:
+        cache = kh.HfKvCache(llama.config)
+        with pytest.raises(RuntimeError, match="did not go through kvcache"):
+            _forward(llama, torch.randint(3, 128, (1, 6)), cache)
+    finally:
+        llama.set_attn_implementation("kvcache")
+
+
+def test_training_mode_raises(llama):
+    llama.train()
+    try:
+        with pytest.raises(RuntimeError, match="inference-only"):
+            llama(torch.randint(3, 128, (1, 4)))
+    finally:
+        llama.eval()
+
+
+def test_low_precision_model_runs(llama):
+    ids = torch.randint(3, 128, (1, 12))
+    want = _forward(llama, ids)
+    low = transformers.LlamaForCausalLM(llama.config).eval()
+    low.load_state_dict(llama.state_dict())
+    low = low.to(torch.bfloat16)
+    got = _forward(low, ids, kh.HfKvCache(low.config))
+    assert got.dtype == torch.bfloat16
+    assert torch.isfinite(got).all()
+    assert (got.float() - want).abs().max().item() < 0.5
+
+
+def test_modes_and_layer_types():
+    assert kh.parse_mode("q8") == kc.KvMode.Q8(True, True)
+    assert kh.parse_mode("Q8K") == kc.KvMode.Q8(True, False)
+    assert kh.parse_mode("q8v") == kc.KvMode.Q8(False, True)
+    assert kh.parse_mode("f32") == kc.KvMode.F32
+    assert kh.parse_mode(kc.KvMode.F32) == kc.KvMode.F32
+    with pytest.raises(ValueError, match="expected 'f32'"):
+        kh.parse_mode("q4")
+    with pytest.raises(TypeError):
+        kh.parse_mode(8)
+    cfg = transformers.Gemma2Config(**_COMMON, num_hidden_layers=4, sliding_window=8)
+    cache = kh.HfKvCache(cfg, mode="q8")
+    assert cache.is_sliding == [True, False, True, False]
+    assert len(cache) == 4 and bool(kh.HfKvCache())      # an empty cache is still truthy
+    assert "Q8" in repr(cache)
+    assert cache.is_croppable and not cache.is_compileable
+    odd = types.SimpleNamespace(num_hidden_layers=2,
+                                layer_types=["full_attention", "linear_attention"])
+    with pytest.raises(NotImplementedError, match="linear_attention"):
+        kh.HfKvCache(odd)
+
+
+def test_register_is_idempotent():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    assert kh.register() == kh.register() == "kvcache"
+    assert ALL_ATTENTION_FUNCTIONS["kvcache"] is kh.kvcache_attention
+    assert ALL_MASK_ATTENTION_FUNCTIONS["kvcache"] is kh.kvcache_mask
+
+
+def test_import_without_transformers(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "kvcache.hf")
+    with pytest.raises(ImportError, match="pip install"):
+        import kvcache.hf  # noqa: F401
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
+            "import kvcache; assert 'kvcache.hf' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
