@@ -511,11 +511,11 @@ class Runner:
         with self._blas_for(n):
             for i in range(self.config.num_layers):
                 x = self._layer(i, x, positions, sealing)
+            out = self._logits(x if all_logits else x[-1:])
         if sealing:
             for i in self.o1_layers:
                 self.cache.layers[i].o1_seal(self.config.num_heads)
         self.position += n
-        out = self._logits(x if all_logits else x[-1:])
         self.timings["total_s"] += time.perf_counter() - t0
         return out if all_logits else out[0]
 
