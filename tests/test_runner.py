@@ -9,8 +9,8 @@ with its end-of-sequence token disabled, so that both sides decode exactly 32 ra
 
 from __future__ import annotations
 
+import copy
 import json
-import math
 
 import numpy as np
 import pytest
@@ -200,8 +200,7 @@ def test_sharded_bf16_checkpoint_and_4x_config_layout(saved, tmp_path):
     assert kr.ModelConfig.from_hf(old) == kr.ModelConfig.from_hf(cfg)
     # a bfloat16 checkpoint loads (to float32) and stays close
     bf = tmp_path / "bf16"
-    model.to(torch.bfloat16).save_pretrained(bf)
-    model.to(torch.float32)
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(bf)   # the shared model stays f32
     got = kr.Runner.from_pretrained(bf).prefill(ids, all_logits=True)
     assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
 
@@ -333,3 +332,161 @@ def test_generate_command_with_a_checkpoint_and_tokenizer(saved, capsys, tmp_pat
     with pytest.raises(SystemExit):
         cli.main(["generate", "--model", str(path), "--prompt", "hi", "--no-progress"])
     assert "tokenizer.json" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ review fixes
+VARIANTS = {
+    "llama-biases": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    "gemma2-bias": ("Gemma2Config", "Gemma2ForCausalLM",
+                    dict(head_dim=16, attention_bias=True, attn_implementation="eager")),
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM",
+                     dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+}
+
+
+@pytest.mark.parametrize("case", list(VARIANTS))
+def test_biases_and_windows_of_every_kind_match(tmp_path, case, monkeypatch):
+    monkeypatch.setitem(CASES, case, VARIANTS[case])
+    model = make_hf_model(case)
+    model.save_pretrained(tmp_path)
+    ids = prompt_ids()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    got = kr.Runner.from_pretrained(tmp_path).prefill(ids, all_logits=True)
+    assert np.abs(got - want).max() <= TOL
+
+
+def _config_case(saved, case, edit):
+    """Prompt logits of transformers and of the runner after ``edit`` rewrote config.json
+    (keys left out or renamed as older files have them)."""
+    model, path = saved(case)
+    ids = prompt_ids()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    cfg = json.loads((path / "config.json").read_text())
+    return want, kr.ModelConfig.from_hf(edit(cfg)), kr.load_safetensors(path), ids
+
+
+def test_missing_keys_take_the_family_defaults(saved):
+    # a Gemma-2 file without its activation and final softcap keys: transformers' defaults
+    # are gelu_pytorch_tanh and 30.0, which differ from this model's 3.0 -- so compare configs
+    want, cfg, _, _ = _config_case(saved, "gemma2-window8", lambda c: {
+        k: v for k, v in c.items() if k not in ("hidden_activation", "final_logit_softcapping",
+                                                "hidden_act")})
+    assert cfg.hidden_act == "gelu_pytorch_tanh" and cfg.final_softcap == 30.0
+    # Qwen2 says attention_bias false but its q/k/v projections always carry biases
+    want, cfg, w, ids = _config_case(saved, "qwen2", lambda c: dict(c, attention_bias=False))
+    got = kr.Runner(cfg, w).prefill(ids, all_logits=True)
+    assert cfg.qkv_bias and np.abs(got - want).max() <= TOL
+    # a stray sliding_window key in a Llama file is ignored, as transformers ignores it
+    want, cfg, w, ids = _config_case(saved, "llama", lambda c: dict(c, sliding_window=4))
+    assert cfg.layer_windows == (None,) * 3
+    assert np.abs(kr.Runner(cfg, w).prefill(ids, all_logits=True) - want).max() <= TOL
+    # transformers 4.x's older rope_scaling key "type"
+    want, cfg, w, ids = _config_case(saved, "llama-linear", lambda c: dict(
+        {k: v for k, v in c.items() if k != "rope_parameters"},
+        rope_theta=c["rope_parameters"]["rope_theta"],
+        rope_scaling={"type": "linear", "factor": c["rope_parameters"]["factor"]}))
+    assert cfg.rope_scaling["rope_type"] == "linear"
+    assert np.abs(kr.Runner(cfg, w).prefill(ids, all_logits=True) - want).max() <= TOL
+
+
+def test_a_tensor_the_runner_would_not_use_is_refused(saved):
+    _, path = saved("llama")
+    cfg = kr.ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    weights = kr.load_safetensors(path)
+    weights["model.layers.0.self_attn.o_proj.bias"] = np.zeros(64, np.float32)
+    with pytest.raises(ValueError, match="o_proj.bias"):
+        kr.Runner(cfg, weights)
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        kr.ModelConfig.from_hf({"model_type": "llama", "hidden_size": 8})
+
+
+def test_top_p_one_never_loses_a_token():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):                      # the summed mass often ends a hair below 1.0
+        logits = rng.standard_normal(512) * 3
+        tok = kr.sample(logits, 0.9, 1.0, rng)
+        assert 0 <= tok < 512
+
+
+def _failing_layer(runner, at, monkeypatch):
+    real = kr.Runner._layer
+
+    def layer(self, i, *a):
+        if i == at:
+            raise MemoryError("simulated")
+        return real(self, i, *a)
+    monkeypatch.setattr(kr.Runner, "_layer", layer)
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode", "sealed-decode"])
+def test_a_call_that_fails_half_way_changes_nothing(saved, monkeypatch, when):
+    _, path = saved("llama")
+    o1 = dict(o1_layers="1", o1_params=(4, 8, 2)) if when == "sealed-decode" else {}
+    r = kr.Runner.from_pretrained(path, **o1)
+    ids = prompt_ids(seed=4, n=40)
+    if when != "prefill":
+        r.prefill(ids)
+    before = [layer.seq_len for layer in r.cache.layers], r.position
+    with monkeypatch.context() as mp:
+        _failing_layer(r, 2, mp)
+        with pytest.raises(MemoryError):
+            r.forward([7]) if when != "prefill" else r.prefill(ids)
+    assert ([layer.seq_len for layer in r.cache.layers], r.position) == before
+    fresh = kr.Runner.from_pretrained(path, **o1)
+    if when == "prefill":
+        np.testing.assert_array_equal(r.prefill(ids), fresh.prefill(ids))
+    else:
+        fresh.prefill(ids)
+        np.testing.assert_array_equal(r.step(7), fresh.step(7))    # the sealed state too
+
+
+def test_o1_all_picks_global_layers_and_checks_its_parameters(saved):
+    _, path = saved("gemma2-window8")
+    r = kr.Runner.from_pretrained(path, o1_layers="all", o1_params=(4, 8, 2))
+    assert r.o1_layers == (1,)                      # layers 0 and 2 slide
+    with pytest.raises(ValueError, match="m: expected an integer >= 4"):
+        kr.Runner.from_pretrained(path, o1_layers="1", o1_params=(2, 8, 2))
+    with pytest.raises(TypeError, match="o1 layers"):
+        kr.Runner.from_pretrained(path, o1_layers=5)
+    ids = prompt_ids(n=40)
+    r.prefill(ids)
+    r.rollback(0)                                   # nothing to undo: fine when sealed too
+    with pytest.raises(ValueError, match="already holds"):
+        r.generate(ids, 2)
+
+
+def test_generate_checks_before_it_starts():
+    r = kr.Runner.random(max_seq_len=10)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        r.generate([1, 2, 3], 9)
+    assert r.position == 0
+    assert len(r.generate([1, 2, 3], 8, stop=())) == 8       # 3 + 8 - 1 = 10 positions
+    r.reset()
+    with pytest.raises(ValueError, match="seed"):
+        r.generate([1], 2, temperature=1.0, seed=-1)
+    with pytest.raises(ValueError, match="non-empty"):
+        r.generate([], 0)
+    toks = r.generate([1, 2], 5, stop=9999)
+    assert len(toks) == 5
+
+
+def test_generate_command_reports_damaged_files_in_one_line(saved, capsys, tmp_path):
+    _, path = saved("qwen2")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_bytes((path / "config.json").read_bytes())
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{broken")
+    assert cli.main(["generate", "--model", str(bad), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: model.safetensors: not a readable safetensors file")
+    assert "Traceback" not in err
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for f in path.iterdir():
+        (tok / f.name).write_bytes(f.read_bytes())
+    (tok / "tokenizer.json").write_text("{}")
+    assert cli.main(["generate", "--model", str(tok), "--ids", "5", "--max-new-tokens", "2",
+                     "--no-progress"]) == 0          # ids need no tokenizer: a warning only
+    assert "not a readable tokenizer" in capsys.readouterr().err

@@ -1675,7 +1675,7 @@ class RunnerVsTransformers:
         self.rcfg = ModelConfig.from_hf(cfg.to_dict())
         self._Runner = Runner
         self.nkv = cfg.num_key_value_heads
-        self.hd = cfg.hidden_size // cfg.num_attention_heads
+        self.hd = self.rcfg.head_dim
         self.seed = seed
 
     def kv_rows(self, context):
@@ -1795,7 +1795,9 @@ def runner_notes(rows, opts):
     out = [f"median of {opts.runner_steps} greedy steps per side; transformers "
            f"{_package_version('transformers')} generate (sdpa, DynamicCache), torch "
            f"{_package_version('torch')}; model: Llama-style, {RUNNER_MODEL}",
-           "attn = share of the runner's step time in append + attend_all_heads"]
+           "attn = share of the runner's step time in append + attend_all_heads",
+           "threads: the runner decodes with BLAS on 1 thread and kvcache's OpenMP on all "
+           "(its default, see kvcache.runner); torch uses its own default pool"]
     for r in rows:
         if r["max_abs_logit_diff"] > 1e-3:
             out.append(f"WARNING: at {context_label(r['context'])} the first-step logits differ "

@@ -69,7 +69,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict = field(default_factory=dict)   # {"rope_type": ..., parameters}
     hidden_act: str = "silu"
-    attention_bias: bool = False
+    qkv_bias: bool = False          # q/k/v projection biases (Qwen2 always; Llama, Gemma-2 opt.)
+    o_bias: bool = False            # o_proj bias (Llama / Gemma-2 attention_bias)
+    mlp_bias: bool = False          # gate/up/down biases (Llama mlp_bias)
     layer_windows: tuple = ()       # per layer: sliding window or None
     attn_softcap: float | None = None
     final_softcap: float | None = None
@@ -91,20 +93,33 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg):
-        """Read a transformers ``config.json`` dict (4.x or 5.x layout)."""
+        """Read a transformers ``config.json`` dict (4.x or 5.x layout).
+
+        A key the file leaves out takes the family's default from transformers' config class
+        (Gemma-2: head_dim 256, softcaps 50 / 30, query_pre_attn_scalar 256, window 4096, tied
+        embeddings; Mistral: window 4096; Qwen2: q/k/v biases, windows off, ...); an explicit
+        null means none, as it does there."""
         mt = cfg.get("model_type")
         if mt not in FAMILIES:
             raise ValueError(f"config.json: model_type {mt!r} is not supported; expected one of "
                              f"{', '.join(FAMILIES)}")
-        n_layers = int(cfg["num_hidden_layers"])
-        nh = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+        cfg = dict(_FAMILY_DEFAULTS[mt], **cfg)
+        try:
+            n_layers = int(cfg["num_hidden_layers"])
+            nh = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            vocab = int(cfg["vocab_size"])
+            inter = int(cfg["intermediate_size"])
+        except KeyError as exc:
+            raise ValueError(f"config.json: the key {exc.args[0]!r} is missing") from None
         hd = int(cfg.get("head_dim") or hidden // nh)
         nkv = int(cfg.get("num_key_value_heads") or nh)
         rope = dict(cfg.get("rope_parameters") or {})
         if "rope_theta" not in rope:
             rope["rope_theta"] = cfg.get("rope_theta", 10000.0)
-        legacy = cfg.get("rope_scaling") or {}
+        legacy = dict(cfg.get("rope_scaling") or {})
+        if "type" in legacy and "rope_type" not in legacy:
+            legacy["rope_type"] = legacy.pop("type")          # transformers 4.x's older key
         if legacy and rope.get("rope_type", "default") == "default":
             rope.update(legacy)
         rtype = rope.get("rope_type", rope.get("type", "default"))
@@ -112,32 +127,51 @@ class ModelConfig:
             raise ValueError(f"config.json: rope type {rtype!r} is not supported; expected one "
                              f"of {', '.join(_ROPE_TYPES)}")
         rope["rope_type"] = rtype
+        rope.pop("type", None)
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("config.json: partial_rotary_factor != 1 is not supported")
         windows = _layer_windows(cfg, mt, n_layers)
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        gemma = mt == "gemma2"
+        act = cfg.get("hidden_activation") if gemma else cfg.get("hidden_act")
         if act not in _ACTIVATIONS:
             raise ValueError(f"config.json: activation {act!r} is not supported; expected one of "
                              f"{', '.join(_ACTIVATIONS)}")
-        gemma = mt == "gemma2"
+        attn_bias = bool(cfg.get("attention_bias"))
         return cls(
-            family=mt, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]), num_layers=n_layers,
-            num_heads=nh, num_kv_heads=nkv, head_dim=hd,
+            family=mt, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+            num_layers=n_layers, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.pop("rope_theta")), rope_scaling=rope, hidden_act=act,
-            attention_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
+            qkv_bias=True if mt == "qwen2" else (attn_bias and mt != "mistral"),
+            o_bias=attn_bias and mt in ("llama", "gemma2"),
+            mlp_bias=bool(cfg.get("mlp_bias")) and mt == "llama",
             layer_windows=windows,
             attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
             final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
             bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos)
 
 
+# What transformers' config classes (5.24) assume for keys a config.json leaves out.
+_FAMILY_DEFAULTS = {
+    "llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+              "tie_word_embeddings": False},
+    "mistral": {"hidden_act": "silu", "sliding_window": 4096, "tie_word_embeddings": False},
+    "qwen2": {"hidden_act": "silu", "sliding_window": 4096, "use_sliding_window": False,
+              "max_window_layers": 28, "tie_word_embeddings": False},
+    "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+               "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+               "tie_word_embeddings": True},
+}
+
+
 def _layer_windows(cfg, mt, n_layers):
+    if mt == "llama":                         # transformers' Llama has no sliding window
+        return (None,) * n_layers
     window = cfg.get("sliding_window")
     if mt == "qwen2" and not cfg.get("use_sliding_window", False):
         window = None
@@ -181,7 +215,12 @@ def parse_layers(spec, n_layers):
     if spec is None:
         return ()
     if not isinstance(spec, str):
-        return tuple(sorted({as_int("o1 layer", i, minimum=0) for i in spec if 0 <= i < n_layers}))
+        try:
+            items = [as_int("o1 layer", i) for i in spec]
+        except TypeError:
+            raise TypeError(f"o1 layers: expected a string spec or a sequence of ints, got "
+                            f"{spec!r}") from None
+        return tuple(sorted({i for i in items if 0 <= i < n_layers}))
     s = spec.strip().lower()
     if s in ("", "off", "0", "none"):
         return ()
@@ -225,9 +264,21 @@ def load_safetensors(path):
         except TypeError as exc:
             raise TypeError(f"{name}: {exc}; a bfloat16 checkpoint needs ml_dtypes: pip install "
                             f"ml_dtypes (or the kvcache[runner] extra)") from None
+        except OSError:
+            raise
+        except Exception as exc:          # safetensors' own error type for a damaged file
+            raise ValueError(f"{name}: not a readable safetensors file ({exc})") from None
         for key, arr in tensors.items():
             out[key] = np.ascontiguousarray(arr, dtype=_F32)
     return out
+
+
+class _Tracked(dict):
+    """The checkpoint's tensors, remembering which were read (to refuse unknown ones)."""
+
+    def __init__(self, weights):
+        super().__init__(weights)
+        self.used = set()
 
 
 @dataclass
@@ -239,9 +290,13 @@ class _Layer:
     bq: np.ndarray | None
     bk: np.ndarray | None
     bv: np.ndarray | None
+    bo: np.ndarray | None
     gate: np.ndarray
     up: np.ndarray
     down: np.ndarray
+    b_gate: np.ndarray | None
+    b_up: np.ndarray | None
+    b_down: np.ndarray | None
     norm_attn_in: np.ndarray
     norm_mlp_in: np.ndarray
     norm_attn_out: np.ndarray | None = None     # Gemma-2 sandwich norms
@@ -256,6 +311,8 @@ class _Layer:
         self.qkv = np.ascontiguousarray(np.concatenate([self.wq, self.wk, self.wv]).T)
         self.bqkv = (None if self.bq is None else np.concatenate([self.bq, self.bk, self.bv]))
         self.gate_up = np.ascontiguousarray(np.concatenate([self.gate, self.up]).T)
+        self.b_gate_up = (None if self.b_gate is None
+                          else np.concatenate([self.b_gate, self.b_up]))
         self.wo_t = np.ascontiguousarray(self.wo.T)
         self.down_t = np.ascontiguousarray(self.down.T)
         self.wq = self.wk = self.wv = self.wo = self.gate = self.up = self.down = None
@@ -264,6 +321,8 @@ class _Layer:
 def _take(weights, key, shape):
     if key not in weights:
         raise KeyError(f"checkpoint: tensor {key!r} is missing")
+    if isinstance(weights, _Tracked):
+        weights.used.add(key)
     arr = weights[key]
     if arr.shape != shape:
         raise ValueError(f"checkpoint: tensor {key!r} has shape {arr.shape}, expected {shape}")
@@ -277,7 +336,7 @@ def _layers_from(weights, cfg):
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        bias = cfg.attention_bias
+        bias, mb = cfg.qkv_bias, cfg.mlp_bias
         layer = _Layer(
             wq=_take(weights, a + "q_proj.weight", (nh * hd, H)),
             wk=_take(weights, a + "k_proj.weight", (nkv * hd, H)),
@@ -286,9 +345,13 @@ def _layers_from(weights, cfg):
             bq=_take(weights, a + "q_proj.bias", (nh * hd,)) if bias else None,
             bk=_take(weights, a + "k_proj.bias", (nkv * hd,)) if bias else None,
             bv=_take(weights, a + "v_proj.bias", (nkv * hd,)) if bias else None,
+            bo=_take(weights, a + "o_proj.bias", (H,)) if cfg.o_bias else None,
             gate=_take(weights, m + "gate_proj.weight", (im, H)),
             up=_take(weights, m + "up_proj.weight", (im, H)),
             down=_take(weights, m + "down_proj.weight", (H, im)),
+            b_gate=_take(weights, m + "gate_proj.bias", (im,)) if mb else None,
+            b_up=_take(weights, m + "up_proj.bias", (im,)) if mb else None,
+            b_down=_take(weights, m + "down_proj.bias", (H,)) if mb else None,
             norm_attn_in=_take(weights, p + "input_layernorm.weight", (H,)),
             norm_mlp_in=_take(weights, p + ("pre_feedforward_layernorm.weight" if cfg.gemma
                                             else "post_attention_layernorm.weight"), (H,)))
@@ -346,6 +409,12 @@ class Runner:
         self.config = cfg = config
         self.mode = _kv_mode(kv)
         self.max_seq_len = as_int("max_seq_len", max_seq_len, minimum=1)
+        if len(o1_params) != 3:
+            raise ValueError(f"o1_params: expected (m, w, sink), got {o1_params!r}")
+        self.o1_params = tuple(as_int(n, v, minimum=lo) for n, v, lo in
+                               zip(("m", "w", "sink"), o1_params, (4, 1, 0)))
+        self.blas_threads = as_int("decode_blas_threads", decode_blas_threads, minimum=0)
+        weights = _Tracked(weights)
         self.embed = _take(weights, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         self.layers = _layers_from(weights, cfg)
         for layer in self.layers:
@@ -360,16 +429,25 @@ class Runner:
             self.lm_head = _take(weights, "lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
         self.lm_head_t = np.ascontiguousarray(self.lm_head.T)
         del self.lm_head
-        self.o1_layers = parse_layers(o1_layers, cfg.num_layers)
+        unused = sorted(k for k in set(weights) - weights.used
+                        if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
+        if unused:                    # a tensor this runner would silently leave out
+            raise ValueError(f"checkpoint: {len(unused)} tensors are not used by the "
+                             f"{cfg.family} runner (e.g. {', '.join(unused[:4])}); the config "
+                             f"does not describe them, so the logits would be wrong")
+        glob = [i for i in range(cfg.num_layers) if cfg.layer_windows[i] is None]
+        if isinstance(o1_layers, str) and o1_layers.strip().lower() in ("all",) or (
+                isinstance(o1_layers, str) and o1_layers.strip().lower().startswith("deep")):
+            # "all" / "deepN" count the global layers only: a window is already constant-size
+            picked = parse_layers(o1_layers, len(glob))
+            self.o1_layers = tuple(glob[j] for j in picked)
+        else:
+            self.o1_layers = parse_layers(o1_layers, cfg.num_layers)
         for i in self.o1_layers:
             if cfg.layer_windows[i] is not None:
                 raise ValueError(f"o1_layers: layer {i} has a sliding window of "
                                  f"{cfg.layer_windows[i]}; the O(1) override is for global "
                                  f"layers (a window is already constant-size)")
-        if len(o1_params) != 3:
-            raise ValueError(f"o1_params: expected (m, w, sink), got {o1_params!r}")
-        self.o1_params = tuple(as_int(n, v, minimum=0) for n, v in zip(("m", "w", "sink"),
-                                                                          o1_params))
         self._inv_freq = _rope_inv_freq(cfg)
         self._embed_scale = _F32(math.sqrt(cfg.hidden_size)) if cfg.gemma else None
         self.cache = KvCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
@@ -379,7 +457,6 @@ class Runner:
             self.cache.layers[i] = LayerKvCache(cfg.num_kv_heads, cfg.head_dim, KvMode.F32)
         self.position = 0
         self.timings = {"attention_s": 0.0, "total_s": 0.0}
-        self.blas_threads = as_int("decode_blas_threads", decode_blas_threads, minimum=0)
         self._pools = None
 
     # ---------------------------------------------------------------- construction
@@ -438,14 +515,20 @@ class Runner:
                                          softcap=cfg.attn_softcap or 0.0)
         self.timings["attention_s"] += time.perf_counter() - t0
         o = out.reshape(n, nh * hd) @ L.wo_t
+        if L.bo is not None:
+            o = o + L.bo
         if cfg.gemma:
             o = self._rms(o, L.norm_attn_out)
         x = x + o
         h = self._rms(x, L.norm_mlp_in)
         act = _ACTIVATIONS[cfg.hidden_act]
         gu = h @ L.gate_up
+        if L.b_gate_up is not None:
+            gu = gu + L.b_gate_up
         im = cfg.intermediate_size
         m = (act(gu[:, :im]) * gu[:, im:]) @ L.down_t
+        if L.b_down is not None:
+            m = m + L.b_down
         if cfg.gemma:
             m = self._rms(m, L.norm_mlp_out)
         return x + m
@@ -500,24 +583,46 @@ class Runner:
             raise ValueError("ids: with O(1) layers, only the prompt (the first call) may hold "
                              "several positions; decode one position per call")
         t0 = time.perf_counter()
-        if sealing:
-            m, w, sink = self.o1_params
-            for i in self.o1_layers:
-                self.cache.layers[i].o1_begin(m, w, sink)
-        x = self.embed[ids]
-        if self._embed_scale is not None:
-            x = x * self._embed_scale
-        positions = np.arange(self.position, self.position + n)
-        with self._blas_for(n):
-            for i in range(self.config.num_layers):
-                x = self._layer(i, x, positions, sealing)
-            out = self._logits(x if all_logits else x[-1:])
-        if sealing:
-            for i in self.o1_layers:
-                self.cache.layers[i].o1_seal(self.config.num_heads)
+        undo = self._undo_point(sealing)
+        try:
+            if sealing:
+                m, w, sink = self.o1_params
+                for i in self.o1_layers:
+                    self.cache.layers[i].o1_begin(m, w, sink)
+            x = self.embed[ids]
+            if self._embed_scale is not None:
+                x = x * self._embed_scale
+            positions = np.arange(self.position, self.position + n)
+            with self._blas_for(n):
+                for i in range(self.config.num_layers):
+                    x = self._layer(i, x, positions, sealing)
+                out = self._logits(x if all_logits else x[-1:])
+            if sealing:
+                for i in self.o1_layers:
+                    self.cache.layers[i].o1_seal(self.config.num_heads)
+        except BaseException:             # MemoryError, Ctrl-C...: no layer keeps a half step
+            self._undo(undo)
+            raise
         self.position += n
         self.timings["total_s"] += time.perf_counter() - t0
         return out if all_logits else out[0]
+
+    def _undo_point(self, sealing):
+        """What :meth:`_undo` needs to put every layer back as it is now."""
+        if sealing:
+            return None                   # the cache was empty: clearing restores it
+        return [(layer.o1_snapshot() if layer.o1_sealed() else layer.seq_len)
+                for layer in self.cache.layers]
+
+    def _undo(self, point):
+        if point is None:
+            self.cache.clear()            # keeps the layer objects (the O(1) layers' f32 too)
+            return
+        for layer, saved in zip(self.cache.layers, point):
+            if isinstance(saved, int):
+                layer.truncate_last(layer.seq_len - saved)
+            else:
+                layer.o1_restore(saved)
 
     def prefill(self, ids, *, all_logits=False):
         """The prompt as one block (the cache must be empty): see :meth:`forward`."""
@@ -534,6 +639,8 @@ class Runner:
         """Forget the newest ``n`` positions (speculative-decode reject): ``truncate_last`` on
         every layer.  O(1)-sealed layers cannot roll back (RuntimeError, nothing changed)."""
         n = min(as_int("n", n, minimum=0), self.position)
+        if n == 0:
+            return
         self.cache.truncate_last(n)
         self.position -= n
 
@@ -570,18 +677,35 @@ class Runner:
         -------
         list of int
             The new tokens (the prompt is not repeated).
+
+        Starts a conversation: the cache must be empty (:meth:`reset`); the prompt length plus
+        ``max_new_tokens - 1`` must fit ``max_seq_len`` (checked before anything runs).
         """
         max_new = as_int("max_new_tokens", max_new_tokens, minimum=0)
         temperature = float(temperature)
         top_p = float(top_p)
-        if not temperature >= 0.0:
-            raise ValueError(f"temperature: expected >= 0, got {temperature}")
+        if not temperature >= 0.0 or math.isinf(temperature):
+            raise ValueError(f"temperature: expected a finite value >= 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p: expected a value in (0, 1], got {top_p}")
-        stop = set(self.config.eos_token_id if stop is None else stop)
+        if stop is None:
+            stop = self.config.eos_token_id
+        elif isinstance(stop, (int, np.integer)):
+            stop = (stop,)
+        stop = {as_int("stop", t) for t in stop}
+        seed = None if seed is None else as_int("seed", seed, minimum=0)
+        n_prompt = len(np.asarray(prompt).reshape(-1))
+        if self.position:
+            raise ValueError(f"generate: the cache already holds {self.position} positions; "
+                             f"generate starts a conversation (call reset() first)")
+        if n_prompt + max(max_new - 1, 0) > self.max_seq_len:
+            raise ValueError(f"generate: {n_prompt} prompt positions and {max_new} new tokens "
+                             f"exceed max_seq_len={self.max_seq_len}")
         rng = np.random.default_rng(seed)
         out = []
         if max_new == 0:
+            self.forward(prompt)          # checks the prompt like any other call, then
+            self.reset()                  # leaves the runner as it was
             return out
         logits = self.prefill(prompt)
         while True:
@@ -603,7 +727,9 @@ def sample(logits, temperature=0.0, top_p=1.0, rng=None):
     p = np.exp(z - z.max())
     p /= p.sum()
     order = np.argsort(-p, kind="stable")
-    keep = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1   # smallest set reaching top_p
+    mass = np.cumsum(p[order])
+    # the smallest set reaching top_p (of the mass as summed, which may end a hair below 1)
+    keep = min(int(np.searchsorted(mass, top_p * mass[-1])) + 1, p.size)
     nucleus = order[:keep]
     q = p[nucleus] / p[nucleus].sum()
     rng = np.random.default_rng() if rng is None else rng
@@ -658,9 +784,14 @@ def random_weights(cfg, seed=0):
                   p + "mlp.down_proj.weight": mat(H, im),
                   p + "input_layernorm.weight": norm(H, dtype=_F32),
                   p + "post_attention_layernorm.weight": norm(H, dtype=_F32)})
-        if cfg.attention_bias:
+        if cfg.qkv_bias:
             for n, size in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
                 w[p + f"self_attn.{n}_proj.bias"] = mat(size)
+        if cfg.o_bias:
+            w[p + "self_attn.o_proj.bias"] = mat(H)
+        if cfg.mlp_bias:
+            for n, size in (("gate", im), ("up", im), ("down", H)):
+                w[p + f"mlp.{n}_proj.bias"] = mat(size)
         if cfg.gemma:
             w[p + "pre_feedforward_layernorm.weight"] = norm(H, dtype=_F32)
             w[p + "post_feedforward_layernorm.weight"] = norm(H, dtype=_F32)
@@ -677,7 +808,10 @@ def _load_tokenizer(path):
     except ImportError:
         raise ImportError(f"{tok_file} needs the tokenizers package to encode text: pip install "
                           f"tokenizers (or pass --ids)") from None
-    return Tokenizer.from_file(tok_file)
+    try:
+        return Tokenizer.from_file(tok_file)
+    except Exception as exc:              # tokenizers raises a bare Exception for a bad file
+        raise ValueError(f"{tok_file}: not a readable tokenizer ({exc})") from None
 
 
 def build_parser():
@@ -746,7 +880,13 @@ def main(argv=None, file=None):
             runner = Runner.random(**kwargs)
             name = "embedded random-weight Llama (4 layers, 256 wide, vocab 512)"
         load_s = time.perf_counter() - t0
-        tokenizer = _load_tokenizer(args.model)
+        try:
+            tokenizer = _load_tokenizer(args.model)
+        except (ImportError, ValueError) as exc:
+            if args.prompt is not None:
+                raise
+            print(f"warning: {exc}; printing token ids", file=sys.stderr)
+            tokenizer = None
         prompt = _prompt_ids(args, tokenizer, runner.config, parser)
         if not prompt:
             parser.error("the prompt is empty")
