@@ -490,3 +490,12 @@ def test_generate_command_reports_damaged_files_in_one_line(saved, capsys, tmp_p
     assert cli.main(["generate", "--model", str(tok), "--ids", "5", "--max-new-tokens", "2",
                      "--no-progress"]) == 0          # ids need no tokenizer: a warning only
     assert "not a readable tokenizer" in capsys.readouterr().err
+
+
+def test_generate_command_says_which_o1_layers_sealed(capsys):
+    argv = ["generate", "--o1", "deep2", "--o1-params", "4,8,2", "--max-new-tokens", "3",
+            "--no-progress", "--ids"] + [str(i) for i in range(1, 41)]
+    assert cli.main(argv) == 0
+    assert "O(1) layers [2, 3]," in capsys.readouterr().out
+    assert cli.main(["generate", "--o1", "9", "--max-new-tokens", "2", "--no-progress"]) == 0
+    assert "selects no global layer" in capsys.readouterr().err

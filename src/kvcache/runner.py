@@ -880,6 +880,9 @@ def main(argv=None, file=None):
             runner = Runner.random(**kwargs)
             name = "embedded random-weight Llama (4 layers, 256 wide, vocab 512)"
         load_s = time.perf_counter() - t0
+        if args.o1 and not runner.o1_layers:
+            print(f"warning: --o1 {args.o1!r} selects no global layer of this "
+                  f"{runner.config.num_layers}-layer model; decoding exactly", file=sys.stderr)
         try:
             tokenizer = _load_tokenizer(args.model)
         except (ImportError, ValueError) as exc:
@@ -910,9 +913,15 @@ def main(argv=None, file=None):
     decode_n = len(tokens) - 1
     decode_s = end - first[0]
     p = lambda *a: print(*a, file=out)                  # noqa: E731
+    sealed = [i for i in runner.o1_layers if runner.cache.layers[i].o1_sealed()]
+    o1_text = ""
+    if runner.o1_layers:
+        o1_text = f", O(1) layers {sealed}"
+        if sealed != list(runner.o1_layers):
+            o1_text += (f" (seal refused on {sorted(set(runner.o1_layers) - set(sealed))}: "
+                        f"decoded exactly)")
     p(f"model: {name} ({runner.config.family}, {runner.config.num_layers} layers), kv "
-      f"{args.kv}" + (f", O(1) layers {list(runner.o1_layers)}" if runner.o1_layers else "")
-      + f", loaded in {load_s:.2f} s")
+      f"{args.kv}{o1_text}, loaded in {load_s:.2f} s")
     p(f"prompt ({len(prompt)} tokens): {prompt if tokenizer is None else repr(args.prompt or tokenizer.decode(prompt))}")
     p(f"output ({len(tokens)} tokens): "
       + (repr(tokenizer.decode(tokens)) if tokenizer is not None else str(tokens)))
