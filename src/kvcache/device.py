@@ -348,12 +348,12 @@ class Mirror:
     """
 
     MIRRORED = ()
+    _CACHE = None                     # the cache type a subclass mirrors
 
     def __new__(cls, cache, backend="torch", device=None):
         if cls is Mirror:
-            for kind, sub in ((LayerKvCache, LayerMirror), (KvCache, KvCacheMirror),
-                              (LatentKvCache, LatentMirror), (StaticKvCache, StaticMirror)):
-                if isinstance(cache, kind):
+            for sub in (LayerMirror, KvCacheMirror, LatentMirror, StaticMirror):
+                if isinstance(cache, sub._CACHE):
                     cls = sub
                     break
             else:
@@ -365,16 +365,19 @@ class Mirror:
         return object.__new__(cls)
 
     def __init__(self, cache, backend="torch", device=None):
-        self._check_cache(cache)
+        if not isinstance(cache, self._CACHE):
+            raise TypeError(f"cache: expected a {self._CACHE.__name__}, got "
+                            f"{type(cache).__name__}")
         self._be = _backend(backend, device)
         self._cache = cache
         self._gen = None              # generation at the last complete sync; None: full next
         self.total = _NOTHING         # SyncStats summed over every sync
         self.syncs = 0
+        self._setup(cache, backend, device)
         self.sync()
 
-    def _check_cache(self, cache):
-        pass
+    def _setup(self, cache, backend, device):
+        """The subclass's empty device state (before the first sync)."""
 
     @property
     def cache(self):
@@ -446,16 +449,11 @@ class LayerMirror(Mirror):
                 "head_keys", "head_values", "k_heads", "v_heads", "q8_rows", "columns",
                 "o1_sealed", "o1_views")
 
-    _ROW_FIELDS = {"_kf": "kf", "_vf": "vf", "_kq": "kq", "_ks": "ks", "_vq": "vq", "_vs": "vs"}
+    _CACHE = LayerKvCache
     _O1_CONST = ("sink_k", "sink_v", "k_tilde", "q_tilde", "mu")
     _O1_MOVING = ("win_k", "win_v", "t_hat", "z_hat", "m_max")
 
-    def _check_cache(self, cache):
-        if not isinstance(cache, LayerKvCache):
-            raise TypeError(f"cache: expected a LayerKvCache, got {type(cache).__name__}")
-
-    def __init__(self, cache, backend="torch", device=None):
-        self._check_cache(cache)
+    def _setup(self, cache, backend, device):
         nkv, hd = cache.num_kv_heads, cache.head_dim
         self._mode = None
         self._lens = np.zeros(nkv, dtype=np.intp)
@@ -465,7 +463,6 @@ class LayerMirror(Mirror):
         self._cols = None             # (kcol, vcol) device (nkv, hd), (kcol_on, vcol_on) host
         self._o1 = None               # sealed state: dict of device arrays + scalars
         self._nkv, self._hd = nkv, hd
-        super().__init__(cache, backend, device)
 
     # ---------------------------------------------------------------- sync
     def _sync(self, full, gen):
@@ -666,14 +663,11 @@ class KvCacheMirror(Mirror):
     MIRRORED = ("seq_len", "num_kv_heads", "head_dim", "mode", "max_seq_len", "generation",
                 "__len__", "__getitem__")
 
-    def _check_cache(self, cache):
-        if not isinstance(cache, KvCache):
-            raise TypeError(f"cache: expected a KvCache, got {type(cache).__name__}")
+    _CACHE = KvCache
 
-    def __init__(self, cache, backend="torch", device=None):
+    def _setup(self, cache, backend, device):
         self.layers = None
         self._args = (backend, device)
-        super().__init__(cache, backend, device)
 
     def _sync(self, full, gen):
         if self.layers is None:           # the first sync: each layer mirror syncs as made
@@ -730,13 +724,11 @@ class _SlotMirror(Mirror):
 
     _AXIS = 0
 
-    def __init__(self, cache, backend="torch", device=None):
-        self._check_cache(cache)
+    def _setup(self, cache, backend, device):
         self._layers = [None] * len(cache.layers)
         self._len = 0
         self._cap = 0
         self._alloc = None
-        super().__init__(cache, backend, device)
 
     def _sync(self, full, gen):
         c = self._cache
@@ -845,10 +837,7 @@ class LatentMirror(_SlotMirror):
     MIRRORED = ("cached_len", "__len__", "max_seq_len", "dtype", "n_layers", "n_slots",
                 "alloc_id", "generation", "slot_trailing", "slot_shape", "valid_view")
     _AXIS = 0
-
-    def _check_cache(self, cache):
-        if not isinstance(cache, LatentKvCache):
-            raise TypeError(f"cache: expected a LatentKvCache, got {type(cache).__name__}")
+    _CACHE = LatentKvCache
 
     @property
     def slot_trailing(self):
@@ -870,10 +859,7 @@ class StaticMirror(_SlotMirror):
     MIRRORED = ("cached_len", "__len__", "max_seq_len", "dtype", "n_layers", "n_slots",
                 "alloc_id", "generation", "num_kv_heads", "head_dim", "valid_view")
     _AXIS = 2
-
-    def _check_cache(self, cache):
-        if not isinstance(cache, StaticKvCache):
-            raise TypeError(f"cache: expected a StaticKvCache, got {type(cache).__name__}")
+    _CACHE = StaticKvCache
 
     @property
     def num_kv_heads(self):
