@@ -113,3 +113,20 @@ def test_layer_without_mode_refuses_garbage_env(monkeypatch):
 def test_explicit_mode_ignores_env(monkeypatch):
     monkeypatch.setenv("KVCACHE_KV", "q8")
     assert kc.LayerKvCache(1, 4, mode=kc.KvMode.F32).mode == kc.KvMode.F32
+
+
+def test_parse_reads_the_same_names_as_the_environment(monkeypatch):
+    for name, mode in (("f32", kc.KvMode.F32), ("Float32", kc.KvMode.F32),
+                       (" q8 ", kc.KvMode.Q8()), ("q8k", kc.KvMode.Q8(True, False)),
+                       ("Q8V", kc.KvMode.Q8(False, True))):
+        assert kc.KvMode.parse(name) == mode
+        monkeypatch.setenv("KVCACHE_KV", name)
+        assert kc.KvMode.from_env() == mode
+    mode = kc.KvMode.Q8(True, False)
+    assert kc.KvMode.parse(mode) is mode
+    with pytest.raises(ValueError, match="kv: expected 'f32'"):
+        kc.KvMode.parse("q4", "kv")
+    with pytest.raises(ValueError, match="expected 'f32'"):
+        kc.KvMode.parse("")                       # empty means f32 only in the environment
+    with pytest.raises(TypeError, match="mode: expected a KvMode"):
+        kc.KvMode.parse(8)

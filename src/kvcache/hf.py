@@ -123,16 +123,7 @@ def parse_mode(mode):
     """
     if mode is None:
         return KvMode.from_env()
-    if isinstance(mode, KvMode):
-        return mode
-    if isinstance(mode, str):
-        key = mode.strip().lower()
-        table = {"f32": KvMode.F32, "float32": KvMode.F32, "q8": KvMode.Q8(True, True),
-                 "q8k": KvMode.Q8(True, False), "q8v": KvMode.Q8(False, True)}
-        if key in table:
-            return table[key]
-        raise ValueError(f"mode: expected 'f32', 'q8', 'q8k' or 'q8v', got {mode!r}")
-    raise TypeError(f"mode: expected a KvMode, a mode name or None, got {type(mode).__name__}")
+    return KvMode.parse(mode, "mode")
 
 
 def _check_cpu(name, tensor):

@@ -41,8 +41,33 @@ class KvMode:
     def from_env(cls) -> "KvMode":
         """Read ``KVCACHE_KV``: "f32" (default when unset or empty), "q8", "q8k" or "q8v"."""
         raw = os.environ.get(_ENV, "")
-        val = raw.strip().lower()
-        if val in ("", "f32"):
+        mode = cls._named(raw)
+        if mode is None:
+            raise ValueError(f"{_ENV} must be one of 'f32', 'q8', 'q8k', 'q8v', got {raw!r}")
+        return mode
+
+    @classmethod
+    def parse(cls, value, name="mode") -> "KvMode":
+        """``value`` itself when it is a KvMode, else the mode a name stands for: "f32"
+        ("float32"), "q8" (int8 K and V), "q8k" (int8 K), "q8v" (int8 V), case-insensitive.
+
+        ValueError for another name, TypeError for another type, both naming ``name``."""
+        if isinstance(value, KvMode):
+            return value
+        if not isinstance(value, str):
+            raise TypeError(f"{name}: expected a KvMode or a mode name, got "
+                            f"{type(value).__name__}")
+        mode = cls._named(value) if value.strip() else None
+        if mode is None:
+            raise ValueError(f"{name}: expected 'f32', 'q8', 'q8k' or 'q8v' (or a KvMode), got "
+                             f"{value!r}")
+        return mode
+
+    @classmethod
+    def _named(cls, text):
+        """The mode named by ``text`` (the one table of names; "" is f32), or None."""
+        val = text.strip().lower()
+        if val in ("", "f32", "float32"):
             return cls.F32
         if val in ("q8", "q8_2f"):
             return cls.Q8(True, True)
@@ -50,7 +75,7 @@ class KvMode:
             return cls.Q8(True, False)
         if val == "q8v":
             return cls.Q8(False, True)
-        raise ValueError(f"{_ENV} must be one of 'f32', 'q8', 'q8k', 'q8v', got {raw!r}")
+        return None
 
     @property
     def quant_k(self) -> bool:

@@ -349,16 +349,6 @@ def _layers_from(weights, cfg):
 
 
 # ------------------------------------------------------------------------------ the runner
-def _kv_mode(kv):
-    if isinstance(kv, KvMode):
-        return kv
-    table = {"f32": KvMode.F32, "q8": KvMode.Q8(True, True), "q8k": KvMode.Q8(True, False),
-             "q8v": KvMode.Q8(False, True)}
-    if kv not in table:
-        raise ValueError(f"kv: expected a KvMode or one of {', '.join(table)}, got {kv!r}")
-    return table[kv]
-
-
 class Runner:
     """A decoder-only model in NumPy whose attention runs on kvcache (see the module docstring).
 
@@ -393,7 +383,7 @@ class Runner:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
         self.config = cfg = config
-        self.mode = _kv_mode(kv)
+        self.mode = KvMode.parse(kv, "kv")
         self.max_seq_len = as_int("max_seq_len", max_seq_len, minimum=1)
         if len(o1_params) != 3:
             raise ValueError(f"o1_params: expected (m, w, sink), got {o1_params!r}")
