@@ -2373,13 +2373,15 @@ class _NoBar:
         pass
 
 
-def progress_bar(total, enabled=True):
+def progress_bar(total, enabled=True, unit="task"):
+    """A tqdm bar on stderr (also used by ``python -m kvcache generate``); a stand-in that
+    does nothing when tqdm is not installed."""
     try:
         from tqdm import tqdm
     except ImportError:
         return _NoBar()
     # disable=None: tqdm turns itself off when stderr is not a terminal (logs stay clean)
-    return tqdm(total=total, disable=None if enabled else True, leave=False, unit="task",
+    return tqdm(total=total, disable=None if enabled else True, leave=False, unit=unit,
                 file=sys.stderr)
 
 

@@ -866,7 +866,8 @@ def main(argv=None, file=None):
         prompt = _prompt_ids(args, tokenizer, runner.config, parser)
         if not prompt:
             parser.error("the prompt is empty")
-        bar = _progress(args.max_new_tokens, not args.no_progress)
+        from .bench import progress_bar
+        bar = progress_bar(args.max_new_tokens, not args.no_progress, unit="tok")
         t0 = time.perf_counter()
         first = []
 
@@ -906,21 +907,3 @@ def main(argv=None, file=None):
     p(f"attention share of the run: {100 * runner.timings['attention_s'] / max(runner.timings['total_s'], 1e-12):.0f}%")
     p(f"cache memory: {runner.memory_bytes() / 1024:.1f} KiB for {runner.position} positions")
     return 0
-
-
-class _NoBar:
-    def update(self, n=1):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress(total, enabled):
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, unit="tok", leave=False, disable=None, file=sys.stderr)
