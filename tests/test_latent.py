@@ -94,7 +94,7 @@ def test_alloc_ids_are_unique_across_threads():
 
 @pytest.mark.parametrize("make", [
     lambda: kc.LatentKvCache.with_capacity(2, 16, MLA),
-    lambda: kc.StaticKvCache.with_capacity(2, 2, 16, 4),
+    lambda: kc.StaticKvCache.with_capacity(2, 2, 4, 16),
 ], ids=["latent", "static"])
 def test_alloc_id_tracks_the_allocation_not_the_conversation(make, rng):
     a, b = make(), make()
@@ -227,12 +227,12 @@ def test_other_dtypes_raise_type_error(dtype):
     with pytest.raises(TypeError, match="dtype"):
         kc.LatentKvCache.with_capacity(1, 4, [[3]], dtype)
     with pytest.raises(TypeError, match="dtype"):
-        kc.StaticKvCache.with_capacity(1, 1, 4, 2, dtype)
+        kc.StaticKvCache.with_capacity(1, 1, 2, 4, dtype)
 
 
 @pytest.mark.parametrize("make", [
     lambda: kc.LatentKvCache.with_capacity(1, 4, [[3]], "bfloat16"),
-    lambda: kc.StaticKvCache.with_capacity(1, 1, 4, 2, "bf16"),
+    lambda: kc.StaticKvCache.with_capacity(1, 1, 2, 4, "bf16"),
     lambda: kc.LazyLatentCache.new(1, 4, [[3]], "bfloat16"),
 ], ids=["latent", "static", "lazy"])
 def test_bfloat16_without_ml_dtypes_says_to_install_it(make, monkeypatch):
@@ -256,7 +256,7 @@ def test_bfloat16_with_ml_dtypes(rng):
         assert view.dtype == bf16 and not view.flags.writeable
         np.testing.assert_array_equal(view.astype(np.float32), x[0])
         np.testing.assert_array_equal(c.valid_view(layer, 1).astype(np.float32), x[1])
-    s = kc.StaticKvCache.with_capacity(1, 2, 4, 8, "bfloat16")
+    s = kc.StaticKvCache.with_capacity(1, 2, 8, 4, "bfloat16")
     assert s.slot_storage(0, 0).nbytes == 128 and s.slot_storage(0, 1).nbytes == 128
     with pytest.raises(TypeError, match="float32"):
         s.attend(0, np.zeros((2, 8)))
@@ -462,7 +462,7 @@ def test_latent_and_lazy_caches_hold_byte_identical_buffers(rng):
 
 # ------------------------------------------------------------------------------------ StaticKvCache
 def test_static_cache_layout_zeroed_k_and_v():
-    c = kc.StaticKvCache.with_capacity(2, 4, 32, 16)
+    c = kc.StaticKvCache.with_capacity(2, 4, 16, 32)
     assert (c.n_layers, c.num_kv_heads, c.max_seq_len, c.head_dim, c.n_slots) == (2, 4, 32, 16, 2)
     assert c.dtype == np.float32 and c.cached_len == 0 and c.device_location == "cpu"
     for layer in range(2):
@@ -482,13 +482,21 @@ def test_static_cache_layout_zeroed_k_and_v():
     assert "StaticKvCache(n_layers=2, num_kv_heads=4" in repr(c)
 
 
+def test_static_cache_argument_order_is_kvcaches():
+    # (n_layers, num_kv_heads, head_dim, max_seq_len), as KvCache: storage is (1, nkv, max, hd)
+    c = kc.StaticKvCache.with_capacity(2, 3, 64, 8)
+    assert c.num_kv_heads == 3 and c.head_dim == 64 and c.max_seq_len == 8
+    assert c.layers[0][0].storage.shape == (1, 3, 8, 64)
+    assert kc.StaticKvCache(2, 3, 64, 8).layers[1][1].storage.shape == (1, 3, 8, 64)
+
+
 @pytest.mark.parametrize("args, exc, match", [
-    ((0, 2, 8, 4), ValueError, "n_layers must be >= 1"),
-    ((1, 0, 8, 4), ValueError, "num_kv_heads must be >= 1"),
-    ((1, 2, 0, 4), ValueError, "max_seq_len must be >= 1"),
-    ((1, 2, 8, 0), ValueError, "head_dim must be >= 1"),
-    ((1, 2, 8, -4), ValueError, "head_dim must be >= 1"),
-    ((1, 2.0, 8, 4), TypeError, "num_kv_heads"),
+    ((0, 2, 4, 8), ValueError, "n_layers must be >= 1"),
+    ((1, 0, 4, 8), ValueError, "num_kv_heads must be >= 1"),
+    ((1, 2, 4, 0), ValueError, "max_seq_len must be >= 1"),
+    ((1, 2, 0, 8), ValueError, "head_dim must be >= 1"),
+    ((1, 2, -4, 8), ValueError, "head_dim must be >= 1"),
+    ((1, 2.0, 4, 8), TypeError, "num_kv_heads"),
     ((1, 2**31, 2**31, 2**31), ValueError, "address"),
 ])
 def test_static_cache_rejects_bad_geometry(args, exc, match):
@@ -497,7 +505,7 @@ def test_static_cache_rejects_bad_geometry(args, exc, match):
 
 
 def test_static_write_layer_both_shapes_two_steps(rng):
-    c = kc.StaticKvCache.with_capacity(2, 2, 8, 4)
+    c = kc.StaticKvCache.with_capacity(2, 2, 4, 8)
     k1, v1 = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 2, 3, 4))
     for layer in range(2):
         c.write_layer(layer, k1[layer][None], v1[layer][None])   # (1, nkv, seq, hd)
@@ -522,7 +530,7 @@ def test_static_write_layer_both_shapes_two_steps(rng):
 
 
 def _static_filled(rng):
-    c = kc.StaticKvCache.with_capacity(2, 2, 8, 4)
+    c = kc.StaticKvCache.with_capacity(2, 2, 4, 8)
     for layer in range(2):
         c.write_layer(layer, rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 6, 4)))
     c.advance(6)
@@ -591,7 +599,7 @@ def plain_attention(q3, k, v, scale, softcap=0.0, window=0):
 
 
 def _static_with_rows(rng, n_layers, nkv, hd, rows, max_seq_len=64):
-    c = kc.StaticKvCache.with_capacity(n_layers, nkv, max_seq_len, hd)
+    c = kc.StaticKvCache.with_capacity(n_layers, nkv, hd, max_seq_len)
     ks = rng.standard_normal((n_layers, nkv, rows, hd)).astype(np.float32)
     vs = rng.standard_normal((n_layers, nkv, rows, hd)).astype(np.float32)
     for layer in range(n_layers):
@@ -816,7 +824,7 @@ def _f16_pair(kind):
         c.write_layer(0, [np.full((1, 2), 0.5), np.full((1, 2), 0.25)])
         c.advance(1)
         return c, lambda: c.write_layer(0, [np.ones((1, 2)), np.full((1, 2), 1e6)])
-    c = kc.StaticKvCache.with_capacity(2, 1, 4, 2, np.float16)
+    c = kc.StaticKvCache.with_capacity(2, 1, 2, 4, np.float16)
     c.write_layer(0, np.full((1, 1, 2), 0.5), np.full((1, 1, 2), 0.25))
     c.advance(1)
     return c, lambda: c.write_layer(0, np.ones((1, 1, 2)), np.full((1, 1, 2), 1e6))
@@ -857,7 +865,7 @@ def test_slab_that_views_another_slot_is_read_before_the_write(kind):
         np.testing.assert_array_equal(c.valid_view(0, 0)[1], [9, 9])
         np.testing.assert_array_equal(c.valid_view(0, 1)[1], [3, 3])
     else:
-        c = kc.StaticKvCache.with_capacity(1, 1, 4, 2)
+        c = kc.StaticKvCache.with_capacity(1, 1, 2, 4)
         c.write_layer(0, np.full((1, 2, 2), 3.0), np.zeros((1, 2, 2)))
         c.advance(1)
         old = c.slot_storage(0, 0)[:, :, 1:2]
@@ -885,7 +893,7 @@ def _replacements(shape):
 def test_static_replaced_storage_raises_instead_of_reading_out_of_bounds(rng, which, case):
     """B3: attend hands the storage to the compiled kernel, which trusts its shape; a
     replaced buffer (here K or V of a cache with 4096 rows) must raise, not crash."""
-    c = kc.StaticKvCache.with_capacity(2, 2, 64, 16)
+    c = kc.StaticKvCache.with_capacity(2, 2, 16, 64)
     for layer in range(2):
         c.write_layer(layer, rng.standard_normal((2, 64, 16)), rng.standard_normal((2, 64, 16)))
     c.advance(64)
@@ -934,7 +942,7 @@ def test_read_only_or_missing_slots_raise_before_a_write(rng):
     c.layers[1] = c.layers[1][:1]                      # a layer that lost a slot
     with pytest.raises(ValueError, match=r"layer 1 holds 1 slots, expected a list of 2"):
         c.write_layer(1, slabs(rng, 1))
-    s = kc.StaticKvCache.with_capacity(1, 1, 4, 2)
+    s = kc.StaticKvCache.with_capacity(1, 1, 2, 4)
     s.layers[0] = "KV"
     with pytest.raises(ValueError, match="layer 0 holds a str"):
         s.write_layer(0, np.ones((1, 1, 2)), np.ones((1, 1, 2)))
@@ -965,7 +973,7 @@ def test_huge_n_layers_is_refused_before_allocating(make):
 
 
 def test_total_size_bound_counts_buffers_and_objects(monkeypatch):
-    import kvcache.latent as latent
+    import kvcache._slots as latent
     monkeypatch.setattr(latent, "_memory_limit", lambda: 10_000)
     # 10 layers x (8*4*4 + 200) = 3280 bytes: fine; 40 layers = 13120: refused
     assert kc.LatentKvCache.with_capacity(10, 8, [[4]]).n_layers == 10
@@ -975,9 +983,9 @@ def test_total_size_bound_counts_buffers_and_objects(monkeypatch):
         with pytest.raises(ValueError, match="40 layers of 1 buffer.*13120 bytes.*10000 bytes"):
             make(40)
     # two buffers per StaticKvCache layer: 5 x 2 x (1*8*4*4 + 200) = 3280; 20 layers = 13120
-    kc.StaticKvCache.with_capacity(5, 1, 8, 4)
+    kc.StaticKvCache.with_capacity(5, 1, 4, 8)
     with pytest.raises(ValueError, match="20 layers of 2 buffer"):
-        kc.StaticKvCache.with_capacity(20, 1, 8, 4)
+        kc.StaticKvCache.with_capacity(20, 1, 4, 8)
     with pytest.raises(ValueError, match="address"):   # one unaddressable buffer says so first
         kc.LatentKvCache.with_capacity(1, 8, [[2**40, 2**40]])
 
@@ -985,7 +993,7 @@ def test_total_size_bound_counts_buffers_and_objects(monkeypatch):
 def test_memory_limit_is_physical_memory_or_2_48(monkeypatch):
     import os
 
-    import kvcache.latent as latent
+    import kvcache._slots as latent
     if hasattr(os, "sysconf"):
         try:
             want = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -1054,7 +1062,7 @@ def test_static_attend_window_follows_attend_all_heads(rng):
 
 @pytest.mark.parametrize("make", [
     lambda: kc.LatentKvCache.with_capacity(2, 8, MLA),
-    lambda: kc.StaticKvCache.with_capacity(2, 2, 8, 4),
+    lambda: kc.StaticKvCache.with_capacity(2, 2, 4, 8),
 ], ids=["latent", "static"])
 def test_clear_releases_the_storages(make):
     """clear() drops the cache's references: once the caller's own are gone, the buffers die

@@ -23,7 +23,7 @@ def latent(n_layers=3, max_seq_len=8, trailing=MLA, dtype=np.float32):
 
 
 def static(n_layers=2, nkv=2, max_seq_len=8, hd=4, dtype=np.float32):
-    return kc.StaticKvCache.with_capacity(n_layers, nkv, max_seq_len, hd, dtype)
+    return kc.StaticKvCache.with_capacity(n_layers, nkv, hd, max_seq_len, dtype)
 
 
 def step(cache, rng, seq=1):

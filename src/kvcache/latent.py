@@ -86,161 +86,25 @@ LayerKvCache).
 
 from __future__ import annotations
 
-import math
-import operator
-import os
-import sys
-import threading
-
 import numpy as np
 
 from . import quant
 from ._generation import Generation
-from ._validate import as_array, as_f32, as_f32_scalar, as_int, readonly
+from ._slots import (F32 as _F32, HOST as _HOST, KvAllocId, as_slab as _as_slab,
+                     at_least_one as _at_least_one, cast_slabs as _cast_slabs,
+                     check_bytes as _check_bytes, check_capacity as _check_capacity,
+                     check_device as _device, fmt_shape as _fmt_shape,
+                     maybe_index as _maybe_index, resolve_dtype, ro as _ro,
+                     slot_index as _slot_index, storage_problem as _storage_problem)
+from ._validate import as_f32, as_f32_scalar, as_int
 from .layer import _PROBS_BUDGET, _scratch, default_scale, grouped_queries
 from . import _core              # after .layer, whose import explains a missing _core
 
 __all__ = ["KvAllocId", "LatentSlot", "LatentKvCache", "StaticKvCache", "LazyLatentCache",
            "resolve_dtype"]
 
-_F32 = np.dtype(np.float32)
-_PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64))
-_HOST = "host"
-_DEVICES = ("cpu",)
-
-
-# ------------------------------------------------------------------------------ KvAllocId
-_id_lock = threading.Lock()
-_id_next = 1          # 0 is never minted, so a zero/default value can never look real
-
-
-class KvAllocId:
-    """Process-unique identity of one cache allocation (never reused).
-
-    Minted only by :meth:`next` from a module-global counter that starts at 1 and is guarded
-    by a lock, so ids are unique across threads.  Frozen, hashable, equal by value.
-
-    Examples
-    --------
-    >>> from kvcache import KvAllocId
-    >>> a, b = KvAllocId.next(), KvAllocId.next()
-    >>> a == b, b.get() > a.get() >= 1
-    (False, True)
-    """
-
-    __slots__ = ("_value",)
-
-    def __init__(self, *args, **kwargs):
-        raise TypeError("KvAllocId values are minted, not built: use KvAllocId.next()")
-
-    @classmethod
-    def next(cls):
-        """Mint a fresh id (thread-safe, strictly increasing within the process)."""
-        global _id_next
-        with _id_lock:
-            value = _id_next
-            _id_next += 1
-        obj = object.__new__(cls)
-        object.__setattr__(obj, "_value", value)
-        return obj
-
-    def get(self):
-        """The id as an int (>= 1)."""
-        return self._value
-
-    def __setattr__(self, name, value):
-        raise AttributeError("KvAllocId is immutable")
-
-    def __delattr__(self, name):
-        raise AttributeError("KvAllocId is immutable")
-
-    def __eq__(self, other):
-        if not isinstance(other, KvAllocId):
-            return NotImplemented
-        return self._value == other._value
-
-    def __hash__(self):
-        return hash((KvAllocId, self._value))
-
-    def __repr__(self):
-        return f"KvAllocId({self._value})"
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        raise TypeError("a KvAllocId names an allocation of this process and cannot be pickled")
-
 
 # ------------------------------------------------------------------------------ validation
-def resolve_dtype(dtype, name="dtype"):
-    """The cache dtype for ``dtype``: float32, float16, float64 or bfloat16.
-
-    ``None`` means float32.  ``"bfloat16"``/``"bf16"`` (or ``ml_dtypes.bfloat16``) needs the
-    optional ``ml_dtypes`` package, imported here and only here.
-
-    Raises
-    ------
-    TypeError
-        Any other dtype, or bfloat16 without ``ml_dtypes``.
-    """
-    if dtype is None:
-        return _F32
-    if isinstance(dtype, str) and dtype.strip().lower() in ("bfloat16", "bf16"):
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise TypeError(f"{name}: bfloat16 needs the optional ml_dtypes package "
-                            f"(pip install ml_dtypes); or use float16, float32 or "
-                            f"float64") from None
-        return np.dtype(ml_dtypes.bfloat16)
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"{name}: expected float32, float16, float64 or bfloat16, got "
-                        f"{dtype!r}") from None
-    if dt in _PLAIN_DTYPES or _is_bf16(dt):
-        return dt
-    raise TypeError(f"{name}: expected float32, float16, float64 or bfloat16, got {dt}")
-
-
-def _is_bf16(dt):
-    return dt.name == "bfloat16" and dt.itemsize == 2
-
-
-def _is_real_float(dt):
-    return dt.kind == "f" or _is_bf16(dt)
-
-
-def _as_slab(name, value):
-    """``value`` as an ndarray of real floats (no copy when it already is one)."""
-    arr = as_array(name, value)
-    if not _is_real_float(arr.dtype):
-        raise TypeError(f"{name}: expected real floating-point data (float16, float32, float64 or "
-                        f"bfloat16), got dtype {arr.dtype}")
-    return arr
-
-
-def _at_least_one(name, value):
-    v = as_int(name, value)
-    if v < 1:
-        raise ValueError(f"{name} must be >= 1, got {v}")
-    return v
-
-
-def _device(device):
-    if not isinstance(device, str):
-        raise TypeError(f"device: expected a device name (str), got {type(device).__name__}")
-    loc = device.strip().lower()
-    if loc not in _DEVICES:
-        raise ValueError(f"device: expected 'cpu' (the only device of this CPU library), got "
-                         f"{device!r}")
-    return loc
-
-
 def _trailing(slot_trailing):
     """slot_trailing as a tuple of tuples of ints >= 0 (ValueError 'need at least one slot')."""
     if isinstance(slot_trailing, (str, bytes)):
@@ -273,97 +137,6 @@ def _trailing(slot_trailing):
     return tuple(out)
 
 
-# Estimated bytes of the Python objects around one buffer (ndarray header, LatentSlot, list
-# entry): what n_layers tiny buffers cost even when the buffers themselves are empty.
-_OBJ_OVERHEAD = 200
-_NO_SYSCONF_LIMIT = 2 ** 48
-
-
-def _memory_limit():
-    """Physical memory of this machine in bytes (``SC_PAGE_SIZE * SC_PHYS_PAGES``), or 2**48
-    where the platform does not report it: a total above it cannot possibly be allocated."""
-    try:
-        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return _NO_SYSCONF_LIMIT
-    if pages > 0 and size > 0:
-        return pages * size
-    return _NO_SYSCONF_LIMIT
-
-
-def _check_bytes(shapes, dtype, n_layers=1):
-    """ValueError (naming the geometry) when one buffer is too large to address at all, or when
-    ``n_layers`` layers of these buffers (plus ~200 B of Python objects per buffer) would need
-    more than the machine's physical memory.  Checked before anything is allocated, so a huge
-    ``n_layers`` fails at once instead of allocating objects until the process runs out of
-    memory."""
-    per_layer = 0
-    for shape in shapes:
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > sys.maxsize:
-            raise ValueError(f"geometry: one buffer of shape {shape} ({dtype}) would need "
-                             f"{nbytes} bytes, more than this platform can address")
-        per_layer += nbytes + _OBJ_OVERHEAD
-    total = n_layers * per_layer
-    limit = _memory_limit()
-    if total > limit:
-        raise ValueError(f"geometry: {n_layers} layers of {len(shapes)} buffer(s) of shapes "
-                         f"{', '.join(_fmt_shape(s) for s in shapes)} ({dtype}) would need about "
-                         f"{total} bytes (buffers plus ~{_OBJ_OVERHEAD} B of objects per "
-                         f"buffer), more than this machine's {limit} bytes of memory")
-
-
-def _storage_problem(storage, shape, dtype, writable):
-    """Why ``storage`` cannot be used as a buffer of ``shape``/``dtype`` (None when it can)."""
-    if not isinstance(storage, np.ndarray):
-        return f"is a {type(storage).__name__}, not a numpy array"
-    if storage.dtype != dtype:
-        return f"has dtype {storage.dtype}"
-    if storage.shape != tuple(shape):
-        return f"has shape {storage.shape}"
-    if not storage.flags.c_contiguous:
-        return "is not C-contiguous"
-    if writable and not storage.flags.writeable:
-        return "is read-only"
-    return None
-
-
-def _cast_slabs(names, arrays, dtype, storages):
-    """Every slab as an array of the cache dtype, converted *before* anything is written.
-
-    A cast that raises (``np.errstate(over="raise")`` on float64 -> float16 overflow, warnings
-    turned into errors, a cast a dtype extension refuses) therefore raises while the cache is
-    still untouched.  A slab that already has the cache dtype is used as is, unless it shares
-    memory with one of the storages about to be written (a view of another slot), in which
-    case it is copied so an earlier slot's write cannot change it."""
-    out = []
-    for name, arr in zip(names, arrays):
-        if arr.dtype == dtype:
-            if any(np.may_share_memory(arr, st) for st in storages):
-                arr = arr.copy()
-        else:
-            arr = arr.astype(dtype)
-        out.append(arr)
-    return out
-
-
-def _ro(buf, idx=Ellipsis):
-    """A read-only view ``buf[idx]`` of a C-contiguous buffer that cannot be made writable.
-
-    bfloat16 has no buffer-protocol format, so for it the view is built on a read-only
-    memoryview of the raw bytes instead."""
-    try:
-        return readonly(buf[idx])
-    except ValueError:
-        raw = memoryview(buf.reshape(-1).view(np.uint8)).toreadonly()
-        return np.frombuffer(raw, dtype=buf.dtype).reshape(buf.shape)[idx]
-
-
-def _fmt_shape(shape):
-    parts = [str(d) for d in shape]
-    return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
-
-
 def _check_slabs(slabs, trailing, name="slabs"):
     """Convert and check one slab per slot; returns (list of arrays, seq).
 
@@ -393,29 +166,6 @@ def _check_slabs(slabs, trailing, name="slabs"):
                 expect = f"{_fmt_shape(want)} (seq={seq} from {name}[0])"
             raise ValueError(f"{name}[{s}]: expected shape {expect}, got {arr.shape}")
     return arrays, seq
-
-
-def _check_capacity(name, cached_len, seq, max_seq_len):
-    if cached_len + seq > max_seq_len:
-        raise ValueError(f"{name}: {seq} positions at cached_len={cached_len} overflow "
-                         f"max_seq_len={max_seq_len}")
-
-
-def _slot_index(name, value, size, what):
-    idx = as_int(name, value)
-    if not 0 <= idx < size:
-        raise IndexError(f"{name}: index {idx} out of range for {size} {what}")
-    return idx
-
-
-def _maybe_index(name, value):
-    """An int for an index that may be out of range (TypeError for non-integers)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected an integer index, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an integer index, got {type(value).__name__}") from None
 
 
 # ------------------------------------------------------------------------------ slots
@@ -818,7 +568,7 @@ class StaticKvCache(_SlotCache):
     Examples
     --------
     >>> import numpy as np, kvcache as kc
-    >>> c = kc.StaticKvCache.with_capacity(1, 2, 16, 4)
+    >>> c = kc.StaticKvCache.with_capacity(1, 2, 4, 16)
     >>> c.write_layer(0, np.ones((2, 3, 4)), np.ones((2, 3, 4)))
     >>> c.advance(3)
     >>> c.attend(0, np.ones((4, 4))).shape
@@ -827,12 +577,12 @@ class StaticKvCache(_SlotCache):
 
     _n_slots = 2
 
-    def __init__(self, n_layers, num_kv_heads, max_seq_len, head_dim, dtype=np.float32,
+    def __init__(self, n_layers, num_kv_heads, head_dim, max_seq_len, dtype=np.float32,
                  device="cpu"):
         n_layers = _at_least_one("n_layers", n_layers)
         nkv = _at_least_one("num_kv_heads", num_kv_heads)
-        max_seq_len = _at_least_one("max_seq_len", max_seq_len)
         hd = _at_least_one("head_dim", head_dim)
+        max_seq_len = _at_least_one("max_seq_len", max_seq_len)
         dt = resolve_dtype(dtype)
         loc = _device(device)
         shape = (1, nkv, max_seq_len, hd)
@@ -848,10 +598,13 @@ class StaticKvCache(_SlotCache):
         self._gen = Generation()
 
     @classmethod
-    def with_capacity(cls, n_layers, num_kv_heads, max_seq_len, head_dim, dtype=np.float32,
+    def with_capacity(cls, n_layers, num_kv_heads, head_dim, max_seq_len, dtype=np.float32,
                       device="cpu"):
-        """Allocate K and V of every layer up front, zeroed (see the class docstring)."""
-        return cls(n_layers, num_kv_heads, max_seq_len, head_dim, dtype=dtype, device=device)
+        """Allocate K and V of every layer up front, zeroed (see the class docstring).
+
+        The arguments come in the order of :class:`KvCache`: ``(n_layers, num_kv_heads,
+        head_dim, max_seq_len)``."""
+        return cls(n_layers, num_kv_heads, head_dim, max_seq_len, dtype=dtype, device=device)
 
     @property
     def num_kv_heads(self):
@@ -871,7 +624,7 @@ class StaticKvCache(_SlotCache):
 
     def __repr__(self):
         return (f"StaticKvCache(n_layers={self.n_layers}, num_kv_heads={self._nkv}, "
-                f"max_seq_len={self._max_seq_len}, head_dim={self._hd}, dtype={self._dtype}, "
+                f"head_dim={self._hd}, max_seq_len={self._max_seq_len}, dtype={self._dtype}, "
                 f"cached_len={self._cached_len}, alloc_id={self._alloc_id!r})")
 
     def _as_kv(self, name, value, seq=None):

@@ -51,7 +51,7 @@ from typing import NamedTuple, Optional, Protocol, runtime_checkable
 import numpy as np
 
 from ._validate import as_int
-from .latent import KvAllocId, resolve_dtype
+from ._slots import KvAllocId, resolve_dtype
 
 __all__ = ["KvRebindSource", "KvPlanSource", "PlanValidity", "RebindRefusal", "RebindRefused",
            "StorageFingerprint", "DecodePlan"]

@@ -1,0 +1,302 @@
+"""Slot and allocation rules shared by the persistent caches and the re-bind protocol.
+
+This module imports nothing of kvcache but its leaf helpers, so :mod:`kvcache.rebind` (the
+protocol) and :mod:`kvcache.latent` / :mod:`kvcache.static` (the implementations) can all
+depend on it without depending on each other.  It owns:
+
+* :class:`KvAllocId`, the process-unique name of one allocation;
+* :func:`resolve_dtype`, the dtypes a cache may hold (bfloat16 through ``ml_dtypes``);
+* the index checks (:func:`slot_index`, :func:`maybe_index`) and geometry checks
+  (:func:`at_least_one`, :func:`check_device`, :func:`check_bytes`);
+* the slab rules every write follows (:func:`as_slab`, :func:`check_capacity`,
+  :func:`cast_slabs`) and the read-only view rule (:func:`ro`).
+
+The rules themselves are described in ``docs/latent.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import sys
+import threading
+from typing import Any, Iterable, NoReturn, Optional, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from ._validate import as_array, as_int, readonly
+
+__all__ = ["KvAllocId", "resolve_dtype", "slot_index", "maybe_index", "at_least_one",
+           "check_device", "check_bytes", "storage_problem", "as_slab", "is_real_float",
+           "check_capacity", "cast_slabs", "ro", "fmt_shape", "F32", "HOST", "DEVICES"]
+
+F32 = np.dtype(np.float32)
+_PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64))
+HOST = "host"
+DEVICES = ("cpu",)
+
+Shape = tuple[int, ...]
+
+
+# ------------------------------------------------------------------------------ KvAllocId
+_id_lock = threading.Lock()
+_id_next = 1          # 0 is never minted, so a zero/default value can never look real
+
+
+class KvAllocId:
+    """Process-unique identity of one cache allocation (never reused).
+
+    Minted only by :meth:`next` from a module-global counter that starts at 1 and is guarded
+    by a lock, so ids are unique across threads.  Frozen, hashable, equal by value.
+
+    Examples
+    --------
+    >>> from kvcache import KvAllocId
+    >>> a, b = KvAllocId.next(), KvAllocId.next()
+    >>> a == b, b.get() > a.get() >= 1
+    (False, True)
+    """
+
+    __slots__ = ("_value",)
+    _value: int
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("KvAllocId values are minted, not built: use KvAllocId.next()")
+
+    @classmethod
+    def next(cls) -> KvAllocId:
+        """Mint a fresh id (thread-safe, strictly increasing within the process)."""
+        global _id_next
+        with _id_lock:
+            value = _id_next
+            _id_next += 1
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "_value", value)
+        return obj
+
+    def get(self) -> int:
+        """The id as an int (>= 1)."""
+        return self._value
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError("KvAllocId is immutable")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError("KvAllocId is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KvAllocId):
+            return NotImplemented
+        return self._value == other._value
+
+    def __hash__(self) -> int:
+        return hash((KvAllocId, self._value))
+
+    def __repr__(self) -> str:
+        return f"KvAllocId({self._value})"
+
+    def __copy__(self) -> KvAllocId:
+        return self
+
+    def __deepcopy__(self, memo: object) -> KvAllocId:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError("a KvAllocId names an allocation of this process and cannot be pickled")
+
+
+# ------------------------------------------------------------------------------ dtypes
+def resolve_dtype(dtype: npt.DTypeLike, name: str = "dtype") -> np.dtype[Any]:
+    """The cache dtype for ``dtype``: float32, float16, float64 or bfloat16.
+
+    ``None`` means float32.  ``"bfloat16"``/``"bf16"`` (or ``ml_dtypes.bfloat16``) needs the
+    optional ``ml_dtypes`` package, imported here and only here.
+
+    Raises
+    ------
+    TypeError
+        Any other dtype, or bfloat16 without ``ml_dtypes``.
+    """
+    if dtype is None:
+        return F32
+    if isinstance(dtype, str) and dtype.strip().lower() in ("bfloat16", "bf16"):
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(f"{name}: bfloat16 needs the optional ml_dtypes package "
+                            f"(pip install ml_dtypes); or use float16, float32 or "
+                            f"float64") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name}: expected float32, float16, float64 or bfloat16, got "
+                        f"{dtype!r}") from None
+    if dt in _PLAIN_DTYPES or _is_bf16(dt):
+        return dt
+    raise TypeError(f"{name}: expected float32, float16, float64 or bfloat16, got {dt}")
+
+
+def _is_bf16(dt: np.dtype[Any]) -> bool:
+    return dt.name == "bfloat16" and dt.itemsize == 2
+
+
+def is_real_float(dt: np.dtype[Any]) -> bool:
+    """Whether ``dt`` holds real floating-point numbers (bfloat16 included)."""
+    return dt.kind == "f" or _is_bf16(dt)
+
+
+def as_slab(name: str, value: npt.ArrayLike) -> npt.NDArray[Any]:
+    """``value`` as an ndarray of real floats (no copy when it already is one)."""
+    arr: npt.NDArray[Any] = as_array(name, value)
+    if not is_real_float(arr.dtype):
+        raise TypeError(f"{name}: expected real floating-point data (float16, float32, float64 or "
+                        f"bfloat16), got dtype {arr.dtype}")
+    return arr
+
+
+# ------------------------------------------------------------------------------ indices
+def slot_index(name: str, value: object, size: int, what: str) -> int:
+    """``value`` as an index in ``[0, size)``: TypeError for a non-integer, IndexError naming
+    ``size`` and ``what`` (e.g. ``"layers"``) when out of range."""
+    idx: int = as_int(name, value)
+    if not 0 <= idx < size:
+        raise IndexError(f"{name}: index {idx} out of range for {size} {what}")
+    return idx
+
+
+def maybe_index(name: str, value: object) -> int:
+    """An int for an index that may be out of range (TypeError for non-integers)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an integer index, got bool")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]  # TypeError is the check
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer index, got {type(value).__name__}") from None
+
+
+# ------------------------------------------------------------------------------ geometry
+def at_least_one(name: str, value: object) -> int:
+    """``value`` as an int >= 1 (TypeError for a non-integer, ValueError below 1)."""
+    v: int = as_int(name, value)
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    return v
+
+
+def check_device(device: object) -> str:
+    """The device location of a cache: ``"cpu"``, the only one of this CPU library (case and
+    surrounding blanks ignored)."""
+    if not isinstance(device, str):
+        raise TypeError(f"device: expected a device name (str), got {type(device).__name__}")
+    loc = device.strip().lower()
+    if loc not in DEVICES:
+        raise ValueError(f"device: expected 'cpu' (the only device of this CPU library), got "
+                         f"{device!r}")
+    return loc
+
+
+def fmt_shape(shape: Iterable[int]) -> str:
+    """A shape as Python writes a tuple: ``(3,)``, ``(2, 4)``."""
+    parts = [str(d) for d in shape]
+    return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+
+# Estimated bytes of the Python objects around one buffer (ndarray header, LatentSlot, list
+# entry): what n_layers tiny buffers cost even when the buffers themselves are empty.
+_OBJ_OVERHEAD = 200
+_NO_SYSCONF_LIMIT = 2 ** 48
+
+
+def _memory_limit() -> int:
+    """Physical memory of this machine in bytes (``SC_PAGE_SIZE * SC_PHYS_PAGES``), or 2**48
+    where the platform does not report it: a total above it cannot possibly be allocated."""
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return _NO_SYSCONF_LIMIT
+    if pages > 0 and size > 0:
+        return pages * size
+    return _NO_SYSCONF_LIMIT
+
+
+def check_bytes(shapes: Sequence[Shape], dtype: np.dtype[Any], n_layers: int = 1) -> None:
+    """ValueError (naming the geometry) when one buffer is too large to address at all, or when
+    ``n_layers`` layers of these buffers (plus ~200 B of Python objects per buffer) would need
+    more than the machine's physical memory.  Checked before anything is allocated, so a huge
+    ``n_layers`` fails at once instead of allocating objects until the process runs out of
+    memory."""
+    per_layer = 0
+    for shape in shapes:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > sys.maxsize:
+            raise ValueError(f"geometry: one buffer of shape {shape} ({dtype}) would need "
+                             f"{nbytes} bytes, more than this platform can address")
+        per_layer += nbytes + _OBJ_OVERHEAD
+    total = n_layers * per_layer
+    limit = _memory_limit()
+    if total > limit:
+        raise ValueError(f"geometry: {n_layers} layers of {len(shapes)} buffer(s) of shapes "
+                         f"{', '.join(fmt_shape(s) for s in shapes)} ({dtype}) would need about "
+                         f"{total} bytes (buffers plus ~{_OBJ_OVERHEAD} B of objects per "
+                         f"buffer), more than this machine's {limit} bytes of memory")
+
+
+def storage_problem(storage: object, shape: Sequence[int], dtype: np.dtype[Any],
+                    writable: bool) -> Optional[str]:
+    """Why ``storage`` cannot be used as a buffer of ``shape``/``dtype`` (None when it can)."""
+    if not isinstance(storage, np.ndarray):
+        return f"is a {type(storage).__name__}, not a numpy array"
+    if storage.dtype != dtype:
+        return f"has dtype {storage.dtype}"
+    if storage.shape != tuple(shape):
+        return f"has shape {storage.shape}"
+    if not storage.flags.c_contiguous:
+        return "is not C-contiguous"
+    if writable and not storage.flags.writeable:
+        return "is read-only"
+    return None
+
+
+# ------------------------------------------------------------------------------ writes
+def check_capacity(name: str, cached_len: int, seq: int, max_seq_len: int) -> None:
+    """ValueError when ``seq`` more positions at ``cached_len`` would pass ``max_seq_len``."""
+    if cached_len + seq > max_seq_len:
+        raise ValueError(f"{name}: {seq} positions at cached_len={cached_len} overflow "
+                         f"max_seq_len={max_seq_len}")
+
+
+def cast_slabs(names: Sequence[str], arrays: Sequence[npt.NDArray[Any]], dtype: np.dtype[Any],
+               storages: Sequence[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
+    """Every slab as an array of the cache dtype, converted *before* anything is written.
+
+    A cast that raises (``np.errstate(over="raise")`` on float64 -> float16 overflow, warnings
+    turned into errors, a cast a dtype extension refuses) therefore raises while the cache is
+    still untouched.  A slab that already has the cache dtype is used as is, unless it shares
+    memory with one of the storages about to be written (a view of another slot), in which
+    case it is copied so an earlier slot's write cannot change it."""
+    out = []
+    for _name, arr in zip(names, arrays):
+        if arr.dtype == dtype:
+            if any(np.may_share_memory(arr, st) for st in storages):
+                arr = arr.copy()
+        else:
+            arr = arr.astype(dtype)
+        out.append(arr)
+    return out
+
+
+def ro(buf: npt.NDArray[Any], idx: Any = Ellipsis) -> npt.NDArray[Any]:
+    """A read-only view ``buf[idx]`` of a C-contiguous buffer that cannot be made writable.
+
+    bfloat16 has no buffer-protocol format, so for it the view is built on a read-only
+    memoryview of the raw bytes instead."""
+    try:
+        view: npt.NDArray[Any] = readonly(buf[idx])
+        return view
+    except ValueError:
+        raw = memoryview(buf.reshape(-1).view(np.uint8)).toreadonly()
+        whole: npt.NDArray[Any] = np.frombuffer(raw, dtype=buf.dtype).reshape(buf.shape)
+        return whole[idx]  # type: ignore[no-any-return]  # an index of an ndarray is one
