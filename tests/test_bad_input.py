@@ -273,7 +273,7 @@ def test_attend_all_heads_on_empty_layer_is_refused():
 @pytest.mark.parametrize("args, exc", [
     ((0, HD), ValueError), ((-1, HD), ValueError), ((NKV, 0), ValueError), ((NKV, -8), ValueError),
     ((2.0, HD), TypeError), (("2", HD), TypeError), ((NKV, None), TypeError),
-    ((NKV, HD, "q8"), TypeError), ((NKV, HD, 1), TypeError), ((NKV, HD, kc.EvictionPolicy.RECENT), TypeError),
+    ((NKV, HD, "q4"), ValueError), ((NKV, HD, 1), TypeError), ((NKV, HD, kc.EvictionPolicy.RECENT), TypeError),
 ])
 def test_layer_constructor_rejects_bad_geometry(args, exc):
     with pytest.raises(exc):
@@ -370,7 +370,7 @@ def test_nan_importance_is_accepted(rng, make_kv):
     kv.layers[0].append(k, v)
     kv.layers[0].accumulate_imp([0.0, np.nan, 1.0, np.nan, 2.0, 0.0])
     kv.evict(4)                                         # NaN ranks as "no mass", no crash
-    assert kv.seq_len() == 4 and kv.layers[0].head_len(0) == 4
+    assert kv.seq_len == 4 and kv.layers[0].head_len(0) == 4
 
 
 # ---------------------------------------------------------------------------- KvCache
@@ -402,7 +402,7 @@ def test_kvcache_rejects_bad_input_and_stays_unchanged(model, snapshot, assert_s
         call(model)
     for b, layer in zip(before, model.layers):
         assert_same_state(b, snapshot(layer))
-    assert model.seq_len() == 6
+    assert model.seq_len == 6
 
 
 def test_kvcache_truncate_refused_by_one_layer_touches_none(model, snapshot, assert_same_state):
@@ -423,7 +423,7 @@ def test_kvcache_truncate_refused_by_one_layer_touches_none(model, snapshot, ass
     (dict(max_seq_len=0), ValueError), (dict(max_seq_len=-5), ValueError),
     (dict(max_seq_len=1.5), TypeError),
     (dict(policy="born"), TypeError), (dict(policy=kc.KvMode.F32), TypeError),
-    (dict(mode="q8"), TypeError), (dict(mode=kc.EvictionPolicy.RECENT), TypeError),
+    (dict(mode="q4"), ValueError), (dict(mode=kc.EvictionPolicy.RECENT), TypeError),
 ])
 def test_kvcache_constructor_rejects_bad_arguments(kwargs, exc):
     args = dict(n_layers=2, num_kv_heads=NKV, head_dim=HD, mode=F32)

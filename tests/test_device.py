@@ -201,7 +201,7 @@ def test_unchanged_prefix_log_is_bounded(rng):
 
 def test_latent_static_and_lazy_generations(rng):
     lc = kc.LatentKvCache.with_capacity(2, 16, [[3]])
-    sc = kc.StaticKvCache.with_capacity(2, 2, 16, 4)
+    sc = kc.StaticKvCache.with_capacity(2, 2, 4, 16)
     for c, write in ((lc, lambda l: lc.write_layer(l, [np.ones((4, 3))])),
                      (sc, lambda l: sc.write_layer(l, np.ones((2, 4, 4)), np.ones((2, 4, 4))))):
         for layer in range(2):
@@ -380,7 +380,7 @@ def test_kvcache_mirror_syncs_every_layer(rng, backend):
         elif step % 7 == 6:
             kv.truncate_last(2)
         m.sync()
-        assert m.generation == kv.generation and m.seq_len() == kv.seq_len()
+        assert m.generation == kv.generation and m.seq_len == kv.seq_len
         for lm, layer in zip(m, kv):
             assert_layer_mirrored(lm, layer)
     kv.layers.append(kc.LayerKvCache(2, 8, mode=F32))
@@ -399,7 +399,7 @@ def latent_case(rng, dtype=np.float32):
 
 
 def static_case(rng):
-    c = kc.StaticKvCache.with_capacity(3, 2, 300, 4)
+    c = kc.StaticKvCache.with_capacity(3, 2, 4, 300)
 
     def write(n):
         for li in range(3):

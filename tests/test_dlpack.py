@@ -224,7 +224,7 @@ def latent_cache(rng, dtype, n=3):
 
 
 def static_cache(rng, dtype, n=3):
-    c = kc.StaticKvCache.with_capacity(2, NKV, 8, HD, dtype=dtype)
+    c = kc.StaticKvCache.with_capacity(2, NKV, HD, 8, dtype=dtype)
     for layer in range(c.n_layers):
         c.write_layer(layer, rng.standard_normal((1, NKV, n, HD)),
                       rng.standard_normal((1, NKV, n, HD)))
@@ -410,7 +410,7 @@ def test_empty_slot_cache_views_are_consumable(dtype):
     views = {}
     views.update(slot_views(kc.LatentKvCache.with_capacity(1, 4, ((3,), ()), dtype=dtype),
                             "latent"))
-    views.update(slot_views(kc.StaticKvCache.with_capacity(1, NKV, 4, HD, dtype=dtype),
+    views.update(slot_views(kc.StaticKvCache.with_capacity(1, NKV, HD, 4, dtype=dtype),
                             "static"))
     for name, a in views.items():
         if name.endswith("valid_view"):

@@ -129,7 +129,7 @@ def test_eviction_keeps_recent():
         layer.append(np.full((nkv, hd), pos), np.full((nkv, hd), -pos))
     layer.accumulate_imp(np.arange(8, dtype=np.float32) * 10)      # must not matter
     kv.evict(4)
-    assert layer.seq_len == 4 and kv.seq_len() == 4
+    assert layer.seq_len == 4 and kv.seq_len == 4
     for h in range(nkv):
         assert layer.head_len(h) == 4
         assert layer.head_keys(h)[:, 0].tolist() == [4, 5, 6, 7]

@@ -43,7 +43,7 @@ def test_constructor_defaults():
         assert isinstance(layer, kc.LayerKvCache)
         assert (layer.num_kv_heads, layer.head_dim, layer.mode) == (NKV, HD, F32)
         assert layer.seq_len == 0 and layer.o1 is None
-    assert kv.seq_len() == 0 and not kv.needs_eviction() and kv.memory_bytes() == 0
+    assert kv.seq_len == 0 and not kv.needs_eviction() and kv.memory_bytes() == 0
 
 
 @pytest.mark.parametrize("env, mode", [(None, F32), ("q8k", kc.KvMode.Q8(k=True, v=False)),
@@ -75,7 +75,7 @@ def test_policy_values():
 
 def test_no_layers_is_a_valid_empty_model():
     kv = kc.KvCache(0, NKV, HD, mode=F32)
-    assert kv.layers == [] and kv.seq_len() == 0 and kv.memory_bytes() == 0
+    assert kv.layers == [] and kv.seq_len == 0 and kv.memory_bytes() == 0
     assert not kv.needs_eviction()
     kv.evict(0)
     kv.truncate_last(3)
@@ -85,18 +85,18 @@ def test_no_layers_is_a_valid_empty_model():
 # ---------------------------------------------------------------------------- queries
 def test_seq_len_is_the_max_over_layers():
     kv = model_with_lengths([3, 7, 0])
-    assert kv.seq_len() == 7
+    assert kv.seq_len == 7
     kv.layers[2].append(*positional_rows(9))
-    assert kv.seq_len() == 9
+    assert kv.seq_len == 9
 
 
 def test_needs_eviction_from_max_seq_len_on():
     kv = model_with_lengths([7, 2], max_seq_len=8)
     assert not kv.needs_eviction()
     kv.layers[1].append(*positional_rows(5))        # layer 1: 7 rows, still below 8
-    assert kv.seq_len() == 7 and not kv.needs_eviction()
+    assert kv.seq_len == 7 and not kv.needs_eviction()
     kv.layers[1].append(*positional_rows(1))        # layer 1 reaches 8: seq_len >= max
-    assert kv.seq_len() == 8 and kv.needs_eviction() is True
+    assert kv.seq_len == 8 and kv.needs_eviction() is True
 
 
 def test_memory_bytes_is_the_sum_over_layers():
@@ -121,7 +121,7 @@ def test_clear_empties_every_layer_and_keeps_modes():
     kv = model_with_lengths([70, 3], mode=mode)
     kv.layers[0].linear_state = [1.0]
     kv.clear()
-    assert kv.seq_len() == 0 and kv.memory_bytes() == 0
+    assert kv.seq_len == 0 and kv.memory_bytes() == 0
     for layer in kv.layers:
         assert layer.mode == mode and layer.importance.shape == (0,)
         assert layer.linear_state.shape == (0,)
@@ -136,7 +136,7 @@ def test_recent_eviction_on_every_layer():
     assert key_positions(kv.layers[0], 0) == [6, 7, 8, 9]
     assert key_positions(kv.layers[1], 1) == [2, 3, 4, 5]
     assert key_positions(kv.layers[2], 0) == [0, 1, 2]
-    assert kv.seq_len() == 4
+    assert kv.seq_len == 4
 
 
 @pytest.mark.parametrize("keep, imp_peaks, expected", [
@@ -222,7 +222,7 @@ def test_eviction_skips_layers_with_o1_state(snapshot, assert_same_state, policy
     kv.evict(4)
     assert_same_state(frozen, snapshot(kv.layers[1]))
     assert kv.layers[0].seq_len == kv.layers[2].seq_len == 4
-    assert kv.seq_len() == 12
+    assert kv.seq_len == 12
 
 
 def _partially_dead_layer():
@@ -279,6 +279,6 @@ def test_decode_loop_with_eviction_stays_bounded(rng, make_kv):
             assert np.all(np.isfinite(out))
         if kv.needs_eviction():
             kv.evict(max(max_len // 2, 1))
-        assert kv.seq_len() <= max_len
+        assert kv.seq_len <= max_len
         # the newest row always survives: it is in the recent part of every eviction
         assert np.array_equal(kv.layers[0].head_keys(0)[-1], k[t, 0])

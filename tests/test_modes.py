@@ -130,3 +130,18 @@ def test_parse_reads_the_same_names_as_the_environment(monkeypatch):
         kc.KvMode.parse("")                       # empty means f32 only in the environment
     with pytest.raises(TypeError, match="mode: expected a KvMode"):
         kc.KvMode.parse(8)
+
+
+@pytest.mark.parametrize("name, mode", [("q8", kc.KvMode.Q8()), ("F32", kc.KvMode.F32),
+                                        ("q8v", kc.KvMode.Q8(False, True))])
+def test_every_cache_takes_a_mode_name(name, mode):
+    assert kc.LayerKvCache(2, 4, mode=name).mode == mode
+    assert kc.KvCache(2, 2, 4, 16, mode=name).mode == mode
+    assert all(layer.mode == mode for layer in kc.KvCache(2, 2, 4, 16, mode=name).layers)
+
+
+def test_a_bad_mode_name_names_the_parameter():
+    with pytest.raises(ValueError, match="mode: expected 'f32'"):
+        kc.LayerKvCache(2, 4, mode="q4")
+    with pytest.raises(TypeError, match="mode: expected a KvMode"):
+        kc.KvCache(2, 2, 4, 16, mode=8)

@@ -1,6 +1,6 @@
 """The O(1) Nystrom override (spec layer-kv-cache.md section 6, issue 3).
 
-Operator correctness: the upstream golden fixture (read from ../shared/conformance), our own
+Operator correctness: the upstream golden fixture (tests/data/nystrom_golden.json), our own
 float64 reference in both forms (stream and matrix) on clustered data, the compiled kernels
 against their NumPy twins.  Then the upstream operator and runtime tests of spec section 9 in
 our own words, the state machine, device views, snapshot/restore and bad input.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pathlib
 
 import numpy as np
@@ -25,19 +24,7 @@ F32 = kc.KvMode.F32
 RECTS = [kc.O1Rect.AGGREGATE, kc.O1Rect.FM]
 
 
-def _golden_path():
-    """../shared/conformance/nystrom_golden.json beside the checkout (or $KVCACHE_CONFORMANCE)."""
-    env = os.environ.get("KVCACHE_CONFORMANCE")
-    if env:
-        return pathlib.Path(env) / "nystrom_golden.json"
-    for parent in pathlib.Path(__file__).resolve().parents:
-        path = parent / "shared" / "conformance" / "nystrom_golden.json"
-        if path.is_file():
-            return path
-    return pathlib.Path(__file__).resolve().parents[2] / "shared" / "conformance" / "nystrom_golden.json"
-
-
-GOLDEN = _golden_path()
+GOLDEN = pathlib.Path(__file__).resolve().parent / "data" / "nystrom_golden.json"   # see data/README.md
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -106,9 +93,6 @@ def causal_softmax(q, k, v, p):
 # ------------------------------------------------------------------------------------ golden
 @pytest.fixture(scope="module")
 def golden():
-    if not GOLDEN.is_file():
-        pytest.skip(f"conformance data not present at {GOLDEN} (it lives outside the repository, "
-                    f"in ../shared/conformance; set KVCACHE_CONFORMANCE to its folder)")
     data = json.loads(GOLDEN.read_text())
     for key in ("q", "k", "v", "out", "out_sink0"):
         data[key] = np.asarray(data[key], dtype=np.float64)
@@ -532,7 +516,7 @@ def test_mixed_exact_and_sealed_layers_keep_equal_seq_len(rng):
         exact.append(k[i], v[i])
         exact.attend_all_heads(q[i])
         sealed.o1_step(q[i], k[i], v[i], H)
-        assert exact.seq_len == sealed.seq_len == kv.seq_len() == i + 1
+        assert exact.seq_len == sealed.seq_len == kv.seq_len == i + 1
     assert exact.head_len(0) == p + gen and sealed.head_len(0) == 0
     # eviction leaves the sealed layer alone; truncate_last refuses the whole model at once
     before = sealed.o1_memory_bytes()

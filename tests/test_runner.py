@@ -173,7 +173,7 @@ def test_rollback_then_redecode_is_bit_identical(saved):
     r.prefill(ids)
     first = [r.step(t) for t in (5, 6, 7)]
     r.rollback(2)                                   # reject the last two drafts
-    assert r.position == PROMPT + 1 and r.cache.seq_len() == PROMPT + 1
+    assert r.position == PROMPT + 1 and r.cache.seq_len == PROMPT + 1
     again = [r.step(t) for t in (6, 7)]
     np.testing.assert_array_equal(first[1], again[0])
     np.testing.assert_array_equal(first[2], again[1])
@@ -262,7 +262,7 @@ def test_bad_input_is_refused(saved, tmp_path):
                        ([[1, 2]], "1-D")):
         with pytest.raises(ValueError, match=match):
             r.forward(bad)
-    assert r.position == 0 and r.cache.seq_len() == 0
+    assert r.position == 0 and r.cache.seq_len == 0
     with pytest.raises(ValueError, match="top_p"):
         r.generate([1], 3, top_p=0)
     with pytest.raises(ValueError, match="kv"):

@@ -685,6 +685,7 @@ class KvCacheMirror(Mirror):
             stats = stats + m.sync(full)
         return stats
 
+    @property
     def seq_len(self):
         return max((m.seq_len for m in self.layers), default=0)
 

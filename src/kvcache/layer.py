@@ -100,11 +100,7 @@ class LayerKvCache:
     def __init__(self, num_kv_heads, head_dim, mode=None):
         nkv = as_int("num_kv_heads", num_kv_heads, minimum=1)
         hd = as_int("head_dim", head_dim, minimum=1)
-        if mode is None:
-            mode = KvMode.from_env()
-        if not isinstance(mode, KvMode):
-            raise TypeError(f"mode: expected a KvMode, got {type(mode).__name__}")
-        self._mode = mode
+        self._mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
         self._nkv = nkv
         self._hd = hd
         self._ngk = quant.n_groups(hd, quant.K_GROUP)

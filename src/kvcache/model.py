@@ -81,15 +81,16 @@ class KvCache:
         if not isinstance(policy, EvictionPolicy):
             raise TypeError(f"policy: expected an EvictionPolicy, got {type(policy).__name__}")
         self.policy = policy
-        if mode is None:
-            mode = KvMode.from_env()
+        mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
         self.layers = [LayerKvCache(num_kv_heads, head_dim, mode) for _ in range(n_layers)]
         self.num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
         self.head_dim = as_int("head_dim", head_dim, minimum=1)
         self.mode = mode
 
+    @property
     def seq_len(self):
-        """The longest layer's seq_len (0 when there are no layers)."""
+        """The longest layer's seq_len (0 when there are no layers); a property, as on
+        :class:`LayerKvCache`."""
         return max((layer.seq_len for layer in self.layers), default=0)
 
     @property
@@ -100,7 +101,7 @@ class KvCache:
         return sum(layer.generation for layer in self.layers)
 
     def needs_eviction(self):
-        return self.seq_len() >= self.max_seq_len
+        return self.seq_len >= self.max_seq_len
 
     def evict(self, keep):
         """Shrink every layer to at most ``keep`` positions with the cache's policy.
@@ -163,4 +164,4 @@ class KvCache:
     def __repr__(self):
         return (f"KvCache(n_layers={len(self.layers)}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, policy={self.policy!r}, "
-                f"mode={self.mode!r}, seq_len={self.seq_len()})")
+                f"mode={self.mode!r}, seq_len={self.seq_len})")
