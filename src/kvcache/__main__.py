@@ -1,24 +1,34 @@
-"""``python -m kvcache bench [...]``, ``python -m kvcache generate [...]`` and
-``python -m kvcache config``."""
+"""``python -m kvcache bench [...]``, ``python -m kvcache generate [...]``,
+``python -m kvcache config`` and ``python -m kvcache --version``."""
+
+from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+
+USAGE = ("usage: python -m kvcache {bench,generate,config} [options] | --version\n"
+         "  bench      decode-attention benchmark (python -m kvcache bench --help)\n"
+         "  generate   decode with a checkpoint (python -m kvcache generate --help)\n"
+         "  config     print show_config()\n"
+         "  --version  print the installed version")
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m kvcache {bench,generate,config} [options]\n"
-              "  bench     decode-attention benchmark (python -m kvcache bench --help)\n"
-              "  generate  decode with a checkpoint (python -m kvcache generate --help)\n"
-              "  config    print show_config()")
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
         return 0
-    cmd, rest = argv[0], argv[1:]
+    cmd, rest = args[0], args[1:]
+    if cmd in ("--version", "-V"):
+        from . import __version__
+        print(f"kvcache {__version__}")
+        return 0
     if cmd == "bench":
         from .bench import main as bench_main
-        return bench_main(rest)
+        return int(bench_main(rest) or 0)
     if cmd == "generate":
         from .runner import main as generate_main
-        return generate_main(rest)
+        return int(generate_main(rest) or 0)
     if cmd == "config":
         from . import show_config
         show_config()
