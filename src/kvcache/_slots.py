@@ -9,7 +9,11 @@ depend on it without depending on each other.  It owns:
 * the index checks (:func:`slot_index`, :func:`maybe_index`) and geometry checks
   (:func:`at_least_one`, :func:`check_device`, :func:`check_bytes`);
 * the slab rules every write follows (:func:`as_slab`, :func:`check_capacity`,
-  :func:`cast_slabs`) and the read-only view rule (:func:`ro`).
+  :func:`cast_slabs`) and the read-only view rule (:func:`ro`);
+* :class:`LatentSlot` (one buffer) and :class:`SlotCache`, the base of
+  :class:`kvcache.LatentKvCache` and :class:`kvcache.StaticKvCache`: layers of slots,
+  ``cached_len``, ``alloc_id``, versions, positions, and :meth:`SlotCache.slot_state`, the one
+  way other modules (device mirrors) read a slot cache's state.
 
 The rules themselves are described in ``docs/latent.md``.
 """
@@ -21,16 +25,18 @@ import operator
 import os
 import sys
 import threading
-from typing import Any, Iterable, NoReturn, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, NoReturn, Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
+from ._generation import Generation
 from ._validate import as_array, as_int, readonly
 
 __all__ = ["KvAllocId", "resolve_dtype", "slot_index", "maybe_index", "at_least_one",
            "check_device", "check_bytes", "storage_problem", "as_slab", "is_real_float",
-           "check_capacity", "cast_slabs", "ro", "fmt_shape", "F32", "HOST", "DEVICES"]
+           "check_capacity", "cast_slabs", "ro", "fmt_shape", "F32", "HOST", "DEVICES",
+           "LatentSlot", "SlotState", "SlotCache"]
 
 F32 = np.dtype(np.float32)
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64))
@@ -300,3 +306,314 @@ def ro(buf: npt.NDArray[Any], idx: Any = Ellipsis) -> npt.NDArray[Any]:
         raw = memoryview(buf.reshape(-1).view(np.uint8)).toreadonly()
         whole: npt.NDArray[Any] = np.frombuffer(raw, dtype=buf.dtype).reshape(buf.shape)
         return whole[idx]  # type: ignore[no-any-return]  # an index of an ndarray is one
+
+
+# ------------------------------------------------------------------------------ slots
+class LatentSlot:
+    """One (layer, slot) buffer of a persistent cache.
+
+    Attributes
+    ----------
+    storage : ndarray
+        The live, zero-initialised, C-contiguous buffer (its full capacity).
+    layout : tuple of int
+        Shape of ``storage``: ``(max_seq_len, *trailing)`` for a latent slot,
+        ``(1, num_kv_heads, max_seq_len, head_dim)`` for a StaticKvCache K or V.
+    version : int
+        Monotonic counter, +1 per :meth:`LatentKvCache.bump_version` (0 at allocation).
+    authority : str
+        Coherence authority; always ``"host"`` (placeholder for a multi-device protocol).
+    """
+
+    __slots__ = ("storage", "layout", "version", "authority")
+
+    storage: npt.NDArray[Any]
+    layout: Shape
+    version: int
+    authority: str
+
+    def __init__(self, storage: npt.NDArray[Any], layout: Optional[Sequence[int]] = None,
+                 version: int = 0, authority: str = HOST) -> None:
+        if not isinstance(storage, np.ndarray):
+            raise TypeError(f"LatentSlot: storage must be a numpy array (the slot's buffer), got "
+                            f"{type(storage).__name__}")
+        self.storage = storage
+        self.layout = tuple(storage.shape) if layout is None else tuple(layout)
+        self.version = version
+        self.authority = authority
+
+    def __repr__(self) -> str:
+        return (f"LatentSlot(layout={self.layout}, dtype={self.storage.dtype}, "
+                f"version={self.version}, authority={self.authority!r})")
+
+
+class SlotState(NamedTuple):
+    """A consistent reading of a slot cache's state (:meth:`SlotCache.slot_state`).
+
+    Attributes
+    ----------
+    storages : tuple of (None or tuple of ndarray)
+        Per layer, the live buffers of its slots in slot order (each checked: the cache dtype,
+        the allocated shape, C-contiguous); None for an unpopulated (cleared) layer.  The
+        buffers are the cache's own, not copies: read them, do not write them.
+    cached_len : int
+        Valid positions: rows ``[0, cached_len)`` along ``capacity_axis``.
+    max_seq_len : int
+        Capacity in positions.
+    capacity_axis : int
+        The axis of every storage that holds positions (0 for a latent slot, 2 for a
+        StaticKvCache K or V).
+    alloc_id : KvAllocId
+        The allocation the storages belong to.
+    generation : int
+        The cache's generation (see :meth:`SlotCache.unchanged_prefix`).
+    """
+
+    storages: tuple[Optional[tuple[npt.NDArray[Any], ...]], ...]
+    cached_len: int
+    max_seq_len: int
+    capacity_axis: int
+    alloc_id: KvAllocId
+    generation: int
+
+
+class SlotCache:
+    """What the persistent caches share: layers of slots, cached_len, alloc_id, versions.
+
+    A subclass sets, in its constructor, ``layers`` (from :meth:`_allocate`), ``_cached_len``,
+    ``_max_seq_len``, ``_dtype``, ``_device``, ``_alloc_id`` and ``_gen``, and defines
+    :meth:`_storage_shape`; ``_n_slots`` and ``capacity_axis`` are class or instance fields.
+    The fields are this class's own: other modules read them through the properties and
+    :meth:`slot_state`.
+    """
+
+    _n_slots: int = 0
+    capacity_axis: int = 0
+    """The axis of every storage that holds positions."""
+
+    layers: list[Optional[list[LatentSlot]]]
+    _cached_len: int
+    _max_seq_len: int
+    _dtype: np.dtype[Any]
+    _device: Optional[str]
+    _alloc_id: KvAllocId
+    _gen: Generation
+
+    def _allocate(self, n_layers: int, shapes: Sequence[Shape],
+                  dtype: np.dtype[Any]) -> list[Optional[list[LatentSlot]]]:
+        layers: list[Optional[list[LatentSlot]]] = []
+        for _ in range(n_layers):                       # layer-major, slot-minor
+            layers.append([LatentSlot(np.zeros(shape, dtype=dtype), shape) for shape in shapes])
+        return layers
+
+    def _storage_shape(self, s: int) -> Shape:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- fields
+    @property
+    def cached_len(self) -> int:
+        """Valid positions: rows ``[0, cached_len)`` of every slot hold data."""
+        return self._cached_len
+
+    @property
+    def seq_len(self) -> int:
+        """The same as :attr:`cached_len` (read-only): every cache of kvcache names its length
+        ``seq_len``."""
+        return self._cached_len
+
+    @property
+    def max_seq_len(self) -> int:
+        """Capacity in positions."""
+        return self._max_seq_len
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The storage dtype (``numpy.dtype``)."""
+        return self._dtype
+
+    @property
+    def n_layers(self) -> int:
+        """``len(layers)``: counts unpopulated (None) layers too."""
+        return len(self.layers)
+
+    @property
+    def n_slots(self) -> int:
+        """Buffers per layer."""
+        return self._n_slots
+
+    @property
+    def alloc_id(self) -> KvAllocId:
+        """The :class:`KvAllocId` of the storage this cache currently owns."""
+        return self._alloc_id
+
+    @property
+    def generation(self) -> int:
+        """A counter that grows each time stored rows change other than by appending:
+        :meth:`truncate_to` (when it shrinks) and :meth:`clear`.  ``write_layer`` +
+        ``advance`` only append, and leave it alone.  Writes made by hand through
+        :meth:`slot_storage` into rows below ``cached_len`` are not seen: a device mirror
+        must then be re-synced with ``sync(full=True)``."""
+        value: int = self._gen.value
+        return value
+
+    def unchanged_prefix(self, since: Optional[int]) -> Optional[int]:
+        """The number of rows ``n`` such that rows ``[0, n)`` of every slot hold what they held
+        at generation ``since``; None when :meth:`clear` ran after ``since``, when more than
+        64 truncations did (only the last 64 are remembered), or when ``since`` is not a
+        generation this cache has had.  Truncations only lower it."""
+        prefix: Optional[int] = self._gen.unchanged_prefix(since, self._cached_len)
+        return prefix
+
+    def __len__(self) -> int:
+        return self._cached_len
+
+    def __bool__(self) -> bool:
+        return True
+
+    def slot_state(self, what: str = "slot_state") -> SlotState:
+        """Every layer's checked storages with the lengths, id and generation, read together.
+
+        This is how other modules (the device mirrors) read a slot cache: it never hands out
+        a storage it has not checked, and it needs no private field.
+
+        Parameters
+        ----------
+        what : str
+            The caller's name for itself, used in error messages (``"sync"``).
+
+        Returns
+        -------
+        SlotState
+
+        Raises
+        ------
+        ValueError
+            A storage that is no longer the allocated buffer (replaced through the public
+            ``layers`` or ``LatentSlot.storage``), naming the layer and slot.
+        """
+        storages = tuple(
+            None if slots is None else tuple(self._storages(what, li, slots))
+            for li, slots in enumerate(self.layers))
+        return SlotState(storages, self._cached_len, self._max_seq_len, self.capacity_axis,
+                         self._alloc_id, self.generation)
+
+    # ---------------------------------------------------------------- slot access
+    def _slots_or_none(self, layer: int) -> Optional[list[LatentSlot]]:
+        if not 0 <= layer < len(self.layers):
+            return None
+        return self.layers[layer]
+
+    def slot_storage(self, layer: int, slot: int) -> Optional[npt.NDArray[Any]]:
+        """The live buffer of (layer, slot), or None.
+
+        Parameters
+        ----------
+        layer, slot : int
+
+        Returns
+        -------
+        ndarray or None
+            The storage itself (writable, the same object on every call until ``clear()``);
+            None when ``layer`` or ``slot`` is out of range or the layer is unpopulated.
+        """
+        li, si = maybe_index("layer", layer), maybe_index("slot", slot)
+        slots = self._slots_or_none(li)
+        if slots is None or not 0 <= si < len(slots):
+            return None
+        return slots[si].storage
+
+    def bump_version(self, layer: int, slot: int) -> None:
+        """Add 1 to the version of (layer, slot); a silent no-op when either index is out of
+        range or the layer is unpopulated (TypeError only for a non-integer index)."""
+        li, si = maybe_index("layer", layer), maybe_index("slot", slot)
+        slots = self._slots_or_none(li)
+        if slots is None or not 0 <= si < len(slots):
+            return
+        slots[si].version += 1
+
+    def _populated(self, layer: int, what: str) -> tuple[int, list[LatentSlot]]:
+        """(layer index, its slots); IndexError out of range, ValueError when unpopulated."""
+        li = slot_index("layer", layer, len(self.layers), "layers")
+        slots = self.layers[li]
+        if slots is None:
+            raise ValueError(f"{what}: layer {li} holds no storage (the cache was cleared); "
+                             f"allocate a new cache with with_capacity")
+        return li, slots
+
+    def _storages(self, what: str, li: int, slots: object, which: Optional[int] = None,
+                  writable: bool = False) -> list[npt.NDArray[Any]]:
+        """The storages of layer ``li`` (or only slot ``which``), each checked against the
+        cache's geometry: a numpy array of the cache dtype, exactly the allocated shape,
+        C-contiguous (and writable when ``writable``).
+
+        ``layers`` and ``LatentSlot.storage`` are public, writable fields; a replaced buffer
+        of another shape must raise here (ValueError naming the layer and slot) rather than
+        let a write land half-way or the compiled kernel read out of bounds."""
+        n = self._n_slots
+        if not isinstance(slots, (list, tuple)) or len(slots) != n:
+            got = (f"{len(slots)} slots" if isinstance(slots, (list, tuple))
+                   else f"a {type(slots).__name__}")
+            raise ValueError(f"{what}: layer {li} holds {got}, expected a list of {n} LatentSlot "
+                             f"(was cache.layers[{li}] replaced?)")
+        out = []
+        for s in (range(n) if which is None else (which,)):
+            storage = getattr(slots[s], "storage", None)
+            want = self._storage_shape(s)
+            problem = storage_problem(storage, want, self._dtype, writable)
+            if problem is not None:
+                raise ValueError(f"{what}: the storage of layer {li}, slot {s} {problem}; "
+                                 f"expected a C-contiguous{' writable' if writable else ''} "
+                                 f"{self._dtype} array of shape {want} (was it replaced?)")
+            assert isinstance(storage, np.ndarray)     # storage_problem checked it
+            out.append(storage)
+        return out
+
+    # ---------------------------------------------------------------- positions
+    def advance(self, seq: int) -> None:
+        """Commit ``seq`` written positions: ``cached_len += seq``, then every populated
+        (layer, slot) version += 1 (once per call, not per token).
+
+        Call it once per step, after ``write_layer`` has written every layer.
+
+        Raises
+        ------
+        ValueError
+            ``seq < 1``, ``cached_len + seq > max_seq_len``, or no layer is populated.
+        """
+        seq = as_int("seq", seq, minimum=1)
+        check_capacity("seq", self._cached_len, seq, self._max_seq_len)
+        populated = [slots for slots in self.layers if slots is not None]
+        if not populated:
+            raise ValueError("advance: the cache holds no layers (it was cleared); allocate a "
+                             "new cache with with_capacity")
+        self._cached_len += seq
+        for slots in populated:
+            for slot in slots:
+                slot.version += 1
+
+    def truncate_to(self, new_len: int) -> None:
+        """Rewind to ``new_len`` positions when that is shorter (else a no-op; it never grows).
+
+        Metadata only: storages, versions and ``alloc_id`` are untouched (a rewind is not a
+        re-allocation); the rows past ``new_len`` are simply not read until overwritten.
+
+        Raises
+        ------
+        ValueError
+            ``new_len < 0``.
+        """
+        new_len = as_int("new_len", new_len, minimum=0)
+        if new_len < self._cached_len:
+            self._cached_len = new_len
+            self._gen.shrink(new_len)
+
+    # ---------------------------------------------------------------- KvRebindSource
+    def rebind_location(self) -> Optional[str]:
+        """Where the storage lives (KvRebindSource): ``"cpu"``, or None when that cannot be
+        proven."""
+        return self._device
+
+    def rebind_slot(self, layer: int, which: int) -> Optional[npt.NDArray[Any]]:
+        """Storage of half ``which`` of ``layer`` for a decode-plan re-bind (KvRebindSource):
+        :meth:`slot_storage`, None when absent."""
+        return self.slot_storage(layer, which)
