@@ -19,7 +19,7 @@ TINY_MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
 
 
 def test_runner_section_tiny_run(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "RUNNER_MODEL", TINY_MODEL)
+    monkeypatch.setattr(bench.runner, "RUNNER_MODEL", TINY_MODEL)
     path = tmp_path / "runner.json"
     argv = ["--sections", "runner", "--runner-contexts", "64,300", "--runner-steps", "3",
             "--no-progress", "--json", str(path)]

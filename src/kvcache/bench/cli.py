@@ -1,0 +1,342 @@
+"""The command line of ``python -m kvcache bench``: parsing, option defaults, :func:`main`.
+
+Method: ``docs/benchmark-method.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .._progress import progress_bar
+from .append import APPEND_CONTEXTS, run_append
+from .attention import (
+    DEFAULT_CONTEXTS, DEFAULT_WORKING_SET, QUICK_CONTEXTS, QUICK_WORKING_SET,
+    accuracy_warnings, run_context)
+from .geometry import GEOMETRIES, GiB, MODE_NAMES, MiB, _GEOMETRY_ALIASES
+from .machine import (
+    BusyMonitor, available_cpus, import_torch, llc_bytes, machine_info, warn_if_busy)
+from .mla import (
+    MLA_CONTEXTS, MLA_FMA_ITERS, MLA_NAIVE_MAX_CONTEXT, MLA_NAIVE_REPEATS, MLA_REPEATS,
+    MLA_WORKING_SET, QUICK_MLA_CONTEXTS, QUICK_MLA_FMA_ITERS, QUICK_MLA_NAIVE_REPEATS,
+    QUICK_MLA_REPEATS, mla_accuracy_warnings, run_mla)
+from .o1 import O1_CONTEXTS, O1_REPEATS, QUICK_O1_CONTEXTS, QUICK_O1_REPEATS, run_o1
+from .options import Options, SECTIONS
+from .report import mla_plot_path, print_report, write_json, write_mla_plot, write_plot
+from .runner import (
+    QUICK_RUNNER_CONTEXTS, QUICK_RUNNER_STEPS, RUNNER_CONTEXTS, RUNNER_STEPS, run_runner)
+from .sync import (
+    QUICK_SYNC_CONTEXT, QUICK_SYNC_FULL_REPEATS, QUICK_SYNC_STEPS, SYNC_CASES, SYNC_CONTEXT,
+    SYNC_FULL_REPEATS, SYNC_STEPS, run_sync)
+from .tables import context_label
+from .timing import BANDWIDTH_BUFFER, measure_bandwidth
+from .wire import QUICK_WIRE_CONTEXT, QUICK_WIRE_REPEATS, WIRE_CONTEXT, WIRE_REPEATS, run_wire
+
+log = logging.getLogger("kvcache.bench")
+
+
+def parse_context(text):
+    """'1k' -> 1024, '32K' -> 32768, '5000' -> 5000."""
+    t = text.strip().lower()
+    try:
+        value = int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"context: expected an integer or Nk (e.g. 4096, 4k), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"context must be >= 1, got {text!r}")
+    return value
+
+
+def parse_geometry(text):
+    key = _GEOMETRY_ALIASES.get(text.lower(), text.lower())
+    if key not in GEOMETRIES:
+        raise argparse.ArgumentTypeError(
+            f"unknown geometry {text!r}; choose from {', '.join(GEOMETRIES)} (or llama, qwen)")
+    return GEOMETRIES[key]
+
+
+def parse_mode(text):
+    if text.lower() not in MODE_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown mode {text!r}; choose from f32, q8")
+    return text.lower()
+
+
+def parse_section(text):
+    if text.lower() not in SECTIONS:
+        raise argparse.ArgumentTypeError(
+            f"unknown section {text!r}; choose from {', '.join(SECTIONS)}")
+    return text.lower()
+
+
+def parse_threads(text):
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"thread count must be >= 1, got {text!r}")
+    return n
+
+
+def _split(values, conv):
+    """Flatten ``['1,2', '4']`` -> conv over ['1', '2', '4'], order kept, duplicates dropped."""
+    if values is None:
+        return None
+    items = [conv(s) for v in values for s in v.split(",") if s.strip()]
+    return list(dict.fromkeys(items))
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m kvcache bench",
+        description="Decode-attention benchmark: kvcache vs the NumPy reference and torch SDPA, "
+                    "over a working set larger than the last-level cache; append cost; the "
+                    "O(1) Nystrom decode step vs exact f32/q8 attention (time, memory, error); "
+                    "export/import throughput of the byte formats (wire); and the absorbed "
+                    "MLA decode kernel vs the naive NumPy form (mla).")
+    p.add_argument("--quick", action="store_true",
+                   help="small subset (Llama, 1k and 16k, 3 repeats, 512 MiB working set; "
+                        "O(1) section at 1k and 4k, 7 repeats; wire section at 4k, "
+                        f"{QUICK_WIRE_REPEATS} repeats; MLA section at 1k and 4k, "
+                        f"{QUICK_MLA_REPEATS} repeats)")
+    p.add_argument("--sections", nargs="+", metavar="S",
+                   help="sections to run, any of: decode (decode attention vs reference/torch), "
+                        "append (append cost), o1 (O(1) Nystrom decode vs exact f32/q8), "
+                        "wire (to_bytes/from_bytes, export_wire/import_wire, checksum cost, "
+                        "KvCache save/load), mla (absorbed MLA decode kernel vs the naive "
+                        "NumPy form, latent read rate, compute ceiling), sync (device-mirror "
+                        "sync per decode step vs a full re-upload), runner (decode tokens/s "
+                        "of kvcache.runner vs transformers generate); default all, e.g. "
+                        "--sections o1 runs the O(1) section alone")
+    p.add_argument("--contexts", nargs="+", metavar="T", help="contexts, e.g. 1k 4k 16k 32k")
+    p.add_argument("--geometries", nargs="+", metavar="G", help="llama3-8b and/or qwen2.5-0.5b")
+    p.add_argument("--modes", nargs="+", metavar="M", help="f32 and/or q8")
+    p.add_argument("--threads", nargs="+", metavar="N",
+                   help="thread counts (default: 1 and all available)")
+    p.add_argument("--repeats", type=int,
+                   help="timed sweeps per configuration (default 5, quick 3)")
+    p.add_argument("--ref-repeats", type=int, help="timed reference calls (default 3, quick 2)")
+    p.add_argument("--working-set-mib", type=int,
+                   help="target bytes read per sweep, MiB (default 1024, quick 512)")
+    p.add_argument("--no-torch", action="store_true", help="skip torch SDPA")
+    p.add_argument("--no-reference", action="store_true", help="skip the NumPy reference")
+    p.add_argument("--no-append", action="store_true", help="skip the append-cost section")
+    p.add_argument("--append-repeats", type=int, default=201,
+                   help="single appends timed at T (default 201)")
+    p.add_argument("--no-o1", action="store_true", help="skip the O(1) section")
+    p.add_argument("--o1-contexts", nargs="+", metavar="T",
+                   help="contexts of the O(1) section (default 1k 2k 4k 8k 16k 32k, quick 1k 4k)")
+    p.add_argument("--o1-repeats", type=int,
+                   help=f"round-robin repeats of the O(1) section (default {O1_REPEATS}, "
+                        f"quick {QUICK_O1_REPEATS})")
+    p.add_argument("--no-wire", action="store_true", help="skip the wire section")
+    p.add_argument("--wire-context", metavar="T",
+                   help=f"positions of the wire section's layer (default "
+                        f"{context_label(WIRE_CONTEXT)}, quick "
+                        f"{context_label(QUICK_WIRE_CONTEXT)})")
+    p.add_argument("--wire-repeats", type=int,
+                   help=f"round-robin repeats of the wire section (default {WIRE_REPEATS}, "
+                        f"quick {QUICK_WIRE_REPEATS})")
+    p.add_argument("--no-mla", action="store_true", help="skip the MLA section")
+    p.add_argument("--mla-contexts", nargs="+", metavar="T",
+                   help="contexts of the MLA section (default 1k 4k 16k 32k, quick 1k 4k)")
+    p.add_argument("--mla-repeats", type=int,
+                   help=f"timed sweeps of the MLA kernel per context and thread count (default "
+                        f"{MLA_REPEATS}, quick {QUICK_MLA_REPEATS})")
+    p.add_argument("--mla-naive-repeats", type=int,
+                   help=f"timed calls of the naive NumPy MLA form (default {MLA_NAIVE_REPEATS}, "
+                        f"quick {QUICK_MLA_NAIVE_REPEATS})")
+    p.add_argument("--mla-naive-max-context", metavar="T",
+                   help="largest context at which the (slow) naive MLA form is timed (default "
+                        f"{context_label(MLA_NAIVE_MAX_CONTEXT)})")
+    p.add_argument("--mla-working-set-mib", type=int,
+                   help="target bytes of the MLA section's rotating layers, MiB (default "
+                        f"max({MLA_WORKING_SET // MiB}, 4 x the reported LLC), at most 1024)")
+    p.add_argument("--mla-fma-iters", type=int,
+                   help=f"iterations of the FMA peak probe (x80 FMAs per thread; default "
+                        f"{MLA_FMA_ITERS:_}, quick {QUICK_MLA_FMA_ITERS:_})")
+    p.add_argument("--no-sync", action="store_true", help="skip the sync section")
+    p.add_argument("--sync-context", metavar="T",
+                   help=f"positions of the sync section's layers (default "
+                        f"{context_label(SYNC_CONTEXT)}, quick {context_label(QUICK_SYNC_CONTEXT)})")
+    p.add_argument("--sync-steps", type=int,
+                   help=f"decode (and rollback) steps timed in the sync section (default "
+                        f"{SYNC_STEPS}, quick {QUICK_SYNC_STEPS})")
+    p.add_argument("--sync-full-repeats", type=int,
+                   help=f"full re-uploads timed in the sync section (default {SYNC_FULL_REPEATS}, "
+                        f"quick {QUICK_SYNC_FULL_REPEATS})")
+    p.add_argument("--sync-backend", choices=("torch", "numpy"),
+                   help="the mirror's backend in the sync section (default torch when installed, "
+                        "else numpy)")
+    p.add_argument("--no-runner", action="store_true", help="skip the runner section")
+    p.add_argument("--runner-contexts", nargs="+", metavar="T",
+                   help="prompt lengths of the runner section (default 512 4k 16k, quick "
+                        "512 4k)")
+    p.add_argument("--runner-steps", type=int,
+                   help=f"decode steps timed per side in the runner section (default "
+                        f"{RUNNER_STEPS}, quick {QUICK_RUNNER_STEPS})")
+    p.add_argument("--bandwidth-mib", type=int,
+                   help=f"buffer of the read-bandwidth probe, MiB (default "
+                        f"{BANDWIDTH_BUFFER // MiB})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write raw results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def resolve_options(args, parser):
+    """Command-line arguments, with --quick defaults where an option was not given."""
+    try:
+        return _resolve_options(args)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        parser.error(str(exc))                                # exits with status 2
+
+
+def _resolve_options(args):
+    quick = args.quick
+    contexts = (_split(args.contexts, parse_context)
+                or list(QUICK_CONTEXTS if quick else DEFAULT_CONTEXTS))
+    geoms = _split(args.geometries, parse_geometry) or (
+        [GEOMETRIES["llama3-8b"]] if quick else list(GEOMETRIES.values()))
+    modes = _split(args.modes, parse_mode) or list(MODE_NAMES)
+    threads = _split(args.threads, parse_threads) or sorted({1, available_cpus()})
+    ws_mib = args.working_set_mib or (QUICK_WORKING_SET if quick else DEFAULT_WORKING_SET) // MiB
+    sections = _split(args.sections, parse_section) or list(SECTIONS)
+    decode = "decode" in sections
+    o1_contexts = (_split(args.o1_contexts, parse_context)
+                   or list(QUICK_O1_CONTEXTS if quick else O1_CONTEXTS))
+    wire_context = (parse_context(args.wire_context) if args.wire_context
+                    else QUICK_WIRE_CONTEXT if quick else WIRE_CONTEXT)
+    mla_contexts = (_split(args.mla_contexts, parse_context)
+                    or list(QUICK_MLA_CONTEXTS if quick else MLA_CONTEXTS))
+    if args.mla_working_set_mib is not None:
+        if args.mla_working_set_mib < 1:
+            raise ValueError(f"--mla-working-set-mib must be >= 1, got {args.mla_working_set_mib}")
+        mla_ws = args.mla_working_set_mib * MiB
+    else:
+        mla_ws = max(MLA_WORKING_SET, min(GiB, 4 * (llc_bytes() or 0)))
+    if args.bandwidth_mib is not None and args.bandwidth_mib < 1:
+        raise ValueError(f"--bandwidth-mib must be >= 1, got {args.bandwidth_mib}")
+    sync_backend = args.sync_backend or ("torch" if import_torch()[0] is not None else "numpy")
+    torch_ok = decode and not args.no_torch and import_torch()[0] is not None
+    if decode and not args.no_torch and not torch_ok:
+        log.warning("torch is not installed: skipping the torch SDPA comparison")
+    return Options(geometries=geoms, contexts=contexts, modes=modes, threads=threads,
+                   repeats=max(1, args.repeats or (3 if quick else 5)),
+                   ref_repeats=max(1, args.ref_repeats or (2 if quick else 3)),
+                   working_set=ws_mib * MiB, torch=torch_ok, reference=not args.no_reference,
+                   append="append" in sections and not args.no_append,
+                   append_repeats=max(1, args.append_repeats), seed=args.seed,
+                   decode=decode, o1="o1" in sections and not args.no_o1,
+                   o1_contexts=o1_contexts,
+                   o1_repeats=max(1, args.o1_repeats
+                                  or (QUICK_O1_REPEATS if quick else O1_REPEATS)),
+                   wire="wire" in sections and not args.no_wire, wire_context=wire_context,
+                   wire_repeats=max(1, args.wire_repeats
+                                    or (QUICK_WIRE_REPEATS if quick else WIRE_REPEATS)),
+                   mla="mla" in sections and not args.no_mla, mla_contexts=mla_contexts,
+                   mla_repeats=max(1, args.mla_repeats
+                                   or (QUICK_MLA_REPEATS if quick else MLA_REPEATS)),
+                   mla_naive_repeats=max(1, args.mla_naive_repeats
+                                         or (QUICK_MLA_NAIVE_REPEATS if quick
+                                             else MLA_NAIVE_REPEATS)),
+                   mla_naive_max_context=(parse_context(args.mla_naive_max_context)
+                                          if args.mla_naive_max_context
+                                          else MLA_NAIVE_MAX_CONTEXT),
+                   mla_working_set=mla_ws,
+                   mla_fma_iters=max(1, args.mla_fma_iters
+                                     or (QUICK_MLA_FMA_ITERS if quick else MLA_FMA_ITERS)),
+                   bandwidth_bytes=(args.bandwidth_mib * MiB if args.bandwidth_mib
+                                    else BANDWIDTH_BUFFER),
+                   sync="sync" in sections and not args.no_sync,
+                   sync_context=(parse_context(args.sync_context) if args.sync_context
+                                 else QUICK_SYNC_CONTEXT if quick else SYNC_CONTEXT),
+                   sync_steps=max(1, args.sync_steps
+                                  or (QUICK_SYNC_STEPS if quick else SYNC_STEPS)),
+                   sync_full_repeats=max(1, args.sync_full_repeats
+                                         or (QUICK_SYNC_FULL_REPEATS if quick
+                                             else SYNC_FULL_REPEATS)),
+                   sync_backend=sync_backend,
+                   runner="runner" in sections and not args.no_runner,
+                   runner_contexts=(_split(args.runner_contexts, parse_context)
+                                    or list(QUICK_RUNNER_CONTEXTS if quick else RUNNER_CONTEXTS)),
+                   runner_steps=max(2, args.runner_steps
+                                    or (QUICK_RUNNER_STEPS if quick else RUNNER_STEPS)))
+
+
+def check_plot_backend():
+    """Fail early (before the long run) when --plot is given without matplotlib."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return ("--plot needs matplotlib, which is not installed: "
+                "pip install matplotlib (or pip install 'kvcache[bench]')")
+    return None
+
+
+def main(argv=None):
+    """Entry point of ``python -m kvcache bench``; returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.plot:
+        err = check_plot_backend()
+        if err:
+            print(err, file=sys.stderr)
+            return 2
+    opts = resolve_options(args, parser)
+    info = machine_info()
+    monitor = BusyMonitor()
+    n_tasks = ((len(opts.geometries) * len(opts.contexts) * (len(opts.modes) + opts.torch) + 1
+                if opts.decode else 0)
+               + (len(APPEND_CONTEXTS) if opts.append else 0)
+               + (len(opts.o1_contexts) if opts.o1 else 0)
+               + (opts.wire_repeats + 2 if opts.wire else 0)
+               + (len(opts.mla_contexts) + 1 + (not opts.decode) if opts.mla else 0)
+               + (len(SYNC_CASES) if opts.sync else 0)
+               + (len(opts.runner_contexts) if opts.runner else 0))
+    bar = progress_bar(n_tasks, enabled=not args.no_progress)
+    bandwidth, rows, o1_rows, o1_s, wire_result, mla_result = {}, [], [], 0.0, None, None
+    sync_rows, runner_rows = [], []
+    try:
+        if opts.decode or opts.mla:
+            bar.set_postfix_str("bandwidth probe")
+            bandwidth = measure_bandwidth(opts.threads, opts.bandwidth_bytes)
+            bar.update()
+        if opts.decode:
+            for geom in opts.geometries:
+                for context in opts.contexts:
+                    rows += run_context(geom, context, opts, bandwidth, bar)
+        append_rows = run_append(opts, bar) if opts.append else []
+        if opts.o1:
+            o1_rows, o1_s = run_o1(opts, bar)
+        if opts.wire:
+            wire_result = run_wire(opts, bar)
+        if opts.mla:
+            mla_result = run_mla(opts, bandwidth, bar)
+        if opts.sync:
+            sync_rows = run_sync(opts, bar)
+        if opts.runner:
+            runner_rows = run_runner(opts, bar)
+    finally:
+        bar.close()
+    accuracy_warnings(rows)
+    if mla_result:
+        mla_accuracy_warnings(mla_result["rows"])
+    warn_if_busy(monitor, info)
+    print_report(info, opts, bandwidth, rows, append_rows, o1_rows, o1_s,
+                 wire_result=wire_result, mla_result=mla_result, sync_rows=sync_rows,
+                 runner_rows=runner_rows)
+    if args.json:
+        write_json(args.json, info, opts, bandwidth, rows, append_rows, o1_rows, o1_s,
+                   wire_result=wire_result, mla_result=mla_result, sync_rows=sync_rows,
+                   runner_rows=runner_rows)
+        print(f"raw results written to {args.json}")
+    if args.plot and rows:
+        write_plot(args.plot, rows, bandwidth)
+        print(f"chart written to {args.plot}")
+    if args.plot and mla_result:
+        path = mla_plot_path(args.plot) if rows else args.plot
+        write_mla_plot(path, mla_result)
+        print(f"MLA chart written to {path}")
+    return 0

@@ -1,0 +1,66 @@
+"""Model shapes the sections share (Llama-3-8B, Qwen2.5-0.5B), storage modes and random rows.
+
+Method: ``docs/benchmark-method.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..modes import KvMode
+
+
+MiB = 1 << 20
+GiB = 1 << 30
+MAX_LAYERS = 4096            # bounds object count for tiny layers (Qwen q8 at 1k is ~0.27 MiB)
+MODE_NAMES = ("f32", "q8")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Attention shape of one model layer."""
+
+    key: str
+    label: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def step_bytes(self, context, mode_name):
+        """Bytes of K and V rows (and q8 scales) one decode step reads at ``context`` rows."""
+        nkv, hd, t = self.num_kv_heads, self.head_dim, context
+        if mode_name == "f32":
+            return 2 * nkv * t * hd * 4
+        return nkv * t * (hd + 4 * math.ceil(hd / 32)) + nkv * t * (hd + 4)
+
+
+GEOMETRIES = {g.key: g for g in (Geometry("llama3-8b", "Llama-3-8B", 32, 8, 128),
+                                 Geometry("qwen2.5-0.5b", "Qwen2.5-0.5B", 14, 2, 64))}
+_GEOMETRY_ALIASES = {"llama": "llama3-8b", "qwen": "qwen2.5-0.5b"}
+
+
+def make_mode(mode_name):
+    """``"f32"`` -> KvMode.F32, ``"q8"`` -> KvMode.Q8()."""
+    return KvMode.F32 if mode_name == "f32" else KvMode.Q8()
+
+
+def random_kv(geom, context, seed=0):
+    """K and V rows of shape (context, num_kv_heads, head_dim), float32 standard normal."""
+    rng = np.random.default_rng(seed)
+    shape = (context, geom.num_kv_heads, geom.head_dim)
+    return (rng.standard_normal(shape, dtype=np.float32),
+            rng.standard_normal(shape, dtype=np.float32))
+
+
+def random_query(geom, seed=1):
+    """A decode query of shape (num_heads, head_dim), float32."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((geom.num_heads, geom.head_dim), dtype=np.float32)
+
+
+def layer_count(layer_bytes, working_set, max_layers=MAX_LAYERS):
+    """Layers needed so that ``layer_count * layer_bytes >= working_set`` (at least 1)."""
+    return max(1, min(max_layers, -(-working_set // max(layer_bytes, 1))))

@@ -1,0 +1,354 @@
+"""The MLA section: the absorbed Multi-head Latent Attention decode kernel against the naive
+NumPy form (DeepSeek-V2-Lite geometry), its read rate and its compute ceiling.
+
+Method: ``docs/benchmark-method.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import gc
+import math
+import statistics
+import time
+
+import numpy as np
+
+from .. import _core
+from .. import reference
+from .geometry import MiB, layer_count
+from .o1 import _pass
+from .tables import context_label, fmt, fmt_ratio, render_table
+from .timing import median_ms, numpy_threads, omp_threads, relative_error, time_repeats
+
+log = logging.getLogger("kvcache.bench")
+
+
+# MLA section: DeepSeek-V2-Lite attention geometry
+MLA_HEADS, MLA_RANK, MLA_ROPE, MLA_NOPE, MLA_V = 16, 512, 64, 128, 128
+MLA_ROPE_SCALING = {"factor": 40, "mscale_all_dim": 0.707}
+MLA_CONTEXTS = (1024, 4096, 16384, 32768)
+QUICK_MLA_CONTEXTS = (1024, 4096)
+MLA_REPEATS, QUICK_MLA_REPEATS = 15, 5
+MLA_NAIVE_REPEATS, QUICK_MLA_NAIVE_REPEATS = 3, 2
+MLA_NAIVE_MAX_CONTEXT = 32768
+MLA_WORKING_SET = 160 * MiB  # at least; 4 x the reported LLC when that is more (capped at 1 GiB)
+MLA_MAX_LAYERS = 512
+MLA_FMA_ITERS, QUICK_MLA_FMA_ITERS = 10_000_000, 2_000_000
+MLA_FMA_PER_PROBE_ITER = 80  # FMAs per thread per fma_probe iteration
+MLA_TARGETS = {"context": 16384, "speedup_naive": 10.0, "pct_bandwidth": 60.0}
+MLA_ROW_BYTES = (MLA_RANK + MLA_ROPE) * 4                  # latent + k_rope of one cached row
+MLA_WEIGHT_BYTES = MLA_HEADS * (MLA_NOPE + MLA_V) * MLA_RANK * 4   # W_UK + W_UV of one layer
+MLA_FMA_PER_ROW = MLA_HEADS * (MLA_RANK + MLA_ROPE) + MLA_HEADS * MLA_RANK    # 17408
+MLA_FMA_FIXED = MLA_HEADS * (MLA_NOPE + MLA_V) * MLA_RANK   # fold W_UK^T q + unfold W_UV c
+
+
+def mla_scale():
+    """DeepSeek-V2-Lite's softmax scale (``mla_softmax_scale(128, 64, rope_scaling)``)."""
+    from ..mla import mla_softmax_scale
+    return mla_softmax_scale(MLA_NOPE, MLA_ROPE, MLA_ROPE_SCALING)
+
+
+def mla_cache_bytes_per_token():
+    """Cache bytes per token per layer: the MLA latent (slot 0 + slot 1) against a per-head
+    cache of the same attention (K of width qk_nope + qk_rope, V of width v_head_dim per head),
+    f32 and in kvcache's q8 layout (K: int8 + a float scale per 32 values, V: int8 + one scale
+    per row)."""
+    k, v = MLA_NOPE + MLA_ROPE, MLA_V
+    out = {"latent": MLA_ROW_BYTES,
+           "per_head_f32": MLA_HEADS * (k + v) * 4,
+           "per_head_q8": MLA_HEADS * ((k + 4 * math.ceil(k / 32)) + (v + 4))}
+    out["ratio_f32"] = out["per_head_f32"] / out["latent"]
+    out["ratio_q8"] = out["per_head_q8"] / out["latent"]
+    return out
+
+
+class MlaDecode:
+    """A :class:`kvcache.LatentKvCache` of ``n_layers`` MLA layers (DeepSeek-V2-Lite geometry)
+    holding ``context`` rows each, with per-layer weights; a step is one query position of one
+    layer through the absorbed kernel ``_core.mla_attend``.
+
+    Parameters
+    ----------
+    context : int
+        Cached rows per layer (the cache's capacity too).
+    working_set : int
+        Target bytes (latent + k_rope rows + W_UK + W_UV) of all layers together; sets the
+        layer count (at least ``min_layers``, at most ``max_layers``).
+    n_layers : int, optional
+        Explicit layer count (overrides ``working_set``).
+    """
+
+    def __init__(self, context, working_set=MLA_WORKING_SET, seed=0, n_layers=None,
+                 min_layers=2, max_layers=MLA_MAX_LAYERS):
+        from ..latent import LatentKvCache
+        self.context = context
+        self.step_bytes = context * MLA_ROW_BYTES
+        self.layer_bytes = self.step_bytes + MLA_WEIGHT_BYTES
+        if n_layers is None:
+            n_layers = max(min_layers, layer_count(self.layer_bytes, working_set, max_layers))
+        self.n_layers = n_layers
+        self.scale = mla_scale()
+        rng = np.random.default_rng([seed, 0x4D4C41])
+        lat = rng.standard_normal((context, MLA_RANK), dtype=np.float32)
+        kr = rng.standard_normal((context, MLA_ROPE), dtype=np.float32)
+        self.cache = LatentKvCache.with_capacity(n_layers, context, [(MLA_RANK,), (MLA_ROPE,)])
+        for layer in range(n_layers):
+            self.cache.write_layer(layer, [lat, kr])
+        self.cache.advance(context)
+        del lat, kr
+        w = np.float32(MLA_RANK ** -0.5)
+        wuk = rng.standard_normal((MLA_HEADS, MLA_NOPE, MLA_RANK), dtype=np.float32) * w
+        wuv = rng.standard_normal((MLA_HEADS, MLA_V, MLA_RANK), dtype=np.float32) * w
+        self.weights = [(wuk.copy(), wuv.copy()) for _ in range(n_layers)]   # own memory each
+        self.views = [(self.cache.slot_storage(layer, 0)[:context],
+                       self.cache.slot_storage(layer, 1)[:context]) for layer in range(n_layers)]
+        self.qn = rng.standard_normal((1, MLA_HEADS, MLA_NOPE), dtype=np.float32)
+        self.qr = rng.standard_normal((1, MLA_HEADS, MLA_ROPE), dtype=np.float32)
+        self.out = np.empty((1, MLA_HEADS, MLA_V), dtype=np.float32)
+        self._next = 0
+
+    @property
+    def working_set_bytes(self):
+        return self.layer_bytes * self.n_layers
+
+    def _attend(self, layer, n_threads):
+        lat, kr = self.views[layer]
+        wuk, wuv = self.weights[layer]
+        _core.mla_attend(self.qn, self.qr, lat, kr, wuk, wuv, self.scale, self.out, n_threads)
+
+    def step(self, n_threads=1):
+        """One decode step (one query position) on the next layer of the rotation."""
+        self._attend(self._next, n_threads)
+        self._next = (self._next + 1) % self.n_layers
+
+    def sweep(self, n_threads=1):
+        """One decode step on every layer, in order."""
+        for layer in range(self.n_layers):
+            self._attend(layer, n_threads)
+
+    def output(self, n_threads=1, layer=0):
+        """The kernel's (1, H, d_v) result on ``layer`` (a copy)."""
+        self._attend(layer, n_threads)
+        return self.out.copy()
+
+    def naive(self, layer=0):
+        """``reference.mla_naive`` on ``layer``: (1, H, d_v)."""
+        lat, kr = self.views[layer]
+        wuk, wuv = self.weights[layer]
+        return reference.mla_naive(self.qn, self.qr, lat, kr, wuk, wuv, self.scale)
+
+
+def measure_fma_peak(thread_counts, iters=MLA_FMA_ITERS, repeats=5):
+    """Peak float32 FMA rate (GFMA/s) of ``_core.fma_probe`` per thread count.
+
+    ``fma_probe(iters, n)`` runs ``iters`` x 80 FMAs (independent chains) on each of ``n``
+    threads.  Returns ``{n: {"best_gfmas", "median_gfmas", "iters", "samples_s"}}``; "best" is
+    the figure used (the peak)."""
+    result = {}
+    for n in thread_counts:
+        fmas = iters * MLA_FMA_PER_PROBE_ITER * n
+        with omp_threads(n):
+            samples = time_repeats(lambda n=n: _core.fma_probe(iters, n), repeats)
+        result[n] = {"best_gfmas": fmas / min(samples) / 1e9,
+                     "median_gfmas": fmas / statistics.median(samples) / 1e9,
+                     "iters": iters, "samples_s": samples}
+    return result
+
+
+def run_mla_context(context, opts, bandwidth, fma, bar):
+    """MLA rows (one per thread count) at one context: the kernel over a rotating working set
+    of latent layers, the naive NumPy form on one layer, their agreement."""
+    label = context_label(context)
+    bar.set_postfix_str(f"mla {label} setup")
+    work = MlaDecode(context, opts.mla_working_set, seed=opts.seed)
+    kern = {}
+    for n in opts.threads:
+        bar.set_postfix_str(f"mla {label} kernel {n}t")
+        with omp_threads(n):
+            kern[n] = time_repeats(lambda n=n: work.sweep(n), opts.mla_repeats)
+    top = max(opts.threads)
+    with omp_threads(top):
+        out = work.output(top)
+    naive, err, naive_out = {}, None, [None]
+    run_naive = opts.reference and context <= opts.mla_naive_max_context
+
+    def naive_step():
+        naive_out[0] = work.naive()
+
+    if run_naive:
+        for n in opts.threads:
+            bar.set_postfix_str(f"mla {label} naive {n}t")
+            with numpy_threads(n):
+                naive[n] = time_repeats(naive_step, opts.mla_naive_repeats)
+        err = relative_error(out, naive_out[0])
+    rows = []
+    for n in opts.threads:
+        kernel_s = statistics.median(kern[n]) / work.n_layers
+        bw, peak = bandwidth[n]["best_gbs"], fma[n]["best_gfmas"]
+        fmas = context * MLA_FMA_PER_ROW + MLA_FMA_FIXED
+        row = {"geometry": "DeepSeek-V2-Lite MLA", "context": context, "threads": n,
+               "layers": work.n_layers, "step_bytes": work.step_bytes,
+               "weight_bytes": MLA_WEIGHT_BYTES, "layer_bytes": work.layer_bytes,
+               "working_set_bytes": work.working_set_bytes, "repeats": opts.mla_repeats,
+               "kernel_ms": kernel_s * 1e3, "kernel_samples_s": kern[n],
+               "latent_gbs": work.step_bytes / kernel_s / 1e9,
+               "all_gbs": work.layer_bytes / kernel_s / 1e9,
+               "bandwidth_gbs": bw, "fmas_per_step": fmas,
+               "kernel_gfmas": fmas / kernel_s / 1e9, "peak_gfmas": peak,
+               "fma_ceiling_gbs": peak / MLA_FMA_PER_ROW * MLA_ROW_BYTES}
+        row["pct_bandwidth"] = 100.0 * row["latent_gbs"] / bw
+        row["pct_bandwidth_all"] = 100.0 * row["all_gbs"] / bw
+        row["pct_peak_fma"] = 100.0 * row["kernel_gfmas"] / peak
+        row["fma_ceiling_pct_bandwidth"] = 100.0 * row["fma_ceiling_gbs"] / bw
+        if n in naive:
+            row.update(naive_ms=median_ms(naive[n]), naive_samples_s=naive[n],
+                       naive_repeats=opts.mla_naive_repeats, rel_err_vs_naive=err)
+            row["speedup_vs_naive"] = row["naive_ms"] / row["kernel_ms"]
+        rows.append(row)
+    del work, naive_out
+    gc.collect()
+    bar.update()
+    return rows
+
+
+def mla_summary(rows):
+    """The issue's MLA targets from the rows of one run, judged at the largest thread count
+    and 16k (None: not judged -- no 16k row, or no naive timing there)."""
+    top = max(r["threads"] for r in rows)
+    mine = sorted((r for r in rows if r["threads"] == top), key=lambda r: r["context"])
+    at = next((r for r in mine if r["context"] == MLA_TARGETS["context"]), mine[-1])
+    judged = at["context"] == MLA_TARGETS["context"]
+    s = {"threads": top, "target_context": at["context"],
+         "speedup_vs_naive": at.get("speedup_vs_naive"), "kernel_ms": at["kernel_ms"],
+         "naive_ms": at.get("naive_ms"), "latent_gbs": at["latent_gbs"],
+         "bandwidth_gbs": at["bandwidth_gbs"], "pct_bandwidth": at["pct_bandwidth"],
+         "peak_gfmas": at["peak_gfmas"], "kernel_gfmas": at["kernel_gfmas"],
+         "pct_peak_fma": at["pct_peak_fma"], "fma_ceiling_gbs": at["fma_ceiling_gbs"],
+         "fma_ceiling_pct_bandwidth": at["fma_ceiling_pct_bandwidth"]}
+    s["speedup_pass"] = (s["speedup_vs_naive"] >= MLA_TARGETS["speedup_naive"]
+                         if judged and s["speedup_vs_naive"] is not None else None)
+    s["bandwidth_pass"] = (s["pct_bandwidth"] >= MLA_TARGETS["pct_bandwidth"]) if judged else None
+    s["bandwidth_target_above_fma_ceiling"] = (MLA_TARGETS["pct_bandwidth"]
+                                               > s["fma_ceiling_pct_bandwidth"])
+    return s
+
+
+def run_mla(opts, bandwidth, bar):
+    """The MLA section: the FMA probe, then every context of ``opts.mla_contexts``."""
+    t0 = time.perf_counter()
+    bar.set_postfix_str("mla FMA probe")
+    fma = measure_fma_peak(opts.threads, opts.mla_fma_iters)
+    bar.update()
+    rows = []
+    for context in opts.mla_contexts:
+        rows += run_mla_context(context, opts, bandwidth, fma, bar)
+    return {"geometry": "DeepSeek-V2-Lite", "heads": MLA_HEADS, "kv_lora_rank": MLA_RANK,
+            "qk_rope_head_dim": MLA_ROPE, "qk_nope_head_dim": MLA_NOPE, "v_head_dim": MLA_V,
+            "rope_scaling": MLA_ROPE_SCALING, "scale": mla_scale(),
+            "contexts": list(opts.mla_contexts), "repeats": opts.mla_repeats,
+            "naive_repeats": opts.mla_naive_repeats,
+            "naive_max_context": opts.mla_naive_max_context if opts.reference else None,
+            "working_set_target_bytes": opts.mla_working_set,
+            "fma_per_row": MLA_FMA_PER_ROW, "fma_fixed": MLA_FMA_FIXED,
+            "row_bytes": MLA_ROW_BYTES, "weight_bytes": MLA_WEIGHT_BYTES,
+            "fma_peak": {n: v for n, v in fma.items()},
+            "memory": mla_cache_bytes_per_token(), "rows": rows, "summary": mla_summary(rows),
+            "section_s": time.perf_counter() - t0}
+
+
+MLA_HEADERS = ["ctx", "thr", "layers x MiB", "kernel ms", "naive ms", "naive/kernel",
+               "latent GB/s", "%BW", "all GB/s", "GFMA/s", "%peak FMA", "FMA ceil %BW",
+               "err vs naive"]
+
+
+def mla_table(rows):
+    body = []
+    for r in rows:
+        err = r.get("rel_err_vs_naive")
+        body.append([context_label(r["context"]), r["threads"],
+                     f"{r['layers']} x {r['layer_bytes'] / MiB:.3g}", fmt(r["kernel_ms"]),
+                     fmt(r.get("naive_ms")), fmt_ratio(r.get("speedup_vs_naive")),
+                     fmt(r["latent_gbs"]), f"{r['pct_bandwidth']:.0f}%", fmt(r["all_gbs"]),
+                     fmt(r["kernel_gfmas"]), f"{r['pct_peak_fma']:.0f}%",
+                     f"{r['fma_ceiling_pct_bandwidth']:.0f}%",
+                     "-" if err is None else f"{err:.2g}"])
+    return render_table(MLA_HEADERS, body)
+
+
+def mla_notes(result):
+    """Methodology, compute-ceiling, memory and target lines printed under the MLA table."""
+    rows, s, mem = result["rows"], result["summary"], result["memory"]
+    layers = sorted({(r["context"], r["layers"]) for r in rows})
+    out = [(f"DeepSeek-V2-Lite MLA layer: {MLA_HEADS} heads, kv_lora_rank {MLA_RANK}, "
+            f"qk_rope_head_dim {MLA_ROPE}, qk_nope_head_dim {MLA_NOPE}, v_head_dim {MLA_V}, "
+            f"scale {result['scale']:.7g} (mla_softmax_scale(128, 64, {MLA_ROPE_SCALING})); "
+            "one query position of one layer per step."),
+           (f"kernel ms: _core.mla_attend (what kvcache.mla_decode runs, at n_threads = thr) on "
+            f"slot_storage views of a LatentKvCache, median over {result['repeats']} sweeps of "
+            "every layer ('layers x MiB': latent + k_rope rows + that layer's own W_UK/W_UV; "
+            f"target working set {result['working_set_target_bytes'] / MiB:.0f} MiB, so each "
+            "step reads its rows from DRAM), after one warm-up sweep."),
+           ((f"naive ms: kvcache.reference.mla_naive (K and V of every head materialised, NumPy "
+             f"BLAS at thr threads) on one layer, median of {result['naive_repeats']} calls "
+             f"after one warm-up, contexts <= {context_label(result['naive_max_context'])}; "
+             "naive/kernel: speedup at the same thread count; err: max|kernel - naive| / "
+             "max|naive|.") if result["naive_max_context"] else
+            "naive form skipped (--no-reference)."),
+           (f"latent GB/s: T x (r + d_rope) x 4 = T x {MLA_ROW_BYTES} bytes / kernel time; %BW: "
+            "of the measured read bandwidth (stream_read) at the same thread count; all GB/s "
+            f"adds W_UK + W_UV ({MLA_WEIGHT_BYTES / MiB:.0f} MiB) read every step."),
+           (f"compute: {MLA_FMA_PER_ROW} FMAs per cached row ({MLA_HEADS} x ({MLA_RANK} + "
+            f"{MLA_ROPE}) scores + {MLA_HEADS} x {MLA_RANK} latent sum) plus "
+            f"{MLA_FMA_FIXED} per step (fold/unfold); GFMA/s: achieved; %peak FMA: of "
+            "_core.fma_probe's rate (best of 5) at thr threads: "
+            + ", ".join(f"{n}t {v['best_gfmas']:.1f} GFMA/s"
+                        for n, v in result["fma_peak"].items())
+            + f"; FMA ceil %BW: the latent read rate at peak FMA (peak / {MLA_FMA_PER_ROW} x "
+            f"{MLA_ROW_BYTES} B/s) as % of the bandwidth -- no latent-read figure above it is "
+            "reachable by this kernel on this machine."),
+           (f"cache bytes per token per layer: latent (r + d_rope) x 4 = {mem['latent']} B; "
+            f"per-head f32 K ({MLA_NOPE + MLA_ROPE} wide) + V ({MLA_V} wide) x {MLA_HEADS} heads = "
+            f"{mem['per_head_f32']} B ({mem['ratio_f32']:.2f}x the latent); the same per-head "
+            f"cache in kvcache's q8 layout = {mem['per_head_q8']} B ({mem['ratio_q8']:.2f}x)."),
+           "layers per context: " + ", ".join(f"{context_label(t)} {n}" for t, n in layers)]
+    at, n = context_label(s["target_context"]), s["threads"]
+    note = "" if s["target_context"] == MLA_TARGETS["context"] else \
+        (f" (the targets are judged at {context_label(MLA_TARGETS['context'])}, not in this "
+         "run: n/a)")
+    speed = ("not timed" if s["speedup_vs_naive"] is None
+             else f"{s['speedup_vs_naive']:.1f}x ({fmt(s['naive_ms'])} ms / "
+                  f"{fmt(s['kernel_ms'])} ms)")
+    out.append(f"targets at {at}, {n} thread{'s' if n > 1 else ''}{note}: kernel >= "
+               f"{MLA_TARGETS['speedup_naive']:.0f}x faster than naive NumPy: {speed} "
+               f"{_pass(s['speedup_pass'])}; latent read >= {MLA_TARGETS['pct_bandwidth']:.0f}% "
+               f"of measured bandwidth: {s['pct_bandwidth']:.1f}% ({s['latent_gbs']:.2f} of "
+               f"{s['bandwidth_gbs']:.1f} GB/s) {_pass(s['bandwidth_pass'])}")
+    ceiling = (f"  compute ceiling beside it: peak {s['peak_gfmas']:.1f} GFMA/s / "
+               f"{MLA_FMA_PER_ROW} FMAs per {MLA_ROW_BYTES}-byte row = "
+               f"{s['fma_ceiling_gbs']:.2f} GB/s = {s['fma_ceiling_pct_bandwidth']:.1f}% of "
+               f"bandwidth; the kernel runs at {s['kernel_gfmas']:.1f} GFMA/s = "
+               f"{s['pct_peak_fma']:.0f}% of peak FMA.")
+    if s["bandwidth_target_above_fma_ceiling"]:
+        ceiling += (f"  The {MLA_TARGETS['pct_bandwidth']:.0f}% target is ABOVE this ceiling: "
+                    f"at {MLA_FMA_PER_ROW} FMAs per row even a kernel running at the FMA peak "
+                    "could not read the latent that fast on this machine (only fewer FMAs per "
+                    "row or more FMA throughput would).")
+    else:
+        ceiling += (f"  The {MLA_TARGETS['pct_bandwidth']:.0f}% target is within this "
+                    "ceiling.")
+    out.append(ceiling)
+    out.append(f"MLA section: {result['section_s']:.1f} s (FMA probe, cache fill, kernel and "
+               "naive timings).")
+    return out
+
+
+def mla_accuracy_warnings(rows, tol=1e-3):
+    """Warn when the MLA kernel disagrees with the naive form beyond ``tol`` (relative)."""
+    seen = set()
+    for r in rows:
+        err = r.get("rel_err_vs_naive")
+        if err is not None and r["context"] not in seen and not err <= tol:
+            seen.add(r["context"])
+            log.warning("mla T=%d: kernel vs naive relative error %.3g (> %g)", r["context"],
+                        err, tol)

@@ -1,0 +1,362 @@
+"""The O(1) section: the Nystrom decode step of a sealed layer against exact f32 and q8
+attention (time, memory, error).
+
+Method: ``docs/benchmark-method.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+
+from .. import _core
+from ..layer import LayerKvCache
+from ..modes import KvMode
+from .geometry import GEOMETRIES, MiB, make_mode
+from .tables import context_label, fmt, fmt_ratio, render_table
+from .timing import median_ms, omp_threads
+
+
+O1_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
+QUICK_O1_CONTEXTS = (1024, 4096)
+O1_M, O1_W, O1_SINK = 32, 128, 4
+O1_ERROR_STEPS = 16
+O1_REPEATS, QUICK_O1_REPEATS = 21, 7
+O1_BLOCK = 1024              # positions per generated block (data and prompt fill)
+O1_FLUSH_BYTES = 256 * MiB   # buffer read before every timed O(1)-section call (cold caches)
+O1_DATA = ("clustered", "iid")
+O1_TARGETS = {"flatness": 1.2, "speedup_f32": 20.0, "memory_f32": 10.0, "context": 32768}
+
+
+class SyntheticStream:
+    """Deterministic (q, k, v) rows of a synthetic sequence, float32, for the O(1) section.
+
+    ``kind`` is ``"clustered"`` (keys around slowly drifting cluster centres, the sequence in
+    64-position topic runs, queries correlated with their topic's keys, values around
+    per-cluster centres; see the module docstring) or ``"iid"`` (independent standard normal).
+    Positions are generated in blocks of ``block`` from a seed per (seed, kind, block index), so
+    the rows of a position do not depend on how they are requested: a shorter prompt is a
+    prefix of a longer one and ``rows(context, n)`` continues either.
+    """
+
+    CLUSTERS = 8            # key clusters per KV head
+    RUN = 64                # positions per topic run (one cluster)
+    PERIOD = 16384          # positions per turn of a centre's drift
+    DRIFT = 0.5             # drift amplitude (centres are N(0, I) + DRIFT * circle)
+    KEY_NOISE = 0.5
+    QUERY_GAIN = 0.25       # query = QUERY_GAIN * centre + N(0, I)
+
+    def __init__(self, geom, kind="clustered", seed=0, block=O1_BLOCK):
+        if kind not in O1_DATA:
+            raise ValueError(f"kind: expected one of {O1_DATA}, got {kind!r}")
+        if block % self.RUN:
+            raise ValueError(f"block must be a multiple of {self.RUN}, got {block}")
+        self.geom, self.kind, self.seed, self.block = geom, kind, seed, block
+        self._kind_id = O1_DATA.index(kind)
+        if kind == "clustered":
+            rng = np.random.default_rng([seed, self._kind_id, 0xC1])
+            shape = (geom.num_kv_heads, self.CLUSTERS, geom.head_dim)
+            self.base = rng.standard_normal(shape, dtype=np.float32)
+            self.drift_a = rng.standard_normal(shape, dtype=np.float32) * np.float32(self.DRIFT)
+            self.drift_b = rng.standard_normal(shape, dtype=np.float32) * np.float32(self.DRIFT)
+            self.phase = rng.uniform(0, 2 * np.pi, self.CLUSTERS)
+            self.value_centres = rng.standard_normal(shape, dtype=np.float32)
+
+    def _block(self, b):
+        g, n = self.geom, self.block
+        nh, nkv, hd = g.num_heads, g.num_kv_heads, g.head_dim
+        rng = np.random.default_rng([self.seed, self._kind_id, b])
+        if self.kind == "iid":
+            return (rng.standard_normal((n, nh, hd), dtype=np.float32),
+                    rng.standard_normal((n, nkv, hd), dtype=np.float32),
+                    rng.standard_normal((n, nkv, hd), dtype=np.float32))
+        z = rng.integers(0, self.CLUSTERS, n // self.RUN).repeat(self.RUN)          # (n,)
+        pos = b * n + np.arange(n)
+        theta = (2 * np.pi * pos / self.PERIOD + self.phase[z]).astype(np.float32)
+        cos, sin = np.cos(theta)[:, None], np.sin(theta)[:, None]
+        centre = np.empty((n, nkv, hd), dtype=np.float32)
+        for h in range(nkv):
+            centre[:, h] = (self.base[h, z] + self.drift_a[h, z] * cos
+                            + self.drift_b[h, z] * sin)
+        k = centre + np.float32(self.KEY_NOISE) * rng.standard_normal(centre.shape,
+                                                                      dtype=np.float32)
+        v = self.value_centres[:, z].transpose(1, 0, 2) + rng.standard_normal(
+            (n, nkv, hd), dtype=np.float32)
+        q = rng.standard_normal((n, nh, hd), dtype=np.float32)
+        q += np.float32(self.QUERY_GAIN) * np.repeat(centre, nh // nkv, axis=1)
+        return q, k, v
+
+    def rows(self, start, n):
+        """q (n, num_heads, head_dim), k and v (n, num_kv_heads, head_dim) of positions
+        start .. start + n - 1."""
+        parts = []
+        b0, b1 = start // self.block, (start + n - 1) // self.block
+        for b in range(b0, b1 + 1):
+            lo = max(start, b * self.block) - b * self.block
+            hi = min(start + n, (b + 1) * self.block) - b * self.block
+            blk = self._block(b)
+            parts.append(tuple(a[lo:hi] for a in blk) if (lo, hi) != (0, self.block) else blk)
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(np.concatenate(a) for a in zip(*parts))
+
+
+class O1Decode:
+    """A sealed O(1) layer and exact layers holding the same ``context``-position prompt.
+
+    Parameters
+    ----------
+    geom : Geometry
+    context : int
+        Prompt positions (sealed into the O(1) state; rows of the exact layers).
+    data : {"clustered", "iid"}
+        :class:`SyntheticStream` kind.
+    exact_modes : sequence of {"f32", "q8"}
+        Exact layers to build beside the O(1) one.
+    decode_steps : int
+        Decode positions after the prompt to keep ready (``self.q/k/v[i]``).
+    with_o1 : bool
+        False: exact layers only (no query trace, no seal; ``o1`` is None).
+
+    The seal runs in the constructor (``seal_s`` its seconds, at the current OpenMP thread
+    count).  :meth:`rollback` puts every layer back to the end of the prompt.
+    """
+
+    def __init__(self, geom, context, data="clustered", exact_modes=("f32", "q8"), seed=0,
+                 m=O1_M, w=O1_W, sink=O1_SINK, decode_steps=O1_ERROR_STEPS, with_o1=True):
+        self.geom, self.context, self.data = geom, context, data
+        nkv, nh, hd = geom.num_kv_heads, geom.num_heads, geom.head_dim
+        stream = SyntheticStream(geom, data, seed)
+        self.o1 = LayerKvCache(nkv, hd, mode=KvMode.F32) if with_o1 else None
+        if with_o1:
+            self.o1.o1_begin(m, w, sink)
+        self.exact = {name: LayerKvCache(nkv, hd, mode=make_mode(name)) for name in exact_modes}
+        for start in range(0, context, stream.block):
+            q, k, v = stream.rows(start, min(stream.block, context - start))
+            if with_o1:
+                self.o1.o1_push_q(q)
+                self.o1.append(k, v)
+            for c in self.exact.values():
+                c.append(k, v)
+            del q, k, v
+        self.seal_s, self.snapshot = None, None
+        if with_o1:
+            t0 = time.perf_counter()
+            if not self.o1.o1_seal(nh):
+                raise RuntimeError(f"o1_seal refused a {context}-position prompt (see the log)")
+            self.seal_s = time.perf_counter() - t0
+            self.snapshot = self.o1.o1_snapshot()
+        self.q, self.k, self.v = stream.rows(context, max(1, decode_steps))
+        self.out = np.empty((nh, hd), dtype=np.float32)
+
+    def o1_step(self, i=0):
+        """One O(1) decode step with decode position ``i``'s (q, k, v); returns the output."""
+        return self.o1.o1_step(self.q[i], self.k[i], self.v[i], self.geom.num_heads)
+
+    def exact_step(self, mode_name, i=0):
+        """One exact decode step: append position ``i``'s (k, v), attend its q (into ``out``)."""
+        c = self.exact[mode_name]
+        c.append(self.k[i], self.v[i])
+        return c.attend_all_heads(self.q[i], out=self.out)
+
+    def rollback(self):
+        """O(1) layer back to its post-seal snapshot, exact layers back to ``context`` rows."""
+        if self.o1 is not None:
+            self.o1.o1_restore(self.snapshot)
+        for c in self.exact.values():
+            c.truncate_last(c.seq_len - self.context)
+
+    def errors(self, steps=O1_ERROR_STEPS):
+        """Relative L2 error against exact f32 over ``steps`` decode steps (then rolled back):
+        ``{"o1": ..., "q8": ...}`` (q8 when that layer exists)."""
+        if "f32" not in self.exact:
+            raise ValueError("errors() needs an exact f32 layer")
+        outs = {name: [] for name in ("o1", *self.exact)}
+        for i in range(steps):
+            outs["o1"].append(self.o1_step(i))
+            for name in self.exact:
+                outs[name].append(self.exact_step(name, i).copy())
+        self.rollback()
+        ref = np.stack(outs.pop("f32")).astype(np.float64)
+        norm = max(float(np.linalg.norm(ref)), 1e-30)
+        return {name: float(np.linalg.norm(np.stack(o) - ref) / norm)
+                for name, o in outs.items()}
+
+    def state_bytes(self):
+        return self.o1.memory_bytes()
+
+    def exact_bytes(self, mode_name):
+        return self.exact[mode_name].memory_bytes()
+
+
+def o1_round_robin(work, n_threads, repeats, flush_buf, flush_threads):
+    """Interleaved step timings (seconds) at ``n_threads``: per repeat, after a rollback, a cold
+    O(1) step, a warm O(1) step, then one cold exact step per exact layer (each exact step's
+    truncate_last(1) untimed).  One untimed warm-up round first.  Returns {name: [s, ...]}."""
+    clock = time.perf_counter
+    names = ("o1", "o1_warm", *work.exact)
+    samples = {name: [] for name in names}
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        with omp_threads(n_threads):
+            for r in range(repeats + 1):
+                work.rollback()
+                _core.stream_read(flush_buf, flush_threads)
+                t0 = clock()
+                work.o1_step()
+                t1 = clock()
+                work.o1_step()
+                t2 = clock()
+                got = {"o1": t1 - t0, "o1_warm": t2 - t1}
+                for name, c in work.exact.items():
+                    _core.stream_read(flush_buf, flush_threads)
+                    t0 = clock()
+                    work.exact_step(name)
+                    got[name] = clock() - t0
+                    c.truncate_last(1)
+                if r:                                        # round 0 is the warm-up
+                    for name in names:
+                        samples[name].append(got[name])
+            work.rollback()
+    finally:
+        if gc_was_on:
+            gc.enable()
+    return samples
+
+
+def run_o1_context(context, opts, flush_buf, bar):
+    """O(1) rows (one per thread count) at one context: iid error first (its layers freed),
+    then the clustered layers for the error, the memory and the round-robin timings."""
+    geom = GEOMETRIES["llama3-8b"]
+    top = max(opts.threads)
+    with omp_threads(top):
+        bar.set_postfix_str(f"o1 {context_label(context)} iid")
+        work = O1Decode(geom, context, "iid", exact_modes=("f32",), seed=opts.seed)
+        err_iid = work.errors(O1_ERROR_STEPS)["o1"]
+        del work
+        gc.collect()
+        bar.set_postfix_str(f"o1 {context_label(context)} clustered")
+        work = O1Decode(geom, context, "clustered", exact_modes=("f32", "q8"), seed=opts.seed)
+        err = work.errors(O1_ERROR_STEPS)
+    base = {"geometry": geom.label, "context": context, "m": O1_M, "w": O1_W, "sink": O1_SINK,
+            "seal_threads": top, "seal_s": work.seal_s,
+            "state_bytes": work.state_bytes(), "o1_memory_bytes": work.o1.o1_memory_bytes(),
+            "f32_bytes": work.exact_bytes("f32"), "q8_bytes": work.exact_bytes("q8"),
+            "rel_err_clustered": err["o1"], "rel_err_iid": err_iid,
+            "rel_err_q8_clustered": err["q8"], "error_steps": O1_ERROR_STEPS}
+    base["memory_ratio_f32"] = base["f32_bytes"] / base["state_bytes"]
+    base["memory_ratio_q8"] = base["q8_bytes"] / base["state_bytes"]
+    rows = []
+    for n in opts.threads:
+        bar.set_postfix_str(f"o1 {context_label(context)} {n}t")
+        samples = o1_round_robin(work, n, opts.o1_repeats, flush_buf, top)
+        row = dict(base, threads=n, repeats=opts.o1_repeats,
+                   o1_ms=median_ms(samples["o1"]), o1_warm_ms=median_ms(samples["o1_warm"]),
+                   f32_ms=median_ms(samples["f32"]), q8_ms=median_ms(samples["q8"]),
+                   samples_s=samples)
+        row["speedup_vs_f32"] = row["f32_ms"] / row["o1_ms"]
+        row["speedup_vs_q8"] = row["q8_ms"] / row["o1_ms"]
+        rows.append(row)
+    del work
+    gc.collect()
+    bar.update()
+    return rows
+
+
+def run_o1(opts, bar):
+    """The O(1) section: rows for every O(1) context and thread count, one context at a time."""
+    flush_buf = np.ones(O1_FLUSH_BYTES // 4, dtype=np.float32)    # pages touched
+    rows = []
+    t0 = time.perf_counter()
+    for context in opts.o1_contexts:
+        rows += run_o1_context(context, opts, flush_buf, bar)
+    return rows, time.perf_counter() - t0
+
+
+O1_HEADERS = ["ctx", "thr", "O(1) ms", "O(1) warm ms", "f32 ms", "q8 ms", "f32/O(1)", "q8/O(1)",
+              "state MiB", "f32 KV MiB", "q8 KV MiB", "f32 KV/state", "seal s",
+              "err clustered", "err iid", "q8 err"]
+
+
+def o1_table(rows):
+    body = []
+    for r in rows:
+        body.append([context_label(r["context"]), r["threads"], fmt(r["o1_ms"]),
+                     fmt(r["o1_warm_ms"]), fmt(r["f32_ms"]), fmt(r["q8_ms"]),
+                     fmt_ratio(r["speedup_vs_f32"]), fmt_ratio(r["speedup_vs_q8"]),
+                     fmt(r["state_bytes"] / MiB), fmt(r["f32_bytes"] / MiB),
+                     fmt(r["q8_bytes"] / MiB), fmt_ratio(r["memory_ratio_f32"]),
+                     fmt(r["seal_s"]), f"{r['rel_err_clustered']:.3g}",
+                     f"{r['rel_err_iid']:.3g}", f"{r['rel_err_q8_clustered']:.2g}"])
+    return render_table(O1_HEADERS, body)
+
+
+def o1_summary(rows):
+    """Ratios and the issue's targets per thread count, from the rows of one run.
+
+    Returns ``{threads: {...}}`` with the smallest / largest context, flatness (cold and warm),
+    and at the target context (32k, else the largest) the f32 speedup and memory ratio, each
+    target's value and pass flag (None: not judged -- one context only, or no 32k in the run)."""
+    out = {}
+    for n in sorted({r["threads"] for r in rows}):
+        mine = sorted((r for r in rows if r["threads"] == n), key=lambda r: r["context"])
+        lo, hi = mine[0], mine[-1]
+        at = next((r for r in mine if r["context"] == O1_TARGETS["context"]), hi)
+        flat = hi["o1_ms"] / lo["o1_ms"]
+        s = {"smallest_context": lo["context"], "largest_context": hi["context"],
+             "flatness": flat, "flatness_warm": hi["o1_warm_ms"] / lo["o1_warm_ms"],
+             "target_context": at["context"],
+             "speedup_vs_f32": at["speedup_vs_f32"], "memory_ratio_f32": at["memory_ratio_f32"]}
+        judged = at["context"] == O1_TARGETS["context"]      # speed/memory targets are at 32k
+        s["flatness_pass"] = flat <= O1_TARGETS["flatness"] if len(mine) > 1 else None
+        s["speedup_pass"] = (at["speedup_vs_f32"] >= O1_TARGETS["speedup_f32"]) if judged else None
+        s["memory_pass"] = (at["memory_ratio_f32"] >= O1_TARGETS["memory_f32"]) if judged else None
+        out[n] = s
+    return out
+
+
+def _pass(flag):
+    return "n/a" if flag is None else ("PASS" if flag else "FAIL")
+
+
+def o1_notes(opts, rows, section_s):
+    """Methodology, ratio and target lines printed under the O(1) table."""
+    out = [(f"Llama-3-8B layer (32 heads, 8 KV heads, head_dim 128), O(1) m={O1_M} w={O1_W} "
+            f"sink={O1_SINK}; times: median ms per decode step over {opts.o1_repeats} round-robin "
+            f"repeats (O(1), exact f32, exact q8 timed alternately, after one warm-up round)."),
+           (f"every timed call starts cold: a {O1_FLUSH_BYTES // MiB} MiB buffer is read before "
+            "it; 'O(1) warm' is a second o1_step right after the cold one (state in cache)."),
+           ("O(1) ms: o1_step on the sealed layer, rolled back (o1_restore, untimed) before "
+            "each repeat; f32/q8 ms: append(k, v) + attend_all_heads(q) of the newest position "
+            "over context rows, truncate_last(1) after the timer (untimed)."),
+           ("f32/O(1), q8/O(1): exact step / O(1) step; state MiB: memory_bytes() of the sealed "
+            "layer (KV released); f32/q8 KV MiB: memory_bytes() of the exact layers at ctx; "
+            f"seal s: o1_seal (replay included) at {max(opts.threads)} thread(s), not in any "
+            "step time."),
+           (f"err: relative L2 ||o1 - exact f32|| / ||exact f32|| over {O1_ERROR_STEPS} decode "
+            "steps (same q/k/v to both); 'clustered' data: keys around 8 slowly drifting "
+            "cluster centres per KV head in 64-position topic runs, queries = 0.25 * their "
+            "topic's centre + noise, values around per-cluster centres; 'iid': q, k, v "
+            "independent N(0, 1) (near-uniform attention, the hard case); q8 err: exact q8 vs "
+            "exact f32 on the clustered data, for scale.  Details: docs/benchmark-method.md."),
+           ]
+    summary = o1_summary(rows)
+    for n, s in summary.items():
+        lo, hi, at = (context_label(s[k]) for k in
+                      ("smallest_context", "largest_context", "target_context"))
+        note = "" if s["target_context"] == O1_TARGETS["context"] else \
+            " (speed and memory targets are judged at 32k, not in this run: n/a)"
+        out.append(f"{n} thread{'s' if n > 1 else ''}: O(1) step {hi}/{lo} = {s['flatness']:.2f}x "
+                   f"(warm {s['flatness_warm']:.2f}x); at {at}: exact f32 / O(1) = "
+                   f"{s['speedup_vs_f32']:.1f}x, f32 KV / state = {s['memory_ratio_f32']:.1f}x{note}")
+        out.append(f"  targets: flatness {hi}/{lo} <= {O1_TARGETS['flatness']}x "
+                   f"{_pass(s['flatness_pass'])}; >= {O1_TARGETS['speedup_f32']:.0f}x faster "
+                   f"than exact f32 at {at} {_pass(s['speedup_pass'])}; >= "
+                   f"{O1_TARGETS['memory_f32']:.0f}x less memory than the f32 KV at {at} "
+                   f"{_pass(s['memory_pass'])}")
+    out.append(f"O(1) section: {section_s:.1f} s (data generation, seals, accuracy steps and "
+               "timings).")
+    return out

@@ -1,0 +1,62 @@
+"""The resolved settings of one benchmark run and the list of sections.
+
+Method: ``docs/benchmark-method.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .mla import (
+    MLA_CONTEXTS, MLA_FMA_ITERS, MLA_NAIVE_MAX_CONTEXT, MLA_NAIVE_REPEATS, MLA_REPEATS,
+    MLA_WORKING_SET)
+from .o1 import O1_CONTEXTS, O1_REPEATS
+from .runner import RUNNER_CONTEXTS, RUNNER_STEPS
+from .sync import SYNC_CONTEXT, SYNC_FULL_REPEATS, SYNC_STEPS
+from .timing import BANDWIDTH_BUFFER
+from .wire import WIRE_CONTEXT, WIRE_REPEATS, WIRE_SAVE_LAYERS
+
+
+SECTIONS = ("decode", "append", "o1", "wire", "mla", "sync", "runner")
+
+
+@dataclass
+class Options:
+    """Resolved command-line settings."""
+
+    geometries: list
+    contexts: list
+    modes: list
+    threads: list
+    repeats: int
+    ref_repeats: int
+    working_set: int
+    torch: bool
+    reference: bool
+    append: bool
+    append_repeats: int
+    seed: int
+    decode: bool = True
+    o1: bool = True
+    o1_contexts: tuple = O1_CONTEXTS
+    o1_repeats: int = O1_REPEATS
+    wire: bool = True
+    wire_context: int = WIRE_CONTEXT
+    wire_repeats: int = WIRE_REPEATS
+    wire_save_layers: int = WIRE_SAVE_LAYERS
+    mla: bool = True
+    mla_contexts: tuple = MLA_CONTEXTS
+    mla_repeats: int = MLA_REPEATS
+    mla_naive_repeats: int = MLA_NAIVE_REPEATS
+    mla_naive_max_context: int = MLA_NAIVE_MAX_CONTEXT
+    mla_working_set: int = MLA_WORKING_SET
+    mla_fma_iters: int = MLA_FMA_ITERS
+    bandwidth_bytes: int = BANDWIDTH_BUFFER
+    sync: bool = True
+    sync_context: int = SYNC_CONTEXT
+    sync_steps: int = SYNC_STEPS
+    sync_full_repeats: int = SYNC_FULL_REPEATS
+    sync_backend: str = "torch"
+    runner: bool = True
+    runner_contexts: tuple = RUNNER_CONTEXTS
+    runner_steps: int = RUNNER_STEPS

@@ -1,0 +1,183 @@
+"""The runner section: decode tokens/s of ``kvcache.runner.Runner`` against transformers' own
+``generate`` on the same random-weight model.
+
+Method: ``docs/benchmark-method.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import gc
+import statistics
+import time
+
+import numpy as np
+
+from .geometry import MiB
+from .machine import _package_version
+from .tables import context_label, fmt, fmt_ratio, render_table
+
+log = logging.getLogger("kvcache.bench")
+
+
+# runner section: kvcache.runner vs transformers generate on one random-weight model
+RUNNER_CONTEXTS, QUICK_RUNNER_CONTEXTS = (512, 4096, 16384), (512, 4096)
+RUNNER_STEPS, QUICK_RUNNER_STEPS = 16, 8
+RUNNER_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                    max_position_embeddings=32768)
+
+
+class RunnerVsTransformers:
+    """One random-weight Llama-style model in transformers and in :class:`kvcache.runner.Runner`
+    (the same float32 weights), with caches filled to a context of the same random K/V rows.
+
+    Parameters
+    ----------
+    model_kwargs : dict, optional
+        ``transformers.LlamaConfig`` arguments (default ``RUNNER_MODEL``).
+    """
+
+    def __init__(self, model_kwargs=None, seed=0):
+        import torch
+        import transformers
+        from ..runner import ModelConfig, Runner
+        self.torch = torch
+        torch.manual_seed(seed)
+        cfg = transformers.LlamaConfig(**(model_kwargs or RUNNER_MODEL))
+        cfg._attn_implementation = "sdpa"
+        self.model = transformers.LlamaForCausalLM(cfg).eval()
+        self.model.generation_config.eos_token_id = None
+        self.cfg = cfg
+        self._weights = {k: v.detach().numpy() for k, v in self.model.state_dict().items()}
+        self.rcfg = ModelConfig.from_hf(cfg.to_dict())
+        self._Runner = Runner
+        self.nkv = cfg.num_key_value_heads
+        self.hd = self.rcfg.head_dim
+        self.seed = seed
+
+    def kv_rows(self, context):
+        rng = np.random.default_rng([self.seed, context])
+        shape = (context, self.nkv, self.hd)
+        return [(rng.standard_normal(shape, dtype=np.float32),
+                 rng.standard_normal(shape, dtype=np.float32))
+                for _ in range(self.cfg.num_hidden_layers)]
+
+    def runner(self, rows, kv):
+        context = rows[0][0].shape[0]
+        r = self._Runner(self.rcfg, self._weights, kv=kv, max_seq_len=context + 4096)
+        for layer, (k, v) in zip(r.cache.layers, rows):
+            layer.append(k, v)
+        r.position = context
+        return r
+
+    def time_runner(self, rows, kv, steps, token):
+        r = self.runner(rows, kv)
+        first = r.step(token)
+        tok = int(np.argmax(first))
+        times, att = [], []
+        for _ in range(steps):
+            a0, t0 = r.timings["attention_s"], time.perf_counter()
+            tok = int(np.argmax(r.step(tok)))
+            times.append(time.perf_counter() - t0)
+            att.append(r.timings["attention_s"] - a0)
+        return {"step_s": times, "attention_s": att, "first_logits": first,
+                "cache_bytes": r.memory_bytes()}
+
+    def time_transformers(self, rows, steps, token):
+        torch = self.torch
+        from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+        cache = DynamicCache(config=self.cfg)
+        for i, (k, v) in enumerate(rows):
+            cache.update(torch.from_numpy(np.ascontiguousarray(k.transpose(1, 0, 2)))[None],
+                         torch.from_numpy(np.ascontiguousarray(v.transpose(1, 0, 2)))[None], i)
+        stamps = []
+
+        class Stamp(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                stamps.append(time.perf_counter())
+                return scores
+
+        context = rows[0][0].shape[0]
+        ids = torch.zeros((1, context + 1), dtype=torch.long)
+        ids[0, -1] = token
+        # the ids before the last stand for the cached rows; an explicit mask keeps generate
+        # from taking them (zeros, the pad id) for padding and masking the cache out
+        kwargs = dict(max_new_tokens=steps + 1, do_sample=False, pad_token_id=0,
+                      attention_mask=torch.ones_like(ids),
+                      logits_processor=LogitsProcessorList([Stamp()]), output_logits=True,
+                      return_dict_in_generate=True)
+        with torch.no_grad():
+            try:
+                out = self.model.generate(ids, cache=cache, **kwargs)
+            except (TypeError, ValueError):      # transformers before the `cache` argument
+                out = self.model.generate(ids, past_key_values=cache, **kwargs)
+        return {"step_s": [float(d) for d in np.diff(stamps)],
+                "first_logits": out.logits[0][0].numpy()}
+
+
+def run_runner(opts, bar):
+    """The runner section: per context, the runner (f32, q8) and transformers in turn."""
+    try:
+        work = RunnerVsTransformers(seed=opts.seed)
+    except ImportError as exc:
+        log.warning("runner section skipped: it needs torch and transformers (%s)", exc)
+        return []
+    rows = []
+    token = 17
+    for context in opts.runner_contexts:
+        bar.set_postfix_str(f"runner {context_label(context)}")
+        kv = work.kv_rows(context)
+        rec = {"context": context, "steps": opts.runner_steps}
+        first = None
+        for mode in ("f32", "q8"):
+            res = work.time_runner(kv, mode, opts.runner_steps, token)
+            med = statistics.median(res["step_s"])
+            rec[mode] = {"tokens_per_s": 1.0 / med, "step_ms": 1e3 * med,
+                         "attention_share": sum(res["attention_s"]) / sum(res["step_s"]),
+                         "cache_bytes": res["cache_bytes"], "step_samples_s": res["step_s"]}
+            if first is None:
+                first = res["first_logits"]
+            gc.collect()
+        hf = work.time_transformers(kv, opts.runner_steps, token)
+        med = statistics.median(hf["step_s"])
+        rec["transformers"] = {"tokens_per_s": 1.0 / med, "step_ms": 1e3 * med,
+                               "step_samples_s": hf["step_s"]}
+        rec["max_abs_logit_diff"] = float(np.abs(first - hf["first_logits"]).max())
+        for mode in ("f32", "q8"):
+            rec[mode]["speedup_vs_transformers"] = (rec[mode]["tokens_per_s"]
+                                                    / rec["transformers"]["tokens_per_s"])
+        rows.append(rec)
+        del kv
+        gc.collect()
+        bar.update()
+    return rows
+
+
+def runner_table(rows):
+    body = []
+    for r in rows:
+        f, q, h = r["f32"], r["q8"], r["transformers"]
+        body.append([context_label(r["context"]), fmt(f["tokens_per_s"]), fmt(q["tokens_per_s"]),
+                     fmt(h["tokens_per_s"]), fmt_ratio(f["speedup_vs_transformers"]),
+                     fmt_ratio(q["speedup_vs_transformers"]),
+                     f"{100 * f['attention_share']:.0f}%", f"{100 * q['attention_share']:.0f}%",
+                     f"{f['cache_bytes'] / MiB:.4g}", f"{q['cache_bytes'] / MiB:.4g}",
+                     f"{r['max_abs_logit_diff']:.1e}"])
+    return render_table(["ctx", "runner f32 tok/s", "runner q8 tok/s", "transformers tok/s",
+                         "f32/hf", "q8/hf", "attn f32", "attn q8", "cache f32 MiB",
+                         "cache q8 MiB", "|dlogit|"], body)
+
+
+def runner_notes(rows, opts):
+    out = [f"median of {opts.runner_steps} greedy steps per side; transformers "
+           f"{_package_version('transformers')} generate (sdpa, DynamicCache), torch "
+           f"{_package_version('torch')}; model: Llama-style, {RUNNER_MODEL}",
+           "attn = share of the runner's step time in append + attend_all_heads",
+           "threads: the runner decodes with BLAS on 1 thread and kvcache's OpenMP on all "
+           "(its default, see kvcache.runner); torch uses its own default pool"]
+    for r in rows:
+        if r["max_abs_logit_diff"] > 1e-3:
+            out.append(f"WARNING: at {context_label(r['context'])} the first-step logits differ "
+                       f"by {r['max_abs_logit_diff']:.2g} (> 1e-3)")
+    return out

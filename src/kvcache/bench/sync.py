@@ -1,0 +1,173 @@
+"""The sync section: what keeping a ``kvcache.device.Mirror`` in step costs per decode step,
+per rollback and for a full re-upload.
+
+Method: ``docs/benchmark-method.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import numpy as np
+
+from ..layer import LayerKvCache
+from ..modes import KvMode
+from .geometry import MiB
+from .mla import MLA_RANK, MLA_ROPE
+from .tables import context_label, fmt, fmt_ratio, render_table
+
+
+# sync section: the cost of keeping a kvcache.device.Mirror in step
+SYNC_CONTEXT, QUICK_SYNC_CONTEXT = 32768, 4096
+SYNC_STEPS, QUICK_SYNC_STEPS = 101, 21
+SYNC_FULL_REPEATS, QUICK_SYNC_FULL_REPEATS = 7, 3
+SYNC_CASES = ("f32", "q8", "latent")
+SYNC_ROLLBACK = (4, 5)       # truncate_last(4), then append 5: one speculative-decode round
+
+
+class MirrorSync:
+    """One layer of ``context`` positions and its :class:`kvcache.device.Mirror`.
+
+    Parameters
+    ----------
+    case : {"f32", "q8", "latent"}
+        Llama-3-8B attention (8 KV heads x 128) stored f32 or q8, or a DeepSeek-V2-Lite latent
+        layer (``LatentKvCache`` slots 512 and 64, float32).
+    context : int
+    backend : {"torch", "numpy"}
+        The mirror's backend (on the CPU device).
+    spare : int
+        Positions appended after the fill (the latent cache's capacity covers them).
+    """
+
+    NKV, HD = 8, 128
+
+    def __init__(self, case, context, backend="torch", seed=0, spare=1024):
+        from ..device import Mirror
+        from ..latent import LatentKvCache
+        self.case = case
+        rng = np.random.default_rng([seed, 0x53594E43])
+        if case == "latent":
+            self.width = [(MLA_RANK,), (MLA_ROPE,)]
+            self.cache = LatentKvCache.with_capacity(1, context + spare, self.width)
+            for start in range(0, context, 4096):
+                n = min(4096, context - start)
+                self.cache.write_layer(0, [rng.standard_normal((n,) + w, dtype=np.float32)
+                                           for w in self.width])
+                self.cache.advance(n)
+            self.new = [rng.standard_normal((spare,) + w, dtype=np.float32) for w in self.width]
+        else:
+            mode = KvMode.F32 if case == "f32" else KvMode.Q8(True, True)
+            self.cache = LayerKvCache(self.NKV, self.HD, mode)
+            for start in range(0, context, 4096):
+                n = min(4096, context - start)
+                shape = (n, self.NKV, self.HD)
+                self.cache.append(rng.standard_normal(shape, dtype=np.float32),
+                                  rng.standard_normal(shape, dtype=np.float32))
+            shape = (spare, self.NKV, self.HD)
+            self.new = [rng.standard_normal(shape, dtype=np.float32) for _ in range(2)]
+        self.used = 0
+        self.mirror = Mirror(self.cache, backend=backend)
+        self.initial = self.mirror.total
+
+    def append(self, n=1):
+        a, self.used = self.used, self.used + n
+        if self.case == "latent":
+            self.cache.write_layer(0, [x[a: a + n] for x in self.new])
+            self.cache.advance(n)
+        else:
+            self.cache.append(self.new[0][a: a + n], self.new[1][a: a + n])
+
+    def timed_sync(self, full=False):
+        t0 = time.perf_counter()
+        stats = self.mirror.sync(full=full)
+        return time.perf_counter() - t0, stats
+
+    def rollback(self):
+        """One speculative-decode round: drop the last drafts, append the next ones."""
+        drop, add = SYNC_ROLLBACK
+        self.cache.truncate_last(drop)
+        self.append(add)
+
+
+def run_sync_case(case, opts):
+    """Median decode-step, rollback-step and full re-upload costs of one mirrored layer."""
+    steps, fulls = opts.sync_steps, opts.sync_full_repeats
+    work = MirrorSync(case, opts.sync_context, opts.sync_backend, opts.seed,
+                      spare=steps + 2 + (steps * SYNC_ROLLBACK[1] if case != "latent" else 0))
+    step_s, step_b, growth = [], [], []
+    for _ in range(steps):
+        work.append(1)
+        t, st = work.timed_sync()
+        if st.device_bytes:                 # the one step that doubled the device capacity
+            growth.append({"ms": 1e3 * t, "device_bytes": st.device_bytes, "bytes": st.bytes})
+            continue
+        step_s.append(t)
+        step_b.append(st.bytes)
+    rec = {"case": case, "context": opts.sync_context, "backend": opts.sync_backend,
+           "device": str(work.mirror.device), "initial_bytes": work.initial.bytes,
+           "step_ms": 1e3 * statistics.median(step_s), "step_bytes": statistics.median(step_b),
+           "step_samples_s": step_s, "growth": growth, "capacity": work.mirror.capacity}
+    if case != "latent":
+        roll_s, roll_b = [], []
+        for _ in range(steps):
+            work.rollback()
+            t, st = work.timed_sync()
+            if not st.device_bytes:
+                roll_s.append(t)
+                roll_b.append(st.bytes)
+        rec.update(rollback_ms=1e3 * statistics.median(roll_s),
+                   rollback_bytes=statistics.median(roll_b))
+    full_s, full_b = [], []
+    for _ in range(fulls):
+        t, st = work.timed_sync(full=True)
+        full_s.append(t)
+        full_b.append(st.bytes)
+    rec.update(full_ms=1e3 * statistics.median(full_s), full_bytes=statistics.median(full_b),
+               full_samples_s=full_s, context_at_end=work.cache.seq_len if case != "latent"
+               else work.cache.cached_len)
+    rec["bytes_ratio"] = rec["full_bytes"] / rec["step_bytes"] if rec["step_bytes"] else None
+    rec["time_ratio"] = rec["full_ms"] / rec["step_ms"] if rec["step_ms"] else None
+    del work
+    gc.collect()
+    return rec
+
+
+def run_sync(opts, bar):
+    rows = []
+    for case in SYNC_CASES:
+        bar.set_postfix_str(f"sync {case}")
+        rows.append(run_sync_case(case, opts))
+        bar.update()
+    return rows
+
+
+def sync_table(rows):
+    body = []
+    for r in rows:
+        roll = r.get("rollback_bytes")
+        body.append([r["case"], context_label(r["context"]), f"{r['backend']}:{r['device']}",
+                     f"{r['step_bytes'] / 1024:.3g}", fmt(r["step_ms"]),
+                     "-" if roll is None else f"{roll / 1024:.3g}",
+                     fmt(r.get("rollback_ms")), f"{r['full_bytes'] / MiB:.4g}",
+                     fmt(r["full_ms"]), fmt_ratio(r["bytes_ratio"]), fmt_ratio(r["time_ratio"])])
+    return render_table(["layer", "ctx", "mirror", "step KiB", "step ms", "rollback KiB",
+                         "rollback ms", "full MiB", "full ms", "bytes full/step",
+                         "time full/step"], body)
+
+
+def sync_notes(rows, opts):
+    out = [f"medians of {opts.sync_steps} steps / {opts.sync_full_repeats} full re-uploads; "
+           f"a step appends one position and syncs; a rollback step is truncate_last"
+           f"({SYNC_ROLLBACK[0]}) + append {SYNC_ROLLBACK[1]} + sync"]
+    for r in rows:
+        for g in r["growth"]:
+            out.append(f"{r['case']}: one step grew the device capacity (doubling): "
+                       f"{g['device_bytes'] / MiB:.4g} MiB copied device-to-device in "
+                       f"{fmt(g['ms'])} ms (not in the step median)")
+    if opts.sync_backend == "torch":
+        out.append("the torch 'device' here is the CPU: a sync is a host memory copy; on a GPU "
+                   "the same bytes cross the bus")
+    return out

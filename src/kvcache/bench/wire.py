@@ -1,0 +1,372 @@
+"""The wire section: export and import throughput of the byte formats (``kvcache.wire``), the
+digest's cost and ``KvCache.save`` / ``load``.
+
+Method: ``docs/benchmark-method.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import tempfile
+import time
+import zlib
+
+import numpy as np
+
+from .. import wire
+from ..layer import LayerKvCache
+from ..model import KvCache
+from ..modes import KvMode
+from .geometry import GEOMETRIES, MiB, make_mode, random_kv
+from .machine import _package_version, filesystem_type
+from .o1 import _pass
+from .tables import context_label, fmt, render_table
+from .timing import _timing
+
+
+WIRE_CONTEXT, QUICK_WIRE_CONTEXT = 32768, 4096
+WIRE_REPEATS, QUICK_WIRE_REPEATS = 15, 5
+WIRE_SAVE_LAYERS = 2         # layers of the KvCache.save / load model
+# name -> (format, storage of the exported layer, f16): the export/import pairs of the wire section
+WIRE_VARIANTS = {"f32": ("versioned", "f32", False),
+                 "f32 no digest": ("versioned", "f32", False),
+                 "f32 as f16": ("versioned", "f32", True),
+                 "q8": ("versioned", "q8", False),
+                 "legacy f32": ("legacy", "f32", False),
+                 "legacy f16": ("legacy", "f32", True)}
+WIRE_TARGETS = {"export_gbs": 1.0, "import_gbs": 1.0, "checksum_share": 0.25}
+
+
+class WireLayers:
+    """Llama-geometry layers holding the same ``context`` random rows, for the wire section.
+
+    ``layers`` maps ``"f32"`` / ``"q8"`` (the storages in ``storages``) to a filled
+    :class:`LayerKvCache`; ``model_layers`` > 0 also builds ``model``, a :class:`KvCache` of that
+    many f32 layers holding the same rows (for ``save`` / ``load``).  :meth:`export` and
+    :meth:`load` run one variant of :data:`WIRE_VARIANTS` (the timed calls).
+    """
+
+    def __init__(self, geom, context, seed=3, storages=("f32", "q8"), model_layers=0):
+        self.geom, self.context = geom, context
+        nkv, hd = geom.num_kv_heads, geom.head_dim
+        k, v = random_kv(geom, context, seed)
+        self.layers = {}
+        for name in storages:
+            c = LayerKvCache(nkv, hd, mode=make_mode(name))
+            c.append(k, v)
+            self.layers[name] = c
+        self.model = None
+        if model_layers:
+            self.model = KvCache(model_layers, nkv, hd, max_seq_len=max(context, 1),
+                                 mode=KvMode.F32)
+            for c in self.model.layers:
+                c.append(k, v)
+        del k, v
+
+    @staticmethod
+    def variant(name):
+        """(format, storage, f16) of a :data:`WIRE_VARIANTS` name."""
+        try:
+            return WIRE_VARIANTS[name]
+        except KeyError:
+            raise ValueError(f"unknown wire variant {name!r}; choose from "
+                             f"{', '.join(WIRE_VARIANTS)}") from None
+
+    def layer_bytes(self, name):
+        """``memory_bytes()`` of the layer that variant ``name`` exports."""
+        return self.layers[self.variant(name)[1]].memory_bytes()
+
+    def model_bytes(self):
+        return sum(c.memory_bytes() for c in self.model.layers)
+
+    def export(self, name):
+        """The buffer of variant ``name``: ``to_bytes`` or ``export_wire`` of its layer.
+
+        ``"f32 no digest"`` is ``to_bytes()`` under ``kvcache.wire._BENCH_NO_DIGEST`` (a null
+        digest: the buffer does not import)."""
+        fmt, storage, f16 = self.variant(name)
+        layer = self.layers[storage]
+        if fmt == "legacy":
+            return layer.export_wire(f16=f16)
+        if name != "f32 no digest":
+            return layer.to_bytes(f16=f16)
+        wire._BENCH_NO_DIGEST = True
+        try:
+            return layer.to_bytes(f16=f16)
+        finally:
+            wire._BENCH_NO_DIGEST = False
+
+    def target(self):
+        """A fresh, empty layer to import into (the mode comes from the buffer)."""
+        return LayerKvCache(self.geom.num_kv_heads, self.geom.head_dim, mode=KvMode.F32)
+
+    def load(self, name, target, buf):
+        """Install variant ``name``'s buffer into ``target`` (``from_bytes`` / ``import_wire``)."""
+        if name == "f32 no digest":
+            raise ValueError("a buffer written without its digest does not import")
+        if self.variant(name)[0] == "legacy":
+            target.import_wire(buf)
+        else:
+            target.from_bytes(buf)
+
+    def check(self, name, target):
+        """Raise AssertionError unless ``target`` holds what variant ``name`` exported."""
+        fmt, storage, f16 = self.variant(name)
+        src = self.layers[storage]
+        if target.seq_len != src.seq_len or target.mode != src.mode:
+            raise AssertionError(f"wire {name}: round trip changed seq_len or mode "
+                                 f"({target.seq_len}, {target.mode!r})")
+        if storage == "q8":
+            same = all(np.array_equal(a, b) for h in range(src.num_kv_heads)
+                       for a, b in zip(src.q8_rows(h), target.q8_rows(h)))
+        else:
+            tol = 1e-3 if f16 else 0.0
+            same = all(np.allclose(a, b, rtol=tol, atol=tol) for h in (0, src.num_kv_heads - 1)
+                       for a, b in ((src.head_keys(h), target.head_keys(h)),
+                                    (src.head_values(h), target.head_values(h))))
+        if not same:
+            raise AssertionError(f"wire {name}: round trip changed the rows")
+
+
+def wire_digest_functions():
+    """{name: (function, library description)} of the raw digest functions the wire section
+    times: ``xxhash.xxh3_64_intdigest`` and ``crc32c.crc32c`` when those packages are installed,
+    ``zlib.crc32`` always."""
+    fns = {}
+    try:
+        import xxhash
+    except ImportError:
+        xxhash = None
+    if xxhash is not None:
+        fns["xxhash.xxh3_64_intdigest"] = (xxhash.xxh3_64_intdigest,
+                                           f"xxhash {_package_version('xxhash')}")
+    fns["zlib.crc32"] = (zlib.crc32, f"zlib {zlib.ZLIB_RUNTIME_VERSION}")
+    try:
+        import crc32c
+    except ImportError:
+        crc32c = None
+    if crc32c is not None:
+        hw = getattr(crc32c, "hardware_based", None)
+        how = "" if hw is None else (", hardware" if hw else ", software")
+        fns["crc32c.crc32c"] = (crc32c.crc32c, f"crc32c {_package_version('crc32c')}{how}")
+    return fns
+
+
+WIRE_SAVE_LOAD = "KvCache save/load"
+
+
+def wire_round_robin(work, repeats, path, digests, bar=None):
+    """Interleaved wire timings (seconds).  Per repeat: every :data:`WIRE_VARIANTS` entry
+    exports once and (except the null-digest one) imports that buffer into a fresh layer,
+    the f32 buffer is also hashed by every function of ``digests``, then the buffer is dropped;
+    ``work.model`` (when built) is saved to ``path`` and loaded.  Odd repeats run in reverse
+    order.  One untimed warm-up round first, which also checks every round trip.
+
+    Returns ``(samples, sizes)``: ``{"<variant> export" | "<variant> import" | "save" | "load"
+    | "digest <name>": [s, ...]}`` and ``{variant | "save": buffer or file bytes}``."""
+    clock = time.perf_counter
+    order = list(WIRE_VARIANTS) + ([WIRE_SAVE_LOAD] if work.model is not None else [])
+    samples, sizes = {}, {}
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(repeats + 1):
+            got = {}
+            for name in (order if r % 2 == 0 else order[::-1]):
+                if name == WIRE_SAVE_LOAD:
+                    t0 = clock()
+                    work.model.save(path)
+                    got["save"] = clock() - t0
+                    sizes["save"] = os.path.getsize(path)
+                    t0 = clock()
+                    loaded = KvCache.load(path)
+                    got["load"] = clock() - t0
+                    if r == 0 and ([c.seq_len for c in loaded.layers]
+                                   != [c.seq_len for c in work.model.layers]):
+                        raise AssertionError("wire: KvCache.load did not restore the model")
+                    del loaded
+                    gc.collect()
+                    continue
+                t0 = clock()
+                buf = work.export(name)
+                got[f"{name} export"] = clock() - t0
+                sizes[name] = len(buf)
+                if name != "f32 no digest":
+                    target = work.target()
+                    t0 = clock()
+                    work.load(name, target, buf)
+                    got[f"{name} import"] = clock() - t0
+                    if r == 0:
+                        work.check(name, target)
+                    del target
+                if name == "f32":
+                    for d, fn in digests.items():
+                        t0 = clock()
+                        fn(buf)
+                        got[f"digest {d}"] = clock() - t0
+                del buf
+                gc.collect()
+            if r:                                            # round 0 is the warm-up
+                for key, t in got.items():
+                    samples.setdefault(key, []).append(t)
+            if bar is not None:
+                bar.update()
+    finally:
+        if gc_was_on:
+            gc.enable()
+    return samples, sizes
+
+
+def _wire_call(fmt):
+    return {"versioned": "to_bytes/from_bytes", "legacy": "export_wire/import_wire"}[fmt]
+
+
+def wire_rows(work, samples, sizes):
+    """Table rows of the wire section (one per variant, then save/load)."""
+    rows = []
+    for name, (fmt, storage, f16) in WIRE_VARIANTS.items():
+        nbytes = work.layer_bytes(name)
+        call = "to_bytes, null digest" if name == "f32 no digest" else _wire_call(fmt)
+        row = {"variant": name, "call": call, "format": fmt, "storage": storage, "f16": f16,
+               "rows": f"{storage} -> f16" if f16 else storage,
+               "layer_bytes": nbytes, "buffer_bytes": sizes[name]}
+        for op in ("export", "import"):
+            key = f"{name} {op}"
+            if key in samples:
+                row.update({f"{op}_{k}": v for k, v in _timing(samples[key], nbytes).items()})
+        rows.append(row)
+    if "save" in samples:
+        nbytes = work.model_bytes()
+        row = {"variant": WIRE_SAVE_LOAD, "call": "KvCache.save/load", "format": "versioned file",
+               "storage": "f32", "f16": False, "rows": f"{len(work.model.layers)} x f32",
+               "layer_bytes": nbytes, "buffer_bytes": sizes["save"]}
+        for op, key in (("export", "save"), ("import", "load")):
+            row.update({f"{op}_{k}": v for k, v in _timing(samples[key], nbytes).items()})
+        rows.append(row)
+    return rows
+
+
+def wire_digest_rows(samples, digests, nbytes):
+    """Rows of the raw digest functions, each over the ``nbytes`` f32 export buffer."""
+    in_use = {wire.ALG_XXH3: "xxhash.xxh3_64_intdigest",
+              wire.ALG_CRC32: "zlib.crc32"}[wire.default_algorithm()]
+    rows = []
+    for name, (_, library) in digests.items():
+        row = {"function": name, "library": library, "bytes": nbytes, "in_use": name == in_use}
+        row.update(_timing(samples[f"digest {name}"], nbytes))
+        rows.append(row)
+    return rows
+
+
+def wire_summary(rows, samples, context):
+    """The checksum share and the issue's targets, from the rows of one run."""
+    by = {r["variant"]: r for r in rows}
+    d, nd = samples["f32 export"], samples["f32 no digest export"]
+    alg = wire.default_algorithm()
+    s = {"context": context, "algorithm": alg,
+         "algorithm_name": {wire.ALG_XXH3: "XXH3-64 (xxhash)",
+                            wire.ALG_CRC32: "CRC-32 (zlib)"}.get(alg, str(alg)),
+         "checksum_share": 1.0 - statistics.median(nd) / statistics.median(d),
+         "checksum_share_best": 1.0 - min(nd) / min(d),
+         "checksum_share_paired": statistics.median(1.0 - b / a for a, b in zip(d, nd)),
+         "export_gbs": by["f32"]["export_gbs"], "import_gbs": by["f32"]["import_gbs"]}
+    s["export_pass"] = s["export_gbs"] >= WIRE_TARGETS["export_gbs"]
+    s["import_pass"] = s["import_gbs"] >= WIRE_TARGETS["import_gbs"]
+    s["checksum_pass"] = s["checksum_share"] <= WIRE_TARGETS["checksum_share"]
+    return s
+
+
+def run_wire(opts, bar):
+    """The wire section: export/import of every byte format, the checksum's cost, the raw
+    digest functions and KvCache save/load, one round-robin at ``opts.wire_context``."""
+    geom = GEOMETRIES["llama3-8b"]
+    t0 = time.perf_counter()
+    bar.set_postfix_str(f"wire {context_label(opts.wire_context)} setup")
+    work = WireLayers(geom, opts.wire_context, seed=opts.seed + 3,
+                      model_layers=opts.wire_save_layers)
+    bar.update()
+    digests = wire_digest_functions()
+    bar.set_postfix_str(f"wire {context_label(opts.wire_context)}")
+    with tempfile.TemporaryDirectory(prefix="kvcache-bench-wire-") as folder:
+        samples, sizes = wire_round_robin(work, opts.wire_repeats,
+                                          os.path.join(folder, "model.kvcache"),
+                                          {k: f for k, (f, _) in digests.items()}, bar)
+        fs = filesystem_type(folder)
+    rows = wire_rows(work, samples, sizes)
+    result = {"geometry": geom.label, "context": opts.wire_context,
+              "repeats": opts.wire_repeats, "save_layers": opts.wire_save_layers,
+              "folder": os.path.dirname(folder), "filesystem": fs, "rows": rows,
+              "digests": wire_digest_rows(samples, digests, sizes["f32"]),
+              "digests_missing": [n for n in ("xxhash", "crc32c") if not any(
+                  k.startswith(n) for k in digests)],
+              "summary": wire_summary(rows, samples, opts.wire_context)}
+    del work
+    gc.collect()
+    result["section_s"] = time.perf_counter() - t0
+    return result
+
+
+WIRE_HEADERS = ["call", "rows", "layer MiB", "buffer MiB", "export ms", "export GB/s",
+                "import ms", "import GB/s", "best export GB/s", "best import GB/s"]
+
+
+def wire_table(rows):
+    body = [[r["call"], r["rows"], fmt(r["layer_bytes"] / MiB), fmt(r["buffer_bytes"] / MiB),
+             fmt(r.get("export_ms")), fmt(r.get("export_gbs")), fmt(r.get("import_ms")),
+             fmt(r.get("import_gbs")), fmt(r.get("export_best_gbs")),
+             fmt(r.get("import_best_gbs"))] for r in rows]
+    return render_table(WIRE_HEADERS, body)
+
+
+def wire_digest_table(rows):
+    body = [[r["function"] + (" (in use)" if r["in_use"] else ""), r["library"],
+             fmt(r["bytes"] / MiB), fmt(r["ms"]), fmt(r["gbs"]), fmt(r["best_gbs"])]
+            for r in rows]
+    return render_table(["digest function", "package", "MiB", "ms", "GB/s", "best GB/s"], body)
+
+
+def wire_notes(result):
+    """Methodology, checksum and target lines printed under the wire tables."""
+    s = result["summary"]
+    ctx = context_label(result["context"])
+    fs = f", {result['filesystem']}" if result.get("filesystem") else ""
+    out = [(f"{result['geometry']} layer (8 KV heads, head_dim 128) holding {ctx} positions, "
+            f"one thread; times: median ms over {result['repeats']} round-robin repeats (every "
+            "variant once per repeat, odd repeats in reverse order, after one warm-up round "
+            "that also checks every round trip); 'best': the fastest repeat (all samples in the "
+            "JSON)."),
+           ("GB/s: memory_bytes() of the exported layer(s) / time (1e9 bytes per GB); buffer "
+            "MiB: bytes of the buffer (file).  Every export allocates a fresh buffer, so its time "
+            "includes first-touch page faults; each import goes into a fresh LayerKvCache."),
+           ("rows 'f32 -> f16': an f32 layer written with f16=True (imports as f32); 'q8': a "
+            "KvMode.Q8() layer holding the same rows.  export_wire refuses q8 storage by design "
+            "(the legacy layout describes F32 caches only), so it has no q8 row."),
+           (f"KvCache.save/load: a model of {result['save_layers']} such f32 layers, file in a "
+            f"temporary folder under {result['folder']}{fs}; save includes the fsync of the "
+            "file and of the folder; load reads the file (still in the page cache) into memory, "
+            "verifies it and copies the layers out."),
+           (f"checksum: {s['algorithm_name']} (kvcache.wire.default_algorithm() = "
+            f"{s['algorithm']}); 'to_bytes, null digest' is the f32 export with "
+            "kvcache.wire._BENCH_NO_DIGEST set (export only: such a buffer does not import); "
+            f"checksum share = 1 - null-digest / f32 export = {100 * s['checksum_share']:.1f}% "
+            f"(paired per repeat {100 * s['checksum_share_paired']:.1f}%, best times "
+            f"{100 * s['checksum_share_best']:.1f}%)."),
+           ("digest functions: one call over the whole f32 export buffer, in the same rounds "
+            "(right after its import; at 32k it comes from DRAM); the writers instead hash each "
+            "256 KiB chunk right after copying it (from cache), so the checksum share above, not "
+            "these figures, is the digest's cost in an export.")]
+    if result["digests_missing"]:
+        out.append(f"not installed (not timed): {', '.join(result['digests_missing'])}")
+    note = "" if result["context"] == WIRE_CONTEXT else \
+        f" (judged at {ctx}; the issue's figure is for a {context_label(WIRE_CONTEXT)} layer)"
+    out.append(f"targets{note}: f32 to_bytes export >= {WIRE_TARGETS['export_gbs']:g} GB/s: "
+               f"{s['export_gbs']:.2f} GB/s {_pass(s['export_pass'])}; f32 from_bytes import >= "
+               f"{WIRE_TARGETS['import_gbs']:g} GB/s: {s['import_gbs']:.2f} GB/s "
+               f"{_pass(s['import_pass'])}; checksum <= "
+               f"{100 * WIRE_TARGETS['checksum_share']:.0f}% of the export time: "
+               f"{100 * s['checksum_share']:.1f}% {_pass(s['checksum_pass'])}")
+    out.append(f"wire section: {result['section_s']:.1f} s (data, layers, warm-up round and "
+               "timings).")
+    return out
