@@ -25,6 +25,7 @@ import numpy as np
 
 from . import quant
 from ._validate import as_f32, as_f32_scalar, as_index, as_int, out_f32, readonly
+from .eviction import EvictionPolicy, born_rows
 from .modes import KvMode
 from ._generation import Generation
 from .o1 import O1Collecting, O1Rect, O1Sealed, O1Snapshot, check_seal
@@ -623,8 +624,23 @@ class LayerKvCache:
                 arr[h, : keep_idx.size] = arr[h, keep_idx]
         self._len[h] = n - drop if keep_idx is None else keep_idx.size
 
+    def evict(self, keep: int, policy: EvictionPolicy = EvictionPolicy.RECENT) -> None:
+        """Shrink to at most ``keep`` positions with ``policy`` (see :mod:`kvcache.eviction`).
+
+        RECENT drops the oldest positions; Born keeps the policy's sink, the newest
+        ``policy.recent(keep)`` and the middle positions of highest importance.  A layer with
+        O(1) state (collecting or sealed) is left as it is, as is one already within ``keep``.
+        """
+        keep = as_int("keep", keep, minimum=0)
+        if not isinstance(policy, EvictionPolicy):
+            raise TypeError(f"policy: expected an EvictionPolicy, got {type(policy).__name__}")
+        if policy.kind == "recent":
+            self._evict(keep)
+        else:
+            self._evict_born(keep, policy.sink, policy.recent(keep))
+
     def _evict(self, keep):
-        """Recent policy: keep the newest ``keep`` positions."""
+        """RECENT: keep the newest ``keep`` positions."""
         if self.o1 is not None or self._seq_len <= keep:
             return
         drop = self._seq_len - keep
@@ -637,28 +653,13 @@ class LayerKvCache:
         self._gen.diverge()
 
     def _evict_born(self, keep, sink, recent):
-        """Born policy: keep ``sink`` first rows, ``recent`` last rows, and the middle rows of
-        highest importance (stable, descending; NaN ranks last), in chronological order."""
+        """Born: keep ``sink`` first, ``recent`` newest and the most important middle rows."""
         if self.o1 is not None or self._imp_len <= keep:
             return
-        total = self._imp_len
-        sink_n = min(sink, keep)
-        recent_n = min(recent, keep - sink_n)
-        budget = keep - sink_n - recent_n
-        middle = np.arange(sink_n, total - recent_n)
-        imp = self._imp[:total]
-        if budget > 0 and middle.size:
-            vals = imp[middle].astype(np.float64)
-            order = np.argsort(np.where(np.isnan(vals), np.inf, -vals), kind="stable")
-            chosen = middle[order[:budget]]
-        else:
-            chosen = middle[:0]
-        kept = np.sort(np.concatenate([np.arange(sink_n), chosen,
-                                       np.arange(total - recent_n, total)])).astype(np.intp)
+        kept = born_rows(self._imp[: self._imp_len], keep, sink, recent)
         for h in range(self._nkv):
-            idx = kept[kept < self._len[h]]
-            self._shift_rows(h, keep_idx=idx)
-        self._imp[: kept.size] = imp[kept]
+            self._shift_rows(h, keep_idx=kept[kept < self._len[h]])
+        self._imp[: kept.size] = self._imp[kept]
         self._imp_len = kept.size
         self._seq_len = int(kept.size)
         self._gen.diverge()

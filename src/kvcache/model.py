@@ -1,61 +1,15 @@
-"""KvCache (every layer of a model) and EvictionPolicy (spec layer-kv-cache.md section 5)."""
+"""KvCache: the caches of every layer of a model, evicted and rolled back together.
+
+The eviction rules live in :mod:`kvcache.eviction` (``EvictionPolicy`` is re-exported here)."""
 
 from __future__ import annotations
 
 from ._validate import as_int
+from .eviction import EvictionPolicy
 from .layer import LayerKvCache
 from .modes import KvMode
 
 __all__ = ["EvictionPolicy", "KvCache"]
-
-
-class EvictionPolicy:
-    """How :meth:`KvCache.evict` chooses the positions to keep.
-
-    ``EvictionPolicy.RECENT`` keeps the newest positions.  ``EvictionPolicy.born(sink)`` keeps
-    the first ``sink`` positions, the newest ``max(keep // 2, 1)``, and fills the rest of the
-    budget with the positions that received the most attention mass (importance).
-    """
-
-    __slots__ = ("_kind", "_sink")
-
-    RECENT: "EvictionPolicy"  # set below
-
-    def __init__(self, kind, sink=0):
-        if kind not in ("recent", "born"):
-            raise ValueError(f"kind: expected 'recent' or 'born', got {kind!r}")
-        object.__setattr__(self, "_kind", kind)
-        object.__setattr__(self, "_sink", as_int("sink", sink, minimum=0))
-
-    @classmethod
-    def born(cls, sink=4):
-        """Born (attention-mass) eviction keeping ``sink`` leading positions."""
-        return cls("born", sink)
-
-    @property
-    def kind(self):
-        return self._kind
-
-    @property
-    def sink(self):
-        return self._sink
-
-    def __setattr__(self, name, value):
-        raise AttributeError("EvictionPolicy is immutable")
-
-    def __eq__(self, other):
-        if not isinstance(other, EvictionPolicy):
-            return NotImplemented
-        return (self._kind, self._sink) == (other._kind, other._sink)
-
-    def __hash__(self):
-        return hash((self._kind, self._sink))
-
-    def __repr__(self):
-        return "EvictionPolicy.RECENT" if self._kind == "recent" else f"EvictionPolicy.born(sink={self._sink})"
-
-
-EvictionPolicy.RECENT = EvictionPolicy("recent")
 
 
 class KvCache:
@@ -109,10 +63,7 @@ class KvCache:
         Layers carrying O(1) state (collecting or sealed) are skipped."""
         keep = as_int("keep", keep, minimum=0)
         for layer in self.layers:
-            if self.policy.kind == "recent":
-                layer._evict(keep)
-            else:
-                layer._evict_born(keep, self.policy.sink, max(keep // 2, 1))
+            layer.evict(keep, self.policy)
 
     def truncate_last(self, n):
         """Roll back the newest ``n`` positions on every layer."""

@@ -112,7 +112,7 @@ import zlib
 import numpy as np
 
 from . import _core, quant
-from .model import EvictionPolicy
+from .eviction import EvictionPolicy
 from .modes import KvMode
 from .o1 import _EXACT_EXTRA, O1Collecting, O1Rect, O1Sealed
 
