@@ -288,12 +288,14 @@ def test_layer_evict_applies_the_policy_as_kvcache_does(rng):
     # LayerKvCache.evict is what KvCache.evict runs per layer; born_rows is the row choice
     kv = kc.KvCache(1, 2, 8, 64, policy=kc.EvictionPolicy.born(sink=2), mode=kc.KvMode.F32)
     alone = kc.LayerKvCache(2, 8, mode=kc.KvMode.F32)
+    k, v = rng.standard_normal((2, 20, 2, 8))
     for layer in (kv.layers[0], alone):
-        layer.append(rng.standard_normal((20, 2, 8)), rng.standard_normal((20, 2, 8)))
+        layer.append(k, v)
         layer.accumulate_imp(np.arange(20, dtype=np.float32)[::-1].copy())
     kv.evict(8)
     alone.evict(8, kc.EvictionPolicy.born(sink=2))
     np.testing.assert_array_equal(alone.head_keys(1), kv.layers[0].head_keys(1))
+    np.testing.assert_array_equal(alone.head_keys(0), k[[0, 1, 2, 3, 16, 17, 18, 19], 0])
     # sink 0, 1; the most important middle rows 2, 3; the newest max(8 // 2, 1) = 4 rows
     from kvcache.eviction import born_rows
     kept = born_rows(np.arange(20, dtype=np.float32)[::-1].copy(), 8, 2, 4)
