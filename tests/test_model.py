@@ -288,7 +288,7 @@ def test_layer_evict_applies_the_policy_as_kvcache_does(rng):
     # LayerKvCache.evict is what KvCache.evict runs per layer; born_rows is the row choice
     kv = kc.KvCache(1, 2, 8, 64, policy=kc.EvictionPolicy.born(sink=2), mode=kc.KvMode.F32)
     alone = kc.LayerKvCache(2, 8, mode=kc.KvMode.F32)
-    k, v = rng.standard_normal((2, 20, 2, 8))
+    k, v = rng.standard_normal((2, 20, 2, 8)).astype(np.float32)
     for layer in (kv.layers[0], alone):
         layer.append(k, v)
         layer.accumulate_imp(np.arange(20, dtype=np.float32)[::-1].copy())
