@@ -18,10 +18,10 @@ last-level cache (160 MiB of rows and weights together, at least 2 layers).
   of the same attention (the ratio is 8.9x).
 
 Unlike the CLI there is no bandwidth or FMA-peak probe and no interleaving; ``python -m kvcache
-bench --sections mla`` prints the full table with the issue's targets and the compute ceiling.
+bench --sections mla`` prints the full table with the compute ceiling.
 Set ``KVCACHE_BENCH_MLA_CONTEXTS`` (default ``1024,16384``) and
 ``KVCACHE_BENCH_MLA_NAIVE_CONTEXTS`` (default ``1024,4096``) to change the contexts, and
-``KVCACHE_BENCH_MLA_WORKING_SET_MIB`` (default 160) for the rotating layers' target bytes.
+``KVCACHE_BENCH_MLA_WORKING_SET_MIB`` (default 160) for the bytes the rotating layers hold at least.
 """
 
 import os

@@ -8,8 +8,6 @@ head_dim 128) holding ``context`` positions of random float32 rows, f32 storage 
 
 * ``f32``, ``f32 as f16``, ``q8``: versioned format, ``to_bytes()`` (``f16=True`` for the second)
   and ``from_bytes``;
-* ``f32 no digest``: ``to_bytes()`` with ``kvcache.wire._BENCH_NO_DIGEST`` set (the checksum's
-  cost is ``f32`` minus this; export only, such a buffer does not import);
 * ``legacy f32``, ``legacy f16``: ``export_wire()`` / ``import_wire()`` (q8 storage is refused
   by the legacy layout, by design).
 
@@ -19,11 +17,13 @@ head_dim 128) holding ``context`` positions of random float32 rows, f32 storage 
   (building that empty layer is inside the timed call; it is negligible).
 * ``ModelSaveLoad``: ``KvCache.save(path)`` (fsync included) and ``KvCache.load(path)`` of a
   model of 2 such f32 layers, in a temporary folder.
+* ``DigestAlone.time_digest_alone``: the digest ``to_bytes()`` stores, computed again over an
+  f32 buffer with the wire module's own helper (the checksum's cost on its own).
 * ``DigestFunctions.time_digest``: the raw digest functions over an f32 ``to_bytes()`` buffer
   (``crc32c`` and ``xxhash`` are skipped when not installed).
 
 Unlike the CLI these run back to back (no interleaving across variants); ``python -m kvcache
-bench --sections wire`` prints the interleaved table at 32k with the issue's targets.  The
+bench --sections wire`` prints the interleaved table at 32k.  The
 context defaults to 4k; set ``KVCACHE_BENCH_WIRE_CONTEXTS`` (e.g. ``4096,32768``) to change it.
 """
 
@@ -37,7 +37,6 @@ GEOMETRY = bench.GEOMETRIES["llama3-8b"]
 CONTEXTS = [int(c) for c in
             os.environ.get("KVCACHE_BENCH_WIRE_CONTEXTS", "4096").split(",") if c.strip()]
 VARIANTS = list(bench.WIRE_VARIANTS)
-IMPORT_VARIANTS = [v for v in VARIANTS if v != "f32 no digest"]
 
 
 def _work(context, variant):
@@ -75,7 +74,7 @@ class WireExport:
 class WireImport:
     """One import (``from_bytes`` / ``import_wire``) into a fresh layer, per format variant."""
 
-    params = (CONTEXTS, IMPORT_VARIANTS)
+    params = (CONTEXTS, VARIANTS)
     param_names = ["context", "variant"]
     timeout = 300
 
@@ -122,6 +121,23 @@ class ModelSaveLoad:
         return os.path.getsize(self.path)
 
     track_file_bytes.unit = "bytes"
+
+
+class DigestAlone:
+    """The digest ``to_bytes()`` stores, computed again over an f32 buffer (wire's own helper)."""
+
+    params = (CONTEXTS,)
+    param_names = ["context"]
+    timeout = 300
+
+    def setup(self, context):
+        self.buf = _work(context, "f32").export("f32")
+
+    def teardown(self, context):
+        del self.buf
+
+    def time_digest_alone(self, context):
+        bench.WireLayers.digest(self.buf)
 
 
 class DigestFunctions:

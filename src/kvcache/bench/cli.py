@@ -116,7 +116,7 @@ def build_parser():
                    help="timed sweeps per configuration (default 5, quick 3)")
     p.add_argument("--ref-repeats", type=int, help="timed reference calls (default 3, quick 2)")
     p.add_argument("--working-set-mib", type=int,
-                   help="target bytes read per sweep, MiB (default 1024, quick 512)")
+                   help="bytes the rotating layers of one sweep hold at least, MiB (default 1024, quick 512)")
     p.add_argument("--no-torch", action="store_true", help="skip torch SDPA")
     p.add_argument("--no-reference", action="store_true", help="skip the NumPy reference")
     p.add_argument("--no-append", action="store_true", help="skip the append-cost section")
@@ -149,7 +149,7 @@ def build_parser():
                    help="largest context at which the (slow) naive MLA form is timed (default "
                         f"{context_label(MLA_NAIVE_MAX_CONTEXT)})")
     p.add_argument("--mla-working-set-mib", type=int,
-                   help="target bytes of the MLA section's rotating layers, MiB (default "
+                   help="bytes the MLA section's rotating layers hold at least, MiB (default "
                         f"max({MLA_WORKING_SET // MiB}, 4 x the reported LLC), at most 1024)")
     p.add_argument("--mla-fma-iters", type=int,
                    help=f"iterations of the FMA peak probe (x80 FMAs per thread; default "

@@ -5,7 +5,28 @@ Method: ``docs/benchmark-method.md``.
 
 from __future__ import annotations
 
+# A share of the measured read bandwidth above 100% is not a bandwidth figure: the rows came
+# (partly) from a cache, or the run was disturbed.  The sections measure such a reading once
+# more; if it is still above 100%, the tables print this flag instead of the number.
+BANDWIDTH_FLAG = ">100%*"
+BANDWIDTH_FOOTNOTE = ("*: above 100% of the measured read bandwidth, also when measured a second "
+                      "time (cache-resident or noisy): the rows were served from a cache or the "
+                      "run was disturbed, so the reading is no bandwidth figure")
 
+
+def above_bandwidth(pct):
+    """Whether ``pct`` (a share of the measured read bandwidth, in %) is above 100 (or NaN)."""
+    return not pct <= 100.0
+
+
+def pct_bandwidth_cell(pct, digits=0):
+    """``pct`` as a table cell: ``"73%"``, or :data:`BANDWIDTH_FLAG` above 100%."""
+    return BANDWIDTH_FLAG if above_bandwidth(pct) else f"{pct:.{digits}f}%"
+
+
+def bandwidth_footnotes(pcts):
+    """The footnote explaining :data:`BANDWIDTH_FLAG` when any of ``pcts`` is flagged."""
+    return [BANDWIDTH_FOOTNOTE] if any(above_bandwidth(p) for p in pcts) else []
 
 
 def fmt(x, digits=3):

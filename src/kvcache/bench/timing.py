@@ -63,6 +63,20 @@ def measure_bandwidth(thread_counts, nbytes=BANDWIDTH_BUFFER, repeats=5):
     return result
 
 
+def pct_of_bandwidth(nbytes, seconds, bandwidth_gbs):
+    """``nbytes`` read in ``seconds`` as % of ``bandwidth_gbs`` (1e9 bytes per GB)."""
+    return 100.0 * nbytes / seconds / 1e9 / bandwidth_gbs
+
+
+def remeasure_above_bandwidth(samples, measure, pct):
+    """``(samples, False)`` when ``pct(samples)`` is at most 100 (% of the measured bandwidth);
+    otherwise ``(measure(), True)``: a reading above the bandwidth is taken once more (the
+    report flags it if it stays above)."""
+    if pct(samples) <= 100.0:
+        return samples, False
+    return measure(), True
+
+
 def median_ms(samples, per=1):
     """Median of ``samples`` (seconds, each covering ``per`` steps) in ms per step."""
     return statistics.median(samples) / per * 1e3

@@ -1,0 +1,49 @@
+"""The benchmark's handling of bandwidth readings above 100% (pure functions, no timing)."""
+
+from __future__ import annotations
+
+import math
+
+from kvcache.bench import tables, timing
+
+
+def test_readings_up_to_100_percent_print_as_figures():
+    assert tables.pct_bandwidth_cell(73.4) == "73%"
+    assert tables.pct_bandwidth_cell(100.0) == "100%"
+    assert tables.pct_bandwidth_cell(61.25, 1) == "61.2%"
+    assert not tables.above_bandwidth(100.0)
+    assert tables.bandwidth_footnotes([12.0, 99.9, 100.0]) == []
+
+
+def test_readings_above_100_percent_are_flagged_not_printed():
+    for pct in (100.01, 136.0, math.inf, math.nan):
+        assert tables.above_bandwidth(pct)
+        assert tables.pct_bandwidth_cell(pct) == tables.BANDWIDTH_FLAG
+        assert tables.pct_bandwidth_cell(pct, 1) == tables.BANDWIDTH_FLAG
+    assert tables.BANDWIDTH_FLAG.startswith(">100%")
+    notes = tables.bandwidth_footnotes([50.0, 136.0])
+    assert notes == [tables.BANDWIDTH_FOOTNOTE]
+    assert "cache-resident or noisy" in notes[0]
+
+
+def test_a_reading_above_the_bandwidth_is_measured_once_more():
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return [2.0]
+
+    def pct(samples):
+        return 100.0 / samples[0] * 1.5             # 1 s -> 150%, 2 s -> 75%
+
+    assert timing.remeasure_above_bandwidth([2.0], measure, pct) == ([2.0], False)
+    assert calls == []
+    assert timing.remeasure_above_bandwidth([1.0], measure, pct) == ([2.0], True)
+    assert calls == [1]
+    # a second reading still above 100% is kept (and flagged by the tables)
+    assert timing.remeasure_above_bandwidth([1.0], lambda: [1.0], pct) == ([1.0], True)
+
+
+def test_pct_of_bandwidth():
+    assert timing.pct_of_bandwidth(2e9, 1.0, 4.0) == 50.0
+    assert timing.pct_of_bandwidth(5e8, 0.1, 4.0) == 125.0
