@@ -143,6 +143,52 @@ def test_with_capacity_allocates_every_layer_zeroed_on_cpu():
     assert "LatentSlot(layout=(8, 5)" in repr(c.layers[0][0])
 
 
+@pytest.mark.parametrize("make", [
+    lambda: kc.LatentKvCache.with_capacity(2, 8, MLA),
+    lambda: kc.StaticKvCache.with_capacity(2, 2, 4, 8),
+], ids=["latent", "static"])
+def test_seq_len_is_a_read_only_property_equal_to_cached_len(make, rng):
+    c = make()
+    assert c.seq_len == c.cached_len == 0
+    for layer in range(2):
+        if isinstance(c, kc.LatentKvCache):
+            c.write_layer(layer, slabs(rng, 3))
+        else:
+            c.write_layer(layer, rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3, 4)))
+    c.advance(3)
+    assert c.seq_len == c.cached_len == len(c) == 3
+    c.truncate_to(1)
+    assert c.seq_len == 1
+    with pytest.raises(AttributeError):
+        c.seq_len = 2
+    lazy = kc.LazyLatentCache.new(1, 8, MLA)
+    assert lazy.seq_len == 0
+    lazy = lazy.append(0, slabs(rng, 2)).advance_by(2)
+    assert lazy.seq_len == lazy.current_seq_len == 2
+    with pytest.raises(AttributeError):
+        lazy.seq_len = 0
+
+
+@pytest.mark.parametrize("make, axis", [
+    (lambda: kc.LatentKvCache.with_capacity(3, 8, MLA), 0),
+    (lambda: kc.StaticKvCache.with_capacity(3, 2, 4, 8), 2),
+], ids=["latent", "static"])
+def test_slot_state_reads_storages_lengths_and_id_together(make, axis):
+    c = make()
+    c.advance(2)
+    c.layers[1] = None
+    st = c.slot_state("sync")
+    assert (st.cached_len, st.max_seq_len, st.capacity_axis) == (2, 8, axis)
+    assert st.alloc_id == c.alloc_id and st.generation == c.generation
+    assert st.storages[1] is None and len(st.storages) == 3
+    for layer in (0, 2):
+        assert all(x is c.slot_storage(layer, s) for s, x in enumerate(st.storages[layer]))
+        assert all(x.shape[axis] == 8 for x in st.storages[layer])
+    c.layers[2][1].storage = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match="sync: the storage of layer 2, slot 1"):
+        c.slot_state("sync")
+
+
 def test_slot_storage_is_the_live_buffer_and_none_out_of_range():
     c = kc.LatentKvCache.with_capacity(3, 8, MLA)
     buf = c.slot_storage(1, 0)
@@ -184,7 +230,7 @@ def test_bump_version_advances_per_slot_and_out_of_range_is_a_noop():
     ((0, 8, MLA), ValueError, "n_layers must be >= 1"),
     ((3, 0, MLA), ValueError, "max_seq_len must be >= 1"),
     ((3, 8, []), ValueError, "need at least one slot"),
-    ((0, 0, []), ValueError, "n_layers must be >= 1"),         # the spec's order
+    ((0, 0, []), ValueError, "n_layers must be >= 1"),         # the documented order
     ((1, 0, []), ValueError, "max_seq_len must be >= 1"),
     ((-2, 8, MLA), ValueError, "n_layers must be >= 1, got -2"),
     ((3, -1, MLA), ValueError, "max_seq_len must be >= 1, got -1"),

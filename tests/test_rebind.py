@@ -1,4 +1,4 @@
-"""Guarded re-bind of a held decode plan (spec latent-kv-cache.md section 3; issue 5 item 4).
+"""Guarded re-bind of a held decode plan (kvcache.rebind; docs/latent.md).
 
 The upstream GAP-014/GAP-028 tests in our own words, on both carriers (LatentKvCache and
 StaticKvCache): a plan is kept across steps and rewinds, re-bound onto a same-geometry swapped

@@ -114,7 +114,7 @@ class KvAllocId:
 
 
 # ------------------------------------------------------------------------------ dtypes
-def resolve_dtype(dtype: npt.DTypeLike, name: str = "dtype") -> np.dtype[Any]:
+def resolve_dtype(dtype: Optional[npt.DTypeLike], name: str = "dtype") -> np.dtype[Any]:
     """The cache dtype for ``dtype``: float32, float16, float64 or bfloat16.
 
     ``None`` means float32.  ``"bfloat16"``/``"bf16"`` (or ``ml_dtypes.bfloat16``) needs the
@@ -134,7 +134,8 @@ def resolve_dtype(dtype: npt.DTypeLike, name: str = "dtype") -> np.dtype[Any]:
             raise TypeError(f"{name}: bfloat16 needs the optional ml_dtypes package "
                             f"(pip install ml_dtypes); or use float16, float32 or "
                             f"float64") from None
-        return np.dtype(ml_dtypes.bfloat16)
+        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)   # ml_dtypes is untyped
+        return bf16
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -303,9 +304,10 @@ def ro(buf: npt.NDArray[Any], idx: Any = Ellipsis) -> npt.NDArray[Any]:
         view: npt.NDArray[Any] = readonly(buf[idx])
         return view
     except ValueError:
-        raw = memoryview(buf.reshape(-1).view(np.uint8)).toreadonly()
+        raw = memoryview(buf.reshape(-1).view(np.uint8).data).toreadonly()
         whole: npt.NDArray[Any] = np.frombuffer(raw, dtype=buf.dtype).reshape(buf.shape)
-        return whole[idx]  # type: ignore[no-any-return]  # an index of an ndarray is one
+        part: npt.NDArray[Any] = whole[idx]
+        return part
 
 
 # ------------------------------------------------------------------------------ slots

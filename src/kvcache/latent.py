@@ -1,7 +1,8 @@
-"""Fixed-capacity decode caches: LatentKvCache, StaticKvCache, LazyLatentCache, KvAllocId.
+"""Fixed-capacity decode caches: LatentKvCache and LazyLatentCache (StaticKvCache in its module).
 
-Port of the persistent caches of the upstream Rust engine (spec latent-kv-cache.md sections 1-4,
-section 7 for the Python shape of it).  Three caches, one vocabulary:
+Port of the persistent caches of the upstream Rust engine (``docs/latent.md`` describes them and
+their rules).  Three caches, one vocabulary; the rules they share (:class:`KvAllocId`, dtypes,
+slot and size checks, the slot-cache base) live in :mod:`kvcache._slots`:
 
 ``LatentKvCache`` -- the N-slot persistent cache (MLA and friends)
     Every layer holds ``n_slots`` buffers; slot ``s`` of every layer is one zeroed,
@@ -12,9 +13,10 @@ section 7 for the Python shape of it).  Three caches, one vocabulary:
     post-RoPE shared key ``k_pe``.  One slot of ``(H_kv*D,)`` is a shared K=V cache.
 
 ``StaticKvCache`` -- the symmetric K/V cache (upstream ``KvCache::with_capacity``)
-    K and V of each layer are zeroed arrays ``(1, num_kv_heads, max_seq_len, head_dim)``
-    (capacity axis 2, the Hugging Face layout), slot 0 = K, slot 1 = V.  ``attend`` runs the
-    compiled grouped-query kernel (``kvcache._core.attend_rows``) over the valid rows.
+    In :mod:`kvcache.static` (re-exported here).  K and V of each layer are zeroed arrays
+    ``(1, num_kv_heads, max_seq_len, head_dim)`` (capacity axis 2, the Hugging Face layout),
+    slot 0 = K, slot 1 = V.  ``attend`` runs the compiled grouped-query kernel
+    (``kvcache._core.attend_rows``) over the valid rows.
 
 ``LazyLatentCache`` -- the per-pass functional twin of ``LatentKvCache``
     Same buffers, but ``append`` returns a *new* cache and never mutates the one it is called
@@ -74,9 +76,8 @@ Where this differs from the upstream engine (deliberately):
   ``slot_shape(s)``, which raises IndexError where upstream panics;
 * non-integer or negative geometry raises (upstream takes ``usize``); ``StaticKvCache`` checks
   its geometry too (upstream ``KvCache::with_capacity`` does not);
-* there is no graph: ``write_layer``/``advance`` are the explicit write helpers of spec
-  section 7, and ``device`` is ``"cpu"`` only (kept as a location so the re-bind residency
-  rule stays expressible);
+* there is no graph: ``write_layer``/``advance`` are explicit write helpers, and ``device``
+  is ``"cpu"`` only (kept as a location so the re-bind residency rule stays expressible);
 * after ``clear()`` a cache holds no storage: ``write_layer``/``attend``/``valid_view`` raise
   ValueError and ``advance`` too; allocate a new cache for the next conversation.
 
@@ -86,7 +87,10 @@ LayerKvCache).
 
 from __future__ import annotations
 
+from typing import Any, Iterable, Optional, Sequence
+
 import numpy as np
+import numpy.typing as npt
 
 from ._generation import Generation
 from ._slots import (HOST as _HOST, KvAllocId, LatentSlot, SlotCache, as_slab as _as_slab,
@@ -100,9 +104,12 @@ from .static import StaticKvCache
 __all__ = ["KvAllocId", "LatentSlot", "LatentKvCache", "StaticKvCache", "LazyLatentCache",
            "resolve_dtype"]
 
+Trailing = tuple[tuple[int, ...], ...]
+_Layers = tuple[tuple[npt.NDArray[Any], ...], ...]
+
 
 # ------------------------------------------------------------------------------ validation
-def _trailing(slot_trailing):
+def _trailing(slot_trailing: Iterable[Iterable[int]]) -> Trailing:
     """slot_trailing as a tuple of tuples of ints >= 0 (ValueError 'need at least one slot')."""
     if isinstance(slot_trailing, (str, bytes)):
         raise TypeError(f"slot_trailing: expected a sequence of trailing shapes, got "
@@ -134,7 +141,8 @@ def _trailing(slot_trailing):
     return tuple(out)
 
 
-def _check_slabs(slabs, trailing, name="slabs"):
+def _check_slabs(slabs: Sequence[npt.ArrayLike], trailing: Trailing,
+                 name: str = "slabs") -> tuple[list[npt.NDArray[Any]], int]:
     """Convert and check one slab per slot; returns (list of arrays, seq).
 
     Slab 0 fixes ``seq`` (its leading dim); slab s must be exactly (seq, *trailing[s])."""
@@ -210,7 +218,8 @@ class LatentKvCache(SlotCache):
     (3, (3, 4), 1)
     """
 
-    def __init__(self, n_layers, max_seq_len, slot_trailing, dtype=np.float32, device="cpu"):
+    def __init__(self, n_layers: int, max_seq_len: int, slot_trailing: Iterable[Iterable[int]],
+                 dtype: npt.DTypeLike = np.float32, device: str = "cpu") -> None:
         n_layers = _at_least_one("n_layers", n_layers)
         max_seq_len = _at_least_one("max_seq_len", max_seq_len)
         trailing = _trailing(slot_trailing)
@@ -229,28 +238,30 @@ class LatentKvCache(SlotCache):
         self._gen = Generation()
 
     @classmethod
-    def with_capacity(cls, n_layers, max_seq_len, slot_trailing, dtype=np.float32, device="cpu"):
+    def with_capacity(cls, n_layers: int, max_seq_len: int,
+                      slot_trailing: Iterable[Iterable[int]], dtype: npt.DTypeLike = np.float32,
+                      device: str = "cpu") -> LatentKvCache:
         """Allocate every layer's slot buffers up front, zeroed (see the class docstring)."""
         return cls(n_layers, max_seq_len, slot_trailing, dtype=dtype, device=device)
 
     @property
-    def slot_trailing(self):
+    def slot_trailing(self) -> Trailing:
         """Per-slot trailing shapes, a tuple of tuples (its length is :attr:`n_slots`)."""
         return self._trailing
 
-    def slot_shape(self, s):
+    def slot_shape(self, s: int) -> tuple[int, ...]:
         """Trailing shape of slot ``s`` (IndexError out of range)."""
         return self._trailing[_slot_index("slot", s, self._n_slots, "slots")]
 
-    def _storage_shape(self, s):
+    def _storage_shape(self, s: int) -> tuple[int, ...]:
         return (self._max_seq_len,) + self._trailing[s]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"LatentKvCache(n_layers={self.n_layers}, max_seq_len={self._max_seq_len}, "
                 f"slot_trailing={self._trailing}, dtype={self._dtype}, "
                 f"cached_len={self._cached_len}, alloc_id={self._alloc_id!r})")
 
-    def valid_view(self, layer, s):
+    def valid_view(self, layer: int, s: int) -> npt.NDArray[Any]:
         """Read-only view of rows ``[0, cached_len)`` of slot ``s`` of ``layer``.
 
         Returns
@@ -270,7 +281,7 @@ class LatentKvCache(SlotCache):
         (storage,) = self._storages("valid_view", li, slots, which=si)
         return _ro(storage, np.s_[: self._cached_len])
 
-    def write_layer(self, layer, slabs):
+    def write_layer(self, layer: int, slabs: Sequence[npt.ArrayLike]) -> None:
         """Write one step's new rows of every slot of ``layer``, without advancing.
 
         Parameters
@@ -309,7 +320,7 @@ class LatentKvCache(SlotCache):
         for storage, arr in zip(storages, arrays):         # same dtype: nothing left to raise
             storage[c0: c0 + seq] = arr
 
-    def clear(self):
+    def clear(self) -> None:
         """Release every layer (``layers[l] = None``), ``cached_len = 0`` and mint a new
         ``alloc_id``.  The device location is kept, so a re-bind onto a cleared cache is
         refused as MISSING_SLOT (its slots are gone), not as residency unknown."""
@@ -318,14 +329,14 @@ class LatentKvCache(SlotCache):
         self._alloc_id = KvAllocId.next()
         self._gen.diverge()
 
-    def rebind_location(self):
+    def rebind_location(self) -> Optional[str]:
         """Where the storage lives (KvRebindSource): always the device given at allocation."""
         return self._device
 
 
 # ------------------------------------------------------------------------------ LazyLatentCache
 class LazyLatentCache:
-    """Per-pass functional twin of :class:`LatentKvCache` (spec section 4).
+    """Per-pass functional twin of :class:`LatentKvCache` (see ``docs/latent.md``).
 
     Same buffers (slot ``s`` of every layer is ``(max_seq_len, *slot_trailing[s])``, capacity
     axis 0, zero-filled), but immutable: :meth:`append` and :meth:`advance_by` return a new
@@ -365,7 +376,8 @@ class LazyLatentCache:
 
     __slots__ = ("_layers", "_trailing", "_len", "_max", "_dtype")
 
-    def __init__(self, n_layers, max_seq_len, slot_trailing, dtype=np.float32):
+    def __init__(self, n_layers: int, max_seq_len: int, slot_trailing: Iterable[Iterable[int]],
+                 dtype: npt.DTypeLike = np.float32) -> None:
         n_layers = _at_least_one("n_layers", n_layers)
         max_seq_len = _at_least_one("max_seq_len", max_seq_len)
         trailing = _trailing(slot_trailing)
@@ -388,11 +400,13 @@ class LazyLatentCache:
         self._dtype = dt
 
     @classmethod
-    def new(cls, n_layers, max_seq_len, slot_trailing, dtype=np.float32):
+    def new(cls, n_layers: int, max_seq_len: int, slot_trailing: Iterable[Iterable[int]],
+            dtype: npt.DTypeLike = np.float32) -> LazyLatentCache:
         """A zero-filled cache at position 0 (see the class docstring)."""
         return cls(n_layers, max_seq_len, slot_trailing, dtype=dtype)
 
-    def _evolve(self, layers=None, length=None):
+    def _evolve(self, layers: Optional[_Layers] = None,
+                length: Optional[int] = None) -> LazyLatentCache:
         new = object.__new__(LazyLatentCache)
         new._layers = self._layers if layers is None else layers
         new._trailing = self._trailing
@@ -403,68 +417,74 @@ class LazyLatentCache:
 
     # ---------------------------------------------------------------- accessors
     @property
-    def current_seq_len(self):
+    def current_seq_len(self) -> int:
         """Positions committed by :meth:`advance_by`."""
         return self._len
 
     @property
-    def generation(self):
+    def seq_len(self) -> int:
+        """The same as :attr:`current_seq_len` (read-only): every cache of kvcache names its
+        length ``seq_len``."""
+        return self._len
+
+    @property
+    def generation(self) -> int:
         """Always 0: a lazy cache is immutable, and the caches derived from it only append
         (rows below ``current_seq_len`` are never rewritten)."""
         return 0
 
     @property
-    def max_seq_len(self):
+    def max_seq_len(self) -> int:
         return self._max
 
     @property
-    def n_layers(self):
+    def n_layers(self) -> int:
         return len(self._layers)
 
     @property
-    def n_slots(self):
+    def n_slots(self) -> int:
         return len(self._trailing)
 
     @property
-    def slot_trailing(self):
+    def slot_trailing(self) -> Trailing:
         """Per-slot trailing shapes, a tuple of tuples."""
         return self._trailing
 
     @property
-    def dtype(self):
+    def dtype(self) -> np.dtype[Any]:
         return self._dtype
 
-    def slot_shape(self, s):
+    def slot_shape(self, s: int) -> tuple[int, ...]:
         """Trailing shape of slot ``s`` (IndexError out of range)."""
         return self._trailing[_slot_index("slot", s, len(self._trailing), "slots")]
 
-    def __len__(self):
+    def __len__(self) -> int:
         return self._len
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return True
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"LazyLatentCache(n_layers={self.n_layers}, max_seq_len={self._max}, "
                 f"slot_trailing={self._trailing}, dtype={self._dtype}, "
                 f"current_seq_len={self._len})")
 
-    def _buffer(self, layer, s):
+    def _buffer(self, layer: int, s: int) -> npt.NDArray[Any]:
         li = _slot_index("layer", layer, len(self._layers), "layers")
         si = _slot_index("slot", s, len(self._trailing), "slots")
         return self._layers[li][si]
 
-    def slot(self, layer, s):
+    def slot(self, layer: int, s: int) -> npt.NDArray[Any]:
         """Read-only rows ``[0, max(current_seq_len, 1))`` of slot ``s`` of ``layer`` (at least
         one row, so an empty cache still gives a ``(1, *trailing)`` array of zeros)."""
         return _ro(self._buffer(layer, s), np.s_[: max(self._len, 1)])
 
-    def slot_buffer_full(self, layer, s):
+    def slot_buffer_full(self, layer: int, s: int) -> npt.NDArray[Any]:
         """Read-only view of the whole ``(max_seq_len, *trailing)`` buffer of (layer, s)."""
         return _ro(self._buffer(layer, s))
 
     # ---------------------------------------------------------------- functional updates
-    def append(self, layer, new_slots):
+    def append(self, layer: int, new_slots: Sequence[npt.ArrayLike]) -> LazyLatentCache:
         """A new cache with ``new_slots`` written into ``layer`` at ``current_seq_len``.
 
         Parameters
@@ -505,7 +525,7 @@ class LazyLatentCache:
         layers = self._layers[:li] + (tuple(fresh),) + self._layers[li + 1:]
         return self._evolve(layers=layers)
 
-    def advance_by(self, n):
+    def advance_by(self, n: int) -> LazyLatentCache:
         """A new cache with ``current_seq_len = min(current_seq_len + n, max_seq_len)``.
 
         Call once per step, after the last layer's :meth:`append`.  ValueError for ``n < 0``.

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any, Optional
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _core
 from ._validate import as_f32, as_f32_scalar
@@ -36,12 +38,14 @@ from ._validate import as_f32, as_f32_scalar
 __all__ = ["mla_decode", "mla_softmax_scale", "yarn_get_mscale", "split_kv_b"]
 
 
-def _dims(name, arr, ndim):
+def _dims(name: str, arr: npt.NDArray[Any], ndim: int) -> None:
     if arr.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {arr.shape}")
 
 
-def mla_decode(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, out=None):
+def mla_decode(q_nope: npt.ArrayLike, q_rope: npt.ArrayLike, latent: npt.ArrayLike,
+               k_rope: npt.ArrayLike, w_uk: npt.ArrayLike, w_uv: npt.ArrayLike, scale: float, *,
+               out: Optional[npt.NDArray[np.float32]] = None) -> npt.NDArray[np.float32]:
     """Absorbed MLA attention of one query position, or a causal block of n, over a latent cache.
 
     Parameters
@@ -139,7 +143,7 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, out=None):
     return res[0] if single else res
 
 
-def yarn_get_mscale(factor, mscale=1.0):
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention magnitude factor: 1 for ``factor <= 1``, else ``0.1 mscale ln(factor) + 1``."""
     factor = float(factor)
     if factor <= 1.0:
@@ -147,14 +151,16 @@ def yarn_get_mscale(factor, mscale=1.0):
     return 0.1 * float(mscale) * math.log(factor) + 1.0
 
 
-def _cfg(config, key, default=None):
+def _cfg(config: object, key: str, default: Any = None) -> Any:
     if isinstance(config, dict):
         return config.get(key, default)
     return getattr(config, key, default)
 
 
-def mla_softmax_scale(qk_nope_head_dim=None, qk_rope_head_dim=None, rope_scaling=None, *,
-                      config=None, apply_mscale=True):
+def mla_softmax_scale(qk_nope_head_dim: Optional[int] = None,
+                      qk_rope_head_dim: Optional[int] = None,
+                      rope_scaling: object = None, *, config: object = None,
+                      apply_mscale: bool = True) -> float:
     """Softmax scale of a DeepSeek-V2-style MLA layer.
 
     ``scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * m**2`` with
@@ -198,13 +204,14 @@ def mla_softmax_scale(qk_nope_head_dim=None, qk_rope_head_dim=None, rope_scaling
         qk_rope_head_dim = qk_rope_head_dim if qk_rope_head_dim is not None else _cfg(config, "qk_rope_head_dim")
         if rope_scaling is None:
             rope_scaling = _cfg(config, "rope_scaling") or _cfg(config, "rope_parameters")
+    d = 0
     for name, v in (("qk_nope_head_dim", qk_nope_head_dim), ("qk_rope_head_dim", qk_rope_head_dim)):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
             raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
-    d = int(qk_nope_head_dim) + int(qk_rope_head_dim)
+        d += int(v)
     if d < 1:
         raise ValueError("qk_nope_head_dim + qk_rope_head_dim must be >= 1")
-    scale = d ** -0.5
+    scale: float = d ** -0.5
     if apply_mscale and rope_scaling:
         mad = _cfg(rope_scaling, "mscale_all_dim", 0) or 0
         if mad:
@@ -216,7 +223,8 @@ def mla_softmax_scale(qk_nope_head_dim=None, qk_rope_head_dim=None, rope_scaling
     return scale
 
 
-def split_kv_b(kv_b_weight, n_heads, qk_nope_head_dim, v_head_dim):
+def split_kv_b(kv_b_weight: npt.ArrayLike, n_heads: int, qk_nope_head_dim: int,
+               v_head_dim: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
     """Cut a Hugging Face ``kv_b_proj.weight`` (n_heads * (dn + dv), r) into W_UK (n_heads, dn, r)
     and W_UV (n_heads, dv, r), both float32 C-contiguous copies."""
     w = as_f32("kv_b_weight", kv_b_weight)

@@ -1,4 +1,4 @@
-"""Guarded re-binding of a held decode plan onto another cache (spec latent-kv-cache.md 3).
+"""Guarded re-binding of a held decode plan onto another cache (``docs/latent.md``).
 
 A decode plan (:class:`DecodePlan`) is built once against a cache and then reused token after
 token.  It holds the cache's storage buffers themselves (``{(layer, which): ndarray}``), so it
@@ -31,9 +31,9 @@ Per step the decode loop asks :meth:`DecodePlan.validity_for` (one comparison li
 A refusal raises :class:`RebindRefused` (``.reason`` a :class:`RebindRefusal`) and leaves the
 plan exactly as it was: a partial re-bind is impossible.
 
-Consequences of the cache rules (kvcache.latent): ``truncate_to`` keeps the id (VALID, no
-re-bind); a cleared LatentKvCache keeps its location but has no slots (MISSING_SLOT); a cleared
-StaticKvCache forgets its location (RESIDENCY_UNKNOWN).
+Consequences of the cache rules (kvcache.latent, kvcache.static): ``truncate_to`` keeps the id
+(VALID, no re-bind); a cleared LatentKvCache keeps its location but has no slots
+(MISSING_SLOT); a cleared StaticKvCache forgets its location (RESIDENCY_UNKNOWN).
 
 The source protocol is narrow on purpose (:class:`KvRebindSource`: ``alloc_id``,
 ``rebind_location()``, ``rebind_slot(layer, which)``); building a plan and checking its
@@ -46,9 +46,11 @@ from __future__ import annotations
 
 import enum
 import types
-from typing import NamedTuple, Optional, Protocol, runtime_checkable
+from typing import (Any, Hashable, Mapping, NamedTuple, Optional, Protocol, Sequence,
+                    runtime_checkable)
 
 import numpy as np
+import numpy.typing as npt
 
 from ._validate import as_int
 from ._slots import KvAllocId, resolve_dtype
@@ -73,7 +75,7 @@ class KvRebindSource(Protocol):
 
     def rebind_location(self) -> Optional[str]: ...
 
-    def rebind_slot(self, layer: int, which: int) -> Optional[np.ndarray]: ...
+    def rebind_slot(self, layer: int, which: int) -> Optional[npt.NDArray[Any]]: ...
 
 
 @runtime_checkable
@@ -87,7 +89,7 @@ class KvPlanSource(KvRebindSource, Protocol):
     def n_layers(self) -> int: ...
 
     @property
-    def dtype(self) -> np.dtype: ...
+    def dtype(self) -> np.dtype[Any]: ...
 
 
 class PlanValidity(enum.Enum):
@@ -114,12 +116,12 @@ class StorageFingerprint(NamedTuple):
 
     backend: str
     dtype: str
-    shape: tuple
+    shape: tuple[int, ...]
     nbytes: int
     c_contiguous: bool
 
     @classmethod
-    def of(cls, storage):
+    def of(cls, storage: object) -> StorageFingerprint:
         if isinstance(storage, np.ndarray):
             return cls("cpu", str(storage.dtype), tuple(storage.shape), int(storage.nbytes),
                        bool(storage.flags.c_contiguous))
@@ -128,7 +130,7 @@ class StorageFingerprint(NamedTuple):
                    tuple(getattr(storage, "shape", ())), int(getattr(storage, "nbytes", -1)),
                    False)
 
-    def __str__(self):
+    def __str__(self) -> str:
         layout = "C-contiguous" if self.c_contiguous else "strided"
         return f"{self.dtype} {self.shape} {self.nbytes} B {layout} on {self.backend}"
 
@@ -146,7 +148,9 @@ class RebindRefused(RuntimeError):
         (STORAGE_DIFFERS), else None.
     """
 
-    def __init__(self, reason, *, layer=None, which=None, baked=None, incoming=None):
+    def __init__(self, reason: RebindRefusal, *, layer: Optional[int] = None,
+                 which: Optional[int] = None, baked: object = None,
+                 incoming: object = None) -> None:
         self.reason = reason
         self.layer = layer
         self.which = which
@@ -154,7 +158,7 @@ class RebindRefused(RuntimeError):
         self.incoming = incoming
         super().__init__(self._message())
 
-    def _message(self):
+    def _message(self) -> str:
         r = self.reason
         where = f"layer {self.layer}, slot {self.which}"
         if r is RebindRefusal.RESIDENCY_UNKNOWN:
@@ -173,17 +177,18 @@ class RebindRefused(RuntimeError):
                 f"{self.baked}, the cache holds {self.incoming}")
 
 
-def _structure(source):
+def _structure(source: object) -> tuple[int, int, np.dtype[Any]]:
     """(max_seq_len, n_layers, dtype) of a plan source (TypeError when it has none)."""
     try:
-        return (int(source.max_seq_len), int(source.n_layers), np.dtype(source.dtype))
+        return (int(source.max_seq_len), int(source.n_layers),  # type: ignore[attr-defined]
+                np.dtype(source.dtype))  # type: ignore[attr-defined]  # checked by the except
     except (AttributeError, TypeError):
         raise TypeError(f"source: expected a cache exposing max_seq_len, n_layers and dtype "
                         f"(a LatentKvCache or StaticKvCache), got "
                         f"{type(source).__name__}") from None
 
 
-def _check_source(source):
+def _check_source(source: object) -> None:
     if not isinstance(source, KvRebindSource):
         raise TypeError(f"source: expected a KvRebindSource (alloc_id, rebind_location(), "
                         f"rebind_slot()), got {type(source).__name__}")
@@ -228,8 +233,9 @@ class DecodePlan:
     (True, <PlanValidity.VALID: 'valid'>)
     """
 
-    def __init__(self, source, *, seq=1, shape_key=None, n_layers=None, max_seq_len=None,
-                 dtype=None, slots=(0, 1)):
+    def __init__(self, source: KvPlanSource, *, seq: int = 1, shape_key: Hashable = None,
+                 n_layers: Optional[int] = None, max_seq_len: Optional[int] = None,
+                 dtype: Optional[npt.DTypeLike] = None, slots: Sequence[int] = (0, 1)) -> None:
         _check_source(source)
         seq = as_int("seq", seq, minimum=1)
         try:
@@ -251,16 +257,18 @@ class DecodePlan:
         # the same breath: identity and residency of one allocation
         alloc_id = source.alloc_id
         location = source.rebind_location()
-        bound = {}
+        bound: dict[tuple[int, int], npt.NDArray[Any]] = {}
         for layer in range(src_layers):
             got = [source.rebind_slot(layer, w) for w in slots]
             if all(x is None for x in got):
                 continue
+            present = []
             for w, x in zip(slots, got):
                 if x is None:
                     raise ValueError(f"source: layer {layer} has storage for some of slots "
                                      f"{slots} but not for slot {w}")
-            for w, x in zip(slots, got):
+                present.append(x)
+            for w, x in zip(slots, present):
                 bound[(layer, w)] = x
         if not bound:
             raise ValueError("source: no populated layer to bind (a cleared cache?); allocate "
@@ -277,59 +285,60 @@ class DecodePlan:
         self._kv_location = location
 
     @classmethod
-    def build(cls, source, *, seq=1, shape_key=None, n_layers=None, max_seq_len=None,
-              dtype=None, slots=(0, 1)):
+    def build(cls, source: KvPlanSource, *, seq: int = 1, shape_key: Hashable = None,
+              n_layers: Optional[int] = None, max_seq_len: Optional[int] = None,
+              dtype: Optional[npt.DTypeLike] = None, slots: Sequence[int] = (0, 1)) -> DecodePlan:
         """Bind a plan to ``source`` (same as the constructor)."""
         return cls(source, seq=seq, shape_key=shape_key, n_layers=n_layers,
                    max_seq_len=max_seq_len, dtype=dtype, slots=slots)
 
     # ---------------------------------------------------------------- fields
     @property
-    def alloc_id(self):
+    def alloc_id(self) -> KvAllocId:
         """The :class:`kvcache.KvAllocId` of the allocation the plan is bound to."""
         return self._alloc_id
 
     @property
-    def kv_location(self):
+    def kv_location(self) -> Optional[str]:
         """The location read at build (None: unprovable, every re-bind is refused)."""
         return self._kv_location
 
     @property
-    def seq(self):
+    def seq(self) -> int:
         return self._seq
 
     @property
-    def shape_key(self):
+    def shape_key(self) -> Hashable:
         return self._shape_key
 
     @property
-    def max_seq_len(self):
+    def max_seq_len(self) -> int:
         return self._max_seq_len
 
     @property
-    def n_layers(self):
+    def n_layers(self) -> int:
         return self._n_layers
 
     @property
-    def dtype(self):
+    def dtype(self) -> np.dtype[Any]:
         return self._dtype
 
     @property
-    def slots(self):
+    def slots(self) -> tuple[int, ...]:
         """Slot indices bound per layer."""
         return self._slots
 
     @property
-    def layers(self):
+    def layers(self) -> tuple[int, ...]:
         """Indices of the bound layers (the source's populated layers at build)."""
         return self._layers
 
     @property
-    def bound(self):
+    def bound(self) -> Mapping[tuple[int, int], npt.NDArray[Any]]:
         """Read-only mapping ``{(layer, which): storage}`` of the current bindings."""
         return types.MappingProxyType(self._bound)
 
-    def storage(self, layer, which):
+    def storage(self, layer: int, which: int) -> npt.NDArray[Any]:
         """The storage bound for (layer, which) (IndexError when none is)."""
         key = (as_int("layer", layer), as_int("which", which))
         try:
@@ -338,14 +347,15 @@ class DecodePlan:
             raise IndexError(f"no storage bound for layer {key[0]}, slot {key[1]} (bound layers "
                              f"{self._layers}, slots {self._slots})") from None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"DecodePlan(seq={self._seq}, n_layers={self._n_layers}, "
                 f"max_seq_len={self._max_seq_len}, dtype={self._dtype}, "
                 f"shape_key={self._shape_key!r}, alloc_id={self._alloc_id!r}, "
                 f"kv_location={self._kv_location!r}, bound={len(self._bound)})")
 
     # ---------------------------------------------------------------- validity
-    def validity_for(self, source, *, seq=None, shape_key=None):
+    def validity_for(self, source: KvPlanSource, *, seq: Optional[int] = None,
+                     shape_key: Hashable = None) -> PlanValidity:
         """Whether this plan may run against ``source``.
 
         Parameters
@@ -373,12 +383,13 @@ class DecodePlan:
             return PlanValidity.VALID
         return PlanValidity.ALLOCATION_CHANGED
 
-    def is_valid_for(self, source, *, seq=None, shape_key=None):
+    def is_valid_for(self, source: KvPlanSource, *, seq: Optional[int] = None,
+                     shape_key: Hashable = None) -> bool:
         """``validity_for(...) is PlanValidity.VALID``."""
         return self.validity_for(source, seq=seq, shape_key=shape_key) is PlanValidity.VALID
 
     # ---------------------------------------------------------------- re-bind
-    def rebind_kv(self, source):
+    def rebind_kv(self, source: KvPlanSource) -> None:
         """Re-bind every bound slot to ``source``'s storage, all or nothing.
 
         Call it on ALLOCATION_CHANGED; the structural keys are not re-checked (see the module
@@ -399,7 +410,7 @@ class DecodePlan:
             raise RebindRefused(RebindRefusal.RESIDENCY_UNKNOWN, baked=None, incoming=incoming)
         if baked != incoming:
             raise RebindRefused(RebindRefusal.RESIDENCY_DIFFERS, baked=baked, incoming=incoming)
-        staged = {}
+        staged: dict[tuple[int, int], npt.NDArray[Any]] = {}
         for layer in self._layers:
             for which in self._slots:
                 new = source.rebind_slot(layer, which)
