@@ -12,7 +12,7 @@ from threadpoolctl import threadpool_limits
 
 import kvcache as kc
 from kvcache import _core, reference as ref
-from kvcache.layer import default_scale
+from kvcache._attention import default_scale
 
 MODES = [kc.KvMode.F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False), kc.KvMode.Q8(k=False, v=True)]
 MODE_IDS = ["f32", "q8", "q8k", "q8v"]
@@ -126,11 +126,11 @@ def test_attend_all_heads_equals_attend_per_head_bitexact(mode, hd, fan, rng):
 
 def test_prefill_blocks_equal_one_block(monkeypatch, rng):
     """The probability scratch is bounded by splitting long prefills into position blocks."""
-    import kvcache.layer as layer_mod
+    import kvcache._attention as attention
     a, b = pair(2, 32, kc.KvMode.F32, 500, rng)
     q = rng.standard_normal((200, 4, 32), dtype=np.float32)
     whole = a.attend_all_heads(q)
-    monkeypatch.setattr(layer_mod, "_PROBS_BUDGET", 4 * 4 * 500 * 7)   # 7 positions a block
+    monkeypatch.setattr(attention, "PROBS_BUDGET", 4 * 4 * 500 * 7)   # 7 positions a block
     blocked = b.attend_all_heads(q)
     assert np.array_equal(whole, blocked)
     assert_close(a.importance, b.importance)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvcache as kc
-from kvcache.layer import default_scale
+from kvcache._attention import default_scale
 
 F32 = kc.KvMode.F32
 ALL_MODES = [F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False), kc.KvMode.Q8(k=False, v=True)]

@@ -189,7 +189,7 @@ def test_static_attend_matches_reference_layer_and_plain_softmax(rng, hpk, n):
         q = rng.standard_normal(shape).astype(np.float32)
         got = c.attend(layer, q)
         assert got.shape == shape and got.dtype == np.float32
-        twin = c.attend(layer, q, _kernels=reference)              # the NumPy twin kernel
+        twin = reference.static_attend(c, layer, q)              # the NumPy twin kernel
         np.testing.assert_allclose(got, twin, rtol=1e-5, atol=1e-6)
         lay = kc.LayerKvCache(nkv, hd, mode=kc.KvMode.F32)         # same rows, grown storage
         lay.append(ks[layer].transpose(1, 0, 2), vs[layer].transpose(1, 0, 2))
@@ -207,8 +207,8 @@ def test_static_attend_scale_softcap_window(rng):
     got = c.attend(0, q, scale=0.3, softcap=2.0, window=6)
     np.testing.assert_allclose(got, plain_attention(q, ks[0], vs[0], 0.3, 2.0, 6),
                                rtol=1e-4, atol=2e-5)
-    np.testing.assert_allclose(got, c.attend(0, q, scale=0.3, softcap=2.0, window=6,
-                                             _kernels=reference), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, reference.static_attend(c, 0, q, scale=0.3, softcap=2.0,
+                                                                     window=6), rtol=1e-5, atol=1e-6)
     assert not np.allclose(got, c.attend(0, q))                    # the options matter
 
 
@@ -226,12 +226,12 @@ def test_static_attend_after_truncate_ignores_stale_rows(rng):
         np.testing.assert_allclose(got.reshape(q3.shape),
                                    plain_attention(q3, ks[0], vs[0], 1 / np.sqrt(hd)),
                                    rtol=1e-4, atol=2e-5)
-        np.testing.assert_allclose(got, c.attend(0, q, _kernels=reference), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, reference.static_attend(c, 0, q), rtol=1e-5, atol=1e-6)
 
 
 def test_static_attend_long_block_is_chunked_like_the_layer(rng, monkeypatch):
-    import kvcache.static as static
-    monkeypatch.setattr(static, "_PROBS_BUDGET", 4 * 4 * 30 * 3)   # blocks of 3 positions
+    import kvcache._attention as attention
+    monkeypatch.setattr(attention, "PROBS_BUDGET", 4 * 4 * 30 * 3)   # blocks of 3 positions
     c, ks, vs = _static_with_rows(rng, 1, 2, 8, 30)
     q = rng.standard_normal((10, 4, 8)).astype(np.float32)
     np.testing.assert_allclose(c.attend(0, q), plain_attention(q, ks[0], vs[0], 1 / np.sqrt(8)),

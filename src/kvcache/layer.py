@@ -18,13 +18,12 @@ point to.  Take a copy to keep a snapshot.
 from __future__ import annotations
 
 import logging
-import math
-import threading
 
 import numpy as np
 
 from . import quant
 from ._validate import as_f32, as_f32_scalar, as_index, as_int, out_f32, readonly
+from ._attention import Rows, attend_blocks, attend_rows, default_scale, grouped_queries
 from .eviction import EvictionPolicy, born_rows
 from .modes import KvMode
 from ._generation import Generation
@@ -42,39 +41,9 @@ __all__ = ["LayerKvCache"]
 
 _F32 = np.float32
 _MIN_CAPACITY = 16
-_PROBS_BUDGET = 64 << 20     # bytes of probability scratch per prefill block
 _O1_MAX = (1 << 31) - 1      # bound of the O(1) parameters (they travel as u32)
 
-_tls = threading.local()
 _log = logging.getLogger("kvcache")
-
-
-def _scratch(name, n):
-    """A per-thread float32 scratch buffer of at least ``n`` elements (reused across calls)."""
-    buf = getattr(_tls, name, None)
-    if buf is None or buf.size < n:
-        size = max(n, 1 if buf is None else 2 * buf.size)
-        buf = np.empty(size, dtype=_F32)
-        setattr(_tls, name, buf)
-    return buf[:n]
-
-
-def grouped_queries(q, nkv, hd):
-    """``q`` of shape (num_heads, hd) or (n, num_heads, hd) as float32 (n, num_heads, hd) and
-    whether it was one position; num_heads must be a positive multiple of ``nkv``."""
-    qa = as_f32("q", q, shapes=[(None, hd), (None, None, hd)])
-    single = qa.ndim == 2
-    q3 = qa.reshape((1,) + qa.shape) if single else qa
-    nh = q3.shape[1]
-    if nh == 0 or nh % nkv:
-        raise ValueError(f"q: expected num_heads a positive multiple of num_kv_heads={nkv}, "
-                         f"got {nh}")
-    return q3, single
-
-
-def default_scale(head_dim):
-    """1/sqrt(head_dim) as float32 (computed in double, rounded once)."""
-    return float(_F32(1.0 / math.sqrt(head_dim)))
 
 
 class LayerKvCache:
@@ -423,16 +392,12 @@ class LayerKvCache:
         group_q0[h + 1:] = q2d.shape[0]
         return np.ascontiguousarray(q2d), group_q0
 
-    def _run(self, kernels, q2, group_q0, n_pos, n_back, window, first, scale, softcap, out2,
-             L, imp, imp_mode):
-        probs = _scratch("probs", q2.shape[0] * max(L, 1)).reshape(q2.shape[0], max(L, 1))
-        kernels.attend_rows(self._kf, self._kq, self._ks, self._vf, self._vq, self._vs,
-                            self._vcol, self._len, q2, group_q0, n_pos, n_back, window, first,
-                            scale, softcap, out2, probs, imp, imp_mode, self._mode.quant_k,
-                            self._mode.quant_v, _core.max_threads())
-        return probs
+    def _rows(self):
+        """The stored rows as the attention kernel reads them."""
+        return Rows(self._kf, self._kq, self._ks, self._vf, self._vq, self._vs, self._vcol,
+                    self._len, self._mode.quant_k, self._mode.quant_v)
 
-    def attend(self, q, kv_head, *, _kernels=None):
+    def attend(self, q, kv_head):
         """Attention of one query head over KV head ``kv_head``'s stored rows.
 
         Always the plain form: scale 1/sqrt(head_dim), no softcap, no window.
@@ -442,7 +407,10 @@ class LayerKvCache:
         out : ndarray of shape (head_dim,), float32
         probs : ndarray of shape (head_len(kv_head),), float32
         """
-        kernels = _core if _kernels is None else _kernels
+        return self._attend(_core, q, kv_head)
+
+    def _attend(self, kernels, q, kv_head):
+        """:meth:`attend` on the kernel module ``kernels`` (``_core`` or its NumPy twin)."""
         self._check_exact("attend")
         hd = self._hd
         qa = as_f32("q", q, shapes=[(hd,), (1, hd)])
@@ -452,11 +420,13 @@ class LayerKvCache:
         if stored == 0:
             return out.reshape(hd), np.zeros(0, dtype=_F32)
         q2, group_q0 = self._one_group(h, qa.reshape(1, hd))
-        probs = self._run(kernels, q2, group_q0, 1, 1, 0, 0, default_scale(hd), 0.0, out,
-                          stored, np.zeros(0, dtype=_F32), 0)
+        probs = attend_rows(kernels, self._rows(), q2, group_q0, n_pos=1, n_back=1, window=0,
+                            first=0, scale=default_scale(hd), softcap=0.0, out2=out,
+                            width=stored, imp=np.zeros(0, dtype=_F32), imp_mode=0,
+                            n_threads=_core.max_threads())
         return out.reshape(hd), probs[0, :stored].copy()
 
-    def attend_group(self, q_group, kv_head, out, imp_acc, scale, first, softcap, *, _kernels=None):
+    def attend_group(self, q_group, kv_head, out, imp_acc, scale, first, softcap):
         """Grouped attention of the query heads of one KV group, in one pass over its rows.
 
         Parameters
@@ -476,7 +446,10 @@ class LayerKvCache:
         Bit-for-bit equal to :meth:`attend` per head (probabilities summed in head order)
         when ``scale == 1/sqrt(head_dim)`` (as float32), ``first == 0`` and ``softcap == 0``.
         """
-        kernels = _core if _kernels is None else _kernels
+        self._attend_group(_core, q_group, kv_head, out, imp_acc, scale, first, softcap)
+
+    def _attend_group(self, kernels, q_group, kv_head, out, imp_acc, scale, first, softcap):
+        """:meth:`attend_group` on the kernel module ``kernels``."""
         self._check_exact("attend_group")
         hd = self._hd
         qa = as_f32("q_group", q_group)
@@ -498,11 +471,11 @@ class LayerKvCache:
             out.fill(0.0)
             return None
         q2, group_q0 = self._one_group(h, qa.reshape(nq, hd))
-        self._run(kernels, q2, group_q0, 1, 1, 0, first, scale, softcap, out.reshape(nq, hd),
-                  stored, imp_acc, 1)
-        return None
+        attend_rows(kernels, self._rows(), q2, group_q0, n_pos=1, n_back=1, window=0,
+                    first=first, scale=scale, softcap=softcap, out2=out.reshape(nq, hd),
+                    width=stored, imp=imp_acc, imp_mode=1, n_threads=_core.max_threads())
 
-    def attend_all_heads(self, q, *, scale=None, window=None, softcap=0.0, out=None, _kernels=None):
+    def attend_all_heads(self, q, *, scale=None, window=None, softcap=0.0, out=None):
         """Whole-layer grouped-query attention of the newest position(s).
 
         Parameters
@@ -533,7 +506,10 @@ class LayerKvCache:
         fit a 64 MB per-thread scratch, which is kept for the next call; each block's mass is
         summed afresh and then added to the importance.  ``out`` may be ``q`` itself.
         """
-        kernels = _core if _kernels is None else _kernels
+        return self._attend_all_heads(_core, q, scale, window, softcap, out)
+
+    def _attend_all_heads(self, kernels, q, scale, window, softcap, out):
+        """:meth:`attend_all_heads` on the kernel module ``kernels``."""
         self._check_exact("attend_all_heads")
         nkv, hd = self._nkv, self._hd
         q3, single = grouped_queries(q, nkv, hd)
@@ -552,29 +528,10 @@ class LayerKvCache:
             out = out_f32("out", out, shape=res_shape)
         if n == 0:
             return out
-        hpk = nh // nkv
-        maxlen = int(self._len.max())
-        # block the positions so the probability scratch stays bounded
-        per_pos = nh * max(maxlen, 1) * 4
-        block = max(1, min(n, _PROBS_BUDGET // per_pos))
-        imp = self._imp[: self._imp_len]
-        out3 = out.reshape(n, nh, hd)
-        for i0 in range(0, n, block):
-            i1 = min(n, i0 + block)
-            nb = i1 - i0
-            qk = q3[i0:i1].reshape(nb, nkv, hpk, hd).transpose(1, 0, 2, 3).reshape(nkv, nb * hpk, hd)
-            q2 = self._queries(qk).reshape(nkv * nb * hpk, hd)
-            group_q0 = np.arange(nkv + 1, dtype=np.intp) * (nb * hpk)
-            L = max(0, maxlen - n + i1)
-            if nb == 1:
-                o2 = out3[i0].reshape(nh, hd)
-                self._run(kernels, q2, group_q0, 1, n - i0, window, 0, scale, softcap, o2, L,
-                          imp, 2)
-            else:
-                o2 = np.empty((nkv * nb * hpk, hd), dtype=_F32)
-                self._run(kernels, q2, group_q0, nb, n - i0, window, 0, scale, softcap, o2, L,
-                          imp, 2)
-                out3[i0:i1] = o2.reshape(nkv, nb, hpk, hd).transpose(1, 0, 2, 3).reshape(nb, nh, hd)
+        attend_blocks(kernels, self._rows(), q3, out.reshape(n, nh, hd),
+                      maxlen=int(self._len.max()), window=window, scale=scale, softcap=softcap,
+                      imp=self._imp[: self._imp_len], imp_mode=2,
+                      n_threads=_core.max_threads(), fold=self._queries)
         return out
 
     def accumulate_imp(self, probs):
@@ -806,7 +763,7 @@ class LayerKvCache:
         """True when the layer is sealed (O(1) decode through :meth:`o1_step`)."""
         return self.o1 is not None and bool(getattr(self.o1, "sealed", False))
 
-    def o1_seal(self, num_heads, *, _kernels=None):
+    def o1_seal(self, num_heads):
         """Freeze the prompt into per-group Nystrom states and release the layer's KV.
 
         Idempotent: when the layer is not collecting, returns :meth:`o1_sealed` and changes
@@ -820,6 +777,10 @@ class LayerKvCache:
 
         Raises ValueError when ``num_heads`` is not a positive integer (nothing changes).
         """
+        return self._o1_seal(_core, num_heads)
+
+    def _o1_seal(self, kernels, num_heads):
+        """:meth:`o1_seal` with the prompt replayed by ``kernels.o1_absorb``."""
         nh = as_int("num_heads", num_heads, minimum=1)
         coll = self.o1
         if not isinstance(coll, O1Collecting):
@@ -833,7 +794,7 @@ class LayerKvCache:
         try:
             state = O1Sealed.seal(coll._q[: coll._len].reshape(t, nh, hd), self._kf, self._vf,
                                   t=t, m=coll.m, w=coll.w, sink=coll.sink, rect=coll.rect,
-                                  kernels=_core if _kernels is None else _kernels,
+                                  kernels=kernels,
                                   n_threads=_core.max_threads())
         except BaseException:
             self._o1 = coll          # e.g. MemoryError: nothing changed, still collecting
@@ -850,7 +811,7 @@ class LayerKvCache:
                                f"position's queries with o1_push_q, then o1_seal)")
         return self.o1
 
-    def o1_step(self, q_all, k_new, v_new, num_heads, *, _kernels=None):
+    def o1_step(self, q_all, k_new, v_new, num_heads):
         """One O(1) decode step: insert (k_new, v_new) once per KV group, return every head's
         attention output.
 
@@ -867,6 +828,10 @@ class LayerKvCache:
 
         ``seq_len`` grows by one; nothing is stored per position.
         """
+        return self._o1_step(_core, q_all, k_new, v_new, num_heads)
+
+    def _o1_step(self, kernels, q_all, k_new, v_new, num_heads):
+        """:meth:`o1_step` on ``kernels.o1_step``."""
         nh = as_int("num_heads", num_heads, minimum=1)
         state = self._sealed_state("o1_step")
         if nh != state.num_heads:
@@ -879,7 +844,7 @@ class LayerKvCache:
         if np.may_share_memory(k, state.win_k) or np.may_share_memory(v, state.win_v):
             k, v = k.copy(), v.copy()
         out = np.empty((nh, hd), dtype=_F32)
-        state.step(q, k, v, out, _core if _kernels is None else _kernels, _core.max_threads())
+        state.step(q, k, v, out, kernels, _core.max_threads())
         self._seq_len += 1
         return out
 

@@ -159,29 +159,32 @@ def _this():
 
 def attend_all_heads(layer, q, *, scale=None, window=None, softcap=0.0, out=None):
     """``layer.attend_all_heads`` run on the NumPy kernels (adds importance like the real one)."""
-    return layer.attend_all_heads(q, scale=scale, window=window, softcap=softcap, out=out,
-                                  _kernels=_this())
+    return layer._attend_all_heads(_this(), q, scale, window, softcap, out)
 
 
 def attend(layer, q, kv_head):
     """``layer.attend`` run on the NumPy kernels."""
-    return layer.attend(q, kv_head, _kernels=_this())
+    return layer._attend(_this(), q, kv_head)
 
 
 def attend_group(layer, q_group, kv_head, out, imp_acc, scale, first, softcap):
     """``layer.attend_group`` run on the NumPy kernels."""
-    return layer.attend_group(q_group, kv_head, out, imp_acc, scale, first, softcap,
-                              _kernels=_this())
+    return layer._attend_group(_this(), q_group, kv_head, out, imp_acc, scale, first, softcap)
 
 
 def o1_seal(layer, num_heads):
     """``layer.o1_seal`` with the prompt replayed by the NumPy ``o1_absorb``."""
-    return layer.o1_seal(num_heads, _kernels=_this())
+    return layer._o1_seal(_this(), num_heads)
 
 
 def o1_step_layer(layer, q_all, k_new, v_new, num_heads):
     """``layer.o1_step`` run on the NumPy ``o1_step``."""
-    return layer.o1_step(q_all, k_new, v_new, num_heads, _kernels=_this())
+    return layer._o1_step(_this(), q_all, k_new, v_new, num_heads)
+
+
+def static_attend(cache, layer, q, *, scale=None, softcap=0.0, window=None):
+    """``StaticKvCache.attend`` run on the NumPy kernels."""
+    return cache._attend(_this(), layer, q, scale, softcap, window)
 
 
 # ---------------------------------------------------------------------------------------------

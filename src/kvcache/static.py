@@ -11,6 +11,8 @@ over the valid rows.  ``docs/latent.md`` describes the rules.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from typing import Any, Optional
 
 import numpy as np
@@ -24,8 +26,8 @@ from ._slots import (F32 as _F32, KvAllocId, SlotCache, as_slab as _as_slab,
                      check_device as _device, resolve_dtype, ro as _ro,
                      slot_index as _slot_index)
 from ._validate import as_f32_scalar, as_int
-from .layer import _PROBS_BUDGET, _scratch, default_scale, grouped_queries
-from . import _core              # after .layer, whose import explains a missing _core
+from ._attention import Rows, attend_blocks, default_scale, grouped_queries
+from .layer import _core          # the import that explains a missing extension
 
 __all__ = ["StaticKvCache"]
 
@@ -188,8 +190,7 @@ class StaticKvCache(SlotCache):
         return self._device
 
     def attend(self, layer: int, q: npt.ArrayLike, *, scale: Optional[float] = None,
-               softcap: float = 0.0, window: Optional[int] = None,
-               _kernels: Any = None) -> npt.NDArray[np.float32]:
+               softcap: float = 0.0, window: Optional[int] = None) -> npt.NDArray[np.float32]:
         """Grouped-query decode attention of the newest position(s) over ``layer``'s valid rows.
 
         Parameters
@@ -233,7 +234,11 @@ class StaticKvCache(SlotCache):
         directly on the K/V storage, which is already its head-major ``(nkv, capacity, hd)``
         layout: nothing is copied.
         """
-        kernels = _core if _kernels is None else _kernels
+        return self._attend(_core, layer, q, scale, softcap, window)
+
+    def _attend(self, kernels: ModuleType, layer: int, q: npt.ArrayLike, scale: Optional[float],
+                softcap: float, window: Optional[int]) -> npt.NDArray[np.float32]:
+        """:meth:`attend` on the kernel module ``kernels`` (``_core`` or its NumPy twin)."""
         li, slots = self._populated(layer, "attend")
         if self._dtype != _F32:
             raise TypeError(f"attend: needs a float32 cache (the compiled kernel reads float32 "
@@ -255,28 +260,10 @@ class StaticKvCache(SlotCache):
         out = np.empty((nh, hd) if single else (n, nh, hd), dtype=_F32)
         if n == 0:
             return out
-        hpk = nh // nkv
-        kf = k_store[0]                              # (nkv, max_seq_len, hd), C-contiguous view
-        vf = v_store[0]
-        empty_q = np.zeros((nkv, 0, hd), dtype=np.int8)
-        empty_ks = np.zeros((nkv, 0, quant.n_groups(hd, quant.K_GROUP)), dtype=_F32)
-        empty_vs = np.zeros((nkv, 0, 1), dtype=_F32)
-        vcol = np.ones((nkv, hd), dtype=_F32)
-        head_len = np.full(nkv, L, dtype=np.intp)
-        no_imp = np.zeros(0, dtype=_F32)
-        out3 = out.reshape(n, nh, hd)
-        block = max(1, min(n, _PROBS_BUDGET // (nh * L * 4)))
-        for i0 in range(0, n, block):
-            i1 = min(n, i0 + block)
-            nb = i1 - i0
-            qg = q3[i0:i1].reshape(nb, nkv, hpk, hd).transpose(1, 0, 2, 3)   # (nkv, nb, hpk, hd)
-            q2 = np.ascontiguousarray(qg).reshape(nkv * nb * hpk, hd)
-            group_q0 = np.arange(nkv + 1, dtype=np.intp) * (nb * hpk)
-            width = L - n + i1                        # rows the block's last query sees
-            probs = _scratch("probs", q2.shape[0] * width).reshape(q2.shape[0], width)
-            o2 = np.empty((nkv * nb * hpk, hd), dtype=_F32)
-            kernels.attend_rows(kf, empty_q, empty_ks, vf, empty_q, empty_vs, vcol, head_len, q2,
-                                group_q0, nb, n - i0, window, 0, scale, softcap, o2, probs, no_imp,
-                                0, False, False, _core.max_threads())
-            out3[i0:i1] = o2.reshape(nkv, nb, hpk, hd).transpose(1, 0, 2, 3).reshape(nb, nh, hd)
+        # the (1, nkv, max_seq_len, hd) storage is already the kernel's head-major layout
+        rows = Rows.float32(k_store[0], v_store[0], np.full(nkv, L, dtype=np.intp),
+                            quant.n_groups(hd, quant.K_GROUP))
+        attend_blocks(kernels, rows, q3, out.reshape(n, nh, hd), maxlen=L, window=window,
+                      scale=scale, softcap=softcap, imp=np.zeros(0, dtype=_F32), imp_mode=0,
+                      n_threads=_core.max_threads())
         return out

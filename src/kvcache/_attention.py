@@ -1,0 +1,146 @@
+"""The grouped-query attention driver shared by every cache that stores head-major rows.
+
+``LayerKvCache`` (float32 or int8 rows) and ``StaticKvCache`` (float32 rows in preallocated
+storage) both hand their rows to one compiled kernel, ``attend_rows``.  What lies between a
+public ``attend`` call and that kernel is the same for both and lives here once:
+
+- :func:`grouped_queries` checks ``q`` and turns it into ``(n, num_heads, head_dim)``;
+- :func:`attend_blocks` cuts ``n`` query positions into blocks whose probability scratch fits
+  :data:`PROBS_BUDGET` bytes, gathers each block's queries KV group by KV group (the layout the
+  kernel reads: for group ``g``, positions in order, then the group's query heads), runs the
+  kernel and scatters the result back to ``(n, num_heads, head_dim)``;
+- :func:`attend_rows` runs the kernel on one set of gathered queries, by keyword, with a
+  per-thread probability scratch that is kept for the next call.
+
+The kernel module is a parameter: the compiled ``kvcache._core`` in normal use, the NumPy twin
+``kvcache.reference`` when the reference runs a cache's own driver (the twins have the same
+names and arguments).  The summation orders are those of the kernel (``docs/numerics.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from types import ModuleType
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+import numpy.typing as npt
+
+from ._validate import as_f32
+
+__all__ = ["PROBS_BUDGET", "Rows", "attend_blocks", "attend_rows", "default_scale",
+           "grouped_queries", "scratch"]
+
+F32 = npt.NDArray[np.float32]
+I8 = npt.NDArray[np.int8]
+IP = npt.NDArray[np.intp]
+
+PROBS_BUDGET = 64 << 20
+"""Bytes of probability scratch per block of query positions (per calling thread)."""
+
+_tls = threading.local()
+
+
+def scratch(name: str, n: int) -> F32:
+    """A per-thread float32 scratch buffer of at least ``n`` elements (reused across calls)."""
+    buf: Optional[F32] = getattr(_tls, name, None)
+    if buf is None or buf.size < n:
+        size = max(n, 1 if buf is None else 2 * buf.size)
+        buf = np.empty(size, dtype=np.float32)
+        setattr(_tls, name, buf)
+    return buf[:n]
+
+
+def grouped_queries(q: npt.ArrayLike, nkv: int, hd: int) -> tuple[F32, bool]:
+    """``q`` of shape (num_heads, hd) or (n, num_heads, hd) as float32 (n, num_heads, hd) and
+    whether it was one position; num_heads must be a positive multiple of ``nkv``."""
+    qa = as_f32("q", q, shapes=[(None, hd), (None, None, hd)])
+    single = qa.ndim == 2
+    q3 = qa.reshape((1,) + qa.shape) if single else qa
+    nh = q3.shape[1]
+    if nh == 0 or nh % nkv:
+        raise ValueError(f"q: expected num_heads a positive multiple of num_kv_heads={nkv}, "
+                         f"got {nh}")
+    return q3, single
+
+
+def default_scale(head_dim: int) -> float:
+    """1/sqrt(head_dim) as float32 (computed in double, rounded once)."""
+    return float(np.float32(1.0 / math.sqrt(head_dim)))
+
+
+class Rows(NamedTuple):
+    """One layer's stored rows as ``attend_rows`` reads them: head-major ``(nkv, capacity, .)``.
+
+    A float32 component leaves its int8 arrays (and scales) with zero capacity, and the other
+    way round; ``vcol`` is the frozen V column field (ones when there is none).
+    """
+
+    kf: F32
+    kq: I8
+    ks: F32
+    vf: F32
+    vq: I8
+    vs: F32
+    vcol: F32
+    head_len: IP
+    quant_k: bool
+    quant_v: bool
+
+    @classmethod
+    def float32(cls, kf: F32, vf: F32, head_len: IP, k_groups: int) -> Rows:
+        """Float32 K and V only (``k_groups`` scale groups per row of an int8 K, unused)."""
+        nkv, _, hd = kf.shape
+        empty_q = np.zeros((nkv, 0, hd), dtype=np.int8)
+        return cls(kf, empty_q, np.zeros((nkv, 0, k_groups), dtype=np.float32), vf, empty_q,
+                   np.zeros((nkv, 0, 1), dtype=np.float32), np.ones((nkv, hd), dtype=np.float32),
+                   head_len, False, False)
+
+
+def attend_rows(kernels: ModuleType, rows: Rows, q2: F32, group_q0: IP, *, n_pos: int,
+                n_back: int, window: int, first: int, scale: float, softcap: float, out2: F32,
+                width: int, imp: F32, imp_mode: int, n_threads: int) -> F32:
+    """Run ``kernels.attend_rows`` on queries ``q2`` (gathered per KV group, ``group_q0``
+    giving each group's first row) over at most ``width`` stored rows; returns the
+    probabilities (a view of the per-thread scratch, valid until the next call)."""
+    w = max(width, 1)
+    probs = scratch("probs", q2.shape[0] * w).reshape(q2.shape[0], w)
+    kernels.attend_rows(
+        kf__hcd=rows.kf, kq__hcd=rows.kq, ks__hcg=rows.ks, vf__hcd=rows.vf, vq__hcd=rows.vq,
+        vs__hc1=rows.vs, vcol__hd=rows.vcol, head_len__h=rows.head_len, q__jd=q2,
+        group_q0=group_q0, n_pos=n_pos, n_back=n_back, window=window, first=first, scale=scale,
+        softcap=softcap, out__jd=out2, probs__jl=probs, imp__l=imp, imp_mode=imp_mode,
+        quant_k=rows.quant_k, quant_v=rows.quant_v, n_threads=n_threads)
+    return probs
+
+
+def attend_blocks(kernels: ModuleType, rows: Rows, q3: F32, out3: F32, *, maxlen: int,
+                  window: int, scale: float, softcap: float, imp: F32, imp_mode: int,
+                  n_threads: int, fold: Optional[Callable[[F32], F32]] = None) -> None:
+    """Causal GQA attention of the newest ``n`` positions ``q3`` (n, num_heads, hd) into
+    ``out3`` (n, num_heads, hd): query ``i`` sees stored rows up to ``maxlen - n + i``.
+
+    ``fold`` maps a block's grouped queries ``(nkv, positions*heads_per_group, hd)`` to the
+    queries the kernel scores with (the int8 K path folds its frozen column in); the default
+    only makes them contiguous.  ``imp_mode`` 2 adds each block's mass into ``imp``.
+    """
+    n, nh, hd = q3.shape
+    nkv = rows.head_len.shape[0]
+    hpk = nh // nkv
+    per_pos = nh * max(maxlen, 1) * 4
+    block = max(1, min(n, PROBS_BUDGET // per_pos))
+    for i0 in range(0, n, block):
+        i1 = min(n, i0 + block)
+        nb = i1 - i0
+        qk = q3[i0:i1].reshape(nb, nkv, hpk, hd).transpose(1, 0, 2, 3).reshape(nkv, nb * hpk, hd)
+        q2 = (np.ascontiguousarray(qk) if fold is None else fold(qk)).reshape(nkv * nb * hpk, hd)
+        group_q0 = np.arange(nkv + 1, dtype=np.intp) * (nb * hpk)
+        # one position: its (nkv, hpk) query order is already out's (num_heads) order
+        o2 = out3[i0].reshape(nh, hd) if nb == 1 else np.empty((nkv * nb * hpk, hd), np.float32)
+        attend_rows(kernels, rows, q2, group_q0, n_pos=nb, n_back=n - i0, window=window,
+                    first=0, scale=scale, softcap=softcap, out2=o2,
+                    width=max(0, maxlen - n + i1), imp=imp, imp_mode=imp_mode,
+                    n_threads=n_threads)
+        if nb > 1:
+            out3[i0:i1] = o2.reshape(nkv, nb, hpk, hd).transpose(1, 0, 2, 3).reshape(nb, nh, hd)
