@@ -16,7 +16,12 @@ and counted as a divergence, so a mirror that has not synced for that long re-up
 
 from __future__ import annotations
 
+from typing import Optional, Union
+
 import numpy as np
+import numpy.typing as npt
+
+Lengths = Union[int, npt.ArrayLike]
 
 LOG_LIMIT = 64
 
@@ -24,25 +29,26 @@ LOG_LIMIT = 64
 class Generation:
     __slots__ = ("value", "_floor", "_log")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.value = 0
         self._floor = 0          # syncs older than this generation cannot be patched
-        self._log = []           # (generation, lengths left) of each shrink since _floor
+        self._log: list[tuple[int, npt.NDArray[np.intp]]] = []         # (generation, lengths left) of each shrink since _floor
 
-    def shrink(self, lengths):
+    def shrink(self, lengths: Lengths) -> None:
         """Record a prefix-preserving rewind that left ``lengths`` rows (int or per-head)."""
         self.value += 1
         self._log.append((self.value, np.array(lengths, dtype=np.intp, copy=True)))
         if len(self._log) > LOG_LIMIT:
             self._floor = self._log.pop(0)[0]
 
-    def diverge(self):
+    def diverge(self) -> None:
         """Record a change that may have rewritten any stored row."""
         self.value += 1
         self._floor = self.value
         self._log.clear()
 
-    def unchanged_prefix(self, since, current):
+    def unchanged_prefix(self, since: object, current: Lengths
+                         ) -> Optional[Union[int, npt.NDArray[np.intp]]]:
         """Rows ``[0, n)`` untouched since generation ``since`` (``n`` like ``current``), or
         None when a divergence happened since then (or ``since`` is not a generation of this
         object).  ``current`` is the present length(s); rows appended after ``since`` count

@@ -1,6 +1,6 @@
 """The one array validator used by every public entry point.
 
-Conventions (spec/API.md): anything ``np.asarray`` accepts; bool/int/float data become
+A leaf module: it imports nothing of kvcache.  Conventions (``docs/architecture.md``): anything ``np.asarray`` accepts; bool/int/float data become
 C-contiguous float32; complex, object, string and other dtypes raise TypeError; a wrong shape
 raises ValueError naming the parameter ("expected ..., got ...").
 """
@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
+from typing import Any, Optional, SupportsFloat, SupportsIndex, Union
 
 import numpy as np
+import numpy.typing as npt
+
+F32 = npt.NDArray[np.float32]
+Shape = Sequence[Optional[int]]
 
 _F32 = np.dtype(np.float32)
 
 
-def as_array(name, value):
+def as_array(name: str, value: object) -> npt.NDArray[Any]:
     """``np.asarray(value)`` (no copy for an ndarray); ValueError naming the parameter when
     NumPy cannot read it as a rectangular array (ragged lists and the like)."""
     if isinstance(value, np.ndarray):
@@ -27,7 +33,7 @@ def as_array(name, value):
                          f"{type(value).__name__} that numpy cannot read ({exc})") from None
 
 
-def as_f32(name, value, shapes=None):
+def as_f32(name: str, value: object, shapes: Optional[Sequence[Shape]] = None) -> F32:
     """Return ``value`` as a C-contiguous float32 ndarray.
 
     Parameters
@@ -40,18 +46,19 @@ def as_f32(name, value, shapes=None):
         matches, ValueError says which were expected.
     """
     if isinstance(value, np.ndarray) and value.dtype == _F32 and value.flags.c_contiguous:
-        arr = value
+        arr: F32 = value
     else:
-        arr = as_array(name, value)
-        if arr.dtype.kind not in "biuf":
-            raise TypeError(f"{name}: expected real numbers (float32), got dtype {arr.dtype}")
-        arr = np.asarray(arr, dtype=_F32, order="C")   # keeps 0-d as 0-d (ascontiguousarray would not)
+        raw = as_array(name, value)
+        if raw.dtype.kind not in "biuf":
+            raise TypeError(f"{name}: expected real numbers (float32), got dtype {raw.dtype}")
+        arr = np.asarray(raw, dtype=_F32, order="C")   # keeps 0-d as 0-d (ascontiguousarray would not)
     if shapes is not None and not any(_shape_ok(arr.shape, s) for s in shapes):
         raise ValueError(f"{name}: expected shape {_fmt_shapes(shapes)}, got {arr.shape}")
     return arr
 
 
-def out_f32(name, value, size=None, shape=None):
+def out_f32(name: str, value: object, size: Optional[int] = None,
+            shape: Optional[Sequence[int]] = None) -> F32:
     """Check a caller-provided output buffer: writable, C-contiguous float32 ndarray."""
     if not isinstance(value, np.ndarray):
         raise TypeError(f"{name}: expected a writable float32 numpy array, got {type(value).__name__}")
@@ -65,10 +72,11 @@ def out_f32(name, value, size=None, shape=None):
         raise ValueError(f"{name}: expected {size} elements, got {value.size} (shape {value.shape})")
     if shape is not None and value.shape != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {value.shape}")
-    return value
+    out: F32 = value
+    return out
 
 
-def as_index(name, value, size):
+def as_index(name: str, value: object, size: int) -> int:
     """An integer index in [0, size); IndexError outside, TypeError for non-integers."""
     idx = as_int(name, value)
     if not 0 <= idx < size:
@@ -76,12 +84,12 @@ def as_index(name, value, size):
     return idx
 
 
-def as_int(name, value, minimum=None):
+def as_int(name: str, value: object, minimum: Optional[int] = None) -> int:
     """An integer (anything with ``__index__``, bools excluded); ValueError below ``minimum``."""
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected an integer, got bool")
     try:
-        v = operator.index(value)
+        v = operator.index(value)  # type: ignore[arg-type]  # any __index__; TypeError below
     except TypeError:
         raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
     if minimum is not None and v < minimum:
@@ -89,12 +97,13 @@ def as_int(name, value, minimum=None):
     return v
 
 
-def as_float(name, value, *, finite=True, minimum=None):
+def as_float(name: str, value: object, *, finite: bool = True,
+             minimum: Optional[float] = None) -> float:
     """A real number as a Python float; ValueError when not finite or below ``minimum``."""
     if isinstance(value, (str, bytes, complex, bool, np.bool_)):
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
     try:
-        v = float(value)
+        v = float(value)  # type: ignore[arg-type]  # any __float__; TypeError below
     except OverflowError:                       # an int beyond the float range
         raise ValueError(f"{name}: expected a finite number, got {value!r:.40}") from None
     except (TypeError, ValueError):
@@ -106,7 +115,8 @@ def as_float(name, value, *, finite=True, minimum=None):
     return v
 
 
-def as_f32_scalar(name, value, *, positive=False, minimum=None):
+def as_f32_scalar(name: str, value: object, *, positive: bool = False,
+                  minimum: Optional[float] = None) -> float:
     """A real number the float32 kernel receives unchanged in kind: finite in float64 *and*
     after rounding to float32 (1e39 would become inf), not a nonzero value that underflows to
     0 in float32 (1e-46), and > 0 when ``positive``.  Returns the float32-rounded value."""
@@ -124,19 +134,19 @@ def as_f32_scalar(name, value, *, positive=False, minimum=None):
     return f
 
 
-def readonly(arr):
+def readonly(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """A read-only view of ``arr`` that cannot be made writable again.
 
     The view is built on a read-only memoryview of the storage, so setting
     ``flags.writeable = True`` on it raises instead of opening the cache to writes."""
-    return np.asarray(memoryview(arr).toreadonly())
+    return np.asarray(memoryview(arr).toreadonly())  # type: ignore[arg-type]  # ndarray is a buffer
 
 
-def _shape_ok(shape, pattern):
+def _shape_ok(shape: tuple[int, ...], pattern: Shape) -> bool:
     return len(shape) == len(pattern) and all(p is None or p == s for s, p in zip(shape, pattern))
 
 
-def _fmt_shapes(shapes):
+def _fmt_shapes(shapes: Sequence[Shape]) -> str:
     parts = ["(" + ", ".join("n" if d is None else str(d) for d in s) + ("," if len(s) == 1 else "") + ")"
              for s in shapes]
     return " or ".join(parts)
