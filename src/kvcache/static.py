@@ -12,7 +12,6 @@ over the valid rows.  ``docs/latent.md`` describes the rules.
 from __future__ import annotations
 
 from types import ModuleType
-
 from typing import Any, Optional
 
 import numpy as np
@@ -27,7 +26,8 @@ from ._slots import (F32 as _F32, KvAllocId, SlotCache, as_slab as _as_slab,
                      slot_index as _slot_index)
 from ._validate import as_f32_scalar, as_int
 from ._attention import Rows, attend_blocks, default_scale, grouped_queries
-from .layer import _core          # the import that explains a missing extension
+from . import layer as _layer     # noqa: F401  first: its import explains a missing extension
+from . import _core
 
 __all__ = ["StaticKvCache"]
 
