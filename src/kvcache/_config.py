@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import platform
 import sys
+from typing import Any, Optional, TextIO
 
 
-def _wire_digest():
+def _wire_digest() -> str:
     """Which digest the versioned byte format writes (kvcache.wire)."""
     from . import wire
     xxhash = wire._xxhash()
@@ -15,12 +16,12 @@ def _wire_digest():
     return "CRC-32 (zlib; install xxhash for XXH3-64, and to read XXH3 buffers)"
 
 
-def config_info():
+def config_info() -> dict[str, Any]:
     """The facts show_config prints, as a dict."""
     import numpy as np
     from . import __version__, _core
 
-    info = {
+    info: dict[str, Any] = {
         "kvcache": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -42,7 +43,7 @@ def config_info():
     return info
 
 
-def show_config(file=None):
+def show_config(file: Optional[TextIO] = None) -> None:
     """Print kvcache's version, whether OpenMP was built in, thread counts and threadpoolctl's view."""
     info = config_info()
     out = file or sys.stdout

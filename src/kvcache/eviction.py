@@ -30,6 +30,8 @@ class EvictionPolicy:
     """
 
     __slots__ = ("_kind", "_sink")
+    _kind: PolicyKind
+    _sink: int
 
     RECENT: EvictionPolicy  # set below
 

@@ -4,6 +4,10 @@ The eviction rules live in :mod:`kvcache.eviction` (``EvictionPolicy`` is re-exp
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from typing import Optional, Union
+
 from ._validate import as_int
 from .eviction import EvictionPolicy
 from .layer import LayerKvCache
@@ -22,12 +26,14 @@ class KvCache:
         :meth:`needs_eviction` turns True once a layer holds this many positions.
     policy : EvictionPolicy
         Default ``EvictionPolicy.born(sink=4)``.
-    mode : KvMode, optional
-        Storage precision of every layer (None reads ``KVCACHE_KV``).
+    mode : KvMode or str, optional
+        Storage precision of every layer: a KvMode or a name ``KvMode.parse`` accepts
+        ("f32", "q8", "q8k", "q8v"); None reads ``KVCACHE_KV``.
     """
 
-    def __init__(self, n_layers, num_kv_heads, head_dim, max_seq_len=32768,
-                 policy=None, mode=None):
+    def __init__(self, n_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int = 32768,
+                 policy: Optional[EvictionPolicy] = None,
+                 mode: Union[KvMode, str, None] = None) -> None:
         n_layers = as_int("n_layers", n_layers, minimum=0)
         self.max_seq_len = as_int("max_seq_len", max_seq_len, minimum=1)
         if policy is None:
@@ -42,22 +48,22 @@ class KvCache:
         self.mode = mode
 
     @property
-    def seq_len(self):
+    def seq_len(self) -> int:
         """The longest layer's seq_len (0 when there are no layers); a property, as on
         :class:`LayerKvCache`."""
         return max((layer.seq_len for layer in self.layers), default=0)
 
     @property
-    def generation(self):
+    def generation(self) -> int:
         """The sum of the layers' :attr:`LayerKvCache.generation` counters: it grows whenever
         any layer's stored rows change other than by appending (as long as ``layers`` itself
         is not edited by hand)."""
         return sum(layer.generation for layer in self.layers)
 
-    def needs_eviction(self):
+    def needs_eviction(self) -> bool:
         return self.seq_len >= self.max_seq_len
 
-    def evict(self, keep):
+    def evict(self, keep: int) -> None:
         """Shrink every layer to at most ``keep`` positions with the cache's policy.
 
         Layers carrying O(1) state (collecting or sealed) are skipped."""
@@ -65,33 +71,41 @@ class KvCache:
         for layer in self.layers:
             layer.evict(keep, self.policy)
 
-    def truncate_last(self, n):
-        """Roll back the newest ``n`` positions on every layer."""
+    def truncate_last(self, n: int) -> None:
+        """Roll back the newest ``n`` positions on every layer.
+
+        All or nothing: when a layer is sealed in O(1) mode (its far field cannot be
+        undone; roll it back with ``o1_snapshot``/``o1_restore``) RuntimeError is raised
+        before any layer changes."""
         n = as_int("n", n, minimum=0)
-        for layer in self.layers:
-            layer._check_exact("truncate_last")
+        sealed = [i for i, layer in enumerate(self.layers) if layer.o1_sealed()]
+        if sealed:
+            raise RuntimeError(f"truncate_last: layer {sealed[0]} is sealed in O(1) mode; roll "
+                               f"it back with o1_snapshot/o1_restore")
         for layer in self.layers:
             layer.truncate_last(n)
 
-    def clear(self):
+    def clear(self) -> None:
         for layer in self.layers:
             layer.clear()
 
-    def memory_bytes(self):
+    def memory_bytes(self) -> int:
         return sum(layer.memory_bytes() for layer in self.layers)
 
-    def save(self, path, *, fingerprint=None, f16=False):
+    def save(self, path: Union[str, os.PathLike[str]], *,
+             fingerprint: Union[bytes, str, None] = None, f16: bool = False) -> None:
         """Write every layer to ``path`` in kvcache's versioned, checksummed format.
 
         Atomic: the file is written under a temporary name in the same folder, flushed to disk
         (fsync) and renamed over ``path``, so a crash never leaves a half-written file under
         the final name.  ``fingerprint`` (bytes or str) identifies the model; ``f16`` stores
-        float32 K/V rows as binary16.  Byte layout: kvcache.wire."""
+        float32 K/V rows as binary16.  Byte layout: ``docs/formats.md``."""
         from . import wire
         wire.save_model(self, path, fingerprint, f16)
 
     @classmethod
-    def load(cls, path, *, fingerprint=None):
+    def load(cls, path: Union[str, os.PathLike[str]], *,
+             fingerprint: Union[bytes, str, None] = None) -> KvCache:
         """Read a file written by :meth:`save` (read into memory, verified, then copied out;
         not memory-mapped: see kvcache.wire.load_model).
 
@@ -100,19 +114,19 @@ class KvCache:
         from . import wire
         return wire.load_model(cls, path, fingerprint)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.layers)
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return True
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[LayerKvCache]:
         return iter(self.layers)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: int) -> LayerKvCache:
         return self.layers[i]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"KvCache(n_layers={len(self.layers)}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, policy={self.policy!r}, "
                 f"mode={self.mode!r}, seq_len={self.seq_len})")

@@ -1,4 +1,4 @@
-"""KvMode: the storage precision of a layer's K and V rows (spec layer-kv-cache.md section 1.1)."""
+"""KvMode: the storage precision of a layer's K and V rows (``docs/numerics.md``, int8 storage)."""
 
 from __future__ import annotations
 
@@ -22,15 +22,17 @@ class KvMode:
     """
 
     __slots__ = ("_quant_k", "_quant_v")
+    _quant_k: bool
+    _quant_v: bool
 
-    F32: "KvMode"  # set below
+    F32: KvMode  # set below
 
-    def __init__(self, quant_k: bool = False, quant_v: bool = False):
+    def __init__(self, quant_k: bool = False, quant_v: bool = False) -> None:
         object.__setattr__(self, "_quant_k", bool(quant_k))
         object.__setattr__(self, "_quant_v", bool(quant_v))
 
     @classmethod
-    def Q8(cls, k: bool = True, v: bool = True) -> "KvMode":
+    def Q8(cls, k: bool = True, v: bool = True) -> KvMode:
         """int8 storage for K (``k``) and/or V (``v``); at least one must be set."""
         if not (k or v):
             raise ValueError("KvMode.Q8 needs k or v set: Q8(k=False, v=False) stores nothing as "
@@ -38,7 +40,7 @@ class KvMode:
         return cls(bool(k), bool(v))
 
     @classmethod
-    def from_env(cls) -> "KvMode":
+    def from_env(cls) -> KvMode:
         """Read ``KVCACHE_KV``: "f32" (default when unset or empty), "q8", "q8k" or "q8v"."""
         raw = os.environ.get(_ENV, "")
         mode = cls._named(raw)
@@ -47,7 +49,7 @@ class KvMode:
         return mode
 
     @classmethod
-    def parse(cls, value, name="mode") -> "KvMode":
+    def parse(cls, value: object, name: str = "mode") -> KvMode:
         """``value`` itself when it is a KvMode, else the mode a name stands for: "f32"
         ("float32"), "q8" (int8 K and V), "q8k" (int8 K), "q8v" (int8 V), case-insensitive.
 
@@ -64,7 +66,7 @@ class KvMode:
         return mode
 
     @classmethod
-    def _named(cls, text):
+    def _named(cls, text: str) -> KvMode | None:
         """The mode named by ``text`` (the one table of names; "" is f32), or None."""
         val = text.strip().lower()
         if val in ("", "f32", "float32"):
@@ -89,23 +91,23 @@ class KvMode:
     def is_f32(self) -> bool:
         return not (self._quant_k or self._quant_v)
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("KvMode is immutable")
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         if not isinstance(other, KvMode):
             return NotImplemented
         return (self._quant_k, self._quant_v) == (other._quant_k, other._quant_v)
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash(("KvMode", self._quant_k, self._quant_v))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self.is_f32:
             return "KvMode.F32"
         return f"KvMode.Q8(k={self._quant_k}, v={self._quant_v})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[KvMode], tuple[bool, bool]]:
         return (KvMode, (self._quant_k, self._quant_v))
 
 
