@@ -463,8 +463,8 @@ class SlotCache:
         at generation ``since``; None when :meth:`clear` ran after ``since``, when more than
         64 truncations did (only the last 64 are remembered), or when ``since`` is not a
         generation this cache has had.  Truncations only lower it."""
-        prefix: Optional[int] = self._gen.unchanged_prefix(since, self._cached_len)
-        return prefix
+        prefix = self._gen.unchanged_prefix(since, self._cached_len)
+        return None if prefix is None else int(prefix)
 
     def __len__(self) -> int:
         return self._cached_len
