@@ -302,6 +302,26 @@ def test_modes_and_layer_types():
         kh.HfKvCache(odd)
 
 
+@pytest.mark.parametrize("cfg_name, model_name, extra", [
+    # transformers' Llama ignores a sliding_window key; Mistral ignores layer_types
+    ("LlamaConfig", "LlamaForCausalLM", dict(sliding_window=8)),
+    ("MistralConfig", "MistralForCausalLM",
+     dict(sliding_window=8, layer_types=["full_attention", "sliding_attention"])),
+])
+def test_windows_the_model_ignores_are_ignored(cfg_name, model_name, extra):
+    config = getattr(transformers, cfg_name)(**_COMMON, num_hidden_layers=2, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    want = _forward(model, ids)
+    model.set_attn_implementation("kvcache")
+    cache = kh.HfKvCache(model.config)
+    expected = None if cfg_name == "LlamaConfig" else 8
+    assert [layer.sliding_window for layer in cache.layers] == [expected] * 2
+    diff = (_forward(model, ids, cache) - want).abs().max().item()
+    assert diff <= TOL
+
+
 def test_register_is_idempotent():
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -66,7 +66,12 @@ Limitations
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
+import numpy.typing as npt
+
+from ._windows import layer_windows
 from .layer import LayerKvCache
 from .modes import KvMode
 
@@ -77,8 +82,12 @@ try:
 except ImportError as exc:     # tests/test_hf.py hides transformers to exercise this
     raise ImportError(
         "kvcache.hf needs PyTorch and Hugging Face transformers (>= 5.0, < 6; verified up to "
-        "5.24.0).  Install them with `pip install 'kvcache[hf]'` or `pip install torch transformers`."
+        "5.24.0).  Install them with `pip install torch transformers` (a CPU-only torch: `pip "
+        "install torch --index-url https://download.pytorch.org/whl/cpu`)."
     ) from exc
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["ATTN_IMPLEMENTATION", "HfKvCache", "HfKvLayer", "generate", "kvcache_attention",
            "kvcache_mask", "parse_mode", "register"]
@@ -92,7 +101,7 @@ _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _TAG = "_kvcache_layer"          # attribute carrying the HfKvLayer on the key tensor
 
 
-def _version_tuple(text):
+def _version_tuple(text: str) -> tuple[int, ...]:
     parts = []
     for piece in text.split(".")[:2]:
         digits = "".join(ch for ch in piece if ch.isdigit())
@@ -107,7 +116,7 @@ if _version_tuple(transformers.__version__) < _MIN_TRANSFORMERS:
         "`pip install -U transformers`.")
 
 
-def parse_mode(mode):
+def parse_mode(mode: KvMode | str | None) -> KvMode:
     """A :class:`kvcache.KvMode` from a mode or its name.
 
     Parameters
@@ -126,13 +135,13 @@ def parse_mode(mode):
     return KvMode.parse(mode, "mode")
 
 
-def _check_cpu(name, tensor):
+def _check_cpu(name: str, tensor: torch.Tensor) -> None:
     if tensor.device.type != "cpu":
         raise ValueError(f"{name}: expected a CPU tensor (kvcache stores and computes on the CPU), "
                          f"got device {tensor.device}; load the model on the CPU")
 
 
-def _as_numpy(tensor):
+def _as_numpy(tensor: torch.Tensor) -> npt.NDArray[np.float32]:
     """A float32 NumPy view of a CPU tensor (a copy only when the dtype must change)."""
     t = tensor.detach()
     if t.dtype != torch.float32:
@@ -140,7 +149,7 @@ def _as_numpy(tensor):
     return t.numpy()
 
 
-def _rows(states):
+def _rows(states: torch.Tensor) -> npt.NDArray[np.float32]:
     """(batch=1, nkv, n, hd) key/value states as a float32 array (n, nkv, hd)."""
     return _as_numpy(states[0].transpose(0, 1))
 
@@ -151,11 +160,11 @@ class _Handoff:
 
     __slots__ = ("pending",)
 
-    def __init__(self):
-        self.pending = None
+    def __init__(self) -> None:
+        self.pending: int | None = None
 
 
-class HfKvLayer(CacheLayerMixin):
+class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transformers: unannotated
     """One decoder layer of an :class:`HfKvCache`: a :class:`kvcache.LayerKvCache` behind
     transformers' cache-layer interface.
 
@@ -174,26 +183,28 @@ class HfKvLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = True
 
-    def __init__(self, mode=KvMode.F32, sliding_window=None, _handoff=None):
-        super().__init__()
+    def __init__(self, mode: KvMode | str = KvMode.F32, sliding_window: int | None = None,
+                 _handoff: _Handoff | None = None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
         self.mode = parse_mode(mode)
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
-        self.kv = None
+        self.kv: LayerKvCache | None = None
         self._handoff = _Handoff() if _handoff is None else _handoff
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
         return f"HfKvLayer(mode={self.mode!r}, seq_len={self.get_seq_length()}{window})"
 
     # ------------------------------------------------------------------ storage
-    def lazy_initialization(self, key_states, value_states):
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Create the kvcache layer for keys shaped (1, num_kv_heads, n, head_dim)."""
         _check_batch(key_states)
         self.kv = LayerKvCache(int(key_states.shape[1]), int(key_states.shape[-1]), mode=self.mode)
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new positions and return the new key/value states.
 
         Parameters
@@ -215,15 +226,16 @@ class HfKvLayer(CacheLayerMixin):
                              f"{tuple(key_states.shape)}, got {tuple(value_states.shape)}")
         if self.kv is None:
             self.lazy_initialization(key_states, value_states)
+        assert self.kv is not None
         self.kv.append(_rows(key_states), _rows(value_states))
         setattr(key_states, _TAG, self)
         return key_states, value_states
 
-    def get_seq_length(self):
+    def get_seq_length(self) -> int:
         """Positions stored."""
         return 0 if self.kv is None else self.kv.seq_len
 
-    def get_mask_sizes(self, query_length):
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         """(kv_length, kv_offset) for mask creation: every stored row plus the queries, offset 0.
 
         ``query_length`` is the number of queries (transformers 5.24) or their
@@ -232,18 +244,18 @@ class HfKvLayer(CacheLayerMixin):
             query_length = query_length.shape[0]
         return self.get_seq_length() + int(query_length), 0
 
-    def get_max_length(self):
+    def get_max_length(self) -> int:
         """-1: the layer grows without bound."""
         return -1
 
     get_max_cache_shape = get_max_length      # the name early 5.x releases use
 
-    def reset(self):
+    def reset(self) -> None:
         """Forget every position (keeps the mode and geometry)."""
         if self.kv is not None:
             self.kv.clear()
 
-    def crop(self, tokens_to_remove):
+    def crop(self, tokens_to_remove: int) -> None:
         """Roll back positions (speculative decoding).
 
         Parameters
@@ -259,29 +271,29 @@ class HfKvLayer(CacheLayerMixin):
         drop = -n if n < 0 else max(self.kv.seq_len - n, 0)
         self.kv.truncate_last(drop)
 
-    def offload(self):
+    def offload(self) -> None:
         """No-op: kvcache storage lives on the CPU already."""
 
-    def prefetch(self):
+    def prefetch(self) -> None:
         """No-op: kvcache storage lives on the CPU already."""
 
-    def reorder_cache(self, beam_idx):
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search is not supported: raises unless ``beam_idx`` is the identity ``[0]``."""
         _refuse_batch_op("reorder_cache (beam search)", beam_idx)
 
-    def batch_repeat_interleave(self, repeats):
+    def batch_repeat_interleave(self, repeats: int) -> None:
         """Only ``repeats == 1`` (a no-op) is supported: the cache holds one sequence."""
         if int(repeats) != 1:
             raise NotImplementedError(
                 f"HfKvCache holds one sequence (batch size 1) and cannot be repeated {repeats} "
                 "times for beam search or num_return_sequences > 1")
 
-    def batch_select_indices(self, indices):
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Only selecting row 0 (a no-op) is supported: the cache holds one sequence."""
         _refuse_batch_op("batch_select_indices", indices)
 
 
-def _check_batch(states):
+def _check_batch(states: torch.Tensor) -> None:
     if states.ndim != 4:
         raise ValueError(f"key_states: expected shape (batch, num_kv_heads, seq, head_dim), got "
                          f"{tuple(states.shape)}")
@@ -292,7 +304,7 @@ def _check_batch(states):
             "supported (run sequences one at a time, each with its own cache)")
 
 
-def _refuse_batch_op(what, indices):
+def _refuse_batch_op(what: str, indices: torch.Tensor | list[int]) -> None:
     idx = torch.as_tensor(indices).reshape(-1)
     if idx.numel() == 1 and int(idx[0]) == 0:
         return
@@ -333,37 +345,45 @@ class HfKvCache(Cache):
     >>> model.generate(ids, max_new_tokens=32, do_sample=False, cache=cache)  # doctest: +SKIP
     """
 
-    def __init__(self, config=None, mode=None):
+    def __init__(self, config: PretrainedConfig | None = None,
+                 mode: KvMode | str | None = None) -> None:
         self.mode = parse_mode(mode)
         self._handoff = _Handoff()
-        layers = []
+        layers: list[Any] = []            # HfKvLayer objects (transformers types a union)
         if config is not None:
             windows = _layer_windows(config)
             layers = [HfKvLayer(self.mode, w, self._handoff) for w in windows]
         super().__init__(layers=layers)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"HfKvCache(mode={self.mode!r}, num_layers={len(self.layers)}, "
                 f"seq_len={self.get_seq_length()})")
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return True
 
     @property
-    def is_croppable(self):
+    def is_croppable(self) -> bool:
         """True: :meth:`crop` rolls every layer back exactly (sliding layers included)."""
         return True
 
     @property
-    def kv_layers(self):
+    def kv_layers(self) -> list[LayerKvCache | None]:
         """The kvcache layers, one per decoder layer (None for a layer not yet updated)."""
-        return [layer.kv for layer in self.layers]
+        return [layer.kv for layer in self._hf_layers]
 
-    def memory_bytes(self):
+    @property
+    def _hf_layers(self) -> list[HfKvLayer]:
+        """``layers``, typed as what this cache puts there (transformers types it as any
+        cache layer)."""
+        return cast("list[HfKvLayer]", self.layers)
+
+    def memory_bytes(self) -> int:
         """Bytes of K/V storage held, summed over layers (see LayerKvCache.memory_bytes)."""
         return sum(kv.memory_bytes() for kv in self.kv_layers if kv is not None)
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new positions of layer ``layer_idx``; see :meth:`HfKvLayer.update`.
 
         Raises RuntimeError when the previous update was not consumed by kvcache attention:
@@ -380,19 +400,25 @@ class HfKvCache(Cache):
                 "(this one is now inconsistent)")
         while len(self.layers) <= layer_idx:
             self.layers.append(HfKvLayer(self.mode, None, self._handoff))
-        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        keys, values = self._hf_layers[layer_idx].update(key_states, value_states)
         self._handoff.pending = layer_idx
         return keys, values
 
-    def reset(self):
+    def reset(self) -> None:
         """Forget every position in every layer (keeps layers, mode and geometry)."""
         self._handoff.pending = None
-        super().reset()
+        super().reset()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
 
 
-def _layer_windows(config):
-    """Per decoder layer: the sliding window (int) or None for full attention."""
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+def _text_config(config: Any) -> Any:
+    """The decoder part of a (possibly multimodal) transformers config."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Per decoder layer: the sliding window (int) or None for full attention, by the rule
+    the runner uses too (:func:`kvcache._windows.layer_windows`)."""
+    cfg = _text_config(config)
     n_layers = getattr(cfg, "num_hidden_layers", None)
     if n_layers is None:
         raise ValueError("config: expected a decoder config with num_hidden_layers, got "
@@ -406,25 +432,24 @@ def _layer_windows(config):
         if bad:
             raise NotImplementedError(f"HfKvCache: layer types {bad} are not supported (kvcache "
                                       f"attention covers {list(_SUPPORTED_LAYER_TYPES)})")
-    return [_config_window(cfg, i) for i in range(n_layers)]
+    return layer_windows(cfg, int(n_layers))
 
 
-def _config_window(config, index):
-    """Layer ``index``'s sliding window as transformers' masks derive it: the config's
-    ``sliding_window`` on layers typed "sliding_attention", or on every layer of a config
-    without ``layer_types`` (Mistral); None otherwise."""
-    window = getattr(config, "sliding_window", None)
-    if window is None:
+def _config_window(config: Any, index: int) -> int | None:
+    """Layer ``index``'s sliding window as transformers' masks derive it from ``config`` (None
+    when the config does not say how many layers there are)."""
+    cfg = _text_config(config)
+    if getattr(cfg, "num_hidden_layers", None) is None:
         return None
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return window
-    return window if types[index] == "sliding_attention" else None
+    return layer_windows(cfg)[index]
 
 
 # ---------------------------------------------------------------------------- attention function
-def kvcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                      sliding_window=None, softcap=None, **kwargs):
+def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention function computing through kvcache's kernels.
 
     Parameters
@@ -501,7 +526,8 @@ def kvcache_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return out, None
 
 
-def _window(module, layer, sliding_window):
+def _window(module: torch.nn.Module, layer: HfKvLayer | None,
+            sliding_window: int | None) -> int | None:
     """The sliding window of this call: the ``sliding_window`` the model passes, else the
     module's ``sliding_window`` attribute, else the one the config gives the layer (what
     transformers' mask uses; some models, e.g. Qwen2-MoE and PhiMoE, only tell the mask)."""
@@ -518,9 +544,11 @@ def _window(module, layer, sliding_window):
     return int(window) if window else None
 
 
-def kvcache_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
-                 mask_function=None, attention_mask=None, allow_is_causal_skip=True, use_vmap=False,
-                 **kwargs):
+def kvcache_mask(batch_size: int | None = None, q_length: int | None = None,
+                 kv_length: int | None = None, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function: Any = None, attention_mask: torch.Tensor | None = None,
+                 allow_is_causal_skip: bool = True, use_vmap: bool = False,
+                 **kwargs: Any) -> None:
     """transformers mask function for kvcache attention: returns None (no mask is needed).
 
     Raises instead of dropping information the kernels cannot apply: padding zeros in the
@@ -543,7 +571,7 @@ def kvcache_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_
     return None
 
 
-def register(name=ATTN_IMPLEMENTATION):
+def register(name: str = ATTN_IMPLEMENTATION) -> str:
     """Register :func:`kvcache_attention` and :func:`kvcache_mask` with transformers.
 
     Idempotent; done once on import.  Afterwards
@@ -567,14 +595,15 @@ def register(name=ATTN_IMPLEMENTATION):
     return name
 
 
-def _cache_kwarg(model):
+def _cache_kwarg(model: torch.nn.Module) -> str:
     """The keyword the model's ``forward`` takes its cache under: ``cache`` (transformers 5.24)
     or ``past_key_values`` (older releases)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def generate(model, input_ids, *, mode=None, cache=None, **kwargs):
+def generate(model: Any, input_ids: torch.Tensor, *, mode: KvMode | str | None = None,
+             cache: HfKvCache | None = None, **kwargs: Any) -> Any:
     """``model.generate`` with an :class:`HfKvCache`.
 
     Parameters
