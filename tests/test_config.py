@@ -33,3 +33,31 @@ def test_the_kernel_stub_lists_every_compiled_function():
     stub = ast.parse((pathlib.Path(_core.__file__).parent / "_core.pyi").read_text())
     declared = {node.name for node in stub.body if isinstance(node, ast.FunctionDef)}
     assert compiled == declared
+
+
+def test_the_kernel_stub_and_the_twins_name_the_same_parameters():
+    """Kernels are called by keyword: the stub, the compiled module and the NumPy twins in
+    kvcache.reference must agree on every parameter name, in order."""
+    import ast
+    import inspect
+    import pathlib
+
+    from kvcache import _core, reference
+    stub = ast.parse((pathlib.Path(_core.__file__).parent / "_core.pyi").read_text())
+    for node in stub.body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        declared = [a.arg for a in node.args.args]
+        compiled = list(inspect.signature(getattr(_core, node.name)).parameters)
+        assert declared == compiled, node.name
+        twin = getattr(reference, node.name, None)
+        if twin is not None:
+            assert list(inspect.signature(twin).parameters) == compiled, node.name
+
+
+def test_fresh_bytes_returns_the_bytes_and_their_writer():
+    from kvcache import _core
+    b, w = _core.fresh_bytes(8)
+    memoryview(w)[:] = b"abcdefgh"
+    del w
+    assert isinstance(b, bytes) and b == b"abcdefgh"

@@ -1,5 +1,8 @@
 """Signatures and shapes of the compiled kernels (kvcache/_core.pyx).
 
+Every kernel is called by keyword from Python (``kvcache._attention``, ``kvcache.o1``,
+``kvcache.mla``), so the parameter names below are part of the contract with the NumPy twins.
+
 Naming: ``h`` KV head, ``c`` storage capacity (rows), ``d`` head_dim, ``g`` scale groups per row,
 ``n`` rows, ``j`` queries, ``l`` probability columns.  Every kernel has a NumPy twin of the same
 name in kvcache/reference.py.
@@ -7,6 +10,10 @@ name in kvcache/reference.py.
 
 import numpy as np
 import numpy.typing as npt
+
+class _BytesWriter:
+    """A writable buffer over the memory of a new bytes object (see fresh_bytes)."""
+    def __buffer__(self, flags: int, /) -> memoryview: ...
 
 F32 = npt.NDArray[np.float32]
 I8 = npt.NDArray[np.int8]
@@ -24,7 +31,7 @@ def store_rows_q8(x__nhd: F32, alive__h: U8, head_len__h: IP, col__hd: F32, col_
 def quantize_rows(x__nd: F32, col__d: F32, group: int, q__nd: I8, s__ng: F32,
                   n_threads: int) -> None: ...
 def stream_read(buf: F32, n_threads: int) -> float: ...
-def fresh_bytes(n: int) -> bytes: ...
+def fresh_bytes(n: int) -> tuple[bytes, _BytesWriter]: ...
 def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: I8,
                 vs__hc1: F32, vcol__hd: F32, head_len__h: IP, q__jd: F32, group_q0: IP,
                 n_pos: int, n_back: int, window: int, first: int, scale: float, softcap: float,
