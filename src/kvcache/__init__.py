@@ -1,19 +1,23 @@
 """kvcache: a Cython-accelerated CPU KV cache and grouped-query attention core.
 
-The public names are those of spec/API.md.  ``kvcache.reference`` holds the pure-NumPy twin of
-every compiled kernel (the test oracle and the benchmark baseline).
+The public names are listed in ``__all__`` and described in ``docs/architecture.md``.
+``kvcache.reference`` holds the pure-NumPy twin of every compiled kernel (the test oracle and
+the benchmark baseline).
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .modes import KvMode
 from .layer import LayerKvCache
 from .o1 import O1DeviceView, O1HeadView, O1Rect, O1Snapshot
 from .wire import WireError
-from .model import EvictionPolicy, KvCache
-from .latent import KvAllocId, LatentKvCache, LatentSlot, LazyLatentCache, StaticKvCache
+from .eviction import EvictionPolicy
+from .model import KvCache
+from ._slots import KvAllocId, LatentSlot
+from .latent import LatentKvCache, LazyLatentCache
+from .static import StaticKvCache
 from .rebind import (DecodePlan, KvPlanSource, KvRebindSource, PlanValidity, RebindRefusal,
                      RebindRefused)
 from .mla import mla_decode, mla_softmax_scale, split_kv_b, yarn_get_mscale

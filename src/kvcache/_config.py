@@ -19,7 +19,8 @@ def _wire_digest() -> str:
 def config_info() -> dict[str, Any]:
     """The facts show_config prints, as a dict."""
     import numpy as np
-    from . import __version__, _core
+    from . import _core
+    from ._version import __version__
 
     info: dict[str, Any] = {
         "kvcache": __version__,
