@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -131,7 +132,7 @@ def test_windows_really_bind(saved):
             assert r.config.layer_windows[0] == 8 and r.config.layer_windows[1] is None
         with_w = r.prefill(ids, all_logits=True)
         r2 = kr.Runner.from_pretrained(path)
-        r2.config = kr.replace(r2.config, layer_windows=(None,) * r2.config.num_layers)
+        r2.config = replace(r2.config, layer_windows=(None,) * r2.config.num_layers)
         without = r2.prefill(ids, all_logits=True)
         assert np.abs(with_w - without).max() > 100 * TOL
 

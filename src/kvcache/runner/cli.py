@@ -1,0 +1,173 @@
+"""``python -m kvcache generate``: decode a checkpoint (or a small random model) from the shell.
+
+:func:`main` parses the command line, loads the model through :class:`~kvcache.runner.Runner`,
+encodes the prompt with the folder's ``tokenizer.json`` when there is one, generates with a
+progress bar on stderr and prints the output with prefill / decode rates and the cache size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+from .._progress import progress_bar
+from ..modes import KvMode
+from .config import ModelConfig
+from .model import Runner
+
+__all__ = ["build_parser", "main"]
+
+
+def _load_tokenizer(path: str | None) -> Any:
+    """The ``tokenizers`` Tokenizer of ``path/tokenizer.json``; None without that file."""
+    tok_file = os.path.join(path, "tokenizer.json") if path else None
+    if not tok_file or not os.path.exists(tok_file):
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError(f"{tok_file} needs the tokenizers package to encode text: pip install "
+                          f"tokenizers (or pass --ids)") from None
+    try:
+        return Tokenizer.from_file(tok_file)
+    except Exception as exc:              # tokenizers raises a bare Exception for a bad file
+        raise ValueError(f"{tok_file}: not a readable tokenizer ({exc})") from None
+
+
+def _kv_name(text: str) -> str:
+    """``--kv``: a mode name as :meth:`kvcache.KvMode.parse` reads it (checked, kept as typed)."""
+    try:
+        KvMode.parse(text, "--kv")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--kv: ")) from None
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m kvcache generate``."""
+    p = argparse.ArgumentParser(
+        prog="python -m kvcache generate",
+        description="Decode with a Llama / Mistral / Qwen2 / Gemma-2 checkpoint on kvcache. "
+                    "Without --model, a small random-weight Llama built in memory is used.")
+    p.add_argument("--model", metavar="PATH",
+                   help="checkpoint folder (config.json + *.safetensors [+ tokenizer.json])")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (needs tokenizer.json in the model folder)")
+    src.add_argument("--ids", nargs="+", metavar="ID",
+                     help="prompt token ids (e.g. --ids 1 15043 29892 or --ids 1,15043)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
+    p.add_argument("--kv", default="f32", type=_kv_name, metavar="{f32,q8,q8k,q8v}",
+                   help="KV storage (default f32; any name KvMode.parse accepts)")
+    p.add_argument("--o1", metavar="LAYERS",
+                   help="O(1) Nystrom layers: all, deepN, or a list like 0,5,7 (default none)")
+    p.add_argument("--o1-params", metavar="M,W,SINK", default="32,128,4",
+                   help="O(1) landmarks, window and sinks (default 32,128,4)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1)")
+    p.add_argument("--seed", type=int, help="sampler seed")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer: Any, cfg: ModelConfig,
+                parser: argparse.ArgumentParser) -> list[int]:
+    if args.ids:
+        try:
+            return [int(t) for v in args.ids for t in v.split(",") if t.strip()]
+        except ValueError:
+            parser.error(f"--ids: expected integers, got {' '.join(args.ids)}")
+    if args.prompt is not None:
+        if tokenizer is None:
+            parser.error("--prompt needs a tokenizer.json in the --model folder (and the "
+                         "tokenizers package); pass --ids instead")
+        return list(tokenizer.encode(args.prompt).ids)
+    if tokenizer is not None:
+        return list(tokenizer.encode("Once upon a time").ids)
+    bos = cfg.bos_token_id if cfg.bos_token_id is not None else 1
+    return [bos] + list(range(2, 9))
+
+
+def main(argv: Sequence[str] | None = None, file: IO[str] | None = None) -> int:
+    """Entry point of ``python -m kvcache generate``; returns the exit status."""
+    out = sys.stdout if file is None else file
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        o1_params = tuple(int(v) for v in args.o1_params.split(","))
+    except ValueError:
+        parser.error(f"--o1-params: expected M,W,SINK integers, got {args.o1_params!r}")
+    if len(o1_params) != 3:
+        parser.error(f"--o1-params: expected M,W,SINK, got {args.o1_params!r}")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    kwargs: dict[str, Any] = dict(kv=args.kv, o1_layers=args.o1, o1_params=o1_params)
+    try:
+        t0 = time.perf_counter()
+        if args.model:
+            runner = Runner.from_pretrained(args.model, **kwargs)
+            name = args.model
+        else:
+            runner = Runner.random(**kwargs)
+            name = "embedded random-weight Llama (4 layers, 256 wide, vocab 512)"
+        load_s = time.perf_counter() - t0
+        if args.o1 and not runner.o1_layers:
+            print(f"warning: --o1 {args.o1!r} selects no global layer of this "
+                  f"{runner.config.num_layers}-layer model; decoding exactly", file=sys.stderr)
+        try:
+            tokenizer = _load_tokenizer(args.model)
+        except (ImportError, ValueError) as exc:
+            if args.prompt is not None:
+                raise
+            print(f"warning: {exc}; printing token ids", file=sys.stderr)
+            tokenizer = None
+        prompt = _prompt_ids(args, tokenizer, runner.config, parser)
+        if not prompt:
+            parser.error("the prompt is empty")
+        bar = progress_bar(args.max_new_tokens, not args.no_progress, unit="tok")
+        t0 = time.perf_counter()
+        first: list[float] = []
+
+        def on_token(tok: int) -> None:
+            if not first:
+                first.append(time.perf_counter())
+            bar.update()
+
+        tokens = runner.generate(prompt, args.max_new_tokens, temperature=args.temperature,
+                                 top_p=args.top_p, seed=args.seed, callback=on_token)
+        end = time.perf_counter()
+        bar.close()
+    except (ValueError, TypeError, KeyError, OSError, ImportError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    prefill_s = first[0] - t0
+    decode_n = len(tokens) - 1
+    decode_s = end - first[0]
+    def p(text: str) -> None:
+        print(text, file=out)
+
+    sealed = [i for i in runner.o1_layers if runner.cache.layers[i].o1_sealed()]
+    o1_text = ""
+    if runner.o1_layers:
+        o1_text = f", O(1) layers {sealed}"
+        if sealed != list(runner.o1_layers):
+            o1_text += (f" (seal refused on {sorted(set(runner.o1_layers) - set(sealed))}: "
+                        f"decoded exactly)")
+    p(f"model: {name} ({runner.config.family}, {runner.config.num_layers} layers), kv "
+      f"{args.kv}{o1_text}, loaded in {load_s:.2f} s")
+    shown = prompt if tokenizer is None else repr(args.prompt or tokenizer.decode(prompt))
+    p(f"prompt ({len(prompt)} tokens): {shown}")
+    p(f"output ({len(tokens)} tokens): "
+      + (repr(tokenizer.decode(tokens)) if tokenizer is not None else str(tokens)))
+    p(f"prefill: {len(prompt)} tokens in {prefill_s * 1e3:.1f} ms "
+      f"({len(prompt) / prefill_s:.1f} tokens/s, first token included)")
+    if decode_n > 0:
+        p(f"decode: {decode_n} tokens in {decode_s * 1e3:.1f} ms ({decode_n / decode_s:.2f} "
+          f"tokens/s)")
+    share = runner.timings["attention_s"] / max(runner.timings["total_s"], 1e-12)
+    p(f"attention share of the run: {100 * share:.0f}%")
+    p(f"cache memory: {runner.memory_bytes() / 1024:.1f} KiB for {runner.position} positions")
+    return 0

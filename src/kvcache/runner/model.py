@@ -1,0 +1,431 @@
+"""The runner's forward pass and decoding loop: :class:`Runner`.
+
+A decoder-only model in NumPy float32 whose attention runs on kvcache: every layer's K/V lives
+in a :class:`kvcache.KvCache` layer and attention is ``attend_all_heads`` (or the O(1) override's
+``o1_step`` on chosen layers).  Prefill runs the prompt as one block; decode runs one position
+per step; :meth:`Runner.rollback` forgets the newest positions (speculative decoding).
+
+Numerics: float32 throughout (NumPy matmuls for the projections and the MLP), RoPE angles as
+transformers computes them (float32 inverse frequencies times the position).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Union
+
+import numpy as np
+import numpy.typing as npt
+
+from .._validate import as_int
+from ..eviction import EvictionPolicy
+from ..layer import LayerKvCache
+from ..model import KvCache
+from ..modes import KvMode
+from .config import LayerSpec, ModelConfig, parse_layers, read_config
+from .sampling import sample
+from .weights import (Array, LayerWeights, Tracked, layers_from, load_safetensors, random_weights,
+                      take)
+
+if TYPE_CHECKING:
+    from ..o1 import O1Snapshot
+
+__all__ = ["Runner"]
+
+_F32 = np.float32
+# NumPy's stubs type some float32 array arithmetic as float64 (it is float32 at run time): the
+# `type: ignore[return-value]  # stubs: f32` comments below mark those returns.
+#: What :meth:`Runner._undo` needs per layer: its length, or an O(1) layer's snapshot.
+_UndoPoint = Union[list[Union[int, "O1Snapshot"]], None]
+
+
+def _gelu_tanh(x: Array) -> Array:
+    inner = _F32(math.sqrt(2.0 / math.pi)) * (x + _F32(0.044715) * x * x * x)
+    return _F32(0.5) * x * (_F32(1.0) + np.tanh(inner))  # type: ignore[return-value]  # stubs: f32
+
+
+def _silu(x: Array) -> Array:
+    with np.errstate(over="ignore"):
+        return x / (_F32(1.0) + np.exp(-x))  # type: ignore[return-value]  # stubs: f32
+
+
+#: The functions of the activation names :data:`kvcache.runner.config.ACTIVATIONS` accepts.
+_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "silu": _silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_tanh": _gelu_tanh}
+
+
+#----
+def _rope_inv_freq(cfg: ModelConfig) -> Array:
+    """float32 inverse frequencies, computed as transformers does (float32 power)."""
+    hd = cfg.head_dim
+    exps = np.arange(0, hd, 2, dtype=np.int64).astype(_F32) / _F32(hd)
+    inv = (_F32(1.0) / (_F32(cfg.rope_theta) ** exps)).astype(_F32)
+    rs = cfg.rope_scaling
+    kind = rs.get("rope_type", "default")
+    if kind == "linear":
+        inv = (inv / _F32(rs["factor"])).astype(_F32)
+    elif kind == "llama3":
+        factor = rs["factor"]
+        low, high = rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        low_wl, high_wl = old / low, old / high
+        wl = (_F32(2 * math.pi) / inv).astype(_F32)
+        scaled = np.where(wl > low_wl, inv / _F32(factor), inv).astype(_F32)
+        smooth = ((old / wl - low) / (high - low)).astype(_F32)
+        smoothed = ((1 - smooth) * scaled / _F32(factor) + smooth * scaled).astype(_F32)
+        medium = ~(wl < high_wl) & ~(wl > low_wl)
+        inv = np.where(medium, smoothed, scaled).astype(_F32)
+    return inv
+
+
+#----
+class Runner:
+    """A decoder-only model in NumPy whose attention runs on kvcache (see the module docstring).
+
+    Parameters
+    ----------
+    config : ModelConfig
+    weights : dict of str to ndarray
+        Hugging Face tensor names (``model.layers.{i}.self_attn.q_proj.weight``, ...).
+    kv : {"f32", "q8", "q8k", "q8v"} or KvMode
+        KV storage of every layer.
+    o1_layers : str or sequence of int, optional
+        Layers decoded with the O(1) Nystrom override (:func:`parse_layers` syntax).  They
+        seal at the end of the first :meth:`prefill` (their prompt K/V is kept in f32 until
+        then, whatever ``kv`` says); sliding-window layers are refused.
+        The override approximates full softmax attention (no logit softcap on those layers).
+    o1_params : tuple of int
+        ``(m, w, sink)`` of the O(1) layers (default ``(32, 128, 4)``, upstream's).
+    max_seq_len : int
+        Positions the cache may hold (prefill and decode check it).
+    decode_blas_threads : int
+        BLAS threads during single-position steps (default 1; 0 leaves BLAS alone): see
+        :meth:`_blas_for` for why one is the right default on small machines.
+
+    Attributes
+    ----------
+    cache : kvcache.KvCache
+        The per-layer KV caches; ``position`` is the number of positions processed.
+    """
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Array], *,
+                 kv: KvMode | str = "f32", o1_layers: LayerSpec = None,
+                 o1_params: Sequence[int] = (32, 128, 4), max_seq_len: int = 131072,
+                 decode_blas_threads: int = 1) -> None:
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
+        self.config: ModelConfig = config
+        cfg = config
+        self.mode = KvMode.parse(kv, "kv")
+        self.max_seq_len = as_int("max_seq_len", max_seq_len, minimum=1)
+        if len(o1_params) != 3:
+            raise ValueError(f"o1_params: expected (m, w, sink), got {o1_params!r}")
+        self.o1_params = tuple(as_int(n, v, minimum=lo) for n, v, lo in
+                               zip(("m", "w", "sink"), o1_params, (4, 1, 0)))
+        self.blas_threads = as_int("decode_blas_threads", decode_blas_threads, minimum=0)
+        tracked = Tracked(weights)
+        self.embed = take(tracked, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        self.layers: list[LayerWeights] = layers_from(tracked, cfg)
+        self.norm = take(tracked, "model.norm.weight", (cfg.hidden_size,))
+        if cfg.tie_word_embeddings or "lm_head.weight" not in tracked:
+            if not cfg.tie_word_embeddings:
+                raise KeyError("checkpoint: tensor 'lm_head.weight' is missing (and the config "
+                               "does not tie it to the embeddings)")
+            lm_head = self.embed
+        else:
+            lm_head = take(tracked, "lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+        self.lm_head_t: Array = np.ascontiguousarray(lm_head.T)
+        unused = sorted(k for k in set(tracked) - tracked.used
+                        if not k.endswith("rotary_emb.inv_freq") and k != "lm_head.weight")
+        if unused:                    # a tensor this runner would silently leave out
+            raise ValueError(f"checkpoint: {len(unused)} tensors are not used by the "
+                             f"{cfg.family} runner (e.g. {', '.join(unused[:4])}); the config "
+                             f"does not describe them, so the logits would be wrong")
+        glob = [i for i in range(cfg.num_layers) if cfg.layer_windows[i] is None]
+        spec = o1_layers.strip().lower() if isinstance(o1_layers, str) else ""
+        if spec == "all" or spec.startswith("deep"):
+            # "all" / "deepN" count the global layers only: a window is already constant-size
+            self.o1_layers: tuple[int, ...] = tuple(glob[j] for j in
+                                                    parse_layers(o1_layers, len(glob)))
+        else:
+            self.o1_layers = parse_layers(o1_layers, cfg.num_layers)
+        for i in self.o1_layers:
+            if cfg.layer_windows[i] is not None:
+                raise ValueError(f"o1_layers: layer {i} has a sliding window of "
+                                 f"{cfg.layer_windows[i]}; the O(1) override is for global "
+                                 f"layers (a window is already constant-size)")
+        self._inv_freq = _rope_inv_freq(cfg)
+        self._embed_scale = _F32(math.sqrt(cfg.hidden_size)) if cfg.gemma else None
+        self.cache = KvCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                             max_seq_len=self.max_seq_len, policy=EvictionPolicy.born(),
+                             mode=self.mode)
+        for i in self.o1_layers:         # the seal needs f32 rows (released once it is done)
+            self.cache.layers[i] = LayerKvCache(cfg.num_kv_heads, cfg.head_dim, KvMode.F32)
+        self.position = 0
+        self.timings: dict[str, float] = {"attention_s": 0.0, "total_s": 0.0}
+        self._pools: Any = None           # threadpoolctl's controller, made on first use
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str], **kwargs: Any) -> Runner:
+        """Load ``path/config.json`` and its safetensors (see the class for ``kwargs``)."""
+        return cls(read_config(path), load_safetensors(path), **kwargs)
+
+    @classmethod
+    def random(cls, config: ModelConfig | None = None, seed: int = 0, **kwargs: Any) -> Runner:
+        """A model with random weights (the embedded default of ``python -m kvcache
+        generate``): a small Llama unless ``config`` is given."""
+        cfg = config or ModelConfig(family="llama", vocab_size=512, hidden_size=256,
+                                    intermediate_size=688, num_layers=4, num_heads=8,
+                                    num_kv_heads=2, head_dim=32, rope_theta=500000.0,
+                                    layer_windows=(None,) * 4, eos_token_id=())
+        return cls(cfg, random_weights(cfg, seed), **kwargs)
+
+    # ---------------------------------------------------------------- maths
+    def _rms(self, x: Array, w: Array) -> Array:
+        var = np.mean(x * x, axis=-1, keepdims=True, dtype=_F32)
+        y = x * (_F32(1.0) / np.sqrt(var + _F32(self.config.rms_eps)))
+        gain = (_F32(1.0) + w) if self.config.gemma else w
+        return y * gain  # type: ignore[return-value]  # stubs: f32
+
+    def _rope(self, x: Array, positions: npt.NDArray[np.int64]) -> Array:
+        """Rotate-half RoPE of x (n, heads, hd) at ``positions`` (n,), as transformers does."""
+        ang = positions.astype(_F32)[:, None] * self._inv_freq[None, :]       # (n, hd/2)
+        cos = np.cos(ang)[:, None, :]
+        sin = np.sin(ang)[:, None, :]
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def _layer(self, i: int, x: Array, positions: npt.NDArray[np.int64], sealing: bool) -> Array:
+        cfg, L = self.config, self.layers[i]
+        n = x.shape[0]
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = self._rms(x, L.norm_attn_in)
+        qkv = h @ L.qkv
+        if L.bqkv is not None:
+            qkv = qkv + L.bqkv
+        nq, nk = nh * hd, nkv * hd
+        q = self._rope(qkv[:, :nq].reshape(n, nh, hd), positions)
+        k = self._rope(qkv[:, nq: nq + nk].reshape(n, nkv, hd), positions)
+        v = np.ascontiguousarray(qkv[:, nq + nk:]).reshape(n, nkv, hd)
+        layer = self.cache.layers[i]
+        t0 = time.perf_counter()
+        if i in self.o1_layers and (sealing or layer.o1_sealed()):
+            out = self._o1_attend(layer, q, k, v, sealing)
+        else:
+            layer.append(k, v)
+            out = layer.attend_all_heads(q, scale=cfg.scale, window=cfg.layer_windows[i],
+                                         softcap=cfg.attn_softcap or 0.0)
+        self.timings["attention_s"] += time.perf_counter() - t0
+        o = out.reshape(n, nh * hd) @ L.wo_t
+        if L.bo is not None:
+            o = o + L.bo
+        if L.norm_attn_out is not None:                    # Gemma-2 sandwich norm
+            o = self._rms(o, L.norm_attn_out)
+        x = x + o
+        h = self._rms(x, L.norm_mlp_in)
+        act = _ACTIVATIONS[cfg.hidden_act]
+        gu = h @ L.gate_up
+        if L.b_gate_up is not None:
+            gu = gu + L.b_gate_up
+        im = cfg.intermediate_size
+        m = (act(gu[:, :im]) * gu[:, im:]) @ L.down_t
+        if L.b_down is not None:
+            m = m + L.b_down
+        if L.norm_mlp_out is not None:
+            m = self._rms(m, L.norm_mlp_out)
+        return x + m
+
+    def _o1_attend(self, layer: LayerKvCache, q: Array, k: Array, v: Array,
+                   sealing: bool) -> Array:
+        cfg = self.config
+        adj = _F32(cfg.scale * math.sqrt(cfg.head_dim))     # o1 scores use 1/sqrt(head_dim)
+        if sealing:                                         # the prompt: exact, and traced
+            layer.o1_push_q(q * adj)
+            layer.append(k, v)
+            return layer.attend_all_heads(q, scale=cfg.scale, softcap=cfg.attn_softcap or 0.0)
+        return layer.o1_step((q * adj)[0], k[0], v[0], cfg.num_heads)[None]
+
+    def _blas_for(self, n: int) -> ContextManager[object]:
+        """BLAS on one thread for a single position (decode), unless ``blas_threads`` says.
+
+        A decode step's products are memory-bound matrix-vector products; on a machine with
+        few cores, BLAS worker threads that spin-wait after each product and kvcache's OpenMP
+        team that does the same descheduled each other for tens of milliseconds per call here
+        (2 cores: 0.8 tokens/s instead of 25 on the benchmark model).  One BLAS thread
+        removes the contention; prefill blocks keep every thread."""
+        if n > 1 or self.blas_threads == 0:
+            return contextlib.nullcontext()
+        if self._pools is None:
+            from threadpoolctl import ThreadpoolController
+            self._pools = ThreadpoolController()
+        limit: ContextManager[object] = self._pools.limit(limits=self.blas_threads, user_api="blas")
+        return limit
+
+    def _logits(self, x: Array) -> Array:
+        h = self._rms(x, self.norm)
+        logits = h @ self.lm_head_t
+        cap = self.config.final_softcap
+        if cap:
+            logits = np.tanh(logits / _F32(cap)) * _F32(cap)
+        return logits
+
+    def forward(self, ids: npt.ArrayLike, *, all_logits: bool = False) -> Array:
+        """Run positions ``ids`` (1-D ints) after what the cache holds; return the logits of
+        the last position (vocab,) or of all (n, vocab) with ``all_logits``."""
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+            raise ValueError(f"ids: expected a non-empty 1-D array of token ids, got "
+                             f"{ids.dtype} {ids.shape}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"ids: token ids must lie in [0, {self.config.vocab_size})")
+        n = ids.shape[0]
+        if self.position + n > self.max_seq_len:
+            raise ValueError(f"ids: {n} positions after {self.position} exceed max_seq_len="
+                             f"{self.max_seq_len}")
+        sealing = bool(self.o1_layers) and self.position == 0
+        if self.o1_layers and not sealing and n > 1:
+            raise ValueError("ids: with O(1) layers, only the prompt (the first call) may hold "
+                             "several positions; decode one position per call")
+        t0 = time.perf_counter()
+        undo = self._undo_point(sealing)
+        try:
+            if sealing:
+                m, w, sink = self.o1_params
+                for i in self.o1_layers:
+                    self.cache.layers[i].o1_begin(m, w, sink)
+            x = self.embed[ids]
+            if self._embed_scale is not None:
+                x = x * self._embed_scale
+            positions = np.arange(self.position, self.position + n)
+            with self._blas_for(n):
+                for i in range(self.config.num_layers):
+                    x = self._layer(i, x, positions, sealing)
+                out = self._logits(x if all_logits else x[-1:])
+            if sealing:
+                for i in self.o1_layers:
+                    self.cache.layers[i].o1_seal(self.config.num_heads)
+        except BaseException:             # MemoryError, Ctrl-C...: no layer keeps a half step
+            self._undo(undo)
+            raise
+        self.position += n
+        self.timings["total_s"] += time.perf_counter() - t0
+        return out if all_logits else out[0]
+
+    def _undo_point(self, sealing: bool) -> _UndoPoint:
+        """What :meth:`_undo` needs to put every layer back as it is now."""
+        if sealing:
+            return None                   # the cache was empty: clearing restores it
+        return [(layer.o1_snapshot() if layer.o1_sealed() else layer.seq_len)
+                for layer in self.cache.layers]
+
+    def _undo(self, point: _UndoPoint) -> None:
+        if point is None:
+            self.cache.clear()            # keeps the layer objects (the O(1) layers' f32 too)
+            return
+        for layer, saved in zip(self.cache.layers, point):
+            if isinstance(saved, int):
+                layer.truncate_last(layer.seq_len - saved)
+            else:
+                layer.o1_restore(saved)
+
+    def prefill(self, ids: npt.ArrayLike, *, all_logits: bool = False) -> Array:
+        """The prompt as one block (the cache must be empty): see :meth:`forward`."""
+        if self.position:
+            raise ValueError(f"prefill: the cache already holds {self.position} positions; "
+                             f"call reset() first or use forward()")
+        return self.forward(ids, all_logits=all_logits)
+
+    def step(self, token: int) -> Array:
+        """Decode one position: the next-token logits (vocab,)."""
+        return self.forward(np.array([as_int("token", token, minimum=0)]))
+
+    def rollback(self, n: int) -> None:
+        """Forget the newest ``n`` positions (speculative-decode reject): ``truncate_last`` on
+        every layer.  O(1)-sealed layers cannot roll back (RuntimeError, nothing changed)."""
+        n = min(as_int("n", n, minimum=0), self.position)
+        if n == 0:
+            return
+        self.cache.truncate_last(n)
+        self.position -= n
+
+    def reset(self) -> None:
+        """Empty the cache (a new conversation)."""
+        self.cache.clear()
+        self.position = 0
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the KV cache (every layer)."""
+        return self.cache.memory_bytes()
+
+    # ---------------------------------------------------------------- sampling
+    def generate(self, prompt: npt.ArrayLike, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None,
+                 stop: int | Collection[int] | None = None,
+                 callback: Callable[[int], object] | None = None) -> list[int]:
+        """Prefill ``prompt`` and decode up to ``max_new_tokens`` tokens.
+
+        Parameters
+        ----------
+        prompt : sequence of int
+        max_new_tokens : int
+        temperature : float
+            0 is greedy (argmax; ties go to the lowest id); otherwise sample from
+            ``softmax(logits / temperature)`` restricted to the top-p nucleus.
+        top_p : float in (0, 1]
+        seed : int, optional
+            Seed of the sampler's ``numpy.random.Generator``.
+        stop : collection of int, optional
+            Token ids that end the generation (default: the config's eos ids).
+        callback : callable, optional
+            Called with each new token id.
+
+        Returns
+        -------
+        list of int
+            The new tokens (the prompt is not repeated).
+
+        Starts a conversation: the cache must be empty (:meth:`reset`); the prompt length plus
+        ``max_new_tokens - 1`` must fit ``max_seq_len`` (checked before anything runs).
+        """
+        max_new = as_int("max_new_tokens", max_new_tokens, minimum=0)
+        temperature = float(temperature)
+        top_p = float(top_p)
+        if not temperature >= 0.0 or math.isinf(temperature):
+            raise ValueError(f"temperature: expected a finite value >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p: expected a value in (0, 1], got {top_p}")
+        if stop is None:
+            stop = self.config.eos_token_id
+        elif isinstance(stop, (int, np.integer)):
+            stop = (stop,)
+        stops = {as_int("stop", t) for t in stop}
+        seed = None if seed is None else as_int("seed", seed, minimum=0)
+        n_prompt = len(np.asarray(prompt).reshape(-1))
+        if self.position:
+            raise ValueError(f"generate: the cache already holds {self.position} positions; "
+                             f"generate starts a conversation (call reset() first)")
+        if n_prompt + max(max_new - 1, 0) > self.max_seq_len:
+            raise ValueError(f"generate: {n_prompt} prompt positions and {max_new} new tokens "
+                             f"exceed max_seq_len={self.max_seq_len}")
+        rng = np.random.default_rng(seed)
+        out: list[int] = []
+        if max_new == 0:
+            self.forward(prompt)          # checks the prompt like any other call, then
+            self.reset()                  # leaves the runner as it was
+            return out
+        logits = self.prefill(prompt)
+        while True:
+            tok = sample(logits, temperature, top_p, rng)
+            out.append(tok)
+            if callback is not None:
+                callback(tok)
+            if tok in stops or len(out) >= max_new:
+                return out
+            logits = self.step(tok)
+
