@@ -21,7 +21,8 @@ import logging
 
 import numpy as np
 
-from . import quant
+from . import quant, wire
+from ._state import LayerState
 from ._validate import as_f32, as_f32_scalar, as_index, as_int, out_f32, readonly
 from ._attention import Rows, attend_blocks, attend_rows, default_scale, grouped_queries
 from .eviction import EvictionPolicy, born_rows
@@ -73,7 +74,7 @@ class LayerKvCache:
         self._mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
         self._nkv = nkv
         self._hd = hd
-        self._ngk = quant.n_groups(hd, quant.K_GROUP)
+        self._ngk = quant.k_scale_count(hd)
         self._o1 = None
         self._linear_state = np.zeros(0, dtype=_F32)
         self._linear_scratch = np.zeros(0, dtype=_F32)
@@ -84,7 +85,8 @@ class LayerKvCache:
         self._reset_storage()
 
     # ------------------------------------------------------------------ storage basics
-    def _reset_storage(self):
+    def _reset_storage(self) -> None:
+        """Empty rows, columns and importance (mode, geometry, linear and O(1) state stay)."""
         nkv, hd = self._nkv, self._hd
         self._seq_len = 0
         self._cap = 0
@@ -102,13 +104,14 @@ class LayerKvCache:
         self._imp = np.zeros(0, dtype=_F32)
         self._imp_len = 0
 
-    def _stores(self):
+    def _stores(self) -> list[str]:
         """Names of the (nkv, cap, .) stores this mode uses."""
         names = ["_kq", "_ks"] if self._mode.quant_k else ["_kf"]
         names += ["_vq", "_vs"] if self._mode.quant_v else ["_vf"]
         return names
 
-    def _trailing(self, name):
+    def _trailing(self, name: str) -> tuple[int, type[np.generic]]:
+        """(width, dtype) of the rows of store ``name``."""
         return {"_kf": (self._hd, _F32), "_vf": (self._hd, _F32), "_kq": (self._hd, np.int8),
                 "_vq": (self._hd, np.int8), "_ks": (self._ngk, _F32), "_vs": (1, _F32)}[name]
 
@@ -310,19 +313,15 @@ class LayerKvCache:
     def _store(self, k3, v3, live):
         n = k3.shape[0]
         if self._mode.quant_k:
-            _core.store_rows_q8(x__nhd=k3, alive__h=live, head_len__h=self._len,
-                                col__hd=self._kcol, col_on__h=self._kcol_on, group=quant.K_GROUP,
-                                q__hcd=self._kq, s__hcg=self._ks)
+            _core.store_rows_q8(k3, live, self._len, self._kcol, self._kcol_on, quant.K_GROUP,
+                                self._kq, self._ks)
         else:
-            _core.store_rows_f32(x__nhd=k3, alive__h=live, head_len__h=self._len,
-                                 store__hcd=self._kf)
+            _core.store_rows_f32(k3, live, self._len, self._kf)
         if self._mode.quant_v:
-            _core.store_rows_q8(x__nhd=v3, alive__h=live, head_len__h=self._len,
-                                col__hd=self._vcol, col_on__h=self._vcol_on, group=self._hd,
-                                q__hcd=self._vq, s__hcg=self._vs)
+            _core.store_rows_q8(v3, live, self._len, self._vcol, self._vcol_on, self._hd,
+                                self._vq, self._vs)
         else:
-            _core.store_rows_f32(x__nhd=v3, alive__h=live, head_len__h=self._len,
-                                 store__hcd=self._vf)
+            _core.store_rows_f32(v3, live, self._len, self._vf)
         self._len += live.astype(np.intp) * n
         self._imp[self._imp_len: self._imp_len + n] = 0.0
         self._imp_len += n
@@ -633,38 +632,67 @@ class LayerKvCache:
         rows = int(self._len.sum())
         hd = self._hd
         total = 0
-        total += rows * (hd + 4 * self._ngk) if self._mode.quant_k else rows * hd * 4
-        total += rows * (hd + 4) if self._mode.quant_v else rows * hd * 4
+        total += rows * quant.k_row_bytes(hd, self._mode.quant_k)
+        total += rows * quant.v_row_bytes(hd, self._mode.quant_v)
         total += 4 * hd * int(self._kcol_on.sum() + self._vcol_on.sum())
         total += 4 * self._linear_state.size
         total += self.o1_memory_bytes()
         return total
 
     # ------------------------------------------------------------------ byte formats
-    def _install(self, st):
-        """Replace the whole state with a parsed, validated one (kvcache.wire); no checks here,
-        nothing can fail half-way: attribute assignments only."""
-        mode = st["mode"]
-        cap = st["cap"]
-        ks = st["ks"] if st["ks"] is not None else np.zeros((self._nkv, 0, self._ngk), dtype=_F32)
-        self._mode = mode
-        self._seq_len = st["seq_len"]
-        self._cap = cap
-        self._len = st["len"]
-        self._kf = st["kf"] if st["kf"] is not None else self._empty_f
-        self._vf = st["vf"] if st["vf"] is not None else self._empty_f
-        self._kq = st["kq"] if st["kq"] is not None else self._empty_q
-        self._vq = st["vq"] if st["vq"] is not None else self._empty_q
-        self._ks = ks
-        self._vs = st["vs"] if st["vs"] is not None else self._empty_s
-        self._kcol, self._vcol = st["kcol"], st["vcol"]
-        self._kcol_on, self._vcol_on = st["kcol_on"], st["vcol_on"]
-        self._imp = st["imp"]
-        self._imp_len = st["imp"].shape[0]
-        self._linear_state = st["linear_state"]
-        if "linear_scratch" in st:
-            self._linear_scratch = st["linear_scratch"]
-        self._o1 = st["o1"]
+    def _export_state(self) -> LayerState:
+        """Everything the layer holds, as read-only views and its own O(1) object (no copies).
+
+        The one way other modules (kvcache.wire, the device mirrors) read a layer: see
+        :mod:`kvcache._state`.  The views show the storage as it is; read them before the
+        layer changes again."""
+        qk, qv = self._mode.quant_k, self._mode.quant_v
+        return LayerState(
+            mode=self._mode, num_kv_heads=self._nkv, head_dim=self._hd, seq_len=self._seq_len,
+            lengths=readonly(self._len),
+            kf=None if qk else readonly(self._kf), kq=readonly(self._kq) if qk else None,
+            ks=readonly(self._ks) if qk else None,
+            vf=None if qv else readonly(self._vf), vq=readonly(self._vq) if qv else None,
+            vs=readonly(self._vs) if qv else None,
+            kcol=readonly(self._kcol), vcol=readonly(self._vcol),
+            kcol_on=readonly(self._kcol_on), vcol_on=readonly(self._vcol_on),
+            importance=readonly(self._imp[: self._imp_len]),
+            linear_state=readonly(self._linear_state),
+            linear_scratch=readonly(self._linear_scratch), o1=self._o1)
+
+    def _install_state(self, state: LayerState) -> None:
+        """Replace everything the layer holds with ``state``, atomically.
+
+        ``state`` is checked completely first (:meth:`LayerState.check`: geometry, dtypes,
+        shapes, lengths, column and O(1) rules; ValueError or TypeError) and copied unless
+        it is ``owned``; only then is it swapped in, by assignments that cannot fail.  When
+        this raises, the layer is unchanged.  ``linear_scratch=None`` keeps the layer's own.
+        The generation diverges (a mirror re-uploads everything)."""
+        if not isinstance(state, LayerState):
+            raise TypeError(f"state: expected a LayerState, got {type(state).__name__}")
+        state.check(self._nkv, self._hd)
+        if not state.owned:
+            state = state.owned_copy()
+        empty_ks = np.zeros((self._nkv, 0, self._ngk), dtype=_F32)
+        # commit: assignments only
+        self._mode = state.mode
+        self._seq_len = int(state.seq_len)
+        self._cap = state.capacity
+        self._len = state.lengths
+        self._kf = self._empty_f if state.kf is None else state.kf
+        self._kq = self._empty_q if state.kq is None else state.kq
+        self._ks = empty_ks if state.ks is None else state.ks
+        self._vf = self._empty_f if state.vf is None else state.vf
+        self._vq = self._empty_q if state.vq is None else state.vq
+        self._vs = self._empty_s if state.vs is None else state.vs
+        self._kcol, self._vcol = state.kcol, state.vcol
+        self._kcol_on, self._vcol_on = state.kcol_on, state.vcol_on
+        self._imp = state.importance
+        self._imp_len = int(state.importance.shape[0])
+        self._linear_state = state.linear_state
+        if state.linear_scratch is not None:
+            self._linear_scratch = state.linear_scratch
+        self._o1 = state.o1
         self._gen.diverge()
 
     def export_wire(self, f16=False):
@@ -681,7 +709,6 @@ class LayerKvCache:
             For what the layout cannot describe: int8 storage (the message says "F32"), O(1)
             state, frozen columns.  Use :meth:`to_bytes` for those.
         """
-        from . import wire
         return wire.export_wire(self, f16)
 
     def import_wire(self, buf):
@@ -691,8 +718,7 @@ class LayerKvCache:
         bytes) before anything changes; a bad buffer raises kvcache.WireError and leaves the
         layer untouched.  The layer becomes F32; columns and O(1) state are reset;
         ``linear_scratch`` is kept."""
-        from . import wire
-        self._install(wire.import_wire(self, buf))
+        self._install_state(wire.import_wire(self, buf))
 
     def to_bytes(self, *, f16=False, fingerprint=None):
         """The whole layer in kvcache's versioned, checksummed format (see kvcache.wire).
@@ -708,7 +734,6 @@ class LayerKvCache:
         fingerprint : bytes or str, optional
             Identifies the model/configuration; :meth:`from_bytes` checks it when given one.
         """
-        from . import wire
         return wire.layer_to_bytes(self, f16, fingerprint)
 
     def from_bytes(self, buf, *, fingerprint=None):
@@ -717,8 +742,7 @@ class LayerKvCache:
         The digest, the format, the geometry (num_kv_heads and head_dim must match; the mode
         comes from the buffer) and, when given, the fingerprint are checked and the whole body
         validated before anything changes.  Every bad buffer raises kvcache.WireError."""
-        from . import wire
-        self._install(wire.layer_from_bytes(self, buf, fingerprint))
+        self._install_state(wire.layer_from_bytes(self, buf, fingerprint))
 
     # ------------------------------------------------------------------ O(1) override
     def o1_begin(self, m, w, sink, rect=O1Rect.AGGREGATE):

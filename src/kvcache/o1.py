@@ -48,11 +48,12 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from ._validate import readonly
 
 __all__ = ["O1Rect", "O1Collecting", "O1Sealed", "O1DeviceView", "O1HeadView", "O1Snapshot",
-           "EXACT_SLACK", "seg_means", "ridge_pinv", "effective_landmarks", "o1_scale",
+           "EXACT_SLACK", "EXACT_EXTRA", "seg_means", "ridge_pinv", "effective_landmarks", "o1_scale",
            "check_seal"]
 
 log = logging.getLogger("kvcache")
@@ -61,7 +62,8 @@ _F32 = np.float32
 EXACT_SLACK = 8          # a seal prompt of t <= w + sink + EXACT_SLACK positions is kept exact
 _RIDGE = 1e-6            # ridge, relative to mean(diag(A^T A))
 _RIDGE_TRIES = 12        # ridge x10 per failed Cholesky, this many attempts
-_EXACT_EXTRA = 64        # spare window rows allocated for an exact-only group at seal
+EXACT_EXTRA = 64         # spare window rows allocated for an exact-only group at seal
+_EXACT_EXTRA = EXACT_EXTRA
 
 
 class O1Rect(enum.Enum):
@@ -160,13 +162,13 @@ class O1Collecting:
 
     sealed = False
 
-    def __init__(self, m, w, sink, rect, head_dim):
+    def __init__(self, m: int, w: int, sink: int, rect: O1Rect, head_dim: int) -> None:
         self.m, self.w, self.sink, self.rect = m, w, sink, rect
         self._hd = head_dim
         self._q = np.zeros(0, dtype=_F32)
         self._len = 0
 
-    def push(self, q):
+    def push(self, q: npt.NDArray[np.float32]) -> None:
         """Append the float32 values of ``q`` (already validated) to the trace."""
         flat = q.reshape(-1)
         need = self._len + flat.size
@@ -178,9 +180,14 @@ class O1Collecting:
         self._len = need
 
     @property
-    def trace(self):
+    def trace(self) -> npt.NDArray[np.float32]:
         """The collected queries, a read-only flat float32 view."""
         return readonly(self._q[: self._len])
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per query head of the layer this trace belongs to."""
+        return self._hd
 
     def memory_bytes(self):
         return 4 * self._len
@@ -260,7 +267,8 @@ class O1Sealed:
 
     sealed = True
 
-    def __init__(self, *, num_heads, num_kv_heads, d, dv, m, w, sink, rect, exact_only):
+    def __init__(self, *, num_heads: int, num_kv_heads: int, d: int, dv: int, m: int, w: int,
+                 sink: int, rect: O1Rect, exact_only: bool) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.hpk = num_heads // num_kv_heads
@@ -317,10 +325,8 @@ class O1Sealed:
         st.scr = np.zeros((nh, sink + w + 3 * m_eff), dtype=_F32)
         # replay: keys sink .. t-w-1 leave the window in order and enter the far field
         n_far = t - sink - w
-        kernels.o1_absorb(q_tilde__hmd=st.q_tilde, keys__gnd=keys, values__gne=values,
-                          row0=sink, n=n_far, scale=st.scale, t_hat__hme=st.t_hat,
-                          z_hat__hm=st.z_hat, m_max__hm=st.m_max, scr__hm=st.scr,
-                          n_threads=n_threads)
+        kernels.o1_absorb(st.q_tilde, keys, values, sink, n_far, st.scale, st.t_hat, st.z_hat,
+                          st.m_max, st.scr, n_threads)
         st.far_len = n_far
         # ...and key j >= sink sits in ring slot (j - sink) % w
         st.win_k = np.zeros((nkv, w, d), dtype=_F32)
@@ -331,6 +337,12 @@ class O1Sealed:
         st.win_len = w
         st.win_head = (t - sink) % w
         return st
+
+    def set_exact_window(self, keys: npt.NDArray[np.float32], values: npt.NDArray[np.float32],
+                         n: int) -> None:
+        """Exact-only: the window holds rows [0, n) of keys (G, >= n, d) and values, with
+        ``EXACT_EXTRA`` spare rows to grow into (at a seal, and when a stored state is read)."""
+        self._set_exact_window(keys, values, n)
 
     def _set_exact_window(self, keys, values, n):
         """Exact-only: the window holds rows [0, n) of keys (G, >= n, d) and values, with
@@ -371,13 +383,10 @@ class O1Sealed:
             win_len = self.win_len + 1
             scr = self.scr
         far_len = self.far_len + (1 if absorb else 0)
-        kernels.o1_step(q__hd=q, k_new__gd=k_new, v_new__ge=v_new, sink_k__gsd=self.sink_k,
-                        sink_v__gse=self.sink_v, win_k__gcd=self.win_k, win_v__gce=self.win_v,
-                        win_len=win_len, slot=slot, absorb=absorb, k_tilde__gmd=self.k_tilde,
-                        q_tilde__hmd=self.q_tilde, mu__hmm=self.mu, t_hat__hme=self.t_hat,
-                        z_hat__hm=self.z_hat, m_max__hm=self.m_max, use_far=far_len > 0,
-                        fm=self.rect is O1Rect.FM, scale=self.scale, out__he=out, scr__hx=scr,
-                        n_threads=n_threads)
+        kernels.o1_step(q, k_new, v_new, self.sink_k, self.sink_v, self.win_k, self.win_v,
+                        win_len, slot, absorb, self.k_tilde, self.q_tilde, self.mu, self.t_hat,
+                        self.z_hat, self.m_max, far_len > 0, self.rect is O1Rect.FM,
+                        self.scale, out, scr, n_threads)
         self.win_len = win_len
         if absorb:
             self.win_head = (self.win_head + 1) % self.w

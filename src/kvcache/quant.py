@@ -1,4 +1,4 @@
-"""The q8 storage scheme (spec layer-kv-cache.md section 3).
+"""The q8 storage scheme (described in docs/numerics.md) and the one place for row sizes.
 
 K rows are quantised in groups of ``K_GROUP`` = 32 channels with one float32 scale per group;
 V rows with one scale per row.  Scales are ``max(absmax / 127, 1e-12)``, values
@@ -9,23 +9,60 @@ The column field is frozen once per conversation, at the start of the first appe
 ``seq_len >= COL_WARMUP`` (64) and no column frozen yet: for every head and quantised component
 holding rows, ``col[d] = max(sqrt(sum_p x[p, d]**2 / n), 1e-6)`` over the dequantised rows
 (float32, rows added in order), and every stored row is requantised against it.
+
+Sizes.  :func:`k_scale_count`, :func:`k_row_bytes`, :func:`v_row_bytes` and
+:func:`q8_row_bytes` are the only place the byte size of a stored row is computed: the
+layer's ``memory_bytes``, the byte formats (:mod:`kvcache.wire`) and the device mirrors use
+them.  :data:`CHUNK_ROWS` is the number of rows the attention kernels accumulate per chunk
+(the compiled ``_core.CHUNK_ROWS`` must equal it), and :data:`COPY_CHUNK_BYTES` the bytes the
+byte formats copy (and hash) per step.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
+
+__all__ = ["COL_WARMUP", "K_GROUP", "COL_FLOOR", "CHUNK_ROWS", "COPY_CHUNK_BYTES", "n_groups",
+           "k_scale_count", "k_row_bytes", "v_row_bytes", "q8_row_bytes", "dequantize",
+           "column_field", "freeze_columns"]
 
 COL_WARMUP = 64
 K_GROUP = 32
 COL_FLOOR = np.float32(1e-6)
+CHUNK_ROWS = 256                 # rows per V-accumulation chunk of the attention kernels
+COPY_CHUNK_BYTES = 256 << 10     # bytes copied, then hashed while still in L2, per step
 
 
-def n_groups(head_dim, group):
+def n_groups(head_dim: int, group: int) -> int:
     """Number of scales per row: ceil(head_dim / group)."""
     return -(-head_dim // group)
 
 
-def dequantize(q, s, group):
+def k_scale_count(head_dim: int) -> int:
+    """Float32 scales per int8 K row: ceil(head_dim / K_GROUP)."""
+    return n_groups(head_dim, K_GROUP)
+
+
+def k_row_bytes(head_dim: int, q8: bool = True) -> int:
+    """Bytes of one stored K row: int8 values and their group scales, or float32 values."""
+    return head_dim + 4 * k_scale_count(head_dim) if q8 else 4 * head_dim
+
+
+def v_row_bytes(head_dim: int, q8: bool = True) -> int:
+    """Bytes of one stored V row: int8 values and one scale, or float32 values."""
+    return head_dim + 4 if q8 else 4 * head_dim
+
+
+def q8_row_bytes(head_dim: int) -> int:
+    """Bytes of one position of one KV head stored as int8 K and V (rows and scales)."""
+    return k_row_bytes(head_dim) + v_row_bytes(head_dim)
+
+
+def dequantize(q: npt.NDArray[np.int8], s: npt.NDArray[np.float32],
+               group: int) -> npt.NDArray[np.float32]:
     """Dequantise int8 rows ``q`` (n, hd) with scales ``s`` (n, ceil(hd/group)) to float32.
 
     Used once, at the column freeze; the attention path never dequantises.
@@ -33,24 +70,29 @@ def dequantize(q, s, group):
     hd = q.shape[1]
     scales = np.repeat(s, group, axis=1)[:, :hd]          # (n, hd)
     with np.errstate(invalid="ignore", over="ignore"):     # inf scales from inf rows: IEEE
-        return q.astype(np.float32) * scales               # (n, hd) float32
+        out: npt.NDArray[np.float32] = q.astype(np.float32) * scales   # (n, hd) float32
+    return out
 
 
-def column_field(x):
+def column_field(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     """Per-channel RMS of rows ``x`` (n, hd), float32, rows accumulated in order, floored."""
     sq = np.zeros(x.shape[1], dtype=np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
-        for row in x:                                      # row order, as the spec says
+        for row in x:                                      # row order, as documented
             sq += row * row
         col = np.sqrt(sq / np.float32(x.shape[0]))
-    return np.maximum(col, COL_FLOOR).astype(np.float32)
+    out: npt.NDArray[np.float32] = np.maximum(col, COL_FLOOR).astype(np.float32)
+    return out
 
 
-def freeze_columns(q_store, s_store, lengths, group, col, col_on, kernels):
+def freeze_columns(q_store: npt.NDArray[np.int8], s_store: npt.NDArray[np.float32],
+                   lengths: npt.NDArray[np.intp], group: int, col: npt.NDArray[np.float32],
+                   col_on: npt.NDArray[np.uint8], kernels: Any) -> None:
     """Freeze the column field of one quantised component for every head that holds rows.
 
     q_store (nkv, cap, hd) int8 and s_store (nkv, cap, ng) float32 are requantised in place;
-    col (nkv, hd) and col_on (nkv,) are written for the heads that had rows.
+    col (nkv, hd) and col_on (nkv,) are written for the heads that had rows.  ``kernels`` is
+    the compiled module (or its NumPy twin), providing ``quantize_rows``.
     """
     for h, n in enumerate(lengths):
         n = int(n)
@@ -58,7 +100,6 @@ def freeze_columns(q_store, s_store, lengths, group, col, col_on, kernels):
             continue
         x = dequantize(q_store[h, :n], s_store[h, :n], group)   # (n, hd)
         c = column_field(x)                                      # (hd,)
-        kernels.quantize_rows(x__nd=x, col__d=c, group=group, q__nd=q_store[h, :n],
-                              s__ng=s_store[h, :n], n_threads=1)
+        kernels.quantize_rows(x, c, group, q_store[h, :n], s_store[h, :n], 1)
         col[h] = c
         col_on[h] = 1

@@ -108,13 +108,20 @@ import os
 import struct
 import uuid
 import zlib
+from typing import TYPE_CHECKING, Any, BinaryIO, Optional, Protocol, TypeVar, Union, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _core, quant
+from ._state import LayerState
 from .eviction import EvictionPolicy
 from .modes import KvMode
-from .o1 import _EXACT_EXTRA, O1Collecting, O1Rect, O1Sealed
+from .o1 import EXACT_EXTRA, O1Collecting, O1Rect, O1Sealed
+
+if TYPE_CHECKING:
+    from .layer import LayerKvCache
+    from .model import KvCache
 
 __all__ = ["WireError", "MAGIC", "VERSION", "KIND_LAYER", "KIND_MODEL", "ALG_XXH3", "ALG_CRC32",
            "default_algorithm"]
@@ -127,7 +134,7 @@ ALG_XXH3 = 1
 ALG_CRC32 = 2
 _ALG_NAMES = {ALG_XXH3: "XXH3-64", ALG_CRC32: "CRC-32"}
 _HEADER_FIXED = 28
-_CHUNK = 256 << 10               # bytes copied, then hashed while still in L2, per step
+_CHUNK = quant.COPY_CHUNK_BYTES  # bytes copied, then hashed while still in L2, per step
 _MAX_FINGERPRINT = 1 << 16
 MAX_POSITIONS = 1 << 48          # larger seq_len / far_len values are refused as implausible
 _ALLOC_FACTOR = 64               # a layer body may not make the reader allocate more than this
@@ -138,6 +145,21 @@ _F16 = np.dtype("<f2")
 _I8 = np.dtype("i1")
 
 
+_Buffer = Union[bytes, bytearray, memoryview, npt.NDArray[Any]]
+_Fingerprint = Union[bytes, bytearray, memoryview, str]
+_Path = Union[str, "os.PathLike[str]"]
+_Model = TypeVar("_Model", bound="KvCache")
+_Piece = Union[bytes, tuple[npt.NDArray[Any], np.dtype[Any]]]
+
+
+class _Hasher(Protocol):
+    """What a digest needs: xxhash's hashers and :class:`_Crc32`."""
+
+    def update(self, data: Any) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
 class WireError(ValueError):
     """A buffer that is not a valid kvcache buffer for this target (nothing was installed)."""
 
@@ -146,17 +168,18 @@ class WireError(ValueError):
 class _Crc32:
     """zlib.crc32 with the update/intdigest interface of xxhash's hashers."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._v = 0
 
-    def update(self, data):
+    def update(self, data: Any) -> None:
         self._v = zlib.crc32(data, self._v)
 
-    def intdigest(self):
+    def intdigest(self) -> int:
         return self._v
 
 
-def _xxhash():
+def _xxhash() -> Any:
+    """The ``xxhash`` module, or None when it is not installed."""
     try:
         import xxhash
     except ImportError:
@@ -164,40 +187,26 @@ def _xxhash():
     return xxhash
 
 
-def default_algorithm():
+def default_algorithm() -> int:
     """The digest a writer uses: XXH3-64 when ``xxhash`` is installed, else CRC-32."""
     return ALG_XXH3 if _xxhash() is not None else ALG_CRC32
 
 
-class _NullHasher:
-    """Digest 0: only for the benchmark's "what does the checksum cost" comparison."""
-
-    def update(self, data):
-        pass
-
-    def intdigest(self):
-        return 0
-
-
-_BENCH_NO_DIGEST = False     # the benchmark sets it to time exports without the digest
-
-
-def _hasher(alg):
-    if _BENCH_NO_DIGEST:
-        return _NullHasher()
+def _hasher(alg: int) -> _Hasher:
     if alg == ALG_XXH3:
         xxhash = _xxhash()
         if xxhash is None:
             raise WireError("the buffer's digest is XXH3-64, which needs the 'xxhash' package "
                             "(pip install xxhash, or the kvcache[wire] extra)")
-        return xxhash.xxh3_64()
+        hasher: _Hasher = xxhash.xxh3_64()
+        return hasher
     if alg == ALG_CRC32:
         return _Crc32()
     raise WireError(f"unknown digest algorithm {alg} (this kvcache knows "
                     f"{', '.join(f'{k} = {v}' for k, v in _ALG_NAMES.items())})")
 
 
-def _digest(alg, mv):
+def _digest(alg: int, mv: npt.NDArray[np.uint8]) -> int:
     h = _hasher(alg)
     for i in range(0, len(mv), 8 * _CHUNK):
         h.update(mv[i: i + 8 * _CHUNK])
@@ -205,7 +214,7 @@ def _digest(alg, mv):
 
 
 # ---------------------------------------------------------------------------------- writing
-def _pad(n):
+def _pad(n: int) -> int:
     return -n % 8
 
 
@@ -213,38 +222,39 @@ class _Plan:
     """The pieces of a buffer, in order: small ``bytes`` and NumPy arrays written raw
     (as ``dtype``: f32 arrays may be written as f16).  Offsets follow from the sizes."""
 
-    def __init__(self):
-        self.pieces = []
+    def __init__(self) -> None:
+        self.pieces: list[_Piece] = []
         self.size = 0
 
-    def raw(self, data):
+    def raw(self, data: bytes) -> None:
         self.pieces.append(bytes(data))
         self.size += len(data)
 
-    def pack(self, fmt, *values):
+    def pack(self, fmt: str, *values: Any) -> None:
         self.raw(struct.pack("<" + fmt, *values))
 
-    def pad8(self):
+    def pad8(self) -> None:
         if self.size % 8:
             self.raw(bytes(_pad(self.size)))
 
-    def array(self, arr, dtype=None, pad=True):
+    def array(self, arr: npt.NDArray[Any], dtype: Optional[npt.DTypeLike] = None,
+              pad: bool = True) -> None:
         """Write ``arr`` (any shape, C order) as ``dtype`` (default its own, little-endian),
         then pad to a multiple of 8 unless ``pad`` is False (the legacy layout has no padding)."""
         arr = np.ascontiguousarray(arr)
-        dtype = np.dtype(dtype or arr.dtype).newbyteorder("<")
+        dt = np.dtype(dtype or arr.dtype).newbyteorder("<")
         if arr.size:
-            self.pieces.append((arr.reshape(-1), dtype))
-            self.size += arr.size * dtype.itemsize
+            self.pieces.append((arr.reshape(-1), dt))
+            self.size += arr.size * dt.itemsize
         if pad:
             self.pad8()
 
-    def extend(self, other):
+    def extend(self, other: _Plan) -> None:
         """Append every piece of another plan."""
         self.pieces += other.pieces
         self.size += other.size
 
-    def write_into(self, out, hasher=None):
+    def write_into(self, out: npt.NDArray[np.uint8], hasher: Optional[_Hasher] = None) -> int:
         """Copy every piece into ``out`` (uint8, len >= size), hashing what it writes."""
         pos = 0
         for piece in self.pieces:
@@ -267,7 +277,7 @@ class _Plan:
             pos += nbytes
         return pos
 
-    def write_file(self, fh, hasher):
+    def write_file(self, fh: BinaryIO, hasher: _Hasher) -> None:
         """Stream every piece to a binary file object, hashing what it writes."""
         buf = np.empty(_CHUNK, np.uint8)
         for piece in self.pieces:
@@ -282,29 +292,29 @@ class _Plan:
                 n = (j - i) * dtype.itemsize
                 chunk = buf[:n]
                 np.copyto(chunk.view(dtype), src[i:j], casting="unsafe")
-                fh.write(chunk)
+                fh.write(chunk.data)
                 hasher.update(chunk)
 
 
-def _fresh(n):
+def _fresh(n: int) -> tuple[bytes, npt.NDArray[np.uint8]]:
     """A new bytes object of n bytes and a writable uint8 view of it (see _core.fresh_bytes)."""
     b, writer = _core.fresh_bytes(n)
-    return b, np.frombuffer(writer, np.uint8)
+    return b, np.frombuffer(memoryview(writer), np.uint8)
 
 
-def _header(plan, kind, alg, fp, total):
+def _header(plan: _Plan, kind: int, alg: int, fp: bytes, total: int) -> None:
     plan.raw(MAGIC)
     plan.pack("HBBIQI", VERSION, kind, alg, 0, total, len(fp))
     plan.raw(fp)
     plan.pad8()
 
 
-def _header_size(fp):
+def _header_size(fp: bytes) -> int:
     n = _HEADER_FIXED + len(fp)
     return n + _pad(n)
 
 
-def _as_fingerprint(fingerprint):
+def _as_fingerprint(fingerprint: object) -> Optional[bytes]:
     if fingerprint is None:
         return None
     if isinstance(fingerprint, str):
@@ -318,7 +328,7 @@ def _as_fingerprint(fingerprint):
     return fp
 
 
-def _framed(body, kind, fingerprint):
+def _framed(body: _Plan, kind: int, fingerprint: Optional[_Fingerprint]) -> tuple[_Plan, int]:
     """The header and ``body`` as one plan (the digest follows it), and the digest algorithm."""
     fp = _as_fingerprint(fingerprint) or b""
     alg = default_algorithm()
@@ -328,7 +338,7 @@ def _framed(body, kind, fingerprint):
     return plan, alg
 
 
-def _finish(body, kind, fingerprint):
+def _finish(body: _Plan, kind: int, fingerprint: Optional[_Fingerprint]) -> bytes:
     """bytes of a whole buffer: header + body plan + digest."""
     plan, alg = _framed(body, kind, fingerprint)
     out_bytes, out = _fresh(plan.size + 8)
@@ -339,7 +349,7 @@ def _finish(body, kind, fingerprint):
     return out_bytes
 
 
-def _save(path, body, kind, fingerprint):
+def _save(path: _Path, body: _Plan, kind: int, fingerprint: Optional[_Fingerprint]) -> None:
     """Write header + body + digest to ``path`` atomically (temp file, fsync, rename)."""
     plan, alg = _framed(body, kind, fingerprint)
     path = os.fspath(path)
@@ -376,13 +386,14 @@ def _save(path, body, kind, fingerprint):
 class _Reader:
     """Bounds-checked reads from a uint8 array; arrays come back as views (no copy)."""
 
-    def __init__(self, buf, start=0, end=None, what="buffer"):
+    def __init__(self, buf: npt.NDArray[np.uint8], start: int = 0, end: Optional[int] = None,
+                 what: str = "buffer") -> None:
         self.buf = buf
         self.pos = start
         self.end = len(buf) if end is None else end
         self.what = what
 
-    def _take(self, n, field):
+    def _take(self, n: int, field: str) -> int:
         if n < 0 or self.pos + n > self.end:
             raise WireError(f"{self.what}: truncated: {field} needs {n} bytes at offset "
                             f"{self.pos}, {max(self.end - self.pos, 0)} left")
@@ -390,16 +401,17 @@ class _Reader:
         self.pos += n
         return p
 
-    def unpack(self, fmt, field):
+    def unpack(self, fmt: str, field: str) -> tuple[Any, ...]:
         fmt = "<" + fmt
         p = self._take(struct.calcsize(fmt), field)
-        return struct.unpack_from(fmt, self.buf, p)
+        return struct.unpack_from(fmt, self.buf.data, p)
 
-    def bytes(self, n, field):
+    def bytes(self, n: int, field: str) -> bytes:
         p = self._take(n, field)
         return bytes(self.buf[p: p + n])
 
-    def array(self, dtype, count, field, pad=True):
+    def array(self, dtype: npt.DTypeLike, count: int, field: str,
+              pad: bool = True) -> npt.NDArray[Any]:
         dtype = np.dtype(dtype)
         if count < 0:
             raise WireError(f"{self.what}: {field}: negative length {count}")
@@ -409,22 +421,22 @@ class _Reader:
             self.pad8(field)
         return out
 
-    def pad8(self, field):
+    def pad8(self, field: str) -> None:
         n = _pad(self.pos)
         if n:
             p = self._take(n, f"padding after {field}")
             if self.buf[p: p + n].any():
                 raise WireError(f"{self.what}: non-zero padding after {field} at offset {p}")
 
-    def done(self):
+    def done(self) -> None:
         if self.pos != self.end:
             raise WireError(f"{self.what}: {self.end - self.pos} unexpected bytes after offset "
                             f"{self.pos}")
 
 
-def _as_u8(buf):
+def _as_u8(buf: object) -> npt.NDArray[np.uint8]:
     try:
-        mv = memoryview(buf)
+        mv = memoryview(cast(Any, buf))       # anything with the buffer protocol
     except TypeError:
         raise TypeError(f"buf: expected a bytes-like object, got {type(buf).__name__}") from None
     if not mv.c_contiguous:
@@ -432,7 +444,7 @@ def _as_u8(buf):
     return np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, np.uint8)
 
 
-def _open(buf, kind, fingerprint):
+def _open(buf: object, kind: int, fingerprint: Optional[_Fingerprint]) -> _Reader:
     """Verify the header and the digest of a versioned buffer; return a reader at its body."""
     fp_want = _as_fingerprint(fingerprint)
     u8 = _as_u8(buf)
@@ -442,7 +454,7 @@ def _open(buf, kind, fingerprint):
     if bytes(u8[:8]) != MAGIC:
         raise WireError(f"not a kvcache buffer (magic {bytes(u8[:8])!r}, expected {MAGIC!r}); "
                         "a legacy export_wire buffer goes to import_wire")
-    version, kind_got, alg, flags, total, fp_len = struct.unpack_from("<HBBIQI", u8, 8)
+    version, kind_got, alg, flags, total, fp_len = struct.unpack_from("<HBBIQI", u8.data, 8)
     if version != VERSION:
         raise WireError(f"unsupported format version {version} (this kvcache reads version {VERSION})")
     if total != n:
@@ -450,7 +462,7 @@ def _open(buf, kind, fingerprint):
         raise WireError(f"{what}: the header says {total} bytes, the buffer has {n}")
     if flags != 0:
         raise WireError(f"unsupported flags 0x{flags:08x} (version {VERSION} defines none)")
-    stored = struct.unpack_from("<Q", u8, n - 8)[0]
+    stored = struct.unpack_from("<Q", u8.data, n - 8)[0]
     if _digest(alg, u8[: n - 8]) != stored:
         raise WireError(f"checksum mismatch: the buffer is corrupted ({_ALG_NAMES[alg]} of its "
                         f"{n - 8} bytes does not match the stored digest)")
@@ -469,66 +481,86 @@ def _open(buf, kind, fingerprint):
 
 
 # ---------------------------------------------------------------------------------- layer body
-def layer_plan(layer, f16=False):
-    """The body pieces of one layer (spec: the module docstring)."""
+def layer_plan(layer: LayerKvCache, f16: bool = False) -> _Plan:
+    """The body pieces of one layer (layout: the module docstring), read through the layer's
+    state object (no copies)."""
+    return state_plan(layer._export_state(), f16)
+
+
+def state_plan(st: LayerState, f16: bool = False) -> _Plan:
+    """The body pieces of one layer state (layout: the module docstring)."""
     f16 = bool(f16)
-    nkv, hd = layer.num_kv_heads, layer.head_dim
-    mode = layer.mode
-    o1 = layer.o1
+    nkv, hd = st.num_kv_heads, st.head_dim
+    mode = st.mode
+    o1 = st.o1
     o1_kind = 2 if isinstance(o1, O1Sealed) else 1 if isinstance(o1, O1Collecting) else 0
-    lens = layer._len
+    lens = st.lengths
+    scratch = st.linear_scratch if st.linear_scratch is not None else np.zeros(0, np.float32)
     plan = _Plan()
     plan.pack("IIBBBBI", nkv, hd, int(mode.quant_k), int(mode.quant_v), o1_kind, int(f16), 0)
-    plan.pack("QQQQ", layer.seq_len, layer._imp_len, layer._linear_state.size,
-              layer._linear_scratch.size)
+    plan.pack("QQQQ", st.seq_len, st.importance.size, st.linear_state.size, scratch.size)
     plan.pack(f"{nkv}Q", *[int(x) for x in lens])
-    plan.raw(layer._kcol_on.astype(np.uint8).tobytes() + layer._vcol_on.astype(np.uint8).tobytes())
+    plan.raw(st.kcol_on.astype(np.uint8).tobytes() + st.vcol_on.astype(np.uint8).tobytes())
     plan.pad8()
-    plan.array(layer._kcol, _F32)
-    plan.array(layer._vcol, _F32)
-    plan.array(layer._imp[: layer._imp_len], _F32)
-    plan.array(layer._linear_state, _F32)
-    plan.array(layer._linear_scratch, _F32)
+    plan.array(st.kcol, _F32)
+    plan.array(st.vcol, _F32)
+    plan.array(st.importance, _F32)
+    plan.array(st.linear_state, _F32)
+    plan.array(scratch, _F32)
     rows_dtype = _F16 if f16 else _F32
+    stores = st.stores()
     for h in range(nkv):
         n = int(lens[h])
         if mode.quant_k:
-            plan.array(layer._kq[h, :n], _I8)
-            plan.array(layer._ks[h, :n], _F32)
+            plan.array(stores["kq"][h, :n], _I8)
+            plan.array(stores["ks"][h, :n], _F32)
         else:
-            plan.array(layer._kf[h, :n], rows_dtype)
+            plan.array(stores["kf"][h, :n], rows_dtype)
         if mode.quant_v:
-            plan.array(layer._vq[h, :n], _I8)
-            plan.array(layer._vs[h, :n, 0], _F32)
+            plan.array(stores["vq"][h, :n], _I8)
+            plan.array(stores["vs"][h, :n, 0], _F32)
         else:
-            plan.array(layer._vf[h, :n], rows_dtype)
-    if o1_kind == 1:
-        plan.pack("IIIIQ", o1.m, o1.w, o1.sink, int(o1.rect is O1Rect.FM), o1._len)
-        plan.array(o1._q[: o1._len], _F32)
-    elif o1_kind == 2:
+            plan.array(stores["vf"][h, :n], rows_dtype)
+    if isinstance(o1, O1Collecting):
+        trace = o1.trace
+        plan.pack("IIIIQ", o1.m, o1.w, o1.sink, int(o1.rect is O1Rect.FM), trace.size)
+        plan.array(trace, _F32)
+    elif isinstance(o1, O1Sealed):
         rows = o1.win_len if o1.exact_only else o1.w
         plan.pack("IIIIIIIIQQQQ", o1.num_heads, o1.m, o1.w, o1.sink, int(o1.rect is O1Rect.FM),
                   int(o1.exact_only), o1.m_eff, o1.sink_len, rows, o1.win_len, o1.win_head,
                   o1.far_len)
         plan.array(o1.win_k[:, :rows], _F32)
         plan.array(o1.win_v[:, :rows], _F32)
-        for name in ("sink_k", "sink_v", "k_tilde", "q_tilde", "mu", "t_hat", "z_hat", "m_max"):
+        for name in _SEALED_FIXED:
             plan.array(getattr(o1, name), _F32)
     return plan
 
 
-def _mode(qk, qv):
+_SEALED_FIXED = ("sink_k", "sink_v", "k_tilde", "q_tilde", "mu", "t_hat", "z_hat", "m_max")
+
+
+def _mode(qk: int, qv: int) -> KvMode:
     """The KvMode of a body's quant_k / quant_v flags."""
     return KvMode.Q8(k=bool(qk), v=bool(qv)) if qk or qv else KvMode.F32
 
 
-def _f32(view, shape):
+def _f32(view: npt.NDArray[Any], shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
     """A native float32 copy of a little-endian f32/f16 view, reshaped."""
     return np.array(view, dtype=np.float32).reshape(shape)
 
 
-def parse_layer(rd, num_kv_heads=None, head_dim=None):
-    """Parse and validate one layer body; return the state dict for LayerKvCache._install."""
+def _rows_bytes(n: int, hd: int, quantised: bool, scale_bytes: int, itemsize: int) -> int:
+    """Bytes (with padding) of ``n`` rows of one component of one head in a layer body."""
+    if quantised:
+        return n * hd + _pad(n * hd) + n * scale_bytes + _pad(n * scale_bytes)
+    return n * hd * itemsize + _pad(n * hd * itemsize)
+
+
+def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
+                head_dim: Optional[int] = None) -> LayerState:
+    """Parse and validate one layer body; return an owned state for
+    ``LayerKvCache._install_state``."""
     nkv, hd, qk, qv, o1_kind, f16, reserved = rd.unpack("IIBBBBI", "layer geometry")
     if num_kv_heads is not None and (nkv, hd) != (num_kv_heads, head_dim):
         raise WireError(f"geometry mismatch: the buffer holds {nkv}×{hd} per position "
@@ -558,34 +590,32 @@ def parse_layer(rd, num_kv_heads=None, head_dim=None):
             raise WireError("a sealed O(1) layer holds no KV rows and no importance, in F32 mode")
     elif imp_len > seq_len:
         raise WireError(f"importance covers {imp_len} positions, more than seq_len={seq_len}")
-    st = {"mode": mode, "seq_len": int(seq_len), "len": lens, "kcol_on": kcol_on,
-          "vcol_on": vcol_on}
-    st["kcol"] = _f32(rd.array(_F32, nkv * hd, "kcol"), (nkv, hd))
-    st["vcol"] = _f32(rd.array(_F32, nkv * hd, "vcol"), (nkv, hd))
-    for name, on in (("kcol", kcol_on), ("vcol", vcol_on)):
-        if not (st[name][on == 0] == 1.0).all():
+    kcol = _f32(rd.array(_F32, nkv * hd, "kcol"), (nkv, hd))
+    vcol = _f32(rd.array(_F32, nkv * hd, "vcol"), (nkv, hd))
+    for name, col, on in (("kcol", kcol, kcol_on), ("vcol", vcol, vcol_on)):
+        if not (col[on == 0] == 1.0).all():
             raise WireError(f"{name}: a column field that is not frozen must be all ones")
-    st["imp"] = _f32(rd.array(_F32, imp_len, "importance"), (imp_len,))
-    st["linear_state"] = _f32(rd.array(_F32, n_lin, "linear_state"), (n_lin,))
-    st["linear_scratch"] = _f32(rd.array(_F32, n_scr, "linear_scratch"), (n_scr,))
+    imp = _f32(rd.array(_F32, imp_len, "importance"), (imp_len,))
+    lin = _f32(rd.array(_F32, n_lin, "linear_state"), (n_lin,))
+    scr = _f32(rd.array(_F32, n_scr, "linear_scratch"), (n_scr,))
     rows_dtype = _F16 if f16 else _F32
-    ngk = quant.n_groups(hd, quant.K_GROUP)
+    ngk = quant.k_scale_count(hd)
     # the rows must be present before storage for them is allocated (a crafted header must
     # not make us allocate what the buffer does not hold)
     need = 0
     for n in (int(x) for x in lens):
-        for q, scale_w in ((qk, 4 * ngk), (qv, 4)):
-            need += n * hd + _pad(n * hd) + n * scale_w + _pad(n * scale_w) if q else \
-                n * hd * rows_dtype.itemsize + _pad(n * hd * rows_dtype.itemsize)
+        need += _rows_bytes(n, hd, bool(qk), 4 * ngk, rows_dtype.itemsize)
+        need += _rows_bytes(n, hd, bool(qv), 4, rows_dtype.itemsize)
     if need > rd.end - rd.pos:
         raise WireError(f"{rd.what}: truncated: the head lengths {lens.tolist()} need {need} bytes "
                         f"of rows, {rd.end - rd.pos} left")
     cap = int(lens.max(initial=0))
-    store_bytes = nkv * cap * ((hd + 4 * ngk) if qk else 4 * hd) + nkv * cap * ((hd + 4) if qv else 4 * hd)
+    store_bytes = nkv * cap * (quant.k_row_bytes(hd, bool(qk)) + quant.v_row_bytes(hd, bool(qv)))
     if store_bytes > budget:
         raise WireError(f"{rd.what}: {nkv} heads of up to {cap} rows would need {store_bytes} bytes "
                         f"of storage, more than {_ALLOC_FACTOR}x the buffer; refused")
-    kf = vf = kq = vq = ks = vs = None
+    kf = vf = ks = vs = None
+    kq = vq = None
     if qk:
         kq = np.zeros((nkv, cap, hd), np.int8)
         ks = np.zeros((nkv, cap, ngk), np.float32)
@@ -598,31 +628,32 @@ def parse_layer(rd, num_kv_heads=None, head_dim=None):
         vf = np.zeros((nkv, cap, hd), np.float32)
     for h in range(nkv):
         n = int(lens[h])
-        if qk:
+        if kq is not None and ks is not None:
             kq[h, :n] = rd.array(_I8, n * hd, f"head {h} int8 keys").reshape(n, hd)
             ks[h, :n] = rd.array(_F32, n * ngk, f"head {h} key scales").reshape(n, ngk)
-        else:
+        elif kf is not None:
             kf[h, :n] = rd.array(rows_dtype, n * hd, f"head {h} keys").reshape(n, hd)
-        if qv:
+        if vq is not None and vs is not None:
             vq[h, :n] = rd.array(_I8, n * hd, f"head {h} int8 values").reshape(n, hd)
             vs[h, :n, 0] = rd.array(_F32, n, f"head {h} value scales")
-        else:
+        elif vf is not None:
             vf[h, :n] = rd.array(rows_dtype, n * hd, f"head {h} values").reshape(n, hd)
-    st.update(kf=kf, vf=vf, kq=kq, ks=ks, vq=vq, vs=vs, cap=cap)
-    st["o1"] = None
+    o1: Union[O1Collecting, O1Sealed, None] = None
     if o1_kind == 1:
         m, w, sink, rect, tlen = rd.unpack("IIIIQ", "O(1) collecting parameters")
         if m < 4 or w < 1 or rect > 1:
             raise WireError(f"invalid O(1) parameters m={m} w={w} rect={rect}")
-        coll = O1Collecting(m, w, sink, O1Rect.FM if rect else O1Rect.AGGREGATE, hd)
-        coll.push(_f32(rd.array(_F32, tlen, "O(1) query trace"), (tlen,)))
-        st["o1"] = coll
+        o1 = O1Collecting(m, w, sink, O1Rect.FM if rect else O1Rect.AGGREGATE, hd)
+        o1.push(_f32(rd.array(_F32, tlen, "O(1) query trace"), (tlen,)))
     elif o1_kind == 2:
-        st["o1"] = _parse_sealed(rd, nkv, hd, int(seq_len), budget)
-    return st
+        o1 = _parse_sealed(rd, nkv, hd, int(seq_len), budget)
+    return LayerState(mode=mode, num_kv_heads=nkv, head_dim=hd, seq_len=int(seq_len),
+                      lengths=lens, kf=kf, kq=kq, ks=ks, vf=vf, vq=vq, vs=vs, kcol=kcol,
+                      vcol=vcol, kcol_on=kcol_on, vcol_on=vcol_on, importance=imp,
+                      linear_state=lin, linear_scratch=scr, o1=o1, owned=True)
 
 
-def _parse_sealed(rd, nkv, hd, seq_len, budget):
+def _parse_sealed(rd: _Reader, nkv: int, hd: int, seq_len: int, budget: int) -> O1Sealed:
     (nh, m, w, sink, rect, exact, m_eff, sink_len, rows, win_len, win_head,
      far_len) = rd.unpack("IIIIIIIIQQQQ", "O(1) sealed parameters")
     bad = None
@@ -638,7 +669,7 @@ def _parse_sealed(rd, nkv, hd, seq_len, budget):
             bad = (f"skeleton state with rows={rows} win_len={win_len} win_head={win_head} "
                    f"sink_len={sink_len} m_eff={m_eff} far_len={far_len} seq_len={seq_len}")
     if not bad:
-        extra = 4 * nh * (sink + w + 3 * m_eff) if not exact else 4 * 2 * nkv * _EXACT_EXTRA * hd
+        extra = 4 * nh * (sink + w + 3 * m_eff) if not exact else 4 * 2 * nkv * EXACT_EXTRA * hd
         if extra > budget:
             bad = f"num_heads={nh} with a window of {w} and {sink} sinks needs {extra} bytes of scratch"
     if bad:
@@ -654,7 +685,7 @@ def _parse_sealed(rd, nkv, hd, seq_len, budget):
     for name, shape in shapes.items():
         setattr(st, name, _f32(rd.array(_F32, int(np.prod(shape)), f"O(1) {name}"), shape))
     if exact:
-        st._set_exact_window(st.win_k, st.win_v, rows)     # room to grow, as after a seal
+        st.set_exact_window(st.win_k, st.win_v, rows)     # room to grow, as after a seal
         st.scr = np.zeros((nh, 0), np.float32)
     else:
         st.scr = np.zeros((nh, sink + w + 3 * m_eff), np.float32)
@@ -662,30 +693,34 @@ def _parse_sealed(rd, nkv, hd, seq_len, budget):
 
 
 # ---------------------------------------------------------------------------------- legacy
-def export_wire(layer, f16=False):
-    if not layer.mode.is_f32:
+def export_wire(layer: LayerKvCache, f16: bool = False) -> bytes:
+    """The legacy layout of ``layer`` (see the module docstring); WireError for what it
+    cannot describe."""
+    st = layer._export_state()
+    if not st.mode.is_f32:
         raise WireError(f"export_wire: the legacy layout describes F32 caches only; this layer is "
-                        f"{layer.mode!r} (use to_bytes, which carries int8 storage)")
-    if layer.o1 is not None:
+                        f"{st.mode!r} (use to_bytes, which carries int8 storage)")
+    if st.o1 is not None:
         raise WireError("export_wire: a Nyström overlay (O(1) state) is not part of this format "
                         "(use to_bytes)")
-    if layer._kcol_on.any() or layer._vcol_on.any():
+    if st.any_col_frozen():
         raise WireError("export_wire: frozen columns under an F32 cache are not part of this format")
     f16 = bool(f16)
-    nkv, hd = layer.num_kv_heads, layer.head_dim
+    nkv, hd = st.num_kv_heads, st.head_dim
     rows = _F16 if f16 else _F32
-    biggest = max([layer.seq_len, layer._linear_state.size, layer._imp_len]
-                  + [int(n) * hd for n in layer._len])
+    biggest = max([st.seq_len, st.linear_state.size, st.importance.size]
+                  + [int(n) * hd for n in st.lengths])
     if biggest >= 1 << 32:
         raise WireError(f"export_wire: a count of {biggest} does not fit the layout's u32 fields "
                         "(use to_bytes)")
+    stores = st.stores()
     plan = _Plan()
-    plan.pack("6I", int(f16), layer.seq_len, nkv, hd, layer._linear_state.size, layer._imp_len)
-    plan.array(layer._linear_state, _F32, pad=False)
-    plan.array(layer._imp[: layer._imp_len], _F32, pad=False)
+    plan.pack("6I", int(f16), st.seq_len, nkv, hd, st.linear_state.size, st.importance.size)
+    plan.array(st.linear_state, _F32, pad=False)
+    plan.array(st.importance, _F32, pad=False)
     for h in range(nkv):
-        n = int(layer._len[h])
-        for store in (layer._kf, layer._vf):
+        n = int(st.lengths[h])
+        for store in (stores["kf"], stores["vf"]):
             plan.pack("I", n * hd)
             plan.array(store[h, :n], rows, pad=False)
     out_bytes, out = _fresh(plan.size)
@@ -694,8 +729,10 @@ def export_wire(layer, f16=False):
     return out_bytes
 
 
-def import_wire(layer, buf):
-    """Parse and validate a legacy buffer; return the state for LayerKvCache._install."""
+def import_wire(layer: LayerKvCache, buf: _Buffer) -> LayerState:
+    """Parse and validate a legacy buffer; return an owned state for
+    ``LayerKvCache._install_state`` (F32, no columns, no O(1) state, the layer's
+    linear_scratch kept)."""
     u8 = _as_u8(buf)
     rd = _Reader(u8, what="kv import")
     try:
@@ -708,7 +745,7 @@ def import_wire(layer, buf):
                         f"{nkv}×{want_hd}")
     rows_dtype = _F16 if f16 else _F32
 
-    def arr(dtype, count, field):
+    def arr(dtype: np.dtype[Any], count: int, field: str) -> npt.NDArray[Any]:
         try:
             return rd.array(dtype, count, field, pad=False)
         except WireError as exc:
@@ -716,7 +753,8 @@ def import_wire(layer, buf):
 
     lin = _f32(arr(_F32, n_lin, "linear_state"), (n_lin,))
     imp = _f32(arr(_F32, n_imp, "importance"), (n_imp,))
-    heads_k, heads_v = [], []
+    heads_k: list[npt.NDArray[Any]] = []
+    heads_v: list[npt.NDArray[Any]] = []
     for h in range(nkv):
         for out, what in ((heads_k, "keys"), (heads_v, "values")):
             try:
@@ -745,19 +783,23 @@ def import_wire(layer, buf):
         n = int(lens[h])
         kf[h, :n] = heads_k[h].reshape(n, hd)
         vf[h, :n] = heads_v[h].reshape(n, hd)
-    return {"mode": KvMode.F32, "seq_len": int(seq_len), "len": lens, "cap": cap,
-            "kf": kf, "vf": vf, "kq": None, "ks": None, "vq": None, "vs": None,
-            "kcol": np.ones((nkv, hd), np.float32), "vcol": np.ones((nkv, hd), np.float32),
-            "kcol_on": np.zeros(nkv, np.uint8), "vcol_on": np.zeros(nkv, np.uint8),
-            "imp": imp, "linear_state": lin, "o1": None}
+    return LayerState(mode=KvMode.F32, num_kv_heads=nkv, head_dim=hd, seq_len=int(seq_len),
+                      lengths=lens, kf=kf, kq=None, ks=None, vf=vf, vq=None, vs=None,
+                      kcol=np.ones((nkv, hd), np.float32), vcol=np.ones((nkv, hd), np.float32),
+                      kcol_on=np.zeros(nkv, np.uint8), vcol_on=np.zeros(nkv, np.uint8),
+                      importance=imp, linear_state=lin, linear_scratch=None, o1=None, owned=True)
 
 
 # ---------------------------------------------------------------------------------- entry points
-def layer_to_bytes(layer, f16=False, fingerprint=None):
+def layer_to_bytes(layer: LayerKvCache, f16: bool = False,
+                   fingerprint: Optional[_Fingerprint] = None) -> bytes:
+    """``LayerKvCache.to_bytes``: a whole buffer of kind 1."""
     return _finish(layer_plan(layer, f16), KIND_LAYER, fingerprint)
 
 
-def layer_from_bytes(layer, buf, fingerprint=None):
+def layer_from_bytes(layer: LayerKvCache, buf: _Buffer,
+                     fingerprint: Optional[_Fingerprint] = None) -> LayerState:
+    """``LayerKvCache.from_bytes``: verify a kind-1 buffer and parse it for ``layer``."""
     rd = _open(buf, KIND_LAYER, fingerprint)
     rd.what = "layer body"
     st = parse_layer(rd, layer.num_kv_heads, layer.head_dim)
@@ -765,7 +807,8 @@ def layer_from_bytes(layer, buf, fingerprint=None):
     return st
 
 
-def model_plan(model, f16=False):
+def model_plan(model: KvCache, f16: bool = False) -> _Plan:
+    """The body pieces of a whole KvCache (kind 2)."""
     plan = _Plan()
     mode = model.mode
     pol = model.policy
@@ -783,11 +826,14 @@ def model_plan(model, f16=False):
     return plan
 
 
-def save_model(model, path, fingerprint=None, f16=False):
+def save_model(model: KvCache, path: _Path, fingerprint: Optional[_Fingerprint] = None,
+               f16: bool = False) -> None:
+    """``KvCache.save``: write the whole cache to ``path`` atomically."""
     _save(path, model_plan(model, f16), KIND_MODEL, fingerprint)
 
 
-def load_model(cls, path, fingerprint=None):
+def load_model(cls: type[_Model], path: _Path,
+               fingerprint: Optional[_Fingerprint] = None) -> _Model:
     """KvCache.load: read the file into memory (one pass), then verify and parse it.
 
     The file is read rather than memory-mapped: a mapped file that another process truncates
@@ -796,9 +842,9 @@ def load_model(cls, path, fingerprint=None):
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size == 0:
-            raise WireError(f"{path}: empty file, not a kvcache file")
+            raise WireError(f"{path!s}: empty file, not a kvcache file")
         buf = np.empty(size, np.uint8)
-        view = memoryview(buf)
+        view = buf.data
         got = 0
         while got < size:
             n = fh.readinto(view[got:])
@@ -807,14 +853,15 @@ def load_model(cls, path, fingerprint=None):
             got += n
         del view
         if got != size or fh.read(1):
-            raise WireError(f"{path}: the file changed size while it was read")
+            raise WireError(f"{path!s}: the file changed size while it was read")
     try:
         return model_from_bytes(cls, buf, fingerprint)
     except WireError as exc:
-        raise WireError(f"{path}: {exc}") from None
+        raise WireError(f"{path!s}: {exc}") from None
 
 
-def model_from_bytes(cls, buf, fingerprint=None):
+def model_from_bytes(cls: type[_Model], buf: _Buffer,
+                     fingerprint: Optional[_Fingerprint] = None) -> _Model:
     """Parse and validate a whole-model buffer into a new ``cls`` (a KvCache)."""
     rd = _open(buf, KIND_MODEL, fingerprint)
     rd.what = "model body"
@@ -837,5 +884,5 @@ def model_from_bytes(cls, buf, fingerprint=None):
     rd.done()
     model = cls(n_layers, nkv, hd, max_seq_len=max_seq, policy=policy, mode=mode)
     for layer, st in zip(model.layers, states):
-        layer._install(st)
+        layer._install_state(st)
     return model

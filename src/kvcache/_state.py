@@ -1,0 +1,194 @@
+"""LayerState: everything one LayerKvCache holds, as one object (see docs/architecture.md).
+
+A layer's state is owned by :class:`kvcache.LayerKvCache`.  Other modules -- the byte formats
+(:mod:`kvcache.wire`) and the device mirrors (:mod:`kvcache.device`) -- read it with
+``layer._export_state()`` and replace it with ``layer._install_state(state)``, never through
+the layer's fields, so a new kind of storage is one change here and in layer.py.
+
+Storage (as the layer keeps it: head-major, ``cap`` rows per head of which the first
+``lengths[h]`` hold data):
+
+* K: float32 rows ``kf`` (G, cap, D), or int8 rows ``kq`` (G, cap, D) with float32 scales
+  ``ks`` (G, cap, ceil(D / 32)); the other pair is None;
+* V: float32 rows ``vf`` (G, cap, D), or int8 rows ``vq`` (G, cap, D) with scales
+  ``vs`` (G, cap, 1);
+* the column fields ``kcol``/``vcol`` (G, D), rows of ones where ``kcol_on``/``vcol_on``
+  (G,) uint8 is 0;
+* ``importance`` (n,) float32 for the first n <= seq_len positions;
+* ``linear_state`` and ``linear_scratch``, 1-D float32 (``linear_scratch`` None: keep the
+  layer's own, for the legacy layout that carries none);
+* ``o1``: None, an :class:`~kvcache.o1.O1Collecting` or an :class:`~kvcache.o1.O1Sealed`.
+
+An exported state holds read-only views of the layer's arrays and the layer's own O(1) object
+(no copies): read it before the layer changes again.  A state built by a reader of bytes holds
+fresh arrays and says so with ``owned=True``; the layer then adopts them as they are.  Any
+other state is copied on install.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import numpy as np
+import numpy.typing as npt
+
+from . import quant
+from .modes import KvMode
+from .o1 import O1Collecting, O1Sealed
+
+__all__ = ["LayerState", "O1State"]
+
+O1State = Union[O1Collecting, O1Sealed, None]
+
+F32 = np.dtype(np.float32)
+I8 = np.dtype(np.int8)
+U8 = np.dtype(np.uint8)
+INTP = np.dtype(np.intp)
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """One layer's whole state (see the module docstring for each field)."""
+
+    mode: KvMode
+    num_kv_heads: int
+    head_dim: int
+    seq_len: int
+    lengths: npt.NDArray[np.intp]
+    kf: Optional[npt.NDArray[np.float32]]
+    kq: Optional[npt.NDArray[np.int8]]
+    ks: Optional[npt.NDArray[np.float32]]
+    vf: Optional[npt.NDArray[np.float32]]
+    vq: Optional[npt.NDArray[np.int8]]
+    vs: Optional[npt.NDArray[np.float32]]
+    kcol: npt.NDArray[np.float32]
+    vcol: npt.NDArray[np.float32]
+    kcol_on: npt.NDArray[np.uint8]
+    vcol_on: npt.NDArray[np.uint8]
+    importance: npt.NDArray[np.float32]
+    linear_state: npt.NDArray[np.float32]
+    linear_scratch: Optional[npt.NDArray[np.float32]]
+    o1: O1State
+    owned: bool = False
+
+    # ---------------------------------------------------------------- derived
+    def stores(self) -> dict[str, npt.NDArray[Any]]:
+        """The (G, cap, width) row stores this mode uses, by name (``kf`` or ``kq``, ``ks``;
+        ``vf`` or ``vq``, ``vs``), in that order."""
+        names: tuple[str, ...] = ("kq", "ks") if self.mode.quant_k else ("kf",)
+        names += ("vq", "vs") if self.mode.quant_v else ("vf",)
+        out: dict[str, npt.NDArray[Any]] = {}
+        for name in names:
+            arr = getattr(self, name)
+            if arr is None:
+                raise ValueError(f"state: {self.mode!r} stores {name}, which is None")
+            out[name] = arr
+        return out
+
+    @property
+    def capacity(self) -> int:
+        """Rows per head the stores hold (0 when they are empty)."""
+        stores = self.stores()
+        return int(next(iter(stores.values())).shape[1]) if stores else 0
+
+    def any_col_frozen(self) -> bool:
+        """Whether a column field is frozen on some head."""
+        return bool(self.kcol_on.any() or self.vcol_on.any())
+
+    # ---------------------------------------------------------------- checks
+    def check(self, num_kv_heads: int, head_dim: int) -> None:
+        """Raise ValueError (TypeError for a wrong type) when this state cannot be a layer of
+        ``num_kv_heads`` x ``head_dim``: geometry, dtypes, shapes, lengths and the rules the
+        layer keeps (frozen columns only on int8 components, ones where not frozen, a sealed
+        O(1) layer holds no rows).  Costs O(num_kv_heads * head_dim), not O(rows)."""
+        nkv, hd = num_kv_heads, head_dim
+        if not isinstance(self.mode, KvMode):
+            raise TypeError(f"state.mode: expected a KvMode, got {type(self.mode).__name__}")
+        if (self.num_kv_heads, self.head_dim) != (nkv, hd):
+            raise ValueError(f"state: geometry {self.num_kv_heads}x{self.head_dim}, this layer is "
+                             f"{nkv}x{hd}")
+        if not isinstance(self.seq_len, (int, np.integer)) or self.seq_len < 0:
+            raise ValueError(f"state.seq_len: expected an int >= 0, got {self.seq_len!r}")
+        seq_len = int(self.seq_len)
+        _check("lengths", self.lengths, INTP, (nkv,), self.owned)
+        if (self.lengths < 0).any() or int(self.lengths.max(initial=0)) > seq_len:
+            raise ValueError(f"state.lengths: expected 0 <= lengths <= seq_len={seq_len}, got "
+                             f"{self.lengths.tolist()}")
+        widths: dict[str, tuple[int, np.dtype[Any]]] = {"kf": (hd, F32), "kq": (hd, I8), "ks": (quant.k_scale_count(hd), F32),
+                  "vf": (hd, F32), "vq": (hd, I8), "vs": (1, F32)}
+        stores = self.stores()
+        for name in widths:
+            if name not in stores and getattr(self, name) is not None:
+                raise ValueError(f"state.{name}: {self.mode!r} does not store it; expected None")
+        cap = self.capacity
+        for name, arr in stores.items():
+            width, dtype = widths[name]
+            _check(name, arr, dtype, (nkv, cap, width), self.owned)
+        if int(self.lengths.max(initial=0)) > cap:
+            raise ValueError(f"state.lengths: a head holds {int(self.lengths.max())} rows, the "
+                             f"stores hold {cap}")
+        for name, on, quantised in (("kcol", self.kcol_on, self.mode.quant_k),
+                                    ("vcol", self.vcol_on, self.mode.quant_v)):
+            _check(f"{name}_on", on, U8, (nkv,), self.owned)
+            col = getattr(self, name)
+            _check(name, col, F32, (nkv, hd), self.owned)
+            if (on > 1).any():
+                raise ValueError(f"state.{name}_on: expected 0 or 1 per head")
+            if on.any() and not quantised:
+                raise ValueError(f"state.{name}_on: frozen columns on a component stored as "
+                                 f"float32")
+            if not (col[on == 0] == 1.0).all():
+                raise ValueError(f"state.{name}: a column field that is not frozen must be all "
+                                 f"ones")
+        _check("importance", self.importance, F32, (None,), self.owned)
+        if self.importance.shape[0] > seq_len:
+            raise ValueError(f"state.importance: covers {self.importance.shape[0]} positions, "
+                             f"more than seq_len={seq_len}")
+        _check("linear_state", self.linear_state, F32, (None,), self.owned)
+        if self.linear_scratch is not None:
+            _check("linear_scratch", self.linear_scratch, F32, (None,), self.owned)
+        o1 = self.o1
+        if isinstance(o1, O1Sealed):
+            if not self.mode.is_f32 or self.lengths.any() or self.importance.size:
+                raise ValueError("state.o1: a sealed O(1) layer holds no KV rows and no "
+                                 "importance, in F32 mode")
+            if (o1.num_kv_heads, o1.d) != (nkv, hd):
+                raise ValueError(f"state.o1: sealed for {o1.num_kv_heads}x{o1.d}, this layer is "
+                                 f"{nkv}x{hd}")
+        elif isinstance(o1, O1Collecting):
+            if o1.head_dim != hd:
+                raise ValueError(f"state.o1: collecting for head_dim={o1.head_dim}, this layer "
+                                 f"has {hd}")
+        elif o1 is not None:
+            raise TypeError(f"state.o1: expected None, an O1Collecting or an O1Sealed, got "
+                            f"{type(o1).__name__}")
+
+    # ---------------------------------------------------------------- copies
+    def owned_copy(self) -> LayerState:
+        """A state holding fresh, writable, C-contiguous copies of every array and of the O(1)
+        object (``owned=True``)."""
+        arrays: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, np.ndarray):
+                arrays[f.name] = np.array(value, order="C", copy=True)
+        return dataclasses.replace(self, o1=copy.deepcopy(self.o1), owned=True, **arrays)
+
+
+def _check(name: str, arr: object, dtype: np.dtype[Any], shape: tuple[Optional[int], ...],
+           owned: bool) -> None:
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"state.{name}: expected a numpy array, got {type(arr).__name__}")
+    if arr.dtype != dtype:
+        raise TypeError(f"state.{name}: expected dtype {dtype}, got {arr.dtype}")
+    if len(arr.shape) != len(shape) or any(w is not None and g != w
+                                           for g, w in zip(arr.shape, shape)):
+        want = "(" + ", ".join("n" if w is None else str(w) for w in shape) + \
+            ("," if len(shape) == 1 else "") + ")"
+        raise ValueError(f"state.{name}: expected shape {want}, got {arr.shape}")
+    if owned and not (arr.flags.c_contiguous and arr.flags.writeable):
+        raise ValueError(f"state.{name}: an owned state's arrays must be C-contiguous and "
+                         f"writable")
