@@ -313,15 +313,19 @@ class LayerKvCache:
     def _store(self, k3, v3, live):
         n = k3.shape[0]
         if self._mode.quant_k:
-            _core.store_rows_q8(k3, live, self._len, self._kcol, self._kcol_on, quant.K_GROUP,
-                                self._kq, self._ks)
+            _core.store_rows_q8(x__nhd=k3, alive__h=live, head_len__h=self._len,
+                                col__hd=self._kcol, col_on__h=self._kcol_on, group=quant.K_GROUP,
+                                q__hcd=self._kq, s__hcg=self._ks)
         else:
-            _core.store_rows_f32(k3, live, self._len, self._kf)
+            _core.store_rows_f32(x__nhd=k3, alive__h=live, head_len__h=self._len,
+                                 store__hcd=self._kf)
         if self._mode.quant_v:
-            _core.store_rows_q8(v3, live, self._len, self._vcol, self._vcol_on, self._hd,
-                                self._vq, self._vs)
+            _core.store_rows_q8(x__nhd=v3, alive__h=live, head_len__h=self._len,
+                                col__hd=self._vcol, col_on__h=self._vcol_on, group=self._hd,
+                                q__hcd=self._vq, s__hcg=self._vs)
         else:
-            _core.store_rows_f32(v3, live, self._len, self._vf)
+            _core.store_rows_f32(x__nhd=v3, alive__h=live, head_len__h=self._len,
+                                 store__hcd=self._vf)
         self._len += live.astype(np.intp) * n
         self._imp[self._imp_len: self._imp_len + n] = 0.0
         self._imp_len += n

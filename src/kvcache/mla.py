@@ -137,7 +137,8 @@ def mla_decode(q_nope: npt.ArrayLike, q_rope: npt.ArrayLike, latent: npt.ArrayLi
             raise ValueError(f"out: expected a writeable C-contiguous array of shape {shape}, "
                              f"got shape {out.shape}")
         res = out.reshape(n, H, dv)
-    _core.mla_attend(qn, qr, lat, kr, wuk, wuv, scale, res, _core.max_threads())
+    _core.mla_attend(qn__nhk=qn, qr__nhe=qr, lat__tr=lat, kr__te=kr, wuk__hkr=wuk, wuv__hjr=wuv,
+                     scale=scale, out__nhj=res, n_threads=_core.max_threads())
     if out is not None:
         return out
     return res[0] if single else res

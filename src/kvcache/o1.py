@@ -325,8 +325,10 @@ class O1Sealed:
         st.scr = np.zeros((nh, sink + w + 3 * m_eff), dtype=_F32)
         # replay: keys sink .. t-w-1 leave the window in order and enter the far field
         n_far = t - sink - w
-        kernels.o1_absorb(st.q_tilde, keys, values, sink, n_far, st.scale, st.t_hat, st.z_hat,
-                          st.m_max, st.scr, n_threads)
+        kernels.o1_absorb(q_tilde__hmd=st.q_tilde, keys__gnd=keys, values__gne=values,
+                          row0=sink, n=n_far, scale=st.scale, t_hat__hme=st.t_hat,
+                          z_hat__hm=st.z_hat, m_max__hm=st.m_max, scr__hm=st.scr,
+                          n_threads=n_threads)
         st.far_len = n_far
         # ...and key j >= sink sits in ring slot (j - sink) % w
         st.win_k = np.zeros((nkv, w, d), dtype=_F32)
@@ -383,10 +385,13 @@ class O1Sealed:
             win_len = self.win_len + 1
             scr = self.scr
         far_len = self.far_len + (1 if absorb else 0)
-        kernels.o1_step(q, k_new, v_new, self.sink_k, self.sink_v, self.win_k, self.win_v,
-                        win_len, slot, absorb, self.k_tilde, self.q_tilde, self.mu, self.t_hat,
-                        self.z_hat, self.m_max, far_len > 0, self.rect is O1Rect.FM,
-                        self.scale, out, scr, n_threads)
+        kernels.o1_step(q__hd=q, k_new__gd=k_new, v_new__ge=v_new, sink_k__gsd=self.sink_k,
+                        sink_v__gse=self.sink_v, win_k__gcd=self.win_k, win_v__gce=self.win_v,
+                        win_len=win_len, slot=slot, absorb=absorb, k_tilde__gmd=self.k_tilde,
+                        q_tilde__hmd=self.q_tilde, mu__hmm=self.mu, t_hat__hme=self.t_hat,
+                        z_hat__hm=self.z_hat, m_max__hm=self.m_max, use_far=far_len > 0,
+                        fm=self.rect is O1Rect.FM, scale=self.scale, out__he=out, scr__hx=scr,
+                        n_threads=n_threads)
         self.win_len = win_len
         if absorb:
             self.win_head = (self.win_head + 1) % self.w

@@ -100,6 +100,7 @@ def freeze_columns(q_store: npt.NDArray[np.int8], s_store: npt.NDArray[np.float3
             continue
         x = dequantize(q_store[h, :n], s_store[h, :n], group)   # (n, hd)
         c = column_field(x)                                      # (hd,)
-        kernels.quantize_rows(x, c, group, q_store[h, :n], s_store[h, :n], 1)
+        kernels.quantize_rows(x__nd=x, col__d=c, group=group, q__nd=q_store[h, :n],
+                              s__ng=s_store[h, :n], n_threads=1)
         col[h] = c
         col_on[h] = 1
