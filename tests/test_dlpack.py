@@ -291,6 +291,7 @@ def slot_views(c, kind):
             out[f"{key}.valid_view"] = c.valid_view(layer, s)
             out[f"{key}.rebind_slot"] = c.rebind_slot(layer, s)
             out[f"{key}.layers.storage"] = c.layers[layer][s].storage
+            out[f"{key}.slot_state.storages"] = c.slot_state().storages[layer][s]
     if kind != "lazy":
         plan = kc.DecodePlan.build(c, slots=tuple(range(c.n_slots)))
         for (layer, s), arr in plan.bound.items():
@@ -391,7 +392,8 @@ def test_slot_cache_views_are_zero_copy(rng, kind, dtype):
     check_all(views)
     for name, a in views.items():
         assert a.dtype == c.dtype, name
-        writable = name.endswith(("slot_storage", "rebind_slot", "layers.storage")) or \
+        writable = name.endswith(("slot_storage", "rebind_slot", "layers.storage",
+                                  "slot_state.storages")) or \
             name.startswith("plan.")
         assert a.flags.writeable == writable, name
         if a.size:
@@ -669,8 +671,8 @@ HANDED_OUT = {
     kc.KvCache: set(),                       # hands out its LayerKvCache objects (kv[i], layers)
     O1Collecting: {"trace"},
     O1Sealed: set(SEALED_ARRAYS) | {"views"},
-    kc.LatentKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers"},
-    kc.StaticKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers"},
+    kc.LatentKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers", "slot_state"},
+    kc.StaticKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers", "slot_state"},
     kc.LazyLatentCache: {"slot", "slot_buffer_full"},
     kc.LatentSlot: {"storage"},
     kc.DecodePlan: {"storage", "bound"},
