@@ -110,7 +110,7 @@ class LayerKvCache:
         names += ["_vq", "_vs"] if self._mode.quant_v else ["_vf"]
         return names
 
-    def _trailing(self, name: str) -> tuple[int, type[np.generic]]:
+    def _trailing(self, name: str) -> tuple[int, type]:
         """(width, dtype) of the rows of store ``name``."""
         return {"_kf": (self._hd, _F32), "_vf": (self._hd, _F32), "_kq": (self._hd, np.int8),
                 "_vq": (self._hd, np.int8), "_ks": (self._ngk, _F32), "_vs": (1, _F32)}[name]
@@ -629,8 +629,9 @@ class LayerKvCache:
         self._gen.diverge()
 
     # ------------------------------------------------------------------ accounting
-    def memory_bytes(self):
-        """Bytes held by the rows, scales, frozen columns and linear state (spec section 8).
+    def memory_bytes(self) -> int:
+        """Bytes held by the rows, scales, frozen columns and linear state (row sizes:
+        :func:`kvcache.quant.k_row_bytes` and :func:`kvcache.quant.v_row_bytes`).
 
         Counts lengths, not capacities; excludes importance and the linear scratch."""
         rows = int(self._len.sum())
@@ -699,8 +700,8 @@ class LayerKvCache:
         self._o1 = state.o1
         self._gen.diverge()
 
-    def export_wire(self, f16=False):
-        """The layer in the legacy wire layout (spec section 7; byte layout in kvcache.wire).
+    def export_wire(self, f16: bool = False) -> bytes:
+        """The layer in the legacy wire layout (byte layout: docs/formats.md, kvcache.wire).
 
         Parameters
         ----------
@@ -715,7 +716,7 @@ class LayerKvCache:
         """
         return wire.export_wire(self, f16)
 
-    def import_wire(self, buf):
+    def import_wire(self, buf: wire.BufferLike) -> None:
         """Install a legacy-layout buffer (from :meth:`export_wire` or the upstream engine).
 
         Atomic: the buffer is parsed and validated completely (geometry, lengths, no trailing
@@ -724,8 +725,9 @@ class LayerKvCache:
         ``linear_scratch`` is kept."""
         self._install_state(wire.import_wire(self, buf))
 
-    def to_bytes(self, *, f16=False, fingerprint=None):
-        """The whole layer in kvcache's versioned, checksummed format (see kvcache.wire).
+    def to_bytes(self, *, f16: bool = False,
+                 fingerprint: wire.Fingerprint | None = None) -> bytes:
+        """The whole layer in kvcache's versioned, checksummed format (docs/formats.md).
 
         Carries everything the layer holds: f32 or int8 rows with their scales and frozen
         columns, dead heads, importance, linear state and scratch, O(1) state (collecting or
@@ -740,7 +742,8 @@ class LayerKvCache:
         """
         return wire.layer_to_bytes(self, f16, fingerprint)
 
-    def from_bytes(self, buf, *, fingerprint=None):
+    def from_bytes(self, buf: wire.BufferLike, *,
+                   fingerprint: wire.Fingerprint | None = None) -> None:
         """Install a buffer made by :meth:`to_bytes` into this layer, atomically.
 
         The digest, the format, the geometry (num_kv_heads and head_dim must match; the mode

@@ -5,8 +5,12 @@ field, every length is checked against the bytes actually present before anythin
 allocated, and nothing is installed into a cache until the whole buffer has been validated.
 Every bad buffer raises :class:`WireError` (a ValueError) saying what is wrong.
 
-Legacy layout (``LayerKvCache.export_wire`` / ``import_wire``, spec layer-kv-cache.md section 7)
-------------------------------------------------------------------------------------------------
+The same layouts, with the reasoning behind them, are in docs/formats.md.  Layers are read and
+installed through their state object (:class:`kvcache._state.LayerState`), never through
+their fields.
+
+Legacy layout (``LayerKvCache.export_wire`` / ``import_wire``)
+--------------------------------------------------------------
 No magic, no version, no checksum (byte-compatible with the upstream engine)::
 
     u32 f16_flag            1 when K/V rows are binary16, else 0 (import: non-zero = f16)
@@ -124,7 +128,7 @@ if TYPE_CHECKING:
     from .model import KvCache
 
 __all__ = ["WireError", "MAGIC", "VERSION", "KIND_LAYER", "KIND_MODEL", "ALG_XXH3", "ALG_CRC32",
-           "default_algorithm"]
+           "default_algorithm", "BufferLike", "Fingerprint"]
 
 MAGIC = b"\x89KVCACHE"
 VERSION = 1
@@ -145,8 +149,12 @@ _F16 = np.dtype("<f2")
 _I8 = np.dtype("i1")
 
 
-_Buffer = Union[bytes, bytearray, memoryview, npt.NDArray[Any]]
-_Fingerprint = Union[bytes, bytearray, memoryview, str]
+BufferLike = Union[bytes, bytearray, memoryview, npt.NDArray[Any]]
+"""What the readers accept: any C-contiguous bytes-like object."""
+Fingerprint = Union[bytes, bytearray, memoryview, str]
+"""A fingerprint: bytes, or a str stored as UTF-8."""
+_Buffer = BufferLike
+_Fingerprint = Fingerprint
 _Path = Union[str, "os.PathLike[str]"]
 _Model = TypeVar("_Model", bound="KvCache")
 _Piece = Union[bytes, tuple[npt.NDArray[Any], np.dtype[Any]]]
