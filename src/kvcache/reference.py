@@ -2,10 +2,10 @@
 
 They take the same arguments and write the same outputs, so the tests can run both on
 identical inputs (the oracle) and the benchmark can time them side by side (the baseline).
-Numerics follow the same rules in float32 (scores, softmax, V accumulation, importance), with
-NumPy's own summation order inside dot products and sums; results therefore agree with the
-kernels to float32 rounding, not bit for bit (the exceptions, bit-identical by construction,
-are row quantisation and the row stores).
+Numerics follow the same rules (docs/numerics.md) in float32 (scores, softmax, V accumulation,
+importance), with NumPy's own summation order inside dot products and sums; results therefore
+agree with the kernels to float32 rounding, not bit for bit (the exceptions, bit-identical by
+construction, are row quantisation and the row stores).
 
 Convenience wrappers run a LayerKvCache's own driver on these kernels:
 ``attend_all_heads(layer, q, ...)``, ``attend(layer, q, h)``, ``attend_group(layer, ...)``,
@@ -19,31 +19,58 @@ definition, with an explicit far weight per key); see the end of this module.
 from __future__ import annotations
 
 import sys
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import numpy as np
+import numpy.typing as npt
 
-from .quant import K_GROUP
+from .quant import CHUNK_ROWS, K_GROUP
+
+if TYPE_CHECKING:
+    from .layer import LayerKvCache
+    from .static import StaticKvCache
+
+__all__ = ["CHUNK_ROWS", "openmp_built", "max_threads", "round_half_away", "quantize_rows",
+           "store_rows_f32", "store_rows_q8", "stream_read", "visible_range", "attend_rows",
+           "attend_all_heads", "attend", "attend_group", "o1_seal", "o1_step_layer",
+           "static_attend", "o1_absorb", "o1_step", "nystrom_stream", "nystrom_matrix",
+           "mla_absorbed", "mla_naive", "mla_attend"]
 
 _F32 = np.float32
-CHUNK_ROWS = 256
+
+# Array types of the kernel signatures (as in _core.pyi).
+F32 = npt.NDArray[np.float32]
+F64 = npt.NDArray[np.float64]
+I8 = npt.NDArray[np.int8]
+U8 = npt.NDArray[np.uint8]
+IP = npt.NDArray[np.intp]
+# The O(1) twins compute in the dtype of their state arrays: float32 (the kernel's twin) or
+# float64 (the streaming reference).
+FA = npt.NDArray[np.floating[Any]]
+# The MLA forms compute in their inputs' float dtype and return it.
+_Fl = TypeVar("_Fl", bound=np.floating[Any])
 
 
-def openmp_built():
+def openmp_built() -> bool:
     return False
 
 
-def max_threads():
+def max_threads() -> int:
     return 1
 
 
-def round_half_away(x):
+def round_half_away(x: FA) -> FA:
     """Round half away from zero, exactly (no 0.49999997 + 0.5 trap)."""
     t = np.trunc(x)                                            # same shape as x
-    return t + np.sign(x) * (np.abs(x - t) >= 0.5)
+    r: FA = t + np.sign(x) * (np.abs(x - t) >= 0.5)
+    return r
 
 
-def quantize_rows(x__nd, col__d, group, q__nd, s__ng, n_threads=1):
-    """Row quantisation (spec 3.1) of x (n, hd) into q (n, hd) int8 and s (n, ng) float32."""
+def quantize_rows(x__nd: F32, col__d: F32, group: int, q__nd: I8, s__ng: F32,
+                  n_threads: int = 1) -> None:
+    """Row quantisation (docs/numerics.md, "int8 quantisation") of x (n, hd) into q (n, hd) int8
+    and s (n, ng) float32."""
     x = np.asarray(x__nd, dtype=_F32)
     n, hd = x.shape
     if n == 0:
@@ -61,7 +88,7 @@ def quantize_rows(x__nd, col__d, group, q__nd, s__ng, n_threads=1):
         s__ng[:, gi] = s
 
 
-def store_rows_f32(x__nhd, alive__h, head_len__h, store__hcd):
+def store_rows_f32(x__nhd: F32, alive__h: U8, head_len__h: IP, store__hcd: F32) -> None:
     """store[h, head_len[h] + i] = x[i, h] for alive heads."""
     n = x__nhd.shape[0]
     for h in range(x__nhd.shape[1]):
@@ -70,7 +97,8 @@ def store_rows_f32(x__nhd, alive__h, head_len__h, store__hcd):
             store__hcd[h, L:L + n] = x__nhd[:, h]
 
 
-def store_rows_q8(x__nhd, alive__h, head_len__h, col__hd, col_on__h, group, q__hcd, s__hcg):
+def store_rows_q8(x__nhd: F32, alive__h: U8, head_len__h: IP, col__hd: F32, col_on__h: U8,
+                  group: int, q__hcd: I8, s__hcg: F32) -> None:
     """Quantise x[i, h] (over col[h] where col_on[h]) into q/s at row head_len[h] + i."""
     n = x__nhd.shape[0]
     empty = np.zeros(0, dtype=_F32)
@@ -81,12 +109,13 @@ def store_rows_q8(x__nhd, alive__h, head_len__h, col__hd, col_on__h, group, q__h
                           group, q__hcd[h, L:L + n], s__hcg[h, L:L + n])
 
 
-def stream_read(buf, n_threads=1):
+def stream_read(buf: F32, n_threads: int = 1) -> float:
     """Sum of a buffer (the read-bandwidth probe), NumPy's single-threaded sum."""
     return float(np.sum(buf, dtype=np.float64))
 
 
-def visible_range(stored, n_back, i, window, first, L):
+def visible_range(stored: int, n_back: int, i: int, window: int, first: int,
+                  L: int) -> tuple[int, int]:
     """Rows [f, e) that query position i sees (same rule as the kernel)."""
     e = min(max(stored - n_back + i + 1, 0), stored, L)
     f = max(e - window, 0) if window > 0 else 0
@@ -94,9 +123,11 @@ def visible_range(stored, n_back, i, window, first, L):
     return f, e
 
 
-def attend_rows(kf__hcd, kq__hcd, ks__hcg, vf__hcd, vq__hcd, vs__hc1, vcol__hd, head_len__h,
-                q__jd, group_q0, n_pos, n_back, window, first, scale, softcap,
-                out__jd, probs__jl, imp__l, imp_mode, quant_k, quant_v, n_threads=1):
+def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: I8,
+                vs__hc1: F32, vcol__hd: F32, head_len__h: IP, q__jd: F32, group_q0: IP,
+                n_pos: int, n_back: int, window: int, first: int, scale: float, softcap: float,
+                out__jd: F32, probs__jl: F32, imp__l: F32, imp_mode: int, quant_k: bool,
+                quant_v: bool, n_threads: int = 1) -> None:
     """NumPy twin of ``_core.attend_rows`` (see its docstring for the contract)."""
     nkv = len(head_len__h)
     L = probs__jl.shape[1]
@@ -153,50 +184,57 @@ def attend_rows(kf__hcd, kq__hcd, ks__hcg, vf__hcd, vq__hcd, vs__hc1, vcol__hd, 
         imp__l[: fresh.shape[0]] += fresh
 
 
-def _this():
+def _this() -> ModuleType:
     return sys.modules[__name__]
 
 
-def attend_all_heads(layer, q, *, scale=None, window=None, softcap=0.0, out=None):
+def attend_all_heads(layer: LayerKvCache, q: npt.ArrayLike, *, scale: float | None = None,
+                     window: int | None = None, softcap: float = 0.0,
+                     out: F32 | None = None) -> F32:
     """``layer.attend_all_heads`` run on the NumPy kernels (adds importance like the real one)."""
     return layer._attend_all_heads(_this(), q, scale, window, softcap, out)
 
 
-def attend(layer, q, kv_head):
+def attend(layer: LayerKvCache, q: npt.ArrayLike, kv_head: int) -> tuple[F32, F32]:
     """``layer.attend`` run on the NumPy kernels."""
     return layer._attend(_this(), q, kv_head)
 
 
-def attend_group(layer, q_group, kv_head, out, imp_acc, scale, first, softcap):
+def attend_group(layer: LayerKvCache, q_group: npt.ArrayLike, kv_head: int, out: F32,
+                 imp_acc: F32, scale: float, first: int, softcap: float) -> None:
     """``layer.attend_group`` run on the NumPy kernels."""
-    return layer._attend_group(_this(), q_group, kv_head, out, imp_acc, scale, first, softcap)
+    layer._attend_group(_this(), q_group, kv_head, out, imp_acc, scale, first, softcap)
 
 
-def o1_seal(layer, num_heads):
+def o1_seal(layer: LayerKvCache, num_heads: int) -> bool:
     """``layer.o1_seal`` with the prompt replayed by the NumPy ``o1_absorb``."""
     return layer._o1_seal(_this(), num_heads)
 
 
-def o1_step_layer(layer, q_all, k_new, v_new, num_heads):
+def o1_step_layer(layer: LayerKvCache, q_all: npt.ArrayLike, k_new: npt.ArrayLike,
+                  v_new: npt.ArrayLike, num_heads: int) -> F32:
     """``layer.o1_step`` run on the NumPy ``o1_step``."""
     return layer._o1_step(_this(), q_all, k_new, v_new, num_heads)
 
 
-def static_attend(cache, layer, q, *, scale=None, softcap=0.0, window=None):
+def static_attend(cache: StaticKvCache, layer: int, q: npt.ArrayLike, *,
+                  scale: float | None = None, softcap: float = 0.0,
+                  window: int | None = None) -> F32:
     """``StaticKvCache.attend`` run on the NumPy kernels."""
     return cache._attend(_this(), layer, q, scale, softcap, window)
 
 
 # ---------------------------------------------------------------------------------------------
-# O(1) Nystrom operator (spec layer-kv-cache.md 6.2-6.4 and 10.5).
+# O(1) Nystrom operator (docs/o1.md: the near and far sets, landmarks, the operator).
 #
 # o1_absorb / o1_step are the twins of the compiled kernels (same arguments; they compute in the
 # dtype of the state arrays, so the same code is the float32 twin and, fed float64 arrays, the
 # float64 streaming reference).  nystrom_stream and nystrom_matrix are the operator's two
 # float64 forms, written from the definitions and independent of kvcache.o1's seal code.
 
-def o1_absorb(q_tilde__hmd, keys__gnd, values__gne, row0, n, scale, t_hat__hme, z_hat__hm,
-              m_max__hm, scr__hm=None, n_threads=1):
+def o1_absorb(q_tilde__hmd: FA, keys__gnd: FA, values__gne: FA, row0: int, n: int,
+              scale: float, t_hat__hme: FA, z_hat__hm: FA, m_max__hm: FA,
+              scr__hm: FA | None = None, n_threads: int = 1) -> None:
     """Twin of ``_core.o1_absorb``: rows [row0, row0+n) of every group enter the far field of
     each of the group's heads, in row order, with the per-landmark running max."""
     H, m = q_tilde__hmd.shape[:2]
@@ -222,9 +260,11 @@ def o1_absorb(q_tilde__hmd, keys__gnd, values__gne, row0, n, scale, t_hat__hme, 
                 T += e[:, None] * v[None, :]
 
 
-def o1_step(q__hd, k_new__gd, v_new__ge, sink_k__gsd, sink_v__gse, win_k__gcd, win_v__gce,
-            win_len, slot, absorb, k_tilde__gmd, q_tilde__hmd, mu__hmm, t_hat__hme, z_hat__hm,
-            m_max__hm, use_far, fm, scale, out__he, scr__hx=None, n_threads=1):
+def o1_step(q__hd: FA, k_new__gd: FA, v_new__ge: FA, sink_k__gsd: FA, sink_v__gse: FA,
+            win_k__gcd: FA, win_v__gce: FA, win_len: int, slot: int, absorb: bool,
+            k_tilde__gmd: FA, q_tilde__hmd: FA, mu__hmm: FA, t_hat__hme: FA, z_hat__hm: FA,
+            m_max__hm: FA, use_far: bool, fm: bool, scale: float, out__he: FA,
+            scr__hx: FA | None = None, n_threads: int = 1) -> int:
     """Twin of ``_core.o1_step`` (one decode step of every head; see its docstring).
 
     Returns the number of heads whose far field was dropped by the aggregate guard
@@ -274,7 +314,8 @@ def o1_step(q__hd, k_new__gd, v_new__ge, sink_k__gsd, sink_v__gse, win_k__gcd, w
     return dropped
 
 
-def _o1_inputs(q, k, v):
+def _o1_inputs(q: npt.ArrayLike, k: npt.ArrayLike,
+               v: npt.ArrayLike) -> tuple[F64, F64, F64]:
     """(t, H, d), (t, G, d), (t, G, dv) float64 views of the operator's inputs (2-D: H = G = 1)."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     if q.ndim == 2:
@@ -282,7 +323,7 @@ def _o1_inputs(q, k, v):
     return q, k, v
 
 
-def _softmax_rows(q, k, v, s, p, H, G):
+def _softmax_rows(q: F64, k: F64, v: F64, s: float, p: int, H: int, G: int) -> F64:
     """Exact causal softmax attention of positions p..t-1: (t-p, H, dv)."""
     t = q.shape[0]
     hpk = H // G
@@ -295,8 +336,23 @@ def _softmax_rows(q, k, v, s, p, H, G):
     return out
 
 
-def nystrom_stream(q, k, v, p, m, w, sink, rect="aggregate", *, return_dropped=False):
-    """The O(1) operator in streaming form, float64 (spec 6.3-6.4).
+@overload
+def nystrom_stream(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, p: int, m: int, w: int,
+                   sink: int, rect: str = ..., *, return_dropped: Literal[False] = ...) -> F64: ...
+@overload
+def nystrom_stream(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, p: int, m: int, w: int,
+                   sink: int, rect: str = ..., *,
+                   return_dropped: Literal[True]) -> tuple[F64, int]: ...
+@overload
+def nystrom_stream(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, p: int, m: int, w: int,
+                   sink: int, rect: str = ..., *,
+                   return_dropped: bool) -> F64 | tuple[F64, int]: ...
+
+
+def nystrom_stream(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, p: int, m: int, w: int,
+                   sink: int, rect: str = "aggregate", *,
+                   return_dropped: bool = False) -> F64 | tuple[F64, int]:
+    """The O(1) operator in streaming form, float64 (docs/o1.md, "The operator").
 
     Seal on positions [0, p) -- segment-mean landmarks, ``M = (Au^T Au + lam I)^-1 Au^T`` with
     ``lam = 1e-6 mean(diag(Au^T Au))`` -- replay the prompt through the window (a key enters the
@@ -326,7 +382,10 @@ def nystrom_stream(q, k, v, p, m, w, sink, rect="aggregate", *, return_dropped=F
     hpk = H // G
     me = min(max(p // 8, 4), m)
     bounds = (np.arange(me + 1) * p) // me
-    seg = lambda x: np.stack([x[a:b].mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:])])
+
+    def seg(x: F64) -> F64:
+        return np.stack([x[a:b].mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:])])
+
     kt = np.stack([seg(k[:p, g]) for g in range(G)])                    # (G, me, d)
     qt = np.stack([seg(q[:p, h]) for h in range(H)])                    # (H, me, d)
     mu = np.empty((H, me, me))
@@ -357,8 +416,9 @@ def nystrom_stream(q, k, v, p, m, w, sink, rect="aggregate", *, return_dropped=F
     return (out, dropped) if return_dropped else out
 
 
-def nystrom_matrix(q, k, v, p, m, w, sink, *, clip=True):
-    """The O(1) operator in matrix form, float64 (spec 10.5), and how often the clip fired.
+def nystrom_matrix(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, p: int, m: int, w: int,
+                   sink: int, *, clip: bool = True) -> tuple[F64, int]:
+    """The O(1) operator in matrix form, float64 (docs/o1.md), and how often the clip fired.
 
     For decode position i (keys 0..i): near set ``i - j < w or j < sink``, far set
     ``sink <= j <= i - w``; far weight of key j is ``((F M) E)_j`` with ``F = exp(s q_i K~^T)``,
@@ -416,14 +476,17 @@ def nystrom_matrix(q, k, v, p, m, w, sink, *, clip=True):
 # rows [0, T - n + i + 1).  Both forms compute in the inputs' float dtype (float32 in, float32
 # arithmetic; float64 in, float64: the high-precision oracle of the tests).
 
-def _mla_softmax(s):
+def _mla_softmax(s: npt.NDArray[_Fl]) -> npt.NDArray[_Fl]:
     """Softmax over the last axis (IEEE: a NaN, or every score -inf, gives NaN)."""
     m = s.max(axis=-1, keepdims=True)
     e = np.exp(s - m)
-    return e / e.sum(axis=-1, keepdims=True)
+    p: npt.NDArray[_Fl] = e / e.sum(axis=-1, keepdims=True)
+    return p
 
 
-def mla_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
+def mla_absorbed(q_nope: npt.NDArray[_Fl], q_rope: npt.NDArray[_Fl], latent: npt.NDArray[_Fl],
+                 k_rope: npt.NDArray[_Fl], w_uk: npt.NDArray[_Fl], w_uv: npt.NDArray[_Fl],
+                 scale: float | np.floating[Any]) -> npt.NDArray[_Fl]:
     """The absorbed form in NumPy: fold W_UK into the query, score against [latent | k_rope],
     softmax, accumulate the latent, apply W_UV.  Returns (n, H, dv).  Each position reads only
     its visible rows (so nothing in a hidden row, not even a NaN, reaches it)."""
@@ -434,10 +497,13 @@ def mla_absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
         vis = T - n + i + 1
         s = (q_abs[i] @ latent[:vis].T + q_rope[i] @ k_rope[:vis].T) * q_nope.dtype.type(scale)
         c[i] = _mla_softmax(s) @ latent[:vis]                             # (H, r)
-    return np.einsum("nhr,hjr->nhj", c, w_uv)                              # (n, H, dv)
+    out: npt.NDArray[_Fl] = np.einsum("nhr,hjr->nhj", c, w_uv)            # (n, H, dv)
+    return out
 
 
-def mla_naive(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
+def mla_naive(q_nope: npt.NDArray[_Fl], q_rope: npt.NDArray[_Fl], latent: npt.NDArray[_Fl],
+              k_rope: npt.NDArray[_Fl], w_uk: npt.NDArray[_Fl], w_uv: npt.NDArray[_Fl],
+              scale: float | np.floating[Any]) -> npt.NDArray[_Fl]:
     """The naive form: materialise every head's keys K[h] = latent W_UK[h]^T (T, dn) and values
     V[h] = latent W_UV[h]^T (T, dv), then ordinary attention over [K[h] | k_rope].
     Returns (n, H, dv).  This is what a runner without weight absorption computes per step (and
@@ -454,8 +520,8 @@ def mla_naive(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
     return out
 
 
-def mla_attend(qn__nhk, qr__nhe, lat__tr, kr__te, wuk__hkr, wuv__hjr, scale, out__nhj,
-               n_threads=1):
+def mla_attend(qn__nhk: F32, qr__nhe: F32, lat__tr: F32, kr__te: F32, wuk__hkr: F32,
+               wuv__hjr: F32, scale: float, out__nhj: F32, n_threads: int = 1) -> None:
     """Twin of ``_core.mla_attend``: the absorbed form in float32, written into out."""
     f = [np.asarray(a, dtype=_F32) for a in (qn__nhk, qr__nhe, lat__tr, kr__te, wuk__hkr, wuv__hjr)]
     n = f[0].shape[0]
@@ -464,4 +530,4 @@ def mla_attend(qn__nhk, qr__nhe, lat__tr, kr__te, wuk__hkr, wuv__hjr, scale, out
     if f[2].shape[0] < n:
         raise ValueError(f"MLA kernel: {n} query positions need at least {n} cached rows, "
                          f"got {f[2].shape[0]}")
-    out__nhj[...] = mla_absorbed(*f, _F32(scale))
+    out__nhj[...] = mla_absorbed(f[0], f[1], f[2], f[3], f[4], f[5], _F32(scale))
