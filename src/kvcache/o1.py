@@ -46,11 +46,19 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import numpy.typing as npt
 
 from ._validate import readonly
+
+if TYPE_CHECKING:
+    from .layer import LayerKvCache
+
+F32 = npt.NDArray[np.float32]
+F64 = npt.NDArray[np.float64]
 
 __all__ = ["O1Rect", "O1Collecting", "O1Sealed", "O1DeviceView", "O1HeadView", "O1Snapshot",
            "EXACT_SLACK", "EXACT_EXTRA", "seg_means", "ridge_pinv", "effective_landmarks", "o1_scale",
@@ -78,7 +86,7 @@ class O1Rect(enum.Enum):
     FM = "fm"
 
     @classmethod
-    def parse(cls, value):
+    def parse(cls, value: object) -> O1Rect:
         """An O1Rect from itself or from ``"agg"``/``"aggregate"``/``"fm"`` (any case)."""
         if isinstance(value, cls):
             return value
@@ -92,59 +100,62 @@ class O1Rect(enum.Enum):
         raise TypeError(f"rect: expected an O1Rect or a string, got {type(value).__name__}")
 
 
-def o1_scale(d):
+def o1_scale(d: int) -> np.float32:
     """The operator's score scale 1/sqrt(d), computed in float32 as upstream does."""
-    return _F32(1.0) / np.sqrt(_F32(d))
+    scale: np.float32 = _F32(1.0) / np.sqrt(_F32(d))
+    return scale
 
 
-def effective_landmarks(t, m):
+def effective_landmarks(t: int, m: int) -> int:
     """``m_eff = clamp(t // 8, 4, m)``: fewer landmarks for a short seal prompt."""
     return min(max(t // 8, 4), m)
 
 
-def seg_means(x, m):
+def seg_means(x: npt.ArrayLike, m: int) -> F64:
     """Segment means (float64) of the rows of ``x`` (..., t, d) into m landmarks.
 
     Segment i covers rows ``[floor(i t / m), floor((i + 1) t / m))`` (the Nystromformer recipe);
     sums are accumulated in float64 without a float64 copy of ``x``.
     """
-    x = np.asarray(x)
-    t = x.shape[-2]
+    xa = np.asarray(x)
+    t = xa.shape[-2]
     bounds = (np.arange(m + 1) * t) // m                                # (m+1,)
-    out = np.empty(x.shape[:-2] + (m, x.shape[-1]))                    # (..., m, d)
+    out = np.empty(xa.shape[:-2] + (m, xa.shape[-1]))                  # (..., m, d)
     for i in range(m):
         a, b = int(bounds[i]), int(bounds[i + 1])
-        out[..., i, :] = x[..., a:b, :].sum(axis=-2, dtype=np.float64) / max(b - a, 1)
+        out[..., i, :] = xa[..., a:b, :].sum(axis=-2, dtype=np.float64) / max(b - a, 1)
     return out
 
 
-def ridge_pinv(a):
+def ridge_pinv(a: npt.ArrayLike) -> F64:
     """Ridge pseudo-inverse ``(A^T A + lam I)^-1 A^T`` of a square float64 matrix (spec 6.3).
 
     ``lam = 1e-6 mean(diag(A^T A))`` (at least the smallest positive float64); a Cholesky that
     fails (non-positive or non-finite pivot) multiplies lam by 10, up to 12 attempts; after
     that the fallback is ``I / mean(diag(A^T A))``.
     """
-    a = np.asarray(a, dtype=np.float64)
-    n = a.shape[0]
+    a64 = np.asarray(a, dtype=np.float64)
+    n = a64.shape[0]
     with np.errstate(all="ignore"):
-        g = a.T @ a
+        g = a64.T @ a64
         mean_diag = float(np.mean(np.diag(g))) if n else 1.0
-        lam = max(_RIDGE * mean_diag, np.finfo(np.float64).tiny) if mean_diag == mean_diag else np.nan
+        lam = (max(_RIDGE * mean_diag, float(np.finfo(np.float64).tiny))
+               if mean_diag == mean_diag else float("nan"))
         eye = np.eye(n)
         for _ in range(_RIDGE_TRIES):
             try:
-                low = np.linalg.cholesky(g + lam * eye)
+                low: Optional[F64] = np.linalg.cholesky(g + lam * eye)
             except np.linalg.LinAlgError:
                 low = None
             if low is not None and np.all(np.isfinite(low)) and np.all(np.diag(low) > 0):
-                y = _solve_lower(low, a.T)
+                y = _solve_lower(low, a64.T)
                 return _solve_lower(low.T[::-1, ::-1], y[::-1])[::-1]
             lam *= 10.0
-        return eye / mean_diag
+        fallback: F64 = eye / mean_diag
+        return fallback
 
 
-def _solve_lower(low, b):
+def _solve_lower(low: F64, b: F64) -> F64:
     """Forward substitution ``low @ x = b`` (low lower-triangular), column-vectorised."""
     n = low.shape[0]
     x = np.empty_like(b)
@@ -189,10 +200,10 @@ class O1Collecting:
         """Channels per query head of the layer this trace belongs to."""
         return self._hd
 
-    def memory_bytes(self):
+    def memory_bytes(self) -> int:
         return 4 * self._len
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"O1Collecting(m={self.m}, w={self.w}, sink={self.sink}, rect={self.rect.name}, "
                 f"trace_floats={self._len})")
 
@@ -202,11 +213,11 @@ class O1HeadView:
     """Read-only views of one query head's part of a sealed group (spec 6.6)."""
 
     rect_fm: bool
-    t_hat: np.ndarray      # (m_eff, dv) far numerators, at scale exp(-m_max) per landmark
-    z_hat: np.ndarray      # (m_eff,) far denominators, same scale
-    m_max: np.ndarray      # (m_eff,) running max of the landmark logits
-    q_tilde: np.ndarray    # (m_eff, d) query landmarks
-    mu: np.ndarray         # (m_eff, m_eff) ridge pseudo-inverse M of Au
+    t_hat: F32      # (m_eff, dv) far numerators, at scale exp(-m_max) per landmark
+    z_hat: F32      # (m_eff,) far denominators, same scale
+    m_max: F32      # (m_eff,) running max of the landmark logits
+    q_tilde: F32    # (m_eff, d) query landmarks
+    mu: F32         # (m_eff, m_eff) ridge pseudo-inverse M of Au
 
 
 @dataclass(frozen=True)
@@ -228,12 +239,12 @@ class O1DeviceView:
     win_len: int
     win_head: int
     far_len: int
-    win_k: np.ndarray      # (w, d) window ring, slot order
-    win_v: np.ndarray      # (w, dv)
-    sink_k: np.ndarray     # (sink_len, d)
-    sink_v: np.ndarray     # (sink_len, dv)
-    k_tilde: np.ndarray    # (m_eff, d) key landmarks
-    heads: tuple           # O1HeadView per query head of the group
+    win_k: F32      # (w, d) window ring, slot order
+    win_v: F32      # (w, dv)
+    sink_k: F32     # (sink_len, d)
+    sink_v: F32     # (sink_len, dv)
+    k_tilde: F32    # (m_eff, d) key landmarks
+    heads: tuple[O1HeadView, ...]   # one per query head of the group
 
 
 class O1Snapshot:
@@ -244,13 +255,14 @@ class O1Snapshot:
 
     __slots__ = ("_owner", "_arrays", "_counts", "seq_len")
 
-    def __init__(self, owner, arrays, counts, seq_len):
+    def __init__(self, owner: O1Sealed, arrays: dict[str, F32], counts: tuple[int, int, int],
+                 seq_len: int) -> None:
         self._owner = owner
         self._arrays = arrays
         self._counts = counts
         self.seq_len = seq_len
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"O1Snapshot(seq_len={self.seq_len}, bytes={sum(a.nbytes for a in self._arrays.values())})"
 
 
@@ -266,6 +278,18 @@ class O1Sealed:
     """
 
     sealed = True
+    # the arrays (set by seal, _empty_parts, _set_exact_window or a stored state)
+    win_k: F32
+    win_v: F32
+    sink_k: F32
+    sink_v: F32
+    k_tilde: F32
+    q_tilde: F32
+    mu: F32
+    t_hat: F32
+    z_hat: F32
+    m_max: F32
+    scr: F32
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, d: int, dv: int, m: int, w: int,
                  sink: int, rect: O1Rect, exact_only: bool) -> None:
@@ -285,7 +309,8 @@ class O1Sealed:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def seal(cls, q_trace, keys, values, *, t, m, w, sink, rect, kernels, n_threads):
+    def seal(cls, q_trace: F32, keys: F32, values: F32, *, t: int, m: int, w: int, sink: int,
+             rect: O1Rect, kernels: ModuleType, n_threads: int) -> O1Sealed:
         """Build the state from a prompt of t positions (spec 6.3).
 
         q_trace (t, H, d); keys (G, cap, d) and values (G, cap, dv) with the prompt in rows
@@ -346,7 +371,7 @@ class O1Sealed:
         ``EXACT_EXTRA`` spare rows to grow into (at a seal, and when a stored state is read)."""
         self._set_exact_window(keys, values, n)
 
-    def _set_exact_window(self, keys, values, n):
+    def _set_exact_window(self, keys: F32, values: F32, n: int) -> None:
         """Exact-only: the window holds rows [0, n) of keys (G, >= n, d) and values, with
         spare rows to grow into."""
         self.win_k = np.zeros((self.num_kv_heads, n + _EXACT_EXTRA, self.d), dtype=_F32)
@@ -355,7 +380,7 @@ class O1Sealed:
         self.win_v[:, :n] = values[:, :n]
         self.win_len = n
 
-    def _empty_parts(self):
+    def _empty_parts(self) -> None:
         nkv, nh, d, dv = self.num_kv_heads, self.num_heads, self.d, self.dv
         self.sink_k = np.zeros((nkv, 0, d), dtype=_F32)
         self.sink_v = np.zeros((nkv, 0, dv), dtype=_F32)
@@ -368,7 +393,8 @@ class O1Sealed:
         self.scr = np.zeros((nh, 0), dtype=_F32)
 
     # ------------------------------------------------------------------ decode
-    def step(self, q, k_new, v_new, out, kernels, n_threads):
+    def step(self, q: F32, k_new: F32, v_new: F32, out: F32, kernels: ModuleType,
+             n_threads: int) -> None:
         """One decode step; q (H, d), k_new (G, d), v_new (G, dv) float32; fills out (H, dv)."""
         if self.exact_only:
             if self.win_len == self.win_k.shape[1]:
@@ -397,7 +423,7 @@ class O1Sealed:
             self.win_head = (self.win_head + 1) % self.w
         self.far_len = far_len
 
-    def _grow_exact(self):
+    def _grow_exact(self) -> None:
         n, cap = self.win_len, self.win_k.shape[1]
         new_cap = max(2 * cap, _EXACT_EXTRA)
         for name in ("win_k", "win_v"):
@@ -407,7 +433,7 @@ class O1Sealed:
             setattr(self, name, grown)
 
     # ------------------------------------------------------------------ accounting, views
-    def memory_bytes(self):
+    def memory_bytes(self) -> int:
         """Bytes of the state (spec 6.8): group rings, sinks and key landmarks; per head the
         query landmarks, M, the far accumulators and the step scratch.  An exact-only group
         counts the window rows it holds (it grows with the context)."""
@@ -417,7 +443,7 @@ class O1Sealed:
                   self.mu, self.t_hat, self.z_hat, self.m_max, self.scr)
         return int(sum(a.nbytes for a in arrays))
 
-    def views(self):
+    def views(self) -> Optional[list[O1DeviceView]]:
         if self.exact_only:
             return None
         groups = []
@@ -439,13 +465,13 @@ class O1Sealed:
     _FAR = ("t_hat", "z_hat", "m_max")        # per-head accumulators a step changes
     _WINDOW = ("win_k", "win_v")              # rows [0, win_len) are live (the whole ring once full)
 
-    def snapshot(self, seq_len):
+    def snapshot(self, seq_len: int) -> O1Snapshot:
         arrays = {name: getattr(self, name).copy() for name in self._FAR}
         arrays.update((name, getattr(self, name)[:, : self.win_len].copy()) for name in self._WINDOW)
         counts = (self.win_len, self.win_head, self.far_len)
         return O1Snapshot(self, arrays, counts, seq_len)
 
-    def restore(self, snap):
+    def restore(self, snap: O1Snapshot) -> None:
         """Copy a snapshot back in place (views handed out stay valid)."""
         for name in self._FAR:
             np.copyto(getattr(self, name), snap._arrays[name])
@@ -454,13 +480,13 @@ class O1Sealed:
             getattr(self, name)[:, :n] = snap._arrays[name]
         self.win_len, self.win_head, self.far_len = snap._counts
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         mode = "exact-only" if self.exact_only else f"m_eff={self.m_eff}"
         return (f"O1Sealed(groups={self.num_kv_heads}, heads={self.num_heads}, {mode}, "
                 f"w={self.w}, sink={self.sink_len}, rect={self.rect.name}, far_len={self.far_len})")
 
 
-def check_seal(layer, coll, num_heads):
+def check_seal(layer: LayerKvCache, coll: O1Collecting, num_heads: int) -> Optional[str]:
     """The reason a seal is refused (spec 6.1 preconditions), or None when it may proceed."""
     t = layer.seq_len
     nkv = layer.num_kv_heads
