@@ -28,8 +28,8 @@ from ..model import KvCache
 from ..modes import KvMode
 from .config import LayerSpec, ModelConfig, parse_layers, read_config
 from .sampling import sample
-from .weights import (Array, LayerWeights, Tracked, layers_from, load_safetensors, random_weights,
-                      take)
+from .weights import (Array, LayerWeights, Tracked, as_f32, layers_from, load_safetensors,
+                      random_weights, take)
 
 if TYPE_CHECKING:
     from ..o1 import O1Snapshot
@@ -37,20 +37,18 @@ if TYPE_CHECKING:
 __all__ = ["Runner"]
 
 _F32 = np.float32
-# NumPy's stubs type some float32 array arithmetic as float64 (it is float32 at run time): the
-# `type: ignore[return-value]  # stubs: f32` comments below mark those returns.
 #: What :meth:`Runner._undo` needs per layer: its length, or an O(1) layer's snapshot.
 _UndoPoint = Union[list[Union[int, "O1Snapshot"]], None]
 
 
 def _gelu_tanh(x: Array) -> Array:
     inner = _F32(math.sqrt(2.0 / math.pi)) * (x + _F32(0.044715) * x * x * x)
-    return _F32(0.5) * x * (_F32(1.0) + np.tanh(inner))  # type: ignore[return-value]  # stubs: f32
+    return as_f32(_F32(0.5) * x * (_F32(1.0) + np.tanh(inner)))
 
 
 def _silu(x: Array) -> Array:
     with np.errstate(over="ignore"):
-        return x / (_F32(1.0) + np.exp(-x))  # type: ignore[return-value]  # stubs: f32
+        return as_f32(x / (_F32(1.0) + np.exp(-x)))
 
 
 #: The functions of the activation names :data:`kvcache.runner.config.ACTIVATIONS` accepts.
@@ -58,7 +56,6 @@ _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "silu": _silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_tanh": _gelu_tanh}
 
 
-#----
 def _rope_inv_freq(cfg: ModelConfig) -> Array:
     """float32 inverse frequencies, computed as transformers does (float32 power)."""
     hd = cfg.head_dim
@@ -79,10 +76,9 @@ def _rope_inv_freq(cfg: ModelConfig) -> Array:
         smoothed = ((1 - smooth) * scaled / _F32(factor) + smooth * scaled).astype(_F32)
         medium = ~(wl < high_wl) & ~(wl > low_wl)
         inv = np.where(medium, smoothed, scaled).astype(_F32)
-    return inv
+    return as_f32(inv)
 
 
-#----
 class Runner:
     """A decoder-only model in NumPy whose attention runs on kvcache (see the module docstring).
 
@@ -190,7 +186,7 @@ class Runner:
         var = np.mean(x * x, axis=-1, keepdims=True, dtype=_F32)
         y = x * (_F32(1.0) / np.sqrt(var + _F32(self.config.rms_eps)))
         gain = (_F32(1.0) + w) if self.config.gemma else w
-        return y * gain  # type: ignore[return-value]  # stubs: f32
+        return as_f32(y * gain)
 
     def _rope(self, x: Array, positions: npt.NDArray[np.int64]) -> Array:
         """Rotate-half RoPE of x (n, heads, hd) at ``positions`` (n,), as transformers does."""

@@ -13,17 +13,24 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 import numpy as np
 import numpy.typing as npt
 
 from .config import ModelConfig
 
-__all__ = ["Array", "LayerWeights", "Tracked", "layers_from", "load_safetensors",
+__all__ = ["Array", "LayerWeights", "Tracked", "as_f32", "layers_from", "load_safetensors",
            "random_weights", "take"]
 
 #: A float32 NumPy array (every tensor the runner holds).
 Array = npt.NDArray[np.float32]
 _F32 = np.float32
+
+
+def as_f32(a: npt.NDArray[Any]) -> Array:
+    """``a``, typed as the float32 array it is: NumPy's stubs type some float32 arithmetic as
+    float64 or Any (depending on the Python version mypy checks for)."""
+    return a
 
 
 def load_safetensors(path: str | os.PathLike[str]) -> dict[str, Array]:
@@ -148,7 +155,7 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, Array]:
                           cfg.intermediate_size)
 
     def mat(*shape: int) -> Array:
-        return (rng.standard_normal(shape, dtype=_F32) * _F32(0.02)).astype(_F32)
+        return as_f32((rng.standard_normal(shape, dtype=_F32) * _F32(0.02)).astype(_F32))
 
     def norm() -> Array:                  # Gemma stores norm weights as w - 1
         return np.full(H, 0.0 if cfg.gemma else 1.0, dtype=_F32)
