@@ -10,10 +10,16 @@ import gc
 import statistics
 import time
 import timeit
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..layer import LayerKvCache
-from .geometry import GEOMETRIES, make_mode, random_kv
-from .tables import context_label, fmt, render_table
+from .geometry import GEOMETRIES, Geometry, make_mode, random_kv
+from .tables import Row, context_label, fmt, render_table
+
+if TYPE_CHECKING:
+    from .._progress import ProgressBar
+    from .options import Options
 
 
 APPEND_CONTEXTS = (1024, 32768)
@@ -22,12 +28,13 @@ APPEND_CONTEXTS = (1024, 32768)
 class AppendFill:
     """Append cost of a layer: fill 0..T one position at a time, then single appends at T."""
 
-    def __init__(self, geom, context, mode_name="f32", seed=2):
+    def __init__(self, geom: Geometry, context: int, mode_name: str = "f32",
+                 seed: int = 2) -> None:
         self.geom, self.context, self.mode_name = geom, context, mode_name
         self.k, self.v = random_kv(geom, context, seed)
-        self.layer = None
+        self.layer: LayerKvCache | None = None
 
-    def fill(self):
+    def fill(self) -> None:
         """A fresh layer filled one ``append(k_row, v_row)`` at a time."""
         c = LayerKvCache(self.geom.num_kv_heads, self.geom.head_dim, mode=make_mode(self.mode_name))
         k, v = self.k, self.v
@@ -35,9 +42,11 @@ class AppendFill:
             c.append(k[i], v[i])
         self.layer = c
 
-    def single_appends(self, n):
+    def single_appends(self, n: int) -> list[float]:
         """Seconds of ``n`` single appends at T rows, each rolled back (T stays fixed)."""
         c, k, v = self.layer, self.k, self.v
+        if c is None:
+            raise RuntimeError("single_appends() needs a filled layer: call fill() first")
         times = []
         clock = time.perf_counter
         for i in range(n):
@@ -48,7 +57,7 @@ class AppendFill:
         return times
 
 
-def run_append(opts, bar):
+def run_append(opts: Options, bar: ProgressBar) -> list[Row]:
     """Append-cost rows for the Llama geometry, f32, at 1k and 32k."""
     geom = GEOMETRIES["llama3-8b"]
     rows = []
@@ -67,7 +76,8 @@ def run_append(opts, bar):
     return rows
 
 
-def append_table(rows):
+def append_table(rows: Sequence[Row]) -> str:
+    """The append-cost table."""
     body = [[r["geometry"], r["mode"], context_label(r["context"]), fmt(r["fill_s"]),
              fmt(r["amortised_us"]), fmt(r["single_median_us"]), fmt(r["single_max_us"])]
             for r in rows]
@@ -75,7 +85,8 @@ def append_table(rows):
                          "single at T median us", "single at T max us"], body)
 
 
-def append_ratio_lines(rows):
+def append_ratio_lines(rows: Sequence[Row]) -> list[str]:
+    """The 32k / 1k ratios of the append costs (amortised O(1) keeps them near 1)."""
     by_t = {r["context"]: r for r in rows}
     lo, hi = by_t.get(APPEND_CONTEXTS[0]), by_t.get(APPEND_CONTEXTS[-1])
     if lo is None or hi is None:

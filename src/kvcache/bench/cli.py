@@ -8,13 +8,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from .._progress import progress_bar
 from .append import APPEND_CONTEXTS, run_append
 from .attention import (
     DEFAULT_CONTEXTS, DEFAULT_WORKING_SET, QUICK_CONTEXTS, QUICK_WORKING_SET,
     accuracy_warnings, run_context)
-from .geometry import GEOMETRIES, GiB, MODE_NAMES, MiB, _GEOMETRY_ALIASES
+from .geometry import _GEOMETRY_ALIASES, GEOMETRIES, MODE_NAMES, Geometry, GiB, MiB
 from .machine import (
     BusyMonitor, available_cpus, import_torch, llc_bytes, machine_info, warn_if_busy)
 from .mla import (
@@ -23,7 +25,8 @@ from .mla import (
     QUICK_MLA_REPEATS, mla_accuracy_warnings, run_mla)
 from .o1 import O1_CONTEXTS, O1_REPEATS, QUICK_O1_CONTEXTS, QUICK_O1_REPEATS, run_o1
 from .options import Options, SECTIONS
-from .report import mla_plot_path, print_report, write_json, write_mla_plot, write_plot
+from .report import (
+    Results, mla_plot_path, print_report, write_json, write_mla_plot, write_plot)
 from .runner import (
     QUICK_RUNNER_CONTEXTS, QUICK_RUNNER_STEPS, RUNNER_CONTEXTS, RUNNER_STEPS, run_runner)
 from .sync import (
@@ -34,9 +37,10 @@ from .timing import BANDWIDTH_BUFFER, measure_bandwidth
 from .wire import QUICK_WIRE_CONTEXT, QUICK_WIRE_REPEATS, WIRE_CONTEXT, WIRE_REPEATS, run_wire
 
 log = logging.getLogger("kvcache.bench")
+T = TypeVar("T")
 
 
-def parse_context(text):
+def parse_context(text: str) -> int:
     """'1k' -> 1024, '32K' -> 32768, '5000' -> 5000."""
     t = text.strip().lower()
     try:
@@ -49,7 +53,8 @@ def parse_context(text):
     return value
 
 
-def parse_geometry(text):
+def parse_geometry(text: str) -> Geometry:
+    """A geometry by key or alias (llama, qwen)."""
     key = _GEOMETRY_ALIASES.get(text.lower(), text.lower())
     if key not in GEOMETRIES:
         raise argparse.ArgumentTypeError(
@@ -57,27 +62,30 @@ def parse_geometry(text):
     return GEOMETRIES[key]
 
 
-def parse_mode(text):
+def parse_mode(text: str) -> str:
+    """'f32' or 'q8' (any case)."""
     if text.lower() not in MODE_NAMES:
         raise argparse.ArgumentTypeError(f"unknown mode {text!r}; choose from f32, q8")
     return text.lower()
 
 
-def parse_section(text):
+def parse_section(text: str) -> str:
+    """One of :data:`SECTIONS` (any case)."""
     if text.lower() not in SECTIONS:
         raise argparse.ArgumentTypeError(
             f"unknown section {text!r}; choose from {', '.join(SECTIONS)}")
     return text.lower()
 
 
-def parse_threads(text):
+def parse_threads(text: str) -> int:
+    """A thread count, at least 1."""
     n = int(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"thread count must be >= 1, got {text!r}")
     return n
 
 
-def _split(values, conv):
+def _split(values: Sequence[str] | None, conv: Callable[[str], T]) -> list[T] | None:
     """Flatten ``['1,2', '4']`` -> conv over ['1', '2', '4'], order kept, duplicates dropped."""
     if values is None:
         return None
@@ -85,14 +93,17 @@ def _split(values, conv):
     return list(dict.fromkeys(items))
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m kvcache bench``."""
     p = argparse.ArgumentParser(
         prog="python -m kvcache bench",
         description="Decode-attention benchmark: kvcache vs the NumPy reference and torch SDPA, "
                     "over a working set larger than the last-level cache; append cost; the "
                     "O(1) Nystrom decode step vs exact f32/q8 attention (time, memory, error); "
-                    "export/import throughput of the byte formats (wire); and the absorbed "
-                    "MLA decode kernel vs the naive NumPy form (mla).")
+                    "export/import throughput of the byte formats (wire); the absorbed "
+                    "MLA decode kernel vs the naive NumPy form (mla); device-mirror sync costs "
+                    "(sync); and decode tokens/s of kvcache.runner vs transformers (runner).  "
+                    "Method: docs/benchmark-method.md.")
     p.add_argument("--quick", action="store_true",
                    help="small subset (Llama, 1k and 16k, 3 repeats, 512 MiB working set; "
                         "O(1) section at 1k and 4k, 7 repeats; wire section at 4k, "
@@ -116,7 +127,8 @@ def build_parser():
                    help="timed sweeps per configuration (default 5, quick 3)")
     p.add_argument("--ref-repeats", type=int, help="timed reference calls (default 3, quick 2)")
     p.add_argument("--working-set-mib", type=int,
-                   help="bytes the rotating layers of one sweep hold at least, MiB (default 1024, quick 512)")
+                   help="bytes the rotating layers of one sweep hold at least, MiB (default 1024, "
+                        "quick 512)")
     p.add_argument("--no-torch", action="store_true", help="skip torch SDPA")
     p.add_argument("--no-reference", action="store_true", help="skip the NumPy reference")
     p.add_argument("--no-append", action="store_true", help="skip the append-cost section")
@@ -157,7 +169,8 @@ def build_parser():
     p.add_argument("--no-sync", action="store_true", help="skip the sync section")
     p.add_argument("--sync-context", metavar="T",
                    help=f"positions of the sync section's layers (default "
-                        f"{context_label(SYNC_CONTEXT)}, quick {context_label(QUICK_SYNC_CONTEXT)})")
+                        f"{context_label(SYNC_CONTEXT)}, quick "
+                        f"{context_label(QUICK_SYNC_CONTEXT)})")
     p.add_argument("--sync-steps", type=int,
                    help=f"decode (and rollback) steps timed in the sync section (default "
                         f"{SYNC_STEPS}, quick {QUICK_SYNC_STEPS})")
@@ -184,7 +197,7 @@ def build_parser():
     return p
 
 
-def resolve_options(args, parser):
+def resolve_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Options:
     """Command-line arguments, with --quick defaults where an option was not given."""
     try:
         return _resolve_options(args)
@@ -192,7 +205,7 @@ def resolve_options(args, parser):
         parser.error(str(exc))                                # exits with status 2
 
 
-def _resolve_options(args):
+def _resolve_options(args: argparse.Namespace) -> Options:
     quick = args.quick
     contexts = (_split(args.contexts, parse_context)
                 or list(QUICK_CONTEXTS if quick else DEFAULT_CONTEXTS))
@@ -264,7 +277,7 @@ def _resolve_options(args):
                                     or (QUICK_RUNNER_STEPS if quick else RUNNER_STEPS)))
 
 
-def check_plot_backend():
+def check_plot_backend() -> str | None:
     """Fail early (before the long run) when --plot is given without matplotlib."""
     try:
         import matplotlib  # noqa: F401
@@ -274,7 +287,7 @@ def check_plot_backend():
     return None
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m kvcache bench``; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s")
     parser = build_parser()
@@ -296,47 +309,43 @@ def main(argv=None):
                + (len(SYNC_CASES) if opts.sync else 0)
                + (len(opts.runner_contexts) if opts.runner else 0))
     bar = progress_bar(n_tasks, enabled=not args.no_progress)
-    bandwidth, rows, o1_rows, o1_s, wire_result, mla_result = {}, [], [], 0.0, None, None
-    sync_rows, runner_rows = [], []
+    res = Results(info)
     try:
         if opts.decode or opts.mla:
             bar.set_postfix_str("bandwidth probe")
-            bandwidth = measure_bandwidth(opts.threads, opts.bandwidth_bytes)
+            res.bandwidth = measure_bandwidth(opts.threads, opts.bandwidth_bytes)
             bar.update()
         if opts.decode:
             for geom in opts.geometries:
                 for context in opts.contexts:
-                    rows += run_context(geom, context, opts, bandwidth, bar)
-        append_rows = run_append(opts, bar) if opts.append else []
+                    res.decode += run_context(geom, context, opts, res.bandwidth, bar)
+        if opts.append:
+            res.append = run_append(opts, bar)
         if opts.o1:
-            o1_rows, o1_s = run_o1(opts, bar)
+            res.o1, res.o1_s = run_o1(opts, bar)
         if opts.wire:
-            wire_result = run_wire(opts, bar)
+            res.wire = run_wire(opts, bar)
         if opts.mla:
-            mla_result = run_mla(opts, bandwidth, bar)
+            res.mla = run_mla(opts, res.bandwidth, bar)
         if opts.sync:
-            sync_rows = run_sync(opts, bar)
+            res.sync = run_sync(opts, bar)
         if opts.runner:
-            runner_rows = run_runner(opts, bar)
+            res.runner = run_runner(opts, bar)
     finally:
         bar.close()
-    accuracy_warnings(rows)
-    if mla_result:
-        mla_accuracy_warnings(mla_result["rows"])
+    accuracy_warnings(res.decode)
+    if res.mla:
+        mla_accuracy_warnings(res.mla["rows"])
     warn_if_busy(monitor, info)
-    print_report(info, opts, bandwidth, rows, append_rows, o1_rows, o1_s,
-                 wire_result=wire_result, mla_result=mla_result, sync_rows=sync_rows,
-                 runner_rows=runner_rows)
+    print_report(res, opts)
     if args.json:
-        write_json(args.json, info, opts, bandwidth, rows, append_rows, o1_rows, o1_s,
-                   wire_result=wire_result, mla_result=mla_result, sync_rows=sync_rows,
-                   runner_rows=runner_rows)
+        write_json(args.json, res, opts)
         print(f"raw results written to {args.json}")
-    if args.plot and rows:
-        write_plot(args.plot, rows, bandwidth)
+    if args.plot and res.decode:
+        write_plot(args.plot, res.decode, res.bandwidth)
         print(f"chart written to {args.plot}")
-    if args.plot and mla_result:
-        path = mla_plot_path(args.plot) if rows else args.plot
-        write_mla_plot(path, mla_result)
+    if args.plot and res.mla:
+        path = mla_plot_path(args.plot) if res.decode else args.plot
+        write_mla_plot(path, res.mla)
         print(f"MLA chart written to {path}")
     return 0

@@ -9,9 +9,12 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from ..modes import KvMode
 
+
+F32 = npt.NDArray[np.float32]   # float32 arrays the workloads build and hand to the caches
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -29,7 +32,7 @@ class Geometry:
     num_kv_heads: int
     head_dim: int
 
-    def step_bytes(self, context, mode_name):
+    def step_bytes(self, context: int, mode_name: str) -> int:
         """Bytes of K and V rows (and q8 scales) one decode step reads at ``context`` rows."""
         nkv, hd, t = self.num_kv_heads, self.head_dim, context
         if mode_name == "f32":
@@ -42,12 +45,12 @@ GEOMETRIES = {g.key: g for g in (Geometry("llama3-8b", "Llama-3-8B", 32, 8, 128)
 _GEOMETRY_ALIASES = {"llama": "llama3-8b", "qwen": "qwen2.5-0.5b"}
 
 
-def make_mode(mode_name):
+def make_mode(mode_name: str) -> KvMode:
     """``"f32"`` -> KvMode.F32, ``"q8"`` -> KvMode.Q8()."""
     return KvMode.F32 if mode_name == "f32" else KvMode.Q8()
 
 
-def random_kv(geom, context, seed=0):
+def random_kv(geom: Geometry, context: int, seed: int = 0) -> tuple[F32, F32]:
     """K and V rows of shape (context, num_kv_heads, head_dim), float32 standard normal."""
     rng = np.random.default_rng(seed)
     shape = (context, geom.num_kv_heads, geom.head_dim)
@@ -55,12 +58,12 @@ def random_kv(geom, context, seed=0):
             rng.standard_normal(shape, dtype=np.float32))
 
 
-def random_query(geom, seed=1):
+def random_query(geom: Geometry, seed: int = 1) -> F32:
     """A decode query of shape (num_heads, head_dim), float32."""
     rng = np.random.default_rng(seed)
     return rng.standard_normal((geom.num_heads, geom.head_dim), dtype=np.float32)
 
 
-def layer_count(layer_bytes, working_set, max_layers=MAX_LAYERS):
+def layer_count(layer_bytes: int, working_set: int, max_layers: int = MAX_LAYERS) -> int:
     """Layers needed so that ``layer_count * layer_bytes >= working_set`` (at least 1)."""
     return max(1, min(max_layers, -(-working_set // max(layer_bytes, 1))))

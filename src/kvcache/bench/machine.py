@@ -9,12 +9,14 @@ import logging
 import os
 import platform
 import time
+from types import ModuleType
+from typing import Any
 
 
 log = logging.getLogger("kvcache.bench")
 
 
-def import_torch():
+def import_torch() -> tuple[ModuleType, ModuleType] | tuple[None, None]:
     """torch and torch.nn.functional, or (None, None) when torch is not installed."""
     try:
         import torch
@@ -24,7 +26,8 @@ def import_torch():
     return torch, F
 
 
-def _package_version(name):
+def package_version(name: str) -> str:
+    """The installed version of package ``name``, '?' when unknown."""
     try:
         from importlib.metadata import version
         return version(name)
@@ -32,10 +35,10 @@ def _package_version(name):
         return "?"
 
 
-def filesystem_type(path):
+def filesystem_type(path: str) -> str | None:
     """Type of the filesystem holding ``path`` (Linux /proc/mounts; None when unknown)."""
     path = os.path.realpath(path)
-    best = ("", None)
+    best: tuple[str, str | None] = ("", None)
     try:
         with open("/proc/mounts") as f:
             for line in f:
@@ -51,10 +54,10 @@ def filesystem_type(path):
     return best[1]
 
 
-def machine_info():
+def machine_info() -> dict[str, Any]:
     """Facts that make a result reproducible: CPU, cache, versions, thread pools."""
     from .._config import config_info
-    info = config_info()
+    info: dict[str, Any] = config_info()
     info["cpu_count"] = available_cpus()
     info["cpu_model"] = cpu_model()
     info["llc_bytes_reported"] = llc_bytes()
@@ -67,11 +70,11 @@ class BusyMonitor:
     On a shared 2-core machine a compiler or test run beside the benchmark inflates timings,
     multi-threaded ones most; this measures it instead of guessing from the load average."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.start = self._sample()
 
     @staticmethod
-    def _sample():
+    def _sample() -> tuple[float, float, float] | None:
         try:
             import resource
             with open("/proc/stat") as f:
@@ -82,7 +85,7 @@ class BusyMonitor:
         own = resource.getrusage(resource.RUSAGE_SELF)
         return time.perf_counter(), busy, own.ru_utime + own.ru_stime
 
-    def other_cores(self):
+    def other_cores(self) -> float | None:
         """Average number of cores other processes kept busy since construction (None: unknown)."""
         end = self._sample()
         if self.start is None or end is None:
@@ -91,7 +94,8 @@ class BusyMonitor:
         return max(0.0, (busy - own) / wall) if wall > 0 else None
 
 
-def warn_if_busy(monitor, info, threshold=0.2):
+def warn_if_busy(monitor: BusyMonitor, info: dict[str, Any], threshold: float = 0.2) -> None:
+    """Record in ``info`` how busy other processes were; warn above ``threshold`` cores."""
     other = monitor.other_cores()
     info["other_processes_cores"] = other
     if other is not None and other > threshold:
@@ -99,14 +103,16 @@ def warn_if_busy(monitor, info, threshold=0.2):
                     "(multi-threaded ones most) may be inflated; rerun on an idle machine", other)
 
 
-def available_cpus():
+def available_cpus() -> int:
+    """CPUs this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:                                   # not Linux
         return os.cpu_count() or 1
 
 
-def cpu_model():
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo, else what platform says)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -117,10 +123,10 @@ def cpu_model():
     return platform.processor() or platform.machine()
 
 
-def llc_bytes():
+def llc_bytes() -> int | None:
     """Size of the highest cache level sysfs reports for cpu0 (None when unknown)."""
     base = "/sys/devices/system/cpu/cpu0/cache"
-    best = (0, None)
+    best: tuple[int, int | None] = (0, None)
     try:
         entries = os.listdir(base)
     except OSError:

@@ -11,17 +11,25 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _core, reference
-from .geometry import MiB, layer_count
+from .geometry import F32, MiB, layer_count
 from .tables import (
-    above_bandwidth, bandwidth_footnotes, context_label, fmt, fmt_ratio, pct_bandwidth_cell,
+    Row, above_bandwidth, bandwidth_footnotes, context_label, fmt, fmt_ratio, pct_bandwidth_cell,
     render_table)
 from .timing import (
-    median_ms, numpy_threads, omp_threads, pct_of_bandwidth, relative_error,
+    Bandwidth, Samples, median_ms, numpy_threads, omp_threads, pct_of_bandwidth, relative_error,
     remeasure_above_bandwidth, time_repeats)
+
+if TYPE_CHECKING:
+    from .._progress import ProgressBar
+    from .options import Options
+
+FmaPeak = dict[int, dict[str, Any]]   # thread count -> {"best_gfmas", "median_gfmas", ...}
 
 log = logging.getLogger("kvcache.bench")
 
@@ -44,21 +52,21 @@ MLA_FMA_PER_ROW = MLA_HEADS * (MLA_RANK + MLA_ROPE) + MLA_HEADS * MLA_RANK    # 
 MLA_FMA_FIXED = MLA_HEADS * (MLA_NOPE + MLA_V) * MLA_RANK   # fold W_UK^T q + unfold W_UV c
 
 
-def mla_scale():
+def mla_scale() -> float:
     """DeepSeek-V2-Lite's softmax scale (``mla_softmax_scale(128, 64, rope_scaling)``)."""
     from ..mla import mla_softmax_scale
-    return mla_softmax_scale(MLA_NOPE, MLA_ROPE, MLA_ROPE_SCALING)
+    return float(mla_softmax_scale(MLA_NOPE, MLA_ROPE, MLA_ROPE_SCALING))
 
 
-def mla_cache_bytes_per_token():
+def mla_cache_bytes_per_token() -> dict[str, float]:
     """Cache bytes per token per layer: the MLA latent (slot 0 + slot 1) against a per-head
     cache of the same attention (K of width qk_nope + qk_rope, V of width v_head_dim per head),
     f32 and in kvcache's q8 layout (K: int8 + a float scale per 32 values, V: int8 + one scale
     per row)."""
     k, v = MLA_NOPE + MLA_ROPE, MLA_V
-    out = {"latent": MLA_ROW_BYTES,
-           "per_head_f32": MLA_HEADS * (k + v) * 4,
-           "per_head_q8": MLA_HEADS * ((k + 4 * math.ceil(k / 32)) + (v + 4))}
+    out: dict[str, float] = {"latent": MLA_ROW_BYTES,
+                             "per_head_f32": MLA_HEADS * (k + v) * 4,
+                             "per_head_q8": MLA_HEADS * ((k + 4 * math.ceil(k / 32)) + (v + 4))}
     out["ratio_f32"] = out["per_head_f32"] / out["latent"]
     out["ratio_q8"] = out["per_head_q8"] / out["latent"]
     return out
@@ -80,8 +88,9 @@ class MlaDecode:
         Explicit layer count (overrides ``working_set``).
     """
 
-    def __init__(self, context, working_set=MLA_WORKING_SET, seed=0, n_layers=None,
-                 min_layers=2, max_layers=MLA_MAX_LAYERS):
+    def __init__(self, context: int, working_set: int = MLA_WORKING_SET, seed: int = 0,
+                 n_layers: int | None = None, min_layers: int = 2,
+                 max_layers: int = MLA_MAX_LAYERS) -> None:
         from ..latent import LatentKvCache
         self.context = context
         self.step_bytes = context * MLA_ROW_BYTES
@@ -102,75 +111,88 @@ class MlaDecode:
         wuk = rng.standard_normal((MLA_HEADS, MLA_NOPE, MLA_RANK), dtype=np.float32) * w
         wuv = rng.standard_normal((MLA_HEADS, MLA_V, MLA_RANK), dtype=np.float32) * w
         self.weights = [(wuk.copy(), wuv.copy()) for _ in range(n_layers)]   # own memory each
-        self.views = [(self.cache.slot_storage(layer, 0)[:context],
-                       self.cache.slot_storage(layer, 1)[:context]) for layer in range(n_layers)]
+        self.views: list[tuple[F32, F32]] = [
+            (self._slot(layer, 0)[:context], self._slot(layer, 1)[:context])
+            for layer in range(n_layers)]
         self.qn = rng.standard_normal((1, MLA_HEADS, MLA_NOPE), dtype=np.float32)
         self.qr = rng.standard_normal((1, MLA_HEADS, MLA_ROPE), dtype=np.float32)
-        self.out = np.empty((1, MLA_HEADS, MLA_V), dtype=np.float32)
+        self.out: F32 = np.empty((1, MLA_HEADS, MLA_V), dtype=np.float32)
         self._next = 0
 
+    def _slot(self, layer: int, slot: int) -> F32:
+        storage: F32 | None = self.cache.slot_storage(layer, slot)
+        if storage is None:
+            raise RuntimeError(f"layer {layer} slot {slot} has no storage")
+        return storage
+
     @property
-    def working_set_bytes(self):
+    def working_set_bytes(self) -> int:
+        """Bytes of every layer's rows and weights."""
         return self.layer_bytes * self.n_layers
 
-    def _attend(self, layer, n_threads):
+    def _attend(self, layer: int, n_threads: int) -> None:
         lat, kr = self.views[layer]
         wuk, wuv = self.weights[layer]
         _core.mla_attend(self.qn, self.qr, lat, kr, wuk, wuv, self.scale, self.out, n_threads)
 
-    def step(self, n_threads=1):
+    def step(self, n_threads: int = 1) -> None:
         """One decode step (one query position) on the next layer of the rotation."""
         self._attend(self._next, n_threads)
         self._next = (self._next + 1) % self.n_layers
 
-    def sweep(self, n_threads=1):
+    def sweep(self, n_threads: int = 1) -> None:
         """One decode step on every layer, in order."""
         for layer in range(self.n_layers):
             self._attend(layer, n_threads)
 
-    def output(self, n_threads=1, layer=0):
+    def output(self, n_threads: int = 1, layer: int = 0) -> F32:
         """The kernel's (1, H, d_v) result on ``layer`` (a copy)."""
         self._attend(layer, n_threads)
-        return self.out.copy()
+        out: F32 = self.out.copy()
+        return out
 
-    def naive(self, layer=0):
+    def naive(self, layer: int = 0) -> F32:
         """``reference.mla_naive`` on ``layer``: (1, H, d_v)."""
         lat, kr = self.views[layer]
         wuk, wuv = self.weights[layer]
-        return reference.mla_naive(self.qn, self.qr, lat, kr, wuk, wuv, self.scale)
+        out: F32 = reference.mla_naive(self.qn, self.qr, lat, kr, wuk, wuv, self.scale)
+        return out
 
 
-def measure_fma_peak(thread_counts, iters=MLA_FMA_ITERS, repeats=5):
+def measure_fma_peak(thread_counts: Iterable[int], iters: int = MLA_FMA_ITERS,
+                     repeats: int = 5) -> FmaPeak:
     """Peak float32 FMA rate (GFMA/s) of ``_core.fma_probe`` per thread count.
 
     ``fma_probe(iters, n)`` runs ``iters`` x 80 FMAs (independent chains) on each of ``n``
     threads.  Returns ``{n: {"best_gfmas", "median_gfmas", "iters", "samples_s"}}``; "best" is
     the figure used (the peak)."""
-    result = {}
+    result: FmaPeak = {}
     for n in thread_counts:
         fmas = iters * MLA_FMA_PER_PROBE_ITER * n
         with omp_threads(n):
-            samples = time_repeats(lambda n=n: _core.fma_probe(iters, n), repeats)
+            samples = time_repeats(lambda: _core.fma_probe(iters, n), repeats)
         result[n] = {"best_gfmas": fmas / min(samples) / 1e9,
                      "median_gfmas": fmas / statistics.median(samples) / 1e9,
                      "iters": iters, "samples_s": samples}
     return result
 
 
-def run_mla_context(context, opts, bandwidth, fma, bar):
+def run_mla_context(context: int, opts: Options, bandwidth: Bandwidth, fma: FmaPeak,
+                    bar: ProgressBar) -> list[Row]:
     """MLA rows (one per thread count) at one context: the kernel over a rotating working set
     of latent layers, the naive NumPy form on one layer, their agreement."""
     label = context_label(context)
     bar.set_postfix_str(f"mla {label} setup")
     work = MlaDecode(context, opts.mla_working_set, seed=opts.seed)
-    kern, remeasured = {}, {}
+    kern: dict[int, Samples] = {}
+    remeasured: dict[int, bool] = {}
     for n in opts.threads:
         bar.set_postfix_str(f"mla {label} kernel {n}t")
 
-        def sweeps(n=n):
+        def sweeps(n: int = n) -> Samples:
             return time_repeats(lambda: work.sweep(n), opts.mla_repeats)
 
-        def pct(samples, n=n):
+        def pct(samples: Samples, n: int = n) -> float:
             return pct_of_bandwidth(work.step_bytes, statistics.median(samples) / work.n_layers,
                                     bandwidth[n]["best_gbs"])
 
@@ -179,11 +201,13 @@ def run_mla_context(context, opts, bandwidth, fma, bar):
     top = max(opts.threads)
     with omp_threads(top):
         out = work.output(top)
-    naive, err, naive_out = {}, None, [None]
+    naive: dict[int, Samples] = {}
+    err: float | None = None
+    naive_out: list[F32] = []
     run_naive = opts.reference and context <= opts.mla_naive_max_context
 
-    def naive_step():
-        naive_out[0] = work.naive()
+    def naive_step() -> None:
+        naive_out[:] = [work.naive()]
 
     if run_naive:
         for n in opts.threads:
@@ -191,21 +215,21 @@ def run_mla_context(context, opts, bandwidth, fma, bar):
             with numpy_threads(n):
                 naive[n] = time_repeats(naive_step, opts.mla_naive_repeats)
         err = relative_error(out, naive_out[0])
-    rows = []
+    rows: list[Row] = []
     for n in opts.threads:
         kernel_s = statistics.median(kern[n]) / work.n_layers
         bw, peak = bandwidth[n]["best_gbs"], fma[n]["best_gfmas"]
         fmas = context * MLA_FMA_PER_ROW + MLA_FMA_FIXED
-        row = {"geometry": "DeepSeek-V2-Lite MLA", "context": context, "threads": n,
-               "layers": work.n_layers, "step_bytes": work.step_bytes,
-               "weight_bytes": MLA_WEIGHT_BYTES, "layer_bytes": work.layer_bytes,
-               "working_set_bytes": work.working_set_bytes, "repeats": opts.mla_repeats,
-               "kernel_ms": kernel_s * 1e3, "kernel_samples_s": kern[n],
-               "latent_gbs": work.step_bytes / kernel_s / 1e9,
-               "all_gbs": work.layer_bytes / kernel_s / 1e9,
-               "bandwidth_gbs": bw, "fmas_per_step": fmas,
-               "kernel_gfmas": fmas / kernel_s / 1e9, "peak_gfmas": peak,
-               "fma_ceiling_gbs": peak / MLA_FMA_PER_ROW * MLA_ROW_BYTES}
+        row: Row = {"geometry": "DeepSeek-V2-Lite MLA", "context": context, "threads": n,
+                    "layers": work.n_layers, "step_bytes": work.step_bytes,
+                    "weight_bytes": MLA_WEIGHT_BYTES, "layer_bytes": work.layer_bytes,
+                    "working_set_bytes": work.working_set_bytes, "repeats": opts.mla_repeats,
+                    "kernel_ms": kernel_s * 1e3, "kernel_samples_s": kern[n],
+                    "latent_gbs": work.step_bytes / kernel_s / 1e9,
+                    "all_gbs": work.layer_bytes / kernel_s / 1e9,
+                    "bandwidth_gbs": bw, "fmas_per_step": fmas,
+                    "kernel_gfmas": fmas / kernel_s / 1e9, "peak_gfmas": peak,
+                    "fma_ceiling_gbs": peak / MLA_FMA_PER_ROW * MLA_ROW_BYTES}
         row["pct_bandwidth"] = 100.0 * row["latent_gbs"] / bw
         row["remeasured"] = remeasured[n]
         row["above_bandwidth"] = above_bandwidth(row["pct_bandwidth"])
@@ -223,7 +247,7 @@ def run_mla_context(context, opts, bandwidth, fma, bar):
     return rows
 
 
-def mla_summary(rows):
+def mla_summary(rows: Sequence[Row]) -> Row:
     """The figures of one run at its largest thread count and largest context: kernel and
     naive times (``speedup_vs_naive`` None when the naive form was not timed there), the latent
     read rate against the measured bandwidth, and the FMA rate against the probe's peak."""
@@ -231,19 +255,19 @@ def mla_summary(rows):
     at = max((r for r in rows if r["threads"] == top), key=lambda r: r["context"])
     keys = ("kernel_ms", "latent_gbs", "bandwidth_gbs", "pct_bandwidth", "peak_gfmas",
             "kernel_gfmas", "pct_peak_fma", "fma_ceiling_gbs", "fma_ceiling_pct_bandwidth")
-    s = {"threads": top, "context": at["context"],
-         "speedup_vs_naive": at.get("speedup_vs_naive"), "naive_ms": at.get("naive_ms")}
+    s: Row = {"threads": top, "context": at["context"],
+              "speedup_vs_naive": at.get("speedup_vs_naive"), "naive_ms": at.get("naive_ms")}
     s.update({k: at[k] for k in keys})
     return s
 
 
-def run_mla(opts, bandwidth, bar):
+def run_mla(opts: Options, bandwidth: Bandwidth, bar: ProgressBar) -> dict[str, Any]:
     """The MLA section: the FMA probe, then every context of ``opts.mla_contexts``."""
     t0 = time.perf_counter()
     bar.set_postfix_str("mla FMA probe")
     fma = measure_fma_peak(opts.threads, opts.mla_fma_iters)
     bar.update()
-    rows = []
+    rows: list[Row] = []
     for context in opts.mla_contexts:
         rows += run_mla_context(context, opts, bandwidth, fma, bar)
     return {"geometry": "DeepSeek-V2-Lite", "heads": MLA_HEADS, "kv_lora_rank": MLA_RANK,
@@ -265,21 +289,23 @@ MLA_HEADERS = ["ctx", "thr", "layers x MiB", "kernel ms", "naive ms", "naive/ker
                "err vs naive"]
 
 
-def mla_table(rows):
+def mla_table(rows: Sequence[Row]) -> str:
+    """The MLA table: one row per (context, thread count)."""
     body = []
     for r in rows:
         err = r.get("rel_err_vs_naive")
         body.append([context_label(r["context"]), r["threads"],
                      f"{r['layers']} x {r['layer_bytes'] / MiB:.3g}", fmt(r["kernel_ms"]),
                      fmt(r.get("naive_ms")), fmt_ratio(r.get("speedup_vs_naive")),
-                     fmt(r["latent_gbs"]), pct_bandwidth_cell(r["pct_bandwidth"]), fmt(r["all_gbs"]),
+                     fmt(r["latent_gbs"]), pct_bandwidth_cell(r["pct_bandwidth"]),
+                     fmt(r["all_gbs"]),
                      fmt(r["kernel_gfmas"]), f"{r['pct_peak_fma']:.0f}%",
                      f"{r['fma_ceiling_pct_bandwidth']:.0f}%",
                      "-" if err is None else f"{err:.2g}"])
     return render_table(MLA_HEADERS, body)
 
 
-def mla_notes(result):
+def mla_notes(result: Mapping[str, Any]) -> list[str]:
     """Method, compute-ceiling, memory and summary lines printed under the MLA table."""
     rows, s, mem = result["rows"], result["summary"], result["memory"]
     layers = sorted({(r["context"], r["layers"]) for r in rows})
@@ -334,7 +360,7 @@ def mla_notes(result):
     return out
 
 
-def mla_accuracy_warnings(rows, tol=1e-3):
+def mla_accuracy_warnings(rows: Sequence[Row], tol: float = 1e-3) -> None:
     """Warn when the MLA kernel disagrees with the naive form beyond ``tol`` (relative)."""
     seen = set()
     for r in rows:

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _core
 from ..layer import LayerKvCache
 from ..modes import KvMode
-from .geometry import GEOMETRIES, MiB, make_mode
-from .tables import context_label, fmt, fmt_ratio, render_table
-from .timing import median_ms, omp_threads
+from .geometry import F32, GEOMETRIES, Geometry, MiB, make_mode
+from .tables import Row, context_label, fmt, fmt_ratio, render_table
+from .timing import Samples, median_ms, omp_threads
+
+if TYPE_CHECKING:
+    from .._progress import ProgressBar
+    from .options import Options
+
+QKV = tuple[F32, F32, F32]   # q (n, num_heads, head_dim), k and v (n, num_kv_heads, head_dim)
 
 
 O1_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -34,7 +42,7 @@ class SyntheticStream:
 
     ``kind`` is ``"clustered"`` (keys around slowly drifting cluster centres, the sequence in
     64-position topic runs, queries correlated with their topic's keys, values around
-    per-cluster centres; see the module docstring) or ``"iid"`` (independent standard normal).
+    per-cluster centres; see docs/benchmark-method.md) or ``"iid"`` (independent standard normal).
     Positions are generated in blocks of ``block`` from a seed per (seed, kind, block index), so
     the rows of a position do not depend on how they are requested: a shorter prompt is a
     prefix of a longer one and ``rows(context, n)`` continues either.
@@ -47,7 +55,8 @@ class SyntheticStream:
     KEY_NOISE = 0.5
     QUERY_GAIN = 0.25       # query = QUERY_GAIN * centre + N(0, I)
 
-    def __init__(self, geom, kind="clustered", seed=0, block=O1_BLOCK):
+    def __init__(self, geom: Geometry, kind: str = "clustered", seed: int = 0,
+                 block: int = O1_BLOCK) -> None:
         if kind not in O1_DATA:
             raise ValueError(f"kind: expected one of {O1_DATA}, got {kind!r}")
         if block % self.RUN:
@@ -63,7 +72,7 @@ class SyntheticStream:
             self.phase = rng.uniform(0, 2 * np.pi, self.CLUSTERS)
             self.value_centres = rng.standard_normal(shape, dtype=np.float32)
 
-    def _block(self, b):
+    def _block(self, b: int) -> QKV:
         g, n = self.geom, self.block
         nh, nkv, hd = g.num_heads, g.num_kv_heads, g.head_dim
         rng = np.random.default_rng([self.seed, self._kind_id, b])
@@ -87,19 +96,21 @@ class SyntheticStream:
         q += np.float32(self.QUERY_GAIN) * np.repeat(centre, nh // nkv, axis=1)
         return q, k, v
 
-    def rows(self, start, n):
+    def rows(self, start: int, n: int) -> QKV:
         """q (n, num_heads, head_dim), k and v (n, num_kv_heads, head_dim) of positions
         start .. start + n - 1."""
-        parts = []
+        parts: list[QKV] = []
         b0, b1 = start // self.block, (start + n - 1) // self.block
         for b in range(b0, b1 + 1):
             lo = max(start, b * self.block) - b * self.block
             hi = min(start + n, (b + 1) * self.block) - b * self.block
             blk = self._block(b)
-            parts.append(tuple(a[lo:hi] for a in blk) if (lo, hi) != (0, self.block) else blk)
+            q, k, v = blk
+            parts.append((q[lo:hi], k[lo:hi], v[lo:hi]) if (lo, hi) != (0, self.block) else blk)
         if len(parts) == 1:
             return parts[0]
-        return tuple(np.concatenate(a) for a in zip(*parts))
+        qs, ks, vs = zip(*parts)
+        return np.concatenate(qs), np.concatenate(ks), np.concatenate(vs)
 
 
 class O1Decode:
@@ -123,56 +134,68 @@ class O1Decode:
     count).  :meth:`rollback` puts every layer back to the end of the prompt.
     """
 
-    def __init__(self, geom, context, data="clustered", exact_modes=("f32", "q8"), seed=0,
-                 m=O1_M, w=O1_W, sink=O1_SINK, decode_steps=O1_ERROR_STEPS, with_o1=True):
+    def __init__(self, geom: Geometry, context: int, data: str = "clustered",
+                 exact_modes: Sequence[str] = ("f32", "q8"), seed: int = 0, m: int = O1_M,
+                 w: int = O1_W, sink: int = O1_SINK, decode_steps: int = O1_ERROR_STEPS,
+                 with_o1: bool = True) -> None:
         self.geom, self.context, self.data = geom, context, data
         nkv, nh, hd = geom.num_kv_heads, geom.num_heads, geom.head_dim
         stream = SyntheticStream(geom, data, seed)
-        self.o1 = LayerKvCache(nkv, hd, mode=KvMode.F32) if with_o1 else None
-        if with_o1:
-            self.o1.o1_begin(m, w, sink)
+        o1 = LayerKvCache(nkv, hd, mode=KvMode.F32) if with_o1 else None
+        self.o1 = o1
+        if o1 is not None:
+            o1.o1_begin(m, w, sink)
         self.exact = {name: LayerKvCache(nkv, hd, mode=make_mode(name)) for name in exact_modes}
         for start in range(0, context, stream.block):
             q, k, v = stream.rows(start, min(stream.block, context - start))
-            if with_o1:
-                self.o1.o1_push_q(q)
-                self.o1.append(k, v)
+            if o1 is not None:
+                o1.o1_push_q(q)
+                o1.append(k, v)
             for c in self.exact.values():
                 c.append(k, v)
             del q, k, v
-        self.seal_s, self.snapshot = None, None
-        if with_o1:
+        self.seal_s: float | None = None
+        self.snapshot: Any = None            # what o1_snapshot() returns, for o1_restore()
+        if o1 is not None:
             t0 = time.perf_counter()
-            if not self.o1.o1_seal(nh):
+            if not o1.o1_seal(nh):
                 raise RuntimeError(f"o1_seal refused a {context}-position prompt (see the log)")
             self.seal_s = time.perf_counter() - t0
-            self.snapshot = self.o1.o1_snapshot()
+            self.snapshot = o1.o1_snapshot()
         self.q, self.k, self.v = stream.rows(context, max(1, decode_steps))
         self.out = np.empty((nh, hd), dtype=np.float32)
 
-    def o1_step(self, i=0):
-        """One O(1) decode step with decode position ``i``'s (q, k, v); returns the output."""
-        return self.o1.o1_step(self.q[i], self.k[i], self.v[i], self.geom.num_heads)
+    def sealed(self) -> LayerKvCache:
+        """The sealed O(1) layer (ValueError when built with ``with_o1=False``)."""
+        if self.o1 is None:
+            raise ValueError("this O1Decode has no O(1) layer (with_o1=False)")
+        return self.o1
 
-    def exact_step(self, mode_name, i=0):
+    def o1_step(self, i: int = 0) -> F32:
+        """One O(1) decode step with decode position ``i``'s (q, k, v); returns the output."""
+        out: F32 = self.sealed().o1_step(self.q[i], self.k[i], self.v[i], self.geom.num_heads)
+        return out
+
+    def exact_step(self, mode_name: str, i: int = 0) -> F32:
         """One exact decode step: append position ``i``'s (k, v), attend its q (into ``out``)."""
         c = self.exact[mode_name]
         c.append(self.k[i], self.v[i])
-        return c.attend_all_heads(self.q[i], out=self.out)
+        out: F32 = c.attend_all_heads(self.q[i], out=self.out)
+        return out
 
-    def rollback(self):
+    def rollback(self) -> None:
         """O(1) layer back to its post-seal snapshot, exact layers back to ``context`` rows."""
         if self.o1 is not None:
             self.o1.o1_restore(self.snapshot)
         for c in self.exact.values():
             c.truncate_last(c.seq_len - self.context)
 
-    def errors(self, steps=O1_ERROR_STEPS):
+    def errors(self, steps: int = O1_ERROR_STEPS) -> dict[str, float]:
         """Relative L2 error against exact f32 over ``steps`` decode steps (then rolled back):
         ``{"o1": ..., "q8": ...}`` (q8 when that layer exists)."""
         if "f32" not in self.exact:
             raise ValueError("errors() needs an exact f32 layer")
-        outs = {name: [] for name in ("o1", *self.exact)}
+        outs: dict[str, list[F32]] = {name: [] for name in ("o1", *self.exact)}
         for i in range(steps):
             outs["o1"].append(self.o1_step(i))
             for name in self.exact:
@@ -183,20 +206,23 @@ class O1Decode:
         return {name: float(np.linalg.norm(np.stack(o) - ref) / norm)
                 for name, o in outs.items()}
 
-    def state_bytes(self):
-        return self.o1.memory_bytes()
+    def state_bytes(self) -> int:
+        """``memory_bytes()`` of the sealed layer (its KV released: the O(1) state)."""
+        return int(self.sealed().memory_bytes())
 
-    def exact_bytes(self, mode_name):
-        return self.exact[mode_name].memory_bytes()
+    def exact_bytes(self, mode_name: str) -> int:
+        """``memory_bytes()`` of the exact ``mode_name`` layer."""
+        return int(self.exact[mode_name].memory_bytes())
 
 
-def o1_round_robin(work, n_threads, repeats, flush_buf, flush_threads):
+def o1_round_robin(work: O1Decode, n_threads: int, repeats: int, flush_buf: F32,
+                   flush_threads: int) -> dict[str, Samples]:
     """Interleaved step timings (seconds) at ``n_threads``: per repeat, after a rollback, a cold
     O(1) step, a warm O(1) step, then one cold exact step per exact layer (each exact step's
     truncate_last(1) untimed).  One untimed warm-up round first.  Returns {name: [s, ...]}."""
     clock = time.perf_counter
     names = ("o1", "o1_warm", *work.exact)
-    samples = {name: [] for name in names}
+    samples: dict[str, Samples] = {name: [] for name in names}
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
@@ -226,7 +252,7 @@ def o1_round_robin(work, n_threads, repeats, flush_buf, flush_threads):
     return samples
 
 
-def run_o1_context(context, opts, flush_buf, bar):
+def run_o1_context(context: int, opts: Options, flush_buf: F32, bar: ProgressBar) -> list[Row]:
     """O(1) rows (one per thread count) at one context: iid error first (its layers freed),
     then the clustered layers for the error, the memory and the round-robin timings."""
     geom = GEOMETRIES["llama3-8b"]
@@ -240,12 +266,13 @@ def run_o1_context(context, opts, flush_buf, bar):
         bar.set_postfix_str(f"o1 {context_label(context)} clustered")
         work = O1Decode(geom, context, "clustered", exact_modes=("f32", "q8"), seed=opts.seed)
         err = work.errors(O1_ERROR_STEPS)
-    base = {"geometry": geom.label, "context": context, "m": O1_M, "w": O1_W, "sink": O1_SINK,
-            "seal_threads": top, "seal_s": work.seal_s,
-            "state_bytes": work.state_bytes(), "o1_memory_bytes": work.o1.o1_memory_bytes(),
-            "f32_bytes": work.exact_bytes("f32"), "q8_bytes": work.exact_bytes("q8"),
-            "rel_err_clustered": err["o1"], "rel_err_iid": err_iid,
-            "rel_err_q8_clustered": err["q8"], "error_steps": O1_ERROR_STEPS}
+    base: Row = {"geometry": geom.label, "context": context, "m": O1_M, "w": O1_W, "sink": O1_SINK,
+                 "seal_threads": top, "seal_s": work.seal_s,
+                 "state_bytes": work.state_bytes(),
+                 "o1_memory_bytes": work.sealed().o1_memory_bytes(),
+                 "f32_bytes": work.exact_bytes("f32"), "q8_bytes": work.exact_bytes("q8"),
+                 "rel_err_clustered": err["o1"], "rel_err_iid": err_iid,
+                 "rel_err_q8_clustered": err["q8"], "error_steps": O1_ERROR_STEPS}
     base["memory_ratio_f32"] = base["f32_bytes"] / base["state_bytes"]
     base["memory_ratio_q8"] = base["q8_bytes"] / base["state_bytes"]
     rows = []
@@ -265,10 +292,10 @@ def run_o1_context(context, opts, flush_buf, bar):
     return rows
 
 
-def run_o1(opts, bar):
+def run_o1(opts: Options, bar: ProgressBar) -> tuple[list[Row], float]:
     """The O(1) section: rows for every O(1) context and thread count, one context at a time."""
     flush_buf = np.ones(O1_FLUSH_BYTES // 4, dtype=np.float32)    # pages touched
-    rows = []
+    rows: list[Row] = []
     t0 = time.perf_counter()
     for context in opts.o1_contexts:
         rows += run_o1_context(context, opts, flush_buf, bar)
@@ -280,7 +307,8 @@ O1_HEADERS = ["ctx", "thr", "O(1) ms", "O(1) warm ms", "f32 ms", "q8 ms", "f32/O
               "err clustered", "err iid", "q8 err"]
 
 
-def o1_table(rows):
+def o1_table(rows: Sequence[Row]) -> str:
+    """The O(1) table: one row per (context, thread count)."""
     body = []
     for r in rows:
         body.append([context_label(r["context"]), r["threads"], fmt(r["o1_ms"]),
@@ -293,13 +321,13 @@ def o1_table(rows):
     return render_table(O1_HEADERS, body)
 
 
-def o1_summary(rows):
+def o1_summary(rows: Sequence[Row]) -> dict[int, Row]:
     """Ratios per thread count, from the rows of one run.
 
     Returns ``{threads: {...}}`` with the smallest and largest context, the flatness (O(1) step
     at the largest / at the smallest context, cold and warm) and, at the largest context, the
     exact f32 / O(1) step time and the f32 KV / O(1) state memory."""
-    out = {}
+    out: dict[int, Row] = {}
     for n in sorted({r["threads"] for r in rows}):
         mine = sorted((r for r in rows if r["threads"] == n), key=lambda r: r["context"])
         lo, hi = mine[0], mine[-1]
@@ -311,7 +339,7 @@ def o1_summary(rows):
     return out
 
 
-def o1_notes(opts, rows, section_s):
+def o1_notes(opts: Options, rows: Sequence[Row], section_s: float) -> list[str]:
     """Method and ratio lines printed under the O(1) table."""
     out = [(f"Llama-3-8B layer (32 heads, 8 KV heads, head_dim 128), O(1) m={O1_M} w={O1_W} "
             f"sink={O1_SINK}; times: median ms per decode step over {opts.o1_repeats} round-robin "

@@ -5,8 +5,10 @@ Method: ``docs/benchmark-method.md``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .geometry import Geometry
 from .mla import (
     MLA_CONTEXTS, MLA_FMA_ITERS, MLA_NAIVE_MAX_CONTEXT, MLA_NAIVE_REPEATS, MLA_REPEATS,
     MLA_WORKING_SET)
@@ -24,10 +26,10 @@ SECTIONS = ("decode", "append", "o1", "wire", "mla", "sync", "runner")
 class Options:
     """Resolved command-line settings."""
 
-    geometries: list
-    contexts: list
-    modes: list
-    threads: list
+    geometries: list[Geometry]
+    contexts: list[int]
+    modes: list[str]
+    threads: list[int]
     repeats: int
     ref_repeats: int
     working_set: int
@@ -38,14 +40,14 @@ class Options:
     seed: int
     decode: bool = True
     o1: bool = True
-    o1_contexts: tuple = O1_CONTEXTS
+    o1_contexts: Sequence[int] = O1_CONTEXTS
     o1_repeats: int = O1_REPEATS
     wire: bool = True
     wire_context: int = WIRE_CONTEXT
     wire_repeats: int = WIRE_REPEATS
     wire_save_layers: int = WIRE_SAVE_LAYERS
     mla: bool = True
-    mla_contexts: tuple = MLA_CONTEXTS
+    mla_contexts: Sequence[int] = MLA_CONTEXTS
     mla_repeats: int = MLA_REPEATS
     mla_naive_repeats: int = MLA_NAIVE_REPEATS
     mla_naive_max_context: int = MLA_NAIVE_MAX_CONTEXT
@@ -58,5 +60,5 @@ class Options:
     sync_full_repeats: int = SYNC_FULL_REPEATS
     sync_backend: str = "torch"
     runner: bool = True
-    runner_contexts: tuple = RUNNER_CONTEXTS
+    runner_contexts: Sequence[int] = RUNNER_CONTEXTS
     runner_steps: int = RUNNER_STEPS

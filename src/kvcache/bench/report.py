@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any
 
 from .append import append_ratio_lines, append_table
 from .attention import bandwidth_lines, decode_table, notes, plot_series
@@ -20,10 +23,31 @@ from . import runner as runner_section
 from .runner import runner_notes, runner_table
 from .sync import sync_notes, sync_table
 from .tables import context_label, fmt
+from .tables import Row
+from .timing import Bandwidth
 from .wire import wire_digest_table, wire_notes, wire_table
 
+if TYPE_CHECKING:
+    from .options import Options
 
-def write_plot(path, rows, bandwidth):
+
+@dataclass
+class Results:
+    """Everything one run measured, section by section (empty where a section did not run)."""
+
+    info: dict[str, Any]                                   # the machine (machine.machine_info)
+    bandwidth: Bandwidth = field(default_factory=dict)
+    decode: list[Row] = field(default_factory=list)
+    append: list[Row] = field(default_factory=list)
+    o1: list[Row] = field(default_factory=list)
+    o1_s: float = 0.0                                      # seconds the O(1) section took
+    wire: dict[str, Any] | None = None
+    mla: dict[str, Any] | None = None
+    sync: list[Row] = field(default_factory=list)
+    runner: list[Row] = field(default_factory=list)
+
+
+def write_plot(path: str, rows: Sequence[Row], bandwidth: Bandwidth) -> None:
     """ms per step and effective GB/s against context, one column per geometry.
 
     Colour: implementation and mode; line style: thread count; grey lines: stream_read."""
@@ -68,17 +92,17 @@ _PLOT_COLOURS = {("kvcache", "f32"): "C0", ("kvcache", "q8"): "C1", ("torch", "f
 _PLOT_MARKERS = {"kvcache": "o", "torch": "s", "reference": "x"}
 
 
-def _line_style(threads, n):
+def _line_style(threads: list[int], n: int) -> str:
     return "-" if n == threads[0] else ("--", ":", "-.")[threads.index(n) % 3 - 1]
 
 
-def mla_plot_path(path):
+def mla_plot_path(path: str) -> str:
     """``chart.png`` -> ``chart-mla.png`` (the MLA chart beside the decode chart)."""
     stem, ext = os.path.splitext(path)
     return f"{stem}-mla{ext or '.png'}"
 
 
-def write_mla_plot(path, result):
+def write_mla_plot(path: str, result: dict[str, Any]) -> None:
     """MLA section chart: ms per step (kernel per thread count, naive) and latent read rate as
     % of bandwidth with the FMA-peak ceiling, against context."""
     import matplotlib
@@ -118,12 +142,15 @@ def write_mla_plot(path, result):
     plt.close(fig)
 
 
-def print_report(info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
-                 file=None, wire_result=None, mla_result=None, sync_rows=(), runner_rows=()):
-    file = sys.stdout if file is None else file              # at call time (capture, redirect)
+def print_report(res: Results, opts: Options, file: IO[str] | None = None) -> None:
+    """The text report: the machine, the bandwidth probe, then each section's table and notes."""
+    out = sys.stdout if file is None else file               # at call time (capture, redirect)
+    info, bandwidth, rows, append_rows = res.info, res.bandwidth, res.decode, res.append
+    o1_rows, wire_result, mla_result = res.o1, res.wire, res.mla
+    sync_rows, runner_rows = res.sync, res.runner
 
-    def p(*a):
-        print(*a, file=file)
+    def p(*a: object) -> None:
+        print(*a, file=out)
 
     llc = info["llc_bytes_reported"]
     llc_text = f"LLC reported {llc / MiB:.0f} MiB" if llc else "LLC size unknown"
@@ -152,7 +179,7 @@ def print_report(info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
         p("")
         p("O(1) Nystrom decode (o1_step on a sealed layer) vs exact attend_all_heads, one layer:")
         p(o1_table(o1_rows))
-        for line in o1_notes(opts, o1_rows, o1_s):
+        for line in o1_notes(opts, o1_rows, res.o1_s):
             p("  " + line)
     if wire_result:
         p("")
@@ -187,57 +214,55 @@ def print_report(info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
             p("  " + line)
 
 
-def write_json(path, info, opts, bandwidth, rows, append_rows, o1_rows=(), o1_s=0.0,
-               wire_result=None, mla_result=None, sync_rows=(), runner_rows=()):
-    payload = {"machine": info,
-               "options": {"geometries": [g.key for g in opts.geometries],
-                           "contexts": opts.contexts, "modes": opts.modes,
-                           "threads": opts.threads, "repeats": opts.repeats,
-                           "ref_repeats": opts.ref_repeats,
-                           "working_set_bytes": opts.working_set, "torch": opts.torch,
-                           "reference": opts.reference, "seed": opts.seed,
-                           "decode_section": opts.decode, "append_section": opts.append,
-                           "o1_section": opts.o1, "o1_contexts": opts.o1_contexts,
-                           "o1_repeats": opts.o1_repeats, "o1_m": O1_M, "o1_w": O1_W,
-                           "o1_sink": O1_SINK, "o1_error_steps": O1_ERROR_STEPS,
-                           "o1_flush_bytes": O1_FLUSH_BYTES, "wire_section": opts.wire,
-                           "wire_context": opts.wire_context,
-                           "wire_repeats": opts.wire_repeats,
-                           "wire_save_layers": opts.wire_save_layers,
-                           "mla_section": opts.mla, "mla_contexts": opts.mla_contexts,
-                           "mla_repeats": opts.mla_repeats,
-                           "mla_naive_repeats": opts.mla_naive_repeats,
-                           "mla_naive_max_context": opts.mla_naive_max_context,
-                           "mla_working_set_bytes": opts.mla_working_set,
-                           "mla_fma_iters": opts.mla_fma_iters,
-                           "bandwidth_bytes": opts.bandwidth_bytes,
-                           "sync_section": opts.sync, "sync_context": opts.sync_context,
-                           "sync_steps": opts.sync_steps,
-                           "sync_full_repeats": opts.sync_full_repeats,
-                           "sync_backend": opts.sync_backend,
-                           "runner_section": opts.runner,
-                           "runner_contexts": opts.runner_contexts,
-                           "runner_steps": opts.runner_steps,
-                           "runner_model": runner_section.RUNNER_MODEL},
-               "bandwidth": {str(n): b for n, b in bandwidth.items()},
-               "decode": rows, "append": append_rows, "o1": list(o1_rows)}
-    if o1_rows:
-        payload["o1_summary"] = {str(n): v for n, v in o1_summary(o1_rows).items()}
-        payload["o1_section_s"] = o1_s
+def options_record(opts: Options) -> dict[str, Any]:
+    """The settings of a run, as written to the JSON file."""
+    return {"geometries": [g.key for g in opts.geometries],
+            "contexts": opts.contexts, "modes": opts.modes,
+            "threads": opts.threads, "repeats": opts.repeats, "ref_repeats": opts.ref_repeats,
+            "working_set_bytes": opts.working_set, "torch": opts.torch,
+            "reference": opts.reference, "seed": opts.seed,
+            "decode_section": opts.decode, "append_section": opts.append,
+            "o1_section": opts.o1, "o1_contexts": opts.o1_contexts,
+            "o1_repeats": opts.o1_repeats, "o1_m": O1_M, "o1_w": O1_W, "o1_sink": O1_SINK,
+            "o1_error_steps": O1_ERROR_STEPS, "o1_flush_bytes": O1_FLUSH_BYTES,
+            "wire_section": opts.wire, "wire_context": opts.wire_context,
+            "wire_repeats": opts.wire_repeats, "wire_save_layers": opts.wire_save_layers,
+            "mla_section": opts.mla, "mla_contexts": opts.mla_contexts,
+            "mla_repeats": opts.mla_repeats, "mla_naive_repeats": opts.mla_naive_repeats,
+            "mla_naive_max_context": opts.mla_naive_max_context,
+            "mla_working_set_bytes": opts.mla_working_set, "mla_fma_iters": opts.mla_fma_iters,
+            "bandwidth_bytes": opts.bandwidth_bytes,
+            "sync_section": opts.sync, "sync_context": opts.sync_context,
+            "sync_steps": opts.sync_steps, "sync_full_repeats": opts.sync_full_repeats,
+            "sync_backend": opts.sync_backend,
+            "runner_section": opts.runner, "runner_contexts": opts.runner_contexts,
+            "runner_steps": opts.runner_steps, "runner_model": runner_section.RUNNER_MODEL}
+
+
+def write_json(path: str, res: Results, opts: Options) -> None:
+    """The raw results (every sample included) as JSON."""
+    wire_result, mla_result = res.wire, res.mla
+    payload: dict[str, Any] = {
+        "machine": res.info, "options": options_record(opts),
+        "bandwidth": {str(n): b for n, b in res.bandwidth.items()},
+        "decode": res.decode, "append": res.append, "o1": res.o1}
+    if res.o1:
+        payload["o1_summary"] = {str(n): v for n, v in o1_summary(res.o1).items()}
+        payload["o1_section_s"] = res.o1_s
     if wire_result:
         payload["wire"] = wire_result["rows"]
         payload["wire_digests"] = wire_result["digests"]
         payload["wire_summary"] = wire_result["summary"]
         payload["wire_info"] = {k: v for k, v in wire_result.items()
-                                if k not in ("rows", "digests", "summary")}
+                                                 if k not in ("rows", "digests", "summary")}
     if mla_result:
         payload["mla"] = mla_result["rows"]
         payload["mla_summary"] = mla_result["summary"]
         payload["mla_info"] = {k: v for k, v in mla_result.items()
-                               if k not in ("rows", "summary")}
-    if sync_rows:
-        payload["sync"] = list(sync_rows)
-    if runner_rows:
-        payload["runner"] = list(runner_rows)
+                                                if k not in ("rows", "summary")}
+    if res.sync:
+        payload["sync"] = res.sync
+    if res.runner:
+        payload["runner"] = res.runner
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)

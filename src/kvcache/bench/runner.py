@@ -6,16 +6,25 @@ Method: ``docs/benchmark-method.md``.
 
 from __future__ import annotations
 
-import logging
 import gc
+import logging
 import statistics
 import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .geometry import MiB
-from .machine import _package_version
-from .tables import context_label, fmt, fmt_ratio, render_table
+from .geometry import F32, MiB
+from .machine import package_version
+from .tables import Row, context_label, fmt, fmt_ratio, render_table
+
+if TYPE_CHECKING:
+    from .._progress import ProgressBar
+    from ..runner import Runner
+    from .options import Options
+
+KvRows = list[tuple[F32, F32]]   # per layer: K and V rows of shape (context, nkv, head_dim)
 
 log = logging.getLogger("kvcache.bench")
 
@@ -23,9 +32,9 @@ log = logging.getLogger("kvcache.bench")
 # runner section: kvcache.runner vs transformers generate on one random-weight model
 RUNNER_CONTEXTS, QUICK_RUNNER_CONTEXTS = (512, 4096, 16384), (512, 4096)
 RUNNER_STEPS, QUICK_RUNNER_STEPS = 16, 8
-RUNNER_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-                    max_position_embeddings=32768)
+RUNNER_MODEL: dict[str, int] = dict(
+    vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768)
 
 
 class RunnerVsTransformers:
@@ -38,32 +47,36 @@ class RunnerVsTransformers:
         ``transformers.LlamaConfig`` arguments (default ``RUNNER_MODEL``).
     """
 
-    def __init__(self, model_kwargs=None, seed=0):
+    def __init__(self, model_kwargs: Mapping[str, Any] | None = None, seed: int = 0) -> None:
         import torch
         import transformers
+
         from ..runner import ModelConfig, Runner
         self.torch = torch
         torch.manual_seed(seed)
         cfg = transformers.LlamaConfig(**(model_kwargs or RUNNER_MODEL))
         cfg._attn_implementation = "sdpa"
-        self.model = transformers.LlamaForCausalLM(cfg).eval()
+        self.model = transformers.LlamaForCausalLM(cfg)
+        self.model.train(False)                    # eval mode (what .eval() does)
         self.model.generation_config.eos_token_id = None
         self.cfg = cfg
         self._weights = {k: v.detach().numpy() for k, v in self.model.state_dict().items()}
         self.rcfg = ModelConfig.from_hf(cfg.to_dict())
         self._Runner = Runner
-        self.nkv = cfg.num_key_value_heads
+        self.nkv = int(cfg.num_key_value_heads or cfg.num_attention_heads)
         self.hd = self.rcfg.head_dim
         self.seed = seed
 
-    def kv_rows(self, context):
+    def kv_rows(self, context: int) -> KvRows:
+        """Random K/V rows for every layer, the same for both sides."""
         rng = np.random.default_rng([self.seed, context])
         shape = (context, self.nkv, self.hd)
         return [(rng.standard_normal(shape, dtype=np.float32),
                  rng.standard_normal(shape, dtype=np.float32))
                 for _ in range(self.cfg.num_hidden_layers)]
 
-    def runner(self, rows, kv):
+    def runner(self, rows: KvRows, kv: str) -> Runner:
+        """A Runner whose cache holds ``rows`` (storage ``kv``), positioned after them."""
         context = rows[0][0].shape[0]
         r = self._Runner(self.rcfg, self._weights, kv=kv, max_seq_len=context + 4096)
         for layer, (k, v) in zip(r.cache.layers, rows):
@@ -71,11 +84,14 @@ class RunnerVsTransformers:
         r.position = context
         return r
 
-    def time_runner(self, rows, kv, steps, token):
+    def time_runner(self, rows: KvRows, kv: str, steps: int, token: int) -> dict[str, Any]:
+        """Step times, attention times, first logits and cache bytes of ``steps`` runner
+        steps after ``token``."""
         r = self.runner(rows, kv)
         first = r.step(token)
         tok = int(np.argmax(first))
-        times, att = [], []
+        times: list[float] = []
+        att: list[float] = []
         for _ in range(steps):
             a0, t0 = r.timings["attention_s"], time.perf_counter()
             tok = int(np.argmax(r.step(tok)))
@@ -84,17 +100,18 @@ class RunnerVsTransformers:
         return {"step_s": times, "attention_s": att, "first_logits": first,
                 "cache_bytes": r.memory_bytes()}
 
-    def time_transformers(self, rows, steps, token):
+    def time_transformers(self, rows: KvRows, steps: int, token: int) -> dict[str, Any]:
+        """Step intervals and first logits of transformers' ``generate`` from the same cache."""
         torch = self.torch
         from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
         cache = DynamicCache(config=self.cfg)
         for i, (k, v) in enumerate(rows):
             cache.update(torch.from_numpy(np.ascontiguousarray(k.transpose(1, 0, 2)))[None],
                          torch.from_numpy(np.ascontiguousarray(v.transpose(1, 0, 2)))[None], i)
-        stamps = []
+        stamps: list[float] = []
 
         class Stamp(LogitsProcessor):
-            def __call__(self, input_ids, scores):
+            def __call__(self, input_ids: Any, scores: Any) -> Any:
                 stamps.append(time.perf_counter())
                 return scores
 
@@ -116,19 +133,19 @@ class RunnerVsTransformers:
                 "first_logits": out.logits[0][0].numpy()}
 
 
-def run_runner(opts, bar):
+def run_runner(opts: Options, bar: ProgressBar) -> list[Row]:
     """The runner section: per context, the runner (f32, q8) and transformers in turn."""
     try:
         work = RunnerVsTransformers(seed=opts.seed)
     except ImportError as exc:
         log.warning("runner section skipped: it needs torch and transformers (%s)", exc)
         return []
-    rows = []
+    rows: list[Row] = []
     token = 17
     for context in opts.runner_contexts:
         bar.set_postfix_str(f"runner {context_label(context)}")
         kv = work.kv_rows(context)
-        rec = {"context": context, "steps": opts.runner_steps}
+        rec: Row = {"context": context, "steps": opts.runner_steps}
         first = None
         for mode in ("f32", "q8"):
             res = work.time_runner(kv, mode, opts.runner_steps, token)
@@ -154,7 +171,8 @@ def run_runner(opts, bar):
     return rows
 
 
-def runner_table(rows):
+def runner_table(rows: Sequence[Row]) -> str:
+    """The runner table: one row per context."""
     body = []
     for r in rows:
         f, q, h = r["f32"], r["q8"], r["transformers"]
@@ -169,10 +187,11 @@ def runner_table(rows):
                          "cache q8 MiB", "|dlogit|"], body)
 
 
-def runner_notes(rows, opts):
+def runner_notes(rows: Sequence[Row], opts: Options) -> list[str]:
+    """Method lines (and any logits warning) printed under the runner table."""
     out = [f"median of {opts.runner_steps} greedy steps per side; transformers "
-           f"{_package_version('transformers')} generate (sdpa, DynamicCache), torch "
-           f"{_package_version('torch')}; model: Llama-style, {RUNNER_MODEL}",
+           f"{package_version('transformers')} generate (sdpa, DynamicCache), torch "
+           f"{package_version('torch')}; model: Llama-style, {RUNNER_MODEL}",
            "attn = share of the runner's step time in append + attend_all_heads",
            "threads: the runner decodes with BLAS on 1 thread and kvcache's OpenMP on all "
            "(its default, see kvcache.runner); torch uses its own default pool"]

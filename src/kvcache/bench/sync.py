@@ -9,14 +9,22 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..latent import LatentKvCache
 from ..layer import LayerKvCache
 from ..modes import KvMode
-from .geometry import MiB
+from .geometry import F32, MiB
 from .mla import MLA_RANK, MLA_ROPE
-from .tables import context_label, fmt, fmt_ratio, render_table
+from .tables import Row, context_label, fmt, fmt_ratio, render_table
+
+if TYPE_CHECKING:
+    from .._progress import ProgressBar
+    from ..device.mirrors import SyncStats
+    from .options import Options
 
 
 # sync section: the cost of keeping a kvcache.device.Mirror in step
@@ -44,60 +52,77 @@ class MirrorSync:
 
     NKV, HD = 8, 128
 
-    def __init__(self, case, context, backend="torch", seed=0, spare=1024):
+    def __init__(self, case: str, context: int, backend: str = "torch", seed: int = 0,
+                 spare: int = 1024) -> None:
         from ..device import Mirror
-        from ..latent import LatentKvCache
         self.case = case
         rng = np.random.default_rng([seed, 0x53594E43])
+        self.cache: LayerKvCache | LatentKvCache
+        self.new: list[F32]
         if case == "latent":
             self.width = [(MLA_RANK,), (MLA_ROPE,)]
-            self.cache = LatentKvCache.with_capacity(1, context + spare, self.width)
+            latent = LatentKvCache.with_capacity(1, context + spare, self.width)
             for start in range(0, context, 4096):
                 n = min(4096, context - start)
-                self.cache.write_layer(0, [rng.standard_normal((n,) + w, dtype=np.float32)
-                                           for w in self.width])
-                self.cache.advance(n)
+                latent.write_layer(0, [rng.standard_normal((n,) + w, dtype=np.float32)
+                                       for w in self.width])
+                latent.advance(n)
+            self.cache = latent
             self.new = [rng.standard_normal((spare,) + w, dtype=np.float32) for w in self.width]
         else:
             mode = KvMode.F32 if case == "f32" else KvMode.Q8(True, True)
-            self.cache = LayerKvCache(self.NKV, self.HD, mode)
+            layer = LayerKvCache(self.NKV, self.HD, mode)
             for start in range(0, context, 4096):
                 n = min(4096, context - start)
                 shape = (n, self.NKV, self.HD)
-                self.cache.append(rng.standard_normal(shape, dtype=np.float32),
-                                  rng.standard_normal(shape, dtype=np.float32))
+                layer.append(rng.standard_normal(shape, dtype=np.float32),
+                             rng.standard_normal(shape, dtype=np.float32))
+            self.cache = layer
             shape = (spare, self.NKV, self.HD)
             self.new = [rng.standard_normal(shape, dtype=np.float32) for _ in range(2)]
         self.used = 0
         self.mirror = Mirror(self.cache, backend=backend)
         self.initial = self.mirror.total
 
-    def append(self, n=1):
+    def append(self, n: int = 1) -> None:
+        """Append the next ``n`` spare positions to the cache."""
         a, self.used = self.used, self.used + n
-        if self.case == "latent":
+        if isinstance(self.cache, LatentKvCache):
             self.cache.write_layer(0, [x[a: a + n] for x in self.new])
             self.cache.advance(n)
         else:
             self.cache.append(self.new[0][a: a + n], self.new[1][a: a + n])
 
-    def timed_sync(self, full=False):
+    def timed_sync(self, full: bool = False) -> tuple[float, SyncStats]:
+        """Seconds of one ``sync()`` and what it moved."""
         t0 = time.perf_counter()
         stats = self.mirror.sync(full=full)
         return time.perf_counter() - t0, stats
 
-    def rollback(self):
+    def rollback(self) -> None:
         """One speculative-decode round: drop the last drafts, append the next ones."""
+        if isinstance(self.cache, LatentKvCache):
+            raise ValueError("the latent case has no rollback step (truncate_to is the same "
+                             "operation)")
         drop, add = SYNC_ROLLBACK
         self.cache.truncate_last(drop)
         self.append(add)
 
+    def seq_len(self) -> int:
+        """Positions the cache holds now."""
+        if isinstance(self.cache, LatentKvCache):
+            return int(self.cache.cached_len)
+        return int(self.cache.seq_len)
 
-def run_sync_case(case, opts):
+
+def run_sync_case(case: str, opts: Options) -> Row:
     """Median decode-step, rollback-step and full re-upload costs of one mirrored layer."""
     steps, fulls = opts.sync_steps, opts.sync_full_repeats
     work = MirrorSync(case, opts.sync_context, opts.sync_backend, opts.seed,
                       spare=steps + 2 + (steps * SYNC_ROLLBACK[1] if case != "latent" else 0))
-    step_s, step_b, growth = [], [], []
+    step_s: list[float] = []
+    step_b: list[int] = []
+    growth: list[Row] = []
     for _ in range(steps):
         work.append(1)
         t, st = work.timed_sync()
@@ -106,12 +131,16 @@ def run_sync_case(case, opts):
             continue
         step_s.append(t)
         step_b.append(st.bytes)
-    rec = {"case": case, "context": opts.sync_context, "backend": opts.sync_backend,
-           "device": str(work.mirror.device), "initial_bytes": work.initial.bytes,
-           "step_ms": 1e3 * statistics.median(step_s), "step_bytes": statistics.median(step_b),
-           "step_samples_s": step_s, "growth": growth, "capacity": work.mirror.capacity}
+    # every mirror kind has a capacity; the Mirror base class does not declare it
+    capacity = getattr(work.mirror, "capacity")
+    rec: Row = {"case": case, "context": opts.sync_context, "backend": opts.sync_backend,
+                "device": str(work.mirror.device), "initial_bytes": work.initial.bytes,
+                "step_ms": 1e3 * statistics.median(step_s),
+                "step_bytes": statistics.median(step_b), "step_samples_s": step_s,
+                "growth": growth, "capacity": capacity}
     if case != "latent":
-        roll_s, roll_b = [], []
+        roll_s: list[float] = []
+        roll_b: list[int] = []
         for _ in range(steps):
             work.rollback()
             t, st = work.timed_sync()
@@ -120,14 +149,14 @@ def run_sync_case(case, opts):
                 roll_b.append(st.bytes)
         rec.update(rollback_ms=1e3 * statistics.median(roll_s),
                    rollback_bytes=statistics.median(roll_b))
-    full_s, full_b = [], []
+    full_s: list[float] = []
+    full_b: list[int] = []
     for _ in range(fulls):
         t, st = work.timed_sync(full=True)
         full_s.append(t)
         full_b.append(st.bytes)
     rec.update(full_ms=1e3 * statistics.median(full_s), full_bytes=statistics.median(full_b),
-               full_samples_s=full_s, context_at_end=work.cache.seq_len if case != "latent"
-               else work.cache.cached_len)
+               full_samples_s=full_s, context_at_end=work.seq_len())
     rec["bytes_ratio"] = rec["full_bytes"] / rec["step_bytes"] if rec["step_bytes"] else None
     rec["time_ratio"] = rec["full_ms"] / rec["step_ms"] if rec["step_ms"] else None
     del work
@@ -135,7 +164,8 @@ def run_sync_case(case, opts):
     return rec
 
 
-def run_sync(opts, bar):
+def run_sync(opts: Options, bar: ProgressBar) -> list[Row]:
+    """The sync section: one record per case of :data:`SYNC_CASES`."""
     rows = []
     for case in SYNC_CASES:
         bar.set_postfix_str(f"sync {case}")
@@ -144,7 +174,8 @@ def run_sync(opts, bar):
     return rows
 
 
-def sync_table(rows):
+def sync_table(rows: Sequence[Row]) -> str:
+    """The sync table: one row per mirrored layer."""
     body = []
     for r in rows:
         roll = r.get("rollback_bytes")
@@ -158,7 +189,8 @@ def sync_table(rows):
                          "time full/step"], body)
 
 
-def sync_notes(rows, opts):
+def sync_notes(rows: Sequence[Row], opts: Options) -> list[str]:
+    """Method lines printed under the sync table."""
     out = [f"medians of {opts.sync_steps} steps / {opts.sync_full_repeats} full re-uploads; "
            f"a step appends one position and syncs; a rollback step is truncate_last"
            f"({SYNC_ROLLBACK[0]}) + append {SYNC_ROLLBACK[1]} + sync"]

@@ -8,37 +8,47 @@ from __future__ import annotations
 import contextlib
 import statistics
 import timeit
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .. import _core
 from .geometry import GiB
 
+if TYPE_CHECKING:
+    from threadpoolctl import threadpool_limits
+
+Samples = list[float]                  # seconds, one per timed call (or sweep)
+Bandwidth = dict[int, dict[str, Any]]  # thread count -> {"best_gbs", "median_gbs", ...}
+Timing = dict[str, Any]                # ms / best_ms / gbs / best_gbs / samples_s of one call
 
 BANDWIDTH_BUFFER = GiB
 
 
-def time_repeats(fn, repeats, warmup=1):
+def time_repeats(fn: Callable[[], object], repeats: int, warmup: int = 1) -> Samples:
     """Seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones (gc off, timeit)."""
     for _ in range(warmup):
         fn()
     return timeit.Timer(fn).repeat(repeat=repeats, number=1)
 
 
-def omp_threads(n):
+def omp_threads(n: int) -> threadpool_limits:
     """kvcache's OpenMP thread count limited to ``n``."""
     from threadpoolctl import threadpool_limits
     return threadpool_limits(n, user_api="openmp")
 
 
-def numpy_threads(n):
+def numpy_threads(n: int) -> threadpool_limits:
     """Every thread pool (BLAS included) limited to ``n``: for the NumPy reference."""
     from threadpoolctl import threadpool_limits
     return threadpool_limits(n)
 
 
 @contextlib.contextmanager
-def torch_threads(torch, n):
+def torch_threads(torch: ModuleType, n: int) -> Iterator[None]:
     """torch's intra-op thread count set to ``n``, restored on exit."""
     old = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -48,27 +58,29 @@ def torch_threads(torch, n):
         torch.set_num_threads(old)
 
 
-def measure_bandwidth(thread_counts, nbytes=BANDWIDTH_BUFFER, repeats=5):
+def measure_bandwidth(thread_counts: Iterable[int], nbytes: int = BANDWIDTH_BUFFER,
+                      repeats: int = 5) -> Bandwidth:
     """Read bandwidth (GB/s) of ``_core.stream_read`` over an ``nbytes`` buffer per thread count.
 
     Returns ``{n: {"best_gbs", "median_gbs", "samples_s"}}``; "best" is the figure used.
     """
     buf = np.ones(nbytes // 4, dtype=np.float32)            # pages touched: not lazily zero
-    result = {}
+    result: Bandwidth = {}
     for n in thread_counts:
-        samples = time_repeats(lambda n=n: _core.stream_read(buf, n), repeats)
+        samples = time_repeats(lambda: _core.stream_read(buf, n), repeats)
         result[n] = {"best_gbs": buf.nbytes / min(samples) / 1e9,
                      "median_gbs": buf.nbytes / statistics.median(samples) / 1e9,
                      "buffer_bytes": buf.nbytes, "samples_s": samples}
     return result
 
 
-def pct_of_bandwidth(nbytes, seconds, bandwidth_gbs):
+def pct_of_bandwidth(nbytes: float, seconds: float, bandwidth_gbs: float) -> float:
     """``nbytes`` read in ``seconds`` as % of ``bandwidth_gbs`` (1e9 bytes per GB)."""
     return 100.0 * nbytes / seconds / 1e9 / bandwidth_gbs
 
 
-def remeasure_above_bandwidth(samples, measure, pct):
+def remeasure_above_bandwidth(samples: Samples, measure: Callable[[], Samples],
+                              pct: Callable[[Samples], float]) -> tuple[Samples, bool]:
     """``(samples, False)`` when ``pct(samples)`` is at most 100 (% of the measured bandwidth);
     otherwise ``(measure(), True)``: a reading above the bandwidth is taken once more (the
     report flags it if it stays above)."""
@@ -77,17 +89,17 @@ def remeasure_above_bandwidth(samples, measure, pct):
     return measure(), True
 
 
-def median_ms(samples, per=1):
+def median_ms(samples: Sequence[float], per: int = 1) -> float:
     """Median of ``samples`` (seconds, each covering ``per`` steps) in ms per step."""
     return statistics.median(samples) / per * 1e3
 
 
-def relative_error(a, b):
+def relative_error(a: npt.NDArray[np.floating[Any]], b: npt.NDArray[np.floating[Any]]) -> float:
     """max |a - b| / max(max |b|, 1e-30)."""
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
-def _timing(samples, nbytes):
+def timing_summary(samples: Samples, nbytes: int) -> Timing:
     """median / best ms and GB/s of ``nbytes`` per call."""
     med, best = statistics.median(samples), min(samples)
     return {"ms": med * 1e3, "best_ms": best * 1e3, "gbs": nbytes / med / 1e9,

@@ -13,6 +13,8 @@ import struct
 import tempfile
 import time
 import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,10 +22,16 @@ from .. import wire
 from ..layer import LayerKvCache
 from ..model import KvCache
 from ..modes import KvMode
-from .geometry import GEOMETRIES, MiB, make_mode, random_kv
-from .machine import _package_version, filesystem_type
-from .tables import context_label, fmt, render_table
-from .timing import _timing
+from .geometry import GEOMETRIES, Geometry, MiB, make_mode, random_kv
+from .machine import package_version, filesystem_type
+from .tables import Row, context_label, fmt, render_table
+from .timing import Samples, timing_summary
+
+if TYPE_CHECKING:
+    from .._progress import ProgressBar
+    from .options import Options
+
+DigestFn = Callable[[bytes], int]   # a raw digest function over one buffer
 
 
 WIRE_CONTEXT, QUICK_WIRE_CONTEXT = 32768, 4096
@@ -47,25 +55,26 @@ class WireLayers:
     :meth:`load` run one variant of :data:`WIRE_VARIANTS` (the timed calls).
     """
 
-    def __init__(self, geom, context, seed=3, storages=("f32", "q8"), model_layers=0):
+    def __init__(self, geom: Geometry, context: int, seed: int = 3,
+                 storages: Sequence[str] = ("f32", "q8"), model_layers: int = 0) -> None:
         self.geom, self.context = geom, context
         nkv, hd = geom.num_kv_heads, geom.head_dim
         k, v = random_kv(geom, context, seed)
-        self.layers = {}
+        self.layers: dict[str, LayerKvCache] = {}
         for name in storages:
             c = LayerKvCache(nkv, hd, mode=make_mode(name))
             c.append(k, v)
             self.layers[name] = c
-        self.model = None
+        self.model: KvCache | None = None
         if model_layers:
-            self.model = KvCache(model_layers, nkv, hd, max_seq_len=max(context, 1),
-                                 mode=KvMode.F32)
-            for c in self.model.layers:
+            model = KvCache(model_layers, nkv, hd, max_seq_len=max(context, 1), mode=KvMode.F32)
+            for c in model.layers:
                 c.append(k, v)
+            self.model = model
         del k, v
 
     @staticmethod
-    def variant(name):
+    def variant(name: str) -> tuple[str, str, bool]:
         """(format, storage, f16) of a :data:`WIRE_VARIANTS` name."""
         try:
             return WIRE_VARIANTS[name]
@@ -73,53 +82,64 @@ class WireLayers:
             raise ValueError(f"unknown wire variant {name!r}; choose from "
                              f"{', '.join(WIRE_VARIANTS)}") from None
 
-    def layer_bytes(self, name):
+    def layer_bytes(self, name: str) -> int:
         """``memory_bytes()`` of the layer that variant ``name`` exports."""
-        return self.layers[self.variant(name)[1]].memory_bytes()
+        return int(self.layers[self.variant(name)[1]].memory_bytes())
 
-    def model_bytes(self):
-        return sum(c.memory_bytes() for c in self.model.layers)
+    def saved_model(self) -> KvCache:
+        """The model of ``model_layers`` f32 layers (ValueError when none was built)."""
+        if self.model is None:
+            raise ValueError("this WireLayers was built without a model (model_layers=0)")
+        return self.model
 
-    def export(self, name):
+    def model_bytes(self) -> int:
+        """``memory_bytes()`` of every layer of the model."""
+        total = 0
+        for c in self.saved_model().layers:
+            total += int(c.memory_bytes())
+        return total
+
+    def export(self, name: str) -> bytes:
         """The buffer of variant ``name``: ``to_bytes`` or ``export_wire`` of its layer."""
-        fmt, storage, f16 = self.variant(name)
+        form, storage, f16 = self.variant(name)
         layer = self.layers[storage]
-        if fmt == "legacy":
-            return layer.export_wire(f16=f16)
-        return layer.to_bytes(f16=f16)
+        buf: bytes = layer.export_wire(f16=f16) if form == "legacy" else layer.to_bytes(f16=f16)
+        return buf
 
     @staticmethod
-    def digest(buf):
+    def digest(buf: bytes) -> int:
         """The digest ``to_bytes`` stored at the end of ``buf``, computed again over the bytes
         before it with the wire module's own helper and algorithm (the checksum's cost alone)."""
-        view = memoryview(buf).cast("B")
-        return wire._digest(wire.default_algorithm(), view[: len(view) - 8])
+        u8 = np.frombuffer(buf, dtype=np.uint8)
+        return int(wire._digest(wire.default_algorithm(), u8[: len(u8) - 8]))
 
     @staticmethod
-    def stored_digest(buf):
+    def stored_digest(buf: bytes) -> int:
         """The digest written in the last 8 bytes of a versioned buffer."""
         return int(struct.unpack_from("<Q", buf, len(buf) - 8)[0])
 
-    def target(self):
+    def target(self) -> LayerKvCache:
         """A fresh, empty layer to import into (the mode comes from the buffer)."""
         return LayerKvCache(self.geom.num_kv_heads, self.geom.head_dim, mode=KvMode.F32)
 
-    def load(self, name, target, buf):
+    def load(self, name: str, target: LayerKvCache, buf: bytes) -> None:
         """Install variant ``name``'s buffer into ``target`` (``from_bytes`` / ``import_wire``)."""
         if self.variant(name)[0] == "legacy":
             target.import_wire(buf)
         else:
             target.from_bytes(buf)
 
-    def check(self, name, target):
+    def check(self, name: str, target: LayerKvCache) -> None:
         """Raise AssertionError unless ``target`` holds what variant ``name`` exported."""
-        fmt, storage, f16 = self.variant(name)
+        form, storage, f16 = self.variant(name)
         src = self.layers[storage]
         if target.seq_len != src.seq_len or target.mode != src.mode:
             raise AssertionError(f"wire {name}: round trip changed seq_len or mode "
                                  f"({target.seq_len}, {target.mode!r})")
         if storage == "q8":
-            same = all(np.array_equal(a, b) for h in range(src.num_kv_heads)
+            same = all((a is None and b is None)
+                       or (a is not None and b is not None and np.array_equal(a, b))
+                       for h in range(src.num_kv_heads)
                        for a, b in zip(src.q8_rows(h), target.q8_rows(h)))
         else:
             tol = 1e-3 if f16 else 0.0
@@ -130,34 +150,36 @@ class WireLayers:
             raise AssertionError(f"wire {name}: round trip changed the rows")
 
 
-def wire_digest_functions():
+def wire_digest_functions() -> dict[str, tuple[DigestFn, str]]:
     """{name: (function, library description)} of the raw digest functions the wire section
     times: ``xxhash.xxh3_64_intdigest`` and ``crc32c.crc32c`` when those packages are installed,
     ``zlib.crc32`` always."""
-    fns = {}
+    fns: dict[str, tuple[DigestFn, str]] = {}
     try:
         import xxhash
     except ImportError:
-        xxhash = None
-    if xxhash is not None:
+        pass
+    else:
         fns["xxhash.xxh3_64_intdigest"] = (xxhash.xxh3_64_intdigest,
-                                           f"xxhash {_package_version('xxhash')}")
+                                           f"xxhash {package_version('xxhash')}")
     fns["zlib.crc32"] = (zlib.crc32, f"zlib {zlib.ZLIB_RUNTIME_VERSION}")
     try:
-        import crc32c
+        # optional and untyped; pyproject's list of untyped packages does not name it yet
+        import crc32c  # type: ignore[import-not-found, import-untyped, unused-ignore]
     except ImportError:
-        crc32c = None
-    if crc32c is not None:
+        pass
+    else:
         hw = getattr(crc32c, "hardware_based", None)
         how = "" if hw is None else (", hardware" if hw else ", software")
-        fns["crc32c.crc32c"] = (crc32c.crc32c, f"crc32c {_package_version('crc32c')}{how}")
+        fns["crc32c.crc32c"] = (crc32c.crc32c, f"crc32c {package_version('crc32c')}{how}")
     return fns
 
 
 WIRE_SAVE_LOAD = "KvCache save/load"
 
 
-def wire_round_robin(work, repeats, path, digests, bar=None):
+def wire_round_robin(work: WireLayers, repeats: int, path: str, digests: Mapping[str, DigestFn],
+                     bar: ProgressBar | None = None) -> tuple[dict[str, Samples], dict[str, int]]:
     """Interleaved wire timings (seconds).  Per repeat: every :data:`WIRE_VARIANTS` entry
     exports once and imports that buffer into a fresh layer, the f32 buffer's digest is
     computed again on its own (:meth:`WireLayers.digest`, timed as :data:`DIGEST_ALONE`) and the
@@ -166,10 +188,12 @@ def wire_round_robin(work, repeats, path, digests, bar=None):
     order.  One untimed warm-up round first, which also checks every round trip.
 
     Returns ``(samples, sizes)``: ``{"<variant> export" | "<variant> import" | "save" | "load"
-    | "digest alone" | "digest <name>": [s, ...]}`` and ``{variant | "save": buffer or file bytes}``."""
+    | "digest alone" | "digest <name>": [s, ...]}`` and ``{variant | "save": buffer or file
+    bytes}``."""
     clock = time.perf_counter
     order = list(WIRE_VARIANTS) + ([WIRE_SAVE_LOAD] if work.model is not None else [])
-    samples, sizes = {}, {}
+    samples: dict[str, Samples] = {}
+    sizes: dict[str, int] = {}
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
@@ -178,14 +202,14 @@ def wire_round_robin(work, repeats, path, digests, bar=None):
             for name in (order if r % 2 == 0 else order[::-1]):
                 if name == WIRE_SAVE_LOAD:
                     t0 = clock()
-                    work.model.save(path)
+                    work.saved_model().save(path)
                     got["save"] = clock() - t0
                     sizes["save"] = os.path.getsize(path)
                     t0 = clock()
                     loaded = KvCache.load(path)
                     got["load"] = clock() - t0
                     if r == 0 and ([c.seq_len for c in loaded.layers]
-                                   != [c.seq_len for c in work.model.layers]):
+                                   != [c.seq_len for c in work.saved_model().layers]):
                         raise AssertionError("wire: KvCache.load did not restore the model")
                     del loaded
                     gc.collect()
@@ -225,56 +249,60 @@ def wire_round_robin(work, repeats, path, digests, bar=None):
     return samples, sizes
 
 
-def _wire_call(fmt):
-    return {"versioned": "to_bytes/from_bytes", "legacy": "export_wire/import_wire"}[fmt]
+def _wire_call(form: str) -> str:
+    return {"versioned": "to_bytes/from_bytes", "legacy": "export_wire/import_wire"}[form]
 
 
-def wire_rows(work, samples, sizes):
+def wire_rows(work: WireLayers, samples: Mapping[str, Samples],
+              sizes: Mapping[str, int]) -> list[Row]:
     """Table rows of the wire section (one per variant, then save/load)."""
-    rows = []
-    for name, (fmt, storage, f16) in WIRE_VARIANTS.items():
+    rows: list[Row] = []
+    for name, (form, storage, f16) in WIRE_VARIANTS.items():
         nbytes = work.layer_bytes(name)
-        row = {"variant": name, "call": _wire_call(fmt), "format": fmt, "storage": storage, "f16": f16,
-               "rows": f"{storage} -> f16" if f16 else storage,
-               "layer_bytes": nbytes, "buffer_bytes": sizes[name]}
+        row: Row = {"variant": name, "call": _wire_call(form), "format": form,
+                    "storage": storage, "f16": f16,
+                    "rows": f"{storage} -> f16" if f16 else storage,
+                    "layer_bytes": nbytes, "buffer_bytes": sizes[name]}
         for op in ("export", "import"):
             key = f"{name} {op}"
             if key in samples:
-                row.update({f"{op}_{k}": v for k, v in _timing(samples[key], nbytes).items()})
+                row.update({f"{op}_{k}": v
+                            for k, v in timing_summary(samples[key], nbytes).items()})
         rows.append(row)
     if "save" in samples:
         nbytes = work.model_bytes()
         row = {"variant": WIRE_SAVE_LOAD, "call": "KvCache.save/load", "format": "versioned file",
-               "storage": "f32", "f16": False, "rows": f"{len(work.model.layers)} x f32",
+               "storage": "f32", "f16": False, "rows": f"{len(work.saved_model().layers)} x f32",
                "layer_bytes": nbytes, "buffer_bytes": sizes["save"]}
         for op, key in (("export", "save"), ("import", "load")):
-            row.update({f"{op}_{k}": v for k, v in _timing(samples[key], nbytes).items()})
+            row.update({f"{op}_{k}": v for k, v in timing_summary(samples[key], nbytes).items()})
         rows.append(row)
     return rows
 
 
-def wire_digest_rows(samples, digests, nbytes):
+def wire_digest_rows(samples: Mapping[str, Samples], digests: Mapping[str, tuple[DigestFn, str]],
+                     nbytes: int) -> list[Row]:
     """Rows of the digest alone (what ``to_bytes`` computes) and of the raw digest functions,
     each over the ``nbytes`` f32 export buffer."""
     in_use = {wire.ALG_XXH3: "xxhash.xxh3_64_intdigest",
               wire.ALG_CRC32: "zlib.crc32"}[wire.default_algorithm()]
     alone = {"function": DIGEST_ALONE, "library": f"kvcache.wire ({_algorithm_name()})",
              "bytes": nbytes, "in_use": True}
-    alone.update(_timing(samples[DIGEST_ALONE], nbytes))
+    alone.update(timing_summary(samples[DIGEST_ALONE], nbytes))
     rows = [alone]
     for name, (_, library) in digests.items():
         row = {"function": name, "library": library, "bytes": nbytes, "in_use": name == in_use}
-        row.update(_timing(samples[f"digest {name}"], nbytes))
+        row.update(timing_summary(samples[f"digest {name}"], nbytes))
         rows.append(row)
     return rows
 
 
-def _algorithm_name():
+def _algorithm_name() -> str:
     alg = wire.default_algorithm()
     return {wire.ALG_XXH3: "XXH3-64 (xxhash)", wire.ALG_CRC32: "CRC-32 (zlib)"}.get(alg, str(alg))
 
 
-def wire_summary(rows, samples, context):
+def wire_summary(rows: Sequence[Row], samples: Mapping[str, Samples], context: int) -> Row:
     """The f32 export and import rates and the digest's share of the export time, from the
     rows of one run (share = digest alone / f32 export: of the medians, of the best times, and
     the median of the per-repeat ratios)."""
@@ -288,7 +316,7 @@ def wire_summary(rows, samples, context):
             "export_gbs": by["f32"]["export_gbs"], "import_gbs": by["f32"]["import_gbs"]}
 
 
-def run_wire(opts, bar):
+def run_wire(opts: Options, bar: ProgressBar) -> dict[str, Any]:
     """The wire section: export/import of every byte format, the checksum's cost, the raw
     digest functions and KvCache save/load, one round-robin at ``opts.wire_context``."""
     geom = GEOMETRIES["llama3-8b"]
@@ -305,7 +333,7 @@ def run_wire(opts, bar):
                                           {k: f for k, (f, _) in digests.items()}, bar)
         fs = filesystem_type(folder)
     rows = wire_rows(work, samples, sizes)
-    result = {"geometry": geom.label, "context": opts.wire_context,
+    result: dict[str, Any] = {"geometry": geom.label, "context": opts.wire_context,
               "repeats": opts.wire_repeats, "save_layers": opts.wire_save_layers,
               "folder": os.path.dirname(folder), "filesystem": fs, "rows": rows,
               "digests": wire_digest_rows(samples, digests, sizes["f32"]),
@@ -322,7 +350,8 @@ WIRE_HEADERS = ["call", "rows", "layer MiB", "buffer MiB", "export ms", "export 
                 "import ms", "import GB/s", "best export GB/s", "best import GB/s"]
 
 
-def wire_table(rows):
+def wire_table(rows: Sequence[Row]) -> str:
+    """The export / import table: one row per variant, then save/load."""
     body = [[r["call"], r["rows"], fmt(r["layer_bytes"] / MiB), fmt(r["buffer_bytes"] / MiB),
              fmt(r.get("export_ms")), fmt(r.get("export_gbs")), fmt(r.get("import_ms")),
              fmt(r.get("import_gbs")), fmt(r.get("export_best_gbs")),
@@ -330,7 +359,8 @@ def wire_table(rows):
     return render_table(WIRE_HEADERS, body)
 
 
-def wire_digest_table(rows):
+def wire_digest_table(rows: Sequence[Row]) -> str:
+    """The digest table: the digest alone, then each package's raw function."""
     body = [[r["function"] + (" (in use)" if r["in_use"] and r["function"] != DIGEST_ALONE
                               else ""), r["library"],
              fmt(r["bytes"] / MiB), fmt(r["ms"]), fmt(r["gbs"]), fmt(r["best_gbs"])]
@@ -338,7 +368,7 @@ def wire_digest_table(rows):
     return render_table(["digest function", "package", "MiB", "ms", "GB/s", "best GB/s"], body)
 
 
-def wire_notes(result):
+def wire_notes(result: Mapping[str, Any]) -> list[str]:
     """Method, digest and summary lines printed under the wire tables."""
     s = result["summary"]
     ctx = context_label(result["context"])
