@@ -10,13 +10,14 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any, Optional, SupportsFloat, SupportsIndex, Union
+from typing import Any, Optional, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 F32 = npt.NDArray[np.float32]
 Shape = Sequence[Optional[int]]
+A = TypeVar("A", bound=npt.NDArray[Any])
 
 _F32 = np.dtype(np.float32)
 
@@ -134,12 +135,13 @@ def as_f32_scalar(name: str, value: object, *, positive: bool = False,
     return f
 
 
-def readonly(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
+def readonly(arr: A) -> A:
     """A read-only view of ``arr`` that cannot be made writable again.
 
     The view is built on a read-only memoryview of the storage, so setting
     ``flags.writeable = True`` on it raises instead of opening the cache to writes."""
-    return np.asarray(memoryview(arr).toreadonly())  # type: ignore[arg-type]  # ndarray is a buffer
+    view = np.asarray(memoryview(arr).toreadonly())  # type: ignore[arg-type]  # a buffer
+    return view  # type: ignore[return-value]  # same dtype and shape as arr
 
 
 def _shape_ok(shape: tuple[int, ...], pattern: Shape) -> bool:

@@ -18,8 +18,12 @@ point to.  Take a copy to keep a snapshot.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, Optional, Union
 
 import numpy as np
+import numpy.typing as npt
 
 from . import quant, wire
 from ._state import LayerState
@@ -28,7 +32,7 @@ from ._attention import Rows, attend_blocks, attend_rows, default_scale, grouped
 from .eviction import EvictionPolicy, born_rows
 from .modes import KvMode
 from ._generation import Generation
-from .o1 import O1Collecting, O1Rect, O1Sealed, O1Snapshot, check_seal
+from .o1 import O1Collecting, O1DeviceView, O1Rect, O1Sealed, O1Snapshot, check_seal
 
 try:
     from . import _core
@@ -39,6 +43,12 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
     ) from exc
 
 __all__ = ["LayerKvCache"]
+
+F32 = npt.NDArray[np.float32]
+I8 = npt.NDArray[np.int8]
+U8 = npt.NDArray[np.uint8]
+IP = npt.NDArray[np.intp]
+O1State = Union[O1Collecting, O1Sealed]
 
 _F32 = np.float32
 _MIN_CAPACITY = 16
@@ -56,8 +66,9 @@ class LayerKvCache:
         Number of KV heads (>= 1).
     head_dim : int
         Channels per head (>= 1).
-    mode : KvMode, optional
-        Storage precision; ``None`` reads ``KVCACHE_KV`` through :meth:`KvMode.from_env`.
+    mode : KvMode or str, optional
+        Storage precision: a KvMode or a name :meth:`KvMode.parse` accepts ("f32", "q8",
+        "q8k", "q8v"); ``None`` reads ``KVCACHE_KV`` through :meth:`KvMode.from_env`.
 
     Examples
     --------
@@ -68,7 +79,28 @@ class LayerKvCache:
     (4, 4)
     """
 
-    def __init__(self, num_kv_heads, head_dim, mode=None):
+    # the storage (head-major (nkv, capacity, .) stores; see _reset_storage)
+    _kf: F32
+    _vf: F32
+    _kq: I8
+    _vq: I8
+    _ks: F32
+    _vs: F32
+    _kcol: F32
+    _vcol: F32
+    _kcol_on: U8
+    _vcol_on: U8
+    _len: IP
+    _imp: F32
+    _imp_len: int
+    _seq_len: int
+    _cap: int
+    _o1: Optional[O1State]
+    _linear_state: F32
+    _linear_scratch: F32
+
+    def __init__(self, num_kv_heads: int, head_dim: int,
+                 mode: Union[KvMode, str, None] = None) -> None:
         nkv = as_int("num_kv_heads", num_kv_heads, minimum=1)
         hd = as_int("head_dim", head_dim, minimum=1)
         self._mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
@@ -115,7 +147,7 @@ class LayerKvCache:
         return {"_kf": (self._hd, _F32), "_vf": (self._hd, _F32), "_kq": (self._hd, np.int8),
                 "_vq": (self._hd, np.int8), "_ks": (self._ngk, _F32), "_vs": (1, _F32)}[name]
 
-    def _reserve(self, n):
+    def _reserve(self, n: int) -> None:
         """Make room for ``n`` more rows on every head and ``n`` more importance entries.
 
         Allocates before anything is modified, so a MemoryError leaves the cache as it was.
@@ -124,10 +156,10 @@ class LayerKvCache:
         if need > self._cap:
             cap = max(need, 2 * self._cap, _MIN_CAPACITY)
             used = int(self._len.max(initial=0))
-            fresh = {}
+            fresh: dict[str, npt.NDArray[Any]] = {}
             for name in self._stores():
                 width, dtype = self._trailing(name)
-                arr = np.empty((self._nkv, cap, width), dtype=dtype)
+                arr: npt.NDArray[Any] = np.empty((self._nkv, cap, width), dtype=dtype)
                 arr[:, :used] = getattr(self, name)[:, :used]
                 fresh[name] = arr
             for name, arr in fresh.items():
@@ -141,49 +173,50 @@ class LayerKvCache:
 
     # ------------------------------------------------------------------ public fields
     @property
-    def mode(self):
+    def mode(self) -> KvMode:
         """The storage precision (:class:`KvMode`)."""
         return self._mode
 
     @property
-    def seq_len(self):
+    def seq_len(self) -> int:
         """Positions appended so far (dead heads included)."""
         return self._seq_len
 
     @property
-    def num_kv_heads(self):
+    def num_kv_heads(self) -> int:
         return self._nkv
 
     @property
-    def head_dim(self):
+    def head_dim(self) -> int:
         return self._hd
 
     @property
-    def linear_state(self):
+    def linear_state(self) -> F32:
         """Linear-core state: a 1-D float32 array owned by the layer (assignable)."""
         return self._linear_state
 
     @linear_state.setter
-    def linear_state(self, value):
+    def linear_state(self, value: npt.ArrayLike) -> None:
         self._linear_state = self._as_state("linear_state", value)
 
     @property
-    def linear_scratch(self):
+    def linear_scratch(self) -> F32:
         """Tentative lane-2 linear state during a speculative verify (assignable)."""
         return self._linear_scratch
 
     @linear_scratch.setter
-    def linear_scratch(self, value):
+    def linear_scratch(self, value: npt.ArrayLike) -> None:
         self._linear_scratch = self._as_state("linear_scratch", value)
 
     @staticmethod
-    def _as_state(name, value):
+    def _as_state(name: str, value: npt.ArrayLike) -> F32:
         arr = as_f32(name, value)
         if arr.ndim != 1:
             raise ValueError(f"{name}: expected a 1-D array, got shape {arr.shape}")
-        return arr.copy()
+        copy: F32 = arr.copy()
+        return copy
 
-    def commit_linear_scratch(self):
+    def commit_linear_scratch(self) -> None:
         """Accept lane 2: swap the scratch in as the linear state, then empty the scratch.
 
         Does nothing when the scratch is empty (no pending lane-2 state)."""
@@ -191,12 +224,12 @@ class LayerKvCache:
             self._linear_state = self._linear_scratch
             self._linear_scratch = np.zeros(0, dtype=_F32)
 
-    def discard_linear_scratch(self):
+    def discard_linear_scratch(self) -> None:
         """Reject lane 2: drop the scratch; the linear state stays as it is."""
         self._linear_scratch = np.zeros(0, dtype=_F32)
 
     @property
-    def o1(self):
+    def o1(self) -> Optional[O1State]:
         """The O(1) state (read-only): None, an :class:`kvcache.o1.O1Collecting` (trace being
         collected) or an :class:`kvcache.o1.O1Sealed` (sealed; decode with :meth:`o1_step`).
 
@@ -205,7 +238,7 @@ class LayerKvCache:
         return self._o1
 
     @property
-    def generation(self):
+    def generation(self) -> int:
         """A counter that grows each time stored rows change other than by appending.
 
         Bumped by :meth:`truncate_last`, eviction, :meth:`clear`, :meth:`import_wire` /
@@ -216,7 +249,7 @@ class LayerKvCache:
         :class:`kvcache.device.Mirror`."""
         return self._gen.value
 
-    def unchanged_prefix(self, since):
+    def unchanged_prefix(self, since: int) -> Optional[IP]:
         """Per-head row counts ``n[h]`` such that rows ``[0, n[h])`` of head h hold what they
         held at generation ``since`` (rows that existed then).
 
@@ -225,31 +258,32 @@ class LayerKvCache:
         ``since``, when more than 64 truncations did (only the last 64 are remembered), or
         when ``since`` is not a generation this cache has had.  Truncations only lower the
         counts."""
-        return self._gen.unchanged_prefix(since, self._len)
+        prefix = self._gen.unchanged_prefix(since, self._len)
+        return None if prefix is None else np.asarray(prefix, dtype=np.intp)
 
     @property
-    def importance(self):
+    def importance(self) -> F32:
         """Accumulated attention mass per stored position, read-only float32 view."""
         return readonly(self._imp[: self._imp_len])
 
-    def __len__(self):
+    def __len__(self) -> int:
         return self._seq_len
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return True
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         o1 = "" if self.o1 is None else (", o1=sealed" if self.o1_sealed() else ", o1=collecting")
         return (f"LayerKvCache(num_kv_heads={self._nkv}, head_dim={self._hd}, mode={self._mode!r}, "
                 f"seq_len={self._seq_len}{o1})")
 
     # ------------------------------------------------------------------ append
-    def _as_rows(self, name, value):
+    def _as_rows(self, name: str, value: npt.ArrayLike) -> F32:
         nkv, hd = self._nkv, self._hd
         arr = as_f32(name, value, shapes=[(nkv, hd), (nkv * hd,), (None, nkv, hd)])
         return arr.reshape(-1, nkv, hd)
 
-    def _as_alive(self, alive):
+    def _as_alive(self, alive: Optional[npt.ArrayLike]) -> U8:
         if alive is None:
             return np.ones(self._nkv, dtype=np.uint8)
         arr = np.asarray(alive)
@@ -262,7 +296,8 @@ class LayerKvCache:
             raise ValueError(f"alive: expected shape ({self._nkv},), got {arr.shape}")
         return arr.astype(np.uint8)
 
-    def append(self, k_new, v_new, alive=None):
+    def append(self, k_new: npt.ArrayLike, v_new: npt.ArrayLike,
+               alive: Optional[Sequence[bool] | npt.ArrayLike] = None) -> None:
         """Append K/V for one position or a block of ``n`` positions.
 
         Parameters
@@ -297,10 +332,10 @@ class LayerKvCache:
             self._store(k3[i:j], v3[i:j], live)
             i = j
 
-    def _any_col_frozen(self):
+    def _any_col_frozen(self) -> bool:
         return bool(self._kcol_on.any() or self._vcol_on.any())
 
-    def _freeze_columns(self):
+    def _freeze_columns(self) -> None:
         if self._len.any():                  # requantises every stored row (heads with rows)
             self._gen.diverge()
         if self._mode.quant_k:
@@ -310,7 +345,7 @@ class LayerKvCache:
             quant.freeze_columns(self._vq, self._vs, self._len, self._hd, self._vcol,
                                  self._vcol_on, _core)
 
-    def _store(self, k3, v3, live):
+    def _store(self, k3: F32, v3: F32, live: U8) -> None:
         n = k3.shape[0]
         if self._mode.quant_k:
             _core.store_rows_q8(x__nhd=k3, alive__h=live, head_len__h=self._len,
@@ -332,11 +367,11 @@ class LayerKvCache:
         self._seq_len += n
 
     # ------------------------------------------------------------------ accessors
-    def head_len(self, h):
+    def head_len(self, h: int) -> int:
         """Rows stored for KV head ``h`` (0 for a head that was always dead)."""
         return int(self._len[as_index("kv_head", h, self._nkv)])
 
-    def head_keys(self, h):
+    def head_keys(self, h: int) -> F32:
         """Read-only float32 view (head_len(h), head_dim) of head h's keys.
 
         Empty (0, head_dim) when K is stored as int8."""
@@ -345,7 +380,7 @@ class LayerKvCache:
             return readonly(np.zeros((0, self._hd), dtype=_F32))
         return readonly(self._kf[h, : self._len[h]])
 
-    def head_values(self, h):
+    def head_values(self, h: int) -> F32:
         """Read-only float32 view (head_len(h), head_dim) of head h's values.
 
         Empty (0, head_dim) when V is stored as int8."""
@@ -354,44 +389,45 @@ class LayerKvCache:
             return readonly(np.zeros((0, self._hd), dtype=_F32))
         return readonly(self._vf[h, : self._len[h]])
 
-    def k_heads(self):
+    def k_heads(self) -> list[F32]:
         """List of :meth:`head_keys` views, one per KV head."""
         return [self.head_keys(h) for h in range(self._nkv)]
 
-    def v_heads(self):
+    def v_heads(self) -> list[F32]:
         """List of :meth:`head_values` views, one per KV head."""
         return [self.head_values(h) for h in range(self._nkv)]
 
-    def q8_rows(self, h):
+    def q8_rows(self, h: int) -> tuple[Optional[I8], Optional[F32], Optional[I8], Optional[F32]]:
         """Read-only views of head h's int8 storage: (kq, ks, vq, vs), None for f32 parts.
 
         kq (head_len, head_dim) int8, ks (head_len, ceil(head_dim/32)) float32,
         vq (head_len, head_dim) int8, vs (head_len,) float32."""
         h = as_index("kv_head", h, self._nkv)
         n = self._len[h]
-        k = (readonly(self._kq[h, :n]), readonly(self._ks[h, :n])) if self._mode.quant_k else (None, None)
-        v = (readonly(self._vq[h, :n]), readonly(self._vs[h, :n, 0])) if self._mode.quant_v else (None, None)
-        return k + v
+        k = self._mode.quant_k
+        v = self._mode.quant_v
+        return (readonly(self._kq[h, :n]) if k else None, readonly(self._ks[h, :n]) if k else None,
+                readonly(self._vq[h, :n]) if v else None, readonly(self._vs[h, :n, 0]) if v else None)
 
-    def columns(self, h):
+    def columns(self, h: int) -> tuple[Optional[F32], Optional[F32]]:
         """Frozen column fields of head h: (kcol, vcol), each a read-only (head_dim,) view or None."""
         h = as_index("kv_head", h, self._nkv)
         return (readonly(self._kcol[h]) if self._kcol_on[h] else None,
                 readonly(self._vcol[h]) if self._vcol_on[h] else None)
 
     # ------------------------------------------------------------------ attention
-    def _check_exact(self, what):
+    def _check_exact(self, what: str) -> None:
         o1 = self.o1
         if o1 is not None and getattr(o1, "sealed", False):
             raise RuntimeError(f"{what}: this layer is sealed in O(1) mode; use o1_step")
 
-    def _queries(self, qk):
+    def _queries(self, qk: F32) -> F32:
         """Fold the frozen key columns into queries (nkv, m, hd) when K is int8."""
         if self._mode.quant_k and self._kcol_on.any():
             return np.ascontiguousarray(qk * self._kcol[:, None, :])
         return np.ascontiguousarray(qk)
 
-    def _one_group(self, h, q2d):
+    def _one_group(self, h: int, q2d: F32) -> tuple[F32, IP]:
         """Queries (nq, hd) of KV head h alone: the column-folded queries and group offsets."""
         if self._mode.quant_k and self._kcol_on.any():
             q2d = q2d * self._kcol[h]
@@ -399,12 +435,12 @@ class LayerKvCache:
         group_q0[h + 1:] = q2d.shape[0]
         return np.ascontiguousarray(q2d), group_q0
 
-    def _rows(self):
+    def _rows(self) -> Rows:
         """The stored rows as the attention kernel reads them."""
         return Rows(self._kf, self._kq, self._ks, self._vf, self._vq, self._vs, self._vcol,
                     self._len, self._mode.quant_k, self._mode.quant_v)
 
-    def attend(self, q, kv_head):
+    def attend(self, q: npt.ArrayLike, kv_head: int) -> tuple[F32, F32]:
         """Attention of one query head over KV head ``kv_head``'s stored rows.
 
         Always the plain form: scale 1/sqrt(head_dim), no softcap, no window.
@@ -416,7 +452,7 @@ class LayerKvCache:
         """
         return self._attend(_core, q, kv_head)
 
-    def _attend(self, kernels, q, kv_head):
+    def _attend(self, kernels: ModuleType, q: npt.ArrayLike, kv_head: int) -> tuple[F32, F32]:
         """:meth:`attend` on the kernel module ``kernels`` (``_core`` or its NumPy twin)."""
         self._check_exact("attend")
         hd = self._hd
@@ -433,7 +469,8 @@ class LayerKvCache:
                             n_threads=_core.max_threads())
         return out.reshape(hd), probs[0, :stored].copy()
 
-    def attend_group(self, q_group, kv_head, out, imp_acc, scale, first, softcap):
+    def attend_group(self, q_group: npt.ArrayLike, kv_head: int, out: F32, imp_acc: F32,
+                     scale: float, first: int, softcap: float) -> None:
         """Grouped attention of the query heads of one KV group, in one pass over its rows.
 
         Parameters
@@ -455,7 +492,9 @@ class LayerKvCache:
         """
         self._attend_group(_core, q_group, kv_head, out, imp_acc, scale, first, softcap)
 
-    def _attend_group(self, kernels, q_group, kv_head, out, imp_acc, scale, first, softcap):
+    def _attend_group(self, kernels: ModuleType, q_group: npt.ArrayLike, kv_head: int,
+                      out: F32, imp_acc: F32, scale: float, first: int,
+                      softcap: float) -> None:
         """:meth:`attend_group` on the kernel module ``kernels``."""
         self._check_exact("attend_group")
         hd = self._hd
@@ -482,7 +521,9 @@ class LayerKvCache:
                     first=first, scale=scale, softcap=softcap, out2=out.reshape(nq, hd),
                     width=stored, imp=imp_acc, imp_mode=1, n_threads=_core.max_threads())
 
-    def attend_all_heads(self, q, *, scale=None, window=None, softcap=0.0, out=None):
+    def attend_all_heads(self, q: npt.ArrayLike, *, scale: Optional[float] = None,
+                         window: Optional[int] = None, softcap: float = 0.0,
+                         out: Optional[F32] = None) -> F32:
         """Whole-layer grouped-query attention of the newest position(s).
 
         Parameters
@@ -515,7 +556,8 @@ class LayerKvCache:
         """
         return self._attend_all_heads(_core, q, scale, window, softcap, out)
 
-    def _attend_all_heads(self, kernels, q, scale, window, softcap, out):
+    def _attend_all_heads(self, kernels: ModuleType, q: npt.ArrayLike, scale: Optional[float],
+                          window: Optional[int], softcap: float, out: Optional[F32]) -> F32:
         """:meth:`attend_all_heads` on the kernel module ``kernels``."""
         self._check_exact("attend_all_heads")
         nkv, hd = self._nkv, self._hd
@@ -541,7 +583,7 @@ class LayerKvCache:
                       n_threads=_core.max_threads(), fold=self._queries)
         return out
 
-    def accumulate_imp(self, probs):
+    def accumulate_imp(self, probs: npt.ArrayLike) -> None:
         """Add attention mass: ``importance[i] += probs[i]`` over the overlapping prefix."""
         p = as_f32("probs", probs)
         if p.ndim != 1:
@@ -550,7 +592,7 @@ class LayerKvCache:
         self._imp[:m] += p[:m]
 
     # ------------------------------------------------------------------ rollback, eviction
-    def truncate_last(self, n):
+    def truncate_last(self, n: int) -> None:
         """Roll back the newest ``n`` positions (speculative-decode reject).
 
         Drops min(n, seq_len) positions from every head (dead heads saturate at 0) and from
@@ -567,7 +609,7 @@ class LayerKvCache:
         self._seq_len -= d
         self._gen.shrink(self._len)
 
-    def clear(self):
+    def clear(self) -> None:
         """Forget everything: rows, columns, importance, linear state and scratch, O(1) state.
 
         Keeps mode, num_kv_heads and head_dim."""
@@ -577,7 +619,7 @@ class LayerKvCache:
         self._o1 = None
         self._gen.diverge()
 
-    def _shift_rows(self, h, keep_idx=None, drop=0):
+    def _shift_rows(self, h: int, keep_idx: Optional[IP] = None, drop: int = 0) -> None:
         """Compact head h's rows: keep rows ``keep_idx`` (sorted) or drop the first ``drop``."""
         n = int(self._len[h])
         for name in self._stores():
@@ -603,7 +645,7 @@ class LayerKvCache:
         else:
             self._evict_born(keep, policy.sink, policy.recent(keep))
 
-    def _evict(self, keep):
+    def _evict(self, keep: int) -> None:
         """RECENT: keep the newest ``keep`` positions."""
         if self.o1 is not None or self._seq_len <= keep:
             return
@@ -616,7 +658,7 @@ class LayerKvCache:
         self._seq_len = keep
         self._gen.diverge()
 
-    def _evict_born(self, keep, sink, recent):
+    def _evict_born(self, keep: int, sink: int, recent: int) -> None:
         """Born: keep ``sink`` first, ``recent`` newest and the most important middle rows."""
         if self.o1 is not None or self._imp_len <= keep:
             return
@@ -752,7 +794,8 @@ class LayerKvCache:
         self._install_state(wire.layer_from_bytes(self, buf, fingerprint))
 
     # ------------------------------------------------------------------ O(1) override
-    def o1_begin(self, m, w, sink, rect=O1Rect.AGGREGATE):
+    def o1_begin(self, m: int, w: int, sink: int,
+                 rect: Union[O1Rect, str] = O1Rect.AGGREGATE) -> None:
         """Start collecting the prompt's query trace for an O(1) seal (spec 6.1).
 
         Parameters
@@ -782,7 +825,7 @@ class LayerKvCache:
                                "call clear() before beginning a new O(1) prompt")
         self._o1 = O1Collecting(m, w, sink, rect, self._hd)
 
-    def o1_push_q(self, q_all):
+    def o1_push_q(self, q_all: npt.ArrayLike) -> None:
         """Append one prompt position's queries (num_heads, head_dim) -- or several,
         (n, num_heads, head_dim) -- to the trace.  Call it once per position, in order, before
         or after the position's append.  A no-op unless the layer is collecting."""
@@ -794,11 +837,11 @@ class LayerKvCache:
         if isinstance(self.o1, O1Collecting):
             self.o1.push(qa)
 
-    def o1_sealed(self):
+    def o1_sealed(self) -> bool:
         """True when the layer is sealed (O(1) decode through :meth:`o1_step`)."""
         return self.o1 is not None and bool(getattr(self.o1, "sealed", False))
 
-    def o1_seal(self, num_heads):
+    def o1_seal(self, num_heads: int) -> bool:
         """Freeze the prompt into per-group Nystrom states and release the layer's KV.
 
         Idempotent: when the layer is not collecting, returns :meth:`o1_sealed` and changes
@@ -814,7 +857,7 @@ class LayerKvCache:
         """
         return self._o1_seal(_core, num_heads)
 
-    def _o1_seal(self, kernels, num_heads):
+    def _o1_seal(self, kernels: ModuleType, num_heads: int) -> bool:
         """:meth:`o1_seal` with the prompt replayed by ``kernels.o1_absorb``."""
         nh = as_int("num_heads", num_heads, minimum=1)
         coll = self.o1
@@ -840,13 +883,15 @@ class LayerKvCache:
         self._gen.diverge()
         return True
 
-    def _sealed_state(self, what):
-        if not self.o1_sealed():
+    def _sealed_state(self, what: str) -> O1Sealed:
+        o1 = self._o1
+        if not isinstance(o1, O1Sealed):
             raise RuntimeError(f"{what}: the layer is not sealed (call o1_begin, push every prompt "
                                f"position's queries with o1_push_q, then o1_seal)")
-        return self.o1
+        return o1
 
-    def o1_step(self, q_all, k_new, v_new, num_heads):
+    def o1_step(self, q_all: npt.ArrayLike, k_new: npt.ArrayLike, v_new: npt.ArrayLike,
+                num_heads: int) -> F32:
         """One O(1) decode step: insert (k_new, v_new) once per KV group, return every head's
         attention output.
 
@@ -865,7 +910,8 @@ class LayerKvCache:
         """
         return self._o1_step(_core, q_all, k_new, v_new, num_heads)
 
-    def _o1_step(self, kernels, q_all, k_new, v_new, num_heads):
+    def _o1_step(self, kernels: ModuleType, q_all: npt.ArrayLike, k_new: npt.ArrayLike,
+                 v_new: npt.ArrayLike, num_heads: int) -> F32:
         """:meth:`o1_step` on ``kernels.o1_step``."""
         nh = as_int("num_heads", num_heads, minimum=1)
         state = self._sealed_state("o1_step")
@@ -883,12 +929,13 @@ class LayerKvCache:
         self._seq_len += 1
         return out
 
-    def o1_views(self):
+    def o1_views(self) -> Optional[list[O1DeviceView]]:
         """One :class:`kvcache.O1DeviceView` per KV group, or None when the layer is not sealed
         or was sealed in exact-only mode."""
-        return self.o1.views() if self.o1_sealed() else None
+        o1 = self._o1
+        return o1.views() if isinstance(o1, O1Sealed) else None
 
-    def o1_memory_bytes(self):
+    def o1_memory_bytes(self) -> int:
         """Bytes of the O(1) state: 4 per collected trace float while collecting, the sealed
         state's arrays once sealed (spec 6.8), 0 otherwise.  Included in memory_bytes()."""
         o1 = self.o1
@@ -896,13 +943,13 @@ class LayerKvCache:
             return o1.memory_bytes()
         return 0
 
-    def o1_snapshot(self):
+    def o1_snapshot(self) -> O1Snapshot:
         """A copy of the sealed state's ring, far accumulators and seq_len (speculative decode).
 
         Restore it with :meth:`o1_restore` to roll back, bit for bit, the steps taken since."""
         return self._sealed_state("o1_snapshot").snapshot(self._seq_len)
 
-    def o1_restore(self, snapshot):
+    def o1_restore(self, snapshot: O1Snapshot) -> None:
         """Put back a snapshot taken by :meth:`o1_snapshot` on this same sealed state."""
         if not isinstance(snapshot, O1Snapshot):
             raise TypeError(f"snapshot: expected an O1Snapshot from o1_snapshot(), got "

@@ -234,8 +234,7 @@ class LayerMirror(Mirror):
             return self._sync_o1(st.o1, st.seq_len, full, gen)
         if self._o1 is not None or st.mode != self._mode:
             full = True
-        # LayerKvCache.unchanged_prefix is not annotated yet
-        prefix = None if full else c.unchanged_prefix(self._gen)  # type: ignore[no-untyped-call]
+        prefix = None if full or self._gen is None else c.unchanged_prefix(self._gen)
         if prefix is None:
             full = True
             keep = np.zeros(self._nkv, dtype=np.intp)
@@ -345,36 +344,36 @@ class LayerMirror(Mirror):
         """Rows per head the device storage holds before it must grow."""
         return self._cap
 
-    def __len__(self):  # type: ignore[no-untyped-def]  # as LayerKvCache.__len__
+    def __len__(self) -> int:
         return self._seq
 
-    def head_len(self, h):  # type: ignore[no-untyped-def]  # as LayerKvCache.head_len
+    def head_len(self, h: int) -> int:
         return int(self._lens[as_index("kv_head", h, self._nkv)])
 
     def _empty(self, dtype: npt.DTypeLike = np.float32, width: Optional[int] = None) -> Any:
         return self._be.empty((0, self._hd if width is None else width), dtype)
 
-    def head_keys(self, h):  # type: ignore[no-untyped-def]  # as LayerKvCache.head_keys
+    def head_keys(self, h: int) -> Any:
         """Device (head_len(h), head_dim) float32 keys; empty when K is int8."""
         h = as_index("kv_head", h, self._nkv)
         if "kf" not in self._rows:
             return self._empty()
         return self._rows["kf"][h, : self._lens[h]]
 
-    def head_values(self, h):  # type: ignore[no-untyped-def]  # as LayerKvCache.head_values
+    def head_values(self, h: int) -> Any:
         """Device (head_len(h), head_dim) float32 values; empty when V is int8."""
         h = as_index("kv_head", h, self._nkv)
         if "vf" not in self._rows:
             return self._empty()
         return self._rows["vf"][h, : self._lens[h]]
 
-    def k_heads(self):  # type: ignore[no-untyped-def]  # as LayerKvCache.k_heads
-        return [self.head_keys(h) for h in range(self._nkv)]  # type: ignore[no-untyped-call]
+    def k_heads(self) -> list[Any]:
+        return [self.head_keys(h) for h in range(self._nkv)]
 
-    def v_heads(self):  # type: ignore[no-untyped-def]  # as LayerKvCache.v_heads
-        return [self.head_values(h) for h in range(self._nkv)]  # type: ignore[no-untyped-call]
+    def v_heads(self) -> list[Any]:
+        return [self.head_values(h) for h in range(self._nkv)]
 
-    def q8_rows(self, h):  # type: ignore[no-untyped-def]  # as LayerKvCache.q8_rows
+    def q8_rows(self, h: int) -> tuple[Any, Any, Any, Any]:
         """Device (kq, ks, vq, vs) of head h as :meth:`LayerKvCache.q8_rows` (None for float32
         parts)."""
         h = as_index("kv_head", h, self._nkv)
@@ -384,7 +383,7 @@ class LayerMirror(Mirror):
         v = (r["vq"][h, :n], r["vs"][h, :n, 0]) if "vq" in r else (None, None)
         return k + v
 
-    def columns(self, h):  # type: ignore[no-untyped-def]  # as LayerKvCache.columns
+    def columns(self, h: int) -> tuple[Any, Any]:
         """Device frozen column fields of head h: (kcol, vcol), each (head_dim,) or None."""
         h = as_index("kv_head", h, self._nkv)
         if self._cols is None:
@@ -392,11 +391,11 @@ class LayerMirror(Mirror):
         kcol, vcol, kon, von = self._cols
         return (kcol[h] if kon[h] else None, vcol[h] if von[h] else None)
 
-    def o1_sealed(self):  # type: ignore[no-untyped-def]  # as LayerKvCache.o1_sealed
+    def o1_sealed(self) -> bool:
         """Whether the cache was sealed at the last sync."""
         return self._o1 is not None
 
-    def o1_views(self):  # type: ignore[no-untyped-def]  # as LayerKvCache.o1_views
+    def o1_views(self) -> Optional[list[O1DeviceView]]:
         """:class:`~kvcache.O1DeviceView` per KV group holding device arrays, as
         :meth:`LayerKvCache.o1_views` at the last sync; None when not sealed or exact-only."""
         o1 = self._o1
