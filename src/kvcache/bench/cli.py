@@ -207,21 +207,29 @@ def resolve_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 def _resolve_options(args: argparse.Namespace) -> Options:
     quick = args.quick
-    contexts = (_split(args.contexts, parse_context)
-                or list(QUICK_CONTEXTS if quick else DEFAULT_CONTEXTS))
+
+    def count(value: int | None, quick_default: int, default: int, least: int = 1) -> int:
+        """``value`` when given (not 0), else the --quick or the full default; at least ``least``."""
+        return max(least, value or (quick_default if quick else default))
+
+    def contexts_of(values: Sequence[str] | None, quick_default: Sequence[int],
+                    default: Sequence[int]) -> list[int]:
+        return _split(values, parse_context) or list(quick_default if quick else default)
+
+    def context_of(value: str | None, quick_default: int, default: int) -> int:
+        return parse_context(value) if value else (quick_default if quick else default)
+
+    sections = _split(args.sections, parse_section) or list(SECTIONS)
+
+    def runs(section: str, skipped: bool = False) -> bool:
+        return section in sections and not skipped
+
     geoms = _split(args.geometries, parse_geometry) or (
         [GEOMETRIES["llama3-8b"]] if quick else list(GEOMETRIES.values()))
     modes = _split(args.modes, parse_mode) or list(MODE_NAMES)
     threads = _split(args.threads, parse_threads) or sorted({1, available_cpus()})
     ws_mib = args.working_set_mib or (QUICK_WORKING_SET if quick else DEFAULT_WORKING_SET) // MiB
-    sections = _split(args.sections, parse_section) or list(SECTIONS)
-    decode = "decode" in sections
-    o1_contexts = (_split(args.o1_contexts, parse_context)
-                   or list(QUICK_O1_CONTEXTS if quick else O1_CONTEXTS))
-    wire_context = (parse_context(args.wire_context) if args.wire_context
-                    else QUICK_WIRE_CONTEXT if quick else WIRE_CONTEXT)
-    mla_contexts = (_split(args.mla_contexts, parse_context)
-                    or list(QUICK_MLA_CONTEXTS if quick else MLA_CONTEXTS))
+    decode = runs("decode")
     if args.mla_working_set_mib is not None:
         if args.mla_working_set_mib < 1:
             raise ValueError(f"--mla-working-set-mib must be >= 1, got {args.mla_working_set_mib}")
@@ -234,47 +242,38 @@ def _resolve_options(args: argparse.Namespace) -> Options:
     torch_ok = decode and not args.no_torch and import_torch()[0] is not None
     if decode and not args.no_torch and not torch_ok:
         log.warning("torch is not installed: skipping the torch SDPA comparison")
-    return Options(geometries=geoms, contexts=contexts, modes=modes, threads=threads,
-                   repeats=max(1, args.repeats or (3 if quick else 5)),
-                   ref_repeats=max(1, args.ref_repeats or (2 if quick else 3)),
-                   working_set=ws_mib * MiB, torch=torch_ok, reference=not args.no_reference,
-                   append="append" in sections and not args.no_append,
-                   append_repeats=max(1, args.append_repeats), seed=args.seed,
-                   decode=decode, o1="o1" in sections and not args.no_o1,
-                   o1_contexts=o1_contexts,
-                   o1_repeats=max(1, args.o1_repeats
-                                  or (QUICK_O1_REPEATS if quick else O1_REPEATS)),
-                   wire="wire" in sections and not args.no_wire, wire_context=wire_context,
-                   wire_repeats=max(1, args.wire_repeats
-                                    or (QUICK_WIRE_REPEATS if quick else WIRE_REPEATS)),
-                   mla="mla" in sections and not args.no_mla, mla_contexts=mla_contexts,
-                   mla_repeats=max(1, args.mla_repeats
-                                   or (QUICK_MLA_REPEATS if quick else MLA_REPEATS)),
-                   mla_naive_repeats=max(1, args.mla_naive_repeats
-                                         or (QUICK_MLA_NAIVE_REPEATS if quick
-                                             else MLA_NAIVE_REPEATS)),
-                   mla_naive_max_context=(parse_context(args.mla_naive_max_context)
-                                          if args.mla_naive_max_context
-                                          else MLA_NAIVE_MAX_CONTEXT),
-                   mla_working_set=mla_ws,
-                   mla_fma_iters=max(1, args.mla_fma_iters
-                                     or (QUICK_MLA_FMA_ITERS if quick else MLA_FMA_ITERS)),
-                   bandwidth_bytes=(args.bandwidth_mib * MiB if args.bandwidth_mib
-                                    else BANDWIDTH_BUFFER),
-                   sync="sync" in sections and not args.no_sync,
-                   sync_context=(parse_context(args.sync_context) if args.sync_context
-                                 else QUICK_SYNC_CONTEXT if quick else SYNC_CONTEXT),
-                   sync_steps=max(1, args.sync_steps
-                                  or (QUICK_SYNC_STEPS if quick else SYNC_STEPS)),
-                   sync_full_repeats=max(1, args.sync_full_repeats
-                                         or (QUICK_SYNC_FULL_REPEATS if quick
-                                             else SYNC_FULL_REPEATS)),
-                   sync_backend=sync_backend,
-                   runner="runner" in sections and not args.no_runner,
-                   runner_contexts=(_split(args.runner_contexts, parse_context)
-                                    or list(QUICK_RUNNER_CONTEXTS if quick else RUNNER_CONTEXTS)),
-                   runner_steps=max(2, args.runner_steps
-                                    or (QUICK_RUNNER_STEPS if quick else RUNNER_STEPS)))
+    return Options(
+        geometries=geoms, contexts=contexts_of(args.contexts, QUICK_CONTEXTS, DEFAULT_CONTEXTS),
+        modes=modes, threads=threads,
+        repeats=count(args.repeats, 3, 5), ref_repeats=count(args.ref_repeats, 2, 3),
+        working_set=ws_mib * MiB, torch=torch_ok, reference=not args.no_reference,
+        append=runs("append", args.no_append), append_repeats=max(1, args.append_repeats),
+        seed=args.seed, decode=decode,
+        o1=runs("o1", args.no_o1),
+        o1_contexts=contexts_of(args.o1_contexts, QUICK_O1_CONTEXTS, O1_CONTEXTS),
+        o1_repeats=count(args.o1_repeats, QUICK_O1_REPEATS, O1_REPEATS),
+        wire=runs("wire", args.no_wire),
+        wire_context=context_of(args.wire_context, QUICK_WIRE_CONTEXT, WIRE_CONTEXT),
+        wire_repeats=count(args.wire_repeats, QUICK_WIRE_REPEATS, WIRE_REPEATS),
+        mla=runs("mla", args.no_mla),
+        mla_contexts=contexts_of(args.mla_contexts, QUICK_MLA_CONTEXTS, MLA_CONTEXTS),
+        mla_repeats=count(args.mla_repeats, QUICK_MLA_REPEATS, MLA_REPEATS),
+        mla_naive_repeats=count(args.mla_naive_repeats, QUICK_MLA_NAIVE_REPEATS,
+                                MLA_NAIVE_REPEATS),
+        mla_naive_max_context=context_of(args.mla_naive_max_context, MLA_NAIVE_MAX_CONTEXT,
+                                         MLA_NAIVE_MAX_CONTEXT),
+        mla_working_set=mla_ws,
+        mla_fma_iters=count(args.mla_fma_iters, QUICK_MLA_FMA_ITERS, MLA_FMA_ITERS),
+        bandwidth_bytes=args.bandwidth_mib * MiB if args.bandwidth_mib else BANDWIDTH_BUFFER,
+        sync=runs("sync", args.no_sync),
+        sync_context=context_of(args.sync_context, QUICK_SYNC_CONTEXT, SYNC_CONTEXT),
+        sync_steps=count(args.sync_steps, QUICK_SYNC_STEPS, SYNC_STEPS),
+        sync_full_repeats=count(args.sync_full_repeats, QUICK_SYNC_FULL_REPEATS,
+                                SYNC_FULL_REPEATS),
+        sync_backend=sync_backend,
+        runner=runs("runner", args.no_runner),
+        runner_contexts=contexts_of(args.runner_contexts, QUICK_RUNNER_CONTEXTS, RUNNER_CONTEXTS),
+        runner_steps=count(args.runner_steps, QUICK_RUNNER_STEPS, RUNNER_STEPS, least=2))
 
 
 def check_plot_backend() -> str | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
@@ -152,6 +152,18 @@ def print_report(res: Results, opts: Options, file: IO[str] | None = None) -> No
     def p(*a: object) -> None:
         print(*a, file=out)
 
+    def section(title: str | None, tables: Sequence[str], notes: Iterable[str]) -> None:
+        """A blank line, the title, the tables (a blank line between two), the notes indented."""
+        p("")
+        if title:
+            p(title)
+        for i, table in enumerate(tables):
+            if i:
+                p("")
+            p(table)
+        for line in notes:
+            p("  " + line)
+
     llc = info["llc_bytes_reported"]
     llc_text = f"LLC reported {llc / MiB:.0f} MiB" if llc else "LLC size unknown"
     p(f"kvcache {info['kvcache']} benchmark -- {info['cpu_model']}, "
@@ -165,53 +177,30 @@ def print_report(res: Results, opts: Options, file: IO[str] | None = None) -> No
         for line in bandwidth_lines(bandwidth):
             p(line)
     if rows:
-        p("")
-        p(decode_table(rows))
-        for line in notes(opts, rows):
-            p("  " + line)
+        section(None, [decode_table(rows)], notes(opts, rows))
     if append_rows:
-        p("")
-        p("append cost (c.append(k_row, v_row), one position per call):")
-        p(append_table(append_rows))
-        for line in append_ratio_lines(append_rows):
-            p("  " + line)
+        section("append cost (c.append(k_row, v_row), one position per call):",
+                [append_table(append_rows)], append_ratio_lines(append_rows))
     if o1_rows:
-        p("")
-        p("O(1) Nystrom decode (o1_step on a sealed layer) vs exact attend_all_heads, one layer:")
-        p(o1_table(o1_rows))
-        for line in o1_notes(opts, o1_rows, res.o1_s):
-            p("  " + line)
+        section("O(1) Nystrom decode (o1_step on a sealed layer) vs exact attend_all_heads, "
+                "one layer:", [o1_table(o1_rows)], o1_notes(opts, o1_rows, res.o1_s))
     if wire_result:
-        p("")
-        p("byte formats (kvcache.wire): export / import throughput, one layer:")
-        p(wire_table(wire_result["rows"]))
-        p("")
-        p(f"the digest alone, and the digest functions of each package, over the "
-          f"{fmt(wire_result['digests'][0]['bytes'] / MiB)} MiB f32 export buffer:")
-        p(wire_digest_table(wire_result["digests"]))
-        for line in wire_notes(wire_result):
-            p("  " + line)
+        digests = (f"the digest alone, and the digest functions of each package, over the "
+                   f"{fmt(wire_result['digests'][0]['bytes'] / MiB)} MiB f32 export buffer:\n"
+                   + wire_digest_table(wire_result["digests"]))
+        section("byte formats (kvcache.wire): export / import throughput, one layer:",
+                [wire_table(wire_result["rows"]), digests], wire_notes(wire_result))
     if mla_result:
-        p("")
-        p("MLA decode (absorbed kernel _core.mla_attend vs naive NumPy reference.mla_naive), "
-          "one query position, one layer:")
-        p(mla_table(mla_result["rows"]))
-        for line in mla_notes(mla_result):
-            p("  " + line)
+        section("MLA decode (absorbed kernel _core.mla_attend vs naive NumPy "
+                "reference.mla_naive), one query position, one layer:",
+                [mla_table(mla_result["rows"])], mla_notes(mla_result))
     if sync_rows:
-        p("")
-        p("device mirror sync (kvcache.device.Mirror): per decode step vs a full re-upload, "
-          "one layer:")
-        p(sync_table(sync_rows))
-        for line in sync_notes(sync_rows, opts):
-            p("  " + line)
+        section("device mirror sync (kvcache.device.Mirror): per decode step vs a full "
+                "re-upload, one layer:", [sync_table(sync_rows)], sync_notes(sync_rows, opts))
     if runner_rows:
-        p("")
-        p("decode tokens/s: kvcache.runner vs transformers generate, the same random-weight "
-          "model and cache contents:")
-        p(runner_table(runner_rows))
-        for line in runner_notes(runner_rows, opts):
-            p("  " + line)
+        section("decode tokens/s: kvcache.runner vs transformers generate, the same "
+                "random-weight model and cache contents:", [runner_table(runner_rows)],
+                runner_notes(runner_rows, opts))
 
 
 def options_record(opts: Options) -> dict[str, Any]:
