@@ -20,7 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     cmd, rest = args[0], args[1:]
     if cmd in ("--version", "-V"):
-        from . import __version__
+        from ._version import __version__
         print(f"kvcache {__version__}")
         return 0
     if cmd == "bench":
