@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 import numpy.typing as npt
 
-from ._validate import as_f32
+from ._validate import FloatArrayLike, as_f32
 
 __all__ = ["PROBS_BUDGET", "Rows", "attend_blocks", "attend_rows", "default_scale",
            "grouped_queries", "scratch"]
@@ -52,7 +52,7 @@ def scratch(name: str, n: int) -> F32:
     return buf[:n]
 
 
-def grouped_queries(q: npt.ArrayLike, nkv: int, hd: int) -> tuple[F32, bool]:
+def grouped_queries(q: FloatArrayLike, nkv: int, hd: int) -> tuple[F32, bool]:
     """``q`` of shape (num_heads, hd) or (n, num_heads, hd) as float32 (n, num_heads, hd) and
     whether it was one position; num_heads must be a positive multiple of ``nkv``."""
     qa = as_f32("q", q, shapes=[(None, hd), (None, None, hd)])

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._generation import Generation
-from ._validate import as_array, as_int, readonly
+from ._validate import FloatArrayLike, as_array, as_int, readonly
 
 __all__ = ["KvAllocId", "resolve_dtype", "slot_index", "maybe_index", "at_least_one",
            "check_device", "check_bytes", "storage_problem", "as_slab", "is_real_float",
@@ -155,7 +155,7 @@ def is_real_float(dt: np.dtype[Any]) -> bool:
     return dt.kind == "f" or _is_bf16(dt)
 
 
-def as_slab(name: str, value: npt.ArrayLike) -> npt.NDArray[Any]:
+def as_slab(name: str, value: FloatArrayLike) -> npt.NDArray[Any]:
     """``value`` as an ndarray of real floats (no copy when it already is one)."""
     arr: npt.NDArray[Any] = as_array(name, value)
     if not is_real_float(arr.dtype):

@@ -10,14 +10,26 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+__all__ = ["FloatArrayLike", "IntArrayLike", "as_array", "as_f32", "as_f32_scalar", "as_float",
+           "as_index", "as_int", "out_f32", "readonly"]
+
 F32 = npt.NDArray[np.float32]
 Shape = Sequence[Optional[int]]
 A = TypeVar("A", bound=npt.NDArray[Any])
+
+# What the public entry points accept, for the type checker: numbers, nested sequences of
+# numbers and arrays of bool/integer/floating dtype -- not str or bytes, which np.asarray
+# would also take (and which the checks below refuse at run time).
+if TYPE_CHECKING:
+    from numpy._typing import _ArrayLikeFloat_co as FloatArrayLike  # noqa: F401 (re-exported)
+    from numpy._typing import _ArrayLikeInt_co as IntArrayLike  # noqa: F401 (re-exported)
+else:
+    FloatArrayLike = IntArrayLike = npt.ArrayLike
 
 _F32 = np.dtype(np.float32)
 

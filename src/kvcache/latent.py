@@ -98,7 +98,7 @@ from ._slots import (HOST as _HOST, KvAllocId, LatentSlot, SlotCache, as_slab as
                      check_bytes as _check_bytes, check_capacity as _check_capacity,
                      check_device as _device, fmt_shape as _fmt_shape,
                      resolve_dtype, ro as _ro, slot_index as _slot_index)
-from ._validate import as_int
+from ._validate import FloatArrayLike, as_int
 from .static import StaticKvCache
 
 __all__ = ["KvAllocId", "LatentSlot", "LatentKvCache", "StaticKvCache", "LazyLatentCache",
@@ -141,7 +141,7 @@ def _trailing(slot_trailing: Iterable[Iterable[int]]) -> Trailing:
     return tuple(out)
 
 
-def _check_slabs(slabs: Sequence[npt.ArrayLike], trailing: Trailing,
+def _check_slabs(slabs: Sequence[FloatArrayLike], trailing: Trailing,
                  name: str = "slabs") -> tuple[list[npt.NDArray[Any]], int]:
     """Convert and check one slab per slot; returns (list of arrays, seq).
 
@@ -281,7 +281,7 @@ class LatentKvCache(SlotCache):
         (storage,) = self._storages("valid_view", li, slots, which=si)
         return _ro(storage, np.s_[: self._cached_len])
 
-    def write_layer(self, layer: int, slabs: Sequence[npt.ArrayLike]) -> None:
+    def write_layer(self, layer: int, slabs: Sequence[FloatArrayLike]) -> None:
         """Write one step's new rows of every slot of ``layer``, without advancing.
 
         Parameters
@@ -484,7 +484,7 @@ class LazyLatentCache:
         return _ro(self._buffer(layer, s))
 
     # ---------------------------------------------------------------- functional updates
-    def append(self, layer: int, new_slots: Sequence[npt.ArrayLike]) -> LazyLatentCache:
+    def append(self, layer: int, new_slots: Sequence[FloatArrayLike]) -> LazyLatentCache:
         """A new cache with ``new_slots`` written into ``layer`` at ``current_seq_len``.
 
         Parameters

@@ -27,7 +27,8 @@ import numpy.typing as npt
 
 from . import quant, wire
 from ._state import LayerState
-from ._validate import as_f32, as_f32_scalar, as_index, as_int, out_f32, readonly
+from ._validate import (FloatArrayLike, IntArrayLike, as_f32, as_f32_scalar, as_index, as_int,
+                        out_f32, readonly)
 from ._attention import Rows, attend_blocks, attend_rows, default_scale, grouped_queries
 from .eviction import EvictionPolicy, born_rows
 from .modes import KvMode
@@ -196,7 +197,7 @@ class LayerKvCache:
         return self._linear_state
 
     @linear_state.setter
-    def linear_state(self, value: npt.ArrayLike) -> None:
+    def linear_state(self, value: FloatArrayLike) -> None:
         self._linear_state = self._as_state("linear_state", value)
 
     @property
@@ -205,11 +206,11 @@ class LayerKvCache:
         return self._linear_scratch
 
     @linear_scratch.setter
-    def linear_scratch(self, value: npt.ArrayLike) -> None:
+    def linear_scratch(self, value: FloatArrayLike) -> None:
         self._linear_scratch = self._as_state("linear_scratch", value)
 
     @staticmethod
-    def _as_state(name: str, value: npt.ArrayLike) -> F32:
+    def _as_state(name: str, value: FloatArrayLike) -> F32:
         arr = as_f32(name, value)
         if arr.ndim != 1:
             raise ValueError(f"{name}: expected a 1-D array, got shape {arr.shape}")
@@ -278,12 +279,12 @@ class LayerKvCache:
                 f"seq_len={self._seq_len}{o1})")
 
     # ------------------------------------------------------------------ append
-    def _as_rows(self, name: str, value: npt.ArrayLike) -> F32:
+    def _as_rows(self, name: str, value: FloatArrayLike) -> F32:
         nkv, hd = self._nkv, self._hd
         arr = as_f32(name, value, shapes=[(nkv, hd), (nkv * hd,), (None, nkv, hd)])
         return arr.reshape(-1, nkv, hd)
 
-    def _as_alive(self, alive: Optional[npt.ArrayLike]) -> U8:
+    def _as_alive(self, alive: Optional[IntArrayLike]) -> U8:
         if alive is None:
             return np.ones(self._nkv, dtype=np.uint8)
         arr = np.asarray(alive)
@@ -296,8 +297,8 @@ class LayerKvCache:
             raise ValueError(f"alive: expected shape ({self._nkv},), got {arr.shape}")
         return arr.astype(np.uint8)
 
-    def append(self, k_new: npt.ArrayLike, v_new: npt.ArrayLike,
-               alive: Optional[Sequence[bool] | npt.ArrayLike] = None) -> None:
+    def append(self, k_new: FloatArrayLike, v_new: FloatArrayLike,
+               alive: Optional[IntArrayLike] = None) -> None:
         """Append K/V for one position or a block of ``n`` positions.
 
         Parameters
@@ -440,7 +441,7 @@ class LayerKvCache:
         return Rows(self._kf, self._kq, self._ks, self._vf, self._vq, self._vs, self._vcol,
                     self._len, self._mode.quant_k, self._mode.quant_v)
 
-    def attend(self, q: npt.ArrayLike, kv_head: int) -> tuple[F32, F32]:
+    def attend(self, q: FloatArrayLike, kv_head: int) -> tuple[F32, F32]:
         """Attention of one query head over KV head ``kv_head``'s stored rows.
 
         Always the plain form: scale 1/sqrt(head_dim), no softcap, no window.
@@ -452,7 +453,7 @@ class LayerKvCache:
         """
         return self._attend(_core, q, kv_head)
 
-    def _attend(self, kernels: ModuleType, q: npt.ArrayLike, kv_head: int) -> tuple[F32, F32]:
+    def _attend(self, kernels: ModuleType, q: FloatArrayLike, kv_head: int) -> tuple[F32, F32]:
         """:meth:`attend` on the kernel module ``kernels`` (``_core`` or its NumPy twin)."""
         self._check_exact("attend")
         hd = self._hd
@@ -469,7 +470,7 @@ class LayerKvCache:
                             n_threads=_core.max_threads())
         return out.reshape(hd), probs[0, :stored].copy()
 
-    def attend_group(self, q_group: npt.ArrayLike, kv_head: int, out: F32, imp_acc: F32,
+    def attend_group(self, q_group: FloatArrayLike, kv_head: int, out: F32, imp_acc: F32,
                      scale: float, first: int, softcap: float) -> None:
         """Grouped attention of the query heads of one KV group, in one pass over its rows.
 
@@ -492,7 +493,7 @@ class LayerKvCache:
         """
         self._attend_group(_core, q_group, kv_head, out, imp_acc, scale, first, softcap)
 
-    def _attend_group(self, kernels: ModuleType, q_group: npt.ArrayLike, kv_head: int,
+    def _attend_group(self, kernels: ModuleType, q_group: FloatArrayLike, kv_head: int,
                       out: F32, imp_acc: F32, scale: float, first: int,
                       softcap: float) -> None:
         """:meth:`attend_group` on the kernel module ``kernels``."""
@@ -521,7 +522,7 @@ class LayerKvCache:
                     first=first, scale=scale, softcap=softcap, out2=out.reshape(nq, hd),
                     width=stored, imp=imp_acc, imp_mode=1, n_threads=_core.max_threads())
 
-    def attend_all_heads(self, q: npt.ArrayLike, *, scale: Optional[float] = None,
+    def attend_all_heads(self, q: FloatArrayLike, *, scale: Optional[float] = None,
                          window: Optional[int] = None, softcap: float = 0.0,
                          out: Optional[F32] = None) -> F32:
         """Whole-layer grouped-query attention of the newest position(s).
@@ -556,7 +557,7 @@ class LayerKvCache:
         """
         return self._attend_all_heads(_core, q, scale, window, softcap, out)
 
-    def _attend_all_heads(self, kernels: ModuleType, q: npt.ArrayLike, scale: Optional[float],
+    def _attend_all_heads(self, kernels: ModuleType, q: FloatArrayLike, scale: Optional[float],
                           window: Optional[int], softcap: float, out: Optional[F32]) -> F32:
         """:meth:`attend_all_heads` on the kernel module ``kernels``."""
         self._check_exact("attend_all_heads")
@@ -583,7 +584,7 @@ class LayerKvCache:
                       n_threads=_core.max_threads(), fold=self._queries)
         return out
 
-    def accumulate_imp(self, probs: npt.ArrayLike) -> None:
+    def accumulate_imp(self, probs: FloatArrayLike) -> None:
         """Add attention mass: ``importance[i] += probs[i]`` over the overlapping prefix."""
         p = as_f32("probs", probs)
         if p.ndim != 1:
@@ -825,7 +826,7 @@ class LayerKvCache:
                                "call clear() before beginning a new O(1) prompt")
         self._o1 = O1Collecting(m, w, sink, rect, self._hd)
 
-    def o1_push_q(self, q_all: npt.ArrayLike) -> None:
+    def o1_push_q(self, q_all: FloatArrayLike) -> None:
         """Append one prompt position's queries (num_heads, head_dim) -- or several,
         (n, num_heads, head_dim) -- to the trace.  Call it once per position, in order, before
         or after the position's append.  A no-op unless the layer is collecting."""
@@ -890,7 +891,7 @@ class LayerKvCache:
                                f"position's queries with o1_push_q, then o1_seal)")
         return o1
 
-    def o1_step(self, q_all: npt.ArrayLike, k_new: npt.ArrayLike, v_new: npt.ArrayLike,
+    def o1_step(self, q_all: FloatArrayLike, k_new: FloatArrayLike, v_new: FloatArrayLike,
                 num_heads: int) -> F32:
         """One O(1) decode step: insert (k_new, v_new) once per KV group, return every head's
         attention output.
@@ -910,8 +911,8 @@ class LayerKvCache:
         """
         return self._o1_step(_core, q_all, k_new, v_new, num_heads)
 
-    def _o1_step(self, kernels: ModuleType, q_all: npt.ArrayLike, k_new: npt.ArrayLike,
-                 v_new: npt.ArrayLike, num_heads: int) -> F32:
+    def _o1_step(self, kernels: ModuleType, q_all: FloatArrayLike, k_new: FloatArrayLike,
+                 v_new: FloatArrayLike, num_heads: int) -> F32:
         """:meth:`o1_step` on ``kernels.o1_step``."""
         nh = as_int("num_heads", num_heads, minimum=1)
         state = self._sealed_state("o1_step")

@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _core
-from ._validate import as_f32, as_f32_scalar
+from ._validate import FloatArrayLike, as_f32, as_f32_scalar
 
 __all__ = ["mla_decode", "mla_softmax_scale", "yarn_get_mscale", "split_kv_b"]
 
@@ -43,8 +43,8 @@ def _dims(name: str, arr: npt.NDArray[Any], ndim: int) -> None:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {arr.shape}")
 
 
-def mla_decode(q_nope: npt.ArrayLike, q_rope: npt.ArrayLike, latent: npt.ArrayLike,
-               k_rope: npt.ArrayLike, w_uk: npt.ArrayLike, w_uv: npt.ArrayLike, scale: float, *,
+def mla_decode(q_nope: FloatArrayLike, q_rope: FloatArrayLike, latent: FloatArrayLike,
+               k_rope: FloatArrayLike, w_uk: FloatArrayLike, w_uv: FloatArrayLike, scale: float, *,
                out: Optional[npt.NDArray[np.float32]] = None) -> npt.NDArray[np.float32]:
     """Absorbed MLA attention of one query position, or a causal block of n, over a latent cache.
 
@@ -224,7 +224,7 @@ def mla_softmax_scale(qk_nope_head_dim: Optional[int] = None,
     return scale
 
 
-def split_kv_b(kv_b_weight: npt.ArrayLike, n_heads: int, qk_nope_head_dim: int,
+def split_kv_b(kv_b_weight: FloatArrayLike, n_heads: int, qk_nope_head_dim: int,
                v_head_dim: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
     """Cut a Hugging Face ``kv_b_proj.weight`` (n_heads * (dn + dv), r) into W_UK (n_heads, dn, r)
     and W_UV (n_heads, dv, r), both float32 C-contiguous copies."""

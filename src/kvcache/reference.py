@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 import numpy as np
 import numpy.typing as npt
 
+from ._validate import FloatArrayLike
 from .quant import CHUNK_ROWS, K_GROUP
 
 if TYPE_CHECKING:
@@ -188,19 +189,19 @@ def _this() -> ModuleType:
     return sys.modules[__name__]
 
 
-def attend_all_heads(layer: LayerKvCache, q: npt.ArrayLike, *, scale: float | None = None,
+def attend_all_heads(layer: LayerKvCache, q: FloatArrayLike, *, scale: float | None = None,
                      window: int | None = None, softcap: float = 0.0,
                      out: F32 | None = None) -> F32:
     """``layer.attend_all_heads`` run on the NumPy kernels (adds importance like the real one)."""
     return layer._attend_all_heads(_this(), q, scale, window, softcap, out)
 
 
-def attend(layer: LayerKvCache, q: npt.ArrayLike, kv_head: int) -> tuple[F32, F32]:
+def attend(layer: LayerKvCache, q: FloatArrayLike, kv_head: int) -> tuple[F32, F32]:
     """``layer.attend`` run on the NumPy kernels."""
     return layer._attend(_this(), q, kv_head)
 
 
-def attend_group(layer: LayerKvCache, q_group: npt.ArrayLike, kv_head: int, out: F32,
+def attend_group(layer: LayerKvCache, q_group: FloatArrayLike, kv_head: int, out: F32,
                  imp_acc: F32, scale: float, first: int, softcap: float) -> None:
     """``layer.attend_group`` run on the NumPy kernels."""
     layer._attend_group(_this(), q_group, kv_head, out, imp_acc, scale, first, softcap)
@@ -211,13 +212,13 @@ def o1_seal(layer: LayerKvCache, num_heads: int) -> bool:
     return layer._o1_seal(_this(), num_heads)
 
 
-def o1_step_layer(layer: LayerKvCache, q_all: npt.ArrayLike, k_new: npt.ArrayLike,
-                  v_new: npt.ArrayLike, num_heads: int) -> F32:
+def o1_step_layer(layer: LayerKvCache, q_all: FloatArrayLike, k_new: FloatArrayLike,
+                  v_new: FloatArrayLike, num_heads: int) -> F32:
     """``layer.o1_step`` run on the NumPy ``o1_step``."""
     return layer._o1_step(_this(), q_all, k_new, v_new, num_heads)
 
 
-def static_attend(cache: StaticKvCache, layer: int, q: npt.ArrayLike, *,
+def static_attend(cache: StaticKvCache, layer: int, q: FloatArrayLike, *,
                   scale: float | None = None, softcap: float = 0.0,
                   window: int | None = None) -> F32:
     """``StaticKvCache.attend`` run on the NumPy kernels."""
@@ -314,8 +315,8 @@ def o1_step(q__hd: FA, k_new__gd: FA, v_new__ge: FA, sink_k__gsd: FA, sink_v__gs
     return dropped
 
 
-def _o1_inputs(q: npt.ArrayLike, k: npt.ArrayLike,
-               v: npt.ArrayLike) -> tuple[F64, F64, F64]:
+def _o1_inputs(q: FloatArrayLike, k: FloatArrayLike,
+               v: FloatArrayLike) -> tuple[F64, F64, F64]:
     """(t, H, d), (t, G, d), (t, G, dv) float64 views of the operator's inputs (2-D: H = G = 1)."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     if q.ndim == 2:
@@ -337,19 +338,19 @@ def _softmax_rows(q: F64, k: F64, v: F64, s: float, p: int, H: int, G: int) -> F
 
 
 @overload
-def nystrom_stream(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, p: int, m: int, w: int,
+def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
                    sink: int, rect: str = ..., *, return_dropped: Literal[False] = ...) -> F64: ...
 @overload
-def nystrom_stream(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, p: int, m: int, w: int,
+def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
                    sink: int, rect: str = ..., *,
                    return_dropped: Literal[True]) -> tuple[F64, int]: ...
 @overload
-def nystrom_stream(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, p: int, m: int, w: int,
+def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
                    sink: int, rect: str = ..., *,
                    return_dropped: bool) -> F64 | tuple[F64, int]: ...
 
 
-def nystrom_stream(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, p: int, m: int, w: int,
+def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
                    sink: int, rect: str = "aggregate", *,
                    return_dropped: bool = False) -> F64 | tuple[F64, int]:
     """The O(1) operator in streaming form, float64 (docs/o1.md, "The operator").
@@ -416,7 +417,7 @@ def nystrom_stream(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, p: int,
     return (out, dropped) if return_dropped else out
 
 
-def nystrom_matrix(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, p: int, m: int, w: int,
+def nystrom_matrix(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
                    sink: int, *, clip: bool = True) -> tuple[F64, int]:
     """The O(1) operator in matrix form, float64 (docs/o1.md), and how often the clip fired.
 

@@ -24,7 +24,7 @@ from ._slots import (F32 as _F32, KvAllocId, SlotCache, as_slab as _as_slab,
                      check_bytes as _check_bytes, check_capacity as _check_capacity,
                      check_device as _device, resolve_dtype, ro as _ro,
                      slot_index as _slot_index)
-from ._validate import as_f32_scalar, as_int
+from ._validate import FloatArrayLike, as_f32_scalar, as_int
 from ._attention import Rows, attend_blocks, default_scale, grouped_queries
 from . import layer as _layer     # noqa: F401  first: its import explains a missing extension
 from . import _core
@@ -123,7 +123,7 @@ class StaticKvCache(SlotCache):
                 f"head_dim={self._hd}, max_seq_len={self._max_seq_len}, dtype={self._dtype}, "
                 f"cached_len={self._cached_len}, alloc_id={self._alloc_id!r})")
 
-    def _as_kv(self, name: str, value: npt.ArrayLike,
+    def _as_kv(self, name: str, value: FloatArrayLike,
                seq: Optional[int] = None) -> npt.NDArray[Any]:
         arr = _as_slab(name, value)
         nkv, hd = self._nkv, self._hd
@@ -137,7 +137,7 @@ class StaticKvCache(SlotCache):
                              f"{hd}) (seq={seq} from k), got {arr.shape}")
         return arr.reshape(1, nkv, arr.shape[-2], hd)
 
-    def write_layer(self, layer: int, k: npt.ArrayLike, v: npt.ArrayLike) -> None:
+    def write_layer(self, layer: int, k: FloatArrayLike, v: FloatArrayLike) -> None:
         """Write one step's new K and V rows of ``layer`` at ``[cached_len, cached_len+seq)``.
 
         Parameters
@@ -189,7 +189,7 @@ class StaticKvCache(SlotCache):
         """Where the storage lives (KvRebindSource): ``"cpu"``, or None after :meth:`clear`."""
         return self._device
 
-    def attend(self, layer: int, q: npt.ArrayLike, *, scale: Optional[float] = None,
+    def attend(self, layer: int, q: FloatArrayLike, *, scale: Optional[float] = None,
                softcap: float = 0.0, window: Optional[int] = None) -> npt.NDArray[np.float32]:
         """Grouped-query decode attention of the newest position(s) over ``layer``'s valid rows.
 
@@ -236,7 +236,7 @@ class StaticKvCache(SlotCache):
         """
         return self._attend(_core, layer, q, scale, softcap, window)
 
-    def _attend(self, kernels: ModuleType, layer: int, q: npt.ArrayLike, scale: Optional[float],
+    def _attend(self, kernels: ModuleType, layer: int, q: FloatArrayLike, scale: Optional[float],
                 softcap: float, window: Optional[int]) -> npt.NDArray[np.float32]:
         """:meth:`attend` on the kernel module ``kernels`` (``_core`` or its NumPy twin)."""
         li, slots = self._populated(layer, "attend")

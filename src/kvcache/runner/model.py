@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ContextManager, Union
 import numpy as np
 import numpy.typing as npt
 
-from .._validate import as_int
+from .._validate import IntArrayLike, as_int
 from ..eviction import EvictionPolicy
 from ..layer import LayerKvCache
 from ..model import KvCache
@@ -271,7 +271,7 @@ class Runner:
             logits = np.tanh(logits / _F32(cap)) * _F32(cap)
         return logits
 
-    def forward(self, ids: npt.ArrayLike, *, all_logits: bool = False) -> Array:
+    def forward(self, ids: IntArrayLike, *, all_logits: bool = False) -> Array:
         """Run positions ``ids`` (1-D ints) after what the cache holds; return the logits of
         the last position (vocab,) or of all (n, vocab) with ``all_logits``."""
         ids = np.asarray(ids)
@@ -330,7 +330,7 @@ class Runner:
             else:
                 layer.o1_restore(saved)
 
-    def prefill(self, ids: npt.ArrayLike, *, all_logits: bool = False) -> Array:
+    def prefill(self, ids: IntArrayLike, *, all_logits: bool = False) -> Array:
         """The prompt as one block (the cache must be empty): see :meth:`forward`."""
         if self.position:
             raise ValueError(f"prefill: the cache already holds {self.position} positions; "
@@ -360,7 +360,7 @@ class Runner:
         return self.cache.memory_bytes()
 
     # ---------------------------------------------------------------- sampling
-    def generate(self, prompt: npt.ArrayLike, max_new_tokens: int, *, temperature: float = 0.0,
+    def generate(self, prompt: IntArrayLike, max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None,
                  stop: int | Collection[int] | None = None,
                  callback: Callable[[int], object] | None = None) -> list[int]:

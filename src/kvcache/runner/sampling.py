@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-import numpy.typing as npt
+
+from .._validate import FloatArrayLike
 
 __all__ = ["sample"]
 
 
-def sample(logits: npt.ArrayLike, temperature: float = 0.0, top_p: float = 1.0,
+def sample(logits: FloatArrayLike, temperature: float = 0.0, top_p: float = 1.0,
            rng: np.random.Generator | None = None) -> int:
     """One token from ``logits`` (vocab,): greedy at temperature 0, else top-p sampling.
 
