@@ -57,7 +57,7 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     """A table via tabulate when installed, else a plain right-aligned text table."""
     try:
         # optional and untyped; pyproject's list of untyped packages does not name it yet
-        from tabulate import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        from tabulate import (
             tabulate,
         )
     except ImportError:

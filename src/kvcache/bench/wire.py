@@ -111,7 +111,7 @@ class WireLayers:
         """The digest ``to_bytes`` stored at the end of ``buf``, computed again over the bytes
         before it with the wire module's own helper and algorithm (the checksum's cost alone)."""
         u8 = np.frombuffer(buf, dtype=np.uint8)
-        return int(wire._digest(wire.default_algorithm(), u8[: len(u8) - 8]))
+        return int(wire.digest(wire.default_algorithm(), u8[: len(u8) - 8]))
 
     @staticmethod
     def stored_digest(buf: bytes) -> int:
@@ -165,7 +165,7 @@ def wire_digest_functions() -> dict[str, tuple[DigestFn, str]]:
     fns["zlib.crc32"] = (zlib.crc32, f"zlib {zlib.ZLIB_RUNTIME_VERSION}")
     try:
         # optional and untyped; pyproject's list of untyped packages does not name it yet
-        import crc32c  # type: ignore[import-not-found, import-untyped, unused-ignore]
+        import crc32c
     except ImportError:
         pass
     else:
