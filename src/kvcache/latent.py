@@ -99,10 +99,8 @@ from ._slots import (HOST as _HOST, KvAllocId, LatentSlot, SlotCache, as_slab as
                      check_device as _device, fmt_shape as _fmt_shape,
                      resolve_dtype, ro as _ro, slot_index as _slot_index)
 from ._validate import FloatArrayLike, as_int
-from .static import StaticKvCache
 
-__all__ = ["KvAllocId", "LatentSlot", "LatentKvCache", "StaticKvCache", "LazyLatentCache",
-           "resolve_dtype"]
+__all__ = ["LatentKvCache", "LazyLatentCache"]
 
 Trailing = tuple[tuple[int, ...], ...]
 _Layers = tuple[tuple[npt.NDArray[Any], ...], ...]
