@@ -61,3 +61,10 @@ def test_fresh_bytes_returns_the_bytes_and_their_writer():
     memoryview(w)[:] = b"abcdefgh"
     del w
     assert isinstance(b, bytes) and b == b"abcdefgh"
+
+
+def test_the_chunk_constant_is_one_value():
+    """The compiled kernels and the Python side (quant, hence the NumPy twins) chunk the V
+    accumulation alike: the summation order of docs/numerics.md depends on it."""
+    from kvcache import _core, quant, reference
+    assert _core.CHUNK_ROWS == quant.CHUNK_ROWS == reference.CHUNK_ROWS

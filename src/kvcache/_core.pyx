@@ -81,8 +81,10 @@ cdef extern from *:
     """
     void kvc_advise_huge(char *p, size_t n) nogil
 
-CHUNK_ROWS = 256
+# rows per V-accumulation chunk; kvcache.quant.CHUNK_ROWS is the Python side's copy (a test
+# holds them equal), reference.py reads that one
 cdef Py_ssize_t _CHUNK = 256
+CHUNK_ROWS = _CHUNK
 # below this many multiply-adds a call stays on the calling thread
 cdef Py_ssize_t _PAR_WORK = 1 << 16
 # probabilities of one batch of groups: about half of a core's L2

@@ -5,12 +5,12 @@ Method: ``docs/benchmark-method.md``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+from .. import quant
 from ..modes import KvMode
 
 
@@ -34,10 +34,10 @@ class Geometry:
 
     def step_bytes(self, context: int, mode_name: str) -> int:
         """Bytes of K and V rows (and q8 scales) one decode step reads at ``context`` rows."""
-        nkv, hd, t = self.num_kv_heads, self.head_dim, context
-        if mode_name == "f32":
-            return 2 * nkv * t * hd * 4
-        return nkv * t * (hd + 4 * math.ceil(hd / 32)) + nkv * t * (hd + 4)
+        mode = make_mode(mode_name)
+        hd = self.head_dim
+        return self.num_kv_heads * context * (quant.k_row_bytes(hd, mode.quant_k)
+                                              + quant.v_row_bytes(hd, mode.quant_v))
 
 
 GEOMETRIES = {g.key: g for g in (Geometry("llama3-8b", "Llama-3-8B", 32, 8, 128),

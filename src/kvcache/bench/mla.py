@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import _core, reference
+from .. import _core, quant, reference
 from .geometry import F32, MiB, layer_count
 from .tables import (
     Row, above_bandwidth, bandwidth_footnotes, context_label, fmt, fmt_ratio, pct_bandwidth_cell,
@@ -66,7 +65,7 @@ def mla_cache_bytes_per_token() -> dict[str, float]:
     k, v = MLA_NOPE + MLA_ROPE, MLA_V
     out: dict[str, float] = {"latent": MLA_ROW_BYTES,
                              "per_head_f32": MLA_HEADS * (k + v) * 4,
-                             "per_head_q8": MLA_HEADS * ((k + 4 * math.ceil(k / 32)) + (v + 4))}
+                             "per_head_q8": MLA_HEADS * (quant.k_row_bytes(k) + quant.v_row_bytes(v))}
     out["ratio_f32"] = out["per_head_f32"] / out["latent"]
     out["ratio_q8"] = out["per_head_q8"] / out["latent"]
     return out
