@@ -1,0 +1,48 @@
+"""The contract between :class:`kvcache.store.PrefixStore` and where its entries live.
+
+A backend is a flat map from string keys to immutable byte values.  The store alone decides
+what the keys and values mean (content-derived keys, checksummed entries); a backend only has
+to keep what it was given, whole or not at all:
+
+- ``put`` is atomic: a reader sees the old value, the new one, or nothing -- never a torn value.
+  Writing a key that exists again is allowed (two processes may store the same block at once;
+  the values are then equal).
+- ``get_many`` returns one item per key, None for a missing key.  Backends that can batch
+  (Redis pipelining) fetch all keys in one round trip.
+- ``contains_many`` answers whether keys exist without reading values.
+- ``delete`` removes a key if it is there (the store deletes entries it found corrupt).
+- A backend may drop any entry at any time (byte budget, LRU, TTL): the store treats a missing
+  entry as a miss.
+- When the backend cannot be reached, times out or fails in its own machinery it raises
+  :class:`BackendUnavailable`; the store then turns itself into a no-op with one warning.
+  Every other exception is a bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional, Protocol, runtime_checkable
+
+__all__ = ["Backend", "BackendUnavailable"]
+
+
+class BackendUnavailable(OSError):
+    """The backend cannot be used right now (server down, timeout, disk gone)."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Where a prefix store keeps its entries (see the module docstring for the contract)."""
+
+    #: a short description for messages and ``repr``: ``"memory"``, ``"dir:/path"``, ``"redis://host:port/db"``
+    name: str
+
+    def get_many(self, keys: Sequence[str]) -> list[Optional[bytes]]: ...
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def put(self, key: str, value: bytes) -> None: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def close(self) -> None: ...
