@@ -137,3 +137,109 @@ def _softmax_attention(q, keys, values, scale, softcap=0.0):
 def softmax_attention():
     """softmax_attention(q, keys, values, scale, softcap=0.0) -> (out, probs), float64."""
     return _softmax_attention
+
+
+# -- a real redis-server for the Redis backend's tests ----------------------------------------
+# No mock stands in for Redis: these fixtures start the `redis-server` binary (Debian package
+# `redis-server`) on a free loopback port, without persistence, in a temporary directory.
+
+_REDIS_INSTALL_HINT = (
+    "the Redis backend's tests need a real redis-server binary on PATH; install it with "
+    "`apt-get install -y redis-server` (Debian/Ubuntu) or `brew install redis` (macOS)"
+)
+
+
+class _RedisServer:
+    """One redis-server process on 127.0.0.1:<port>; ``url`` to reach it, ``stop()`` to end it."""
+
+    def __init__(self, workdir):
+        import shutil
+        import subprocess
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail(_REDIS_INSTALL_HINT, pytrace=False)
+        self.workdir = workdir
+        self.log = workdir / "redis.log"
+        for _attempt in range(5):  # a free port may be taken between probing and binding
+            self.port = _free_port()
+            with open(self.log, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                     "--save", "", "--appendonly", "no", "--dir", str(workdir),
+                     "--daemonize", "no"],
+                    stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
+                )
+            if self._wait_ready(timeout=10.0):
+                break
+            self.stop()
+        else:
+            pytest.fail(f"redis-server did not answer PING; its log:\n{self.log.read_text()}",
+                        pytrace=False)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def ping(self) -> bool:
+        import socket
+
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def _wait_ready(self, timeout):
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            if self.ping():
+                return True
+            time.sleep(0.02)
+        return False
+
+    def stop(self):
+        """Stop the server (a no-op once it is stopped)."""
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _free_port():
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """URL ``redis://127.0.0.1:<port>/0`` of a redis-server started for this test session.
+
+    Tests share it: each should use its own key namespace.  Fails (never skips) when the
+    redis-server binary is missing, saying how to install it.
+    """
+    server = _RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_server_throwaway(tmp_path_factory):
+    """A redis-server of this test's own (``.url``, ``.stop()``, ``.ping()``), e.g. to stop mid-run."""
+    server = _RedisServer(tmp_path_factory.mktemp("redis-throwaway"))
+    try:
+        yield server
+    finally:
+        server.stop()
