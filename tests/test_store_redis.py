@@ -409,3 +409,22 @@ def test_missing_client_package_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "redis", None)  # `import redis` now raises ImportError
     with pytest.raises(ImportError, match="pip install redis"):
         RedisBackend("redis://127.0.0.1:6379/0")
+
+
+def test_clean_up_refused_by_the_server_still_reads(redis_server_throwaway):
+    """A user without scripting rights still gets misses for torn entries, not errors."""
+    server = redis_server_throwaway
+    admin = redis.Redis.from_url(server.url)
+    admin.execute_command("ACL", "SETUSER", "limited", "on", ">pw", "~*", "+@all", "-@scripting")
+    b = RedisBackend(f"redis://limited:pw@127.0.0.1:{server.port}/0", namespace="t:",
+                     max_part_bytes=KIB)
+    try:
+        b.put("k", _value(3 * KIB))
+        b.put("ok", b"fine")
+        admin.delete(next(admin.scan_iter(match="t:p:k:*")))
+        assert b.get_many(["k", "ok"]) == [None, b"fine"]
+        admin.set("t:e:junk", b"junk")
+        assert b.get_many(["junk"]) == [None]
+    finally:
+        b.close()
+        admin.close()

@@ -1,7 +1,7 @@
 """A prefix-store backend kept in Redis, so that many processes and machines share one store.
 
-Install the client with ``pip install redis``; the server is any Redis >= 5 (the Debian package
-``redis-server`` will do).  See ``docs/store.md`` for the store itself.
+Install the client with ``pip install redis``; the server is one Redis >= 5 (the Debian package
+``redis-server`` will do; Redis Cluster is not supported, a value's parts may land on other nodes).  See ``docs/store.md`` for the store itself.
 
 Layout in Redis
 ---------------
@@ -18,7 +18,8 @@ one ``SET``, so a reader sees the old manifest, the new one or none, and every m
 names parts that were complete when it was written.  A read fetches the manifests of all keys in
 one pipelined round trip and the parts of the split ones in a second; a part that is missing or
 of the wrong length (evicted, expired, or dropped by a later overwrite) makes that entry a miss,
-and the stale manifest is removed if nobody replaced it meanwhile.
+and the stale manifest is removed if nobody replaced it meanwhile (so ``contains_many``, which
+only looks for manifests, stops reporting it and the store writes the entry again).
 
 Byte budget and expiry
 ----------------------
@@ -186,6 +187,8 @@ class RedisBackend:
         self.socket_timeout = float(socket_timeout)
         self.name = _display_url(url)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        # an error reply (not a lost connection) to a clean-up the reads and writes do not need
+        self._refused: type[BaseException] = redis.ResponseError
         try:
             self._client: _redis_mod.Redis = redis.Redis.from_url(
                 url,
@@ -342,10 +345,16 @@ class RedisBackend:
             return
         parsed = _parse_manifest(manifest)
         if isinstance(parsed, _Split):
-            self._client.delete(*self._part_keys(key, parsed))
+            try:
+                self._client.delete(*self._part_keys(key, parsed))
+            except self._refused:
+                pass  # left to the TTL or the server's eviction
 
     def _remove_stale(self, stale: list[tuple[str, bytes, list[str]]]) -> None:
         """Remove manifests whose parts are gone (or that are not manifests), unless replaced."""
-        for manifest_key, raw, part_keys in stale:
-            if self._delete_if_equal(keys=[manifest_key], args=[raw]) and part_keys:
-                self._client.delete(*part_keys)
+        try:
+            for manifest_key, raw, part_keys in stale:
+                if self._delete_if_equal(keys=[manifest_key], args=[raw]) and part_keys:
+                    self._client.delete(*part_keys)
+        except self._refused:
+            pass  # e.g. scripting not allowed for this user: the entry stays a miss
