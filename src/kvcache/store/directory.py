@@ -1,0 +1,257 @@
+"""DirectoryBackend: the prefix store's entries as files in a folder (docs/store.md).
+
+Layout: ``ROOT/<first two characters of the key>/<key>.kvb`` (256 fan-out folders for the
+store's hex keys), created on demand.
+
+Several processes (and threads) may use one folder at once; no lock is held while reading or
+writing a file:
+
+- **put** writes the whole value to a temporary file in the entry's own folder
+  (``.<key>.<pid>.<random>.tmp``), flushes it to disk (fsync) and renames it over the final
+  name (``os.replace``, atomic on POSIX and Windows).  A reader opens either the old file or
+  the new one, never a half-written one; a writer that dies leaves only a temporary file,
+  which a later eviction scan removes once it is an hour old.
+- **get** opens the file, reads it whole and sets its modification time to now
+  (``os.utime``): the time of the last read or write is the LRU clock.  A file deleted while
+  it is being read stays readable through the open handle.
+- **budget**: each backend object keeps an estimate of the folder's bytes (a scan, then its
+  own puts).  When the estimate passes the budget, or after it wrote an eighth of the budget
+  since its last scan (other processes write too), it scans the folder (``os.scandir``, one
+  ``stat`` per file), and deletes the least recently used entries until the folder holds at
+  most 90% of the budget.  Two processes evicting at once may delete a little more than
+  needed; a file that vanished under a scan is skipped.  Deleting an entry another process is
+  reading is harmless (see get), and an evicted entry is only a miss for the store.
+
+Errors other than "no such file" (permissions, a full or read-only disk, I/O errors) raise
+:class:`~kvcache.store.backend.BackendUnavailable`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from typing import Optional, Union
+
+from .backend import BackendUnavailable
+
+__all__ = ["DirectoryBackend", "DEFAULT_DIRECTORY_BUDGET"]
+
+DEFAULT_DIRECTORY_BUDGET = 16 << 30         # 16 GiB
+_SUFFIX = ".kvb"
+_KEY = re.compile(r"[0-9A-Za-z][0-9A-Za-z_-]{1,200}\Z")
+_STALE_TMP_S = 3600.0
+_LOW_WATER = 0.9
+_READ_CHUNK = 1 << 30
+
+
+class DirectoryBackend:
+    """Entries as files in a folder, shared safely by several processes.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The folder (``~`` is expanded); created with its parents on the first put.
+    budget : int or None
+        Most bytes the folder may hold (default 16 GiB); None for no limit.
+    fsync : bool
+        Flush each entry to disk before it is renamed into place (default True).  False is
+        faster and still never shows a torn entry to readers, but a machine crash may leave
+        an empty or partial file under the final name (the store's digest rejects it).
+    """
+
+    def __init__(self, path: Union[str, os.PathLike[str]], *,
+                 budget: Optional[int] = DEFAULT_DIRECTORY_BUDGET, fsync: bool = True) -> None:
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 0):
+            raise ValueError(f"budget: expected an int >= 0 (bytes) or None, got {budget!r}")
+        self.root = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        self.budget = budget
+        self.fsync = bool(fsync)
+        self.name = f"dir:{self.root}"
+        self._lock = threading.Lock()       # guards the counters below, never held during I/O
+        self._estimate: Optional[int] = None
+        self._since_scan = 0
+        self._scanning = False
+
+    # ------------------------------------------------------------------ paths
+    def path_of(self, key: str) -> str:
+        """The file that holds ``key``'s value."""
+        if not isinstance(key, str) or not _KEY.match(key):
+            raise ValueError(f"key: expected 2 to 201 letters, digits, '_' or '-' starting with "
+                             f"a letter or digit, got {key!r}")
+        return os.path.join(self.root, key[:2], key + _SUFFIX)
+
+    # ------------------------------------------------------------------ reads
+    def get_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        return [self._get(self.path_of(key)) for key in keys]
+
+    def _get(self, path: str) -> Optional[bytes]:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise BackendUnavailable(f"{self.name}: cannot open {path}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            data = os.read(fd, size) if size <= _READ_CHUNK else b""
+            if len(data) < size:           # a short read (huge files, some file systems)
+                parts = [data]
+                got = len(data)
+                while got < size:
+                    part = os.read(fd, min(size - got, _READ_CHUNK))
+                    if not part:
+                        break
+                    parts.append(part)
+                    got += len(part)
+                data = b"".join(parts)
+            try:
+                os.utime(fd if os.utime in os.supports_fd else path)
+            except OSError:
+                pass                       # read-only folder or someone else's file: no LRU touch
+            return data
+        except OSError as exc:
+            raise BackendUnavailable(f"{self.name}: cannot read {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        out: list[bool] = []
+        for key in keys:
+            try:
+                os.stat(self.path_of(key))
+                out.append(True)
+            except (FileNotFoundError, NotADirectoryError):
+                out.append(False)
+            except OSError as exc:
+                raise BackendUnavailable(f"{self.name}: cannot look up {key}: {exc}") from exc
+        return out
+
+    # ------------------------------------------------------------------ writes
+    def put(self, key: str, value: bytes) -> None:
+        path = self.path_of(key)
+        folder = os.path.dirname(path)
+        tmp = os.path.join(folder, f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                         0o644)
+            try:
+                view = memoryview(value)
+                done = 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise BackendUnavailable(f"{self.name}: cannot write {path}: {exc}") from exc
+        self._account(len(value))
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self.path_of(key))
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError as exc:
+            raise BackendUnavailable(f"{self.name}: cannot delete {key}: {exc}") from exc
+
+    def close(self) -> None:
+        """Nothing to release (files are closed after each operation)."""
+
+    # ------------------------------------------------------------------ budget
+    def _account(self, written: int) -> None:
+        if self.budget is None:
+            return
+        with self._lock:
+            if self._estimate is not None:
+                self._estimate += written
+            self._since_scan += written
+            due = (self._estimate is None or self._estimate > self.budget
+                   or self._since_scan > self.budget // 8)
+            if not due or self._scanning:
+                return
+            self._scanning = True
+        try:
+            self.evict()
+        finally:
+            with self._lock:
+                self._scanning = False
+
+    def scan(self) -> list[tuple[float, int, str]]:
+        """(modification time, size, path) of every entry file now in the folder; removes
+        temporary files older than an hour on the way.  Files that vanish are skipped."""
+        out: list[tuple[float, int, str]] = []
+        now = time.time()
+        try:
+            tops = list(os.scandir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return out
+        except OSError as exc:
+            raise BackendUnavailable(f"{self.name}: cannot list the folder: {exc}") from exc
+        for top in tops:
+            try:
+                if not top.is_dir(follow_symlinks=False):
+                    continue
+                entries = list(os.scandir(top.path))
+            except OSError:
+                continue
+            for e in entries:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if e.name.endswith(_SUFFIX) and not e.name.startswith("."):
+                    out.append((st.st_mtime, st.st_size, e.path))
+                elif e.name.endswith(".tmp") and now - st.st_mtime > _STALE_TMP_S:
+                    _unlink(e.path)
+        return out
+
+    def evict(self) -> int:
+        """Scan the folder and delete least recently used entries until it holds at most 90% of
+        the budget (nothing when it is within the budget).  Returns the bytes deleted."""
+        files = self.scan()
+        total = sum(size for _, size, _ in files)
+        freed = 0
+        if self.budget is not None and total > self.budget:
+            files.sort()
+            target = int(self.budget * _LOW_WATER)
+            for _, size, path in files:
+                if total - freed <= target:
+                    break
+                if _unlink(path):
+                    freed += size
+        with self._lock:
+            self._estimate = total - freed
+            self._since_scan = 0
+        return freed
+
+    def nbytes(self) -> int:
+        """Bytes of entries in the folder now (a scan)."""
+        return sum(size for _, size, _ in self.scan())
+
+    def __repr__(self) -> str:
+        return f"DirectoryBackend({self.root!r}, budget={self.budget})"
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.EBUSY):
+            return False
+        raise BackendUnavailable(f"cannot delete {path}: {exc}") from exc

@@ -1,0 +1,228 @@
+"""The bytes of one stored block: a small versioned header, the block's rows for every layer,
+and a digest (the same tables are in docs/formats.md, section "Prefix store entry").
+
+Little-endian on every machine; no pickle.  The digest is kvcache.wire's (:func:`kvcache.wire.
+digest`: XXH3-64 when ``xxhash`` is installed, else CRC-32, named by the algorithm byte).
+Every array starts at a multiple of 8 bytes from the start of the entry ("pad8": zero bytes up
+to the next multiple of 8).
+
+Header (96 bytes)::
+
+    offset size
+    0      8    magic 89 4B 56 42 4C 4F 43 4B ("\\x89KVBLOCK")
+    8      2    u16 version (1)
+    10     1    u8  digest algorithm (kvcache.wire: 1 = XXH3-64, 2 = CRC-32)
+    11     1    u8  flags (0; any other value is refused)
+    12     4    u32 header length (96)
+    16     8    u64 total length of the entry, digest included
+    24     32   the block's key (the raw 32-byte hash chain value, kvcache.store.keys)
+    56     4    u32 block size B (positions per block)
+    60     4    u32 block index i (the block holds positions [i*B, (i+1)*B))
+    64     4    u32 n_layers
+    68     4    u32 num_kv_heads G
+    72     4    u32 head_dim D
+    76     1    u8  quant_k (1: keys stored as int8)
+    77     1    u8  quant_v (1: values stored as int8)
+    78     2    u16 reserved (0)
+    80     16   fingerprint digest (BLAKE2b-128 of the fingerprint bytes)
+
+Payload, per layer l = 0 .. n_layers-1, each array pad8::
+
+    only when a component is int8 (any q8 mode), the layer's column state:
+        u8  x G      kcol_on
+        u8  x G      vcol_on
+        f32 x G*D    kcol (ones where not frozen)
+        f32 x G*D    vcol
+    keys    f32: f32 x G*B*D  (head-major: head h's B rows, then head h+1's)
+            int8: i8 x G*B*D, then f32 x G*B*ceil(D/32) scales
+    values  f32: f32 x G*B*D
+            int8: i8 x G*B*D, then f32 x G*B scales
+    f32 x B  importance of the block's positions
+
+Trailer: u64 digest of bytes [0, total-8).
+
+The length of an entry follows from its geometry (:func:`entry_size`), so a reader knows what
+to expect before it looks at the bytes.  :func:`decode` checks, in order: the length against
+the header, the magic, the version, the header length, the flags, the total length against the
+buffer and against the geometry it expects, the digest, then the key, the fingerprint digest,
+the geometry, the mode, the block size and the block index against what the caller asked
+for.  Any failure raises :class:`EntryError`; nothing is returned for a bad entry.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Optional
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import quant, wire
+from .._state import LayerState
+from .keys import Geometry
+
+__all__ = ["EntryError", "MAGIC", "VERSION", "HEADER_SIZE", "entry_size", "encode", "decode",
+           "Field"]
+
+MAGIC = b"\x89KVBLOCK"
+VERSION = 1
+_HEADER = struct.Struct("<8sHBBIQ32sIIIIIBBH16s")
+HEADER_SIZE = _HEADER.size          # 96
+_DIGEST = struct.Struct("<Q")
+
+_U8 = np.dtype("u1")
+_I8 = np.dtype("i1")
+_F32 = np.dtype("<f4")
+
+
+class EntryError(ValueError):
+    """A stored entry that must not be loaded.  ``remove`` is False only when the entry may be
+    fine for another reader (a digest this Python cannot compute)."""
+
+    def __init__(self, reason: str, remove: bool = True) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.remove = remove
+
+
+@dataclass(frozen=True)
+class Field:
+    """One array of a layer's section: its name (a LayerState field, or ``importance``), dtype,
+    shape, and byte offset from the start of the layer's section."""
+
+    name: str
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _pad8(n: int) -> int:
+    return n + (-n % 8)
+
+
+@lru_cache(maxsize=64)
+def layer_fields(geom: Geometry) -> tuple[tuple[Field, ...], int]:
+    """The arrays of one layer's section, in order, and the section's size in bytes."""
+    g, d, b = geom.num_kv_heads, geom.head_dim, geom.block
+    specs: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = []
+    if not geom.mode.is_f32:
+        specs += [("kcol_on", _U8, (g,)), ("vcol_on", _U8, (g,)), ("kcol", _F32, (g, d)),
+                  ("vcol", _F32, (g, d))]
+    if geom.mode.quant_k:
+        specs += [("kq", _I8, (g, b, d)), ("ks", _F32, (g, b, quant.k_scale_count(d)))]
+    else:
+        specs += [("kf", _F32, (g, b, d))]
+    if geom.mode.quant_v:
+        specs += [("vq", _I8, (g, b, d)), ("vs", _F32, (g, b, 1))]
+    else:
+        specs += [("vf", _F32, (g, b, d))]
+    specs.append(("importance", _F32, (b,)))
+    out: list[Field] = []
+    off = 0
+    for name, dtype, shape in specs:
+        f = Field(name, dtype, shape, off)
+        out.append(f)
+        off += _pad8(f.nbytes)
+    return tuple(out), off
+
+
+def entry_size(geom: Geometry) -> int:
+    """Bytes of one entry of this geometry, header and digest included."""
+    return HEADER_SIZE + geom.n_layers * layer_fields(geom)[1] + _DIGEST.size
+
+
+def encode(geom: Geometry, index: int, key: bytes, fp_digest: bytes,
+           states: list[LayerState]) -> bytes:
+    """The entry of block ``index`` (positions [index*B, (index+1)*B)) of the layers ``states``.
+
+    The states must hold at least those positions on every head (the caller checks)."""
+    b = geom.block
+    start, stop = index * b, (index + 1) * b
+    fields, section = layer_fields(geom)
+    total = entry_size(geom)
+    buf: npt.NDArray[np.uint8] = np.zeros(total, dtype=np.uint8)
+    head = _HEADER.pack(MAGIC, VERSION, wire.default_algorithm(), 0, HEADER_SIZE, total, key,
+                        b, index, geom.n_layers, geom.num_kv_heads, geom.head_dim,
+                        int(geom.mode.quant_k), int(geom.mode.quant_v), 0, fp_digest)
+    buf[:HEADER_SIZE] = np.frombuffer(head, dtype=np.uint8)
+    base = HEADER_SIZE
+    for st in states:
+        for f in fields:
+            dst = buf[base + f.offset: base + f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
+            if f.name == "importance":
+                dst[...] = st.importance[start:stop]
+            elif len(f.shape) == 3:
+                src: npt.NDArray[Any] = getattr(st, f.name)
+                dst[...] = src[:, start:stop]
+            else:
+                dst[...] = getattr(st, f.name)
+        base += section
+    dig = wire.digest(wire.default_algorithm(), buf[: total - _DIGEST.size])
+    buf[total - _DIGEST.size:] = np.frombuffer(_DIGEST.pack(dig), dtype=np.uint8)
+    return buf.tobytes()
+
+
+def decode(value: bytes, geom: Geometry, index: int, key: bytes,
+           fp_digest: bytes) -> list[dict[str, npt.NDArray[Any]]]:
+    """Check ``value`` as the entry of block ``index`` with ``key`` and return, per layer, its
+    arrays by field name (read-only views into ``value``).  EntryError for anything wrong."""
+    n = len(value)
+    if n < HEADER_SIZE + _DIGEST.size:
+        raise EntryError(f"truncated: {n} bytes, shorter than a header")
+    (magic, version, alg, flags, header_len, total, e_key, e_block, e_index, e_layers, e_nkv,
+     e_hd, e_qk, e_qv, reserved, e_fp) = _HEADER.unpack_from(value, 0)
+    if magic != MAGIC:
+        raise EntryError("not a prefix store entry (bad magic)")
+    if version != VERSION:
+        raise EntryError(f"entry format version {version}, this kvcache reads {VERSION}")
+    if header_len != HEADER_SIZE or flags != 0 or reserved != 0:
+        raise EntryError("bad header (length, flags or reserved field)")
+    if total != n:
+        raise EntryError(f"truncated or padded: the header says {total} bytes, the entry has {n}")
+    want = entry_size(geom)
+    if total != want:
+        raise EntryError(f"length {total} bytes, this geometry needs {want}")
+    data: npt.NDArray[np.uint8] = np.frombuffer(value, dtype=np.uint8)
+    try:
+        dig = wire.digest(alg, data[: n - _DIGEST.size])
+    except wire.WireError as exc:
+        # an algorithm this Python cannot compute (xxhash missing): not corrupt, leave it
+        raise EntryError(str(exc), remove=alg not in (wire.ALG_XXH3, wire.ALG_CRC32)) from None
+    if dig != _DIGEST.unpack_from(value, n - _DIGEST.size)[0]:
+        raise EntryError("digest mismatch (corrupted entry)")
+    if e_key != key:
+        raise EntryError("stored under another key")
+    if e_fp != fp_digest:
+        raise EntryError("another fingerprint")
+    if (e_layers, e_nkv, e_hd) != (geom.n_layers, geom.num_kv_heads, geom.head_dim):
+        raise EntryError(f"geometry {e_layers}x{e_nkv}x{e_hd}, expected "
+                         f"{geom.n_layers}x{geom.num_kv_heads}x{geom.head_dim}")
+    if (bool(e_qk), bool(e_qv)) != (geom.mode.quant_k, geom.mode.quant_v) or e_qk > 1 or e_qv > 1:
+        raise EntryError("another KV mode")
+    if (e_block, e_index) != (geom.block, index):
+        raise EntryError(f"block {e_index} of size {e_block}, expected block {index} of size "
+                         f"{geom.block}")
+    fields, section = layer_fields(geom)
+    out: list[dict[str, npt.NDArray[Any]]] = []
+    base = HEADER_SIZE
+    for _ in range(geom.n_layers):
+        arrays: dict[str, npt.NDArray[Any]] = {}
+        for f in fields:
+            lo = base + f.offset
+            arrays[f.name] = data[lo: lo + f.nbytes].view(f.dtype).reshape(f.shape)
+        base += section
+        out.append(arrays)
+    return out
+
+
+def columns_of(arrays: dict[str, npt.NDArray[Any]]) -> Optional[bytes]:
+    """The column state of one decoded layer as bytes (None in f32 mode), for comparisons."""
+    if "kcol_on" not in arrays:
+        return None
+    return b"".join(arrays[name].tobytes() for name in ("kcol_on", "vcol_on", "kcol", "vcol"))

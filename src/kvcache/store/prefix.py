@@ -1,0 +1,459 @@
+"""PrefixStore: a prompt's KV rows, stored by content and loaded back bit for bit
+(docs/store.md).
+
+A prompt's token ids are cut into blocks of ``block`` positions; block i's key is a hash chain
+over the ids of blocks 0..i, the fingerprint, the KV mode, the geometry and the block size
+(:mod:`kvcache.store.keys`).  An entry holds the block's rows on every layer and head (K, V,
+their int8 scales, importance, and in q8 modes the layer's frozen column fields) in the layout
+of :mod:`kvcache.store.entry`.  Layers are read with ``_export_state`` and replaced with
+``_install_state`` (:class:`kvcache._state.LayerState`), never through their fields.
+
+What a cache must be (else ValueError, nothing stored or loaded):
+
+- a :class:`kvcache.KvCache` whose layers all have the cache's geometry and one mode;
+- ``put``: every layer holds exactly ``len(ids)`` positions, every head all of them
+  (no dead heads, no evicted rows: seq_len == every head's length == importance length), no
+  O(1) state (``o1`` None, empty ``linear_state`` and ``linear_scratch``); in q8 modes the
+  column fields are frozen on every head once more than 64 positions are held, as an append
+  leaves them;
+- ``load``: the same rules for the cache as it is (empty, or holding a whole number of
+  blocks which the caller vouches are the first positions of ``ids``);
+- q8 modes need ``block > 64``: the column fields freeze when a layer passes 64 positions and
+  every row is requantised then, so only blocks cut from caches past that point can be loaded
+  bit for bit.
+
+Faults: a missing, corrupted, truncated or foreign entry is a miss (and, unless the backend
+is merely unable to read it, deleted and logged once on logger ``"kvcache"``); a backend that
+raises :class:`~kvcache.store.backend.BackendUnavailable` turns the store into a no-op for the
+rest of its life (one warning): ``put`` stores nothing and ``longest_prefix``/``load`` return 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import quant
+from .._state import LayerState
+from ..layer import LayerKvCache
+from ..model import KvCache
+from ..modes import KvMode
+from . import entry as _entry
+from .backend import Backend, BackendUnavailable
+from .directory import DirectoryBackend
+from .keys import Geometry, as_fingerprint, as_ids, block_keys, fingerprint_digest
+from .memory import MemoryBackend
+
+__all__ = ["PrefixStore", "open_backend", "DEFAULT_BLOCK", "DEFAULT_PATH"]
+
+_log = logging.getLogger("kvcache")
+
+DEFAULT_BLOCK = 256
+DEFAULT_PATH = "~/.cache/kvcache"
+_READ_BATCH_BYTES = 256 << 20           # entries fetched per get_many call, at most (about)
+_REPORTED_MAX = 4096                    # bad keys remembered so each is logged once
+
+BackendSpec = Union[Backend, str, "os.PathLike[str]"]
+
+
+def _parse_size(text: str, spec: str) -> int:
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    mult = 1
+    for suffix, m in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    if not t.isdigit():
+        raise ValueError(f"backend {spec!r}: budget={text!r} is not a byte count (e.g. 1000000, "
+                         f"512M, 4G)")
+    return int(t) * mult
+
+
+def _split_budget(rest: str, spec: str) -> tuple[str, Optional[int]]:
+    head, sep, query = rest.rpartition("?budget=")
+    if not sep:
+        return rest, None
+    return head, _parse_size(query, spec)
+
+
+def open_backend(spec: BackendSpec) -> Backend:
+    """The backend a spec names (a :class:`Backend` object is returned as it is).
+
+    - ``"memory"`` or ``"memory:?budget=BYTES"``: a new :class:`MemoryBackend`;
+    - ``"redis://host:port/db"`` (or ``rediss://``): :class:`kvcache.store.redis.RedisBackend`,
+      imported on demand;
+    - ``"dir:PATH"``, ``"dir:PATH?budget=BYTES"``, any other string or an ``os.PathLike``:
+      a :class:`DirectoryBackend` on that folder (``~`` expanded).
+
+    BYTES is an integer with an optional K, M, G or T suffix (powers of 1024)."""
+    if isinstance(spec, os.PathLike):
+        return DirectoryBackend(spec)
+    if not isinstance(spec, str):
+        if isinstance(spec, Backend):
+            return spec
+        raise TypeError(f"backend: expected a Backend, a path or a spec string, got "
+                        f"{type(spec).__name__}")
+    if not spec:
+        raise ValueError("backend: expected a path or a spec, got an empty string")
+    if spec == "memory" or spec.startswith("memory:"):
+        rest = spec[len("memory:"):] if spec.startswith("memory:") else ""
+        left, budget = _split_budget(rest, spec)
+        if left:
+            raise ValueError(f"backend {spec!r}: expected 'memory' or 'memory:?budget=BYTES'")
+        return MemoryBackend() if budget is None else MemoryBackend(budget)
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        try:
+            from .redis import RedisBackend
+        except ImportError as exc:
+            raise ImportError(f"backend {spec!r}: the Redis backend needs the 'redis' package "
+                              f"(pip install redis) and kvcache.store.redis ({exc})") from exc
+        backend: Backend = RedisBackend(spec)
+        return backend
+    path = spec[len("dir:"):] if spec.startswith("dir:") else spec
+    path, budget = _split_budget(path, spec)
+    if not path:
+        raise ValueError(f"backend {spec!r}: no folder given")
+    return DirectoryBackend(path) if budget is None else DirectoryBackend(path, budget=budget)
+
+
+class PrefixStore:
+    """Stores the KV rows of prompt prefixes and loads them back (docs/store.md).
+
+    Parameters
+    ----------
+    backend : Backend, str or os.PathLike
+        Where entries live (:func:`open_backend`): default the folder ``~/.cache/kvcache``.
+    fingerprint : str or bytes
+        Identifies the model and its weights (required): entries stored under another
+        fingerprint never match.
+    block : int
+        Positions per block (default 256); only whole blocks are stored.  q8 caches need
+        ``block > 64``.
+
+    Examples
+    --------
+    >>> import numpy as np, kvcache as kc
+    >>> from kvcache.store import PrefixStore
+    >>> store = PrefixStore("memory", fingerprint="toy-model-v1", block=4)
+    >>> cache = kc.KvCache(1, 2, 8, mode="f32")
+    >>> cache[0].append(np.ones((10, 2, 8)), np.ones((10, 2, 8)))
+    >>> store.put(range(10), cache)
+    2
+    >>> fresh = kc.KvCache(1, 2, 8, mode="f32")
+    >>> store.load(range(10), fresh), fresh.seq_len
+    (8, 8)
+    """
+
+    def __init__(self, backend: BackendSpec = DEFAULT_PATH, *, fingerprint: Union[str, bytes],
+                 block: int = DEFAULT_BLOCK) -> None:
+        fp = as_fingerprint(fingerprint)
+        if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+            raise ValueError(f"block: expected an int >= 1, got {block!r}")
+        if block > 1 << 24:
+            raise ValueError(f"block: expected at most {1 << 24} positions, got {block}")
+        self._backend = open_backend(backend)
+        self._fp = fp
+        self._fp_digest = fingerprint_digest(fp)
+        self._block = int(block)
+        self._down: Optional[str] = None
+        self._reported: set[bytes] = set()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def block(self) -> int:
+        """Positions per block."""
+        return self._block
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self._fp
+
+    @property
+    def available(self) -> bool:
+        """False once the backend raised BackendUnavailable (the store is then a no-op)."""
+        return self._down is None
+
+    def close(self) -> None:
+        """Close the backend."""
+        self._backend.close()
+
+    def __enter__(self) -> PrefixStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"PrefixStore({self._backend.name!r}, block={self._block}"
+                f"{'' if self._down is None else ', unavailable'})")
+
+    # ------------------------------------------------------------------ public API
+    def put(self, ids: object, cache: KvCache) -> int:
+        """Store every full block of ``ids`` that is not stored yet; return how many were written.
+
+        ``cache`` must hold exactly ``len(ids)`` positions on every layer and head (call it
+        right after the prefill of ``ids``); see the module docstring for what else it must be.
+        Raises ValueError/TypeError for bad inputs (nothing is stored)."""
+        arr = as_ids(ids)
+        geom = self._geometry(cache)
+        states = [layer._export_state() for layer in cache.layers]
+        for i, st in enumerate(states):
+            _check_state(i, st, arr.shape[0], "put")
+        if self._down is not None:
+            return 0
+        raw = block_keys(arr, self._fp, geom)
+        if not raw:
+            return 0
+        names = [k.hex() for k in raw]
+        written = 0
+        try:
+            present = self._backend.contains_many(names)
+            for i, (key, name) in enumerate(zip(raw, names)):
+                if present[i]:
+                    continue
+                value = _entry.encode(geom, i, key, self._fp_digest, states)
+                self._backend.put(name, value)
+                written += 1
+        except BackendUnavailable as exc:
+            self._disable(exc)
+        return written
+
+    def longest_prefix(self, ids: object, cache: KvCache) -> int:
+        """How many leading positions of ``ids`` are stored for ``cache``'s model, mode and
+        geometry (a multiple of ``block``).  Asks the backend whether the keys exist and reads
+        no value, so a later ``load`` may still find fewer (an entry evicted or corrupted)."""
+        arr = as_ids(ids)
+        geom = self._geometry(cache)
+        if self._down is not None:
+            return 0
+        names = [k.hex() for k in block_keys(arr, self._fp, geom)]
+        if not names:
+            return 0
+        try:
+            present = self._backend.contains_many(names)
+        except BackendUnavailable as exc:
+            self._disable(exc)
+            return 0
+        return _leading(present) * self._block
+
+    def load(self, ids: object, cache: KvCache) -> int:
+        """Append the stored blocks that continue ``cache`` along ``ids``; return how many
+        positions were appended.
+
+        ``cache`` is empty, or holds a whole number of blocks m (the caller vouches they are
+        ``ids[:m]`` computed by this model); blocks m/block onwards are read, checked and
+        appended on every layer, up to the first block that is missing or bad.  Afterwards
+        ``cache.seq_len`` is m plus the returned count.  Nothing changes when it returns 0
+        or raises.  Rows, scales, column fields and per-head lengths are then bit-identical to
+        a cold prefill of those positions; importance is what the storing cache held (see
+        docs/store.md)."""
+        arr = as_ids(ids)
+        geom = self._geometry(cache)
+        states = [layer._export_state() for layer in cache.layers]
+        m = states[0].seq_len if states else 0
+        for i, st in enumerate(states):
+            _check_state(i, st, m, "load")
+        b = self._block
+        if m % b or m > arr.shape[0]:
+            raise ValueError(f"load: the cache holds {m} positions; expected 0 or a multiple of "
+                             f"block={b} that is at most len(ids)={arr.shape[0]}")
+        if self._down is not None or not states:
+            return 0
+        raw = block_keys(arr, self._fp, geom)
+        first = m // b
+        raw = raw[first:]
+        if not raw:
+            return 0
+        names = [k.hex() for k in raw]
+        try:
+            run = _leading(self._backend.contains_many(names))
+            if run == 0:
+                return 0
+            fresh = self._read(geom, states, first, raw[:run], names[:run])
+        except BackendUnavailable as exc:
+            self._disable(exc)
+            return 0
+        if fresh is None:
+            return 0
+        new_states, loaded = fresh
+        for i, st in enumerate(new_states):
+            st.check(geom.num_kv_heads, geom.head_dim)
+        for layer, st in zip(cache.layers, new_states):
+            layer._install_state(st)
+        return loaded
+
+    # ------------------------------------------------------------------ internals
+    def _geometry(self, cache: object) -> Geometry:
+        if not isinstance(cache, KvCache):
+            raise TypeError(f"cache: expected a kvcache.KvCache, got {type(cache).__name__}")
+        layers = cache.layers
+        mode: KvMode = cache.mode
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, LayerKvCache):
+                raise TypeError(f"cache.layers[{i}]: expected a LayerKvCache, got "
+                                f"{type(layer).__name__}")
+            if (layer.num_kv_heads, layer.head_dim) != (cache.num_kv_heads, cache.head_dim):
+                raise ValueError(f"cache.layers[{i}]: geometry {layer.num_kv_heads}x"
+                                 f"{layer.head_dim}, the cache is {cache.num_kv_heads}x"
+                                 f"{cache.head_dim}")
+            if i == 0:
+                mode = layer.mode
+            elif layer.mode != mode:
+                raise ValueError(f"cache.layers[{i}]: mode {layer.mode!r}, layer 0 has {mode!r}; "
+                                 f"the store needs one mode for every layer")
+        if not mode.is_f32 and self._block <= quant.COL_WARMUP:
+            raise ValueError(f"block={self._block}: a {mode!r} cache needs block > "
+                             f"{quant.COL_WARMUP} (its column fields freeze after "
+                             f"{quant.COL_WARMUP} positions and requantise every row)")
+        return Geometry(len(layers), cache.num_kv_heads, cache.head_dim, mode, self._block)
+
+    def _read(self, geom: Geometry, states: list[LayerState], first: int, raw: list[bytes],
+              names: list[str]) -> Optional[tuple[list[LayerState], int]]:
+        """Read, check and copy blocks ``first ..`` (keys ``raw``) after the rows the states
+        hold; None when not even the first block is good."""
+        b = geom.block
+        m = first * b
+        cap = m + len(raw) * b
+        g = geom.num_kv_heads
+        fields, _ = _entry.layer_fields(geom)
+        rows = [f for f in fields if len(f.shape) == 3]
+        # destination arrays: the rows the cache holds, then room for every block in the run
+        dest: list[dict[str, npt.NDArray[Any]]] = []
+        for st in states:
+            d: dict[str, npt.NDArray[Any]] = {}
+            old = st.stores()
+            for f in rows:
+                arr: npt.NDArray[Any] = np.empty((g, cap, f.shape[2]), dtype=f.dtype)
+                if m:
+                    arr[:, :m] = old[f.name][:, :m]
+                d[f.name] = arr
+            imp: npt.NDArray[np.float32] = np.empty(cap, dtype=np.float32)
+            imp[:m] = st.importance[:m]
+            d["importance"] = imp
+            dest.append(d)
+        # the column state the loaded rows must share: the cache's own when it holds rows
+        cols: Optional[list[Optional[bytes]]] = None
+        col_arrays: Optional[list[dict[str, npt.NDArray[Any]]]] = None
+        if m and not geom.mode.is_f32:
+            cols = [_state_columns(st) for st in states]
+        per_batch = max(1, _READ_BATCH_BYTES // _entry.entry_size(geom))
+        good = 0
+        for lo in range(0, len(raw), per_batch):
+            batch = names[lo: lo + per_batch]
+            values = self._backend.get_many(batch)
+            stop = False
+            for j, value in enumerate(values):
+                idx = lo + j
+                if value is None:
+                    stop = True
+                    break
+                try:
+                    layers = _entry.decode(value, geom, first + idx, raw[idx], self._fp_digest)
+                    got = [_entry.columns_of(a) for a in layers]
+                    if cols is None:
+                        cols = got
+                        col_arrays = layers
+                    elif got != cols:
+                        raise _entry.EntryError("column fields differ from the earlier blocks' "
+                                                "(or the cache's)")
+                except _entry.EntryError as exc:
+                    self._bad(names[idx], raw[idx], exc)
+                    stop = True
+                    break
+                at = m + idx * b
+                for d, arrays in zip(dest, layers):
+                    for f in rows:
+                        d[f.name][:, at: at + b] = arrays[f.name]
+                    d["importance"][at: at + b] = arrays["importance"]
+                good += 1
+            if stop:
+                break
+        if good == 0:
+            return None
+        n = m + good * b
+        out: list[LayerState] = []
+        for i, (st, d) in enumerate(zip(states, dest)):
+            if m or geom.mode.is_f32 or col_arrays is None:
+                kcol, vcol = np.array(st.kcol), np.array(st.vcol)
+                kon, von = np.array(st.kcol_on), np.array(st.vcol_on)
+            else:
+                src = col_arrays[i]
+                kcol, vcol = np.array(src["kcol"]), np.array(src["vcol"])
+                kon, von = np.array(src["kcol_on"]), np.array(src["vcol_on"])
+            out.append(LayerState(
+                mode=geom.mode, num_kv_heads=g, head_dim=geom.head_dim, seq_len=n,
+                lengths=np.full(g, n, dtype=np.intp),
+                kf=d.get("kf"), kq=d.get("kq"), ks=d.get("ks"),
+                vf=d.get("vf"), vq=d.get("vq"), vs=d.get("vs"),
+                kcol=kcol, vcol=vcol, kcol_on=kon, vcol_on=von,
+                importance=np.array(d["importance"][:n]),
+                linear_state=np.zeros(0, dtype=np.float32), linear_scratch=None, o1=None,
+                owned=True))
+        return out, good * b
+
+    def _bad(self, name: str, key: bytes, exc: _entry.EntryError) -> None:
+        """A stored entry that failed its checks: a miss; deleted and logged once."""
+        if exc.remove:
+            self._backend.delete(name)
+        if key not in self._reported:
+            if len(self._reported) >= _REPORTED_MAX:
+                self._reported.clear()
+            self._reported.add(key)
+            _log.warning("kvcache store %s: entry %s is unusable (%s)%s; treated as a miss",
+                         self._backend.name, name[:16], exc.reason,
+                         ", deleted" if exc.remove else "")
+
+    def _disable(self, exc: BaseException) -> None:
+        if self._down is None:
+            self._down = str(exc)
+            _log.warning("kvcache store %s: backend unavailable (%s); the prefix store is off "
+                         "for the rest of this run", self._backend.name, exc)
+
+
+def _leading(flags: Sequence[bool]) -> int:
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
+
+
+def _state_columns(st: LayerState) -> bytes:
+    return b"".join(np.ascontiguousarray(a).tobytes()
+                    for a in (st.kcol_on, st.vcol_on, st.kcol, st.vcol))
+
+
+def _check_state(i: int, st: LayerState, n: int, what: str) -> None:
+    """ValueError unless layer ``i`` holds exactly ``n`` positions on every head, importance
+    for all of them and no O(1) state, with frozen columns in q8 modes past the warm-up."""
+    if st.o1 is not None or st.linear_state.size or (st.linear_scratch is not None
+                                                     and st.linear_scratch.size):
+        raise ValueError(f"{what}: layer {i} carries O(1) or linear state, which the prefix "
+                         f"store does not handle")
+    if st.seq_len != n:
+        raise ValueError(f"{what}: layer {i} holds {st.seq_len} positions, expected {n}"
+                         + (" (len(ids))" if what == "put" else " (every layer alike)"))
+    if (st.lengths != n).any() or st.importance.shape[0] != n:
+        raise ValueError(f"{what}: layer {i} has heads holding {st.lengths.tolist()} rows and "
+                         f"importance for {st.importance.shape[0]} of its {n} positions (dead "
+                         f"heads or evicted rows), which the prefix store does not handle")
+    if n > quant.COL_WARMUP:
+        for name, quantised, on in (("key", st.mode.quant_k, st.kcol_on),
+                                    ("value", st.mode.quant_v, st.vcol_on)):
+            if quantised and not on.all():
+                raise ValueError(f"{what}: layer {i} holds {n} int8 {name} rows without frozen "
+                                 f"column fields (not what appending them gives)")
+    elif st.any_col_frozen():
+        raise ValueError(f"{what}: layer {i} has frozen column fields with only {n} positions "
+                         f"(rolled back below the warm-up), which the prefix store does not "
+                         f"handle")
