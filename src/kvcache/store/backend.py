@@ -16,6 +16,11 @@ to keep what it was given, whole or not at all:
 - When the backend cannot be reached, times out or fails in its own machinery it raises
   :class:`BackendUnavailable`; the store then turns itself into a no-op with one warning.
   Every other exception is a bug.
+
+Optional: a backend that can move a value between its storage and the caller's memory without
+an intermediate ``bytes`` object also implements :class:`ScatterBackend` (``put_parts``,
+``read_parts``; the directory backend does).  The store then writes an entry straight from the
+cache's rows and reads one straight into the new cache's arrays.  Same rules as above.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional, Protocol, runtime_checkable
 
-__all__ = ["Backend", "BackendUnavailable"]
+__all__ = ["Backend", "BackendUnavailable", "ScatterBackend"]
 
 
 class BackendUnavailable(OSError):
@@ -46,3 +51,18 @@ class Backend(Protocol):
     def delete(self, key: str) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ScatterBackend(Protocol):
+    """What a backend may add to :class:`Backend` to skip a copy of every value (optional)."""
+
+    def put_parts(self, key: str, parts: Sequence[memoryview]) -> None:
+        """``put(key, b"".join(parts))``, atomic likewise, without joining."""
+        ...
+
+    def read_parts(self, key: str, parts: Sequence[memoryview]) -> Optional[int]:
+        """None when ``key`` is missing; else the value's length n.  When n equals the parts'
+        total length, the parts (writable byte views) hold the value in order; otherwise their
+        content is unspecified.  Counts as a read for LRU like ``get_many``."""
+        ...

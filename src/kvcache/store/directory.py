@@ -47,6 +47,11 @@ _KEY = re.compile(r"[0-9A-Za-z][0-9A-Za-z_-]{1,200}\Z")
 _STALE_TMP_S = 3600.0
 _LOW_WATER = 0.9
 _READ_CHUNK = 1 << 30
+_HAVE_V = hasattr(os, "readv") and hasattr(os, "writev")
+try:
+    _IOV = max(16, min(os.sysconf("SC_IOV_MAX"), 1024))
+except (AttributeError, ValueError, OSError):
+    _IOV = 16
 
 
 class DirectoryBackend:
@@ -110,10 +115,7 @@ class DirectoryBackend:
                     parts.append(part)
                     got += len(part)
                 data = b"".join(parts)
-            try:
-                os.utime(fd if os.utime in os.supports_fd else path)
-            except OSError:
-                pass                       # read-only folder or someone else's file: no LRU touch
+            _touch(fd, path)
             return data
         except OSError as exc:
             raise BackendUnavailable(f"{self.name}: cannot read {path}: {exc}") from exc
@@ -134,18 +136,21 @@ class DirectoryBackend:
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, value: bytes) -> None:
+        self.put_parts(key, [memoryview(value)])
+
+    def put_parts(self, key: str, parts: Sequence[memoryview]) -> None:
+        """``put(key, b"".join(parts))`` written with gathered writes, without joining."""
         path = self.path_of(key)
         folder = os.path.dirname(path)
         tmp = os.path.join(folder, f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        views = [memoryview(p).cast("B") for p in parts]
+        size = sum(len(v) for v in views)
         try:
             os.makedirs(folder, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
                          0o644)
             try:
-                view = memoryview(value)
-                done = 0
-                while done < len(view):
-                    done += os.write(fd, view[done:])
+                _write_all(fd, views)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -157,7 +162,30 @@ class DirectoryBackend:
             except OSError:
                 pass
             raise BackendUnavailable(f"{self.name}: cannot write {path}: {exc}") from exc
-        self._account(len(value))
+        self._account(size)
+
+    def read_parts(self, key: str, parts: Sequence[memoryview]) -> Optional[int]:
+        """The value's length (None: missing); the parts hold it when the lengths agree."""
+        path = self.path_of(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise BackendUnavailable(f"{self.name}: cannot open {path}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            views = [memoryview(p).cast("B") for p in parts]
+            if size == sum(len(v) for v in views):
+                got = _read_all(fd, views)
+                if got != size:          # shorter than fstat said: cannot happen to a file
+                    size = got           # that is only ever renamed into place; a miss then
+            _touch(fd, path)
+            return size
+        except OSError as exc:
+            raise BackendUnavailable(f"{self.name}: cannot read {path}: {exc}") from exc
+        finally:
+            os.close(fd)
 
     def delete(self, key: str) -> None:
         try:
@@ -255,3 +283,65 @@ def _unlink(path: str) -> bool:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.EBUSY):
             return False
         raise BackendUnavailable(f"cannot delete {path}: {exc}") from exc
+
+
+def _touch(fd: int, path: str) -> None:
+    """Set the file's times to now (the LRU clock); quietly nothing where that is refused
+    (a read-only folder, someone else's file)."""
+    try:
+        os.utime(fd if os.utime in os.supports_fd else path)
+    except OSError:
+        pass
+
+
+def _advance(views: list[memoryview], i: int, n: int) -> tuple[int, list[memoryview]]:
+    """Skip ``n`` bytes of ``views[i:]``: the new index and the views (the first trimmed)."""
+    while n and i < len(views):
+        if n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        else:
+            views[i] = views[i][n:]
+            n = 0
+    return i, views
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Write every byte of ``views`` in order (gathered writes of up to _IOV views)."""
+    views = list(views)
+    i = 0
+    while i < len(views):
+        if not len(views[i]):
+            i += 1
+            continue
+        if _HAVE_V:
+            n = os.writev(fd, views[i: i + _IOV])
+        else:
+            n = os.write(fd, views[i])
+        i, views = _advance(views, i, n)
+
+
+def _read_all(fd: int, views: list[memoryview]) -> int:
+    """Fill ``views`` in order from ``fd`` (scattered reads); the bytes read (less at EOF)."""
+    views = list(views)
+    total = 0
+    i = 0
+    while i < len(views):
+        if not len(views[i]):
+            i += 1
+            continue
+        if _HAVE_V:
+            n = os.readv(fd, views[i: i + _IOV])
+        else:
+            n = os.readinto(fd, views[i]) if hasattr(os, "readinto") else _readinto(fd, views[i])
+        if n == 0:
+            break
+        total += n
+        i, views = _advance(views, i, n)
+    return total
+
+
+def _readinto(fd: int, view: memoryview) -> int:
+    data = os.read(fd, len(view))
+    view[: len(data)] = data
+    return len(data)

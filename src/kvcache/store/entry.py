@@ -52,6 +52,8 @@ for.  Any failure raises :class:`EntryError`; nothing is returned for a bad entr
 from __future__ import annotations
 
 import struct
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional
@@ -63,14 +65,16 @@ from .. import quant, wire
 from .._state import LayerState
 from .keys import Geometry
 
-__all__ = ["EntryError", "MAGIC", "VERSION", "HEADER_SIZE", "entry_size", "encode", "decode",
-           "Field"]
+__all__ = ["EntryError", "MAGIC", "VERSION", "HEADER_SIZE", "DIGEST_SIZE", "Field", "layer_fields",
+           "entry_size", "encode", "encode_parts", "check_header", "digest_parts",
+           "stored_digest", "decode", "columns_of"]
 
 MAGIC = b"\x89KVBLOCK"
 VERSION = 1
 _HEADER = struct.Struct("<8sHBBIQ32sIIIIIBBH16s")
 HEADER_SIZE = _HEADER.size          # 96
 _DIGEST = struct.Struct("<Q")
+DIGEST_SIZE = _DIGEST.size
 
 _U8 = np.dtype("u1")
 _I8 = np.dtype("i1")
@@ -137,46 +141,86 @@ def entry_size(geom: Geometry) -> int:
     return HEADER_SIZE + geom.n_layers * layer_fields(geom)[1] + _DIGEST.size
 
 
-def encode(geom: Geometry, index: int, key: bytes, fp_digest: bytes,
-           states: list[LayerState]) -> bytes:
-    """The entry of block ``index`` (positions [index*B, (index+1)*B)) of the layers ``states``.
+class _Crc32:
+    """zlib.crc32 with the update/intdigest interface of xxhash's hashers."""
+
+    def __init__(self) -> None:
+        self._v = 0
+
+    def update(self, data: Any) -> None:
+        self._v = zlib.crc32(data, self._v)
+
+    def intdigest(self) -> int:
+        return self._v
+
+
+def _stream(alg: int) -> Any:
+    """A streaming hasher giving what :func:`kvcache.wire.digest` gives for algorithm ``alg``
+    over the concatenation of its updates (a test holds the two equal)."""
+    if alg == wire.ALG_XXH3:
+        import xxhash
+        return xxhash.xxh3_64()
+    return _Crc32()
+
+
+def _header(geom: Geometry, index: int, key: bytes, fp_digest: bytes, alg: int) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, alg, 0, HEADER_SIZE, entry_size(geom), key, geom.block,
+                        index, geom.n_layers, geom.num_kv_heads, geom.head_dim,
+                        int(geom.mode.quant_k), int(geom.mode.quant_v), 0, fp_digest)
+
+
+def encode_parts(geom: Geometry, index: int, key: bytes, fp_digest: bytes,
+                 states: list[LayerState]) -> list[memoryview]:
+    """The entry of block ``index`` (positions [index*B, (index+1)*B)) of the layers ``states``
+    as byte views, in order: the header, each head's rows straight from the layer's storage
+    (no copy), the small arrays, the padding and the digest.  ``b"".join`` of them is the entry.
 
     The states must hold at least those positions on every head (the caller checks)."""
     b = geom.block
     start, stop = index * b, (index + 1) * b
-    fields, section = layer_fields(geom)
-    total = entry_size(geom)
-    buf: npt.NDArray[np.uint8] = np.zeros(total, dtype=np.uint8)
-    head = _HEADER.pack(MAGIC, VERSION, wire.default_algorithm(), 0, HEADER_SIZE, total, key,
-                        b, index, geom.n_layers, geom.num_kv_heads, geom.head_dim,
-                        int(geom.mode.quant_k), int(geom.mode.quant_v), 0, fp_digest)
-    buf[:HEADER_SIZE] = np.frombuffer(head, dtype=np.uint8)
-    base = HEADER_SIZE
+    fields, _ = layer_fields(geom)
+    alg = wire.default_algorithm()
+    hasher = _stream(alg)
+    head = memoryview(_header(geom, index, key, fp_digest, alg))
+    parts: list[memoryview] = [head]
+    hasher.update(head)
     for st in states:
         for f in fields:
-            dst = buf[base + f.offset: base + f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
             if f.name == "importance":
-                dst[...] = st.importance[start:stop]
+                arrs = [st.importance[start:stop]]
             elif len(f.shape) == 3:
                 src: npt.NDArray[Any] = getattr(st, f.name)
-                dst[...] = src[:, start:stop]
+                arrs = [src[h, start:stop] for h in range(geom.num_kv_heads)]
             else:
-                dst[...] = getattr(st, f.name)
-        base += section
-    dig = wire.digest(wire.default_algorithm(), buf[: total - _DIGEST.size])
-    buf[total - _DIGEST.size:] = np.frombuffer(_DIGEST.pack(dig), dtype=np.uint8)
-    return buf.tobytes()
+                arrs = [getattr(st, f.name)]
+            for a in arrs:
+                view = np.ascontiguousarray(a, dtype=f.dtype).data.cast("B")
+                parts.append(view)
+                hasher.update(view)
+            pad = -f.nbytes % 8
+            if pad:
+                zeros = memoryview(bytes(pad))
+                parts.append(zeros)
+                hasher.update(zeros)
+    parts.append(memoryview(_DIGEST.pack(hasher.intdigest())))
+    return parts
 
 
-def decode(value: bytes, geom: Geometry, index: int, key: bytes,
-           fp_digest: bytes) -> list[dict[str, npt.NDArray[Any]]]:
-    """Check ``value`` as the entry of block ``index`` with ``key`` and return, per layer, its
-    arrays by field name (read-only views into ``value``).  EntryError for anything wrong."""
-    n = len(value)
+def encode(geom: Geometry, index: int, key: bytes, fp_digest: bytes,
+           states: list[LayerState]) -> bytes:
+    """The entry of block ``index`` as one ``bytes`` (:func:`encode_parts`, joined)."""
+    return b"".join(encode_parts(geom, index, key, fp_digest, states))
+
+
+def check_header(head: Any, n: int, geom: Geometry, index: int, key: bytes,
+                 fp_digest: bytes) -> int:
+    """Check the header ``head`` (the first HEADER_SIZE bytes, or all of an entry of ``n``
+    bytes) against the entry's length and what the caller asked for; return the digest
+    algorithm.  EntryError for anything wrong.  The digest itself is the caller's to check."""
     if n < HEADER_SIZE + _DIGEST.size:
         raise EntryError(f"truncated: {n} bytes, shorter than a header")
     (magic, version, alg, flags, header_len, total, e_key, e_block, e_index, e_layers, e_nkv,
-     e_hd, e_qk, e_qv, reserved, e_fp) = _HEADER.unpack_from(value, 0)
+     e_hd, e_qk, e_qv, reserved, e_fp) = _HEADER.unpack_from(head, 0)
     if magic != MAGIC:
         raise EntryError("not a prefix store entry (bad magic)")
     if version != VERSION:
@@ -188,14 +232,6 @@ def decode(value: bytes, geom: Geometry, index: int, key: bytes,
     want = entry_size(geom)
     if total != want:
         raise EntryError(f"length {total} bytes, this geometry needs {want}")
-    data: npt.NDArray[np.uint8] = np.frombuffer(value, dtype=np.uint8)
-    try:
-        dig = wire.digest(alg, data[: n - _DIGEST.size])
-    except wire.WireError as exc:
-        # an algorithm this Python cannot compute (xxhash missing): not corrupt, leave it
-        raise EntryError(str(exc), remove=alg not in (wire.ALG_XXH3, wire.ALG_CRC32)) from None
-    if dig != _DIGEST.unpack_from(value, n - _DIGEST.size)[0]:
-        raise EntryError("digest mismatch (corrupted entry)")
     if e_key != key:
         raise EntryError("stored under another key")
     if e_fp != fp_digest:
@@ -208,6 +244,42 @@ def decode(value: bytes, geom: Geometry, index: int, key: bytes,
     if (e_block, e_index) != (geom.block, index):
         raise EntryError(f"block {e_index} of size {e_block}, expected block {index} of size "
                          f"{geom.block}")
+    return int(alg)
+
+
+def digest_parts(alg: int, parts: Sequence[memoryview]) -> int:
+    """The digest ``alg`` of the concatenated ``parts`` (as :func:`kvcache.wire.digest` of
+    their join); EntryError for an algorithm this Python cannot compute."""
+    if alg == wire.ALG_XXH3 and wire.default_algorithm() != wire.ALG_XXH3:
+        raise EntryError("the entry's digest is XXH3-64, which needs the 'xxhash' package",
+                         remove=False)
+    if alg not in (wire.ALG_XXH3, wire.ALG_CRC32):
+        raise EntryError(f"unknown digest algorithm {alg}")
+    hasher = _stream(alg)
+    for p in parts:
+        hasher.update(p)
+    return int(hasher.intdigest())
+
+
+def stored_digest(buf: Any, n: int) -> int:
+    """The digest stored in the last 8 bytes of an ``n``-byte entry ``buf``."""
+    return int(_DIGEST.unpack_from(buf, n - _DIGEST.size)[0])
+
+
+def decode(value: bytes, geom: Geometry, index: int, key: bytes,
+           fp_digest: bytes) -> list[dict[str, npt.NDArray[Any]]]:
+    """Check ``value`` as the entry of block ``index`` with ``key`` and return, per layer, its
+    arrays by field name (read-only views into ``value``).  EntryError for anything wrong."""
+    n = len(value)
+    alg = check_header(value, n, geom, index, key, fp_digest)
+    data: npt.NDArray[np.uint8] = np.frombuffer(value, dtype=np.uint8)
+    try:
+        dig = wire.digest(alg, data[: n - _DIGEST.size])
+    except wire.WireError as exc:
+        # an algorithm this Python cannot compute (xxhash missing): not corrupt, leave it
+        raise EntryError(str(exc), remove=alg not in (wire.ALG_XXH3, wire.ALG_CRC32)) from None
+    if dig != stored_digest(value, n):
+        raise EntryError("digest mismatch (corrupted entry)")
     fields, section = layer_fields(geom)
     out: list[dict[str, npt.NDArray[Any]]] = []
     base = HEADER_SIZE

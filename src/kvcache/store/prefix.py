@@ -44,7 +44,7 @@ from ..layer import LayerKvCache
 from ..model import KvCache
 from ..modes import KvMode
 from . import entry as _entry
-from .backend import Backend, BackendUnavailable
+from .backend import Backend, BackendUnavailable, ScatterBackend
 from .directory import DirectoryBackend
 from .keys import Geometry, as_fingerprint, as_ids, block_keys, fingerprint_digest
 from .memory import MemoryBackend
@@ -220,8 +220,11 @@ class PrefixStore:
             for i, (key, name) in enumerate(zip(raw, names)):
                 if present[i]:
                     continue
-                value = _entry.encode(geom, i, key, self._fp_digest, states)
-                self._backend.put(name, value)
+                if isinstance(self._backend, ScatterBackend):
+                    self._backend.put_parts(name, _entry.encode_parts(geom, i, key,
+                                                                      self._fp_digest, states))
+                else:
+                    self._backend.put(name, _entry.encode(geom, i, key, self._fp_digest, states))
                 written += 1
         except BackendUnavailable as exc:
             self._disable(exc)
@@ -345,38 +348,86 @@ class PrefixStore:
         col_arrays: Optional[list[dict[str, npt.NDArray[Any]]]] = None
         if m and not geom.mode.is_f32:
             cols = [_state_columns(st) for st in states]
-        per_batch = max(1, _READ_BATCH_BYTES // _entry.entry_size(geom))
+        expected = cols
+
+        def same_columns(got: list[Optional[bytes]]) -> None:
+            nonlocal expected
+            if expected is None:
+                expected = got
+            elif got != expected:
+                raise _entry.EntryError("column fields differ from the earlier blocks' (or the "
+                                        "cache's)")
+
         good = 0
-        for lo in range(0, len(raw), per_batch):
-            batch = names[lo: lo + per_batch]
-            values = self._backend.get_many(batch)
-            stop = False
-            for j, value in enumerate(values):
-                idx = lo + j
-                if value is None:
-                    stop = True
+        backend = self._backend
+        if isinstance(backend, ScatterBackend):
+            # read each entry straight into the new arrays; checked before anything is kept
+            col_tmp = [{f.name: np.empty(f.shape, dtype=f.dtype) for f in fields
+                        if len(f.shape) < 3 and f.name != "importance"} for _ in states]
+            col_arrays = col_tmp
+            header = bytearray(_entry.HEADER_SIZE)
+            trailer = bytearray(_entry.DIGEST_SIZE)
+            pad = memoryview(bytearray(8))
+            total = _entry.entry_size(geom)
+            for idx in range(len(raw)):
+                at = m + idx * b
+                parts: list[memoryview] = [memoryview(header)]
+                for d, tmp in zip(dest, col_tmp):
+                    for f in fields:
+                        if len(f.shape) == 3:
+                            parts += [d[f.name][h, at: at + b].data.cast("B") for h in range(g)]
+                        elif f.name == "importance":
+                            parts.append(d["importance"][at: at + b].data.cast("B"))
+                        else:
+                            parts.append(tmp[f.name].data.cast("B"))
+                        if f.nbytes % 8:
+                            parts.append(pad[: -f.nbytes % 8])
+                parts.append(memoryview(trailer))
+                n = backend.read_parts(names[idx], parts)
+                if n is None:
                     break
                 try:
-                    layers = _entry.decode(value, geom, first + idx, raw[idx], self._fp_digest)
-                    got = [_entry.columns_of(a) for a in layers]
-                    if cols is None:
-                        cols = got
-                        col_arrays = layers
-                    elif got != cols:
-                        raise _entry.EntryError("column fields differ from the earlier blocks' "
-                                                "(or the cache's)")
+                    if n != total:
+                        raise _entry.EntryError(f"truncated or padded: {n} bytes, this geometry "
+                                                f"needs {total}")
+                    alg = _entry.check_header(header, n, geom, first + idx, raw[idx],
+                                              self._fp_digest)
+                    if _entry.digest_parts(alg, parts[:-1]) != _entry.stored_digest(trailer, 8):
+                        raise _entry.EntryError("digest mismatch (corrupted entry)")
+                    same_columns([_entry.columns_of(t) for t in col_tmp])
                 except _entry.EntryError as exc:
                     self._bad(names[idx], raw[idx], exc)
-                    stop = True
                     break
-                at = m + idx * b
-                for d, arrays in zip(dest, layers):
-                    for f in rows:
-                        d[f.name][:, at: at + b] = arrays[f.name]
-                    d["importance"][at: at + b] = arrays["importance"]
                 good += 1
-            if stop:
-                break
+        else:
+            per_batch = max(1, _READ_BATCH_BYTES // _entry.entry_size(geom))
+            stop = False
+            for lo in range(0, len(raw), per_batch):
+                values = backend.get_many(names[lo: lo + per_batch])
+                for j, value in enumerate(values):
+                    idx = lo + j
+                    if value is None:
+                        stop = True
+                        break
+                    try:
+                        layers = _entry.decode(value, geom, first + idx, raw[idx],
+                                               self._fp_digest)
+                        same_columns([_entry.columns_of(a) for a in layers])
+                    except _entry.EntryError as exc:
+                        self._bad(names[idx], raw[idx], exc)
+                        stop = True
+                        break
+                    if col_arrays is None:
+                        col_arrays = [{k: a[k] for k in ("kcol", "vcol", "kcol_on", "vcol_on")
+                                       if k in a} for a in layers]
+                    at = m + idx * b
+                    for d, arrays in zip(dest, layers):
+                        for f in rows:
+                            d[f.name][:, at: at + b] = arrays[f.name]
+                        d["importance"][at: at + b] = arrays["importance"]
+                    good += 1
+                if stop:
+                    break
         if good == 0:
             return None
         n = m + good * b
