@@ -428,3 +428,157 @@ def test_clean_up_refused_by_the_server_still_reads(redis_server_throwaway):
     finally:
         b.close()
         admin.close()
+
+
+# -- the prefix store over Redis ------------------------------------------------------------------
+
+_L, _G, _D = 2, 2, 40
+
+
+def _prefill(ids, mode):
+    """A cache as a prefill of ``ids`` leaves it: position p's rows depend on p and ids[p]."""
+    import numpy as np
+
+    import kvcache as kc
+
+    ids = np.asarray(ids)
+    n = len(ids)
+    rng = np.random.default_rng(99)
+    base = rng.standard_normal((2, _L, 512, _G, _D)).astype(np.float32)[:, :, :n]
+    shift = ((ids % 97) * 0.01).astype(np.float32)[:, None, None]
+    cache = kc.KvCache(_L, _G, _D, mode=mode)
+    for i, layer in enumerate(cache.layers):
+        layer.append(base[0, i] + shift, base[1, i] - shift)
+    return cache
+
+
+def _rows(cache):
+    out = []
+    for layer in cache.layers:
+        st = layer._export_state()
+        n = int(st.lengths.max(initial=0))
+        out.append((st.seq_len, st.lengths.tobytes(),
+                    {name: a[:, :n].tobytes() for name, a in st.stores().items()},
+                    st.kcol.tobytes(), st.vcol.tobytes()))
+    return out
+
+
+def _ids(n, seed=0):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 50_000, n)
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+def test_prefix_store_round_trip_over_redis(redis_server, ns, mode):
+    import kvcache as kc
+    from kvcache.store import PrefixStore
+
+    block = 16 if mode == "f32" else 80
+    ids = _ids(3 * block + 5)
+    fp = f"model-{ns}"
+    writer = PrefixStore(RedisBackend(redis_server, namespace=ns, max_part_bytes=4 * KIB),
+                         fingerprint=fp, block=block)
+    assert writer.put(ids, _prefill(ids, mode)) == 3
+    assert writer.put(ids, _prefill(ids, mode)) == 0  # already stored
+    writer.close()
+    # another process (or machine) with a backend of its own finds the blocks
+    for backend in (RedisBackend(redis_server, namespace=ns, max_part_bytes=64),
+                    RedisBackend(redis_server, namespace=ns)):
+        reader = PrefixStore(backend, fingerprint=fp, block=block)
+        fresh = kc.KvCache(_L, _G, _D, mode=mode)
+        assert reader.longest_prefix(ids, fresh) == 3 * block
+        assert reader.load(ids, fresh) == 3 * block
+        assert _rows(fresh) == _rows(_prefill(ids[: 3 * block], mode))
+        assert reader.available
+        reader.close()
+    # another namespace, another fingerprint: nothing
+    for store in (PrefixStore(RedisBackend(redis_server, namespace=ns + "x:"),
+                              fingerprint=fp, block=block),
+                  PrefixStore(RedisBackend(redis_server, namespace=ns),
+                              fingerprint=fp + "x", block=block)):
+        assert store.load(ids, kc.KvCache(_L, _G, _D, mode=mode)) == 0
+        store.close()
+
+
+def test_prefix_store_from_a_redis_url(redis_server):
+    import kvcache as kc
+    from kvcache.store import PrefixStore
+
+    fp = f"url-{uuid.uuid4().hex}"
+    ids = _ids(40)
+    with PrefixStore(redis_server, fingerprint=fp, block=16) as store:
+        assert isinstance(store.backend, RedisBackend)
+        assert store.put(ids, _prefill(ids, "f32")) == 2
+        fresh = kc.KvCache(_L, _G, _D, mode="f32")
+        assert store.load(ids, fresh) == 32
+        assert _rows(fresh) == _rows(_prefill(ids[:32], "f32"))
+
+
+def test_prefix_store_bit_flip_in_a_redis_part_is_a_miss(redis_server, raw, ns, caplog):
+    import logging
+
+    import kvcache as kc
+    from kvcache.store import PrefixStore
+
+    ids = _ids(48)
+    store = PrefixStore(RedisBackend(redis_server, namespace=ns, max_part_bytes=KIB),
+                        fingerprint="m", block=16)
+
+    def manifests():
+        return {k for k in _keys_under(raw, ns) if k.startswith(f"{ns}e:")}
+
+    assert store.put(ids[:32], _prefill(ids[:32], "f32")) == 2
+    first_two = manifests()
+    assert store.put(ids, _prefill(ids, "f32")) == 1
+    (third,) = manifests() - first_two
+    entry_key = third[len(f"{ns}e:"):]
+    parts = [k for k in _part_keys(raw, ns) if k.startswith(f"{ns}p:{entry_key}:")]
+    assert len(parts) > 2  # the entry was split
+    victim = parts[len(parts) // 2]
+    data = bytearray(raw.get(victim))
+    data[len(data) // 2] ^= 0x10
+    raw.set(victim, bytes(data))
+
+    fresh = kc.KvCache(_L, _G, _D, mode="f32")
+    with caplog.at_level(logging.WARNING, logger="kvcache"):
+        assert store.load(ids, fresh) == 32  # up to the damaged block
+    assert _rows(fresh) == _rows(_prefill(ids[:32], "f32"))
+    assert sum("unusable" in r.getMessage() for r in caplog.records) == 1
+    assert manifests() == first_two  # the damaged entry was deleted...
+    assert store.put(ids, _prefill(ids, "f32")) == 1  # ...so it is written again
+    fresh = kc.KvCache(_L, _G, _D, mode="f32")
+    assert store.load(ids, fresh) == 48
+    assert _rows(fresh) == _rows(_prefill(ids, "f32"))
+    assert store.available
+    store.close()
+
+
+def test_prefix_store_server_stopped_mid_run_is_a_no_op_with_one_warning(
+        redis_server_throwaway, caplog):
+    import logging
+
+    import kvcache as kc
+    from kvcache.store import PrefixStore
+
+    server = redis_server_throwaway
+    ids = _ids(48)
+    store = PrefixStore(RedisBackend(server.url, namespace="t:", max_part_bytes=KIB,
+                                     socket_timeout=1.0), fingerprint="m", block=16)
+    assert store.put(ids, _prefill(ids, "f32")) == 3
+    assert store.longest_prefix(ids, kc.KvCache(_L, _G, _D, mode="f32")) == 48
+    server.stop()
+    fresh = kc.KvCache(_L, _G, _D, mode="f32")
+    before = _rows(fresh)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kvcache"):
+        assert store.load(ids, fresh) == 0
+        assert store.longest_prefix(ids, fresh) == 0
+        assert store.put(ids, _prefill(ids, "f32")) == 0
+        assert store.load(ids, fresh) == 0
+    assert time.monotonic() - t0 < 1.0 + 1.0  # one failed call at most, never a hang
+    assert _rows(fresh) == before
+    assert not store.available
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
+    store.close()
