@@ -373,6 +373,31 @@ def test_from_url_and_options(redis_server, ns):
         b.close()
 
 
+def test_options_in_the_url(redis_server, raw, ns):
+    url = f"{redis_server}?namespace={ns}&ttl=60&max_part_bytes=100&socket_timeout=2.5"
+    b = RedisBackend(url)
+    try:
+        assert (b.namespace, b.ttl, b.max_part_bytes, b.socket_timeout) == (ns, 60.0, 100, 2.5)
+        b.put("k", _value(250))
+        assert b.get_many(["k"]) == [_value(250)]
+        assert len(_part_keys(raw, ns)) == 3
+        assert all(0 < raw.pttl(k) <= 60_000 for k in _keys_under(raw, ns))
+    finally:
+        b.close()
+    # the same value both ways is fine, ttl=0 means none, and the client's own options pass
+    b = RedisBackend(f"{redis_server}?ttl=0&namespace={ns}&health_check_interval=0",
+                     namespace=ns)
+    assert b.ttl is None and b.namespace == ns
+    assert b.get_many(["k"]) == [_value(250)]
+    b.close()
+    with pytest.raises(ValueError, match="given twice"):
+        RedisBackend(f"{redis_server}?ttl=5", ttl=6)
+    with pytest.raises(ValueError, match="expected a number for max_part_bytes"):
+        RedisBackend(f"{redis_server}?max_part_bytes=big")
+    with pytest.raises(ValueError, match="expected ttl"):
+        RedisBackend(f"{redis_server}?ttl=-3")
+
+
 def test_name_hides_the_password():
     b = RedisBackend("redis://user:secret@127.0.0.1:1/3")
     assert "secret" not in b.name and "secret" not in repr(b)

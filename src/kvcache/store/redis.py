@@ -45,7 +45,7 @@ import struct
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union
 
 from .backend import BackendUnavailable
 
@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     import redis as _redis_mod
 
 __all__ = ["RedisBackend"]
+
+_T = TypeVar("_T")
 
 #: Redis refuses string values over 512 MB (its ``proto-max-bulk-len`` default).
 REDIS_MAX_STRING = 512 * 1024 * 1024
@@ -112,6 +114,23 @@ def _display_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+#: options that may also come in the URL's query string: ``redis://host:6379/0?ttl=3600``
+_URL_OPTIONS = ("namespace", "ttl", "max_part_bytes", "socket_timeout")
+
+
+def _take_options(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without this backend's query options, and those options."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in _URL_OPTIONS}
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k not in _URL_OPTIONS])
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), ours
+
+
+def _ttl_from_text(text: str) -> Optional[float]:
+    return None if text.lower() in ("", "none", "0") else float(text)
+
+
 class RedisBackend:
     """A :class:`~kvcache.store.backend.Backend` in a Redis server (see the module docstring).
 
@@ -119,7 +138,10 @@ class RedisBackend:
     ----------
     url : str
         ``redis://[user:password@]host:port/db`` (``rediss://`` for TLS, ``unix://`` for a
-        socket), as the ``redis`` client package reads it.
+        socket), as the ``redis`` client package reads it.  The options below may also be
+        given in its query string, e.g. ``redis://host:6379/0?namespace=llama:&ttl=86400``
+        (``ttl=0`` or ``none``: no expiry), so that a URL alone (``--store`` on the command
+        line) can set them; giving one both ways with different values is an error.
     namespace : str, default ``"kvcache:"``
         Prefix of every key this backend writes; stores with other namespaces on the same server
         never see each other's entries.
@@ -166,6 +188,25 @@ class RedisBackend:
             ) from exc
         if not isinstance(url, str):
             raise TypeError(f"expected a redis:// URL string, got {type(url).__name__}")
+        self.name = _display_url(url)
+        client_url, from_url = _take_options(url)
+
+        def pick(option: str, value: _T, default: _T, parse: Callable[[str], _T]) -> _T:
+            if option not in from_url:
+                return value
+            try:
+                parsed = parse(from_url[option])
+            except ValueError:
+                raise ValueError(f"expected a number for {option} in the URL {self.name!r}, "
+                                 f"got {from_url[option]!r}") from None
+            if value != default and value != parsed:
+                raise ValueError(f"{option} given twice: {value!r}, and {parsed!r} in the URL")
+            return parsed
+
+        namespace = pick("namespace", namespace, "kvcache:", str)
+        ttl = pick("ttl", ttl, None, _ttl_from_text)
+        max_part_bytes = pick("max_part_bytes", max_part_bytes, DEFAULT_MAX_PART_BYTES, int)
+        socket_timeout = pick("socket_timeout", socket_timeout, 5.0, float)
         if not isinstance(namespace, str):
             raise TypeError(f"expected namespace to be a str, got {type(namespace).__name__}")
         if ttl is not None and not (ttl > 0 and math.isfinite(ttl)):
@@ -180,18 +221,16 @@ class RedisBackend:
             )
         if not (socket_timeout > 0 and math.isfinite(socket_timeout)):
             raise ValueError(f"expected socket_timeout > 0 seconds, got {socket_timeout!r}")
-        self.url = url
         self.namespace = namespace
         self.ttl = ttl
         self.max_part_bytes = max_part_bytes
         self.socket_timeout = float(socket_timeout)
-        self.name = _display_url(url)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         # an error reply (not a lost connection) to a clean-up the reads and writes do not need
         self._refused: type[BaseException] = redis.ResponseError
         try:
             self._client: _redis_mod.Redis = redis.Redis.from_url(
-                url,
+                client_url,
                 socket_timeout=self.socket_timeout,
                 socket_connect_timeout=self.socket_timeout,
                 retry=Retry(NoBackoff(), 0),
