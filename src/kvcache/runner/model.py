@@ -2,8 +2,19 @@
 
 A decoder-only model in NumPy float32 whose attention runs on kvcache: every layer's K/V lives
 in a :class:`kvcache.KvCache` layer and attention is ``attend_all_heads`` (or the O(1) override's
-``o1_step`` on chosen layers).  Prefill runs the prompt as one block; decode runs one position
-per step; :meth:`Runner.rollback` forgets the newest positions (speculative decoding).
+``o1_step`` on chosen layers).  Prefill runs the prompt in chunks that end at multiples of
+``prefill_chunk`` absolute positions; decode runs one position per step;
+:meth:`Runner.rollback` forgets the newest positions (speculative decoding).  A
+:class:`kvcache.store.PrefixStore` passed to :meth:`Runner.prefill` or :meth:`Runner.generate`
+supplies the prompt's stored leading positions and receives its new full blocks
+(docs/store.md).
+
+Why chunks at absolute positions: a BLAS matrix product gives a row different low bits
+depending on how many rows are multiplied with it (OpenBLAS's blocking), so a prompt whose
+first positions come from the store and whose rest is computed as a shorter block would not
+be bit-identical to the same prompt computed as one block.  With chunk boundaries fixed at
+multiples of ``prefill_chunk`` (a divisor of the store's block), every position is computed in
+the same chunk, with the same rows, whether or not a store supplied the ones before it.
 
 Numerics: float32 throughout (NumPy matmuls for the projections and the MLP), RoPE angles as
 transformers computes them (float32 inverse frequencies times the position).
@@ -12,15 +23,19 @@ transformers computes them (float32 inverse frequencies times the position).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import json
 import math
 import os
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ContextManager, Union
 
 import numpy as np
 import numpy.typing as npt
 
+from .. import quant
 from .._validate import IntArrayLike, as_int
 from ..eviction import EvictionPolicy
 from ..layer import LayerKvCache
@@ -33,8 +48,16 @@ from .weights import (Array, LayerWeights, Tracked, as_f32, layers_from, load_sa
 
 if TYPE_CHECKING:
     from ..o1 import O1Snapshot
+    from ..store import PrefixStore
 
-__all__ = ["Runner"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "Runner"]
+
+#: Positions per prefill chunk (chunks end at multiples of it): divides the prefix store's
+#: default block (256), so stored blocks and fresh chunks line up, and bounds the prefill's
+#: scratch arrays (a chunk's activations, not the whole prompt's).
+DEFAULT_PREFILL_CHUNK = 128
+#: What ``store=`` accepts: a PrefixStore, or a backend spec (a folder, ``redis://...``).
+StoreArg = Union["PrefixStore", str, "os.PathLike[str]", None]
 
 _F32 = np.float32
 #: What :meth:`Runner._undo` needs per layer: its length, or an O(1) layer's snapshot.
@@ -101,17 +124,26 @@ class Runner:
     decode_blas_threads : int
         BLAS threads during single-position steps (default 1; 0 leaves BLAS alone): see
         :meth:`_blas_for` for why one is the right default on small machines.
+    prefill_chunk : int
+        Positions per prefill chunk (default :data:`DEFAULT_PREFILL_CHUNK`, 128): a prompt is
+        computed in chunks that end at multiples of it (absolute positions), so the work done
+        for a position does not depend on where the call started (see the module docstring).
+        A prefix store's block must be a multiple of it.  It also bounds the prefill's
+        scratch memory.
 
     Attributes
     ----------
     cache : kvcache.KvCache
         The per-layer KV caches; ``position`` is the number of positions processed.
+    store_loaded : int
+        Prompt positions the last :meth:`prefill` took from its store (0 without one).
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Array], *,
                  kv: KvMode | str = "f32", o1_layers: LayerSpec = None,
                  o1_params: Sequence[int] = (32, 128, 4), max_seq_len: int = 131072,
-                 decode_blas_threads: int = 1) -> None:
+                 decode_blas_threads: int = 1,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
         self.config: ModelConfig = config
@@ -123,6 +155,7 @@ class Runner:
         self.o1_params = tuple(as_int(n, v, minimum=lo) for n, v, lo in
                                zip(("m", "w", "sink"), o1_params, (4, 1, 0)))
         self.blas_threads = as_int("decode_blas_threads", decode_blas_threads, minimum=0)
+        self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, minimum=1)
         tracked = Tracked(weights)
         self.embed = take(tracked, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         self.layers: list[LayerWeights] = layers_from(tracked, cfg)
@@ -162,8 +195,10 @@ class Runner:
         for i in self.o1_layers:         # the seal needs f32 rows (released once it is done)
             self.cache.layers[i] = LayerKvCache(cfg.num_kv_heads, cfg.head_dim, KvMode.F32)
         self.position = 0
+        self.store_loaded = 0
         self.timings: dict[str, float] = {"attention_s": 0.0, "total_s": 0.0}
         self._pools: Any = None           # threadpoolctl's controller, made on first use
+        self._fingerprint: str | None = None
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -271,38 +306,56 @@ class Runner:
             logits = np.tanh(logits / _F32(cap)) * _F32(cap)
         return logits
 
-    def forward(self, ids: IntArrayLike, *, all_logits: bool = False) -> Array:
-        """Run positions ``ids`` (1-D ints) after what the cache holds; return the logits of
-        the last position (vocab,) or of all (n, vocab) with ``all_logits``."""
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+    def _check_ids(self, ids: IntArrayLike) -> npt.NDArray[Any]:
+        """``ids`` as a 1-D integer array of token ids that fit after the cache (else
+        ValueError)."""
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
             raise ValueError(f"ids: expected a non-empty 1-D array of token ids, got "
-                             f"{ids.dtype} {ids.shape}")
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+                             f"{arr.dtype} {arr.shape}")
+        if arr.min() < 0 or arr.max() >= self.config.vocab_size:
             raise ValueError(f"ids: token ids must lie in [0, {self.config.vocab_size})")
-        n = ids.shape[0]
+        n = arr.shape[0]
         if self.position + n > self.max_seq_len:
             raise ValueError(f"ids: {n} positions after {self.position} exceed max_seq_len="
                              f"{self.max_seq_len}")
+        return arr
+
+    def forward(self, ids: IntArrayLike, *, all_logits: bool = False) -> Array:
+        """Run positions ``ids`` (1-D ints) after what the cache holds; return the logits of
+        the last position (vocab,) or of all (n, vocab) with ``all_logits``.
+
+        Several positions are computed in chunks that end at multiples of
+        ``prefill_chunk`` (absolute positions); the call changes nothing when it fails."""
+        ids = self._check_ids(ids)
+        n = ids.shape[0]
         sealing = bool(self.o1_layers) and self.position == 0
         if self.o1_layers and not sealing and n > 1:
             raise ValueError("ids: with O(1) layers, only the prompt (the first call) may hold "
                              "several positions; decode one position per call")
         t0 = time.perf_counter()
         undo = self._undo_point(sealing)
+        c = self.prefill_chunk
+        cuts = [0] + [p - self.position for p in range((self.position // c + 1) * c,
+                                                          self.position + n, c)] + [n]
+        outs: list[Array] = []
         try:
             if sealing:
                 m, w, sink = self.o1_params
                 for i in self.o1_layers:
                     self.cache.layers[i].o1_begin(m, w, sink)
-            x = self.embed[ids]
-            if self._embed_scale is not None:
-                x = x * self._embed_scale
-            positions = np.arange(self.position, self.position + n)
-            with self._blas_for(n):
-                for i in range(self.config.num_layers):
-                    x = self._layer(i, x, positions, sealing)
-                out = self._logits(x if all_logits else x[-1:])
+            for lo, hi in zip(cuts[:-1], cuts[1:]):
+                x = self.embed[ids[lo:hi]]
+                if self._embed_scale is not None:
+                    x = x * self._embed_scale
+                positions = np.arange(self.position + lo, self.position + hi)
+                with self._blas_for(hi - lo):
+                    for i in range(self.config.num_layers):
+                        x = self._layer(i, x, positions, sealing)
+                    if all_logits:
+                        outs.append(self._logits(x))
+                    elif hi == n:
+                        outs.append(self._logits(x[-1:]))
             if sealing:
                 for i in self.o1_layers:
                     self.cache.layers[i].o1_seal(self.config.num_heads)
@@ -311,7 +364,9 @@ class Runner:
             raise
         self.position += n
         self.timings["total_s"] += time.perf_counter() - t0
-        return out if all_logits else out[0]
+        if all_logits:
+            return outs[0] if len(outs) == 1 else as_f32(np.concatenate(outs))
+        return as_f32(outs[0][0])
 
     def _undo_point(self, sealing: bool) -> _UndoPoint:
         """What :meth:`_undo` needs to put every layer back as it is now."""
@@ -330,12 +385,110 @@ class Runner:
             else:
                 layer.o1_restore(saved)
 
-    def prefill(self, ids: IntArrayLike, *, all_logits: bool = False) -> Array:
-        """The prompt as one block (the cache must be empty): see :meth:`forward`."""
+    def prefill(self, ids: IntArrayLike, *, all_logits: bool = False,
+                store: StoreArg = None) -> Array:
+        """The prompt (the cache must be empty): see :meth:`forward`.
+
+        With ``store`` (a :class:`kvcache.store.PrefixStore`, or a backend spec such as a
+        folder or ``redis://host:port/db``, opened as a store with this runner's
+        :attr:`fingerprint` and closed afterwards), the longest stored prefix of ``ids`` is
+        loaded into the cache, only the rest is computed, and the prompt's new full blocks
+        are stored.  At least the last chunk that holds the prompt's final position is always
+        computed (its logits are needed); :attr:`store_loaded` says how many positions were
+        loaded.  The logits are bit-identical to a run without the store.  A store that
+        fails (a server down, a damaged entry) only costs the time: the prompt is computed.
+
+        Raises ValueError up front for a store with O(1) layers (the store holds exact rows,
+        which those layers release when they seal) or for a store block that is not a
+        multiple of ``prefill_chunk``."""
         if self.position:
             raise ValueError(f"prefill: the cache already holds {self.position} positions; "
                              f"call reset() first or use forward()")
-        return self.forward(ids, all_logits=all_logits)
+        self.store_loaded = 0
+        if store is None:
+            return self.forward(ids, all_logits=all_logits)
+        arr = self._check_ids(ids)
+        with self._open_store(store) as st:
+            return self._prefill_from(st, arr, all_logits)
+
+    def _refuse_store(self) -> None:
+        """ValueError when this runner's configuration cannot use a prefix store."""
+        if self.o1_layers:
+            raise ValueError(f"store: the prefix store does not handle O(1) layers (layers "
+                             f"{list(self.o1_layers)} seal the prompt and release its rows); "
+                             f"run without store= or without o1_layers")
+
+    @contextlib.contextmanager
+    def _open_store(self, store: StoreArg) -> Iterator[PrefixStore]:
+        """``store`` as a PrefixStore, checked against this runner (ValueError); a store
+        opened here from a spec is closed on exit."""
+        from ..store import PrefixStore
+        self._refuse_store()
+        if store is None:
+            raise ValueError("store: expected a PrefixStore or a backend spec, got None")
+        own = not isinstance(store, PrefixStore)
+        st = store if isinstance(store, PrefixStore) else PrefixStore(
+            store, fingerprint=self.fingerprint)
+        try:
+            if st.block % self.prefill_chunk:
+                raise ValueError(f"store: its block of {st.block} positions is not a multiple "
+                                 f"of this runner's prefill_chunk={self.prefill_chunk}; the "
+                                 f"loaded rows would not be bit-identical to computed ones")
+            yield st
+        finally:
+            if own:
+                st.close()
+
+    def _prefill_from(self, st: PrefixStore, ids: npt.NDArray[Any], all_logits: bool) -> Array:
+        """Load the stored prefix of ``ids`` (whole chunks, leaving the last chunk to compute),
+        compute the rest, store the new full blocks."""
+        n, c, b = ids.shape[0], self.prefill_chunk, st.block
+        if all_logits:
+            most = 0                                  # every position's logits are computed
+        else:
+            most = (n - 1) // c * c                   # the chunk of the last position is
+        try:                                          # computed, for its logits
+            loaded = st.load(ids[: min(n, -(-most // b) * b)], self.cache) if most else 0
+            keep = min(loaded, most)
+            if keep <= quant.COL_WARMUP and not self.mode.is_f32:
+                keep = 0          # below the q8 warm-up a rolled-back cache keeps frozen columns
+            if keep == 0:
+                self.cache.clear()
+            elif keep < loaded:
+                self.cache.truncate_last(loaded - keep)
+            self.position = keep
+            logits = self.forward(ids[keep:], all_logits=all_logits)
+        except BaseException:
+            self.reset()
+            raise
+        self.store_loaded = keep
+        st.put(ids, self.cache)
+        return logits
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of what decides the KV rows this runner computes: the config, every weight
+        array's bytes (as the forward pass holds them), the KV mode and ``prefill_chunk``
+        (the low bits of the rows depend on the chunking).  Hex BLAKE2b, computed on first use
+        (about a second per GB of weights) and kept; the prefix store's key for this model."""
+        if self._fingerprint is None:
+            h = hashlib.blake2b(digest_size=32, person=b"kvcache-runner")
+            meta = {"config": dataclasses.asdict(self.config), "kv": repr(self.mode),
+                    "prefill_chunk": self.prefill_chunk}
+            h.update(json.dumps(meta, sort_keys=True, default=repr).encode())
+            arrays: list[tuple[str, Array]] = [("embed", self.embed), ("norm", self.norm)]
+            if not self.config.tie_word_embeddings:       # else it is the embeddings'
+                arrays.append(("lm_head_t", self.lm_head_t))
+            for i, L in enumerate(self.layers):
+                for f in dataclasses.fields(L):
+                    a = getattr(L, f.name)
+                    if a is not None:
+                        arrays.append((f"{i}.{f.name}", a))
+            for name, a in arrays:
+                h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+                h.update(np.ascontiguousarray(a).data)      # the buffer itself, no copy
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     def step(self, token: int) -> Array:
         """Decode one position: the next-token logits (vocab,)."""
@@ -354,6 +507,7 @@ class Runner:
         """Empty the cache (a new conversation)."""
         self.cache.clear()
         self.position = 0
+        self.store_loaded = 0
 
     def memory_bytes(self) -> int:
         """Bytes held by the KV cache (every layer)."""
@@ -363,7 +517,8 @@ class Runner:
     def generate(self, prompt: IntArrayLike, max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None,
                  stop: int | Collection[int] | None = None,
-                 callback: Callable[[int], object] | None = None) -> list[int]:
+                 callback: Callable[[int], object] | None = None,
+                 store: StoreArg = None) -> list[int]:
         """Prefill ``prompt`` and decode up to ``max_new_tokens`` tokens.
 
         Parameters
@@ -380,6 +535,11 @@ class Runner:
             Token ids that end the generation (default: the config's eos ids).
         callback : callable, optional
             Called with each new token id.
+        store : PrefixStore or str, optional
+            A prefix store (or a backend spec: a folder, ``redis://host:port/db``): the
+            prompt's stored prefix is loaded instead of computed, and its new full blocks are
+            stored (see :meth:`prefill`).  The tokens are the same as without it.  O(1) layers
+            refuse a store (ValueError, before anything runs).
 
         Returns
         -------
@@ -409,13 +569,15 @@ class Runner:
         if n_prompt + max(max_new - 1, 0) > self.max_seq_len:
             raise ValueError(f"generate: {n_prompt} prompt positions and {max_new} new tokens "
                              f"exceed max_seq_len={self.max_seq_len}")
+        if store is not None:
+            self._refuse_store()
         rng = np.random.default_rng(seed)
         out: list[int] = []
         if max_new == 0:
             self.forward(prompt)          # checks the prompt like any other call, then
             self.reset()                  # leaves the runner as it was
             return out
-        logits = self.prefill(prompt)
+        logits = self.prefill(prompt, store=store)
         while True:
             tok = sample(logits, temperature, top_p, rng)
             out.append(tok)
