@@ -10,8 +10,12 @@ Gemma-2 family and runs it in NumPy float32, with every attention layer's K/V in
   Mistral's sliding window, Gemma-2's attention-logit softcap, final-logit softcap,
   ``query_pre_attn_scalar``, alternating sliding/global layers and sandwich norms, tied
   embeddings;
-- prefill runs the prompt as one block (``append`` of n positions, then ``attend_all_heads``
-  of n queries, causal within the block); decode runs one position per step;
+- prefill runs the prompt in chunks ending at multiples of ``prefill_chunk`` (default 128)
+  absolute positions (per chunk: ``append`` of its positions, then ``attend_all_heads`` of its
+  queries, causal within the chunk); decode runs one position per step;
+- a prefix store (``store=`` of :meth:`Runner.prefill` and :meth:`Runner.generate`, a
+  :class:`kvcache.store.PrefixStore` or a backend spec) supplies the prompt's stored leading
+  positions, bit-identical to computing them, keyed by :attr:`Runner.fingerprint`;
 - KV storage f32 or q8 (``kv="q8"``, any name :meth:`kvcache.KvMode.parse` accepts), and the
   O(1) Nystrom override on chosen layers (``o1_layers``): those layers seal the prompt at the
   end of the prefill and decode with ``o1_step`` in constant time and memory;

@@ -3,6 +3,7 @@
 :func:`main` parses the command line, loads the model through :class:`~kvcache.runner.Runner`,
 encodes the prompt with the folder's ``tokenizer.json`` when there is one, generates with a
 progress bar on stderr and prints the output with prefill / decode rates and the cache size.
+``--store`` names a prefix store (a folder or a Redis URL) whose hit is reported on stderr.
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1)")
     p.add_argument("--seed", type=int, help="sampler seed")
+    p.add_argument("--store", metavar="DIR|redis://HOST:PORT/DB",
+                   help="prefix store: load the prompt's stored leading positions instead of "
+                        "computing them, and store its new full blocks (a folder, e.g. "
+                        "~/.cache/kvcache, or a Redis URL); the output is the same as without "
+                        "it, the hit is reported on stderr; not with --o1")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -137,9 +143,13 @@ def main(argv: Sequence[str] | None = None, file: IO[str] | None = None) -> int:
             bar.update()
 
         tokens = runner.generate(prompt, args.max_new_tokens, temperature=args.temperature,
-                                 top_p=args.top_p, seed=args.seed, callback=on_token)
+                                 top_p=args.top_p, seed=args.seed, callback=on_token,
+                                 store=args.store)
         end = time.perf_counter()
         bar.close()
+        if args.store:
+            print(f"store: loaded {runner.store_loaded} of {len(prompt)} prompt tokens",
+                  file=sys.stderr)
     except (ValueError, TypeError, KeyError, OSError, ImportError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
