@@ -188,12 +188,9 @@ class DirectoryBackend:
             os.close(fd)
 
     def delete(self, key: str) -> None:
-        try:
-            os.unlink(self.path_of(key))
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        except OSError as exc:
-            raise BackendUnavailable(f"{self.name}: cannot delete {key}: {exc}") from exc
+        """Remove ``key``'s file; quietly nothing where the folder does not allow it (a
+        read-only store shared by others)."""
+        _unlink(self.path_of(key))
 
     def close(self) -> None:
         """Nothing to release (files are closed after each operation)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -45,7 +46,7 @@ from ..model import KvCache
 from ..modes import KvMode
 from . import entry as _entry
 from .backend import Backend, BackendUnavailable, ScatterBackend
-from .directory import DirectoryBackend
+from .directory import DEFAULT_DIRECTORY_BUDGET, DirectoryBackend
 from .keys import Geometry, as_fingerprint, as_ids, block_keys, fingerprint_digest
 from .memory import MemoryBackend
 
@@ -74,11 +75,24 @@ def _parse_size(text: str, spec: str) -> int:
     return int(t) * mult
 
 
-def _split_budget(rest: str, spec: str) -> tuple[str, Optional[int]]:
-    head, sep, query = rest.rpartition("?budget=")
-    if not sep:
-        return rest, None
-    return head, _parse_size(query, spec)
+_QUERY = re.compile(r"(?:(?:budget|fsync)=[^&?]*)(?:&(?:budget|fsync)=[^&?]*)*\Z")
+
+
+def _split_query(rest: str, spec: str) -> tuple[str, dict[str, str]]:
+    """``PATH?budget=..&fsync=..`` -> (PATH, options); a '?' not followed by known options is
+    part of the path."""
+    head, sep, query = rest.rpartition("?")
+    if not sep or not _QUERY.match(query):
+        return rest, {}
+    return head, dict(item.split("=", 1) for item in query.split("&"))
+
+
+def _flag(text: str, spec: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"backend {spec!r}: fsync={text!r}, expected 0 or 1")
 
 
 def open_backend(spec: BackendSpec) -> Backend:
@@ -87,10 +101,11 @@ def open_backend(spec: BackendSpec) -> Backend:
     - ``"memory"`` or ``"memory:?budget=BYTES"``: a new :class:`MemoryBackend`;
     - ``"redis://host:port/db"`` (or ``rediss://``): :class:`kvcache.store.redis.RedisBackend`,
       imported on demand;
-    - ``"dir:PATH"``, ``"dir:PATH?budget=BYTES"``, any other string or an ``os.PathLike``:
-      a :class:`DirectoryBackend` on that folder (``~`` expanded).
+    - ``"dir:PATH"``, ``"dir:PATH?budget=BYTES&fsync=0"``, any other string or an
+      ``os.PathLike``: a :class:`DirectoryBackend` on that folder (``~`` expanded).
 
-    BYTES is an integer with an optional K, M, G or T suffix (powers of 1024)."""
+    BYTES is an integer with an optional K, M, G or T suffix (powers of 1024); without it the
+    backend's default budget applies."""
     if isinstance(spec, os.PathLike):
         return DirectoryBackend(spec)
     if not isinstance(spec, str):
@@ -102,10 +117,12 @@ def open_backend(spec: BackendSpec) -> Backend:
         raise ValueError("backend: expected a path or a spec, got an empty string")
     if spec == "memory" or spec.startswith("memory:"):
         rest = spec[len("memory:"):] if spec.startswith("memory:") else ""
-        left, budget = _split_budget(rest, spec)
-        if left:
+        left, opts = _split_query(rest, spec)
+        if left or "fsync" in opts:
             raise ValueError(f"backend {spec!r}: expected 'memory' or 'memory:?budget=BYTES'")
-        return MemoryBackend() if budget is None else MemoryBackend(budget)
+        if "budget" in opts:
+            return MemoryBackend(_parse_size(opts["budget"], spec))
+        return MemoryBackend()
     if spec.startswith(("redis://", "rediss://", "unix://")):
         try:
             from .redis import RedisBackend
@@ -115,10 +132,11 @@ def open_backend(spec: BackendSpec) -> Backend:
         backend: Backend = RedisBackend(spec)
         return backend
     path = spec[len("dir:"):] if spec.startswith("dir:") else spec
-    path, budget = _split_budget(path, spec)
+    path, opts = _split_query(path, spec)
     if not path:
         raise ValueError(f"backend {spec!r}: no folder given")
-    return DirectoryBackend(path) if budget is None else DirectoryBackend(path, budget=budget)
+    budget = _parse_size(opts["budget"], spec) if "budget" in opts else DEFAULT_DIRECTORY_BUDGET
+    return DirectoryBackend(path, budget=budget, fsync=_flag(opts.get("fsync", "1"), spec))
 
 
 class PrefixStore:
@@ -364,7 +382,6 @@ class PrefixStore:
             # read each entry straight into the new arrays; checked before anything is kept
             col_tmp = [{f.name: np.empty(f.shape, dtype=f.dtype) for f in fields
                         if len(f.shape) < 3 and f.name != "importance"} for _ in states]
-            col_arrays = col_tmp
             header = bytearray(_entry.HEADER_SIZE)
             trailer = bytearray(_entry.DIGEST_SIZE)
             pad = memoryview(bytearray(8))
@@ -396,8 +413,10 @@ class PrefixStore:
                         raise _entry.EntryError("digest mismatch (corrupted entry)")
                     same_columns([_entry.columns_of(t) for t in col_tmp])
                 except _entry.EntryError as exc:
-                    self._bad(names[idx], raw[idx], exc)
-                    break
+                    self._bad(names[idx], raw[idx], exc)   # what it wrote lies past the
+                    break                                   # loaded rows; col_tmp is dropped
+                if col_arrays is None:
+                    col_arrays = [{k: a.copy() for k, a in t.items()} for t in col_tmp]
                 good += 1
         else:
             per_batch = max(1, _READ_BATCH_BYTES // _entry.entry_size(geom))
@@ -452,16 +471,19 @@ class PrefixStore:
         return out, good * b
 
     def _bad(self, name: str, key: bytes, exc: _entry.EntryError) -> None:
-        """A stored entry that failed its checks: a miss; deleted and logged once."""
+        """A stored entry that failed its checks: a miss, deleted, and logged once (an entry
+        that could not be deleted, e.g. in a read-only folder, is not reported again)."""
         if exc.remove:
             self._backend.delete(name)
-        if key not in self._reported:
+        if key in self._reported:
+            return
+        _log.warning("kvcache store %s: entry %s is unusable (%s)%s; treated as a miss",
+                     self._backend.name, name[:16], exc.reason,
+                     ", deleted" if exc.remove else "")
+        if not exc.remove or self._backend.contains_many([name])[0]:
             if len(self._reported) >= _REPORTED_MAX:
                 self._reported.clear()
             self._reported.add(key)
-            _log.warning("kvcache store %s: entry %s is unusable (%s)%s; treated as a miss",
-                         self._backend.name, name[:16], exc.reason,
-                         ", deleted" if exc.remove else "")
 
     def _disable(self, exc: BaseException) -> None:
         if self._down is None:
