@@ -42,11 +42,12 @@ Payload, per layer l = 0 .. n_layers-1, each array pad8::
 Trailer: u64 digest of bytes [0, total-8).
 
 The length of an entry follows from its geometry (:func:`entry_size`), so a reader knows what
-to expect before it looks at the bytes.  :func:`decode` checks, in order: the length against
-the header, the magic, the version, the header length, the flags, the total length against the
-buffer and against the geometry it expects, the digest, then the key, the fingerprint digest,
-the geometry, the mode, the block size and the block index against what the caller asked
-for.  Any failure raises :class:`EntryError`; nothing is returned for a bad entry.
+to expect before it looks at the bytes.  A reader (:func:`check_header`, then the digest in
+:func:`decode` or the store's scattered read) checks, in order: the length against a header's,
+the magic, the version, the header length, flags and reserved field, the total length against
+the value and against the geometry it expects, the key, the fingerprint digest, the geometry,
+the mode, the block size and the block index against what the caller asked for, and last the
+digest.  Any failure raises :class:`EntryError`; nothing is returned for a bad entry.
 """
 
 from __future__ import annotations
