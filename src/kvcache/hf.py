@@ -34,6 +34,24 @@ attention function.  transformers' sliding mask (``kv_idx > q_idx - window`` and
 ``kv_idx <= q_idx``) is exactly kvcache's ``window=w``: the last ``w`` rows up to and including
 the query's own.
 
+Prefix store.  :func:`cache_from_store` starts ``generate`` from a stored prompt prefix: it
+returns an :class:`HfKvCache` holding the prompt's stored leading blocks (read from a
+:class:`kvcache.store.PrefixStore`) and how many positions that is; ``generate`` given the
+whole prompt and that cache computes only the rest (transformers feeds the positions past the
+cache's length).  :func:`store_cache` stores a cache's full blocks afterwards::
+
+    from kvcache.store import PrefixStore
+    store = PrefixStore("~/.cache/kvcache", fingerprint="my-model@rev")  # names model+weights
+    cache, n_loaded = kvcache.hf.cache_from_store(store, model, input_ids, mode="q8")
+    out = kvcache.hf.generate(model, input_ids, cache=cache, max_new_tokens=64)
+    kvcache.hf.store_cache(store, cache, out[0])   # the sequence whose positions it holds
+
+The fingerprint is the caller's: a string that changes whenever the weights do (a model id with
+its revision or a hash of the checkpoint files); entries stored under one never match another.
+The loaded rows are the ones an earlier run computed; PyTorch computes the rest as a shorter
+block than a run without the store would, so logits agree to float32 rounding (not bit for
+bit, unlike :class:`kvcache.runner.Runner`) and greedy tokens normally match.
+
 Without an :class:`HfKvCache` (``use_cache=False``, or ``generate`` with its default
 ``DynamicCache``) the attention function still computes through kvcache's kernels: it copies
 the keys and values it is given into a temporary float32 layer per batch row.  That is correct
@@ -73,6 +91,7 @@ import numpy.typing as npt
 
 from ._windows import layer_windows
 from .layer import LayerKvCache
+from .model import KvCache
 from .modes import KvMode
 
 try:
@@ -89,8 +108,10 @@ except ImportError as exc:     # tests/test_hf.py hides transformers to exercise
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["ATTN_IMPLEMENTATION", "HfKvCache", "HfKvLayer", "generate", "kvcache_attention",
-           "kvcache_mask", "parse_mode", "register"]
+    from .store import PrefixStore
+
+__all__ = ["ATTN_IMPLEMENTATION", "HfKvCache", "HfKvLayer", "cache_from_store", "generate",
+           "kvcache_attention", "kvcache_mask", "parse_mode", "register", "store_cache"]
 
 #: The name the attention (and mask) function is registered under.
 ATTN_IMPLEMENTATION = "kvcache"
@@ -634,6 +655,105 @@ def generate(model: Any, input_ids: torch.Tensor, *, mode: KvMode | str | None =
         raise TypeError(f"cache: expected an HfKvCache, got {type(cache).__name__}")
     kwargs[_cache_kwarg(model)] = cache
     return model.generate(input_ids, **kwargs)
+
+
+def _prompt_ids(input_ids: Any) -> npt.NDArray[np.int64]:
+    """Token ids of one sequence: a (1, n) or (n,) tensor or array, or a sequence of ints."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.ndim == 2 and input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids: expected one sequence (batch size 1), got shape "
+                             f"{tuple(input_ids.shape)}")
+        input_ids = input_ids.detach().cpu().reshape(-1).numpy()
+    ids = np.asarray(input_ids)
+    if ids.ndim == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+        raise ValueError(f"input_ids: expected one non-empty sequence of token ids, got "
+                         f"{ids.dtype} {ids.shape}")
+    out: npt.NDArray[np.int64] = ids.astype(np.int64)
+    return out
+
+
+def _kv_view(cache: HfKvCache, config: Any, max_seq_len: int) -> KvCache:
+    """A :class:`kvcache.KvCache` over the cache's layers (made now when still lazy), for the
+    prefix store; the cache's config decides the geometry."""
+    text = _text_config(config)
+    heads = int(text.num_attention_heads)
+    nkv = int(getattr(text, "num_key_value_heads", None) or heads)
+    hd = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    view = KvCache(len(cache.layers), nkv, hd, max_seq_len=max(max_seq_len, 1), mode=cache.mode)
+    for i, layer in enumerate(cache._hf_layers):
+        if layer.kv is None:
+            layer.kv = view.layers[i]
+        elif (layer.kv.num_kv_heads, layer.kv.head_dim) != (nkv, hd):
+            raise ValueError(f"cache: layer {i} holds {layer.kv.num_kv_heads}x"
+                             f"{layer.kv.head_dim} rows, the config says {nkv}x{hd}")
+        view.layers[i] = layer.kv
+    return view
+
+
+def cache_from_store(store: PrefixStore, model: Any, input_ids: Any, *,
+                     mode: KvMode | str | None = None) -> tuple[HfKvCache, int]:
+    """A new :class:`HfKvCache` holding the stored leading blocks of a prompt.
+
+    Parameters
+    ----------
+    store : kvcache.store.PrefixStore
+        Its fingerprint names the model and its weights (a string the caller chooses, see
+        the module docstring); its block is the granularity of a hit.
+    model : transformers.PreTrainedModel or PretrainedConfig
+        The model (or its config): gives the layers, their windows and the K/V geometry.
+    input_ids : torch.LongTensor of shape (1, n), or a sequence of ints
+        The whole prompt.
+    mode : KvMode, str or None
+        Storage precision of the cache (see :func:`parse_mode`); entries are per mode.
+
+    Returns
+    -------
+    (cache, n_loaded)
+        ``n_loaded`` leading positions of the prompt are in the cache (whole blocks, at most
+        ``n - 1``: the last position is always left to compute, for its logits).  Pass the
+        whole prompt and the cache to :func:`generate` (or ``model.generate``), which then
+        computes positions ``n_loaded ..`` only.  0 on a miss, or when the store is
+        unavailable (it then logs one warning and generation goes on without it).
+    """
+    config = getattr(model, "config", model)
+    ids = _prompt_ids(input_ids)
+    cache = HfKvCache(config, mode=mode)
+    if not cache.layers:
+        raise ValueError("model: its config gives no decoder layers")
+    view = _kv_view(cache, config, ids.shape[0])
+    loaded = store.load(ids[:-1], view) if ids.shape[0] > 1 else 0
+    if not loaded:
+        for layer in cache._hf_layers:     # back to lazy layers, as a new cache has
+            layer.kv = None
+        return cache, 0
+    for layer in cache._hf_layers:
+        layer.is_initialized = True
+    return cache, loaded
+
+
+def store_cache(store: PrefixStore, cache: HfKvCache, ids: Any) -> int:
+    """Store the full blocks of the positions ``cache`` holds; return how many were written.
+
+    ``ids`` is the sequence whose positions the cache holds, or a longer one (e.g. the
+    ``generate`` output: prompt and new tokens; the cache holds all but the last token); only
+    its first ``cache.get_seq_length()`` ids are used.  Raises ValueError when the cache
+    holds more positions than ``ids`` has, or layers the store cannot take (see
+    :meth:`kvcache.store.PrefixStore.put`)."""
+    if not isinstance(cache, HfKvCache):
+        raise TypeError(f"cache: expected an HfKvCache, got {type(cache).__name__}")
+    arr = _prompt_ids(ids)
+    n = cache.get_seq_length()
+    if n > arr.shape[0]:
+        raise ValueError(f"ids: the cache holds {n} positions, ids has {arr.shape[0]}")
+    if n == 0 or any(layer.kv is None for layer in cache._hf_layers):
+        return 0
+    kvs = [layer.kv for layer in cache._hf_layers if layer.kv is not None]
+    view = KvCache(len(kvs), kvs[0].num_kv_heads, kvs[0].head_dim, max_seq_len=n,
+                   mode=cache.mode)
+    view.layers[:] = kvs
+    return store.put(arr[:n], view)
 
 
 register()
