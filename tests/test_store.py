@@ -11,6 +11,7 @@ import logging
 import multiprocessing as mp
 import os
 import struct
+import sys
 import threading
 
 import numpy as np
@@ -444,6 +445,21 @@ def test_an_entry_of_another_format_version_is_a_miss():
     value[-8:] = struct.pack("<Q", dig)
     backend.put(key, bytes(value))
     assert _check_loaded_prefix(store, ids, "f32") == 0
+
+
+@pytest.mark.parametrize("kind", ["memory", "dir"])
+def test_an_xxh3_entry_without_xxhash_is_a_miss_that_stays(tmp_path, monkeypatch, kind):
+    """A reader lacking xxhash cannot check an XXH3 entry: a miss, but the entry is fine for
+    others and is not deleted."""
+    assert wire.default_algorithm() == wire.ALG_XXH3          # xxhash is in the test extra
+    backend = MemoryBackend() if kind == "memory" else DirectoryBackend(tmp_path, fsync=False)
+    store, ids, b = _stored_prompt(backend, n_blocks=1)
+    monkeypatch.setitem(sys.modules, "xxhash", None)          # `import xxhash` now fails
+    assert wire.default_algorithm() == wire.ALG_CRC32
+    assert _check_loaded_prefix(store, ids, "f32") == 0
+    assert store.longest_prefix(ids, kc.KvCache(L, G, D, mode="f32")) == b
+    monkeypatch.delitem(sys.modules, "xxhash")
+    assert _check_loaded_prefix(store, ids, "f32") == b
 
 
 # -- backend unavailable ----------------------------------------------------------------------
