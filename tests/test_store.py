@@ -642,11 +642,11 @@ def test_bad_store_arguments():
 def test_open_backend_specs(tmp_path):
     m = open_backend("memory:?budget=1M")
     assert isinstance(m, MemoryBackend) and m.budget == 1 << 20
-    d = open_backend(f"dir:{tmp_path}/x?budget=2G&fsync=0")
+    d = open_backend(f"dir:{tmp_path}/x?budget=2G&fsync=1")
     assert isinstance(d, DirectoryBackend)
-    assert (d.root, d.budget, d.fsync) == (str(tmp_path / "x"), 2 << 30, False)
-    d = open_backend(tmp_path / "y")
-    assert isinstance(d, DirectoryBackend) and d.fsync and d.root == str(tmp_path / "y")
+    assert (d.root, d.budget, d.fsync) == (str(tmp_path / "x"), 2 << 30, True)
+    d = open_backend(tmp_path / "y")                      # fsync is off by default
+    assert isinstance(d, DirectoryBackend) and not d.fsync and d.root == str(tmp_path / "y")
     d = open_backend(f"{tmp_path}/odd?name")              # '?' without options: part of the path
     assert isinstance(d, DirectoryBackend) and d.root.endswith("odd?name")
     assert open_backend(m) is m

@@ -7,7 +7,7 @@ Several processes (and threads) may use one folder at once; no lock is held whil
 writing a file:
 
 - **put** writes the whole value to a temporary file in the entry's own folder
-  (``.<key>.<pid>.<random>.tmp``), flushes it to disk (fsync) and renames it over the final
+  (``.<key>.<pid>.<random>.tmp``), optionally flushes it to disk (fsync) and renames it over the final
   name (``os.replace``, atomic on POSIX and Windows).  A reader opens either the old file or
   the new one, never a half-written one; a writer that dies leaves only a temporary file,
   which a later eviction scan removes once it is an hour old.
@@ -64,13 +64,15 @@ class DirectoryBackend:
     budget : int or None
         Most bytes the folder may hold (default 16 GiB); None for no limit.
     fsync : bool
-        Flush each entry to disk before it is renamed into place (default True).  False is
-        faster and still never shows a torn entry to readers, but a machine crash may leave
-        an empty or partial file under the final name (the store's digest rejects it).
+        Flush each entry to disk before it is renamed into place (default False).  Readers
+        never see a torn entry either way (the rename is atomic); without fsync a machine
+        crash may leave an empty or partial file under the final name, which the store's
+        digest rejects as a miss and deletes.  The store is a cache, so the default favours
+        write speed (here about 1.6 GB/s without fsync against 0.4 GB/s with it).
     """
 
     def __init__(self, path: Union[str, os.PathLike[str]], *,
-                 budget: Optional[int] = DEFAULT_DIRECTORY_BUDGET, fsync: bool = True) -> None:
+                 budget: Optional[int] = DEFAULT_DIRECTORY_BUDGET, fsync: bool = False) -> None:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                    or budget < 0):
             raise ValueError(f"budget: expected an int >= 0 (bytes) or None, got {budget!r}")

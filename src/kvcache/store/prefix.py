@@ -101,7 +101,7 @@ def open_backend(spec: BackendSpec) -> Backend:
     - ``"memory"`` or ``"memory:?budget=BYTES"``: a new :class:`MemoryBackend`;
     - ``"redis://host:port/db"`` (or ``rediss://``): :class:`kvcache.store.redis.RedisBackend`,
       imported on demand;
-    - ``"dir:PATH"``, ``"dir:PATH?budget=BYTES&fsync=0"``, any other string or an
+    - ``"dir:PATH"``, ``"dir:PATH?budget=BYTES&fsync=1"``, any other string or an
       ``os.PathLike``: a :class:`DirectoryBackend` on that folder (``~`` expanded).
 
     BYTES is an integer with an optional K, M, G or T suffix (powers of 1024); without it the
@@ -136,7 +136,7 @@ def open_backend(spec: BackendSpec) -> Backend:
     if not path:
         raise ValueError(f"backend {spec!r}: no folder given")
     budget = _parse_size(opts["budget"], spec) if "budget" in opts else DEFAULT_DIRECTORY_BUDGET
-    return DirectoryBackend(path, budget=budget, fsync=_flag(opts.get("fsync", "1"), spec))
+    return DirectoryBackend(path, budget=budget, fsync=_flag(opts.get("fsync", "0"), spec))
 
 
 class PrefixStore:
