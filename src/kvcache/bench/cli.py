@@ -29,6 +29,8 @@ from .report import (
     Results, mla_plot_path, print_report, write_json, write_mla_plot, write_plot)
 from .runner import (
     QUICK_RUNNER_CONTEXTS, QUICK_RUNNER_STEPS, RUNNER_CONTEXTS, RUNNER_STEPS, run_runner)
+from .store import (
+    QUICK_STORE_CONTEXTS, QUICK_STORE_REPEATS, STORE_CONTEXTS, STORE_REPEATS, run_store)
 from .sync import (
     QUICK_SYNC_CONTEXT, QUICK_SYNC_FULL_REPEATS, QUICK_SYNC_STEPS, SYNC_CASES, SYNC_CONTEXT,
     SYNC_FULL_REPEATS, SYNC_STEPS, run_sync)
@@ -102,13 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "O(1) Nystrom decode step vs exact f32/q8 attention (time, memory, error); "
                     "export/import throughput of the byte formats (wire); the absorbed "
                     "MLA decode kernel vs the naive NumPy form (mla); device-mirror sync costs "
-                    "(sync); and decode tokens/s of kvcache.runner vs transformers (runner).  "
+                    "(sync); decode tokens/s of kvcache.runner vs transformers (runner); and "
+                    "time to first token with a prefix store, its store/load GB/s (store).  "
                     "Method: docs/benchmark-method.md.")
     p.add_argument("--quick", action="store_true",
                    help="small subset (Llama, 1k and 16k, 3 repeats, 512 MiB working set; "
                         "O(1) section at 1k and 4k, 7 repeats; wire section at 4k, "
                         f"{QUICK_WIRE_REPEATS} repeats; MLA section at 1k and 4k, "
-                        f"{QUICK_MLA_REPEATS} repeats)")
+                        f"{QUICK_MLA_REPEATS} repeats; store section at 256 and 512, 1 prompt)")
     p.add_argument("--sections", nargs="+", metavar="S",
                    help="sections to run, any of: decode (decode attention vs reference/torch), "
                         "append (append cost), o1 (O(1) Nystrom decode vs exact f32/q8), "
@@ -116,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "KvCache save/load), mla (absorbed MLA decode kernel vs the naive "
                         "NumPy form, latent read rate, compute ceiling), sync (device-mirror "
                         "sync per decode step vs a full re-upload), runner (decode tokens/s "
-                        "of kvcache.runner vs transformers generate); default all, e.g. "
+                        "of kvcache.runner vs transformers generate), store (time to first "
+                        "token cold / full hit / half hit with a directory and a Redis prefix "
+                        "store, store and load GB/s, bytes per token); default all, e.g. "
                         "--sections o1 runs the O(1) section alone")
     p.add_argument("--contexts", nargs="+", metavar="T", help="contexts, e.g. 1k 4k 16k 32k")
     p.add_argument("--geometries", nargs="+", metavar="G", help="llama3-8b and/or qwen2.5-0.5b")
@@ -187,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runner-steps", type=int,
                    help=f"decode steps timed per side in the runner section (default "
                         f"{RUNNER_STEPS}, quick {QUICK_RUNNER_STEPS})")
+    p.add_argument("--no-store", action="store_true", help="skip the store section")
+    p.add_argument("--store-contexts", nargs="+", metavar="T",
+                   help="prompt lengths of the store section (default 512 2k 4k, quick "
+                        "256 512)")
+    p.add_argument("--store-repeats", type=int,
+                   help=f"prompts timed per cell of the store section (default {STORE_REPEATS}, "
+                        f"quick {QUICK_STORE_REPEATS})")
     p.add_argument("--bandwidth-mib", type=int,
                    help=f"buffer of the read-bandwidth probe, MiB (default "
                         f"{BANDWIDTH_BUFFER // MiB})")
@@ -273,7 +285,10 @@ def _resolve_options(args: argparse.Namespace) -> Options:
         sync_backend=sync_backend,
         runner=runs("runner", args.no_runner),
         runner_contexts=contexts_of(args.runner_contexts, QUICK_RUNNER_CONTEXTS, RUNNER_CONTEXTS),
-        runner_steps=count(args.runner_steps, QUICK_RUNNER_STEPS, RUNNER_STEPS, least=2))
+        runner_steps=count(args.runner_steps, QUICK_RUNNER_STEPS, RUNNER_STEPS, least=2),
+        store=runs("store", args.no_store),
+        store_contexts=contexts_of(args.store_contexts, QUICK_STORE_CONTEXTS, STORE_CONTEXTS),
+        store_repeats=count(args.store_repeats, QUICK_STORE_REPEATS, STORE_REPEATS))
 
 
 def check_plot_backend() -> str | None:
@@ -306,7 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                + (opts.wire_repeats + 2 if opts.wire else 0)
                + (len(opts.mla_contexts) + 1 + (not opts.decode) if opts.mla else 0)
                + (len(SYNC_CASES) if opts.sync else 0)
-               + (len(opts.runner_contexts) if opts.runner else 0))
+               + (len(opts.runner_contexts) if opts.runner else 0)
+               + (2 * (len(opts.store_contexts) + 1) if opts.store else 0))
     bar = progress_bar(n_tasks, enabled=not args.no_progress)
     res = Results(info)
     try:
@@ -330,6 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             res.sync = run_sync(opts, bar)
         if opts.runner:
             res.runner = run_runner(opts, bar)
+        if opts.store:
+            res.store = run_store(opts, bar)
     finally:
         bar.close()
     accuracy_warnings(res.decode)

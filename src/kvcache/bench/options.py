@@ -14,12 +14,13 @@ from .mla import (
     MLA_WORKING_SET)
 from .o1 import O1_CONTEXTS, O1_REPEATS
 from .runner import RUNNER_CONTEXTS, RUNNER_STEPS
+from .store import STORE_CONTEXTS, STORE_REPEATS
 from .sync import SYNC_CONTEXT, SYNC_FULL_REPEATS, SYNC_STEPS
 from .timing import BANDWIDTH_BUFFER
 from .wire import WIRE_CONTEXT, WIRE_REPEATS, WIRE_SAVE_LAYERS
 
 
-SECTIONS = ("decode", "append", "o1", "wire", "mla", "sync", "runner")
+SECTIONS = ("decode", "append", "o1", "wire", "mla", "sync", "runner", "store")
 
 
 @dataclass
@@ -62,3 +63,6 @@ class Options:
     runner: bool = True
     runner_contexts: Sequence[int] = RUNNER_CONTEXTS
     runner_steps: int = RUNNER_STEPS
+    store: bool = True
+    store_contexts: Sequence[int] = STORE_CONTEXTS
+    store_repeats: int = STORE_REPEATS

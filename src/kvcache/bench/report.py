@@ -21,6 +21,7 @@ from .o1 import (
     o1_table)
 from . import runner as runner_section
 from .runner import runner_notes, runner_table
+from .store import io_table, store_notes, store_summary, ttft_table
 from .sync import sync_notes, sync_table
 from .tables import context_label, fmt
 from .tables import Row
@@ -45,6 +46,7 @@ class Results:
     mla: dict[str, Any] | None = None
     sync: list[Row] = field(default_factory=list)
     runner: list[Row] = field(default_factory=list)
+    store: dict[str, Any] | None = None
 
 
 def write_plot(path: str, rows: Sequence[Row], bandwidth: Bandwidth) -> None:
@@ -201,6 +203,11 @@ def print_report(res: Results, opts: Options, file: IO[str] | None = None) -> No
         section("decode tokens/s: kvcache.runner vs transformers generate, the same "
                 "random-weight model and cache contents:", [runner_table(runner_rows)],
                 runner_notes(runner_rows, opts))
+    if res.store:
+        section("prefix store (kvcache.store): time to first token (Runner.prefill) cold vs "
+                "a full and a half hit, and the store's I/O:",
+                [ttft_table(res.store["ttft"]), io_table(res.store["io"])],
+                store_notes(res.store, opts))
 
 
 def options_record(opts: Options) -> dict[str, Any]:
@@ -225,7 +232,9 @@ def options_record(opts: Options) -> dict[str, Any]:
             "sync_steps": opts.sync_steps, "sync_full_repeats": opts.sync_full_repeats,
             "sync_backend": opts.sync_backend,
             "runner_section": opts.runner, "runner_contexts": opts.runner_contexts,
-            "runner_steps": opts.runner_steps, "runner_model": runner_section.RUNNER_MODEL}
+            "runner_steps": opts.runner_steps, "runner_model": runner_section.RUNNER_MODEL,
+            "store_section": opts.store, "store_contexts": opts.store_contexts,
+            "store_repeats": opts.store_repeats}
 
 
 def write_json(path: str, res: Results, opts: Options) -> None:
@@ -253,5 +262,10 @@ def write_json(path: str, res: Results, opts: Options) -> None:
         payload["sync"] = res.sync
     if res.runner:
         payload["runner"] = res.runner
+    if res.store:
+        payload["store"] = res.store["ttft"]
+        payload["store_io"] = res.store["io"]
+        payload["store_summary"] = store_summary(res.store)
+        payload["store_info"] = {k: v for k, v in res.store.items() if k not in ("ttft", "io")}
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)

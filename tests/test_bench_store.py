@@ -1,0 +1,112 @@
+"""The store section of ``python -m kvcache bench``: its tables, summary and notes on made-up
+rows (no timing), and a tiny run end to end (the section's model swapped for a small one; the
+run's own safeguard -- a hit's logits equal the cold run's bit for bit -- is checked)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcache import bench
+from kvcache.bench import store as bs
+from kvcache.bench.options import SECTIONS
+
+TINY_MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def ttft(backend, context, cold, full, half, identical=True):
+    return {"backend": backend, "context": context, "repeats": 1, "cold_ms": cold,
+            "miss_ms": cold * 1.1, "full_ms": full, "half_ms": half,
+            "full_loaded": context - 128, "half_loaded": context // 2,
+            "full_speedup": cold / full, "half_speedup": cold / half, "identical": identical,
+            "samples_s": {}}
+
+
+def io(backend, mode, put, load, lookup, complete=True):
+    return {"backend": backend, "mode": mode, "context": 4096, "bytes": 1 << 26,
+            "bytes_per_token": 16400.0 if mode == "f32" else 5000.0, "put_gbs": put,
+            "load_gbs": load, "lookup_ms": lookup, "complete": complete}
+
+
+def result(redis=True, identical=True):
+    rows = [ttft("directory", 512, 1000.0, 100.0, 500.0),
+            ttft("directory", 2048, 8000.0, 250.0, 4000.0, identical),
+            ttft("directory", 4096, 20000.0, 800.0, 10000.0)]
+    ios = [io("directory", "f32", 1.5, 3.0, 0.2), io("directory", "q8", 0.8, 1.2, 0.3)]
+    if redis:
+        rows.append(ttft("redis", 2048, 8000.0, 500.0, 4200.0))
+        ios.append(io("redis", "f32", 0.5, 0.7, 0.9, complete=False))
+    return {"ttft": rows, "io": ios, "redis": "" if redis else "redis-server is not on PATH",
+            "prefill_chunk": 128}
+
+
+class Opts:
+    store_repeats = 3
+
+
+def test_store_is_a_section():
+    assert "store" in SECTIONS
+
+
+def test_tables_show_every_row():
+    res = result()
+    text = bs.ttft_table(res["ttft"])
+    lines = text.splitlines()
+    assert len(lines) == 2 + 4
+    assert "cold/full" in lines[0] and "same bits" in lines[0]
+    assert "32.00x" in text and "25.00x" in text and "2.00x" in text      # cold / full hit
+    assert "250 (1920)" in text and "800 (3968)" in text and "(2k)" in text
+    io_text = bs.io_table(res["io"])
+    assert len(io_text.splitlines()) == 2 + 3 and "16400" in io_text and "5000" in io_text
+
+
+def test_summary_takes_the_worst_case_per_backend():
+    s = bs.store_summary(result())
+    d, r = s["directory"], s["redis"]
+    assert d["min_full_speedup_2k_up"] == 25.0           # the 512 prompt is not counted
+    assert d["target_speedup"] == 20.0 and r["target_speedup"] == 10.0
+    assert (d["f32_put_gbs"], d["f32_load_gbs"], d["max_lookup_ms"]) == (1.5, 3.0, 0.3)
+    assert d["identical"] and d["complete"]
+    assert r["min_full_speedup_2k_up"] == 16.0 and not r["complete"]
+    assert not bs.store_summary(result(identical=False))["directory"]["identical"]
+
+
+def test_notes_say_what_was_not_measured_and_warn():
+    notes = bs.store_notes(result(), Opts())
+    assert any(n.startswith("directory: full hit >= 25.0x") and "(target 20x)" in n
+               for n in notes)
+    assert any("WARNING: redis: a put or load moved fewer blocks" in n for n in notes)
+    assert not any("a hit's logits differ" in n for n in notes)
+    notes = bs.store_notes(result(redis=False, identical=False), Opts())
+    assert "Redis: not measured (redis-server is not on PATH)" in notes
+    assert "WARNING: directory: a hit's logits differ from the cold run's" in notes
+    assert not any(n.startswith("redis:") for n in notes)
+
+
+def test_store_section_tiny_run(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("redis")
+    monkeypatch.setattr(bs, "STORE_MODEL", TINY_MODEL)
+    path = tmp_path / "store.json"
+    argv = ["--sections", "store", "--store-contexts", "256", "--store-repeats", "1",
+            "--no-progress", "--json", str(path)]
+    assert bench.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "prefix store (kvcache.store)" in text and "WARNING" not in text
+    data = json.loads(path.read_text())
+    rows, ios = data["store"], data["store_io"]
+    assert [r["backend"] for r in rows] == ["directory", "redis"]     # a throwaway server
+    for r in rows:
+        assert r["identical"] and r["full_loaded"] == 128 and r["half_loaded"] == 0
+        assert r["cold_ms"] > 0 and r["full_ms"] > 0
+    assert [(r["backend"], r["mode"]) for r in ios] == [
+        ("directory", "f32"), ("directory", "q8"), ("redis", "f32"), ("redis", "q8")]
+    for r in ios:
+        assert r["complete"] and r["put_gbs"] > 0 and r["load_gbs"] > 0
+    # f32: 2 layers x K and V x 2 heads x 16 dims x 4 bytes per token, plus headers
+    f32 = ios[0]["bytes_per_token"]
+    assert 2 * 2 * 2 * 16 * 4 <= f32 < 2 * 2 * 2 * 16 * 4 * 1.2
+    assert ios[1]["bytes_per_token"] < f32 / 2
+    assert data["options"]["store_contexts"] == [256]
+    assert set(data["store_summary"]) == {"directory", "redis"}
