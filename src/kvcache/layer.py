@@ -1,4 +1,4 @@
-"""LayerKvCache: one layer's K/V rows, head-major, in float32 or int8 (spec layer-kv-cache.md).
+"""LayerKvCache: one layer's K/V rows, head-major, in float32 or int8 (docs/architecture.md).
 
 Storage.  Every store is one C-contiguous array ``(num_kv_heads, capacity, trailing)``, so a
 head's rows are one contiguous block (head-major).  ``capacity`` grows geometrically (x2), so an
@@ -797,7 +797,7 @@ class LayerKvCache:
     # ------------------------------------------------------------------ O(1) override
     def o1_begin(self, m: int, w: int, sink: int,
                  rect: Union[O1Rect, str] = O1Rect.AGGREGATE) -> None:
-        """Start collecting the prompt's query trace for an O(1) seal (spec 6.1).
+        """Start collecting the prompt's query trace for an O(1) seal (docs/o1.md).
 
         Parameters
         ----------
@@ -938,7 +938,7 @@ class LayerKvCache:
 
     def o1_memory_bytes(self) -> int:
         """Bytes of the O(1) state: 4 per collected trace float while collecting, the sealed
-        state's arrays once sealed (spec 6.8), 0 otherwise.  Included in memory_bytes()."""
+        state's arrays once sealed (docs/o1.md), 0 otherwise.  Included in memory_bytes()."""
         o1 = self.o1
         if isinstance(o1, (O1Collecting, O1Sealed)):
             return o1.memory_bytes()

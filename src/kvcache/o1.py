@@ -1,4 +1,4 @@
-"""The O(1) Nystrom override of a LayerKvCache (spec layer-kv-cache.md section 6).
+"""The O(1) Nystrom override of a LayerKvCache (docs/o1.md).
 
 A long prompt is frozen, at the end of prefill, into a state of constant size per KV group:
 
@@ -75,7 +75,7 @@ _EXACT_EXTRA = EXACT_EXTRA
 
 
 class O1Rect(enum.Enum):
-    """Rectifier of the Nystrom far field (spec 6.5).
+    """Rectifier of the Nystrom far field (docs/o1.md, rectifiers).
 
     AGGREGATE (default): drop the far field when its aggregate denominator is negative.
     FM: also clamp the landmark mixing row ``u = F M`` at 0, so every output lies in the hull
@@ -128,7 +128,7 @@ def seg_means(x: npt.ArrayLike, m: int) -> F64:
 
 
 def ridge_pinv(a: npt.ArrayLike) -> F64:
-    """Ridge pseudo-inverse ``(A^T A + lam I)^-1 A^T`` of a square float64 matrix (spec 6.3).
+    """Ridge pseudo-inverse ``(A^T A + lam I)^-1 A^T`` of a square float64 matrix (docs/o1.md).
 
     ``lam = 1e-6 mean(diag(A^T A))`` (at least the smallest positive float64); a Cholesky that
     fails (non-positive or non-finite pivot) multiplies lam by 10, up to 12 attempts; after
@@ -210,7 +210,7 @@ class O1Collecting:
 
 @dataclass(frozen=True)
 class O1HeadView:
-    """Read-only views of one query head's part of a sealed group (spec 6.6)."""
+    """Read-only views of one query head's part of a sealed group (docs/o1.md)."""
 
     rect_fm: bool
     t_hat: F32      # (m_eff, dv) far numerators, at scale exp(-m_max) per landmark
@@ -222,7 +222,7 @@ class O1HeadView:
 
 @dataclass(frozen=True)
 class O1DeviceView:
-    """Read-only views of one KV group's sealed state, for device mirrors (spec 6.6).
+    """Read-only views of one KV group's sealed state, for device mirrors (docs/o1.md).
 
     Scalars are a snapshot taken by :meth:`LayerKvCache.o1_views`; the arrays are live views of
     the state (a later ``o1_step`` changes the ring and the far accumulators under them).
@@ -311,7 +311,7 @@ class O1Sealed:
     @classmethod
     def seal(cls, q_trace: F32, keys: F32, values: F32, *, t: int, m: int, w: int, sink: int,
              rect: O1Rect, kernels: ModuleType, n_threads: int) -> O1Sealed:
-        """Build the state from a prompt of t positions (spec 6.3).
+        """Build the state from a prompt of t positions (docs/o1.md).
 
         q_trace (t, H, d); keys (G, cap, d) and values (G, cap, dv) with the prompt in rows
         [0, t) (the layer's own head-major stores): float32, C-contiguous."""
@@ -434,7 +434,7 @@ class O1Sealed:
 
     # ------------------------------------------------------------------ accounting, views
     def memory_bytes(self) -> int:
-        """Bytes of the state (spec 6.8): group rings, sinks and key landmarks; per head the
+        """Bytes of the state (docs/o1.md, cost): group rings, sinks and key landmarks; per head the
         query landmarks, M, the far accumulators and the step scratch.  An exact-only group
         counts the window rows it holds (it grows with the context)."""
         if self.exact_only:
@@ -487,7 +487,7 @@ class O1Sealed:
 
 
 def check_seal(layer: LayerKvCache, coll: O1Collecting, num_heads: int) -> Optional[str]:
-    """The reason a seal is refused (spec 6.1 preconditions), or None when it may proceed."""
+    """The reason a seal is refused (preconditions: docs/o1.md), or None when it may proceed."""
     t = layer.seq_len
     nkv = layer.num_kv_heads
     hd = layer.head_dim
