@@ -1,6 +1,6 @@
 # Compiled kernels of kvcache.  Directives are set once in setup.py.
 #
-# House rules (ARCHITECTURE.md): kernels take memoryviews and plain numbers, never touch a Python
+# House rules (docs/architecture.md): kernels take memoryviews and plain numbers, never touch a Python
 # object inside `nogil`, never raise.  All validation, conversion, allocation and thread-count
 # resolution happen in the Python layer (layer.py), once per call.  Every function here has a
 # NumPy twin of the same name in kvcache/reference.py.
@@ -169,7 +169,7 @@ def store_rows_q8(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive_
 
 def quantize_rows(const float[:, ::1] x__nd, const float[::1] col__d, Py_ssize_t group,
                   int8_t[:, ::1] q__nd, float[:, ::1] s__ng, int n_threads):
-    """Row quantisation (spec 3.1) of x (n, hd) into q (n, hd) and s (n, ceil(hd/group)).
+    """Row quantisation (docs/numerics.md) of x (n, hd) into q (n, hd) and s (n, ceil(hd/group)).
 
     col of length 0 means "no column field" (col == 1)."""
     cdef Py_ssize_t n = x__nd.shape[0], hd = x__nd.shape[1], i
@@ -465,7 +465,7 @@ cdef void _importance_chunk(const float[:, ::1] probs__jl, const Py_ssize_t *q_g
 
 
 # ----------------------------------------------------------------------------------------------
-# O(1) Nystrom decode (spec 6.4).  The state lives in o1.py as stacked float32 arrays: the group-
+# O(1) Nystrom decode (docs/o1.md).  The state lives in o1.py as stacked float32 arrays: the group-
 # shared part (window ring, sinks, key landmarks) indexed by KV group g, the per-head part
 # (query landmarks, mixing matrix, far accumulators) by query head h; head h belongs to group
 # h // (H // G).  The per-head arithmetic and its order are in _kernels.h (kvc_o1_absorb,

@@ -787,7 +787,7 @@ static inline void kvc_quant_row(const float *restrict x, const float *restrict 
 }
 
 /* ---------------------------------------------------------------------------------------
- * O(1) Nystrom decode (spec layer-kv-cache.md 6.4).  Per head; every reduction in a fixed
+ * O(1) Nystrom decode (docs/o1.md).  Per head; every reduction in a fixed
  * order, so a head's result does not depend on the thread count or on which other heads
  * share the call (a group's output is bit-identical to independent single-head states).
  *   landmark scores  l_i = kvc_dot_f32(qt_i, k) * scale          (four landmarks per pass)
@@ -829,7 +829,7 @@ static void kvc_o1_absorb(const float *restrict qt, const float *restrict k,
     }
 }
 
-/* One head's decode output (spec 6.4 "per-head output").
+/* One head's decode output (docs/o1.md, the decode step).
  * Near rows: ns sink rows (sink_k/sink_v), then nw window rows in slot order, where row `slot`
  * is read from (k_new, v_new) instead of the ring (slot < 0: none).  The far field (k_tilde
  * m x d of the group; mu m x m, t_hat m x dv, z_hat, m_max of the head) is used when use_far.
