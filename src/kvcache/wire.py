@@ -160,7 +160,7 @@ _Model = TypeVar("_Model", bound="KvCache")
 _Piece = Union[bytes, tuple[npt.NDArray[Any], np.dtype[Any]]]
 
 
-class _Hasher(Protocol):
+class Hasher(Protocol):
     """What a digest needs: xxhash's hashers and :class:`_Crc32`."""
 
     def update(self, data: Any) -> None: ...
@@ -200,13 +200,16 @@ def default_algorithm() -> int:
     return ALG_XXH3 if _xxhash() is not None else ALG_CRC32
 
 
-def _hasher(alg: int) -> _Hasher:
+def hasher(alg: int) -> Hasher:
+    """A streaming hasher for algorithm ``alg``: ``update(bytes-like)`` then ``intdigest()``
+    gives :func:`digest` of the concatenated updates (the store's entries use it); WireError
+    for an algorithm this kvcache cannot compute."""
     if alg == ALG_XXH3:
         xxhash = _xxhash()
         if xxhash is None:
             raise WireError("the buffer's digest is XXH3-64, which needs the 'xxhash' package "
                             "(pip install xxhash, or the kvcache[wire] extra)")
-        hasher: _Hasher = xxhash.xxh3_64()
+        hasher: Hasher = xxhash.xxh3_64()
         return hasher
     if alg == ALG_CRC32:
         return _Crc32()
@@ -218,7 +221,7 @@ def digest(alg: int, data: npt.NDArray[np.uint8]) -> int:
     """The digest ``alg`` (:data:`ALG_XXH3` or :data:`ALG_CRC32`) of the bytes ``data`` (a
     uint8 array), hashed in the same steps as a reader does; WireError for an algorithm this
     kvcache cannot compute."""
-    h = _hasher(alg)
+    h = hasher(alg)
     for i in range(0, len(data), 8 * _CHUNK):
         h.update(data[i: i + 8 * _CHUNK])
     return h.intdigest()
@@ -267,7 +270,7 @@ class _Plan:
         self.pieces += other.pieces
         self.size += other.size
 
-    def write_into(self, out: npt.NDArray[np.uint8], hasher: Optional[_Hasher] = None) -> int:
+    def write_into(self, out: npt.NDArray[np.uint8], hasher: Optional[Hasher] = None) -> int:
         """Copy every piece into ``out`` (uint8, len >= size), hashing what it writes."""
         pos = 0
         for piece in self.pieces:
@@ -290,7 +293,7 @@ class _Plan:
             pos += nbytes
         return pos
 
-    def write_file(self, fh: BinaryIO, hasher: _Hasher) -> None:
+    def write_file(self, fh: BinaryIO, hasher: Hasher) -> None:
         """Stream every piece to a binary file object, hashing what it writes."""
         buf = np.empty(_CHUNK, np.uint8)
         for piece in self.pieces:
@@ -355,9 +358,9 @@ def _finish(body: _Plan, kind: int, fingerprint: Optional[_Fingerprint]) -> byte
     """bytes of a whole buffer: header + body plan + digest."""
     plan, alg = _framed(body, kind, fingerprint)
     out_bytes, out = _fresh(plan.size + 8)
-    hasher = _hasher(alg)
-    pos = plan.write_into(out, hasher)
-    out[pos: pos + 8] = np.frombuffer(struct.pack("<Q", hasher.intdigest()), np.uint8)
+    h = hasher(alg)
+    pos = plan.write_into(out, h)
+    out[pos: pos + 8] = np.frombuffer(struct.pack("<Q", h.intdigest()), np.uint8)
     del out
     return out_bytes
 
@@ -371,9 +374,9 @@ def _save(path: _Path, body: _Plan, kind: int, fingerprint: Optional[_Fingerprin
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as fh:
-            hasher = _hasher(alg)
-            plan.write_file(fh, hasher)
-            fh.write(struct.pack("<Q", hasher.intdigest()))
+            h = hasher(alg)
+            plan.write_file(fh, h)
+            fh.write(struct.pack("<Q", h.intdigest()))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

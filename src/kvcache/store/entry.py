@@ -53,7 +53,6 @@ digest.  Any failure raises :class:`EntryError`; nothing is returned for a bad e
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -142,28 +141,6 @@ def entry_size(geom: Geometry) -> int:
     return HEADER_SIZE + geom.n_layers * layer_fields(geom)[1] + _DIGEST.size
 
 
-class _Crc32:
-    """zlib.crc32 with the update/intdigest interface of xxhash's hashers."""
-
-    def __init__(self) -> None:
-        self._v = 0
-
-    def update(self, data: Any) -> None:
-        self._v = zlib.crc32(data, self._v)
-
-    def intdigest(self) -> int:
-        return self._v
-
-
-def _stream(alg: int) -> Any:
-    """A streaming hasher giving what :func:`kvcache.wire.digest` gives for algorithm ``alg``
-    over the concatenation of its updates (a test holds the two equal)."""
-    if alg == wire.ALG_XXH3:
-        import xxhash
-        return xxhash.xxh3_64()
-    return _Crc32()
-
-
 def _header(geom: Geometry, index: int, key: bytes, fp_digest: bytes, alg: int) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, alg, 0, HEADER_SIZE, entry_size(geom), key, geom.block,
                         index, geom.n_layers, geom.num_kv_heads, geom.head_dim,
@@ -181,7 +158,7 @@ def encode_parts(geom: Geometry, index: int, key: bytes, fp_digest: bytes,
     start, stop = index * b, (index + 1) * b
     fields, _ = layer_fields(geom)
     alg = wire.default_algorithm()
-    hasher = _stream(alg)
+    hasher = wire.hasher(alg)
     head = memoryview(_header(geom, index, key, fp_digest, alg))
     parts: list[memoryview] = [head]
     hasher.update(head)
@@ -256,7 +233,7 @@ def digest_parts(alg: int, parts: Sequence[memoryview]) -> int:
                          remove=False)
     if alg not in (wire.ALG_XXH3, wire.ALG_CRC32):
         raise EntryError(f"unknown digest algorithm {alg}")
-    hasher = _stream(alg)
+    hasher = wire.hasher(alg)
     for p in parts:
         hasher.update(p)
     return int(hasher.intdigest())
