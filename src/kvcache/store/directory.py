@@ -97,13 +97,19 @@ class DirectoryBackend:
     def get_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
         return [self._get(self.path_of(key)) for key in keys]
 
-    def _get(self, path: str) -> Optional[bytes]:
+    def _open(self, path: str) -> Optional[int]:
+        """A read-only descriptor of ``path``, None when there is no such entry."""
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            return os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
             raise BackendUnavailable(f"{self.name}: cannot open {path}: {exc}") from exc
+
+    def _get(self, path: str) -> Optional[bytes]:
+        fd = self._open(path)
+        if fd is None:
+            return None
         try:
             size = os.fstat(fd).st_size
             data = os.read(fd, size) if size <= _READ_CHUNK else b""
@@ -169,12 +175,9 @@ class DirectoryBackend:
     def read_parts(self, key: str, parts: Sequence[memoryview]) -> Optional[int]:
         """The value's length (None: missing); the parts hold it when the lengths agree."""
         path = self.path_of(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        except (FileNotFoundError, NotADirectoryError):
+        fd = self._open(path)
+        if fd is None:
             return None
-        except OSError as exc:
-            raise BackendUnavailable(f"{self.name}: cannot open {path}: {exc}") from exc
         try:
             size = os.fstat(fd).st_size
             views = [memoryview(p).cast("B") for p in parts]
