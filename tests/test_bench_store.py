@@ -98,7 +98,7 @@ def test_store_section_tiny_run(tmp_path, capsys, monkeypatch):
     rows, ios = data["store"], data["store_io"]
     assert [r["backend"] for r in rows] == ["directory", "redis"]     # a throwaway server
     for r in rows:
-        assert r["identical"] and r["full_loaded"] == 128 and r["half_loaded"] == 0
+        assert r["identical"] and r["full_loaded"] == 192 and r["half_loaded"] == 0
         assert r["cold_ms"] > 0 and r["full_ms"] > 0
     assert [(r["backend"], r["mode"]) for r in ios] == [
         ("directory", "f32"), ("directory", "q8"), ("redis", "f32"), ("redis", "q8")]

@@ -71,10 +71,11 @@ def test_directory_store_is_bit_identical(ckpt, tmp_path, case, kv):
     store = PrefixStore(DirectoryBackend(tmp_path / "store"), fingerprint=runner.fingerprint,
                         block=128)
     base = ids_of(420)
-    # (prompt length, positions the store then supplies): a miss that stores 3 blocks, a
-    # hit of the same prompt, a longer prompt sharing it, a prompt that is all stored blocks
-    # (its last chunk is computed again for its logits), a shorter one inside a block
-    for n, loaded in ((420, 0), (420, 384), (500, 384), (384, 256), (200, 128)):
+    # (prompt length, positions the store then supplies; chunks of 64): a miss that stores 3
+    # blocks, a hit of the same prompt, a longer prompt sharing it, a prompt that is all
+    # stored blocks (the chunk of its last position is computed again, for its logits), a
+    # shorter one inside a block
+    for n, loaded in ((420, 0), (420, 384), (500, 384), (384, 320), (200, 128)):
         ids = base[:n] if n <= 420 else np.concatenate([base, ids_of(n - 420, seed=4)])
         cold = trace(kr.Runner.from_pretrained(ckpt(case), kv=kv), ids)
         warm = trace(runner, ids, store=store)
@@ -107,12 +108,12 @@ def test_redis_store_is_bit_identical(ckpt, redis_server, kv):
 
 
 def test_chunked_prefill_is_the_same_work_wherever_a_call_starts():
-    runner = kr.Runner.random(prefill_chunk=64)
+    runner = kr.Runner.random(prefill_chunk=96)
     ids = ids_of(300) % 512
     whole = runner.prefill(ids)
     runner.reset()
-    runner.forward(ids[:128])
-    assert np.array_equal(runner.forward(ids[128:]), whole)
+    runner.forward(ids[:192])
+    assert np.array_equal(runner.forward(ids[192:]), whole)
     runner.reset()
     all_logits = runner.forward(ids, all_logits=True)
     assert all_logits.shape == (300, 512)
@@ -138,7 +139,7 @@ def test_fingerprint_names_config_weights_mode_and_chunk():
     assert kr.Runner.random().fingerprint == fp
     assert kr.Runner.random(seed=1).fingerprint != fp
     assert kr.Runner.random(kv="q8").fingerprint != fp
-    assert kr.Runner.random(prefill_chunk=64).fingerprint != fp
+    assert kr.Runner.random(prefill_chunk=128).fingerprint != fp
     runner = kr.Runner.random()
     assert runner.fingerprint == fp
     runner.layers[0].qkv[0, 0] += 1.0
@@ -173,7 +174,7 @@ def test_o1_layers_refuse_a_store_up_front(tmp_path):
 
 def test_a_block_the_chunk_does_not_divide_is_refused():
     runner = kr.Runner.random(prefill_chunk=128)
-    store = PrefixStore(MemoryBackend(), fingerprint=runner.fingerprint, block=192)
+    store = PrefixStore(MemoryBackend(), fingerprint=runner.fingerprint, block=320)
     with pytest.raises(ValueError, match="multiple of this runner's prefill_chunk"):
         runner.generate(ids_of(300) % 512, 2, store=store)
     assert runner.position == 0

@@ -10,7 +10,7 @@ Gemma-2 family and runs it in NumPy float32, with every attention layer's K/V in
   Mistral's sliding window, Gemma-2's attention-logit softcap, final-logit softcap,
   ``query_pre_attn_scalar``, alternating sliding/global layers and sandwich norms, tied
   embeddings;
-- prefill runs the prompt in chunks ending at multiples of ``prefill_chunk`` (default 128)
+- prefill runs the prompt in chunks ending at multiples of ``prefill_chunk`` (default 64)
   absolute positions (per chunk: ``append`` of its positions, then ``attend_all_heads`` of its
   queries, causal within the chunk); decode runs one position per step;
 - a prefix store (``store=`` of :meth:`Runner.prefill` and :meth:`Runner.generate`, a

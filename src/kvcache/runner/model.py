@@ -52,10 +52,13 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_PREFILL_CHUNK", "Runner"]
 
-#: Positions per prefill chunk (chunks end at multiples of it): divides the prefix store's
-#: default block (256), so stored blocks and fresh chunks line up, and bounds the prefill's
-#: scratch arrays (a chunk's activations, not the whole prompt's).
-DEFAULT_PREFILL_CHUNK = 128
+#: Positions per prefill chunk (chunks end at multiples of it).  It divides the prefix store's
+#: default block (256), so stored blocks and computed chunks line up; a full store hit still
+#: computes the chunk holding the prompt's last position, so it bounds the time to first token
+#: then (2k prompt on the benchmark model, one thread: 64 -> 29x faster than cold, 128 -> 16x),
+#: while cold prefill costs the same as with 128 within noise (the products of 64 rows stay
+#: compute-bound); it also bounds the MLP's scratch arrays to a chunk's rows.
+DEFAULT_PREFILL_CHUNK = 64
 #: What ``store=`` accepts: a PrefixStore, or a backend spec (a folder, ``redis://...``).
 StoreArg = Union["PrefixStore", str, "os.PathLike[str]", None]
 
@@ -125,11 +128,11 @@ class Runner:
         BLAS threads during single-position steps (default 1; 0 leaves BLAS alone): see
         :meth:`_blas_for` for why one is the right default on small machines.
     prefill_chunk : int
-        Positions per prefill chunk (default :data:`DEFAULT_PREFILL_CHUNK`, 128): a prompt is
+        Positions per prefill chunk (default :data:`DEFAULT_PREFILL_CHUNK`, 64): a prompt is
         computed in chunks that end at multiples of it (absolute positions), so the work done
         for a position does not depend on where the call started (see the module docstring).
-        A prefix store's block must be a multiple of it.  It also bounds the prefill's
-        scratch memory.
+        A prefix store's block must be a multiple of it.  Smaller chunks make a store hit
+        faster (the last chunk is always computed) and the MLP's scratch smaller.
 
     Attributes
     ----------
@@ -232,55 +235,75 @@ class Runner:
         x1, x2 = x[..., :half], x[..., half:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-    def _layer(self, i: int, x: Array, positions: npt.NDArray[np.int64], sealing: bool) -> Array:
+    def _layer(self, i: int, xs: list[Array], positions: list[npt.NDArray[np.int64]],
+               sealing: bool) -> list[Array]:
+        """Layer ``i`` over the chunks ``xs`` (their ``positions``): the products and the
+        row-wise steps run chunk by chunk (a row's bits depend on its chunk alone), the
+        attention once for every chunk's queries (the kernel computes each query on its own),
+        so BLAS and kvcache's OpenMP team take turns once per layer, not once per chunk."""
         cfg, L = self.config, self.layers[i]
-        n = x.shape[0]
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = self._rms(x, L.norm_attn_in)
-        qkv = h @ L.qkv
-        if L.bqkv is not None:
-            qkv = qkv + L.bqkv
         nq, nk = nh * hd, nkv * hd
-        q = self._rope(qkv[:, :nq].reshape(n, nh, hd), positions)
-        k = self._rope(qkv[:, nq: nq + nk].reshape(n, nkv, hd), positions)
-        v = np.ascontiguousarray(qkv[:, nq + nk:]).reshape(n, nkv, hd)
+        qs: list[Array] = []
+        ks: list[Array] = []
+        vs: list[Array] = []
+        for x, pos in zip(xs, positions):
+            n = x.shape[0]
+            h = self._rms(x, L.norm_attn_in)
+            qkv = h @ L.qkv
+            if L.bqkv is not None:
+                qkv = qkv + L.bqkv
+            qs.append(self._rope(qkv[:, :nq].reshape(n, nh, hd), pos))
+            ks.append(self._rope(qkv[:, nq: nq + nk].reshape(n, nkv, hd), pos))
+            vs.append(np.ascontiguousarray(qkv[:, nq + nk:]).reshape(n, nkv, hd))
+        q = qs[0] if len(qs) == 1 else as_f32(np.concatenate(qs))
         layer = self.cache.layers[i]
         t0 = time.perf_counter()
         if i in self.o1_layers and (sealing or layer.o1_sealed()):
-            out = self._o1_attend(layer, q, k, v, sealing)
+            out = self._o1_attend(layer, q, ks, vs, sealing)
         else:
-            layer.append(k, v)
+            for k, v in zip(ks, vs):          # chunk by chunk: q8's column freeze sees what
+                layer.append(k, v)            # it sees with a store
             out = layer.attend_all_heads(q, scale=cfg.scale, window=cfg.layer_windows[i],
                                          softcap=cfg.attn_softcap or 0.0)
         self.timings["attention_s"] += time.perf_counter() - t0
-        o = out.reshape(n, nh * hd) @ L.wo_t
-        if L.bo is not None:
-            o = o + L.bo
-        if L.norm_attn_out is not None:                    # Gemma-2 sandwich norm
-            o = self._rms(o, L.norm_attn_out)
-        x = x + o
-        h = self._rms(x, L.norm_mlp_in)
         act = _ACTIVATIONS[cfg.hidden_act]
-        gu = h @ L.gate_up
-        if L.b_gate_up is not None:
-            gu = gu + L.b_gate_up
         im = cfg.intermediate_size
-        m = (act(gu[:, :im]) * gu[:, im:]) @ L.down_t
-        if L.b_down is not None:
-            m = m + L.b_down
-        if L.norm_mlp_out is not None:
-            m = self._rms(m, L.norm_mlp_out)
-        return x + m
+        result: list[Array] = []
+        lo = 0
+        for x in xs:
+            n = x.shape[0]
+            # each chunk's rows in an array of its own, wherever the chunk lies in the call
+            mine = out if len(xs) == 1 else np.array(out[lo: lo + n])
+            lo += n
+            o = mine.reshape(n, nh * hd) @ L.wo_t
+            if L.bo is not None:
+                o = o + L.bo
+            if L.norm_attn_out is not None:                # Gemma-2 sandwich norm
+                o = self._rms(o, L.norm_attn_out)
+            x = x + o
+            h = self._rms(x, L.norm_mlp_in)
+            gu = h @ L.gate_up
+            if L.b_gate_up is not None:
+                gu = gu + L.b_gate_up
+            m = (act(gu[:, :im]) * gu[:, im:]) @ L.down_t
+            if L.b_down is not None:
+                m = m + L.b_down
+            if L.norm_mlp_out is not None:
+                m = self._rms(m, L.norm_mlp_out)
+            result.append(x + m)
+        return result
 
-    def _o1_attend(self, layer: LayerKvCache, q: Array, k: Array, v: Array,
+    def _o1_attend(self, layer: LayerKvCache, q: Array, ks: list[Array], vs: list[Array],
                    sealing: bool) -> Array:
         cfg = self.config
         adj = _F32(cfg.scale * math.sqrt(cfg.head_dim))     # o1 scores use 1/sqrt(head_dim)
         if sealing:                                         # the prompt: exact, and traced
             layer.o1_push_q(q * adj)
-            layer.append(k, v)
+            for k, v in zip(ks, vs):
+                layer.append(k, v)
             return layer.attend_all_heads(q, scale=cfg.scale, softcap=cfg.attn_softcap or 0.0)
-        return layer.o1_step((q * adj)[0], k[0], v[0], cfg.num_heads)[None]
+        return layer.o1_step((q * adj)[0], ks[0][0], vs[0][0], cfg.num_heads)[None]
 
     def _blas_for(self, n: int) -> ContextManager[object]:
         """BLAS on one thread for a single position (decode), unless ``blas_threads`` says.
@@ -344,18 +367,21 @@ class Runner:
                 m, w, sink = self.o1_params
                 for i in self.o1_layers:
                     self.cache.layers[i].o1_begin(m, w, sink)
+            xs: list[Array] = []
+            positions: list[npt.NDArray[np.int64]] = []
             for lo, hi in zip(cuts[:-1], cuts[1:]):
                 x = self.embed[ids[lo:hi]]
                 if self._embed_scale is not None:
                     x = x * self._embed_scale
-                positions = np.arange(self.position + lo, self.position + hi)
-                with self._blas_for(hi - lo):
-                    for i in range(self.config.num_layers):
-                        x = self._layer(i, x, positions, sealing)
-                    if all_logits:
-                        outs.append(self._logits(x))
-                    elif hi == n:
-                        outs.append(self._logits(x[-1:]))
+                xs.append(x)
+                positions.append(np.arange(self.position + lo, self.position + hi))
+            with self._blas_for(n):
+                for i in range(self.config.num_layers):
+                    xs = self._layer(i, xs, positions, sealing)
+                if all_logits:
+                    outs = [self._logits(x) for x in xs]
+                else:
+                    outs = [self._logits(xs[-1][-1:])]
             if sealing:
                 for i in self.o1_layers:
                     self.cache.layers[i].o1_seal(self.config.num_heads)
