@@ -15,6 +15,9 @@ first positions come from the store and whose rest is computed as a shorter bloc
 be bit-identical to the same prompt computed as one block.  With chunk boundaries fixed at
 multiples of ``prefill_chunk`` (a divisor of the store's block), every position is computed in
 the same chunk, with the same rows, whether or not a store supplied the ones before it.
+Each layer runs its chunks' products one chunk after another but attends once for all of
+their queries (kvcache's kernel computes each query on its own, whatever the call holds), so
+BLAS's threads and kvcache's OpenMP team take turns once per layer, as with one block.
 
 Numerics: float32 throughout (NumPy matmuls for the projections and the MLP), RoPE angles as
 transformers computes them (float32 inverse frequencies times the position).
@@ -423,6 +426,8 @@ class Runner:
         computed (its logits are needed); :attr:`store_loaded` says how many positions were
         loaded.  The logits are bit-identical to a run without the store.  A store that
         fails (a server down, a damaged entry) only costs the time: the prompt is computed.
+        With ``all_logits`` nothing is loaded (every position's logits are computed); the new
+        blocks are still stored.
 
         Raises ValueError up front for a store with O(1) layers (the store holds exact rows,
         which those layers release when they seal) or for a store block that is not a
