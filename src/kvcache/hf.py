@@ -5,9 +5,12 @@ transformers, so a causal language model loaded with it decodes through kvcache'
 kernels, reading K/V straight from a :class:`kvcache.LayerKvCache` per decoder layer::
 
     import kvcache.hf
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path = "path/to/checkpoint"          # a local folder: config.json, *.safetensors, tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="kvcache")
+    input_ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     cache = kvcache.hf.HfKvCache(model.config, mode="q8")      # or "f32" (the default)
     out = model.generate(input_ids, max_new_tokens=64, do_sample=False, cache=cache)
     # (transformers < 5.24 names that argument past_key_values; kvcache.hf.generate picks the name)
