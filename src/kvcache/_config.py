@@ -10,10 +10,7 @@ from typing import Any, Optional, TextIO
 def _wire_digest() -> str:
     """Which digest the versioned byte format writes (kvcache.wire)."""
     from . import wire
-    xxhash = wire._xxhash()
-    if xxhash is not None:
-        return f"XXH3-64 (xxhash {getattr(xxhash, 'VERSION', '?')})"
-    return "CRC-32 (zlib; install xxhash for XXH3-64, and to read XXH3 buffers)"
+    return wire.digest_name()
 
 
 def config_info() -> dict[str, Any]:

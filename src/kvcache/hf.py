@@ -207,14 +207,14 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
     is_croppable = True
     supports_early_init = True
 
-    def __init__(self, mode: KvMode | str = KvMode.F32, sliding_window: int | None = None,
-                 _handoff: _Handoff | None = None) -> None:
+    def __init__(self, mode: KvMode | str = KvMode.F32, sliding_window: int | None = None
+                 ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
         self.mode = parse_mode(mode)
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.kv: LayerKvCache | None = None
-        self._handoff = _Handoff() if _handoff is None else _handoff
+        self._handoff = _Handoff()          # HfKvCache shares its own with every layer
 
     def __repr__(self) -> str:
         window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
@@ -376,8 +376,15 @@ class HfKvCache(Cache):
         layers: list[Any] = []            # HfKvLayer objects (transformers types a union)
         if config is not None:
             windows = _layer_windows(config)
-            layers = [HfKvLayer(self.mode, w, self._handoff) for w in windows]
+            layers = [self._new_layer(w) for w in windows]
         super().__init__(layers=layers)
+
+    def _new_layer(self, sliding_window: int | None) -> HfKvLayer:
+        """A layer that reports to this cache's hand-off (the attention reads what update
+        stored through it)."""
+        layer = HfKvLayer(self.mode, sliding_window)
+        layer._handoff = self._handoff
+        return layer
 
     def __repr__(self) -> str:
         return (f"HfKvCache(mode={self.mode!r}, num_layers={len(self.layers)}, "
@@ -423,7 +430,7 @@ class HfKvCache(Cache):
                 "call model.set_attn_implementation('kvcache'), and start from a new cache "
                 "(this one is now inconsistent)")
         while len(self.layers) <= layer_idx:
-            self.layers.append(HfKvLayer(self.mode, None, self._handoff))
+            self.layers.append(self._new_layer(None))
         keys, values = self._hf_layers[layer_idx].update(key_states, value_states)
         self._handoff.pending = layer_idx
         return keys, values

@@ -871,7 +871,7 @@ class LayerKvCache:
             return False
         t, hd = self._seq_len, self._hd
         try:
-            state = O1Sealed.seal(coll._q[: coll._len].reshape(t, nh, hd), self._kf, self._vf,
+            state = O1Sealed.seal(coll.trace.reshape(t, nh, hd), self._kf, self._vf,
                                   t=t, m=coll.m, w=coll.w, sink=coll.sink, rect=coll.rect,
                                   kernels=kernels,
                                   n_threads=_core.max_threads())
@@ -956,7 +956,7 @@ class LayerKvCache:
             raise TypeError(f"snapshot: expected an O1Snapshot from o1_snapshot(), got "
                             f"{type(snapshot).__name__}")
         state = self._sealed_state("o1_restore")
-        if snapshot._owner is not state:
+        if not state.owns(snapshot):
             raise ValueError("snapshot: it was taken from another O(1) state (another layer, or "
                              "before a clear/re-seal); it cannot be restored here")
         state.restore(snapshot)

@@ -471,6 +471,10 @@ class O1Sealed:
         counts = (self.win_len, self.win_head, self.far_len)
         return O1Snapshot(self, arrays, counts, seq_len)
 
+    def owns(self, snap: O1Snapshot) -> bool:
+        """Whether ``snap`` was taken from this state (only then can it be restored here)."""
+        return snap._owner is self
+
     def restore(self, snap: O1Snapshot) -> None:
         """Copy a snapshot back in place (views handed out stay valid)."""
         for name in self._FAR:

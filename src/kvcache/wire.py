@@ -195,6 +195,14 @@ def _xxhash() -> Any:
     return xxhash
 
 
+def digest_name() -> str:
+    """What the digest of a buffer written now is, in words (for show_config)."""
+    xxhash = _xxhash()
+    if xxhash is not None:
+        return f"XXH3-64 (xxhash {getattr(xxhash, 'VERSION', '?')})"
+    return "CRC-32 (zlib; install xxhash for XXH3-64, and to read XXH3 buffers)"
+
+
 def default_algorithm() -> int:
     """The digest a writer uses: XXH3-64 when ``xxhash`` is installed, else CRC-32."""
     return ALG_XXH3 if _xxhash() is not None else ALG_CRC32

@@ -16,7 +16,8 @@ from .append import APPEND_CONTEXTS, run_append
 from .attention import (
     DEFAULT_CONTEXTS, DEFAULT_WORKING_SET, QUICK_CONTEXTS, QUICK_WORKING_SET,
     accuracy_warnings, run_context)
-from .geometry import _GEOMETRY_ALIASES, GEOMETRIES, MODE_NAMES, Geometry, GiB, MiB
+from ..modes import KvMode
+from .geometry import _GEOMETRY_ALIASES, GEOMETRIES, MODE_NAMES, Geometry, GiB, MiB, mode_name
 from .machine import (
     BusyMonitor, available_cpus, import_torch, llc_bytes, machine_info, warn_if_busy)
 from .mla import (
@@ -65,10 +66,12 @@ def parse_geometry(text: str) -> Geometry:
 
 
 def parse_mode(text: str) -> str:
-    """'f32' or 'q8' (any case)."""
-    if text.lower() not in MODE_NAMES:
-        raise argparse.ArgumentTypeError(f"unknown mode {text!r}; choose from f32, q8")
-    return text.lower()
+    """A KV mode by any name :meth:`KvMode.parse` accepts, as its short name (f32, q8, q8k,
+    q8v); the default run measures :data:`MODE_NAMES`."""
+    try:
+        return mode_name(KvMode.parse(text, "mode"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_section(text: str) -> str:

@@ -46,8 +46,15 @@ _GEOMETRY_ALIASES = {"llama": "llama3-8b", "qwen": "qwen2.5-0.5b"}
 
 
 def make_mode(mode_name: str) -> KvMode:
-    """``"f32"`` -> KvMode.F32, ``"q8"`` -> KvMode.Q8()."""
-    return KvMode.F32 if mode_name == "f32" else KvMode.Q8()
+    """The mode a name stands for (any name :meth:`KvMode.parse` accepts)."""
+    return KvMode.parse(mode_name, "mode")
+
+
+def mode_name(mode: KvMode) -> str:
+    """The short name of a mode: "f32", "q8", "q8k" or "q8v"."""
+    if mode.is_f32:
+        return "f32"
+    return "q8" if mode.quant_k and mode.quant_v else ("q8k" if mode.quant_k else "q8v")
 
 
 def random_kv(geom: Geometry, context: int, seed: int = 0) -> tuple[F32, F32]:

@@ -132,7 +132,8 @@ class MlaDecode:
     def _attend(self, layer: int, n_threads: int) -> None:
         lat, kr = self.views[layer]
         wuk, wuv = self.weights[layer]
-        _core.mla_attend(self.qn, self.qr, lat, kr, wuk, wuv, self.scale, self.out, n_threads)
+        _core.mla_attend(qn__nhk=self.qn, qr__nhe=self.qr, lat__tr=lat, kr__te=kr, wuk__hkr=wuk,
+                         wuv__hjr=wuv, scale=self.scale, out__nhj=self.out, n_threads=n_threads)
 
     def step(self, n_threads: int = 1) -> None:
         """One decode step (one query position) on the next layer of the rotation."""
@@ -169,7 +170,7 @@ def measure_fma_peak(thread_counts: Iterable[int], iters: int = MLA_FMA_ITERS,
     for n in thread_counts:
         fmas = iters * MLA_FMA_PER_PROBE_ITER * n
         with omp_threads(n):
-            samples = time_repeats(lambda: _core.fma_probe(iters, n), repeats)
+            samples = time_repeats(lambda: _core.fma_probe(iters=iters, n_threads=n), repeats)
         result[n] = {"best_gfmas": fmas / min(samples) / 1e9,
                      "median_gfmas": fmas / statistics.median(samples) / 1e9,
                      "iters": iters, "samples_s": samples}

@@ -229,7 +229,7 @@ def o1_round_robin(work: O1Decode, n_threads: int, repeats: int, flush_buf: F32,
         with omp_threads(n_threads):
             for r in range(repeats + 1):
                 work.rollback()
-                _core.stream_read(flush_buf, flush_threads)
+                _core.stream_read(buf=flush_buf, n_threads=flush_threads)
                 t0 = clock()
                 work.o1_step()
                 t1 = clock()
@@ -237,7 +237,7 @@ def o1_round_robin(work: O1Decode, n_threads: int, repeats: int, flush_buf: F32,
                 t2 = clock()
                 got = {"o1": t1 - t0, "o1_warm": t2 - t1}
                 for name, c in work.exact.items():
-                    _core.stream_read(flush_buf, flush_threads)
+                    _core.stream_read(buf=flush_buf, n_threads=flush_threads)
                     t0 = clock()
                     work.exact_step(name)
                     got[name] = clock() - t0

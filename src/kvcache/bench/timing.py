@@ -67,7 +67,7 @@ def measure_bandwidth(thread_counts: Iterable[int], nbytes: int = BANDWIDTH_BUFF
     buf = np.ones(nbytes // 4, dtype=np.float32)            # pages touched: not lazily zero
     result: Bandwidth = {}
     for n in thread_counts:
-        samples = time_repeats(lambda: _core.stream_read(buf, n), repeats)
+        samples = time_repeats(lambda: _core.stream_read(buf=buf, n_threads=n), repeats)
         result[n] = {"best_gbs": buf.nbytes / min(samples) / 1e9,
                      "median_gbs": buf.nbytes / statistics.median(samples) / 1e9,
                      "buffer_bytes": buf.nbytes, "samples_s": samples}

@@ -560,6 +560,11 @@ class _SlotMirror(Mirror):
         """The cache's ``cached_len`` at the last sync."""
         return self._len
 
+    @property
+    def seq_len(self) -> int:
+        """The cache's ``seq_len`` (= ``cached_len``) at the last sync."""
+        return self._len
+
     def __len__(self) -> int:
         return self._len
 
@@ -606,7 +611,7 @@ class LatentMirror(_SlotMirror):
     """Mirror of a :class:`~kvcache.LatentKvCache`: slot ``s`` of a populated layer is a device
     array ``(capacity, *slot_trailing[s])``; unpopulated (cleared) layers are None."""
 
-    MIRRORED = ("cached_len", "__len__", "max_seq_len", "dtype", "n_layers", "n_slots",
+    MIRRORED = ("cached_len", "seq_len", "__len__", "max_seq_len", "dtype", "n_layers", "n_slots",
                 "alloc_id", "generation", "slot_trailing", "slot_shape", "valid_view")
     _AXIS = 0
     _CACHE = LatentKvCache
@@ -631,7 +636,7 @@ class StaticMirror(_SlotMirror):
     """Mirror of a :class:`~kvcache.StaticKvCache`: K and V of a populated layer are device
     arrays ``(1, num_kv_heads, capacity, head_dim)``."""
 
-    MIRRORED = ("cached_len", "__len__", "max_seq_len", "dtype", "n_layers", "n_slots",
+    MIRRORED = ("cached_len", "seq_len", "__len__", "max_seq_len", "dtype", "n_layers", "n_slots",
                 "alloc_id", "generation", "num_kv_heads", "head_dim", "valid_view")
     _AXIS = 2
     _CACHE = StaticKvCache
