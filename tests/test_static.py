@@ -13,21 +13,7 @@ import pytest
 
 import kvcache as kc
 from kvcache import reference
-
-
-def state(cache):
-    """Every observable of a persistent cache, copied (bytes of every buffer included)."""
-    layers = []
-    for slots in cache.layers:
-        if slots is None:
-            layers.append(None)
-        else:
-            layers.append([(s.storage.tobytes(), s.storage.shape, s.version, s.authority)
-                           for s in slots])
-    return {"layers": layers, "cached_len": cache.cached_len, "alloc_id": cache.alloc_id,
-            "location": cache.rebind_location(), "ids": [None if s is None else
-                                                         [id(x.storage) for x in s]
-                                                         for s in cache.layers]}
+from test_latent import state  # the shared snapshot of a persistent cache
 
 
 # ------------------------------------------------------------------------------------ StaticKvCache
