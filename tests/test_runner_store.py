@@ -206,3 +206,25 @@ def test_generate_command_reports_the_hit(tmp_path, capsys):
     assert out and out == [line for line in second.out.splitlines() if line.startswith("output")]
     assert cli.main(["generate", "--no-progress", "--o1", "all", *args]) == 1
     assert "O(1) layers" in capsys.readouterr().err
+
+
+def test_a_store_object_with_another_fingerprint_is_refused(tmp_path):
+    # a PrefixStore made with some other fingerprint could hold another model's rows
+    ids = ids_of(300) % 512
+    runner = kr.Runner.random(seed=1)
+    store = PrefixStore(str(tmp_path), fingerprint="not-this-runner")
+    with pytest.raises(ValueError, match="fingerprint"):
+        runner.prefill(ids, store=store)
+    assert runner.cache.seq_len == 0
+
+
+def test_a_backend_object_stays_the_callers(tmp_path):
+    # the runner closes only what it opened from a spec; a MemoryBackend keeps its entries
+    ids = ids_of(300) % 512
+    runner = kr.Runner.random(seed=0)
+    backend = MemoryBackend()
+    runner.prefill(ids, store=backend)
+    assert len(backend) > 0
+    runner.reset()
+    runner.prefill(ids, store=backend)
+    assert runner.store_loaded == 256

@@ -601,11 +601,17 @@ def test_caches_the_store_does_not_handle_are_refused():
         layer.append(k[:, i], v[:, i], alive=[True, i != 1])
     with pytest.raises(ValueError, match="dead heads or evicted"):
         store.put(ids, c)
-    # Born eviction leaves fewer positions than ids
+    # eviction leaves rows that are no longer positions 0..n-1: refused, whatever ids say
     c = cold(ids, "f32")
     c.evict(20)
-    with pytest.raises(ValueError, match="holds 20 positions"):
+    with pytest.raises(ValueError, match="eviction dropped positions"):
         store.put(ids, c)
+    with pytest.raises(ValueError, match="eviction dropped positions"):
+        store.put(ids[:20], c)                       # ids of the right length: still refused
+    with pytest.raises(ValueError, match="eviction dropped positions"):
+        store.load(ids, c)
+    c.clear()
+    assert store.load(ids, c) == 0 or c.seq_len > 0  # a cleared layer is usable again
     # a q8 store needs block > 64
     with pytest.raises(ValueError, match="block > 64"):
         PrefixStore(backend, fingerprint="m", block=64).put(ids_of(128), cold(ids_of(128), "q8"))
@@ -814,3 +820,73 @@ def test_directory_filled_past_its_budget_while_another_process_reads(tmp_path):
     assert hits + misses >= 40
     d = DirectoryBackend(tmp_path, budget=BUDGET)
     assert d.nbytes() <= BUDGET + store_entry.entry_size(Geometry(L, G, D, kc.KvMode.F32, 16))
+
+
+# -- what a hostile folder or URL may hold --------------------------------------------------------
+def test_odd_files_at_entry_names_are_misses_and_keep_the_store_on(tmp_path):
+    ids = ids_of(5 * 16)
+    store = PrefixStore(DirectoryBackend(tmp_path, fsync=False), fingerprint="m", block=16)
+    assert store.put(ids, cold(ids, "f32")) == 5
+    first = store.backend.path_of(block_keys(
+        as_ids(ids), b"m", Geometry(L, G, D, kc.KvMode.F32, 16))[0].hex())   # block 0's file
+    for make in (os.mkfifo, os.mkdir, lambda p: os.symlink(p, p)):      # FIFO, folder, link loop
+        os.remove(first) if os.path.lexists(first) and not os.path.isdir(first) else None
+        if os.path.isdir(first):
+            os.rmdir(first)
+        make(first)
+        fresh = kc.KvCache(L, G, D, mode="f32")
+        assert store.load(ids, fresh) == 0 and fresh.seq_len == 0      # no hang, no error
+        assert store.available
+        assert store.put(ids, cold(ids, "f32")) in (0, 1)               # not stored over it
+
+
+def test_unknown_schemes_and_nul_paths_are_refused(tmp_path):
+    for spec in ("ftp://host/x", "s3://bucket/key", f"{tmp_path}/a\0b"):
+        with pytest.raises(ValueError, match="scheme|NUL"):
+            PrefixStore(spec, fingerprint="m")
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_cache_without_layers_is_refused(tmp_path):
+    store = PrefixStore(MemoryBackend(), fingerprint="m", block=4)
+    with pytest.raises(ValueError, match="cache.layers"):
+        store.put(range(8), kc.KvCache(0, 2, 8))
+    assert store.longest_prefix(range(8), kc.KvCache(1, 2, 8)) == 0
+
+
+def test_a_q8_load_into_a_mismatched_cache_keeps_the_entry(tmp_path):
+    # the cache's own column fields differ: a miss for this load, the entry stays for others
+    ids = ids_of(160)
+    store = PrefixStore(DirectoryBackend(tmp_path, fsync=False), fingerprint="m", block=80)
+    assert store.put(ids, cold(ids, "q8", attend=False)) == 2
+    other = cold(ids_of(80, seed=5), "q8", attend=False)               # another first block
+    assert store.load(ids, other) == 0 and other.seq_len == 80
+    assert len(entry_files(tmp_path)) == 2
+    fresh = kc.KvCache(L, G, D, mode="q8")
+    assert store.load(ids, fresh) == 160
+    assert_same(fresh, cold(ids, "q8", attend=False))
+
+
+def test_a_read_only_folder_still_serves_reads(tmp_path, caplog, monkeypatch):
+    # a folder shared read-only: writes are refused (EACCES), reads go on, one warning
+    ids = ids_of(3 * 16)
+    store = PrefixStore(DirectoryBackend(tmp_path, fsync=False), fingerprint="m", block=16)
+    assert store.put(ids[:32], cold(ids[:32], "f32")) == 2
+    import kvcache.store.directory as directory
+    real_open = directory.os.open
+
+    def no_create(path, flags, *args, **kwargs):     # root ignores permission bits: refuse here
+        if flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(directory.os, "open", no_create)
+    with caplog.at_level(logging.WARNING, logger="kvcache"):
+        store.put(ids, cold(ids, "f32"))                                # block 2: refused
+        store.put(ids, cold(ids, "f32"))
+        fresh = kc.KvCache(L, G, D, mode="f32")
+        assert store.load(ids, fresh) == 32                             # reads still serve
+    assert store.available
+    assert len(entry_files(tmp_path)) == 2
+    assert sum("reading only" in r.getMessage() for r in caplog.records) == 1
+    assert_same(fresh, cold(ids[:32], "f32"))

@@ -607,3 +607,16 @@ def test_prefix_store_server_stopped_mid_run_is_a_no_op_with_one_warning(
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
     store.close()
+
+
+def test_a_forged_manifest_with_millions_of_parts_is_a_miss_at_once(backend, raw, ns):
+    # consistent numbers, but far more parts than a writer makes: no read of 10**8 keys
+    import struct
+    import time
+
+    from kvcache.store.redis import MAX_PARTS
+    raw.set(f"{ns}e:k", b"KVR1m" + struct.pack("<IQQ16s", 10**8, 10**8, 1, b"x" * 16))
+    t0 = time.perf_counter()
+    assert backend.get_many(["k"]) == [None]
+    assert time.perf_counter() - t0 < 5
+    assert 10**8 > MAX_PARTS

@@ -99,6 +99,7 @@ class LayerKvCache:
     _o1: Optional[O1State]
     _linear_state: F32
     _linear_scratch: F32
+    _evicted: bool
 
     def __init__(self, num_kv_heads: int, head_dim: int,
                  mode: Union[KvMode, str, None] = None) -> None:
@@ -136,6 +137,7 @@ class LayerKvCache:
         self._vcol_on = np.zeros(nkv, dtype=np.uint8)
         self._imp = np.zeros(0, dtype=_F32)
         self._imp_len = 0
+        self._evicted = False
 
     def _stores(self) -> list[str]:
         """Names of the (nkv, cap, .) stores this mode uses."""
@@ -631,6 +633,13 @@ class LayerKvCache:
                 arr[h, : keep_idx.size] = arr[h, keep_idx]
         self._len[h] = n - drop if keep_idx is None else keep_idx.size
 
+    @property
+    def evicted(self) -> bool:
+        """True once an eviction dropped positions (until :meth:`clear`): row i is then no
+        longer position i of the sequence (the prefix store refuses such a layer).  A layer
+        filled from bytes (``from_bytes``, ``import_wire``) starts False."""
+        return self._evicted
+
     def evict(self, keep: int, policy: EvictionPolicy = EvictionPolicy.RECENT) -> None:
         """Shrink to at most ``keep`` positions with ``policy`` (see :mod:`kvcache.eviction`).
 
@@ -657,6 +666,7 @@ class LayerKvCache:
         self._imp[: self._imp_len - d] = self._imp[d: self._imp_len].copy()
         self._imp_len -= d
         self._seq_len = keep
+        self._evicted = True
         self._gen.diverge()
 
     def _evict_born(self, keep: int, sink: int, recent: int) -> None:
@@ -669,6 +679,7 @@ class LayerKvCache:
         self._imp[: kept.size] = self._imp[kept]
         self._imp_len = kept.size
         self._seq_len = int(kept.size)
+        self._evicted = True
         self._gen.diverge()
 
     # ------------------------------------------------------------------ accounting
@@ -737,6 +748,7 @@ class LayerKvCache:
         self._kcol_on, self._vcol_on = state.kcol_on, state.vcol_on
         self._imp = state.importance
         self._imp_len = int(state.importance.shape[0])
+        self._evicted = False
         self._linear_state = state.linear_state
         if state.linear_scratch is not None:
             self._linear_scratch = state.linear_scratch

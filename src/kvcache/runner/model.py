@@ -451,16 +451,21 @@ class Runner:
 
     @contextlib.contextmanager
     def _open_store(self, store: StoreArg) -> Iterator[PrefixStore]:
-        """``store`` as a PrefixStore, checked against this runner (ValueError); a store
-        opened here from a spec is closed on exit."""
+        """``store`` as a PrefixStore, checked against this runner (ValueError); a backend
+        opened here from a spec string or path is closed on exit (a Backend or PrefixStore
+        object the caller passed stays open: it is theirs)."""
         from ..store import PrefixStore
         self._refuse_store()
         if store is None:
             raise ValueError("store: expected a PrefixStore or a backend spec, got None")
-        own = not isinstance(store, PrefixStore)
+        own = isinstance(store, (str, os.PathLike))
         st = store if isinstance(store, PrefixStore) else PrefixStore(
             store, fingerprint=self.fingerprint)
         try:
+            if st.fingerprint != self.fingerprint.encode():
+                raise ValueError("store: its fingerprint is not this runner's (Runner.fingerprint "
+                                 "digests the config, weights, KV mode and chunk); rows stored "
+                                 "under another fingerprint may come from another model")
             if st.block % self.prefill_chunk:
                 raise ValueError(f"store: its block of {st.block} positions is not a multiple "
                                  f"of this runner's prefill_chunk={self.prefill_chunk}; the "

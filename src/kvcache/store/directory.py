@@ -32,12 +32,16 @@ import errno
 import os
 import re
 import secrets
+import stat
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from typing import Optional, Union
 
 from .backend import BackendUnavailable
+
+_log = logging.getLogger("kvcache")
 
 __all__ = ["DirectoryBackend", "DEFAULT_DIRECTORY_BUDGET"]
 
@@ -79,6 +83,7 @@ class DirectoryBackend:
         self.root = os.path.abspath(os.path.expanduser(os.fspath(path)))
         self.budget = budget
         self.fsync = bool(fsync)
+        self._read_only = False        # a write was refused for lack of permission
         self.name = f"dir:{self.root}"
         self._lock = threading.Lock()       # guards the counters below, never held during I/O
         self._estimate: Optional[int] = None
@@ -98,13 +103,28 @@ class DirectoryBackend:
         return [self._get(self.path_of(key)) for key in keys]
 
     def _open(self, path: str) -> Optional[int]:
-        """A read-only descriptor of ``path``, None when there is no such entry."""
+        """A read-only descriptor of the regular file ``path``; None when there is no such
+        entry, or something else stands there (a folder, a FIFO, a device, a symbolic link:
+        entries are only ever regular files renamed into place).  Opened without blocking and
+        without following links, so a FIFO or a link loop cannot hang or fool a read."""
+        flags = (os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0)
+                 | getattr(os, "O_NOFOLLOW", 0))
         try:
-            return os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        except (FileNotFoundError, NotADirectoryError):
+            fd = os.open(path, flags)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO):   # a link, or a FIFO with no writer
+                return None
             raise BackendUnavailable(f"{self.name}: cannot open {path}: {exc}") from exc
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except OSError:
+            regular = False
+        if not regular:
+            os.close(fd)
+            return None
+        return fd
 
     def _get(self, path: str) -> Optional[bytes]:
         fd = self._open(path)
@@ -139,6 +159,9 @@ class DirectoryBackend:
             except (FileNotFoundError, NotADirectoryError):
                 out.append(False)
             except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    out.append(False)
+                    continue
                 raise BackendUnavailable(f"{self.name}: cannot look up {key}: {exc}") from exc
         return out
 
@@ -163,12 +186,24 @@ class DirectoryBackend:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except (IsADirectoryError, OSError) as exc:
+                if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY):
+                    raise
+                os.unlink(tmp)           # a folder stands at the entry's name: not stored
+                return
         except OSError as exc:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                if not self._read_only:  # a folder shared read-only: reads still serve
+                    self._read_only = True
+                    _log.warning("kvcache store %s: cannot write (%s); reading only", self.name,
+                                 exc.strerror)
+                return
             raise BackendUnavailable(f"{self.name}: cannot write {path}: {exc}") from exc
         self._account(size)
 
@@ -282,7 +317,8 @@ def _unlink(path: str) -> bool:
     except FileNotFoundError:
         return False
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.EBUSY):
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.EBUSY, errno.EISDIR,
+                         errno.ENOTDIR, errno.ELOOP):
             return False
         raise BackendUnavailable(f"cannot delete {path}: {exc}") from exc
 

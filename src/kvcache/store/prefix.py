@@ -131,8 +131,14 @@ def open_backend(spec: BackendSpec) -> Backend:
                               f"(pip install redis) and kvcache.store.redis ({exc})") from exc
         backend: Backend = RedisBackend(spec)
         return backend
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", spec)
+    if scheme:
+        raise ValueError(f"backend {spec!r}: unknown scheme {scheme.group(1)!r} (expected "
+                         f"redis://, rediss:// or unix://, 'memory', or a folder)")
     path = spec[len("dir:"):] if spec.startswith("dir:") else spec
     path, opts = _split_query(path, spec)
+    if "\0" in path:
+        raise ValueError(f"backend {spec!r}: a folder name cannot hold a NUL character")
     if not path:
         raise ValueError(f"backend {spec!r}: no folder given")
     budget = _parse_size(opts["budget"], spec) if "budget" in opts else DEFAULT_DIRECTORY_BUDGET
@@ -317,6 +323,9 @@ class PrefixStore:
         if not isinstance(cache, KvCache):
             raise TypeError(f"cache: expected a kvcache.KvCache, got {type(cache).__name__}")
         layers = cache.layers
+        if not isinstance(layers, list) or not layers:
+            raise ValueError(f"cache.layers: expected a non-empty list of layers, got "
+                             f"{layers!r:.60}")
         mode: KvMode = cache.mode
         for i, layer in enumerate(layers):
             if not isinstance(layer, LayerKvCache):
@@ -326,6 +335,10 @@ class PrefixStore:
                 raise ValueError(f"cache.layers[{i}]: geometry {layer.num_kv_heads}x"
                                  f"{layer.head_dim}, the cache is {cache.num_kv_heads}x"
                                  f"{cache.head_dim}")
+            if layer.evicted:
+                raise ValueError(f"cache.layers[{i}]: eviction dropped positions, so its rows "
+                                 f"are no longer positions 0..n-1 of a prompt; the store cannot "
+                                 f"describe it")
             if i == 0:
                 mode = layer.mode
             elif layer.mode != mode:
@@ -373,8 +386,10 @@ class PrefixStore:
             if expected is None:
                 expected = got
             elif got != expected:
+                # against the cache's own columns the cache, not the entry, is the odd one:
+                # a miss for this load, but the entry stays for others
                 raise _entry.EntryError("column fields differ from the earlier blocks' (or the "
-                                        "cache's)")
+                                        "cache's)", remove=expected is not cols or good > 0)
 
         good = 0
         backend = self._backend

@@ -64,6 +64,9 @@ DEFAULT_MAX_PART_BYTES = 64 * 1024 * 1024
 _INLINE = b"KVR1i"
 _SPLIT = b"KVR1m"
 _SPLIT_FMT = struct.Struct("<IQQ16s")  # part count, total bytes, part bytes, token
+#: Most parts one value may have: a manifest naming more is not one this backend writes
+#: (a writer uses larger parts rather than more), so a reader takes it for a miss.
+MAX_PARTS = 1 << 16
 
 # Delete KEYS[1] only if it still holds ARGV[1] (a stale manifest nobody replaced meanwhile).
 _DELETE_IF_EQUAL = """
@@ -97,8 +100,9 @@ def _parse_manifest(raw: bytes) -> Union[bytes, _Split, None]:
     if head != _SPLIT or len(raw) != len(_SPLIT) + _SPLIT_FMT.size:
         return None
     count, total, part_bytes, token = _SPLIT_FMT.unpack_from(raw, len(_SPLIT))
-    if part_bytes < 1 or total < 1 or count != math.ceil(total / part_bytes):
-        return None
+    if (part_bytes < 1 or total < 1 or count > MAX_PARTS
+            or count != math.ceil(total / part_bytes)):
+        return None                # (a forged count would make one read fetch millions of keys)
     return _Split(count, total, part_bytes, token)
 
 
@@ -123,8 +127,11 @@ def _take_options(url: str) -> tuple[str, dict[str, str]]:
     parts = urllib.parse.urlsplit(url)
     query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
     ours = {k: v for k, v in query if k in _URL_OPTIONS}
+    if not ours:
+        return url, ours              # untouched (urlunsplit would turn unix:///p into unix:/p)
     rest = urllib.parse.urlencode([(k, v) for k, v in query if k not in _URL_OPTIONS])
-    return urllib.parse.urlunsplit(parts._replace(query=rest)), ours
+    base = url.split("?", 1)[0]
+    return (f"{base}?{rest}" if rest else base), ours
 
 
 def _ttl_from_text(text: str) -> Optional[float]:
@@ -348,7 +355,8 @@ class RedisBackend:
             if total <= self.max_part_bytes:
                 manifest = _INLINE + view.tobytes()
             else:
-                step = self.max_part_bytes
+                # at most MAX_PARTS parts: larger ones than max_part_bytes when needed
+                step = max(self.max_part_bytes, -(-total // MAX_PARTS))
                 split = _Split(math.ceil(total / step), total, step, os.urandom(16))
                 pipe = self._client.pipeline(transaction=False)
                 for j, pk in enumerate(self._part_keys(key, split)):
