@@ -890,3 +890,11 @@ def test_a_read_only_folder_still_serves_reads(tmp_path, caplog, monkeypatch):
     assert len(entry_files(tmp_path)) == 2
     assert sum("reading only" in r.getMessage() for r in caplog.records) == 1
     assert_same(fresh, cold(ids[:32], "f32"))
+
+
+def test_ids_beyond_int64_are_a_value_error():
+    # Python ints past int64 make numpy pick float64 or object: still "does not fit", as documented
+    for ids in ([2 ** 63, 1], [2 ** 100], [-(2 ** 63) - 1]):
+        with pytest.raises(ValueError, match="signed 64-bit"):
+            as_ids(ids)
+    assert as_ids([2 ** 63 - 1, 0]).tolist() == [2 ** 63 - 1, 0]

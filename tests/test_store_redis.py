@@ -620,3 +620,10 @@ def test_a_forged_manifest_with_millions_of_parts_is_a_miss_at_once(backend, raw
     assert backend.get_many(["k"]) == [None]
     assert time.perf_counter() - t0 < 5
     assert 10**8 > MAX_PARTS
+
+
+def test_a_ttl_past_redis_range_or_a_named_db_is_refused_up_front():
+    with pytest.raises(ValueError, match="ttl"):
+        RedisBackend("redis://127.0.0.1:1/0?ttl=1e300")
+    with pytest.raises(ValueError, match="database number"):
+        RedisBackend("redis://127.0.0.1:1/abc")

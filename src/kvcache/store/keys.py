@@ -86,6 +86,10 @@ def as_ids(ids: object) -> npt.NDArray[np.int64]:
         raise ValueError(f"ids: expected a 1-D sequence of token ids, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype=_I64)
+    if arr.dtype.kind in "fO" and not isinstance(ids, np.ndarray) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids):  # type: ignore[attr-defined]
+        # Python ints beyond int64 make numpy choose float64 or object
+        raise ValueError("ids: a token id does not fit in a signed 64-bit integer")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"ids: expected integer token ids, got dtype {arr.dtype}")
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) >= 1 << 63:

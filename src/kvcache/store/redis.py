@@ -216,8 +216,13 @@ class RedisBackend:
         socket_timeout = pick("socket_timeout", socket_timeout, 5.0, float)
         if not isinstance(namespace, str):
             raise TypeError(f"expected namespace to be a str, got {type(namespace).__name__}")
-        if ttl is not None and not (ttl > 0 and math.isfinite(ttl)):
-            raise ValueError(f"expected ttl > 0 seconds or None, got {ttl!r}")
+        if ttl is not None and not (ttl > 0 and math.isfinite(ttl) and ttl * 1000 < 2 ** 63):
+            raise ValueError(f"expected ttl > 0 seconds (at most about 292 million years) or "
+                             f"None, got {ttl!r}")
+        db = urllib.parse.urlsplit(client_url).path.strip("/")
+        if client_url.startswith(("redis://", "rediss://")) and db and not db.isdigit():
+            raise ValueError(f"expected a database number after the port in {self.name!r}, "
+                             f"got {db!r}")
         if (
             isinstance(max_part_bytes, bool)
             or not isinstance(max_part_bytes, int)
