@@ -286,14 +286,14 @@ class PrefixStore:
         arr = as_ids(ids)
         geom = self._geometry(cache)
         states = [layer._export_state() for layer in cache.layers]
-        m = states[0].seq_len if states else 0
+        m = states[0].seq_len                # _geometry: at least one layer
         for i, st in enumerate(states):
             _check_state(i, st, m, "load")
         b = self._block
         if m % b or m > arr.shape[0]:
             raise ValueError(f"load: the cache holds {m} positions; expected 0 or a multiple of "
                              f"block={b} that is at most len(ids)={arr.shape[0]}")
-        if self._down is not None or not states:
+        if self._down is not None:
             return 0
         raw = block_keys(arr, self._fp, geom)
         first = m // b
@@ -312,7 +312,7 @@ class PrefixStore:
         if fresh is None:
             return 0
         new_states, loaded = fresh
-        for i, st in enumerate(new_states):
+        for st in new_states:            # every layer checked before any is installed
             st.check(geom.num_kv_heads, geom.head_dim)
         for layer, st in zip(cache.layers, new_states):
             layer._install_state(st)
