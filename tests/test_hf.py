@@ -48,23 +48,30 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def fam(request, tmp_path_factory):
-    """A tiny seeded model saved to disk, loaded twice: kvcache attention and the default."""
-    cfg_name, model_name, extra = FAMILIES[request.param]
-    config = getattr(transformers, cfg_name)(**_COMMON, **extra)
+def tiny_models(name, tmp_path_factory, n_ids, **overrides):
+    """A tiny seeded model of family ``name`` saved to disk and loaded twice (kvcache
+    attention, and transformers' default), with ``n_ids`` seeded prompt ids."""
+    cfg_name, model_name, extra = FAMILIES[name]
+    config = getattr(transformers, cfg_name)(**{**_COMMON, **overrides}, **extra)
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config)
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
     auto = transformers.AutoModelForCausalLM
     mk = auto.from_pretrained(path, attn_implementation="kvcache")
     # Gemma-2 needs eager in every 5.x (5.24 picks it by default; early 5.x picked sdpa, which
     # dropped the attention softcap)
-    ref_impl = {"attn_implementation": "eager"} if request.param == "gemma2" else {}
+    ref_impl = {"attn_implementation": "eager"} if name == "gemma2" else {}
     mr = auto.from_pretrained(path, **ref_impl)
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 128, (1, PROMPT), generator=gen)
+    ids = torch.randint(3, 128, (1, n_ids), generator=gen)
+    return mk, mr, ids, path
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def fam(request, tmp_path_factory):
+    """A tiny seeded model saved to disk, loaded twice: kvcache attention and the default."""
+    mk, mr, ids, path = tiny_models(request.param, tmp_path_factory, PROMPT)
     with torch.no_grad():
         ref = mr.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
                           output_logits=True)

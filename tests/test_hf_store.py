@@ -22,7 +22,7 @@ kh = pytest.importorskip("kvcache.hf")
 
 from kvcache.store import DirectoryBackend, MemoryBackend, PrefixStore  # noqa: E402
 
-from test_hf import _COMMON, FAMILIES, _cache  # noqa: E402  (the hf tests' tiny models)
+from test_hf import _COMMON, _cache, tiny_models  # noqa: E402  (the hf tests' tiny models)
 
 PROMPT, LONGER, NEW, BLOCK = 200, 280, 12, 80     # BLOCK > 64: q8 entries need it
 TOL = 1e-4
@@ -30,19 +30,8 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "gemma2"])
 def fam(request, tmp_path_factory):
-    cfg_name, model_name, extra = FAMILIES[request.param]
-    common = dict(_COMMON, max_position_embeddings=512)
-    config = getattr(transformers, cfg_name)(**common, **extra)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    auto = transformers.AutoModelForCausalLM
-    mk = auto.from_pretrained(path, attn_implementation="kvcache")
-    ref_impl = {"attn_implementation": "eager"} if request.param == "gemma2" else {}
-    mr = auto.from_pretrained(path, **ref_impl)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 128, (1, LONGER), generator=gen)
+    mk, mr, ids, _ = tiny_models(request.param, tmp_path_factory, LONGER,
+                                 max_position_embeddings=512)
     return types.SimpleNamespace(name=request.param, mk=mk, mr=mr, ids=ids)
 
 
