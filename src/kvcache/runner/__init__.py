@@ -11,8 +11,10 @@ Gemma-2 family and runs it in NumPy float32, with every attention layer's K/V in
   ``query_pre_attn_scalar``, alternating sliding/global layers and sandwich norms, tied
   embeddings;
 - prefill runs the prompt in chunks ending at multiples of ``prefill_chunk`` (default 64)
-  absolute positions (per chunk: ``append`` of its positions, then ``attend_all_heads`` of its
-  queries, causal within the chunk); decode runs one position per step;
+  absolute positions, grouped in steps of ``prefill_step`` (default 512) positions that each go
+  through every layer before the next (per layer and step: the chunks' products, ``append`` of
+  their positions, one ``attend_all_heads`` of their queries); the bits do not depend on the
+  step; decode runs one position per step;
 - a prefix store (``store=`` of :meth:`Runner.prefill` and :meth:`Runner.generate`, a
   :class:`kvcache.store.PrefixStore` or a backend spec) supplies the prompt's stored leading
   positions, bit-identical to computing them, keyed by :attr:`Runner.fingerprint`;

@@ -2,7 +2,8 @@
 
 :func:`main` parses the command line, loads the model through :class:`~kvcache.runner.Runner`,
 encodes the prompt with the folder's ``tokenizer.json`` when there is one, generates with a
-progress bar on stderr and prints the output with prefill / decode rates and the cache size.
+progress bar on stderr (one over the prompt's positions first, when the prompt takes more than
+two prefill steps) and prints the output with prefill / decode rates and the cache size.
 ``--store`` names a prefix store (a folder or a Redis URL) whose hit is reported on stderr.
 """
 
@@ -15,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from .._progress import progress_bar
+from .._progress import ProgressBar, progress_bar
 from ..modes import KvMode
 from .config import ModelConfig
 from .model import Runner
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "computing them, and store its new full blocks (a folder, e.g. "
                         "~/.cache/kvcache, or a Redis URL); the output is the same as without "
                         "it, the hit is reported on stderr; not with --o1")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (prompt positions for long prompts, new tokens)")
     return p
 
 
@@ -95,6 +97,27 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: Any, cfg: ModelConfig,
         return list(tokenizer.encode("Once upon a time").ids)
     bos = cfg.bos_token_id if cfg.bos_token_id is not None else 1
     return [bos] + list(range(2, 9))
+
+
+class _PromptBar:
+    """The prefill's ``progress(done, total)`` as a bar over prompt positions, made at the
+    first step when more than ``least`` positions are computed (a short prompt shows none)."""
+
+    def __init__(self, least: int, enabled: bool) -> None:
+        self.least, self.enabled = least, enabled
+        self.bar: ProgressBar | None = None
+        self.done = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None and self.done == 0 and total > self.least:
+            self.bar = progress_bar(total, self.enabled, unit="pos")
+        if self.bar is not None:
+            self.bar.update(done - self.done)
+        self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def main(argv: Sequence[str] | None = None, file: IO[str] | None = None) -> int:
@@ -133,6 +156,7 @@ def main(argv: Sequence[str] | None = None, file: IO[str] | None = None) -> int:
         prompt = _prompt_ids(args, tokenizer, runner.config, parser)
         if not prompt:
             parser.error("the prompt is empty")
+        prompt_bar = _PromptBar(2 * runner.prefill_step, not args.no_progress)
         bar = progress_bar(args.max_new_tokens, not args.no_progress, unit="tok")
         t0 = time.perf_counter()
         first: list[float] = []
@@ -142,9 +166,12 @@ def main(argv: Sequence[str] | None = None, file: IO[str] | None = None) -> int:
                 first.append(time.perf_counter())
             bar.update()
 
-        tokens = runner.generate(prompt, args.max_new_tokens, temperature=args.temperature,
-                                 top_p=args.top_p, seed=args.seed, callback=on_token,
-                                 store=args.store)
+        try:
+            tokens = runner.generate(prompt, args.max_new_tokens, temperature=args.temperature,
+                                     top_p=args.top_p, seed=args.seed, callback=on_token,
+                                     store=args.store, progress=prompt_bar)
+        finally:
+            prompt_bar.close()
         end = time.perf_counter()
         bar.close()
         if args.store:

@@ -19,6 +19,17 @@ Each layer runs its chunks' products one chunk after another but attends once fo
 their queries (kvcache's kernel computes each query on its own, whatever the call holds), so
 BLAS's threads and kvcache's OpenMP team take turns once per layer, as with one block.
 
+Steps.  A long prompt is computed step-major: a step of ``prefill_step`` positions (a multiple of
+``prefill_chunk``, 512 by default) goes through every layer before the next step starts, so the
+activations, the products' scratch and the attention output hold one step's rows, not the
+prompt's.  A step is a group of whole chunks and each query attends on its own to the rows
+stored before it, so the bits do not depend on the step size.  One exception is kept out by
+construction: in q8 modes the first append that reaches position ``quant.COL_WARMUP`` (64)
+freezes the column field and requantises the rows before it, which a one-block prefill does
+before any of its queries attend; no step therefore ends at or below that position (the first
+step then runs past it), and the queries of the first positions see the frozen rows as they
+would in one block.
+
 Numerics: float32 throughout (NumPy matmuls for the projections and the MLP), RoPE angles as
 transformers computes them (float32 inverse frequencies times the position).
 """
@@ -53,7 +64,7 @@ if TYPE_CHECKING:
     from ..o1 import O1Snapshot
     from ..store import PrefixStore
 
-__all__ = ["DEFAULT_PREFILL_CHUNK", "Runner"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_PREFILL_STEP", "Runner"]
 
 #: Positions per prefill chunk (chunks end at multiples of it).  It divides the prefix store's
 #: default block (256), so stored blocks and computed chunks line up; a full store hit still
@@ -62,6 +73,12 @@ __all__ = ["DEFAULT_PREFILL_CHUNK", "Runner"]
 #: while cold prefill costs the same as with 128 within noise (the products of 64 rows stay
 #: compute-bound); it also bounds the MLP's scratch arrays to a chunk's rows.
 DEFAULT_PREFILL_CHUNK = 64
+#: Positions per prefill step (a step goes through every layer before the next one starts),
+#: rounded up to a multiple of ``prefill_chunk``.  It bounds a long prompt's activations and
+#: scratch to a step's rows (512 rows of a 4096-wide model's MLP: about 30 MB) while each
+#: layer's products still see 64-row chunks and the BLAS/OpenMP hand-over happens once per
+#: layer and step; the bits do not depend on it (module docstring).
+DEFAULT_PREFILL_STEP = 512
 #: What ``store=`` accepts: a PrefixStore, or a backend spec (a folder, ``redis://...``).
 StoreArg = Union["PrefixStore", str, "os.PathLike[str]", None]
 
@@ -136,6 +153,13 @@ class Runner:
         for a position does not depend on where the call started (see the module docstring).
         A prefix store's block must be a multiple of it.  Smaller chunks make a store hit
         faster (the last chunk is always computed) and the MLP's scratch smaller.
+    prefill_step : int, optional
+        Positions per prefill step (default :data:`DEFAULT_PREFILL_STEP`, 512, rounded up to a
+        multiple of ``prefill_chunk``; else it must be a multiple of it, ValueError): a prompt
+        is computed step by step, each step through every layer, so memory for activations
+        and scratch grows with the step, not with the prompt.  The outputs are bit-identical
+        for every step size (see the module docstring), so it is not part of
+        :attr:`fingerprint`.
 
     Attributes
     ----------
@@ -149,7 +173,8 @@ class Runner:
                  kv: KvMode | str = "f32", o1_layers: LayerSpec = None,
                  o1_params: Sequence[int] = (32, 128, 4), max_seq_len: int = 131072,
                  decode_blas_threads: int = 1,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 prefill_step: int | None = None) -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
         self.config: ModelConfig = config
@@ -162,6 +187,14 @@ class Runner:
                                zip(("m", "w", "sink"), o1_params, (4, 1, 0)))
         self.blas_threads = as_int("decode_blas_threads", decode_blas_threads, minimum=0)
         self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, minimum=1)
+        c = self.prefill_chunk
+        if prefill_step is None:
+            self.prefill_step = -(-DEFAULT_PREFILL_STEP // c) * c
+        else:
+            self.prefill_step = as_int("prefill_step", prefill_step, minimum=1)
+            if self.prefill_step % c:
+                raise ValueError(f"prefill_step: expected a multiple of prefill_chunk={c}, got "
+                                 f"{self.prefill_step}")
         tracked = Tracked(weights)
         self.embed = take(tracked, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         self.layers: list[LayerWeights] = layers_from(tracked, cfg)
@@ -239,11 +272,12 @@ class Runner:
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     def _layer(self, i: int, xs: list[Array], positions: list[npt.NDArray[np.int64]],
-               sealing: bool) -> list[Array]:
-        """Layer ``i`` over the chunks ``xs`` (their ``positions``): the products and the
-        row-wise steps run chunk by chunk (a row's bits depend on its chunk alone), the
-        attention once for every chunk's queries (the kernel computes each query on its own),
-        so BLAS and kvcache's OpenMP team take turns once per layer, not once per chunk."""
+               sealing: bool, prompt: bool = False) -> list[Array]:
+        """Layer ``i`` over the chunks ``xs`` (their ``positions``; one prefill step): the
+        products and the row-wise steps run chunk by chunk (a row's bits depend on its chunk
+        alone), the attention once for every chunk's queries (the kernel computes each query
+        on its own), so BLAS and kvcache's OpenMP team take turns once per layer and step, not
+        once per chunk.  ``prompt``: the positions are prompt positions (:meth:`_attend`)."""
         cfg, L = self.config, self.layers[i]
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         nq, nk = nh * hd, nkv * hd
@@ -267,8 +301,7 @@ class Runner:
         else:
             for k, v in zip(ks, vs):          # chunk by chunk: q8's column freeze sees what
                 layer.append(k, v)            # it sees with a store
-            out = layer.attend_all_heads(q, scale=cfg.scale, window=cfg.layer_windows[i],
-                                         softcap=cfg.attn_softcap or 0.0)
+            out = self._attend(layer, q, cfg.layer_windows[i], prompt)
         self.timings["attention_s"] += time.perf_counter() - t0
         act = _ACTIVATIONS[cfg.hidden_act]
         im = cfg.intermediate_size
@@ -305,8 +338,23 @@ class Runner:
             layer.o1_push_q(q * adj)
             for k, v in zip(ks, vs):
                 layer.append(k, v)
-            return layer.attend_all_heads(q, scale=cfg.scale, softcap=cfg.attn_softcap or 0.0)
+            return self._attend(layer, q, None, True)
         return layer.o1_step((q * adj)[0], ks[0][0], vs[0][0], cfg.num_heads)[None]
+
+    def _attend(self, layer: LayerKvCache, q: Array, window: int | None,
+                prompt: bool) -> Array:
+        """Attention of the queries ``q`` (n, num_heads, head_dim) to the rows ``layer`` holds
+        up to each query's own position: the one place where the runner calls kvcache's
+        attention (O(1) layers' exact prompt included).
+
+        ``prompt`` is True for every position of a prompt (:meth:`prefill`, and
+        :meth:`forward` with several positions), whatever the size of its step or of its last
+        chunk after a store hit, and False for a decode step.  The prompt's positions must go
+        through the same kernel however the call that holds them is cut, or a store hit would
+        change the bits; a kernel meant for prompts is chosen here, for all of them."""
+        cfg = self.config
+        return layer.attend_all_heads(q, scale=cfg.scale, window=window,
+                                      softcap=cfg.attn_softcap or 0.0)
 
     def _blas_for(self, n: int) -> ContextManager[object]:
         """BLAS on one thread for a single position (decode), unless ``blas_threads`` says.
@@ -352,8 +400,33 @@ class Runner:
         the last position (vocab,) or of all (n, vocab) with ``all_logits``.
 
         Several positions are computed in chunks that end at multiples of
-        ``prefill_chunk`` (absolute positions); the call changes nothing when it fails."""
-        ids = self._check_ids(ids)
+        ``prefill_chunk`` (absolute positions), grouped in steps of ``prefill_step`` that go
+        through every layer one after the other (module docstring); the call changes nothing
+        when it fails."""
+        arr = self._check_ids(ids)
+        return self._forward(arr, all_logits, arr.shape[0] > 1, None)
+
+    def _steps(self, n: int) -> list[list[tuple[int, int]]]:
+        """The chunks ``(lo, hi)`` (offsets into the call) of ``n`` positions after
+        :attr:`position`, grouped in steps: chunks end at multiples of ``prefill_chunk``, steps
+        at multiples of ``prefill_step`` (absolute positions) and at the end; in q8 modes no
+        step ends at or below ``quant.COL_WARMUP`` (the column freeze, module docstring)."""
+        start, c, size = self.position, self.prefill_chunk, self.prefill_step
+        ends = list(range((start // c + 1) * c, start + n, c)) + [start + n]
+        floor = 0 if self.mode.is_f32 else quant.COL_WARMUP
+        steps: list[list[tuple[int, int]]] = [[]]
+        lo = start
+        for hi in ends:
+            steps[-1].append((lo - start, hi - start))
+            if hi < start + n and hi % size == 0 and hi > floor:
+                steps.append([])
+            lo = hi
+        return steps
+
+    def _forward(self, ids: npt.NDArray[Any], all_logits: bool, prompt: bool,
+                 progress: Callable[[int, int], object] | None) -> Array:
+        """:meth:`forward` of checked ``ids``; ``prompt`` says whether they are prompt positions
+        (:meth:`_attend`), ``progress(done, n)`` is called after each step."""
         n = ids.shape[0]
         sealing = bool(self.o1_layers) and self.position == 0
         if self.o1_layers and not sealing and n > 1:
@@ -361,29 +434,30 @@ class Runner:
                              "several positions; decode one position per call")
         t0 = time.perf_counter()
         undo = self._undo_point(sealing)
-        c = self.prefill_chunk
-        cuts = [0] + [p - self.position for p in range((self.position // c + 1) * c,
-                                                          self.position + n, c)] + [n]
+        steps = self._steps(n)
         outs: list[Array] = []
         try:
             if sealing:
                 m, w, sink = self.o1_params
                 for i in self.o1_layers:
                     self.cache.layers[i].o1_begin(m, w, sink)
-            xs: list[Array] = []
-            positions: list[npt.NDArray[np.int64]] = []
-            for lo, hi in zip(cuts[:-1], cuts[1:]):
-                x = self.embed[ids[lo:hi]]
-                if self._embed_scale is not None:
-                    x = x * self._embed_scale
-                xs.append(x)
-                positions.append(np.arange(self.position + lo, self.position + hi))
             with self._blas_for(n):
-                for i in range(self.config.num_layers):
-                    xs = self._layer(i, xs, positions, sealing)
-                if all_logits:
-                    outs = [self._logits(x) for x in xs]
-                else:
+                for chunks in steps:
+                    xs: list[Array] = []
+                    positions: list[npt.NDArray[np.int64]] = []
+                    for lo, hi in chunks:
+                        x = self.embed[ids[lo:hi]]
+                        if self._embed_scale is not None:
+                            x = x * self._embed_scale
+                        xs.append(x)
+                        positions.append(np.arange(self.position + lo, self.position + hi))
+                    for i in range(self.config.num_layers):
+                        xs = self._layer(i, xs, positions, sealing, prompt)
+                    if all_logits:
+                        outs.extend(self._logits(x) for x in xs)
+                    if progress is not None:
+                        progress(chunks[-1][1], n)
+                if not all_logits:
                     outs = [self._logits(xs[-1][-1:])]
             if sealing:
                 for i in self.o1_layers:
@@ -415,7 +489,8 @@ class Runner:
                 layer.o1_restore(saved)
 
     def prefill(self, ids: IntArrayLike, *, all_logits: bool = False,
-                store: StoreArg = None) -> Array:
+                store: StoreArg = None,
+                progress: Callable[[int, int], object] | None = None) -> Array:
         """The prompt (the cache must be empty): see :meth:`forward`.
 
         With ``store`` (a :class:`kvcache.store.PrefixStore`, or a backend spec such as a
@@ -429,6 +504,10 @@ class Runner:
         With ``all_logits`` nothing is loaded (every position's logits are computed); the new
         blocks are still stored.
 
+        The prompt is computed in steps of ``prefill_step`` positions (each through every
+        layer); ``progress(done, total)``, when given, is called after each step with the
+        positions computed so far and the number this call computes (loaded ones left out).
+
         Raises ValueError up front for a store with O(1) layers (the store holds exact rows,
         which those layers release when they seal) or for a store block that is not a
         multiple of ``prefill_chunk``."""
@@ -436,11 +515,11 @@ class Runner:
             raise ValueError(f"prefill: the cache already holds {self.position} positions; "
                              f"call reset() first or use forward()")
         self.store_loaded = 0
-        if store is None:
-            return self.forward(ids, all_logits=all_logits)
         arr = self._check_ids(ids)
+        if store is None:
+            return self._forward(arr, all_logits, True, progress)
         with self._open_store(store) as st:
-            return self._prefill_from(st, arr, all_logits)
+            return self._prefill_from(st, arr, all_logits, progress)
 
     def _refuse_store(self) -> None:
         """ValueError when this runner's configuration cannot use a prefix store."""
@@ -475,7 +554,8 @@ class Runner:
             if own:
                 st.close()
 
-    def _prefill_from(self, st: PrefixStore, ids: npt.NDArray[Any], all_logits: bool) -> Array:
+    def _prefill_from(self, st: PrefixStore, ids: npt.NDArray[Any], all_logits: bool,
+                      progress: Callable[[int, int], object] | None) -> Array:
         """Load the stored prefix of ``ids`` (whole chunks, leaving the last chunk to compute),
         compute the rest, store the new full blocks."""
         n, c, b = ids.shape[0], self.prefill_chunk, st.block
@@ -493,7 +573,7 @@ class Runner:
             elif keep < loaded:
                 self.cache.truncate_last(loaded - keep)
             self.position = keep
-            logits = self.forward(ids[keep:], all_logits=all_logits)
+            logits = self._forward(ids[keep:], all_logits, True, progress)
         except BaseException:
             self.reset()
             raise
@@ -554,7 +634,8 @@ class Runner:
                  top_p: float = 1.0, seed: int | None = None,
                  stop: int | Collection[int] | None = None,
                  callback: Callable[[int], object] | None = None,
-                 store: StoreArg = None) -> list[int]:
+                 store: StoreArg = None,
+                 progress: Callable[[int, int], object] | None = None) -> list[int]:
         """Prefill ``prompt`` and decode up to ``max_new_tokens`` tokens.
 
         Parameters
@@ -576,6 +657,8 @@ class Runner:
             prompt's stored prefix is loaded instead of computed, and its new full blocks are
             stored (see :meth:`prefill`).  The tokens are the same as without it.  O(1) layers
             refuse a store (ValueError, before anything runs).
+        progress : callable, optional
+            Called as ``progress(done, total)`` after each prefill step (see :meth:`prefill`).
 
         Returns
         -------
@@ -613,7 +696,7 @@ class Runner:
             self.forward(prompt)          # checks the prompt like any other call, then
             self.reset()                  # leaves the runner as it was
             return out
-        logits = self.prefill(prompt, store=store)
+        logits = self.prefill(prompt, store=store, progress=progress)
         while True:
             tok = sample(logits, temperature, top_p, rng)
             out.append(tok)
