@@ -49,6 +49,18 @@ cache's length).  :func:`store_cache` stores a cache's full blocks afterwards::
     out = kvcache.hf.generate(model, input_ids, cache=cache, max_new_tokens=64)
     kvcache.hf.store_cache(store, cache, out[0])   # the sequence whose positions it holds
 
+Long prompts.  :func:`prefill` feeds a prompt to ``model(...)`` in steps of ``step`` positions
+(default :data:`DEFAULT_PREFILL_STEP`, 512) with an :class:`HfKvCache`, so the model's
+activations and products hold one step's rows instead of the whole prompt's, and returns the
+last position's logits; :func:`generate` does the same for the prompt with ``prefill_step=``::
+
+    logits, cache = kvcache.hf.prefill(model, input_ids, mode="q8", step=512)
+    out = kvcache.hf.generate(model, input_ids, max_new_tokens=64, prefill_step=512)
+
+Each step's queries attend to every row stored before them, so the result is the one-shot
+prefill's up to float32 rounding (PyTorch's products of a step's rows differ from those of
+the whole prompt in the low bits).
+
 The fingerprint is the caller's: a string that changes whenever the weights do (a model id with
 its revision or a hash of the checkpoint files); entries stored under one never match another.
 The loaded rows are the ones an earlier run computed; PyTorch computes the rest as a shorter
@@ -92,6 +104,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from . import quant
 from ._windows import layer_windows
 from .layer import LayerKvCache
 from .model import KvCache
@@ -113,11 +126,14 @@ if TYPE_CHECKING:
 
     from .store import PrefixStore
 
-__all__ = ["ATTN_IMPLEMENTATION", "HfKvCache", "HfKvLayer", "cache_from_store", "generate",
-           "kvcache_attention", "kvcache_mask", "parse_mode", "register", "store_cache"]
+__all__ = ["ATTN_IMPLEMENTATION", "DEFAULT_PREFILL_STEP", "HfKvCache", "HfKvLayer",
+           "cache_from_store", "generate", "kvcache_attention", "kvcache_mask", "parse_mode",
+           "prefill", "register", "store_cache"]
 
 #: The name the attention (and mask) function is registered under.
 ATTN_IMPLEMENTATION = "kvcache"
+#: Positions per ``model(...)`` call of :func:`prefill` (the runner's default step too).
+DEFAULT_PREFILL_STEP = 512
 
 _MIN_TRANSFORMERS = (5, 0)
 _VERIFIED_TRANSFORMERS = "5.0.0 to 5.24.0"
@@ -539,8 +555,7 @@ def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if key.shape[2] != n:
             raise ValueError(f"query: expected the {key.shape[2]} positions just appended to the "
                              f"cache, got {n}")
-        layer.kv.attend_all_heads(q[0], scale=scale, window=window, softcap=cap,
-                                  out=out[0].numpy())
+        _attend(layer.kv, q[0], scale, window, cap, out[0].numpy())
     else:
         _check_cpu("key", key)
         if key.shape[2] < n:
@@ -550,11 +565,19 @@ def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         for b in range(batch):
             tmp = LayerKvCache(k.shape[2], head_dim, mode=KvMode.F32)
             tmp.append(k[b], v[b])
-            tmp.attend_all_heads(q[b], scale=scale, window=window, softcap=cap,
-                                 out=out[b].numpy())
+            _attend(tmp, q[b], scale, window, cap, out[b].numpy())
     if query.dtype != torch.float32:
         out = out.to(query.dtype)
     return out, None
+
+
+def _attend(kv: LayerKvCache, q: npt.NDArray[np.float32], scale: float | None,
+            window: int | None, cap: float, out: npt.NDArray[np.float32]) -> None:
+    """The one place kvcache.hf calls kvcache's attention: the n queries ``q`` (n, num_heads,
+    head_dim) attend to the rows ``kv`` holds up to their own, into ``out``.  A block of
+    ``n > 1`` queries is a prompt (or a step of one, :func:`prefill`); one query is a decode
+    step; a kernel meant for prompts is chosen here."""
+    kv.attend_all_heads(q, scale=scale, window=window, softcap=cap, out=out)
 
 
 def _window(module: torch.nn.Module, layer: HfKvLayer | None,
@@ -633,8 +656,97 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _check_model(model: Any) -> None:
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != ATTN_IMPLEMENTATION:
+        raise ValueError(f"model: expected attn_implementation={ATTN_IMPLEMENTATION!r}, got "
+                         f"{impl!r}; load it with attn_implementation='kvcache' or call "
+                         "model.set_attn_implementation('kvcache')")
+
+
+def _new_or_given(model: Any, cache: HfKvCache | None, mode: KvMode | str | None) -> HfKvCache:
+    if cache is None:
+        return HfKvCache(model.config, mode=mode)
+    if not isinstance(cache, HfKvCache):
+        raise TypeError(f"cache: expected an HfKvCache, got {type(cache).__name__}")
+    return cache
+
+
+def _check_step(name: str, step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {step!r}")
+
+
+def _steps(start: int, n: int, step: int, mode: KvMode) -> list[tuple[int, int]]:
+    """The ``(lo, hi)`` positions of :func:`prefill`'s calls: steps end at multiples of
+    ``step`` and at ``n``; in q8 modes none ends at or below ``quant.COL_WARMUP``, where the
+    column freeze requantises the rows before it (a one-shot prefill freezes before any of its
+    queries attend; so does the first step then)."""
+    floor = 0 if mode.is_f32 else quant.COL_WARMUP
+    ends = [e for e in range((start // step + 1) * step, n, step) if e > floor] + [n]
+    return list(zip([start] + ends[:-1], ends))
+
+
+def prefill(model: Any, input_ids: Any, *, cache: HfKvCache | None = None,
+            mode: KvMode | str | None = None,
+            step: int = DEFAULT_PREFILL_STEP) -> tuple[torch.Tensor, HfKvCache]:
+    """Feed a prompt to ``model(...)`` in steps of ``step`` positions; return the logits of
+    its last position and the cache.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Loaded with ``attn_implementation="kvcache"``.
+    input_ids : torch.LongTensor of shape (1, n), or a sequence of ints
+        The whole sequence; the positions past what ``cache`` holds are fed (all of them with
+        a new cache), as ``generate`` does.
+    cache : HfKvCache, optional
+        A cache to continue (e.g. from :func:`cache_from_store`); a new one otherwise.
+    mode : KvMode, str or None
+        Storage precision of a new cache (ignored when ``cache`` is given).
+    step : int
+        Positions per ``model(...)`` call (default :data:`DEFAULT_PREFILL_STEP`): the model's
+        activations and products hold ``step`` rows, not the prompt's; each call asks the
+        model for its last position's logits only (``logits_to_keep=1``).  Steps end at
+        multiples of ``step`` (absolute positions), and with a q8 cache the first runs past
+        position 64, where q8's column field freezes, as a one-shot prefill does.
+
+    Returns
+    -------
+    (logits, cache)
+        ``logits``: float32 tensor (vocab,) of the last position, equal to a one-shot
+        ``model(input_ids)``'s to float32 rounding; ``cache`` holds every position.
+
+    Raises ValueError when the cache already holds every position of ``input_ids`` (nothing
+    to compute) or more, or when ``step`` is not a positive integer; TypeError for a cache
+    that is not an :class:`HfKvCache`.  A call that fails half way leaves the cache holding
+    the steps done so far (``cache.crop`` rolls it back).
+    """
+    _check_model(model)
+    _check_step("step", step)
+    ids = _prompt_ids(input_ids)
+    cache = _new_or_given(model, cache, mode)
+    start = cache.get_seq_length()
+    if start >= ids.shape[0]:
+        raise ValueError(f"input_ids: the cache already holds {start} positions, input_ids has "
+                         f"{ids.shape[0]}; there is nothing left to compute")
+    params = inspect.signature(model.forward).parameters
+    kwargs: dict[str, Any] = {_cache_kwarg(model): cache, "use_cache": True}
+    if "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = 1
+    tokens = torch.from_numpy(ids)[None]
+    logits: torch.Tensor | None = None
+    with torch.no_grad():
+        for lo, hi in _steps(start, ids.shape[0], int(step), cache.mode):
+            out = model(input_ids=tokens[:, lo: hi], **kwargs)
+            logits = out.logits[0, -1]
+    assert logits is not None
+    return logits.float(), cache
+
+
 def generate(model: Any, input_ids: torch.Tensor, *, mode: KvMode | str | None = None,
-             cache: HfKvCache | None = None, **kwargs: Any) -> Any:
+             cache: HfKvCache | None = None, prefill_step: int | None = None,
+             **kwargs: Any) -> Any:
     """``model.generate`` with an :class:`HfKvCache`.
 
     Parameters
@@ -646,6 +758,11 @@ def generate(model: Any, input_ids: torch.Tensor, *, mode: KvMode | str | None =
         Storage precision of a new cache (ignored when ``cache`` is given).
     cache : HfKvCache, optional
         A cache to continue from (multi-turn); a new one is made otherwise.
+    prefill_step : int, optional
+        When given, the prompt's positions but the last that the cache does not hold yet are
+        first fed through :func:`prefill` in steps of ``prefill_step`` (when there are more
+        than ``prefill_step`` of them); ``model.generate`` then computes the last one.  None
+        (the default) leaves the whole prompt to ``model.generate``, one block.
     **kwargs
         Passed to ``model.generate`` (``max_new_tokens``, ``do_sample``, ...).
 
@@ -654,15 +771,13 @@ def generate(model: Any, input_ids: torch.Tensor, *, mode: KvMode | str | None =
     What ``model.generate`` returns.  The cache is reachable through the output when
     ``return_dict_in_generate=True``, or pass your own ``cache``.
     """
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl != ATTN_IMPLEMENTATION:
-        raise ValueError(f"model: expected attn_implementation={ATTN_IMPLEMENTATION!r}, got "
-                         f"{impl!r}; load it with attn_implementation='kvcache' or call "
-                         "model.set_attn_implementation('kvcache')")
-    if cache is None:
-        cache = HfKvCache(model.config, mode=mode)
-    elif not isinstance(cache, HfKvCache):
-        raise TypeError(f"cache: expected an HfKvCache, got {type(cache).__name__}")
+    _check_model(model)
+    cache = _new_or_given(model, cache, mode)
+    if prefill_step is not None:
+        _check_step("prefill_step", prefill_step)
+        ids = _prompt_ids(input_ids)
+        if ids.shape[0] - 1 - cache.get_seq_length() > prefill_step:
+            prefill(model, ids[:-1], cache=cache, step=prefill_step)
     kwargs[_cache_kwarg(model)] = cache
     return model.generate(input_ids, **kwargs)
 
