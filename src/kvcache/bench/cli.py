@@ -26,6 +26,7 @@ from .mla import (
     QUICK_MLA_REPEATS, mla_accuracy_warnings, run_mla)
 from .o1 import O1_CONTEXTS, O1_REPEATS, QUICK_O1_CONTEXTS, QUICK_O1_REPEATS, run_o1
 from .options import Options, SECTIONS
+from .prefill import add_to_json, print_prefill, run_prefill, task_count
 from .report import (
     Results, mla_plot_path, print_report, write_json, write_mla_plot, write_plot)
 from .runner import (
@@ -124,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "sync per decode step vs a full re-upload), runner (decode tokens/s "
                         "of kvcache.runner vs transformers generate), store (time to first "
                         "token cold / full hit / half hit with a directory and a Redis prefix "
-                        "store, store and load GB/s, bytes per token); default all, e.g. "
+                        "store, store and load GB/s, bytes per token), prefill (prompt "
+                        "attention vs torch SDPA and the FMA peak, time to first token of "
+                        "kvcache.runner vs transformers); default all, e.g. "
                         "--sections o1 runs the O(1) section alone")
     p.add_argument("--contexts", nargs="+", metavar="T", help="contexts, e.g. 1k 4k 16k 32k")
     p.add_argument("--geometries", nargs="+", metavar="G", help="llama3-8b and/or qwen2.5-0.5b")
@@ -291,7 +294,8 @@ def _resolve_options(args: argparse.Namespace) -> Options:
         runner_steps=count(args.runner_steps, QUICK_RUNNER_STEPS, RUNNER_STEPS, least=2),
         store=runs("store", args.no_store),
         store_contexts=contexts_of(args.store_contexts, QUICK_STORE_CONTEXTS, STORE_CONTEXTS),
-        store_repeats=count(args.store_repeats, QUICK_STORE_REPEATS, STORE_REPEATS))
+        store_repeats=count(args.store_repeats, QUICK_STORE_REPEATS, STORE_REPEATS),
+        prefill=runs("prefill"), prefill_quick=quick)
 
 
 def check_plot_backend() -> str | None:
@@ -325,9 +329,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                + (len(opts.mla_contexts) + 1 + (not opts.decode) if opts.mla else 0)
                + (len(SYNC_CASES) if opts.sync else 0)
                + (len(opts.runner_contexts) if opts.runner else 0)
-               + (2 * (len(opts.store_contexts) + 1) if opts.store else 0))
+               + (2 * (len(opts.store_contexts) + 1) if opts.store else 0)
+               + (task_count(opts) if opts.prefill else 0))
     bar = progress_bar(n_tasks, enabled=not args.no_progress)
     res = Results(info)
+    prefill = None
     try:
         if opts.decode or opts.mla:
             bar.set_postfix_str("bandwidth probe")
@@ -351,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             res.runner = run_runner(opts, bar)
         if opts.store:
             res.store = run_store(opts, bar)
+        if opts.prefill:
+            prefill = run_prefill(opts, bar)
     finally:
         bar.close()
     accuracy_warnings(res.decode)
@@ -358,8 +366,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         mla_accuracy_warnings(res.mla["rows"])
     warn_if_busy(monitor, info)
     print_report(res, opts)
+    if prefill:
+        print_prefill(prefill)
     if args.json:
         write_json(args.json, res, opts)
+        if prefill:
+            add_to_json(args.json, prefill)
         print(f"raw results written to {args.json}")
     if args.plot and res.decode:
         write_plot(args.plot, res.decode, res.bandwidth)

@@ -20,7 +20,7 @@ from .timing import BANDWIDTH_BUFFER
 from .wire import WIRE_CONTEXT, WIRE_REPEATS, WIRE_SAVE_LAYERS
 
 
-SECTIONS = ("decode", "append", "o1", "wire", "mla", "sync", "runner", "store")
+SECTIONS = ("decode", "append", "o1", "wire", "mla", "sync", "runner", "store", "prefill")
 
 
 @dataclass
@@ -66,3 +66,5 @@ class Options:
     store: bool = True
     store_contexts: Sequence[int] = STORE_CONTEXTS
     store_repeats: int = STORE_REPEATS
+    prefill: bool = True
+    prefill_quick: bool = False

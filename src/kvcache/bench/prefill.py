@@ -1,0 +1,405 @@
+"""The prefill section: prompt attention against torch SDPA and the FMA peak, and time to first
+token of ``kvcache.runner`` against transformers.
+
+(a) Attention alone.  Per layer geometry (Llama-3-8B 32/8x128, Qwen2.5-0.5B 14/2x64) and prompt
+length T (1k, 4k, 16k): K/V rows of T positions are appended to a :class:`kvcache.LayerKvCache`
+(f32, q8), then one ``attend_all_heads`` call computes all T queries causally; torch's
+``scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` computes the same
+data.  Reported: seconds per call, GFLOP/s (``4 * num_heads * head_dim * T(T+1)/2`` flops: a
+multiply-add of the scores and one of the output per visible row and head), % of the FMA peak
+probed with ``_core.fma_probe`` (2 flops per FMA), the ratio to SDPA and q8/f32, and the largest
+difference of kvcache's output from SDPA's (checked against a tolerance per mode).  All
+threads.  The first call of a cell is timed; more follow (up to ``repeats``) while the cell has
+spent less than :data:`PREFILL_CELL_S`; a cell whose first call is estimated (from the rate
+measured at the previous length) above :data:`PREFILL_MAX_CALL_S` is not run and reported as
+skipped, with the estimate.
+
+(b) Time to first token.  The runner section's random-weight Llama-style model
+(:data:`kvcache.bench.runner.RUNNER_MODEL`, or :data:`PREFILL_MODEL`) in transformers (sdpa)
+and in :class:`kvcache.runner.Runner` (the same float32 weights, f32 and q8 KV): per prompt
+length (512, 2k, 4k), the median of ``ttft_repeats`` runs of ``Runner.prefill(ids)`` against
+transformers' ``model(ids, logits_to_keep=1)`` under ``torch.no_grad()`` (a prefill filling a
+new ``DynamicCache``, whose logits give the first token), the ratio runner / transformers and
+whether it meets the target :data:`TTFT_TARGET` (at 2k and more), and the largest logit
+difference of the runner f32 from transformers.
+
+Method: ``docs/benchmark-method.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .geometry import F32, GEOMETRIES, Geometry
+from .machine import available_cpus, import_torch, package_version
+from .tables import Row, context_label, fmt, fmt_ratio, render_table
+from .timing import omp_threads
+
+if TYPE_CHECKING:
+    from .._progress import ProgressBar
+    from .options import Options
+
+log = logging.getLogger("kvcache.bench")
+
+PREFILL_CONTEXTS, QUICK_PREFILL_CONTEXTS = (1024, 4096, 16384), (512, 1024)
+TTFT_CONTEXTS, QUICK_TTFT_CONTEXTS = (512, 2048, 4096), (256,)
+PREFILL_REPEATS, QUICK_PREFILL_REPEATS = 3, 1
+TTFT_REPEATS, QUICK_TTFT_REPEATS = 3, 1
+PREFILL_MODES = ("f32", "q8")
+#: A cell stops repeating once its calls have taken this long (the first call always runs).
+PREFILL_CELL_S = 20.0
+#: A cell whose first call is estimated to take longer is skipped (and reported as such).
+PREFILL_MAX_CALL_S = 120.0
+#: Largest |kvcache - SDPA| of an output element accepted per KV mode (q8 stores int8 rows).
+PREFILL_TOL = {"f32": 1e-4, "q8": 0.1}
+#: The issue's target: runner time to first token <= 0.8 x transformers' at 2k and more.
+TTFT_TARGET = 0.8
+TTFT_TARGET_FROM = 2048
+#: The TTFT model (transformers ``LlamaConfig`` keys); None: the runner section's RUNNER_MODEL.
+PREFILL_MODEL: dict[str, int] | None = None
+#: FMA-peak probe iterations (x 80 FMAs per thread).
+FMA_ITERS, QUICK_FMA_ITERS = 10_000_000, 2_000_000
+
+
+@dataclass
+class PrefillSettings:
+    """The sizes of one run of the section (:func:`settings_of` gives the defaults)."""
+
+    geometries: Sequence[Geometry]
+    contexts: Sequence[int] = PREFILL_CONTEXTS
+    repeats: int = PREFILL_REPEATS
+    ttft_contexts: Sequence[int] = TTFT_CONTEXTS
+    ttft_repeats: int = TTFT_REPEATS
+    cell_s: float = PREFILL_CELL_S
+    max_call_s: float = PREFILL_MAX_CALL_S
+    fma_iters: int = FMA_ITERS
+
+
+def settings_of(opts: Options) -> PrefillSettings:
+    """The section's sizes for a run: the geometries of ``--geometries`` (both by default,
+    Llama-3-8B alone with ``--quick``), the full or the ``--quick`` lengths and repeats."""
+    if opts.prefill_quick:
+        return PrefillSettings(list(opts.geometries), QUICK_PREFILL_CONTEXTS,
+                               QUICK_PREFILL_REPEATS, QUICK_TTFT_CONTEXTS, QUICK_TTFT_REPEATS,
+                               fma_iters=QUICK_FMA_ITERS)
+    return PrefillSettings(list(opts.geometries))
+
+
+def attention_flops(geom: Geometry, context: int) -> float:
+    """Flops of causal prompt attention over ``context`` positions: 2 multiply-adds (QK and
+    PV) per visible row, head and channel."""
+    return 4.0 * geom.num_heads * geom.head_dim * context * (context + 1) / 2
+
+
+def _cell(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[list[float], Any]:
+    """Seconds of the first call of ``fn`` and of up to ``repeats - 1`` more while the total
+    stays under ``budget_s``; the last output."""
+    samples: list[float] = []
+    out: Any = None
+    while len(samples) < repeats and (not samples or sum(samples) < budget_s):
+        gc.collect()
+        t0 = time.perf_counter()
+        out = fn()
+        samples.append(time.perf_counter() - t0)
+    return samples, out
+
+
+class PromptAttention:
+    """Random prompt data of one geometry and length: Q (T, heads, hd), K/V (T, kv heads, hd)."""
+
+    def __init__(self, geom: Geometry, context: int, seed: int) -> None:
+        rng = np.random.default_rng([seed, context, geom.num_heads])
+        self.geom, self.context = geom, context
+        self.q: F32 = rng.standard_normal((context, geom.num_heads, geom.head_dim),
+                                          dtype=np.float32)
+        self.k: F32 = rng.standard_normal((context, geom.num_kv_heads, geom.head_dim),
+                                          dtype=np.float32)
+        self.v: F32 = rng.standard_normal((context, geom.num_kv_heads, geom.head_dim),
+                                          dtype=np.float32)
+        self.scale = geom.head_dim ** -0.5
+
+    def kvcache(self, mode: str) -> Callable[[], F32]:
+        """A layer in ``mode`` holding the K/V rows; the returned call attends all queries."""
+        from ..layer import LayerKvCache
+        from ..modes import KvMode
+        g = self.geom
+        layer = LayerKvCache(g.num_kv_heads, g.head_dim, KvMode.parse(mode))
+        layer.append(self.k, self.v)
+        out = np.empty_like(self.q)
+
+        def call() -> F32:
+            # the prompt kernel: see Runner._attend for where prefill=True will go
+            layer.attend_all_heads(self.q, scale=self.scale, out=out)
+            return out
+        return call
+
+    def sdpa(self, torch: Any, F: Any) -> Callable[[], F32]:
+        """torch SDPA on the same data (contiguous (1, heads, T, hd) tensors), output as
+        (T, heads, hd)."""
+        def t(a: F32) -> Any:
+            return torch.from_numpy(np.ascontiguousarray(a.transpose(1, 0, 2)))[None]
+        q, k, v = t(self.q), t(self.k), t(self.v)
+
+        def call() -> F32:
+            with torch.no_grad():
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                   enable_gqa=True)
+            out: F32 = o[0].transpose(0, 1).numpy()
+            return out
+        return call
+
+
+def measure_fma_gflops(threads: int, iters: int = FMA_ITERS, repeats: int = 5) -> float:
+    """The probed float32 peak in GFLOP/s (2 flops per FMA) on ``threads`` threads."""
+    from .mla import measure_fma_peak
+    peak = measure_fma_peak([threads], iters, repeats)
+    return 2.0 * float(peak[threads]["best_gfmas"])
+
+
+def attention_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar,
+                   peak_gflops: float) -> list[Row]:
+    """Part (a): one row per geometry and prompt length (kvcache f32, q8 and SDPA cells)."""
+    torch, F = import_torch()
+    if torch is None:
+        log.warning("prefill section: torch is not installed: no SDPA comparison")
+    threads = available_cpus()
+    rows: list[Row] = []
+    rate: dict[tuple[str, str], float] = {}          # (geometry, impl) -> last flops/s
+    for geom in cfg.geometries:
+        for context in cfg.contexts:
+            bar.set_postfix_str(f"prefill {geom.key} {context_label(context)}")
+            flops = attention_flops(geom, context)
+            repeats = cfg.repeats
+            data = PromptAttention(geom, context, seed)
+            rec: Row = {"geometry": geom.key, "context": context, "flops": flops,
+                        "threads": threads}
+            outs: dict[str, F32] = {}
+            names = [*PREFILL_MODES, *(["sdpa"] if torch is not None else [])]
+            for name in names:
+                est = flops / rate[geom.key, name] if (geom.key, name) in rate else None
+                if est is not None and est > cfg.max_call_s:
+                    rec[name] = {"skipped": True, "estimated_s": est}
+                    continue
+                call = data.sdpa(torch, F) if name == "sdpa" else data.kvcache(name)
+                with omp_threads(threads):
+                    samples, out = _cell(call, repeats, cfg.cell_s)
+                outs[name] = np.array(out)
+                del call
+                med = statistics.median(samples)
+                rate[geom.key, name] = flops / med
+                rec[name] = {"skipped": False, "s": med, "gflops": flops / med / 1e9,
+                             "pct_peak": 100 * flops / med / 1e9 / peak_gflops,
+                             "samples_s": samples}
+            if "sdpa" in outs:
+                for mode in PREFILL_MODES:
+                    if mode in outs:
+                        diff = float(np.abs(outs[mode] - outs["sdpa"]).max())
+                        rec[mode]["max_abs_diff"] = diff
+                        rec[mode]["matches"] = diff <= PREFILL_TOL[mode]
+            rec["vs_sdpa"] = {m: _ratio(rec, "sdpa", m) for m in PREFILL_MODES}
+            rec["q8_vs_f32"] = _ratio(rec, "f32", "q8")
+            rows.append(rec)
+            del data, outs
+            gc.collect()
+            bar.update()
+    return rows
+
+
+def _ratio(rec: Row, slow: str, fast: str) -> float | None:
+    """Speed of ``fast`` over ``slow`` (time of slow / time of fast), None when one is
+    missing or skipped."""
+    a, b = rec.get(slow), rec.get(fast)
+    if not a or not b or a.get("skipped") or b.get("skipped"):
+        return None
+    return float(a["s"] / b["s"])
+
+
+def ttft_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar) -> tuple[list[Row], str]:
+    """Part (b): per prompt length, the runner (f32, q8) and transformers' prefill; and why
+    it was not measured ("" when it was)."""
+    from . import runner as runner_section
+    try:
+        work = runner_section.RunnerVsTransformers(PREFILL_MODEL, seed=seed)
+    except ImportError as exc:
+        return [], f"it needs torch and transformers ({exc})"
+    torch = work.torch
+    rows: list[Row] = []
+    vocab = int(work.cfg.vocab_size)
+    runners = {mode: work._Runner(work.rcfg, work._weights, kv=mode,
+                                  max_seq_len=max(cfg.ttft_contexts) + 1)
+               for mode in PREFILL_MODES}
+    for r in runners.values():                    # warm-up: thread pools, first pages
+        r.prefill(np.zeros(2 * r.prefill_chunk, dtype=np.int64))
+        r.reset()
+    for context in cfg.ttft_contexts:
+        bar.set_postfix_str(f"prefill ttft {context_label(context)}")
+        samples: dict[str, list[float]] = {m: [] for m in (*PREFILL_MODES, "transformers")}
+        diff = 0.0
+        for rep in range(cfg.ttft_repeats):
+            ids = np.random.default_rng([seed, context, rep]).integers(0, vocab, context)
+            first: dict[str, Any] = {}
+            for mode, r in runners.items():
+                r.reset()
+                gc.collect()
+                t0 = time.perf_counter()
+                first[mode] = r.prefill(ids)
+                samples[mode].append(time.perf_counter() - t0)
+                r.reset()
+            tokens = torch.from_numpy(ids)[None]
+            gc.collect()
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                out = work.model(tokens, use_cache=True, logits_to_keep=1)
+                samples["transformers"].append(time.perf_counter() - t0)
+            hf = out.logits[0, -1].numpy()
+            del out
+            diff = max(diff, float(np.abs(first["f32"] - hf).max()))
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        rec: Row = {"context": context, "repeats": cfg.ttft_repeats,
+                    "max_abs_logit_diff": diff,
+                    "transformers": {"s": med["transformers"],
+                                     "samples_s": samples["transformers"]}}
+        for mode in PREFILL_MODES:
+            ratio = med[mode] / med["transformers"]
+            rec[mode] = {"s": med[mode], "samples_s": samples[mode], "vs_transformers": ratio,
+                         "target_met": (ratio <= TTFT_TARGET) if context >= TTFT_TARGET_FROM
+                         else None}
+        rows.append(rec)
+        gc.collect()
+        bar.update()
+    return rows, ""
+
+
+def run_prefill(opts: Options, bar: ProgressBar,
+                cfg: PrefillSettings | None = None) -> dict[str, Any]:
+    """The prefill section: ``{"attention": rows, "ttft": rows, "peak_gflops": ...,
+    "threads": ..., "ttft_skipped": why not measured or "", "torch": version or None,
+    "settings": ...}``; ``cfg`` defaults to :func:`settings_of` ``(opts)``."""
+    cfg = settings_of(opts) if cfg is None else cfg
+    seed = opts.seed
+    threads = available_cpus()
+    bar.set_postfix_str("prefill FMA probe")
+    peak = measure_fma_gflops(threads, cfg.fma_iters)
+    torch, _ = import_torch()
+    result: dict[str, Any] = {
+        "peak_gflops": peak, "threads": threads,
+        "torch": package_version("torch") if torch is not None else None,
+        "transformers": package_version("transformers") if torch is not None else None}
+    result["settings"] = {**asdict(cfg), "geometries": [g.key for g in cfg.geometries]}
+    result["attention"] = attention_rows(cfg, seed, bar, peak)
+    result["ttft"], result["ttft_skipped"] = ttft_rows(cfg, seed, bar)
+    if result["ttft_skipped"]:
+        log.warning("prefill section: time to first token not measured: %s",
+                    result["ttft_skipped"])
+    return result
+
+
+def task_count(opts: Options) -> int:
+    """Progress-bar steps of the section."""
+    cfg = settings_of(opts)
+    return len(cfg.geometries) * len(cfg.contexts) + len(
+        cfg.ttft_contexts)
+
+
+# ------------------------------------------------------------------------- report
+def _cell_text(c: Mapping[str, Any] | None) -> list[str]:
+    if not c:
+        return ["-", "-", "-"]
+    if c.get("skipped"):
+        return [f"skipped (~{c['estimated_s']:.0f} s)", "-", "-"]
+    return [fmt(c["s"]), fmt(c["gflops"]), f"{c['pct_peak']:.0f}%"]
+
+
+def attention_table(rows: Sequence[Row]) -> str:
+    """Prompt attention: one row per geometry and length."""
+    body = []
+    for r in rows:
+        f, q, s = r.get("f32"), r.get("q8"), r.get("sdpa")
+        ok = [r[m].get("matches") for m in PREFILL_MODES if r.get(m) and "matches" in r[m]]
+        body.append([GEOMETRIES[r["geometry"]].label, context_label(r["context"]),
+                     *_cell_text(f), *_cell_text(q),
+                     *(_cell_text(s)[:2] if s else ["not installed", "-"]),
+                     fmt_ratio(r["vs_sdpa"]["f32"]), fmt_ratio(r["vs_sdpa"]["q8"]),
+                     fmt_ratio(r["q8_vs_f32"]),
+                     "-" if not ok else ("yes" if all(ok) else "NO")])
+    return render_table(["geometry", "prompt", "f32 s", "f32 GFLOP/s", "f32 %peak", "q8 s",
+                         "q8 GFLOP/s", "q8 %peak", "SDPA s", "SDPA GFLOP/s", "f32/SDPA",
+                         "q8/SDPA", "q8/f32", "matches SDPA"], body)
+
+
+def ttft_table(rows: Sequence[Row]) -> str:
+    """Time to first token: one row per prompt length."""
+    def met(v: bool | None) -> str:
+        return "-" if v is None else ("met" if v else "NOT met")
+    body = [[context_label(r["context"]), fmt(r["f32"]["s"]), fmt(r["q8"]["s"]),
+             fmt(r["transformers"]["s"]), fmt_ratio(r["f32"]["vs_transformers"]),
+             met(r["f32"]["target_met"]), fmt_ratio(r["q8"]["vs_transformers"]),
+             met(r["q8"]["target_met"]), f"{r['max_abs_logit_diff']:.1e}"] for r in rows]
+    return render_table(["prompt", "runner f32 s", "runner q8 s", "transformers s",
+                         "f32/hf", f"<= {TTFT_TARGET}x", "q8/hf", f"<= {TTFT_TARGET}x",
+                         "|dlogit| f32"], body)
+
+
+def prefill_notes(result: Mapping[str, Any]) -> list[str]:
+    """Method lines and warnings under the two tables."""
+    cfg = PrefillSettings(**{**result["settings"], "geometries": ()})
+    from . import runner as runner_section
+    model = PREFILL_MODEL if PREFILL_MODEL is not None else runner_section.RUNNER_MODEL
+    out = [f"attention: one attend_all_heads call over all T queries of a layer holding T "
+           f"rows vs torch SDPA (is_causal, enable_gqa) on the same data, "
+           f"{result['threads']} threads; GFLOP/s = 4 x heads x head_dim x T(T+1)/2 / s; "
+           f"%peak of the probed FMA peak {result['peak_gflops']:.1f} GFLOP/s "
+           f"(_core.fma_probe); median of up to {cfg.repeats} calls (fewer once a "
+           f"cell took {cfg.cell_s:.0f} s); a cell estimated over "
+           f"{cfg.max_call_s:.0f} s per call is skipped; ratios are speeds",
+           f"matches SDPA: max |kvcache - SDPA| <= {PREFILL_TOL['f32']:g} (f32), "
+           f"<= {PREFILL_TOL['q8']:g} (q8)",
+           f"time to first token: Runner.prefill(ids) vs transformers "
+           f"{result.get('transformers')} model(ids, logits_to_keep=1) (sdpa, new "
+           f"DynamicCache), torch {result.get('torch')}, median of "
+           f"{cfg.ttft_repeats} prompt(s); model: Llama-style, {model}; target "
+           f"runner/transformers <= {TTFT_TARGET}x at {context_label(TTFT_TARGET_FROM)} and up"]
+    if result.get("ttft_skipped"):
+        out.append(f"time to first token not measured: {result['ttft_skipped']}")
+    for r in result["attention"]:
+        for mode in PREFILL_MODES:
+            c = r.get(mode) or {}
+            if c.get("matches") is False:
+                out.append(f"WARNING: {r['geometry']} {context_label(r['context'])} {mode}: "
+                           f"output differs from SDPA by {c['max_abs_diff']:.2g}")
+    for r in result["ttft"]:
+        if r["max_abs_logit_diff"] > 1e-3:
+            out.append(f"WARNING: at {context_label(r['context'])} the runner's f32 logits "
+                       f"differ from transformers' by {r['max_abs_logit_diff']:.2g} (> 1e-3)")
+    return out
+
+
+def print_prefill(result: Mapping[str, Any]) -> None:
+    """The section's text report (after the other sections')."""
+    print("")
+    print("prefill: prompt attention (attend_all_heads over all positions) vs torch SDPA, "
+          "and time to first token of kvcache.runner vs transformers:")
+    print(attention_table(result["attention"]))
+    if result["ttft"]:
+        print("")
+        print(ttft_table(result["ttft"]))
+    for line in prefill_notes(result):
+        print("  " + line)
+
+
+def add_to_json(path: str, result: Mapping[str, Any]) -> None:
+    """Add the section (its settings included) to the JSON file the run wrote."""
+    with open(path) as f:
+        payload = json.load(f)
+    payload["prefill"] = dict(result)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)

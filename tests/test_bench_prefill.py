@@ -1,0 +1,135 @@
+"""The prefill section of ``python -m kvcache bench``: its tables and notes on made-up rows (no
+timing), the skip rule for cells estimated too slow, and a tiny ``--quick`` run end to end
+(small lengths and a small model swapped in; the run's own checks -- kvcache's prompt attention
+matches SDPA's, the runner's logits match transformers' -- are asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcache import bench
+from kvcache.bench import prefill as bp
+from kvcache.bench.geometry import GEOMETRIES
+from kvcache.bench.options import SECTIONS
+
+TINY_MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+QWEN = GEOMETRIES["qwen2.5-0.5b"]
+
+
+class Bar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s="", refresh=True):
+        pass
+
+    def close(self):
+        pass
+
+
+def cell(s, gflops, pct, diff=None, ok=None):
+    c = {"skipped": False, "s": s, "gflops": gflops, "pct_peak": pct, "samples_s": [s]}
+    if diff is not None:
+        c.update(max_abs_diff=diff, matches=ok)
+    return c
+
+
+def result(sdpa=True, ttft=True, bad=False):
+    row = {"geometry": "llama3-8b", "context": 4096, "flops": 1.4e11, "threads": 2,
+           "f32": cell(2.0, 70.0, 50.0, 1e-6 if sdpa else None, True if sdpa else None),
+           "q8": cell(1.6, 87.5, 62.0, 0.3 if bad else 0.02 if sdpa else None,
+                      (not bad) if sdpa else None)}
+    if sdpa:
+        row["sdpa"] = cell(1.0, 140.0, 100.0)
+    row["vs_sdpa"] = {"f32": 0.5 if sdpa else None, "q8": 0.625 if sdpa else None}
+    row["q8_vs_f32"] = 1.25
+    big = {"geometry": "llama3-8b", "context": 16384, "flops": 2.2e12, "threads": 2,
+           "f32": {"skipped": True, "estimated_s": 300.0},
+           "q8": {"skipped": True, "estimated_s": 250.0},
+           "vs_sdpa": {"f32": None, "q8": None}, "q8_vs_f32": None}
+    rows = []
+    if ttft:
+        rows = [{"context": c, "repeats": 3, "max_abs_logit_diff": 2e-5,
+                 "transformers": {"s": t, "samples_s": [t]},
+                 "f32": {"s": f, "vs_transformers": f / t,
+                         "target_met": None if c < 2048 else f / t <= 0.8, "samples_s": [f]},
+                 "q8": {"s": q, "vs_transformers": q / t,
+                        "target_met": None if c < 2048 else q / t <= 0.8, "samples_s": [q]}}
+                for c, f, q, t in ((512, 1.0, 1.1, 0.9), (2048, 3.0, 3.5, 4.0))]
+    settings = {**bp.PrefillSettings(list(GEOMETRIES.values())).__dict__,
+                "geometries": ["llama3-8b"]}
+    return {"attention": [row, big], "ttft": rows, "peak_gflops": 140.0, "threads": 2,
+            "ttft_skipped": "" if ttft else "it needs torch and transformers (no torch)",
+            "torch": "2.13", "transformers": "5.24", "settings": settings}
+
+
+def test_prefill_is_a_section():
+    assert "prefill" in SECTIONS
+
+
+def test_tables_show_every_cell():
+    text = bp.attention_table(result()["attention"])
+    lines = text.splitlines()
+    assert len(lines) == 2 + 2 and "f32/SDPA" in lines[0] and "%peak" in lines[0]
+    assert "0.50x" in lines[2] and "0.62x" in lines[2] and "1.25x" in lines[2]
+    assert lines[2].rstrip().endswith("yes")
+    assert "skipped (~300 s)" in lines[3] and "skipped (~250 s)" in lines[3]
+    no_torch = bp.attention_table(result(sdpa=False)["attention"])
+    assert "not installed" in no_torch
+    assert bp.attention_table(result(bad=True)["attention"]).splitlines()[2].rstrip().endswith("NO")
+    ttft = bp.ttft_table(result()["ttft"]).splitlines()
+    assert len(ttft) == 2 + 2
+    assert "met" not in ttft[2]                        # 512: no target there
+    assert "0.75x" in ttft[3] and " met" in ttft[3] and "NOT met" in ttft[3]   # f32 / q8
+
+
+def test_notes_say_what_was_not_measured_and_warn():
+    notes = bp.prefill_notes(result())
+    assert any("140.0 GFLOP/s" in n and "fma_probe" in n for n in notes)
+    assert not any("WARNING" in n for n in notes)
+    notes = bp.prefill_notes(result(ttft=False, bad=True))
+    assert "time to first token not measured: it needs torch and transformers (no torch)" in notes
+    assert any(n.startswith("WARNING: llama3-8b 4k q8: output differs from SDPA") for n in notes)
+
+
+def test_a_cell_estimated_too_slow_is_skipped():
+    cfg = bp.PrefillSettings([QWEN], contexts=(128, 256), repeats=1, max_call_s=1e-9)
+    rows = bp.attention_rows(cfg, 0, Bar(), peak_gflops=100.0)
+    first, second = rows
+    for name in ("f32", "q8"):
+        assert not first[name]["skipped"] and first[name]["s"] > 0
+        assert second[name]["skipped"] and second[name]["estimated_s"] > 0
+    assert first["f32"]["matches"] and first["q8"]["matches"]
+    assert first["vs_sdpa"]["f32"] > 0 and second["vs_sdpa"]["f32"] is None
+
+
+def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(bp, "PREFILL_MODEL", TINY_MODEL)
+    monkeypatch.setattr(bp, "QUICK_PREFILL_CONTEXTS", (256, 384))
+    monkeypatch.setattr(bp, "QUICK_TTFT_CONTEXTS", (256,))
+    path = tmp_path / "prefill.json"
+    argv = ["--sections", "prefill", "--quick", "--geometries", "qwen", "--no-progress",
+            "--json", str(path)]
+    assert bench.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "prefill: prompt attention" in text and "WARNING" not in text
+    data = json.loads(path.read_text())["prefill"]
+    assert data["settings"]["contexts"] == [256, 384] and data["settings"]["repeats"] == 1
+    assert data["settings"]["geometries"] == ["qwen2.5-0.5b"] and data["peak_gflops"] > 0
+    att = data["attention"]
+    assert [r["context"] for r in att] == [256, 384]
+    for r in att:
+        for name in ("f32", "q8", "sdpa"):
+            assert not r[name]["skipped"] and r[name]["gflops"] > 0
+        assert r["f32"]["matches"] and r["q8"]["matches"]
+        assert r["f32"]["max_abs_diff"] < r["q8"]["max_abs_diff"]
+        assert r["q8_vs_f32"] > 0
+    (row,) = data["ttft"]
+    assert row["context"] == 256 and row["max_abs_logit_diff"] < 1e-3
+    for name in ("f32", "q8"):
+        assert row[name]["s"] > 0 and row[name]["target_met"] is None
+    assert row["transformers"]["s"] > 0
