@@ -141,3 +141,15 @@ def test_generate_command_shows_a_bar_for_long_prompts(monkeypatch, capsys):
     assert cli.main(["generate", "--max-new-tokens", "2", "--ids", short]) == 0
     assert [b for b in bars if b.unit == "pos"] == []     # two steps or fewer: no bar
     capsys.readouterr()
+
+
+def test_o1_layers_seal_the_same_prompt_whatever_the_step():
+    ids = ids_of(300)
+    out = []
+    for step in (64, 1024):
+        r = kr.Runner.random(o1_layers="all", o1_params=(8, 32, 2), prefill_step=step)
+        first = r.prefill(ids)
+        assert all(r.cache.layers[i].o1_sealed() for i in r.o1_layers)
+        out.append([first] + [r.step(int(np.argmax(first)) + k) for k in range(3)])
+    for a, b in zip(*out):
+        assert np.array_equal(a, b)

@@ -135,10 +135,10 @@ class PromptAttention:
         layer = LayerKvCache(g.num_kv_heads, g.head_dim, KvMode.parse(mode))
         layer.append(self.k, self.v)
         out = np.empty_like(self.q)
+        kwargs = prompt_kwargs()
 
         def call() -> F32:
-            # the prompt kernel: see Runner._attend for where prefill=True will go
-            layer.attend_all_heads(self.q, scale=self.scale, out=out)
+            layer.attend_all_heads(self.q, scale=self.scale, out=out, **kwargs)
             return out
         return call
 
@@ -156,6 +156,16 @@ class PromptAttention:
             out: F32 = o[0].transpose(0, 1).numpy()
             return out
         return call
+
+
+def prompt_kwargs() -> dict[str, Any]:
+    """``{"prefill": True}`` when ``LayerKvCache.attend_all_heads`` takes ``prefill`` (its
+    kernel for prompts), else ``{}``: the section measures the prompt kernel when there is one."""
+    import inspect
+
+    from ..layer import LayerKvCache
+    params = inspect.signature(LayerKvCache.attend_all_heads).parameters
+    return {"prefill": True} if "prefill" in params else {}
 
 
 def measure_fma_gflops(threads: int, iters: int = FMA_ITERS, repeats: int = 5) -> float:
@@ -292,6 +302,7 @@ def run_prefill(opts: Options, bar: ProgressBar,
     torch, _ = import_torch()
     result: dict[str, Any] = {
         "peak_gflops": peak, "threads": threads,
+        "attend_kwargs": {k: str(v) for k, v in prompt_kwargs().items()},
         "torch": package_version("torch") if torch is not None else None,
         "transformers": package_version("transformers") if torch is not None else None}
     result["settings"] = {**asdict(cfg), "geometries": [g.key for g in cfg.geometries]}
@@ -354,8 +365,9 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
     cfg = PrefillSettings(**{**result["settings"], "geometries": ()})
     from . import runner as runner_section
     model = PREFILL_MODEL if PREFILL_MODEL is not None else runner_section.RUNNER_MODEL
-    out = [f"attention: one attend_all_heads call over all T queries of a layer holding T "
-           f"rows vs torch SDPA (is_causal, enable_gqa) on the same data, "
+    kw = ", ".join(f"{k}={v}" for k, v in result.get("attend_kwargs", {}).items())
+    out = [f"attention: one attend_all_heads({kw or 'q'}) call over all T queries of a layer "
+           f"holding T rows vs torch SDPA (is_causal, enable_gqa) on the same data, "
            f"{result['threads']} threads; GFLOP/s = 4 x heads x head_dim x T(T+1)/2 / s; "
            f"%peak of the probed FMA peak {result['peak_gflops']:.1f} GFLOP/s "
            f"(_core.fma_probe); median of up to {cfg.repeats} calls (fewer once a "
