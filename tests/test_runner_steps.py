@@ -88,11 +88,23 @@ def test_each_step_goes_through_every_layer_before_the_next(monkeypatch):
         seen.append((i, sum(x.shape[0] for x in xs)))
         return real(self, i, xs, positions, *a)
     monkeypatch.setattr(kr.Runner, "_layer", layer)
+    logit_rows = []
+    real_logits = kr.Runner._logits
+
+    def logits(self, x):
+        logit_rows.append(x.shape[0])
+        return real_logits(self, x)
+    monkeypatch.setattr(kr.Runner, "_logits", logits)
     calls = []
     r.prefill(ids_of(300), progress=lambda done, total: calls.append((done, total)))
     layers = r.config.num_layers
     assert seen == [(i, rows) for rows in (128, 128, 44) for i in range(layers)]
     assert calls == [(128, 300), (256, 300), (300, 300)]
+    assert logit_rows == [1]                   # the last position's logits only
+    r.reset()
+    logit_rows.clear()
+    assert r.prefill(ids_of(300), all_logits=True).shape == (300, VOCAB)
+    assert logit_rows == [64, 64, 64, 64, 44]  # unless asked: every chunk's
 
 
 def test_a_store_filled_with_another_step_size_gives_the_same_bits():
