@@ -133,3 +133,17 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
     for name in ("f32", "q8"):
         assert row[name]["s"] > 0 and row[name]["target_met"] is None
     assert row["transformers"]["s"] > 0
+
+
+def test_ttft_stops_taking_prompts_once_a_length_took_its_time(monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(bp, "PREFILL_MODEL", TINY_MODEL)
+    cfg = bp.PrefillSettings([QWEN], ttft_contexts=(64, 128), ttft_repeats=3, ttft_cell_s=0.0)
+    rows, why = bp.ttft_rows(cfg, 0, Bar())
+    assert why == "" and [r["context"] for r in rows] == [64, 128]
+    for r in rows:
+        assert r["repeats"] == 1 and len(r["f32"]["samples_s"]) == 1
+    cfg.ttft_cell_s = 1e9
+    (row,) = bp.ttft_rows(bp.PrefillSettings([QWEN], ttft_contexts=(64,), ttft_repeats=2),
+                          0, Bar())[0]
+    assert row["repeats"] == 2 and len(row["transformers"]["samples_s"]) == 2

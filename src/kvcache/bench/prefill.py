@@ -59,6 +59,8 @@ PREFILL_MODES = ("f32", "q8")
 PREFILL_CELL_S = 20.0
 #: A cell whose first call is estimated to take longer is skipped (and reported as such).
 PREFILL_MAX_CALL_S = 120.0
+#: A time-to-first-token prompt length stops taking new prompts once they took this long.
+TTFT_CELL_S = 90.0
 #: Largest |kvcache - SDPA| of an output element accepted per KV mode (q8 stores int8 rows).
 PREFILL_TOL = {"f32": 1e-4, "q8": 0.1}
 #: The issue's target: runner time to first token <= 0.8 x transformers' at 2k and more.
@@ -82,6 +84,7 @@ class PrefillSettings:
     cell_s: float = PREFILL_CELL_S
     max_call_s: float = PREFILL_MAX_CALL_S
     fma_iters: int = FMA_ITERS
+    ttft_cell_s: float = TTFT_CELL_S
 
 
 def settings_of(opts: Options) -> PrefillSettings:
@@ -254,7 +257,10 @@ def ttft_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar) -> tuple[list[R
         bar.set_postfix_str(f"prefill ttft {context_label(context)}")
         samples: dict[str, list[float]] = {m: [] for m in (*PREFILL_MODES, "transformers")}
         diff = 0.0
+        spent = 0.0
         for rep in range(cfg.ttft_repeats):
+            if rep and spent >= cfg.ttft_cell_s:
+                break
             ids = np.random.default_rng([seed, context, rep]).integers(0, vocab, context)
             first: dict[str, Any] = {}
             for mode, r in runners.items():
@@ -272,9 +278,10 @@ def ttft_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar) -> tuple[list[R
                 samples["transformers"].append(time.perf_counter() - t0)
             hf = out.logits[0, -1].numpy()
             del out
+            spent += sum(v[-1] for v in samples.values())
             diff = max(diff, float(np.abs(first["f32"] - hf).max()))
         med = {k: statistics.median(v) for k, v in samples.items()}
-        rec: Row = {"context": context, "repeats": cfg.ttft_repeats,
+        rec: Row = {"context": context, "repeats": len(samples["transformers"]),
                     "max_abs_logit_diff": diff,
                     "transformers": {"s": med["transformers"],
                                      "samples_s": samples["transformers"]}}
@@ -377,8 +384,9 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
            f"<= {PREFILL_TOL['q8']:g} (q8)",
            f"time to first token: Runner.prefill(ids) vs transformers "
            f"{result.get('transformers')} model(ids, logits_to_keep=1) (sdpa, new "
-           f"DynamicCache), torch {result.get('torch')}, median of "
-           f"{cfg.ttft_repeats} prompt(s); model: Llama-style, {model}; target "
+           f"DynamicCache), torch {result.get('torch')}, median of up to "
+           f"{cfg.ttft_repeats} prompt(s) (fewer once a length took {cfg.ttft_cell_s:.0f} s); "
+           f"model: Llama-style, {model}; target "
            f"runner/transformers <= {TTFT_TARGET}x at {context_label(TTFT_TARGET_FROM)} and up"]
     if result.get("ttft_skipped"):
         out.append(f"time to first token not measured: {result['ttft_skipped']}")
