@@ -248,10 +248,10 @@ def ttft_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar) -> tuple[list[R
     rows: list[Row] = []
     vocab = int(work.cfg.vocab_size)
     runners = {mode: work._Runner(work.rcfg, work._weights, kv=mode,
-                                  max_seq_len=max(cfg.ttft_contexts) + 1)
+                                  max_seq_len=max(*cfg.ttft_contexts, 128))
                for mode in PREFILL_MODES}
     for r in runners.values():                    # warm-up: thread pools, first pages
-        r.prefill(np.zeros(2 * r.prefill_chunk, dtype=np.int64))
+        r.prefill(np.zeros(min(2 * r.prefill_chunk, r.max_seq_len), dtype=np.int64))
         r.reset()
     for context in cfg.ttft_contexts:
         bar.set_postfix_str(f"prefill ttft {context_label(context)}")
