@@ -26,7 +26,6 @@ import contextvars
 import os
 import threading
 import time
-from collections.abc import Iterator
 from typing import NamedTuple, Optional
 
 from . import _core
@@ -91,8 +90,13 @@ class _TeamTids(threading.local):
 
 
 class _Cached(threading.local):
+    """The calling thread's last sample: when, the free CPUs, whether exact or a lower bound,
+    and the largest count handed out since (its workers may still be spinning)."""
+
     at = -1.0
-    free: Optional[int] = None
+    free = 1
+    exact = False
+    used = 1
 
 
 class Sampler:
@@ -101,10 +105,16 @@ class Sampler:
     Field 4 of ``/proc/loadavg`` counts the threads runnable on the host right now
     (``running/total``).  The calling thread is one of them, and the workers of its own OpenMP
     team may be too (they spin for a while after a parallel region): those are read from
-    ``/proc/self/task/<tid>/stat`` and not counted.  Everything else competes.  The host's
-    CPUs (``os.cpu_count()``, the scale of ``/proc/loadavg`` also in a container) less the
-    competitors, capped by the CPUs this process may run on (``os.sched_getaffinity``), is the
-    answer.  Without ``/proc`` there is no sample (None).
+    ``/proc/self/task/<tid>/stat`` and not counted -- only when the count matters, and only
+    the workers of the largest team handed out since the last sample.  Everything else
+    competes.  The host's CPUs (``os.cpu_count()``, the scale of ``/proc/loadavg`` also in a
+    container) less the competitors, capped by the CPUs this process may run on
+    (``os.sched_getaffinity``), is the answer.  Without ``/proc`` there is no sample.
+
+    Parameters
+    ----------
+    loadavg : str
+        The file to read (a test points it at a file of its own).
     """
 
     def __init__(self, loadavg: str = "/proc/loadavg") -> None:
@@ -116,65 +126,86 @@ class Sampler:
         self._team = _TeamTids()
         self._cached = _Cached()
         self.last: Optional[int] = None
+        self._fd: Optional[int] = None
         try:
-            self._fd: Optional[int] = os.open(loadavg, os.O_RDONLY)
-            self._running()
+            self._fd = os.open(loadavg, os.O_RDONLY)
+            self.running()
         except (OSError, ValueError, IndexError):
-            self._fd = None
+            self.close()
+
+    def close(self) -> None:
+        """Stop sampling (closes the files kept open)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        self._team.close()
 
     @property
     def available(self) -> bool:
         """Whether samples can be taken here."""
         return self._fd is not None
 
-    def _running(self) -> int:
-        assert self._fd is not None
+    def running(self) -> int:
+        """Threads runnable on the host now (field 4 of ``/proc/loadavg``, before the slash)."""
+        if self._fd is None:
+            raise OSError("no /proc/loadavg")
         fields = os.pread(self._fd, 128, 0).split()
         return int(fields[3].split(b"/")[0])
 
-    def _own_running(self, limit: int) -> int:
-        """How many workers of the calling thread's OpenMP team (of ``limit``) are runnable."""
+    def own_running(self, workers: int) -> int:
+        """How many of the first ``workers`` workers of the calling thread's OpenMP team are
+        runnable now (their kernel ids are captured once, by a team of ``workers + 1``: OpenMP
+        gives thread number i the same pooled thread in every team of the caller)."""
         team = self._team
-        if team.size != limit:
+        if team.size < workers + 1:
             team.close()
             fds = []
-            for tid in _core.thread_ids(limit)[1:]:
+            for tid in _core.thread_ids(workers + 1)[1:]:
                 if tid > 0:
                     with contextlib.suppress(OSError):
                         fds.append(os.open(f"/proc/self/task/{int(tid)}/stat", os.O_RDONLY))
             team.fds = tuple(fds)
-            team.size = limit
+            team.size = workers + 1
         n = 0
-        for fd in team.fds:
+        for fd in team.fds[:workers]:
             try:
                 n += _stat_state(fd) == "R"
             except OSError:        # the worker is gone: capture the team again next time
                 team.size = 0
         return n
 
-    def sample(self, limit: int) -> Optional[int]:
-        """Free CPUs now, counting the caller's own (None when unavailable); a fresh read."""
-        if self._fd is None:
-            return None
-        try:
-            others = self._running() - 1
-            free = min(self.usable, self.host - others)
-            if free < limit and others > 0 and limit > 1:
-                # our own spinning workers are not competition
-                free = min(self.usable, self.host - max(0, others - self._own_running(limit)))
-        except (OSError, ValueError, IndexError):
-            return None
-        self.last = max(1, free)
-        return self.last
+    def sample(self, want: int, spinning: int) -> tuple[int, bool]:
+        """Free CPUs now counting the caller's own, and whether the count is exact (False: a
+        lower bound, already >= ``want``); ``spinning`` of the team's workers may spin."""
+        others = self.running() - 1
+        free = min(self.usable, self.host - others)
+        if free >= want or others <= 0 or spinning <= 0:
+            return max(1, free), others <= 0 or spinning <= 0
+        own = self.own_running(spinning)
+        return max(1, min(self.usable, self.host - max(0, others - own))), True
 
-    def free(self, limit: int) -> Optional[int]:
-        """:meth:`sample`, reused for :data:`SAMPLE_TTL` seconds by the calling thread."""
+    def cap(self, n: int, limit: int) -> int:
+        """``min(n, free CPUs)``, with the sample reused for :data:`SAMPLE_TTL` seconds by the
+        calling thread; ``n`` when there is no sample."""
         c = self._cached
         now = time.monotonic()
-        if now - c.at > SAMPLE_TTL or c.at < 0:
-            c.free = self.sample(limit)
+        if now - c.at > SAMPLE_TTL or (not c.exact and c.free < n):
+            if self._fd is None:
+                return n
+            try:
+                # workers that may still spin: those of the largest team since the last
+                # sample, and all of a small machine's (reading one costs ~5 us)
+                c.free, c.exact = self.sample(n, max(c.used, min(limit, 8)) - 1)
+            except (OSError, ValueError, IndexError):
+                return n
             c.at = now
-        return c.free
+            c.used = 1
+            self.last = c.free
+        if c.free < n:
+            n = c.free
+        if n > c.used:
+            c.used = n
+        return n
 
 
 _sampler: Optional[Sampler] = None
@@ -200,49 +231,77 @@ _setting: contextvars.ContextVar[tuple[Optional[int], bool]] = contextvars.Conte
 
 def threads_for(work: int, tasks: int) -> int:
     """The thread count of a kernel call of ``work`` multiply-adds in ``tasks`` independent
-    pieces, under the settings in force (:func:`threads`) and the OpenMP limit."""
+    pieces, under the settings in force (:func:`threads`) and the OpenMP limit.
+
+    :func:`choose` with the free CPUs of :class:`Sampler` (sampled only when the call is large
+    enough for more than one thread); about 1 us when the sample is reused."""
     cap, adaptive = _setting.get()
-    limit = max(1, _core.max_threads())
-    if cap is not None:
-        limit = min(limit, cap)
-    if not adaptive or limit == 1:
-        return limit
-    want = choose(work, tasks, limit)
-    if want == 1:
+    limit = _core.max_threads()
+    if cap is not None and cap < limit:
+        limit = cap
+    if not adaptive or limit <= 1:
+        return max(1, limit)
+    n = work // MIN_WORK_PER_THREAD      # choose(), inlined: this runs once per kernel call
+    if tasks < n:
+        n = tasks
+    if limit < n:
+        n = limit
+    if n <= 1:
         return 1
-    return choose(work, tasks, limit, sampler().free(limit))
+    return (_sampler or sampler()).cap(n, limit)
 
 
-@contextlib.contextmanager
-def threads(n: Optional[int] = None, *, adaptive: bool = True) -> Iterator[None]:
-    """Set kvcache's thread count for a block of code (this Python thread or async task only).
+class threads:
+    """Set kvcache's thread count for a block of code: ``with kvcache.threads(1): ...``.
+
+    The setting belongs to the calling Python thread or async task (a context variable):
+    other threads keep theirs.  Blocks nest; leaving one restores the enclosing setting.
+    Results do not depend on it (bit-identical for every thread count).
 
     Parameters
     ----------
     n : int, optional
         The most threads a kernel call may use (>= 1); None leaves the OpenMP limit
-        (``threadpoolctl`` / ``OMP_NUM_THREADS``) as the only cap.  ``n`` above that limit
-        is capped by it.
+        (``threadpoolctl.threadpool_limits(n, user_api="openmp")`` / ``OMP_NUM_THREADS``) as
+        the only cap.  An ``n`` above that limit is capped by it.
     adaptive : bool
-        True (the default): each call picks its count up to the cap by its size and the CPUs
-        free now.  False: every call asks for exactly the cap (``threads(1, adaptive=False)``
-        is single-threaded, ``threads(adaptive=False)`` all threads allowed, as before 0.x);
-        the kernels still keep tiny calls (under 65536 multiply-adds) on one thread.
+        True (the default): each call picks its count up to the cap from its size, its
+        independent tasks and the CPUs free now.  False: every call asks for exactly the cap
+        -- ``threads(1, adaptive=False)`` is single-threaded, ``threads(adaptive=False)`` uses
+        every thread the OpenMP limit allows; the kernels still run calls under 65536
+        multiply-adds on the calling thread.
 
-    Blocks nest; leaving one restores the enclosing setting.  Results do not depend on it.
+    Raises
+    ------
+    TypeError
+        ``n`` not an int or None, ``adaptive`` not a bool.
+    ValueError
+        ``n`` < 1.
     """
-    if n is not None:
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"n: expected an int or None, got {type(n).__name__}")
-        if n < 1:
-            raise ValueError(f"n: expected >= 1, got {n}")
-    if not isinstance(adaptive, bool):
-        raise TypeError(f"adaptive: expected a bool, got {type(adaptive).__name__}")
-    token = _setting.set((n, adaptive))
-    try:
-        yield
-    finally:
-        _setting.reset(token)
+
+    __slots__ = ("_value", "_tokens")
+
+    def __init__(self, n: Optional[int] = None, *, adaptive: bool = True) -> None:
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"n: expected an int or None, got {type(n).__name__}")
+            if n < 1:
+                raise ValueError(f"n: expected >= 1, got {n}")
+        if not isinstance(adaptive, bool):
+            raise TypeError(f"adaptive: expected a bool, got {type(adaptive).__name__}")
+        self._value: tuple[Optional[int], bool] = (n, adaptive)
+        self._tokens: list[contextvars.Token[tuple[Optional[int], bool]]] = []
+
+    def __enter__(self) -> threads:
+        self._tokens.append(_setting.set(self._value))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _setting.reset(self._tokens.pop())
+
+    def __repr__(self) -> str:
+        n, adaptive = self._value
+        return f"kvcache.threads({n!r}, adaptive={adaptive})"
 
 
 class ThreadSettings(NamedTuple):
