@@ -81,6 +81,21 @@ def test_sampler_counts_free_cpus(tmp_path, running, own, host, usable, expected
     assert s.cap(64, usable) == expected and s.last == expected
 
 
+def test_the_count_stays_down_for_a_moment_after_competition(tmp_path, monkeypatch):
+    """A competitor that pauses between two calls does not bring back a team it would stall:
+    the count goes down at once and up only after HOLD seconds without competition."""
+    monkeypatch.setattr(_threads, "SAMPLE_TTL", -1.0)        # a fresh sample every call
+    monkeypatch.setattr(_threads, "HOLD", 3600.0)
+    s = fake_sampler(tmp_path, running=1)
+    assert s.cap(2, 2) == 2
+    (tmp_path / "loadavg").write_text("0.5 0.4 0.3 2/100 1\n")    # a busy loop appears
+    assert s.cap(2, 2) == 1
+    (tmp_path / "loadavg").write_text("0.5 0.4 0.3 1/100 1\n")    # ...pauses
+    assert s.cap(2, 2) == 1 and s.last == 1
+    monkeypatch.setattr(_threads, "HOLD", 0.0)                # ...and has been gone long enough
+    assert s.cap(2, 2) == 2
+
+
 def test_sampler_parses_the_running_field(tmp_path):
     s = fake_sampler(tmp_path, 7)
     assert s.running() == 7
@@ -284,8 +299,8 @@ def test_the_real_sampler_reads_our_own_workers():
     with threadpool_limits(2, user_api="openmp"), threads(2, adaptive=False):
         filled("f32").attend_all_heads(np.ones((16, 64), np.float32))
     assert s.own_running(1) in (0, 1)
-    fds = s._team.fds
-    assert len(fds) == 1 and _threads._stat_state(fds[0]) in "RSD"
+    tids = s._team.tids
+    assert len(tids) == 1 and _threads._stat_state(tids[0]) in "RSD"
     free, exact = s.sample(want=64, spinning=1)
     assert 1 <= free <= s.usable and exact
 

@@ -10,7 +10,7 @@ call in Python with the call's size.  The count is the smallest of
   on the calling thread);
 - the CPUs that are free right now (:class:`Sampler`): the CPUs this process may use, less the
   runnable threads of everything else -- other processes, other Python threads, BLAS workers
-  that spin after a product.  An OpenMP fork-join waits for its slowest member, so a team
+  that spin after a product -- held down for :data:`HOLD` seconds after competition was seen.  An OpenMP fork-join waits for its slowest member, so a team
   larger than the free CPUs waits for a descheduled thread (docs/threads.md has the
   measurements); one that fits does not.
 
@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 
 from . import _core
 
-__all__ = ["MIN_WORK_PER_THREAD", "SAMPLE_TTL", "Sampler", "ThreadSettings", "choose",
+__all__ = ["HOLD", "MIN_WORK_PER_THREAD", "SAMPLE_TTL", "Sampler", "ThreadSettings", "choose",
            "sampler", "thread_settings", "threads", "threads_for"]
 
 MIN_WORK_PER_THREAD = 1 << 18
@@ -38,6 +38,11 @@ MIN_WORK_PER_THREAD = 1 << 18
 
 SAMPLE_TTL = 0.002
 """Seconds a sample of the free CPUs is reused by the calls of one Python thread."""
+
+HOLD = 0.02
+"""Seconds the count stays down after competition was last seen: a competitor that pauses
+for a moment (another process between two calls, a thread between two products) does not
+bring back a team that it would stall when it resumes."""
 
 
 def choose(work: int, tasks: int, limit: int, free: Optional[int] = None) -> int:
@@ -68,25 +73,23 @@ def choose(work: int, tasks: int, limit: int, free: Optional[int] = None) -> int
     return max(1, n)
 
 
-def _stat_state(fd: int) -> str:
-    """The one-letter state of a /proc/<pid>/task/<tid>/stat file kept open on ``fd``."""
-    line = os.pread(fd, 256, 0)
+def _stat_state(tid: int) -> str:
+    """The one-letter state of thread ``tid`` of this process (``R``: runnable)."""
+    fd = os.open(f"/proc/self/task/{tid}/stat", os.O_RDONLY)
+    try:
+        line = os.pread(fd, 256, 0)
+    finally:
+        os.close(fd)
     i = line.rfind(b")")
     return chr(line[i + 2]) if 0 <= i < len(line) - 2 else "?"
 
 
 class _TeamTids(threading.local):
-    """The kernel thread ids of the calling Python thread's OpenMP team (thread 0 = itself)."""
+    """The kernel thread ids of the calling Python thread's OpenMP workers (thread numbers 1,
+    2, ...).  Ids only, no open files: nothing to close when the thread ends."""
 
+    tids: tuple[int, ...] = ()
     size = 0
-    fds: tuple[int, ...] = ()
-
-    def close(self) -> None:
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds = ()
-        self.size = 0
 
 
 class _Cached(threading.local):
@@ -97,6 +100,7 @@ class _Cached(threading.local):
     free = 1
     exact = False
     used = 1
+    low_at = -1.0
 
 
 class Sampler:
@@ -134,11 +138,10 @@ class Sampler:
             self.close()
 
     def close(self) -> None:
-        """Stop sampling (closes the files kept open)."""
+        """Stop sampling (closes /proc/loadavg)."""
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
-        self._team.close()
 
     @property
     def available(self) -> bool:
@@ -158,19 +161,13 @@ class Sampler:
         gives thread number i the same pooled thread in every team of the caller)."""
         team = self._team
         if team.size < workers + 1:
-            team.close()
-            fds = []
-            for tid in _core.thread_ids(workers + 1)[1:]:
-                if tid > 0:
-                    with contextlib.suppress(OSError):
-                        fds.append(os.open(f"/proc/self/task/{int(tid)}/stat", os.O_RDONLY))
-            team.fds = tuple(fds)
+            team.tids = tuple(int(t) for t in _core.thread_ids(workers + 1)[1:] if t > 0)
             team.size = workers + 1
         n = 0
-        for fd in team.fds[:workers]:
+        for tid in team.tids[:workers]:
             try:
-                n += _stat_state(fd) == "R"
-            except OSError:        # the worker is gone: capture the team again next time
+                n += _stat_state(tid) == "R"
+            except OSError:        # the worker is gone (or a fork's child): capture again
                 team.size = 0
         return n
 
@@ -186,7 +183,8 @@ class Sampler:
 
     def cap(self, n: int, limit: int) -> int:
         """``min(n, free CPUs)``, with the sample reused for :data:`SAMPLE_TTL` seconds by the
-        calling thread; ``n`` when there is no sample."""
+        calling thread, and a lower count kept for :data:`HOLD` seconds after competition was
+        last seen; ``n`` when there is no sample."""
         c = self._cached
         now = time.monotonic()
         if now - c.at > SAMPLE_TTL or (not c.exact and c.free < n):
@@ -195,9 +193,15 @@ class Sampler:
             try:
                 # workers that may still spin: those of the largest team since the last
                 # sample, and all of a small machine's (reading one costs ~5 us)
-                c.free, c.exact = self.sample(n, max(c.used, min(limit, 8)) - 1)
+                free, exact = self.sample(n, max(c.used, min(limit, 8)) - 1)
             except (OSError, ValueError, IndexError):
                 return n
+            if c.at < 0 or free <= c.free or now - c.low_at > HOLD:
+                c.free, c.exact = free, exact
+                if free < limit:
+                    c.low_at = now                  # competition seen now
+            else:
+                c.exact = True                      # held down: no resampling until then
             c.at = now
             c.used = 1
             self.last = c.free

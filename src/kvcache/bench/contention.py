@@ -46,6 +46,9 @@ CONTENTION_RUNNER_CONTEXT, QUICK_CONTENTION_RUNNER_CONTEXT = 512, 64
 CONDITIONS = ("quiet", "spin", "numpy", "pythread", "twoproc")
 SETTINGS = ("default", "forced 1", "forced all")
 BLOCK = 25                       # calls per setting before the next setting's turn
+SETTING_BUDGET_S = 12.0          # a forced setting stops taking turns after this many seconds
+                                 # in one cell and condition (forced all threads next to a busy
+                                 # core can take 0.5 s a call); the default always completes
 PRODUCT = 256                    # the interleaved product: (256, 256) @ (256, 256) float32
 THREAD_PRODUCT = 384             # the Python thread's products
 # targets (docs/threads.md)
@@ -142,10 +145,15 @@ def make_cells(opts: Options) -> list[Cell]:
     return cells
 
 
+def over_budget(setting: str, times: Sequence[float]) -> bool:
+    """Whether a forced setting has used up :data:`SETTING_BUDGET_S` (never the default)."""
+    return setting != "default" and sum(times) > SETTING_BUDGET_S
+
+
 def run_settings(cell: Cell, calls: int, before: Optional[Callable[[], None]] = None
                  ) -> dict[str, list[float]]:
     """``calls`` timed calls per setting, in rotating blocks of :data:`BLOCK` (after one
-    untimed warm-up call per setting)."""
+    untimed warm-up call per setting); a forced setting over its budget gets fewer."""
     for s in SETTINGS:
         cell.block(s, 1, before)
     out: dict[str, list[float]] = {s: [] for s in SETTINGS}
@@ -153,7 +161,8 @@ def run_settings(cell: Cell, calls: int, before: Optional[Callable[[], None]] = 
     while done < calls:
         n = min(BLOCK, calls - done)
         for s in SETTINGS:
-            out[s] += cell.block(s, n, before)
+            if not over_budget(s, out[s]):
+                out[s] += cell.block(s, n, before)
         done += n
     return out
 
@@ -275,6 +284,8 @@ def run_twoproc(cells: Sequence[Cell], calls: int, seed: int, runner_model: str
             while done < calls:
                 n = min(BLOCK, calls - done)
                 for s in SETTINGS:
+                    if any(over_budget(s, t[s]) for t in times):
+                        continue
                     for p in procs:
                         assert p.stdin is not None
                         p.stdin.write(json.dumps([i, s, n]) + "\n")
@@ -339,7 +350,8 @@ def contention_rows(res: dict[str, Any]) -> list[Row]:
                 per = r
                 row["settings"] = {s: {"median_ms": max(p[s]["median_ms"] for p in per),
                                        "p99_ms": max(p[s]["p99_ms"] for p in per),
-                                       "max_ms": max(p[s]["max_ms"] for p in per)}
+                                       "max_ms": max(p[s]["max_ms"] for p in per),
+                                       "calls": min(p[s]["calls"] for p in per)}
                                    for s in SETTINGS}
                 if solo is not None:
                     share = {s: min(p[s]["per_s"] for p in per) / (solo[s]["per_s"] / 2)
@@ -377,6 +389,8 @@ def contention_table(res: dict[str, Any]) -> str:
     body = []
     for r in res["rows"]:
         cells = [f"{fmt(r['settings'][s]['median_ms'])} / {fmt(r['settings'][s]['p99_ms'])}"
+                 + (f" (n={r['settings'][s]['calls']})" if r["settings"][s]["calls"] < res["calls"]
+                    else "")
                  for s in SETTINGS]
         if "share_of_half_solo" in r:
             sh, wo = r["share_of_half_solo"], r["worst_vs_solo_median"]
@@ -397,7 +411,8 @@ def contention_table(res: dict[str, Any]) -> str:
 def contention_notes(res: dict[str, Any], opts: Options) -> list[str]:
     """Method lines printed under the contention table."""
     return [
-        f"{res['calls']} calls per setting and cell, in rotating blocks of {BLOCK}; "
+        f"{res['calls']} calls per setting and cell, in rotating blocks of {BLOCK} (n=: a "
+        f"forced setting stopped after {SETTING_BUDGET_S:g} s of calls); "
         f"attend = LayerKvCache.attend_all_heads, Llama-3-8B layer (8 KV heads x 128, 32 "
         f"query heads); runner = one Runner.step of the runner section's model "
         f"({opts.contention_runner_model}), rolled back after each block",
