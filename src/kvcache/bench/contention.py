@@ -145,6 +145,13 @@ def make_cells(opts: Options) -> list[Cell]:
     return cells
 
 
+def rotation(done: int) -> list[str]:
+    """The settings' order in the round that starts after ``done`` calls: each goes first in
+    turn, so that none always follows the same one."""
+    k = (done // BLOCK) % len(SETTINGS)
+    return list(SETTINGS[k:] + SETTINGS[:k])
+
+
 def over_budget(setting: str, times: Sequence[float]) -> bool:
     """Whether a forced setting has used up :data:`SETTING_BUDGET_S` (never the default)."""
     return setting != "default" and sum(times) > SETTING_BUDGET_S
@@ -160,7 +167,7 @@ def run_settings(cell: Cell, calls: int, before: Optional[Callable[[], None]] = 
     done = 0
     while done < calls:
         n = min(BLOCK, calls - done)
-        for s in SETTINGS:
+        for s in rotation(done):
             if not over_budget(s, out[s]):
                 out[s] += cell.block(s, n, before)
         done += n
@@ -283,7 +290,7 @@ def run_twoproc(cells: Sequence[Cell], calls: int, seed: int, runner_model: str
             done = 0
             while done < calls:
                 n = min(BLOCK, calls - done)
-                for s in SETTINGS:
+                for s in rotation(done):
                     if any(over_budget(s, t[s]) for t in times):
                         continue
                     for p in procs:
