@@ -27,7 +27,9 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 import numpy.typing as npt
 
+from ._threads import threads_for
 from ._validate import FloatArrayLike, as_f32
+from .quant import CHUNK_ROWS
 
 __all__ = ["PROBS_BUDGET", "Rows", "attend_blocks", "attend_rows", "default_scale",
            "grouped_queries", "scratch"]
@@ -103,8 +105,12 @@ def attend_rows(kernels: ModuleType, rows: Rows, q2: F32, group_q0: IP, *, n_pos
                 width: int, imp: F32, imp_mode: int, n_threads: int) -> F32:
     """Run ``kernels.attend_rows`` on queries ``q2`` (gathered per KV group, ``group_q0``
     giving each group's first row) over at most ``width`` stored rows; returns the
-    probabilities (a view of the per-thread scratch, valid until the next call)."""
+    probabilities (a view of the per-thread scratch, valid until the next call).
+    ``n_threads`` caps the count the thread policy picks (kvcache._threads)."""
     w = max(width, 1)
+    nq, hd = q2.shape
+    n_threads = min(n_threads, threads_for(2 * nq * w * hd,
+                                           min(nq, len(group_q0) - 1) * -(-w // CHUNK_ROWS)))
     probs = scratch("probs", q2.shape[0] * w).reshape(q2.shape[0], w)
     kernels.attend_rows(
         kf__hcd=rows.kf, kq__hcd=rows.kq, ks__hcg=rows.ks, vf__hcd=rows.vf, vq__hcd=rows.vq,

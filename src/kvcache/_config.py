@@ -17,7 +17,10 @@ def config_info() -> dict[str, Any]:
     """The facts show_config prints, as a dict."""
     import numpy as np
     from . import _core
+    from ._threads import thread_settings
     from ._version import __version__
+
+    ts = thread_settings()
 
     info: dict[str, Any] = {
         "kvcache": __version__,
@@ -26,7 +29,13 @@ def config_info() -> dict[str, Any]:
         "numpy": np.__version__,
         "openmp_built": _core.openmp_built(),
         "simd_built": _core.simd_built(),
-        "threads": _core.max_threads(),
+        "threads": ts.max_threads,
+        "thread_mode": (f"{ts.mode}: "
+                        + (f"1 to {ts.max_threads}" if ts.adaptive else f"{ts.max_threads}")
+                        + f" per call (OpenMP limit {ts.limit}"
+                        + ("" if ts.cap is None else f", kvcache.threads cap {ts.cap}") + ")"),
+        "thread_sampler": (f"{ts.sampler}, {ts.usable_cpus} usable CPUs, last sample "
+                           + ("none" if ts.free_cpus is None else f"{ts.free_cpus} free")),
         "chunk_rows": _core.CHUNK_ROWS,
         "wire_digest": _wire_digest(),
     }
@@ -42,11 +51,12 @@ def config_info() -> dict[str, Any]:
 
 
 def show_config(file: Optional[TextIO] = None) -> None:
-    """Print kvcache's version, whether OpenMP was built in, thread counts and threadpoolctl's view."""
+    """Print kvcache's version, whether OpenMP was built in, its thread settings in this context
+    (``kvcache.threads``: limit, mode, the free-CPU sampler) and threadpoolctl's view."""
     info = config_info()
     out = file or sys.stdout
     for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "simd_built", "threads",
-                "chunk_rows", "wire_digest"):
+                "thread_mode", "thread_sampler", "chunk_rows", "wire_digest"):
         print(f"{key:>14}: {info[key]}", file=out)
     print(f"{'threadpools':>14}:", file=out)
     pools = info["threadpools"]

@@ -138,6 +138,31 @@ def max_threads():
     return omp_get_max_threads()
 
 
+cdef extern from *:
+    """
+    #if defined(__linux__)
+    #include <unistd.h>
+    #include <sys/syscall.h>
+    static long long kvc_gettid(void) { return (long long)syscall(SYS_gettid); }
+    #else
+    static long long kvc_gettid(void) { return 0; }
+    #endif
+    """
+    long long kvc_gettid() nogil
+
+
+def thread_ids(int n_threads):
+    """Kernel thread ids (Linux; 0 elsewhere) of the OpenMP team of ``n_threads`` that the
+    calling thread starts, by thread number (0 is the caller): kvcache._threads tells its own
+    spinning workers from competing threads with them."""
+    ids_arr = np.zeros(max(n_threads, 1), dtype=np.int64)
+    cdef long long[::1] ids = ids_arr
+    cdef int i
+    for i in prange(n_threads, nogil=True, num_threads=n_threads, schedule="static", chunksize=1):
+        ids[omp_get_thread_num()] = kvc_gettid()
+    return ids_arr
+
+
 def store_rows_f32(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive__h,
                    const Py_ssize_t[::1] head_len__h, float[:, :, ::1] store__hcd):
     """store[h, head_len[h] + i] = x[i, h] for every alive head h and row i."""

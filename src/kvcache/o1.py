@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import numpy.typing as npt
 
+from ._threads import threads_for
 from ._validate import readonly
 
 if TYPE_CHECKING:
@@ -350,6 +351,8 @@ class O1Sealed:
         st.scr = np.zeros((nh, sink + w + 3 * m_eff), dtype=_F32)
         # replay: keys sink .. t-w-1 leave the window in order and enter the far field
         n_far = t - sink - w
+        # n_threads caps the policy's count (kvcache._threads)
+        n_threads = min(n_threads, threads_for(nh * n_far * m_eff * (d + dv), nh))
         kernels.o1_absorb(q_tilde__hmd=st.q_tilde, keys__gnd=keys, values__gne=values,
                           row0=sink, n=n_far, scale=st.scale, t_hat__hme=st.t_hat,
                           z_hat__hm=st.z_hat, m_max__hm=st.m_max, scr__hm=st.scr,
@@ -411,6 +414,9 @@ class O1Sealed:
             win_len = self.win_len + 1
             scr = self.scr
         far_len = self.far_len + (1 if absorb else 0)
+        nh = self.num_heads
+        n_threads = min(n_threads, threads_for(
+            nh * (self.sink_len + win_len + self.m_eff) * (self.d + self.dv), nh))
         kernels.o1_step(q__hd=q, k_new__gd=k_new, v_new__ge=v_new, sink_k__gsd=self.sink_k,
                         sink_v__gse=self.sink_v, win_k__gcd=self.win_k, win_v__gce=self.win_v,
                         win_len=win_len, slot=slot, absorb=absorb, k_tilde__gmd=self.k_tilde,

@@ -1,7 +1,8 @@
 """The benchmark behind ``python -m kvcache bench``.
 
 One module per section of the run (``attention``: decode attention against the NumPy reference
-and torch; ``append``; ``o1``; ``wire``; ``mla``; ``sync``; ``runner``), plus the shared pieces:
+and torch; ``append``; ``o1``; ``wire``; ``mla``; ``sync``; ``runner``; ``store``;
+``contention``), plus the shared pieces:
 ``geometry`` (model shapes and random rows), ``timing`` (timers, thread limits, the bandwidth
 probe), ``machine`` (what the machine is and whether it was busy), ``tables`` (number formats
 and text tables), ``report`` (the printed report, the JSON file, the charts), ``options`` (the

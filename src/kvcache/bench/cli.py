@@ -16,6 +16,10 @@ from .append import APPEND_CONTEXTS, run_append
 from .attention import (
     DEFAULT_CONTEXTS, DEFAULT_WORKING_SET, QUICK_CONTEXTS, QUICK_WORKING_SET,
     accuracy_warnings, run_context)
+from .contention import (
+    CONDITIONS, CONTENTION_CALLS, CONTENTION_CONTEXTS, CONTENTION_RUNNER_CONTEXT,
+    QUICK_CONTENTION_CALLS, QUICK_CONTENTION_CONTEXTS, QUICK_CONTENTION_RUNNER_CONTEXT,
+    run_contention)
 from ..modes import KvMode
 from .geometry import _GEOMETRY_ALIASES, GEOMETRIES, MODE_NAMES, Geometry, GiB, MiB, mode_name
 from .machine import (
@@ -83,6 +87,14 @@ def parse_section(text: str) -> str:
     return text.lower()
 
 
+def parse_condition(text: str) -> str:
+    """One of the contention section's conditions (any case)."""
+    if text.lower() not in CONDITIONS:
+        raise argparse.ArgumentTypeError(
+            f"unknown contention condition {text!r}; choose from {', '.join(CONDITIONS)}")
+    return text.lower()
+
+
 def parse_threads(text: str) -> int:
     """A thread count, at least 1."""
     n = int(text)
@@ -108,14 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "O(1) Nystrom decode step vs exact f32/q8 attention (time, memory, error); "
                     "export/import throughput of the byte formats (wire); the absorbed "
                     "MLA decode kernel vs the naive NumPy form (mla); device-mirror sync costs "
-                    "(sync); decode tokens/s of kvcache.runner vs transformers (runner); and "
-                    "time to first token with a prefix store, its store/load GB/s (store).  "
+                    "(sync); decode tokens/s of kvcache.runner vs transformers (runner); "
+                    "time to first token with a prefix store, its store/load GB/s (store); "
+                    "and decode latency next to competing work, per thread setting "
+                    "(contention).  "
                     "Method: docs/benchmark-method.md.")
     p.add_argument("--quick", action="store_true",
                    help="small subset (Llama, 1k and 16k, 3 repeats, 512 MiB working set; "
                         "O(1) section at 1k and 4k, 7 repeats; wire section at 4k, "
                         f"{QUICK_WIRE_REPEATS} repeats; MLA section at 1k and 4k, "
-                        f"{QUICK_MLA_REPEATS} repeats; store section at 256 and 512, 1 prompt)")
+                        f"{QUICK_MLA_REPEATS} repeats; store section at 256 and 512, 1 prompt; "
+                        f"contention section at 256, {QUICK_CONTENTION_CALLS} calls, a tiny "
+                        f"runner model)")
     p.add_argument("--sections", nargs="+", metavar="S",
                    help="sections to run, any of: decode (decode attention vs reference/torch), "
                         "append (append cost), o1 (O(1) Nystrom decode vs exact f32/q8), "
@@ -127,7 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "token cold / full hit / half hit with a directory and a Redis prefix "
                         "store, store and load GB/s, bytes per token), prefill (prompt "
                         "attention vs torch SDPA and the FMA peak, time to first token of "
-                        "kvcache.runner vs transformers); default all, e.g. "
+                        "kvcache.runner vs transformers), contention (decode "
+                        "latency quiet, next to a busy core, BLAS products, a NumPy thread and "
+                        "a second process: kvcache's default vs forced 1 and all threads); "
+                        "default all, e.g. "
                         "--sections o1 runs the O(1) section alone")
     p.add_argument("--contexts", nargs="+", metavar="T", help="contexts, e.g. 1k 4k 16k 32k")
     p.add_argument("--geometries", nargs="+", metavar="G", help="llama3-8b and/or qwen2.5-0.5b")
@@ -205,6 +224,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-repeats", type=int,
                    help=f"prompts timed per cell of the store section (default {STORE_REPEATS}, "
                         f"quick {QUICK_STORE_REPEATS})")
+    p.add_argument("--no-contention", action="store_true", help="skip the contention section")
+    p.add_argument("--contention-contexts", nargs="+", metavar="T",
+                   help="contexts of the contention section's attention cells (default 1k 16k, "
+                        "quick 256)")
+    p.add_argument("--contention-calls", type=int,
+                   help=f"timed calls per cell, condition and thread setting (default "
+                        f"{CONTENTION_CALLS}, quick {QUICK_CONTENTION_CALLS})")
+    p.add_argument("--contention-conditions", nargs="+", metavar="C",
+                   help=f"conditions of the contention section, any of {', '.join(CONDITIONS)} "
+                        "(default all)")
+    p.add_argument("--contention-runner-context", metavar="T",
+                   help=f"context of the runner-step cell (default "
+                        f"{CONTENTION_RUNNER_CONTEXT}, quick {QUICK_CONTENTION_RUNNER_CONTEXT}; "
+                        "0 leaves the cell out)")
     p.add_argument("--bandwidth-mib", type=int,
                    help=f"buffer of the read-bandwidth probe, MiB (default "
                         f"{BANDWIDTH_BUFFER // MiB})")
@@ -295,7 +328,18 @@ def _resolve_options(args: argparse.Namespace) -> Options:
         store=runs("store", args.no_store),
         store_contexts=contexts_of(args.store_contexts, QUICK_STORE_CONTEXTS, STORE_CONTEXTS),
         store_repeats=count(args.store_repeats, QUICK_STORE_REPEATS, STORE_REPEATS),
-        prefill=runs("prefill"), prefill_quick=quick)
+        prefill=runs("prefill"), prefill_quick=quick,
+        contention=runs("contention", args.no_contention),
+        contention_contexts=contexts_of(args.contention_contexts, QUICK_CONTENTION_CONTEXTS,
+                                        CONTENTION_CONTEXTS),
+        contention_calls=count(args.contention_calls, QUICK_CONTENTION_CALLS, CONTENTION_CALLS),
+        contention_conditions=(_split(args.contention_conditions, parse_condition)
+                               or list(CONDITIONS)),
+        contention_runner_context=(
+            0 if (args.contention_runner_context or "").strip() == "0"
+            else context_of(args.contention_runner_context, QUICK_CONTENTION_RUNNER_CONTEXT,
+                            CONTENTION_RUNNER_CONTEXT)),
+        contention_runner_model="tiny" if quick else "bench")
 
 
 def check_plot_backend() -> str | None:
@@ -330,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                + (len(SYNC_CASES) if opts.sync else 0)
                + (len(opts.runner_contexts) if opts.runner else 0)
                + (2 * (len(opts.store_contexts) + 1) if opts.store else 0)
-               + (task_count(opts) if opts.prefill else 0))
+               + (task_count(opts) if opts.prefill else 0)
+               + (len(opts.contention_conditions) if opts.contention else 0))
     bar = progress_bar(n_tasks, enabled=not args.no_progress)
     res = Results(info)
     prefill = None
@@ -359,6 +404,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             res.store = run_store(opts, bar)
         if opts.prefill:
             prefill = run_prefill(opts, bar)
+        if opts.contention:
+            res.contention = run_contention(opts, bar)
     finally:
         bar.close()
     accuracy_warnings(res.decode)

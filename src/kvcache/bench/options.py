@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .contention import (
+    CONDITIONS, CONTENTION_CALLS, CONTENTION_CONTEXTS, CONTENTION_RUNNER_CONTEXT)
 from .geometry import Geometry
 from .mla import (
     MLA_CONTEXTS, MLA_FMA_ITERS, MLA_NAIVE_MAX_CONTEXT, MLA_NAIVE_REPEATS, MLA_REPEATS,
@@ -20,7 +22,8 @@ from .timing import BANDWIDTH_BUFFER
 from .wire import WIRE_CONTEXT, WIRE_REPEATS, WIRE_SAVE_LAYERS
 
 
-SECTIONS = ("decode", "append", "o1", "wire", "mla", "sync", "runner", "store", "prefill")
+SECTIONS = ("decode", "append", "o1", "wire", "mla", "sync", "runner", "store", "prefill",
+            "contention")
 
 
 @dataclass
@@ -68,3 +71,9 @@ class Options:
     store_repeats: int = STORE_REPEATS
     prefill: bool = True
     prefill_quick: bool = False
+    contention: bool = True
+    contention_contexts: Sequence[int] = CONTENTION_CONTEXTS
+    contention_calls: int = CONTENTION_CALLS
+    contention_conditions: Sequence[str] = CONDITIONS
+    contention_runner_context: int = CONTENTION_RUNNER_CONTEXT
+    contention_runner_model: str = "bench"

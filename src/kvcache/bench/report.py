@@ -23,6 +23,7 @@ from . import runner as runner_section
 from .runner import runner_notes, runner_table
 from .store import io_table, store_notes, store_summary, ttft_table
 from .sync import sync_notes, sync_table
+from .contention import contention_notes, contention_table
 from .tables import context_label, fmt
 from .tables import Row
 from .timing import Bandwidth
@@ -47,6 +48,7 @@ class Results:
     sync: list[Row] = field(default_factory=list)
     runner: list[Row] = field(default_factory=list)
     store: dict[str, Any] | None = None
+    contention: dict[str, Any] | None = None
 
 
 def write_plot(path: str, rows: Sequence[Row], bandwidth: Bandwidth) -> None:
@@ -208,6 +210,10 @@ def print_report(res: Results, opts: Options, file: IO[str] | None = None) -> No
                 "a full and a half hit, and the store's I/O:",
                 [ttft_table(res.store["ttft"]), io_table(res.store["io"])],
                 store_notes(res.store, opts))
+    if res.contention:
+        section("contention: decode latency next to competing work, kvcache's default thread "
+                "count vs forced 1 and forced all threads (median / p99 ms):",
+                [contention_table(res.contention)], contention_notes(res.contention, opts))
 
 
 def options_record(opts: Options) -> dict[str, Any]:
@@ -234,7 +240,13 @@ def options_record(opts: Options) -> dict[str, Any]:
             "runner_section": opts.runner, "runner_contexts": opts.runner_contexts,
             "runner_steps": opts.runner_steps, "runner_model": runner_section.RUNNER_MODEL,
             "store_section": opts.store, "store_contexts": opts.store_contexts,
-            "store_repeats": opts.store_repeats}
+            "store_repeats": opts.store_repeats,
+            "contention_section": opts.contention,
+            "contention_contexts": opts.contention_contexts,
+            "contention_calls": opts.contention_calls,
+            "contention_conditions": opts.contention_conditions,
+            "contention_runner_context": opts.contention_runner_context,
+            "contention_runner_model": opts.contention_runner_model}
 
 
 def write_json(path: str, res: Results, opts: Options) -> None:
@@ -267,5 +279,8 @@ def write_json(path: str, res: Results, opts: Options) -> None:
         payload["store_io"] = res.store["io"]
         payload["store_summary"] = store_summary(res.store)
         payload["store_info"] = {k: v for k, v in res.store.items() if k not in ("ttft", "io")}
+    if res.contention:
+        payload["contention"] = res.contention["rows"]
+        payload["contention_info"] = {k: v for k, v in res.contention.items() if k != "rows"}
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)

@@ -1,0 +1,343 @@
+"""How many threads a kernel call uses: the policy, its sampler and the caller's control.
+
+Every compiled kernel takes its thread count from :func:`threads_for`, called once per kernel
+call in Python with the call's size.  The count is the smallest of
+
+- the OpenMP limit (``omp_get_max_threads``: ``threadpoolctl.threadpool_limits(n,
+  user_api="openmp")`` and ``OMP_NUM_THREADS`` set it) and the cap of :func:`threads`;
+- the call's independent tasks (a thread without a task only adds a fork-join member);
+- ``work // MIN_WORK_PER_THREAD`` (below ``2 * MIN_WORK_PER_THREAD`` multiply-adds a call stays
+  on the calling thread);
+- the CPUs that are free right now (:class:`Sampler`): the CPUs this process may use, less the
+  runnable threads of everything else -- other processes, other Python threads, BLAS workers
+  that spin after a product -- held down for :data:`HOLD` seconds after competition was seen.  An OpenMP fork-join waits for its slowest member, so a team
+  larger than the free CPUs waits for a descheduled thread (docs/threads.md has the
+  measurements); one that fits does not.
+
+``kvcache.threads(n, adaptive=False)`` forces a count (the benchmark's "forced 1" and "forced
+all"), still capped by the OpenMP limit.  Results are bit-identical for every count: the
+kernels split their sums by row index, never by thread (docs/numerics.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import threading
+import time
+from typing import NamedTuple, Optional
+
+from . import _core
+
+__all__ = ["HOLD", "MIN_WORK_PER_THREAD", "SAMPLE_TTL", "Sampler", "ThreadSettings", "choose",
+           "sampler", "thread_settings", "threads", "threads_for"]
+
+MIN_WORK_PER_THREAD = 1 << 18
+"""Multiply-adds a thread must get (about 30-60 us on one core) before it is worth waking."""
+
+SAMPLE_TTL = 0.002
+"""Seconds a sample of the free CPUs is reused by the calls of one Python thread."""
+
+HOLD = 0.02
+"""Seconds the count stays down after competition was last seen: a competitor that pauses
+for a moment (another process between two calls, a thread between two products) does not
+bring back a team that it would stall when it resumes."""
+
+
+def choose(work: int, tasks: int, limit: int, free: Optional[int] = None) -> int:
+    """The thread count for a call: the pure rule :func:`threads_for` applies.
+
+    Parameters
+    ----------
+    work : int
+        Multiply-adds of the call (>= 0).
+    tasks : int
+        Independent pieces the call splits into (>= 0).
+    limit : int
+        The most threads allowed (>= 1): the OpenMP limit, or a smaller cap.
+    free : int, optional
+        CPUs free for this call counting the calling thread's own (None: unknown, the
+        work-size rule alone decides).
+
+    Returns
+    -------
+    int
+        ``min(limit, tasks, work // MIN_WORK_PER_THREAD, free)``, at least 1.
+    """
+    if limit < 1:
+        raise ValueError(f"limit: expected >= 1, got {limit}")
+    n = min(limit, tasks, work // MIN_WORK_PER_THREAD)
+    if free is not None:
+        n = min(n, free)
+    return max(1, n)
+
+
+def _stat_state(tid: int) -> str:
+    """The one-letter state of thread ``tid`` of this process (``R``: runnable)."""
+    fd = os.open(f"/proc/self/task/{tid}/stat", os.O_RDONLY)
+    try:
+        line = os.pread(fd, 256, 0)
+    finally:
+        os.close(fd)
+    i = line.rfind(b")")
+    return chr(line[i + 2]) if 0 <= i < len(line) - 2 else "?"
+
+
+class _TeamTids(threading.local):
+    """The kernel thread ids of the calling Python thread's OpenMP workers (thread numbers 1,
+    2, ...).  Ids only, no open files: nothing to close when the thread ends."""
+
+    tids: tuple[int, ...] = ()
+    size = 0
+
+
+class _Cached(threading.local):
+    """The calling thread's last sample: when, the free CPUs, whether exact or a lower bound,
+    and the largest count handed out since (its workers may still be spinning)."""
+
+    at = -1.0
+    free = 1
+    exact = False
+    used = 1
+    low_at = -1.0
+
+
+class Sampler:
+    """Free CPUs from ``/proc``: usable CPUs less the runnable threads of everyone else.
+
+    Field 4 of ``/proc/loadavg`` counts the threads runnable on the host right now
+    (``running/total``).  The calling thread is one of them, and the workers of its own OpenMP
+    team may be too (they spin for a while after a parallel region): those are read from
+    ``/proc/self/task/<tid>/stat`` and not counted -- only when the count matters, and only
+    the workers of the largest team handed out since the last sample.  Everything else
+    competes.  The host's CPUs (``os.cpu_count()``, the scale of ``/proc/loadavg`` also in a
+    container) less the competitors, capped by the CPUs this process may run on
+    (``os.sched_getaffinity``), is the answer.  Without ``/proc`` there is no sample.
+
+    Parameters
+    ----------
+    loadavg : str
+        The file to read (a test points it at a file of its own).
+    """
+
+    def __init__(self, loadavg: str = "/proc/loadavg") -> None:
+        self.host = os.cpu_count() or 1
+        try:
+            self.usable = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self.usable = self.host
+        self._team = _TeamTids()
+        self._cached = _Cached()
+        self.last: Optional[int] = None
+        self._fd: Optional[int] = None
+        try:
+            self._fd = os.open(loadavg, os.O_RDONLY)
+            self.running()
+        except (OSError, ValueError, IndexError):
+            self.close()
+
+    def close(self) -> None:
+        """Stop sampling (closes /proc/loadavg)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    @property
+    def available(self) -> bool:
+        """Whether samples can be taken here."""
+        return self._fd is not None
+
+    def running(self) -> int:
+        """Threads runnable on the host now (field 4 of ``/proc/loadavg``, before the slash)."""
+        if self._fd is None:
+            raise OSError("no /proc/loadavg")
+        fields = os.pread(self._fd, 128, 0).split()
+        return int(fields[3].split(b"/")[0])
+
+    def own_running(self, workers: int) -> int:
+        """How many of the first ``workers`` workers of the calling thread's OpenMP team are
+        runnable now (their kernel ids are captured once, by a team of ``workers + 1``: OpenMP
+        gives thread number i the same pooled thread in every team of the caller)."""
+        team = self._team
+        if team.size < workers + 1:
+            team.tids = tuple(int(t) for t in _core.thread_ids(workers + 1)[1:] if t > 0)
+            team.size = workers + 1
+        n = 0
+        for tid in team.tids[:workers]:
+            try:
+                n += _stat_state(tid) == "R"
+            except OSError:        # the worker is gone (or a fork's child): capture again
+                team.size = 0
+        return n
+
+    def sample(self, want: int, spinning: int) -> tuple[int, bool]:
+        """Free CPUs now counting the caller's own, and whether the count is exact (False: a
+        lower bound, already >= ``want``); ``spinning`` of the team's workers may spin."""
+        others = self.running() - 1
+        free = min(self.usable, self.host - others)
+        if free >= want or others <= 0 or spinning <= 0:
+            return max(1, free), others <= 0 or spinning <= 0
+        own = self.own_running(spinning)
+        return max(1, min(self.usable, self.host - max(0, others - own))), True
+
+    def cap(self, n: int, limit: int) -> int:
+        """``min(n, free CPUs)``, with the sample reused for :data:`SAMPLE_TTL` seconds by the
+        calling thread, and a lower count kept for :data:`HOLD` seconds after competition was
+        last seen; ``n`` when there is no sample."""
+        c = self._cached
+        now = time.monotonic()
+        if now - c.at > SAMPLE_TTL or (not c.exact and c.free < n):
+            if self._fd is None:
+                return n
+            try:
+                # workers that may still spin: those of the largest team since the last
+                # sample, and all of a small machine's (reading one costs ~5 us)
+                free, exact = self.sample(n, max(c.used, min(limit, 8)) - 1)
+            except (OSError, ValueError, IndexError):
+                return n
+            if c.at < 0 or free <= c.free or now - c.low_at > HOLD:
+                c.free, c.exact = free, exact
+                if free < limit:
+                    c.low_at = now                  # competition seen now
+            else:
+                c.exact = True                      # held down: no resampling until then
+            c.at = now
+            c.used = 1
+            self.last = c.free
+        if c.free < n:
+            n = c.free
+        if n > c.used:
+            c.used = n
+        return n
+
+
+_sampler: Optional[Sampler] = None
+_sampler_lock = threading.Lock()
+
+
+def sampler() -> Sampler:
+    """The process's sampler (made on first use)."""
+    global _sampler
+    s = _sampler
+    if s is None:
+        with _sampler_lock:
+            if _sampler is None:
+                _sampler = Sampler()
+            s = _sampler
+    return s
+
+
+# (cap or None, adaptive) for the current Python thread / async context
+_setting: contextvars.ContextVar[tuple[Optional[int], bool]] = contextvars.ContextVar(
+    "kvcache_threads", default=(None, True))
+
+
+def threads_for(work: int, tasks: int) -> int:
+    """The thread count of a kernel call of ``work`` multiply-adds in ``tasks`` independent
+    pieces, under the settings in force (:func:`threads`) and the OpenMP limit.
+
+    :func:`choose` with the free CPUs of :class:`Sampler` (sampled only when the call is large
+    enough for more than one thread); about 1 us when the sample is reused."""
+    cap, adaptive = _setting.get()
+    limit = _core.max_threads()
+    if cap is not None and cap < limit:
+        limit = cap
+    if not adaptive or limit <= 1:
+        return max(1, limit)
+    n = work // MIN_WORK_PER_THREAD      # choose(), inlined: this runs once per kernel call
+    if tasks < n:
+        n = tasks
+    if limit < n:
+        n = limit
+    if n <= 1:
+        return 1
+    return (_sampler or sampler()).cap(n, limit)
+
+
+class threads:
+    """Set kvcache's thread count for a block of code: ``with kvcache.threads(1): ...``.
+
+    The setting belongs to the calling Python thread or async task (a context variable):
+    other threads keep theirs.  Blocks nest; leaving one restores the enclosing setting.
+    Results do not depend on it (bit-identical for every thread count).
+
+    Parameters
+    ----------
+    n : int, optional
+        The most threads a kernel call may use (>= 1); None leaves the OpenMP limit
+        (``threadpoolctl.threadpool_limits(n, user_api="openmp")`` / ``OMP_NUM_THREADS``) as
+        the only cap.  An ``n`` above that limit is capped by it.
+    adaptive : bool
+        True (the default): each call picks its count up to the cap from its size, its
+        independent tasks and the CPUs free now.  False: every call asks for exactly the cap
+        -- ``threads(1, adaptive=False)`` is single-threaded, ``threads(adaptive=False)`` uses
+        every thread the OpenMP limit allows; the kernels still run calls under 65536
+        multiply-adds on the calling thread.
+
+    Raises
+    ------
+    TypeError
+        ``n`` not an int or None, ``adaptive`` not a bool.
+    ValueError
+        ``n`` < 1.
+    """
+
+    __slots__ = ("_value", "_tokens")
+
+    def __init__(self, n: Optional[int] = None, *, adaptive: bool = True) -> None:
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"n: expected an int or None, got {type(n).__name__}")
+            if n < 1:
+                raise ValueError(f"n: expected >= 1, got {n}")
+        if not isinstance(adaptive, bool):
+            raise TypeError(f"adaptive: expected a bool, got {type(adaptive).__name__}")
+        self._value: tuple[Optional[int], bool] = (n, adaptive)
+        self._tokens: list[contextvars.Token[tuple[Optional[int], bool]]] = []
+
+    def __enter__(self) -> threads:
+        self._tokens.append(_setting.set(self._value))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _setting.reset(self._tokens.pop())
+
+    def __repr__(self) -> str:
+        n, adaptive = self._value
+        return f"kvcache.threads({n!r}, adaptive={adaptive})"
+
+
+class ThreadSettings(NamedTuple):
+    """What :func:`thread_settings` reports."""
+
+    limit: int
+    """The OpenMP limit now (threadpoolctl / OMP_NUM_THREADS)."""
+    cap: Optional[int]
+    """The cap set by :func:`threads` in this context (None: none)."""
+    adaptive: bool
+    """Whether calls adapt to their size and the free CPUs (False: forced count)."""
+    max_threads: int
+    """The most threads a call may use here: ``min(limit, cap)``."""
+    sampler: str
+    """"loadavg" when the free-CPU sampler works here, else "off" (work-size rule only)."""
+    free_cpus: Optional[int]
+    """The last sample of free CPUs (None before the first or without a sampler)."""
+    usable_cpus: int
+    """CPUs this process may run on (``os.sched_getaffinity``)."""
+
+    @property
+    def mode(self) -> str:
+        """"adaptive" or "forced"."""
+        return "adaptive" if self.adaptive else "forced"
+
+
+def thread_settings() -> ThreadSettings:
+    """kvcache's thread settings in this Python thread / async context."""
+    cap, adaptive = _setting.get()
+    limit = max(1, _core.max_threads())
+    s = sampler()
+    return ThreadSettings(limit=limit, cap=cap, adaptive=adaptive,
+                          max_threads=limit if cap is None else min(limit, cap),
+                          sampler="loadavg" if s.available else "off", free_cpus=s.last,
+                          usable_cpus=s.usable)
