@@ -193,8 +193,8 @@ def runner_notes(rows: Sequence[Row], opts: Options) -> list[str]:
            f"{package_version('transformers')} generate (sdpa, DynamicCache), torch "
            f"{package_version('torch')}; model: Llama-style, {RUNNER_MODEL}",
            "attn = share of the runner's step time in append + attend_all_heads",
-           "threads: the runner decodes with BLAS on 1 thread and kvcache's OpenMP on all "
-           "(its default, see kvcache.runner); torch uses its own default pool"]
+           "threads: the runner decodes with BLAS on 1 thread; kvcache picks its count per "
+           "call (its adaptive default, docs/threads.md); torch uses its own default pool"]
     for r in rows:
         if r["max_abs_logit_diff"] > 1e-3:
             out.append(f"WARNING: at {context_label(r['context'])} the first-step logits differ "

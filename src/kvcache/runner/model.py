@@ -359,11 +359,12 @@ class Runner:
     def _blas_for(self, n: int) -> ContextManager[object]:
         """BLAS on one thread for a single position (decode), unless ``blas_threads`` says.
 
-        A decode step's products are memory-bound matrix-vector products; on a machine with
-        few cores, BLAS worker threads that spin-wait after each product and kvcache's OpenMP
-        team that does the same descheduled each other for tens of milliseconds per call here
-        (2 cores: 0.8 tokens/s instead of 25 on the benchmark model).  One BLAS thread
-        removes the contention; prefill blocks keep every thread."""
+        A decode step's products are memory-bound matrix-vector products.  kvcache's own
+        calls no longer need the pin (its thread policy sees BLAS workers spinning after a
+        product and stays on the calling thread, docs/threads.md), but BLAS's own fork-join
+        stalls the same way when the machine is busy, and kvcache cannot steer it: a step of
+        the benchmark model at 4k took 154 ms with the pin and 260 ms without on a busy
+        2-core machine (docs/threads.md).  Prefill blocks keep every BLAS thread."""
         if n > 1 or self.blas_threads == 0:
             return contextlib.nullcontext()
         if self._pools is None:
