@@ -759,7 +759,9 @@ cdef extern from "_prefill.h" nogil:
                           float *scratch)
     Py_ssize_t KVC_PF_TILE
     Py_ssize_t KVC_PF_QR
+    Py_ssize_t KVC_PF_IMP_ROWS
     Py_ssize_t KVC_PF_SCRATCH_FLOATS(Py_ssize_t hd, Py_ssize_t nq)
+    Py_ssize_t KVC_PF_IMP_SCRATCH(Py_ssize_t hd)
 
 # queries per task (whole positions: a task holds ceil(_PF_QUERIES / heads per group) positions
 # of one KV group, so each K/V tile is loaded once for that many queries)
@@ -921,7 +923,9 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
         task_g = <Py_ssize_t *> malloc((ntasks + 1) * sizeof(Py_ssize_t))
         task_j0 = <Py_ssize_t *> malloc((ntasks + 1) * sizeof(Py_ssize_t))
         task_j1 = <Py_ssize_t *> malloc((ntasks + 1) * sizeof(Py_ssize_t))
-        nscr = (KVC_PF_SCRATCH_FLOATS(hd, nqmax) + 15) // 16 * 16
+        # per thread: a task's tiles, or the importance pass's rows and column sums
+        nscr = max(KVC_PF_SCRATCH_FLOATS(hd, nqmax), KVC_PF_IMP_SCRATCH(hd) + KVC_PF_IMP_ROWS)
+        nscr = (nscr + 15) // 16 * 16
         scr_raw = <float *> malloc((n_threads * nscr + 16) * sizeof(float))
         if task_g == NULL or task_j0 == NULL or task_j1 == NULL or scr_raw == NULL:
             raise MemoryError()
@@ -978,17 +982,18 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
                         quant_v, vcp + g * hd if vcp != NULL else NULL, hd, scale, softcap,
                         outp + j0 * hd, q_m + j0, q_l + j0, scr + tid * nscr)
 
-        # ---- 2. importance: tiles of rows, each owned by one thread ----------------------
+        # ---- 2. importance: blocks of rows, each owned by one thread (the first rows, seen by
+        # the most queries, first) --------------------------------------------------------
         if imp_mode == 2:
             maxlen = min(maxlen, n_imp)
-            ntiles = (maxlen + KVC_PF_TILE - 1) // KVC_PF_TILE
+            ntiles = (maxlen + KVC_PF_IMP_ROWS - 1) // KVC_PF_IMP_ROWS
             for c in prange(ntiles, nogil=True, num_threads=n_threads, schedule="dynamic",
                             use_threads_if=par):
                 tid = omp_get_thread_num()
                 colsum = scr + tid * nscr
-                t0 = c * KVC_PF_TILE
-                t1 = min(t0 + KVC_PF_TILE, maxlen)
-                memset(colsum, 0, KVC_PF_TILE * sizeof(float))
+                t0 = c * KVC_PF_IMP_ROWS
+                t1 = min(t0 + KVC_PF_IMP_ROWS, maxlen)
+                memset(colsum, 0, KVC_PF_IMP_ROWS * sizeof(float))
                 for g in range(nkv):
                     j0 = group_q0[g]
                     j1 = group_q0[g + 1]
@@ -1000,7 +1005,7 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
                                      kqp + g * kcap * hd if kqp != NULL else NULL,
                                      ksp + g * kcap * ks_stride if ksp != NULL else NULL,
                                      ks_stride, quant_k, hd, scale, softcap, t0, t1,
-                                     colsum, colsum + 64)
+                                     colsum, colsum + KVC_PF_IMP_ROWS)
                 for p in range(t0, t1):
                     imp__l[p] = imp__l[p] + colsum[p - t0]
     finally:

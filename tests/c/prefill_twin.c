@@ -27,9 +27,11 @@ static void out(float x)
 int main(void)
 {
     static float q[NQ * HDMAX], k[ROWS * HDMAX], v[ROWS * HDMAX], ks[ROWS * 5], vs[ROWS];
-    static float vcol[HDMAX], o[NQ * HDMAX], qm[NQ], ql[NQ], colsum[64];
+    static float vcol[HDMAX], o[NQ * HDMAX], qm[NQ], ql[NQ], colsum[KVC_PF_IMP_ROWS];
     static int8_t kq[ROWS * HDMAX], vq[ROWS * HDMAX];
-    float *scratch = malloc(sizeof(float) * KVC_PF_SCRATCH_FLOATS(HDMAX, NQ));
+    size_t nscr = KVC_PF_SCRATCH_FLOATS(HDMAX, NQ) > KVC_PF_IMP_SCRATCH(HDMAX)
+                      ? KVC_PF_SCRATCH_FLOATS(HDMAX, NQ) : KVC_PF_IMP_SCRATCH(HDMAX);
+    float *scratch = malloc(sizeof(float) * nscr);
     ptrdiff_t hds[] = {1, 7, 8, 16, 24, 40, 64, 72, 128, 136};
     ptrdiff_t qf[NQ], qe[NQ];
     int i, h, mode, cap;
@@ -69,12 +71,14 @@ int main(void)
                     out(qm[j]);
                     out(ql[j]);
                 }
-                for (t0 = 0; t0 < 173; t0 += 64) {
-                    ptrdiff_t t1 = t0 + 64 < 173 ? t0 + 64 : 173;
+                /* the importance pass over blocks of 64 rows, then over one block */
+                for (t0 = 0; t0 < 173 + 64; t0 += 64) {
+                    ptrdiff_t a0 = t0 < 173 ? t0 : 0, t1 = t0 < 173 ? t0 + 64 : 173;
+                    t1 = t1 < 173 ? t1 : 173;
                     memset(colsum, 0, sizeof colsum);
                     kvc_pf_imp_group(q, NQ, qf, qe, qm, ql, k, kq, ks, 5, quant_k, hd, 0.3f,
-                                     softcap, t0, t1, colsum, scratch);
-                    for (i = 0; i < t1 - t0; ++i)
+                                     softcap, a0, t1, colsum, scratch);
+                    for (i = 0; i < t1 - a0; ++i)
                         out(colsum[i]);
                 }
             }
