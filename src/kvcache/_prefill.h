@@ -437,21 +437,10 @@ static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const
             continue;
         kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
         kvc_pf_load_v(vf, vq, vs, vs_stride, quant_v, t0, r0, r1, hd, Vp);
-        if (t1 < hi) {   /* the next tile's rows, into L2 while this one is computed */
-            ptrdiff_t n1 = hi < t1 + KVC_PF_TILE ? hi : t1 + KVC_PF_TILE;
-            if (quant_k) {
-                kvc_pf_prefetch(kq, t1, n1, hd);
-                kvc_pf_prefetch(ks, t1, n1, ks_stride * 4);
-            } else {
-                kvc_pf_prefetch(kf, t1, n1, hd * 4);
-            }
-            if (quant_v) {
-                kvc_pf_prefetch(vq, t1, n1, hd);
-                kvc_pf_prefetch(vs, t1, n1, vs_stride * 4);
-            } else {
-                kvc_pf_prefetch(vf, t1, n1, hd * 4);
-            }
-        }
+        /* the next tile's rows go to L2 while this one is computed, a few rows per block
+         * of queries (a burst of prefetches would stall on the miss buffers) */
+        ptrdiff_t pf_next = t1, pf_end = hi < t1 + KVC_PF_TILE ? hi : t1 + KVC_PF_TILE;
+        ptrdiff_t pf_step = (KVC_PF_TILE * KVC_PF_QR + (jb - ja) - 1) / (jb - ja);
         kvc_pf_scores(q + ja * hd, hd, jb - ja, Kp, hd, r0 - t0, r1 - t0, S + ja * KVC_PF_TILE,
                       KVC_PF_TILE);
         for (j = ja; j < jb; ++j) {
@@ -468,6 +457,22 @@ static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const
          * register-blocked kernel, the rest query by query (each row chain stays in order) */
         for (j = ja; j < jb; j += KVC_PF_QR) {
             int nr = jb - j < KVC_PF_QR ? (int)(jb - j) : KVC_PF_QR, i;
+            if (pf_next < pf_end) {
+                ptrdiff_t p1 = pf_end - pf_next < pf_step ? pf_end : pf_next + pf_step;
+                if (quant_k) {
+                    kvc_pf_prefetch(kq, pf_next, p1, hd);
+                    kvc_pf_prefetch(ks, pf_next, p1, ks_stride * 4);
+                } else {
+                    kvc_pf_prefetch(kf, pf_next, p1, hd * 4);
+                }
+                if (quant_v) {
+                    kvc_pf_prefetch(vq, pf_next, p1, hd);
+                    kvc_pf_prefetch(vs, pf_next, p1, vs_stride * 4);
+                } else {
+                    kvc_pf_prefetch(vf, pf_next, p1, hd * 4);
+                }
+                pf_next = p1;
+            }
             ptrdiff_t A = 0, B = KVC_PF_TILE, ai[KVC_PF_QR], bi[KVC_PF_QR];
             int same_start = 1, all_active = 1;
             for (i = 0; i < nr; ++i) {
