@@ -532,7 +532,8 @@ static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const
  * over the query's visible rows.  scratch: KVC_PF_IMP_SCRATCH(hd) floats.
  * ------------------------------------------------------------------------------------- */
 #define KVC_PF_IMP_ROWS 256
-#define KVC_PF_IMP_SCRATCH(hd) (KVC_PF_IMP_ROWS * (hd) + KVC_PF_QR * KVC_PF_IMP_ROWS + 64)
+#define KVC_PF_IMP_QUERIES 48 /* queries scored together: each K strip is read once for them */
+#define KVC_PF_IMP_SCRATCH(hd) (KVC_PF_IMP_ROWS * (hd) + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS + 64)
 
 static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                              const ptrdiff_t *qe, const float *qm, const float *ql,
@@ -557,10 +558,10 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
     if (ja < 0)
         return;
     kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
-    for (j = ja; j < jb; j += KVC_PF_QR) {
-        ptrdiff_t nr = jb - j < KVC_PF_QR ? jb - j : KVC_PF_QR, i;
-        if (j + KVC_PF_QR < jb)   /* the next block of queries, while this one is scored */
-            kvc_pf_prefetch(q, j + KVC_PF_QR, jb - j - KVC_PF_QR < KVC_PF_QR ? jb : j + 2 * KVC_PF_QR,
+    for (j = ja; j < jb; j += KVC_PF_IMP_QUERIES) {
+        ptrdiff_t nr = jb - j < KVC_PF_IMP_QUERIES ? jb - j : KVC_PF_IMP_QUERIES, i;
+        if (j + nr < jb)   /* the next queries, into L2 while these are scored */
+            kvc_pf_prefetch(q, j + nr, jb - j - nr < KVC_PF_IMP_QUERIES ? jb : j + nr + KVC_PF_IMP_QUERIES,
                             hd * 4);
         ptrdiff_t c0 = r1 - t0, c1 = r0 - t0;   /* the columns this block sees */
         for (i = 0; i < nr; ++i) {
