@@ -72,7 +72,7 @@ KVC_INLINE float kvc_pf_kval(const float *kf, const int8_t *kq, const float *ks,
     return quant_k ? (float)kq[p * hd + d] * ks[p * ks_stride + (d >> 5)] : kf[p * hd + d];
 }
 
-static void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks,
+KVC_INLINE void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks,
                           ptrdiff_t ks_stride, int quant_k, ptrdiff_t t0, ptrdiff_t r0,
                           ptrdiff_t r1, ptrdiff_t hd, float *restrict Kp)
 {
@@ -120,7 +120,7 @@ static void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks,
     }
 }
 
-static void kvc_pf_load_v(const float *vf, const int8_t *vq, const float *vs,
+KVC_INLINE void kvc_pf_load_v(const float *vf, const int8_t *vq, const float *vs,
                           ptrdiff_t vs_stride, int quant_v, ptrdiff_t t0, ptrdiff_t r0,
                           ptrdiff_t r1, ptrdiff_t hd, float *restrict Vp)
 {
@@ -187,7 +187,7 @@ KVC_INLINE void kvc_pf_qk(const float *restrict Q, ptrdiff_t ldq, const int NR,
 
 /* Scores of nq queries (nq any) for the 16-key strips covering columns [c0, c1) of a packed
  * K block; S rows have stride lds. */
-static void kvc_pf_scores(const float *Q, ptrdiff_t ldq, ptrdiff_t nq, const float *Kp,
+KVC_INLINE void kvc_pf_scores(const float *Q, ptrdiff_t ldq, ptrdiff_t nq, const float *Kp,
                           ptrdiff_t hd, ptrdiff_t c0, ptrdiff_t c1, float *S, ptrdiff_t lds)
 {
     ptrdiff_t j, k0;
@@ -378,7 +378,7 @@ KVC_INLINE void kvc_pf_pv16(const float *restrict P, const int NR, const float *
 }
 
 /* Values of nr (<= KVC_PF_QR) queries over the rows [ra, rb) of a tile, every strip. */
-static void kvc_pf_pv(const float *P, int nr, const float *Vp, ptrdiff_t hdp, ptrdiff_t ra,
+KVC_INLINE void kvc_pf_pv(const float *P, int nr, const float *Vp, ptrdiff_t hdp, ptrdiff_t ra,
                       ptrdiff_t rb, float *O, const float *alpha)
 {
     ptrdiff_t d0;
@@ -400,12 +400,13 @@ static void kvc_pf_pv(const float *P, int nr, const float *Vp, ptrdiff_t hdp, pt
  * [qf[j], qe[j]).  kf/kq/ks and vf/vq/vs point at the group's row 0.  Writes out (nq x hd)
  * and the final running max and sum of each query (qm, ql).
  * ------------------------------------------------------------------------------------- */
-static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
-                        const float *kf, const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
-                        int quant_k, const float *vf, const int8_t *vq, const float *vs,
-                        ptrdiff_t vs_stride, int quant_v, const float *vcol, ptrdiff_t hd,
-                        float scale, float softcap, float *out, float *qm, float *ql,
-                        float *scratch)
+KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
+                                 const ptrdiff_t *qe, const float *kf, const int8_t *kq,
+                                 const float *ks, ptrdiff_t ks_stride, int quant_k,
+                                 const float *vf, const int8_t *vq, const float *vs,
+                                 ptrdiff_t vs_stride, int quant_v, const float *vcol,
+                                 ptrdiff_t hd, float scale, float softcap, float *out,
+                                 float *qm, float *ql, float *scratch)
 {
     const ptrdiff_t hdp = KVC_PF_PAD16(hd);
     float *Kp = scratch;
@@ -524,6 +525,26 @@ static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const
             for (d = 0; d < hd; ++d)
                 o[d] = o[d] * vcol[d];
     }
+}
+
+/* The task specialised for the common head dims (the constant lets the compiler unroll and
+ * address the inner loops; the arithmetic, and so every bit, is the same). */
+static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
+                        const float *kf, const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
+                        int quant_k, const float *vf, const int8_t *vq, const float *vs,
+                        ptrdiff_t vs_stride, int quant_v, const float *vcol, ptrdiff_t hd,
+                        float scale, float softcap, float *out, float *qm, float *ql,
+                        float *scratch)
+{
+#define KVC_PF_TASK(HD) kvc_pf_task_impl(q, nq, qf, qe, kf, kq, ks, ks_stride, quant_k, vf, vq, \
+                                         vs, vs_stride, quant_v, vcol, HD, scale, softcap, out, \
+                                         qm, ql, scratch)
+    switch (hd) {
+    case 64: KVC_PF_TASK(64); break;
+    case 128: KVC_PF_TASK(128); break;
+    default: KVC_PF_TASK(hd); break;
+    }
+#undef KVC_PF_TASK
 }
 
 /* ---------------------------------------------------------------------------------------
