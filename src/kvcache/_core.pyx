@@ -17,6 +17,8 @@
 #     fixed by row index, so results are bit-identical for any thread count and for any
 #     number of queries sharing the pass;
 #   * importance: for each row p, the probabilities of the queries are added in query order.
+#   * attend_blocked (prompt blocks: 64-row tiles, online softmax) has its own orders, at the top
+#     of _prefill.h.
 
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy, memset
