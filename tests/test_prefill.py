@@ -434,3 +434,14 @@ def test_simd_and_portable_paths_agree_bit_for_bit(tmp_path):
     diff = [i for i, (a, b) in enumerate(zip(simd, portable)) if a != b]
     assert not diff, f"{len(diff)} of {len(simd)} results differ, first at line {diff[0]}"
     assert len(set(simd)) > 1000
+
+
+@pytest.mark.parametrize("n,maxlen,window", [(1, 1, 0), (5, 9, 0), (70, 70, 16), (3, 2, 0)])
+def test_prefill_work_counts_the_visible_rows(n, maxlen, window):
+    from kvcache._attention import prefill_work
+    nh, nkv, hd = 14, 2, 8
+    rows = sum(min(max(0, maxlen - n + i + 1), window or maxlen) for i in range(n))
+    work, tasks = prefill_work(n, maxlen, window, nh, nkv, hd)
+    assert work == rows * 2 * hd * nh
+    per_task = -(-_core.PREFILL_TASK_QUERIES // (nh // nkv))
+    assert tasks == nkv * -(-n // per_task)

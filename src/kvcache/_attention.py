@@ -152,11 +152,14 @@ def prefill_work(n: int, maxlen: int, window: int, num_heads: int, num_kv_heads:
                  head_dim: int) -> tuple[int, int]:
     """Multiply-adds and tasks of one ``attend_blocked`` call over ``n`` positions: scores and
     values of every visible row (2 x head_dim each per query head), and one task per KV group
-    and block of ``ceil(64 / heads_per_group)`` positions (the kernel's split)."""
+    and block of ``ceil(PREFILL_TASK_QUERIES / heads_per_group)`` positions (the kernel's
+    split)."""
+    from . import _core   # here: importing kvcache.layer first explains a missing extension
+
     ends = np.arange(maxlen - n + 1, maxlen + 1, dtype=np.int64).clip(0, None)   # (n,)
     seen = np.minimum(ends, window) if window > 0 else ends
     hpk = num_heads // num_kv_heads
-    per_task = -(-64 // hpk)
+    per_task = -(-_core.PREFILL_TASK_QUERIES // hpk)
     return (int(seen.sum()) * 2 * head_dim * num_heads,
             num_kv_heads * -(-n // per_task))
 

@@ -767,7 +767,8 @@ cdef extern from "_prefill.h" nogil:
 
 # queries per task (whole positions: a task holds ceil(_PF_QUERIES / heads per group) positions
 # of one KV group, so each K/V tile is loaded once for that many queries)
-cdef Py_ssize_t _PF_QUERIES = 128
+cdef Py_ssize_t _PF_QUERIES = 192
+PREFILL_TASK_QUERIES = _PF_QUERIES
 PREFILL_TILE_ROWS = KVC_PF_TILE
 # the largest count or length the driver accepts (sums of them stay far from overflow)
 cdef Py_ssize_t _PF_MAX = (<Py_ssize_t>1) << 40
