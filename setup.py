@@ -90,7 +90,8 @@ extensions = [
         "kvcache._core",
         ["src/kvcache/_core.pyx"],
         include_dirs=["src/kvcache"],
-        depends=["src/kvcache/_kernels.h", "src/kvcache/_mla.h", "src/kvcache/_openmp.pxd"],
+        depends=["src/kvcache/_kernels.h", "src/kvcache/_mla.h", "src/kvcache/_prefill.h",
+                 "src/kvcache/_openmp.pxd"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
 ]

@@ -10,7 +10,9 @@ public ``attend`` call and that kernel is the same for both and lives here once:
   kernel reads: for group ``g``, positions in order, then the group's query heads), runs the
   kernel and scatters the result back to ``(n, num_heads, head_dim)``;
 - :func:`attend_rows` runs the kernel on one set of gathered queries, by keyword, with a
-  per-thread probability scratch that is kept for the next call.
+  per-thread probability scratch that is kept for the next call;
+- :func:`attend_prefill` is the prompt path: the blocked kernel ``attend_blocked`` (tiles of
+  queries x rows, online softmax, no probability matrix) over all ``n`` positions in one call.
 
 The kernel module is a parameter: the compiled ``kvcache._core`` in normal use, the NumPy twin
 ``kvcache.reference`` when the reference runs a cache's own driver (the twins have the same
@@ -31,8 +33,8 @@ from ._threads import threads_for
 from ._validate import FloatArrayLike, as_f32
 from .quant import CHUNK_ROWS
 
-__all__ = ["PROBS_BUDGET", "Rows", "attend_blocks", "attend_rows", "default_scale",
-           "grouped_queries", "scratch"]
+__all__ = ["PROBS_BUDGET", "Rows", "attend_blocks", "attend_prefill", "attend_rows",
+           "default_scale", "grouped_queries", "prefill_work", "scratch"]
 
 F32 = npt.NDArray[np.float32]
 I8 = npt.NDArray[np.int8]
@@ -150,3 +152,44 @@ def attend_blocks(kernels: ModuleType, rows: Rows, q3: F32, out3: F32, *, maxlen
                     n_threads=n_threads)
         if nb > 1:
             out3[i0:i1] = o2.reshape(nkv, nb, hpk, hd).transpose(1, 0, 2, 3).reshape(nb, nh, hd)
+
+
+def prefill_work(n: int, maxlen: int, window: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> tuple[int, int]:
+    """Multiply-adds and tasks of one ``attend_blocked`` call over ``n`` positions: scores and
+    values of every visible row (2 x head_dim each per query head), and one task per KV group
+    and block of ``ceil(PREFILL_TASK_QUERIES / heads_per_group)`` positions (the kernel's
+    split)."""
+    from . import _core   # here: importing kvcache.layer first explains a missing extension
+
+    ends = np.arange(maxlen - n + 1, maxlen + 1, dtype=np.int64).clip(0, None)   # (n,)
+    seen = np.minimum(ends, window) if window > 0 else ends
+    hpk = num_heads // num_kv_heads
+    per_task = -(-_core.PREFILL_TASK_QUERIES // hpk)
+    return (int(seen.sum()) * 2 * head_dim * num_heads,
+            num_kv_heads * -(-n // per_task))
+
+
+def attend_prefill(kernels: ModuleType, rows: Rows, q3: F32, out3: F32, *, maxlen: int,
+                   window: int, scale: float, softcap: float, imp: F32, imp_mode: int,
+                   n_threads: int, fold: Optional[Callable[[F32], F32]] = None) -> None:
+    """:func:`attend_blocks`' contract on the blocked kernel: causal GQA attention of the
+    newest ``n`` positions ``q3`` (n, num_heads, hd) into ``out3``, query ``i`` seeing stored
+    rows up to ``maxlen - n + i``, all positions in one call (the kernel's scratch is a few
+    tiles per thread, whatever ``n``).  ``imp_mode`` 2 adds the call's mass into ``imp``
+    once.  A query's bits depend only on its own visible rows (docs/numerics.md)."""
+    n, nh, hd = q3.shape
+    nkv = rows.head_len.shape[0]
+    hpk = nh // nkv
+    qk = q3.reshape(n, nkv, hpk, hd).transpose(1, 0, 2, 3).reshape(nkv, n * hpk, hd)
+    q2 = (np.ascontiguousarray(qk) if fold is None else fold(qk)).reshape(nkv * n * hpk, hd)
+    group_q0 = np.arange(nkv + 1, dtype=np.intp) * (n * hpk)
+    o2 = np.empty((nkv * n * hpk, hd), np.float32)
+    work, tasks = prefill_work(n, maxlen, window, nh, nkv, hd)
+    kernels.attend_blocked(
+        kf__hcd=rows.kf, kq__hcd=rows.kq, ks__hcg=rows.ks, vf__hcd=rows.vf, vq__hcd=rows.vq,
+        vs__hc1=rows.vs, vcol__hd=rows.vcol, head_len__h=rows.head_len, q__jd=q2,
+        group_q0=group_q0, n_pos=n, n_back=n, window=window, first=0, scale=scale,
+        softcap=softcap, out__jd=o2, imp__l=imp, imp_mode=imp_mode, quant_k=rows.quant_k,
+        quant_v=rows.quant_v, n_threads=min(n_threads, threads_for(work, tasks)))
+    out3[...] = o2.reshape(nkv, n, hpk, hd).transpose(1, 0, 2, 3).reshape(n, nh, hd)

@@ -38,6 +38,13 @@ def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: 
                 n_pos: int, n_back: int, window: int, first: int, scale: float, softcap: float,
                 out__jd: F32, probs__jl: F32, imp__l: F32, imp_mode: int, quant_k: bool,
                 quant_v: bool, n_threads: int) -> None: ...
+PREFILL_TILE_ROWS: int
+PREFILL_TASK_QUERIES: int
+def attend_blocked(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: I8,
+                   vs__hc1: F32, vcol__hd: F32, head_len__h: IP, q__jd: F32, group_q0: IP,
+                   n_pos: int, n_back: int, window: int, first: int, scale: float,
+                   softcap: float, out__jd: F32, imp__l: F32, imp_mode: int, quant_k: bool,
+                   quant_v: bool, n_threads: int) -> None: ...
 # O(1) Nystrom decode: ``g`` KV group, ``h`` query head, ``m`` landmarks, ``d``/``e`` key/value
 # dims, ``s`` sink rows, ``c`` window capacity, ``x`` scratch floats per head.
 def o1_absorb(q_tilde__hmd: F32, keys__gnd: F32, values__gne: F32, row0: int, n: int,

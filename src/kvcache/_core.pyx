@@ -17,6 +17,8 @@
 #     fixed by row index, so results are bit-identical for any thread count and for any
 #     number of queries sharing the pass;
 #   * importance: for each row p, the probabilities of the queries are added in query order.
+#   * attend_blocked (prompt blocks: 64-row tiles, online softmax) has its own orders, at the top
+#     of _prefill.h.
 
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy, memset
@@ -763,3 +765,283 @@ def mla_attend(const float[:, :, ::1] qn__nhk, const float[:, :, ::1] qr__nhe,
             kvc_mla_merge_head(&acc[i * NT, h, 0], H * r, &ml[0, i * NT, h], &ml[1, i * NT, h],
                                Hp, NT, wuvp + h * dv * r, r, dv, &cbuf[task, 0],
                                outp + ((g0 + i) * H + h) * dv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocked prompt attention: tiles of queries x stored rows with an online softmax and no
+# probability matrix.  Inner loops and their summation orders: _prefill.h.
+
+cdef extern from "_prefill.h" nogil:
+    void kvc_pf_task(const float *q, Py_ssize_t nq, const Py_ssize_t *qf, const Py_ssize_t *qe,
+                     const float *kf, const int8_t *kq, const float *ks, Py_ssize_t ks_stride,
+                     int quant_k, const float *vf, const int8_t *vq, const float *vs,
+                     Py_ssize_t vs_stride, int quant_v, const float *vcol, Py_ssize_t hd,
+                     float scale, float softcap, float *out, float *qm, float *ql,
+                     float *scratch)
+    void kvc_pf_imp_group(const float *q, Py_ssize_t nq, const Py_ssize_t *qf,
+                          const Py_ssize_t *qe, const float *qm, const float *ql,
+                          const float *kf, const int8_t *kq, const float *ks,
+                          Py_ssize_t ks_stride, int quant_k, Py_ssize_t hd, float scale,
+                          float softcap, Py_ssize_t t0, Py_ssize_t t1, float *colsum,
+                          float *scratch)
+    Py_ssize_t KVC_PF_TILE
+    Py_ssize_t KVC_PF_QR
+    Py_ssize_t KVC_PF_IMP_ROWS
+    Py_ssize_t KVC_PF_SCRATCH_FLOATS(Py_ssize_t hd, Py_ssize_t nq)
+    Py_ssize_t KVC_PF_IMP_SCRATCH(Py_ssize_t hd)
+
+# queries per task (whole positions: a task holds ceil(_PF_QUERIES / heads per group) positions
+# of one KV group, so each K/V tile is loaded once for that many queries)
+cdef Py_ssize_t _PF_QUERIES = 192
+PREFILL_TASK_QUERIES = _PF_QUERIES
+PREFILL_TILE_ROWS = KVC_PF_TILE
+# the largest count or length the driver accepts (sums of them stay far from overflow)
+cdef Py_ssize_t _PF_MAX = (<Py_ssize_t>1) << 40
+
+
+cdef inline float *_aligned64(float *p) noexcept nogil:
+    return <float *> ((<size_t> p + 63) & ~(<size_t> 63))
+
+
+def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
+                   const float[:, :, ::1] ks__hcg,
+                   const float[:, :, ::1] vf__hcd, const int8_t[:, :, ::1] vq__hcd,
+                   const float[:, :, ::1] vs__hc1, const float[:, ::1] vcol__hd,
+                   const Py_ssize_t[::1] head_len__h,
+                   const float[:, ::1] q__jd, const Py_ssize_t[::1] group_q0,
+                   Py_ssize_t n_pos, Py_ssize_t n_back, Py_ssize_t window, Py_ssize_t first,
+                   float scale, float softcap,
+                   float[:, ::1] out__jd, float[::1] imp__l,
+                   int imp_mode, bint quant_k, bint quant_v, int n_threads):
+    """Grouped attention of nq queries over one layer's head-major rows, tile by tile.
+
+    The queries, visible ranges and outputs are those of :func:`attend_rows` (query position
+    i of group g sees [first_i, end_i), end_i = head_len[g] - n_back + i + 1 clamped to
+    [0, head_len[g]], then the window and ``first``), without the probability matrix: an
+    online softmax over tiles of 64 rows at absolute row multiples (orders in _prefill.h,
+    docs/numerics.md), so a query's bits depend only on its own visible rows.  imp_mode 0:
+    importance untouched; 2: every row p < len(imp) gets, once, the sum over KV groups in
+    order and their queries in order of the query's final probability of row p (a second
+    pass of scores).  ValueError on inconsistent shapes or arguments, before any work.
+    """
+    cdef Py_ssize_t nkv = head_len__h.shape[0], hd = q__jd.shape[1], nq = q__jd.shape[0]
+    cdef Py_ssize_t n_imp = imp__l.shape[0]
+    cdef Py_ssize_t kcap, vcap, ks_stride, vs_stride, g, j, jl, i, e, f, cnt, per, bq
+    cdef Py_ssize_t ntasks, t, nqmax, nscr, nscr_imp, work, maxlen, ntiles, c, t0, t1, tid, p
+    cdef Py_ssize_t i0, j0, j1
+    cdef const float *kfp = NULL
+    cdef const int8_t *kqp = NULL
+    cdef const float *ksp = NULL
+    cdef const float *vfp = NULL
+    cdef const int8_t *vqp = NULL
+    cdef const float *vsp = NULL
+    cdef const float *vcp = NULL
+    cdef const float *qp
+    cdef float *outp
+    cdef Py_ssize_t *q_first = NULL
+    cdef Py_ssize_t *q_end = NULL
+    cdef Py_ssize_t *task_g = NULL
+    cdef Py_ssize_t *task_j0 = NULL
+    cdef Py_ssize_t *task_j1 = NULL
+    cdef float *q_m = NULL
+    cdef float *q_l = NULL
+    cdef float *scr_raw = NULL
+    cdef float *scr
+    cdef float *colsum
+    cdef bint par
+
+    # ---- validation: everything the nogil code indexes is checked here -------------------
+    if n_threads < 1:
+        raise ValueError(f"n_threads: expected >= 1, got {n_threads}")
+    if imp_mode != 0 and imp_mode != 2:
+        raise ValueError(f"imp_mode: expected 0 or 2, got {imp_mode}")
+    if hd < 1:
+        raise ValueError(f"q: expected head_dim >= 1, got {hd}")
+    if not (1 <= n_pos <= _PF_MAX):
+        raise ValueError(f"n_pos: expected 1 <= n_pos <= 2**40, got {n_pos}")
+    if not (0 <= n_back <= _PF_MAX) or not (0 <= window <= _PF_MAX) \
+            or not (0 <= first <= _PF_MAX):
+        raise ValueError(f"n_back, window, first: expected each in [0, 2**40], got "
+                         f"{n_back}, {window}, {first}")
+    if group_q0.shape[0] != nkv + 1 or group_q0[0] != 0 or group_q0[nkv] != nq:
+        raise ValueError(f"group_q0: expected {nkv + 1} offsets from 0 to {nq}")
+    for g in range(nkv):
+        cnt = group_q0[g + 1] - group_q0[g]
+        if cnt < 0 or cnt % n_pos:
+            raise ValueError(f"group_q0: group {g} has {cnt} queries, expected a multiple "
+                             f"of n_pos={n_pos}")
+    if out__jd.shape[0] != nq or out__jd.shape[1] != hd:
+        raise ValueError(f"out: expected shape ({nq}, {hd}), got "
+                         f"({out__jd.shape[0]}, {out__jd.shape[1]})")
+    if quant_k:
+        kcap = kq__hcd.shape[1]
+        ks_stride = ks__hcg.shape[2]
+        if kq__hcd.shape[0] < nkv or kq__hcd.shape[2] != hd or ks__hcg.shape[0] < nkv \
+                or ks__hcg.shape[1] < kcap or ks_stride < (hd + 31) // 32:
+            raise ValueError("int8 K: expected kq (nkv, capacity, head_dim) and ks "
+                             "(nkv, capacity, ceil(head_dim/32))")
+    else:
+        kcap = kf__hcd.shape[1]
+        ks_stride = 0
+        if kf__hcd.shape[0] < nkv or kf__hcd.shape[2] != hd:
+            raise ValueError("float32 K: expected kf (nkv, capacity, head_dim)")
+    if quant_v:
+        vcap = vq__hcd.shape[1]
+        vs_stride = vs__hc1.shape[2]
+        if vq__hcd.shape[0] < nkv or vq__hcd.shape[2] != hd or vs__hc1.shape[0] < nkv \
+                or vs__hc1.shape[1] < vcap or vs_stride < 1 or vcol__hd.shape[0] < nkv \
+                or vcol__hd.shape[1] != hd:
+            raise ValueError("int8 V: expected vq (nkv, capacity, head_dim), vs "
+                             "(nkv, capacity, 1) and vcol (nkv, head_dim)")
+    else:
+        vcap = vf__hcd.shape[1]
+        vs_stride = 0
+        if vf__hcd.shape[0] < nkv or vf__hcd.shape[2] != hd:
+            raise ValueError("float32 V: expected vf (nkv, capacity, head_dim)")
+    for g in range(nkv):
+        if not (0 <= head_len__h[g] <= kcap and head_len__h[g] <= vcap):
+            raise ValueError(f"head_len: group {g} has {head_len__h[g]} rows, expected "
+                             f"0..{min(kcap, vcap)} (the storage capacity)")
+    if nq == 0:
+        return
+
+    # ---- visible ranges, the task list and the work ---------------------------------------
+    nqmax = 0
+    ntasks = 0
+    work = 0
+    maxlen = 0
+    q_first = <Py_ssize_t *> malloc(nq * sizeof(Py_ssize_t))
+    q_end = <Py_ssize_t *> malloc(nq * sizeof(Py_ssize_t))
+    q_m = <float *> malloc(nq * sizeof(float))
+    q_l = <float *> malloc(nq * sizeof(float))
+    try:
+        if q_first == NULL or q_end == NULL or q_m == NULL or q_l == NULL:
+            raise MemoryError()
+        for g in range(nkv):
+            cnt = group_q0[g + 1] - group_q0[g]
+            if cnt == 0:
+                continue
+            per = cnt // n_pos
+            bq = max(1, (_PF_QUERIES + per - 1) // per)
+            ntasks += (n_pos + bq - 1) // bq
+            nqmax = max(nqmax, min(n_pos, bq) * per)
+            for jl in range(cnt):
+                j = group_q0[g] + jl
+                i = jl // per
+                e = head_len__h[g] - n_back + i + 1
+                if e < 0:
+                    e = 0
+                if e > head_len__h[g]:
+                    e = head_len__h[g]
+                f = 0
+                if window > 0 and e - window > 0:
+                    f = e - window
+                if first > f:
+                    f = first
+                if f > e - 1:
+                    f = e - 1
+                if f < 0:
+                    f = 0
+                q_first[j] = f
+                q_end[j] = e
+                if e > f:
+                    work += (e - f) * hd * 2
+                    if e > maxlen:
+                        maxlen = e
+        task_g = <Py_ssize_t *> malloc((ntasks + 1) * sizeof(Py_ssize_t))
+        task_j0 = <Py_ssize_t *> malloc((ntasks + 1) * sizeof(Py_ssize_t))
+        task_j1 = <Py_ssize_t *> malloc((ntasks + 1) * sizeof(Py_ssize_t))
+        # per thread: a task's tiles, or the importance pass's rows and column sums
+        nscr = max(KVC_PF_SCRATCH_FLOATS(hd, nqmax), KVC_PF_IMP_SCRATCH(hd) + KVC_PF_IMP_ROWS)
+        nscr = (nscr + 15) // 16 * 16
+        scr_raw = <float *> malloc((n_threads * nscr + 16) * sizeof(float))
+        if task_g == NULL or task_j0 == NULL or task_j1 == NULL or scr_raw == NULL:
+            raise MemoryError()
+        scr = _aligned64(scr_raw)
+        # the latest positions (the most rows) first, KV groups interleaved: a dynamic
+        # schedule then ends on short tasks
+        t = 0
+        c = 0
+        while t < ntasks:
+            for g in range(nkv):
+                cnt = group_q0[g + 1] - group_q0[g]
+                if cnt == 0:
+                    continue
+                per = cnt // n_pos
+                bq = max(1, (_PF_QUERIES + per - 1) // per)
+                i0 = ((n_pos + bq - 1) // bq - 1 - c) * bq
+                if i0 < 0:
+                    continue
+                task_g[t] = g
+                task_j0[t] = group_q0[g] + i0 * per
+                task_j1[t] = group_q0[g] + min(n_pos, i0 + bq) * per
+                t += 1
+            c += 1
+        par = work > _PAR_WORK
+        qp = &q__jd[0, 0]
+        outp = &out__jd[0, 0]
+        if quant_k:
+            kqp = &kq__hcd[0, 0, 0] if kcap > 0 else NULL
+            ksp = &ks__hcg[0, 0, 0] if kcap > 0 else NULL
+        else:
+            kfp = &kf__hcd[0, 0, 0] if kcap > 0 else NULL
+        if quant_v:
+            vqp = &vq__hcd[0, 0, 0] if vcap > 0 else NULL
+            vsp = &vs__hc1[0, 0, 0] if vcap > 0 else NULL
+            vcp = &vcol__hd[0, 0]
+        else:
+            vfp = &vf__hcd[0, 0, 0] if vcap > 0 else NULL
+
+        # ---- 1. outputs, running max and sum: one task per (group, block of positions) ----
+        for t in prange(ntasks, nogil=True, num_threads=n_threads, schedule="dynamic",
+                        use_threads_if=par):
+            g = task_g[t]
+            j0 = task_j0[t]
+            j1 = task_j1[t]
+            tid = omp_get_thread_num()
+            kvc_pf_task(qp + j0 * hd, j1 - j0, q_first + j0, q_end + j0,
+                        kfp + g * kcap * hd if kfp != NULL else NULL,
+                        kqp + g * kcap * hd if kqp != NULL else NULL,
+                        ksp + g * kcap * ks_stride if ksp != NULL else NULL, ks_stride,
+                        quant_k,
+                        vfp + g * vcap * hd if vfp != NULL else NULL,
+                        vqp + g * vcap * hd if vqp != NULL else NULL,
+                        vsp + g * vcap * vs_stride if vsp != NULL else NULL, vs_stride,
+                        quant_v, vcp + g * hd if vcp != NULL else NULL, hd, scale, softcap,
+                        outp + j0 * hd, q_m + j0, q_l + j0, scr + tid * nscr)
+
+        # ---- 2. importance: blocks of rows, each owned by one thread (the first rows, seen by
+        # the most queries, first) --------------------------------------------------------
+        if imp_mode == 2:
+            maxlen = min(maxlen, n_imp)
+            ntiles = (maxlen + KVC_PF_IMP_ROWS - 1) // KVC_PF_IMP_ROWS
+            for c in prange(ntiles, nogil=True, num_threads=n_threads, schedule="dynamic",
+                            use_threads_if=par):
+                tid = omp_get_thread_num()
+                colsum = scr + tid * nscr
+                t0 = c * KVC_PF_IMP_ROWS
+                t1 = min(t0 + KVC_PF_IMP_ROWS, maxlen)
+                memset(colsum, 0, KVC_PF_IMP_ROWS * sizeof(float))
+                for g in range(nkv):
+                    j0 = group_q0[g]
+                    j1 = group_q0[g + 1]
+                    if j1 == j0:
+                        continue
+                    kvc_pf_imp_group(qp + j0 * hd, j1 - j0, q_first + j0, q_end + j0,
+                                     q_m + j0, q_l + j0,
+                                     kfp + g * kcap * hd if kfp != NULL else NULL,
+                                     kqp + g * kcap * hd if kqp != NULL else NULL,
+                                     ksp + g * kcap * ks_stride if ksp != NULL else NULL,
+                                     ks_stride, quant_k, hd, scale, softcap, t0, t1,
+                                     colsum, colsum + KVC_PF_IMP_ROWS)
+                for p in range(t0, t1):
+                    imp__l[p] = imp__l[p] + colsum[p - t0]
+    finally:
+        free(q_first)
+        free(q_end)
+        free(q_m)
+        free(q_l)
+        free(task_g)
+        free(task_j0)
+        free(task_j1)
+        free(scr_raw)

@@ -577,7 +577,8 @@ def _attend(kv: LayerKvCache, q: npt.NDArray[np.float32], scale: float | None,
     head_dim) attend to the rows ``kv`` holds up to their own, into ``out``.  A block of
     ``n > 1`` queries is a prompt (or a step of one, :func:`prefill`); one query is a decode
     step; a kernel meant for prompts is chosen here."""
-    kv.attend_all_heads(q, scale=scale, window=window, softcap=cap, out=out)
+    kv.attend_all_heads(q, scale=scale, window=window, softcap=cap, out=out,
+                        prefill=q.shape[0] > 1)
 
 
 def _window(module: torch.nn.Module, layer: HfKvLayer | None,

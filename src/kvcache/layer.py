@@ -29,7 +29,8 @@ from . import quant, wire
 from ._state import LayerState
 from ._validate import (FloatArrayLike, IntArrayLike, as_f32, as_f32_scalar, as_index, as_int,
                         out_f32, readonly)
-from ._attention import Rows, attend_blocks, attend_rows, default_scale, grouped_queries
+from ._attention import (Rows, attend_blocks, attend_prefill, attend_rows, default_scale,
+                         grouped_queries)
 from .eviction import EvictionPolicy, born_rows
 from .modes import KvMode
 from ._generation import Generation
@@ -526,7 +527,7 @@ class LayerKvCache:
 
     def attend_all_heads(self, q: FloatArrayLike, *, scale: Optional[float] = None,
                          window: Optional[int] = None, softcap: float = 0.0,
-                         out: Optional[F32] = None) -> F32:
+                         out: Optional[F32] = None, prefill: Optional[bool] = None) -> F32:
         """Whole-layer grouped-query attention of the newest position(s).
 
         Parameters
@@ -543,6 +544,11 @@ class LayerKvCache:
             0 (off) or the Gemma-2 logit cap: cap*tanh(score/cap) on finite scores.
         out : ndarray, optional
             float32 C-contiguous array of the result shape, filled and returned.
+        prefill : bool, optional
+            Which kernel runs.  None (default): the blocked prompt kernel when ``n > 1``, the
+            decode kernel for one position.  True: the blocked kernel even for one position
+            (a one-position chunk then gets the bits it would get inside a longer prompt).
+            False: the decode kernel for any ``n``.
 
         Returns
         -------
@@ -553,14 +559,20 @@ class LayerKvCache:
 
         Notes
         -----
-        A long prefill is processed in blocks of positions so that the probabilities of a block
-        fit a 64 MB per-thread scratch, which is kept for the next call; each block's mass is
-        summed afresh and then added to the importance.  ``out`` may be ``q`` itself.
+        The blocked kernel (``docs/numerics.md``, "Prompt attention") walks the rows in tiles
+        of 64 at absolute row multiples with an online softmax: a query's result depends only
+        on the rows it sees, so a chunk of a prompt gets the same bits alone or inside a longer
+        call; its scratch is a few tiles per thread and the call's mass is summed afresh, in
+        a second pass of scores, and added to the importance once.  Its bits differ from the
+        decode kernel's (another summation order).  The decode kernel processes a long block
+        in pieces whose probabilities fit a 64 MB per-thread scratch, kept for the next call.
+        ``out`` may be ``q`` itself.
         """
-        return self._attend_all_heads(_core, q, scale, window, softcap, out)
+        return self._attend_all_heads(_core, q, scale, window, softcap, out, prefill)
 
     def _attend_all_heads(self, kernels: ModuleType, q: FloatArrayLike, scale: Optional[float],
-                          window: Optional[int], softcap: float, out: Optional[F32]) -> F32:
+                          window: Optional[int], softcap: float, out: Optional[F32],
+                          prefill: Optional[bool] = None) -> F32:
         """:meth:`attend_all_heads` on the kernel module ``kernels``."""
         self._check_exact("attend_all_heads")
         nkv, hd = self._nkv, self._hd
@@ -578,12 +590,15 @@ class LayerKvCache:
             out = np.empty(res_shape, dtype=_F32)
         else:
             out = out_f32("out", out, shape=res_shape)
+        if prefill is not None and not isinstance(prefill, (bool, np.bool_)):
+            raise TypeError(f"prefill: expected None, True or False, got {prefill!r}")
         if n == 0:
             return out
-        attend_blocks(kernels, self._rows(), q3, out.reshape(n, nh, hd),
-                      maxlen=int(self._len.max()), window=window, scale=scale, softcap=softcap,
-                      imp=self._imp[: self._imp_len], imp_mode=2,
-                      n_threads=_core.max_threads(), fold=self._queries)
+        blocked = n > 1 if prefill is None else bool(prefill)
+        run = attend_prefill if blocked else attend_blocks
+        run(kernels, self._rows(), q3, out.reshape(n, nh, hd), maxlen=int(self._len.max()),
+            window=window, scale=scale, softcap=softcap, imp=self._imp[: self._imp_len],
+            imp_mode=2, n_threads=_core.max_threads(), fold=self._queries)
         return out
 
     def accumulate_imp(self, probs: FloatArrayLike) -> None:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CHUNK_ROWS", "openmp_built", "max_threads", "round_half_away", "quantize_rows",
            "store_rows_f32", "store_rows_q8", "stream_read", "visible_range", "attend_rows",
+           "attend_blocked",
            "attend_all_heads", "attend", "attend_group", "o1_seal", "o1_step_layer",
            "static_attend", "o1_absorb", "o1_step", "nystrom_stream", "nystrom_matrix",
            "mla_absorbed", "mla_naive", "mla_attend"]
@@ -185,15 +186,70 @@ def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: 
         imp__l[: fresh.shape[0]] += fresh
 
 
+
+def attend_blocked(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: I8,
+                   vs__hc1: F32, vcol__hd: F32, head_len__h: IP, q__jd: F32, group_q0: IP,
+                   n_pos: int, n_back: int, window: int, first: int, scale: float,
+                   softcap: float, out__jd: F32, imp__l: F32, imp_mode: int, quant_k: bool,
+                   quant_v: bool, n_threads: int = 1) -> None:
+    """NumPy twin of ``_core.attend_blocked``: the same visible ranges and arithmetic in one
+    softmax per query (the kernel's tiles change only the rounding).  int8 rows are
+    dequantised as int8 value times scale, every visible row is summed (no skip rule), the
+    output is (sum of exp(s - max) * v) / (sum of exp(s - max)), times the V column in q8."""
+    nkv = len(head_len__h)
+    scale = _F32(scale)
+    softcap = _F32(softcap)
+    fresh = np.zeros(len(imp__l), dtype=_F32)                          # (m,) imp_mode 2 buffer
+    for g in range(nkv):
+        cnt = int(group_q0[g + 1] - group_q0[g])
+        if cnt == 0:
+            continue
+        per = cnt // n_pos
+        stored = int(head_len__h[g])
+        if quant_k:
+            hd = kq__hcd.shape[2]
+            sc_k = np.repeat(ks__hcg[g, :stored], K_GROUP, axis=1)[:, :hd]   # (T, hd)
+            keys = kq__hcd[g, :stored].astype(_F32) * sc_k                    # (T, hd)
+        else:
+            keys = kf__hcd[g, :stored]                                         # (T, hd)
+        vals = (vq__hcd[g, :stored].astype(_F32) * vs__hc1[g, :stored, :1] if quant_v
+                else vf__hcd[g, :stored])                                      # (T, hd)
+        for jl in range(cnt):
+            j = int(group_q0[g]) + jl
+            f, e = visible_range(stored, n_back, jl // per, window, first, stored)
+            out__jd[j] = 0
+            if e <= f:
+                continue
+            with np.errstate(invalid="ignore", over="ignore"):
+                sc = (keys[f:e] @ q__jd[j]).astype(_F32) * scale               # (r,)
+                if softcap > 0:
+                    fin = np.isfinite(sc)
+                    sc[fin] = softcap * np.tanh(sc[fin] / softcap)
+                m = np.fmax.reduce(sc, initial=-np.inf)                         # NaN ignored
+                ex = np.exp(sc - _F32(m if m > -np.inf else 0)).astype(_F32)   # (r,)
+                tot = ex.sum(dtype=_F32)
+                o = (ex @ vals[f:e]).astype(_F32) / tot                         # (hd,)
+                if quant_v:
+                    o = o * vcol__hd[g]
+                out__jd[j] = o
+                if imp_mode == 2:
+                    lim = min(len(imp__l), e)
+                    if lim > f:
+                        div = tot if tot > 0 else _F32(1)               # as the kernel
+                        fresh[f:lim] += (np.exp(sc - _F32(m)).astype(_F32) / div)[:lim - f]
+    if imp_mode == 2:
+        imp__l += fresh
+
+
 def _this() -> ModuleType:
     return sys.modules[__name__]
 
 
 def attend_all_heads(layer: LayerKvCache, q: FloatArrayLike, *, scale: float | None = None,
                      window: int | None = None, softcap: float = 0.0,
-                     out: F32 | None = None) -> F32:
+                     out: F32 | None = None, prefill: bool | None = None) -> F32:
     """``layer.attend_all_heads`` run on the NumPy kernels (adds importance like the real one)."""
-    return layer._attend_all_heads(_this(), q, scale, window, softcap, out)
+    return layer._attend_all_heads(_this(), q, scale, window, softcap, out, prefill)
 
 
 def attend(layer: LayerKvCache, q: FloatArrayLike, kv_head: int) -> tuple[F32, F32]:

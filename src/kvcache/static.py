@@ -25,7 +25,7 @@ from ._slots import (F32 as _F32, KvAllocId, SlotCache, as_slab as _as_slab,
                      check_device as _device, resolve_dtype, ro as _ro,
                      slot_index as _slot_index)
 from ._validate import FloatArrayLike, as_f32_scalar, as_int
-from ._attention import Rows, attend_blocks, default_scale, grouped_queries
+from ._attention import Rows, attend_blocks, attend_prefill, default_scale, grouped_queries
 from . import layer as _layer     # noqa: F401  first: its import explains a missing extension
 from . import _core
 
@@ -230,9 +230,10 @@ class StaticKvCache(SlotCache):
             ``(1, num_kv_heads, max_seq_len, head_dim)`` buffer (checked before the kernel
             reads it: the kernel trusts the shape).
 
-        Runs ``kvcache._core.attend_rows`` (the kernel of ``LayerKvCache.attend_all_heads``)
-        directly on the K/V storage, which is already its head-major ``(nkv, capacity, hd)``
-        layout: nothing is copied.
+        Runs the kernels of ``LayerKvCache.attend_all_heads`` -- ``kvcache._core.attend_rows``
+        for one position, the blocked ``attend_blocked`` for ``n > 1`` -- directly on the K/V
+        storage, which is already their head-major ``(nkv, capacity, hd)`` layout: nothing is
+        copied.
         """
         return self._attend(_core, layer, q, scale, softcap, window)
 
@@ -263,7 +264,9 @@ class StaticKvCache(SlotCache):
         # the (1, nkv, max_seq_len, hd) storage is already the kernel's head-major layout
         rows = Rows.float32(k_store[0], v_store[0], np.full(nkv, L, dtype=np.intp),
                             quant.n_groups(hd, quant.K_GROUP))
-        attend_blocks(kernels, rows, q3, out.reshape(n, nh, hd), maxlen=L, window=window,
-                      scale=scale, softcap=softcap, imp=np.zeros(0, dtype=_F32), imp_mode=0,
-                      n_threads=_core.max_threads())
+        # a prompt block (n > 1) takes the blocked kernel, one position the decode kernel
+        run = attend_prefill if n > 1 else attend_blocks
+        run(kernels, rows, q3, out.reshape(n, nh, hd), maxlen=L, window=window, scale=scale,
+            softcap=softcap, imp=np.zeros(0, dtype=_F32), imp_mode=0,
+            n_threads=_core.max_threads())
         return out

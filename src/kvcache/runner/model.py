@@ -354,7 +354,7 @@ class Runner:
         change the bits; a kernel meant for prompts is chosen here, for all of them."""
         cfg = self.config
         return layer.attend_all_heads(q, scale=cfg.scale, window=window,
-                                      softcap=cfg.attn_softcap or 0.0)
+                                      softcap=cfg.attn_softcap or 0.0, prefill=prompt)
 
     def _blas_for(self, n: int) -> ContextManager[object]:
         """BLAS on one thread for a single position (decode), unless ``blas_threads`` says.

@@ -1,0 +1,625 @@
+/* Blocked prompt attention (kvcache._core.attend_blocked): tiles of queries x stored rows,
+ * an online softmax, no probability matrix.  AVX2/FMA intrinsics under KVC_SIMD with a
+ * portable C twin that computes the same bits (the conventions of _kernels.h, whose exp,
+ * lane folds and SIMD switch this file reuses).  No -ffast-math.
+ *
+ * Summation orders (fixed by row and channel index only, so a query's result depends on its
+ * own visible rows [f, e) and never on the other queries of the call or the thread count):
+ *
+ *   tiles        stored rows are cut into tiles of KVC_PF_TILE (64) rows at ABSOLUTE row
+ *                multiples; a query takes the tiles that meet [f, e) in increasing order, and
+ *                in each only its visible rows.
+ *   scores       s = dot * scale, where dot = fma(q[d], k[d], dot) over the channels d in
+ *                increasing order from 0 (one chain, no lanes); int8 keys are first
+ *                dequantised channel by channel as (float)k8[d] * group_scale[d / 32] (one
+ *                rounded product).  Softcap (> 0): s = cap * tanhf(s / cap) for finite s.
+ *   online max   m' = max(m, max of the tile's visible scores), NaN ignored, m starts at -inf;
+ *                mu = m' (0 while m' is -inf); alpha = exp(m - mu); p = exp(s - mu) with
+ *                kvc_expf (the same function scalar and 8-wide).
+ *   running sum  t = the tile's p summed in 8 lanes (lane = row % 8, rows in order, then
+ *                kvc_hsum8's fold); l = fmaf(l, alpha, t).
+ *   values       per channel: o = o * alpha, then o = fma(p, v[d], o) over the tile's visible
+ *                rows in increasing order (every visible row, no skip rule); int8 values are
+ *                dequantised as (float)v8[d] * row_scale.  The result is o / l (then times the
+ *                frozen V column, when V is int8).  A query that sees no row gets zeros.
+ *   importance   a second pass recomputes each score bit for bit and adds
+ *                exp(s - m_final) / l_final (l_final only when it is > 0, else 1) into a
+ *                per-tile column sum, KV groups in order, the group's queries in order; the
+ *                column sum is added once to imp.
+ */
+#ifndef KVCACHE_PREFILL_H
+#define KVCACHE_PREFILL_H
+
+#include "_kernels.h"
+
+#define KVC_PF_TILE 64 /* rows per key/value tile, at absolute row multiples */
+#define KVC_PF_QR 6    /* queries per register block (scores and values) */
+#define KVC_PF_PAD16(hd) (((hd) + 15) / 16 * 16)
+
+/* Per-thread scratch floats of a task with up to nq queries (the importance pass needs less):
+ * the packed K tile (64 x hd), the packed V tile (64 x hd rounded up to 16), scores and
+ * probabilities (nq x 64), the partial outputs (nq x padded hd), alpha (nq), and slack. */
+#define KVC_PF_SCRATCH_FLOATS(hd, nq) \
+    (KVC_PF_TILE * (hd) + KVC_PF_TILE * KVC_PF_PAD16(hd) + (nq) * KVC_PF_TILE \
+     + (nq) * KVC_PF_PAD16(hd) + (nq) + 64)
+
+/* Ask for the rows [p0, p1) of a store (row_bytes each) in L2, ahead of the next tile. */
+KVC_INLINE void kvc_pf_prefetch(const void *base, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t row_bytes)
+{
+#if defined(__GNUC__)
+    const char *a = (const char *)base + p0 * row_bytes, *e = (const char *)base + p1 * row_bytes;
+    for (; a < e; a += 64)
+        __builtin_prefetch(a, 0, 2);
+#else
+    (void)base, (void)p0, (void)p1, (void)row_bytes;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Tile packing.  Rows [r0, r1) of the tile starting at row t0:
+ *   K  Kp[s * hd * 16 + d * 16 + c] = k_p[d],  p = t0 + 16 s + c  (strips of 16 keys, channel
+ *      major inside a strip: the score kernel reads 16 keys of one channel contiguously);
+ *   V  Vp[s * 64 * 16 + r * 16 + c] = v_p[16 s + c],  p = t0 + r  (strips of 16 channels, 0
+ *      past head_dim).
+ * int8 rows are dequantised on the way: (float)k8[d] * ks[d / 32], (float)v8[d] * vs.
+ * Columns of K outside [r0, r1) hold other stored rows or copies (their scores are never
+ * used); V rows outside [r0, r1) are not written (never read).
+ * ------------------------------------------------------------------------------------- */
+KVC_INLINE float kvc_pf_kval(const float *kf, const int8_t *kq, const float *ks,
+                             ptrdiff_t ks_stride, int quant_k, ptrdiff_t p, ptrdiff_t hd,
+                             ptrdiff_t d)
+{
+    return quant_k ? (float)kq[p * hd + d] * ks[p * ks_stride + (d >> 5)] : kf[p * hd + d];
+}
+
+KVC_INLINE void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks,
+                          ptrdiff_t ks_stride, int quant_k, ptrdiff_t t0, ptrdiff_t r0,
+                          ptrdiff_t r1, ptrdiff_t hd, float *restrict Kp)
+{
+    ptrdiff_t g, d, i;
+    for (g = (r0 - t0) / 8 * 8; g < r1 - t0; g += 8) {
+        float *dst = Kp + (g / 16) * hd * 16 + (g % 16);
+        ptrdiff_t src[8];
+        for (i = 0; i < 8; ++i)
+            src[i] = t0 + g + i < r1 ? t0 + g + i : r1 - 1;
+        d = 0;
+#if KVC_SIMD
+        for (; d + 8 <= hd; d += 8) {
+            __m256 a[8];
+            if (quant_k) {
+                for (i = 0; i < 8; ++i)
+                    a[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                               _mm_loadl_epi64((const __m128i *)(kq + src[i] * hd + d)))),
+                           _mm256_set1_ps(ks[src[i] * ks_stride + (d >> 5)]));
+            } else {
+                for (i = 0; i < 8; ++i)
+                    a[i] = _mm256_loadu_ps(kf + src[i] * hd + d);
+            }
+            __m256 b0 = _mm256_unpacklo_ps(a[0], a[1]), b1 = _mm256_unpackhi_ps(a[0], a[1]);
+            __m256 b2 = _mm256_unpacklo_ps(a[2], a[3]), b3 = _mm256_unpackhi_ps(a[2], a[3]);
+            __m256 b4 = _mm256_unpacklo_ps(a[4], a[5]), b5 = _mm256_unpackhi_ps(a[4], a[5]);
+            __m256 b6 = _mm256_unpacklo_ps(a[6], a[7]), b7 = _mm256_unpackhi_ps(a[6], a[7]);
+            __m256 c0 = _mm256_shuffle_ps(b0, b2, 0x44), c1 = _mm256_shuffle_ps(b0, b2, 0xEE);
+            __m256 c2 = _mm256_shuffle_ps(b1, b3, 0x44), c3 = _mm256_shuffle_ps(b1, b3, 0xEE);
+            __m256 c4 = _mm256_shuffle_ps(b4, b6, 0x44), c5 = _mm256_shuffle_ps(b4, b6, 0xEE);
+            __m256 c6 = _mm256_shuffle_ps(b5, b7, 0x44), c7 = _mm256_shuffle_ps(b5, b7, 0xEE);
+            float *o = dst + d * 16;
+            _mm256_storeu_ps(o, _mm256_permute2f128_ps(c0, c4, 0x20));
+            _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(c1, c5, 0x20));
+            _mm256_storeu_ps(o + 32, _mm256_permute2f128_ps(c2, c6, 0x20));
+            _mm256_storeu_ps(o + 48, _mm256_permute2f128_ps(c3, c7, 0x20));
+            _mm256_storeu_ps(o + 64, _mm256_permute2f128_ps(c0, c4, 0x31));
+            _mm256_storeu_ps(o + 80, _mm256_permute2f128_ps(c1, c5, 0x31));
+            _mm256_storeu_ps(o + 96, _mm256_permute2f128_ps(c2, c6, 0x31));
+            _mm256_storeu_ps(o + 112, _mm256_permute2f128_ps(c3, c7, 0x31));
+        }
+#endif
+        for (; d < hd; ++d)
+            for (i = 0; i < 8; ++i)
+                dst[d * 16 + i] = kvc_pf_kval(kf, kq, ks, ks_stride, quant_k, src[i], hd, d);
+    }
+}
+
+KVC_INLINE void kvc_pf_load_v(const float *vf, const int8_t *vq, const float *vs,
+                          ptrdiff_t vs_stride, int quant_v, ptrdiff_t t0, ptrdiff_t r0,
+                          ptrdiff_t r1, ptrdiff_t hd, float *restrict Vp)
+{
+    ptrdiff_t p, d;
+    for (p = r0; p < r1; ++p) {
+        float *dst = Vp + (p - t0) * 16;
+        float s = quant_v ? vs[p * vs_stride] : 1.0f;
+        d = 0;
+#if KVC_SIMD
+        for (; d + 8 <= hd; d += 8) {
+            __m256 x = quant_v ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                     _mm_loadl_epi64((const __m128i *)(vq + p * hd + d)))),
+                                 _mm256_set1_ps(s))
+                               : _mm256_loadu_ps(vf + p * hd + d);
+            _mm256_storeu_ps(dst + (d / 16) * KVC_PF_TILE * 16 + (d % 16), x);
+        }
+#endif
+        for (; d < KVC_PF_PAD16(hd); ++d)
+            dst[(d / 16) * KVC_PF_TILE * 16 + (d % 16)] =
+                d >= hd ? 0.0f : quant_v ? (float)vq[p * hd + d] * s : vf[p * hd + d];
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Scores of NR queries (rows of Q, stride ldq) against one 16-key strip Ks of the packed K
+ * tile: S[q * 64 + c] = the channel-ordered fma chain of key c.  NR <= KVC_PF_QR.
+ * ------------------------------------------------------------------------------------- */
+KVC_INLINE void kvc_pf_qk(const float *restrict Q, ptrdiff_t ldq, const int NR,
+                          const float *restrict Ks, ptrdiff_t hd, float *restrict S,
+                          ptrdiff_t lds)
+{
+    ptrdiff_t d;
+    int q;
+#if KVC_SIMD
+    __m256 acc[KVC_PF_QR][2];
+#pragma GCC unroll 6
+    for (q = 0; q < NR; ++q)
+        acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+    for (d = 0; d < hd; ++d) {
+        __m256 ka = _mm256_loadu_ps(Ks + d * 16), kb = _mm256_loadu_ps(Ks + d * 16 + 8);
+#pragma GCC unroll 6
+        for (q = 0; q < NR; ++q) {
+            __m256 b = _mm256_broadcast_ss(Q + q * ldq + d);
+            acc[q][0] = _mm256_fmadd_ps(b, ka, acc[q][0]);
+            acc[q][1] = _mm256_fmadd_ps(b, kb, acc[q][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (q = 0; q < NR; ++q) {
+        _mm256_storeu_ps(S + q * lds, acc[q][0]);
+        _mm256_storeu_ps(S + q * lds + 8, acc[q][1]);
+    }
+#else
+    int c;
+    for (q = 0; q < NR; ++q)
+        for (c = 0; c < 16; ++c) {
+            float a = 0.0f;
+            for (d = 0; d < hd; ++d)
+                a = fmaf(Q[q * ldq + d], Ks[d * 16 + c], a);
+            S[q * lds + c] = a;
+        }
+#endif
+}
+
+/* Scores of nq queries (nq any) for the 16-key strips covering columns [c0, c1) of a packed
+ * K block; S rows have stride lds. */
+KVC_INLINE void kvc_pf_scores(const float *Q, ptrdiff_t ldq, ptrdiff_t nq, const float *Kp,
+                          ptrdiff_t hd, ptrdiff_t c0, ptrdiff_t c1, float *S, ptrdiff_t lds)
+{
+    ptrdiff_t j, k0;
+    for (k0 = c0 / 16 * 16; k0 < c1; k0 += 16) {
+        const float *Ks = Kp + (k0 / 16) * hd * 16;
+        float *Sk = S + k0;
+        for (j = 0; j + KVC_PF_QR <= nq; j += KVC_PF_QR)
+            kvc_pf_qk(Q + j * ldq, ldq, KVC_PF_QR, Ks, hd, Sk + j * lds, lds);
+        switch (nq - j) {
+        case 5: kvc_pf_qk(Q + j * ldq, ldq, 5, Ks, hd, Sk + j * lds, lds); break;
+        case 4: kvc_pf_qk(Q + j * ldq, ldq, 4, Ks, hd, Sk + j * lds, lds); break;
+        case 3: kvc_pf_qk(Q + j * ldq, ldq, 3, Ks, hd, Sk + j * lds, lds); break;
+        case 2: kvc_pf_qk(Q + j * ldq, ldq, 2, Ks, hd, Sk + j * lds, lds); break;
+        case 1: kvc_pf_qk(Q + j * ldq, ldq, 1, Ks, hd, Sk + j * lds, lds); break;
+        default: break;
+        }
+    }
+}
+
+/* Scale and cap the scores s[a, b) of one query row (tile-relative columns). */
+KVC_INLINE void kvc_pf_scale(float *restrict s, ptrdiff_t a, ptrdiff_t b, float scale,
+                             float softcap)
+{
+    ptrdiff_t k;
+    for (k = a; k < b; ++k)
+        s[k] = s[k] * scale;
+    if (softcap > 0.0f)
+        for (k = a; k < b; ++k) {
+            float v = s[k];
+            if (isfinite(v))
+                s[k] = softcap * tanhf(v / softcap);
+        }
+}
+
+/* Online-softmax step of one query on one tile: s[a, b) are its raw scores (dot products);
+ * on return s[0, 64) holds p (0 outside [a, b)), *m and *l are updated and the rescale factor
+ * of the partial output is returned. */
+static float kvc_pf_softmax_step(float *restrict s, ptrdiff_t a, ptrdiff_t b, float scale,
+                                 float softcap, float *m, float *l)
+{
+    ptrdiff_t k;
+    float tmax = -INFINITY, mnew, mu, alpha, t;
+    if (softcap > 0.0f) {
+        kvc_pf_scale(s, a, b, scale, softcap);
+        scale = 1.0f;   /* s * 1.0f == s: the passes below leave the capped scores as they are */
+    }
+#if KVC_SIMD
+    const __m256 sc = _mm256_set1_ps(scale);
+    if (a == 0 && b == KVC_PF_TILE) {
+        /* a whole tile: the 64 scaled scores stay in registers */
+        __m256 v[8], mx = _mm256_set1_ps(-INFINITY), acc;
+        int i;
+        for (i = 0; i < 8; ++i) {
+            v[i] = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * i), sc);
+            mx = _mm256_max_ps(v[i], mx);   /* a NaN v keeps mx: NaN ignored */
+        }
+        mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
+        mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4E));
+        mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xB1));
+        tmax = _mm_cvtss_f32(_mm256_castps256_ps128(mx));
+        mnew = tmax > *m ? tmax : *m;
+        mu = mnew == -INFINITY ? 0.0f : mnew;
+        alpha = kvc_expf(*m - mu);
+        const __m256 muv = _mm256_set1_ps(mu);
+        acc = _mm256_setzero_ps();
+        for (i = 0; i < 8; ++i) {
+            __m256 p = kvc_expf8(_mm256_sub_ps(v[i], muv));
+            _mm256_storeu_ps(s + 8 * i, p);
+            acc = _mm256_add_ps(acc, p);
+        }
+        t = kvc_fold8(acc);
+        *l = fmaf(*l, alpha, t);
+        *m = mnew;
+        return alpha;
+    }
+    const __m256 idx = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 av = _mm256_set1_ps((float)a), bv = _mm256_set1_ps((float)b);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 mx = ninf;
+    for (k = a / 8 * 8; k < b; k += 8) {
+        __m256 kk = _mm256_add_ps(idx, _mm256_set1_ps((float)k));
+        __m256 vis = _mm256_and_ps(_mm256_cmp_ps(kk, av, _CMP_GE_OQ), _mm256_cmp_ps(kk, bv, _CMP_LT_OQ));
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + k), sc);
+        _mm256_storeu_ps(s + k, v);
+        mx = _mm256_max_ps(_mm256_blendv_ps(ninf, v, vis), mx);
+    }
+    {
+        float tmp[8];
+        int i;
+        _mm256_storeu_ps(tmp, mx);
+        for (i = 0; i < 8; ++i)
+            tmax = tmp[i] > tmax ? tmp[i] : tmax;
+    }
+#else
+    for (k = a; k < b; ++k) {
+        s[k] = s[k] * scale;
+        tmax = s[k] > tmax ? s[k] : tmax;
+    }
+#endif
+    mnew = tmax > *m ? tmax : *m;
+    mu = mnew == -INFINITY ? 0.0f : mnew;
+    alpha = kvc_expf(*m - mu);
+#if KVC_SIMD
+    {
+        const __m256 muv = _mm256_set1_ps(mu);
+        __m256 acc = _mm256_setzero_ps();
+        for (k = 0; k < KVC_PF_TILE; k += 8) {
+            if (k + 8 <= a || k >= b) {
+                _mm256_storeu_ps(s + k, _mm256_setzero_ps());
+                continue;
+            }
+            __m256 p = kvc_expf8(_mm256_sub_ps(_mm256_loadu_ps(s + k), muv));
+            if (k < a || k + 8 > b) {
+                __m256 kk = _mm256_add_ps(idx, _mm256_set1_ps((float)k));
+                p = _mm256_and_ps(p, _mm256_and_ps(_mm256_cmp_ps(kk, av, _CMP_GE_OQ),
+                                                   _mm256_cmp_ps(kk, bv, _CMP_LT_OQ)));
+            }
+            _mm256_storeu_ps(s + k, p);
+            acc = _mm256_add_ps(acc, p);
+        }
+        t = kvc_fold8(acc);
+    }
+#else
+    {
+        float acc[8] = {0};
+        for (k = 0; k < KVC_PF_TILE; ++k) {
+            float p = (k >= a && k < b) ? kvc_expf(s[k] - mu) : 0.0f;
+            s[k] = p;
+            acc[k & 7] = acc[k & 7] + p;
+        }
+        t = kvc_hsum8(acc);
+    }
+#endif
+    *l = fmaf(*l, alpha, t);
+    *m = mnew;
+    return alpha;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Values.  For NR queries (probability rows P + q * 64, tile-relative row index) and one
+ * 16-channel strip Vs of the packed V tile: O = O * alpha (when alpha != NULL), then
+ * O = fma(p, v, O) over the rows [ra, rb) in order.  O rows have stride ldo.
+ * ------------------------------------------------------------------------------------- */
+KVC_INLINE void kvc_pf_pv16(const float *restrict P, const int NR, const float *restrict Vs,
+                            ptrdiff_t ra, ptrdiff_t rb, float *restrict O, ptrdiff_t ldo,
+                            const float *alpha)
+{
+    ptrdiff_t r;
+    int q;
+#if KVC_SIMD
+    __m256 acc[KVC_PF_QR][2];
+#pragma GCC unroll 6
+    for (q = 0; q < NR; ++q) {
+        acc[q][0] = _mm256_loadu_ps(O + q * ldo);
+        acc[q][1] = _mm256_loadu_ps(O + q * ldo + 8);
+        if (alpha) {
+            __m256 av = _mm256_broadcast_ss(alpha + q);
+            acc[q][0] = _mm256_mul_ps(acc[q][0], av);
+            acc[q][1] = _mm256_mul_ps(acc[q][1], av);
+        }
+    }
+    for (r = ra; r < rb; ++r) {
+        __m256 va = _mm256_loadu_ps(Vs + r * 16), vb = _mm256_loadu_ps(Vs + r * 16 + 8);
+#pragma GCC unroll 6
+        for (q = 0; q < NR; ++q) {
+            __m256 b = _mm256_broadcast_ss(P + q * KVC_PF_TILE + r);
+            acc[q][0] = _mm256_fmadd_ps(b, va, acc[q][0]);
+            acc[q][1] = _mm256_fmadd_ps(b, vb, acc[q][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (q = 0; q < NR; ++q) {
+        _mm256_storeu_ps(O + q * ldo, acc[q][0]);
+        _mm256_storeu_ps(O + q * ldo + 8, acc[q][1]);
+    }
+#else
+    int c;
+    for (q = 0; q < NR; ++q)
+        for (c = 0; c < 16; ++c) {
+            float o = O[q * ldo + c];
+            if (alpha)
+                o = o * alpha[q];
+            for (r = ra; r < rb; ++r)
+                o = fmaf(P[q * KVC_PF_TILE + r], Vs[r * 16 + c], o);
+            O[q * ldo + c] = o;
+        }
+#endif
+}
+
+/* Values of nr (<= KVC_PF_QR) queries over the rows [ra, rb) of a tile, every strip. */
+KVC_INLINE void kvc_pf_pv(const float *P, int nr, const float *Vp, ptrdiff_t hdp, ptrdiff_t ra,
+                      ptrdiff_t rb, float *O, const float *alpha)
+{
+    ptrdiff_t d0;
+    for (d0 = 0; d0 < hdp; d0 += 16) {
+        const float *Vs = Vp + (d0 / 16) * KVC_PF_TILE * 16;
+        switch (nr) {
+        case 6: kvc_pf_pv16(P, 6, Vs, ra, rb, O + d0, hdp, alpha); break;
+        case 5: kvc_pf_pv16(P, 5, Vs, ra, rb, O + d0, hdp, alpha); break;
+        case 4: kvc_pf_pv16(P, 4, Vs, ra, rb, O + d0, hdp, alpha); break;
+        case 3: kvc_pf_pv16(P, 3, Vs, ra, rb, O + d0, hdp, alpha); break;
+        case 2: kvc_pf_pv16(P, 2, Vs, ra, rb, O + d0, hdp, alpha); break;
+        default: kvc_pf_pv16(P, 1, Vs, ra, rb, O + d0, hdp, alpha); break;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * One task: nq queries (rows of q, stride hd) of one KV group with visible rows
+ * [qf[j], qe[j]).  kf/kq/ks and vf/vq/vs point at the group's row 0.  Writes out (nq x hd)
+ * and the final running max and sum of each query (qm, ql).
+ * ------------------------------------------------------------------------------------- */
+KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
+                                 const ptrdiff_t *qe, const float *kf, const int8_t *kq,
+                                 const float *ks, ptrdiff_t ks_stride, int quant_k,
+                                 const float *vf, const int8_t *vq, const float *vs,
+                                 ptrdiff_t vs_stride, int quant_v, const float *vcol,
+                                 ptrdiff_t hd, float scale, float softcap, float *out,
+                                 float *qm, float *ql, float *scratch)
+{
+    const ptrdiff_t hdp = KVC_PF_PAD16(hd);
+    float *Kp = scratch;
+    float *Vp = Kp + hd * KVC_PF_TILE;
+    float *S = Vp + hdp * KVC_PF_TILE;
+    float *O = S + nq * KVC_PF_TILE;
+    float *alpha = O + nq * hdp;
+    ptrdiff_t lo = PTRDIFF_MAX, hi = 0, j, d, t0;
+    for (j = 0; j < nq; ++j) {
+        qm[j] = -INFINITY;
+        ql[j] = 0.0f;
+        if (qe[j] > qf[j]) {
+            lo = qf[j] < lo ? qf[j] : lo;
+            hi = qe[j] > hi ? qe[j] : hi;
+        }
+    }
+    memset(O, 0, (size_t)(nq * hdp) * sizeof(float));
+    for (t0 = hi > lo ? lo / KVC_PF_TILE * KVC_PF_TILE : hi; t0 < hi; t0 += KVC_PF_TILE) {
+        ptrdiff_t t1 = t0 + KVC_PF_TILE;
+        ptrdiff_t r0 = lo > t0 ? lo : t0, r1 = hi < t1 ? hi : t1, ja = -1, jb = -1;
+        /* the active queries (those that see a row of this tile) */
+        for (j = 0; j < nq; ++j)
+            if (qf[j] < t1 && qe[j] > t0 && qe[j] > qf[j]) {
+                if (ja < 0)
+                    ja = j;
+                jb = j + 1;
+            }
+        if (ja < 0)
+            continue;
+        kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
+        kvc_pf_load_v(vf, vq, vs, vs_stride, quant_v, t0, r0, r1, hd, Vp);
+        /* the next tile's rows go to L2 while this one is computed, a few rows per block
+         * of queries (a burst of prefetches would stall on the miss buffers) */
+        ptrdiff_t pf_next = t1, pf_end = hi < t1 + KVC_PF_TILE ? hi : t1 + KVC_PF_TILE;
+        ptrdiff_t pf_step = (KVC_PF_TILE * KVC_PF_QR + (jb - ja) - 1) / (jb - ja);
+        kvc_pf_scores(q + ja * hd, hd, jb - ja, Kp, hd, r0 - t0, r1 - t0, S + ja * KVC_PF_TILE,
+                      KVC_PF_TILE);
+        for (j = ja; j < jb; ++j) {
+            ptrdiff_t a = (qf[j] > t0 ? qf[j] : t0) - t0, b = (qe[j] < t1 ? qe[j] : t1) - t0;
+            float *s = S + j * KVC_PF_TILE;
+            if (!(qe[j] > qf[j]) || a >= b) {
+                alpha[j] = 1.0f;
+                memset(s, 0, KVC_PF_TILE * sizeof(float));
+                continue;
+            }
+            alpha[j] = kvc_pf_softmax_step(s, a, b, scale, softcap, qm + j, ql + j);
+        }
+        /* values, by blocks of queries: the rows all of the block see go through the
+         * register-blocked kernel, the rest query by query (each row chain stays in order) */
+        for (j = ja; j < jb; j += KVC_PF_QR) {
+            int nr = jb - j < KVC_PF_QR ? (int)(jb - j) : KVC_PF_QR, i;
+            if (pf_next < pf_end) {
+                ptrdiff_t p1 = pf_end - pf_next < pf_step ? pf_end : pf_next + pf_step;
+                if (quant_k) {
+                    kvc_pf_prefetch(kq, pf_next, p1, hd);
+                    kvc_pf_prefetch(ks, pf_next, p1, ks_stride * 4);
+                } else {
+                    kvc_pf_prefetch(kf, pf_next, p1, hd * 4);
+                }
+                if (quant_v) {
+                    kvc_pf_prefetch(vq, pf_next, p1, hd);
+                    kvc_pf_prefetch(vs, pf_next, p1, vs_stride * 4);
+                } else {
+                    kvc_pf_prefetch(vf, pf_next, p1, hd * 4);
+                }
+                pf_next = p1;
+            }
+            ptrdiff_t A = 0, B = KVC_PF_TILE, ai[KVC_PF_QR], bi[KVC_PF_QR];
+            int same_start = 1, all_active = 1;
+            for (i = 0; i < nr; ++i) {
+                ptrdiff_t jj = j + i;
+                ai[i] = (qf[jj] > t0 ? qf[jj] : t0) - t0;
+                bi[i] = (qe[jj] < t1 ? qe[jj] : t1) - t0;
+                if (!(qe[jj] > qf[jj]) || ai[i] >= bi[i]) {
+                    all_active = 0;
+                    continue;
+                }
+                A = ai[i] > A ? ai[i] : A;
+                B = bi[i] < B ? bi[i] : B;
+            }
+            for (i = 0; i < nr; ++i)
+                same_start = same_start && ai[i] == A;
+            if (!all_active || A >= B) {
+                for (i = 0; i < nr; ++i) {
+                    ptrdiff_t jj = j + i;
+                    if (!(qe[jj] > qf[jj]) || ai[i] >= bi[i])
+                        continue;
+                    kvc_pf_pv(S + jj * KVC_PF_TILE, 1, Vp, hdp, ai[i], bi[i], O + jj * hdp,
+                              alpha + jj);
+                }
+                continue;
+            }
+            if (!same_start)
+                for (i = 0; i < nr; ++i)
+                    kvc_pf_pv(S + (j + i) * KVC_PF_TILE, 1, Vp, hdp, ai[i], A,
+                              O + (j + i) * hdp, alpha + j + i);
+            kvc_pf_pv(S + j * KVC_PF_TILE, nr, Vp, hdp, A, B, O + j * hdp,
+                      same_start ? alpha + j : NULL);
+            for (i = 0; i < nr; ++i)
+                if (bi[i] > B)
+                    kvc_pf_pv(S + (j + i) * KVC_PF_TILE, 1, Vp, hdp, B, bi[i],
+                              O + (j + i) * hdp, NULL);
+        }
+    }
+    for (j = 0; j < nq; ++j) {
+        float *o = out + j * hd;
+        const float *src = O + j * hdp;
+        if (!(qe[j] > qf[j])) {
+            memset(o, 0, (size_t)hd * sizeof(float));
+            continue;
+        }
+        float lj = ql[j];
+        for (d = 0; d < hd; ++d)
+            o[d] = src[d] / lj;
+        if (quant_v)
+            for (d = 0; d < hd; ++d)
+                o[d] = o[d] * vcol[d];
+    }
+}
+
+/* The task specialised for the common head dims (the constant lets the compiler unroll and
+ * address the inner loops; the arithmetic, and so every bit, is the same). */
+static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
+                        const float *kf, const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
+                        int quant_k, const float *vf, const int8_t *vq, const float *vs,
+                        ptrdiff_t vs_stride, int quant_v, const float *vcol, ptrdiff_t hd,
+                        float scale, float softcap, float *out, float *qm, float *ql,
+                        float *scratch)
+{
+#define KVC_PF_TASK(HD) kvc_pf_task_impl(q, nq, qf, qe, kf, kq, ks, ks_stride, quant_k, vf, vq, \
+                                         vs, vs_stride, quant_v, vcol, HD, scale, softcap, out, \
+                                         qm, ql, scratch)
+    switch (hd) {
+    case 64: KVC_PF_TASK(64); break;
+    case 128: KVC_PF_TASK(128); break;
+    default: KVC_PF_TASK(hd); break;
+    }
+#undef KVC_PF_TASK
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Importance of one KV group over the rows [t0, t1) (t0 a multiple of 64, t1 - t0 <=
+ * KVC_PF_IMP_ROWS): for the group's queries in order, colsum[p - t0] += exp(s - qm[j]) / ql[j]
+ * over the query's visible rows.  scratch: KVC_PF_IMP_SCRATCH(hd) floats.
+ * ------------------------------------------------------------------------------------- */
+#define KVC_PF_IMP_ROWS 256
+#define KVC_PF_IMP_QUERIES 48 /* queries scored together: each K strip is read once for them */
+#define KVC_PF_IMP_SCRATCH(hd) (KVC_PF_IMP_ROWS * (hd) + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS + 64)
+
+static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
+                             const ptrdiff_t *qe, const float *qm, const float *ql,
+                             const float *kf, const int8_t *kq, const float *ks,
+                             ptrdiff_t ks_stride, int quant_k, ptrdiff_t hd, float scale,
+                             float softcap, ptrdiff_t t0, ptrdiff_t t1, float *colsum,
+                             float *scratch)
+{
+    float *Kp = scratch;
+    float *S = Kp + hd * KVC_PF_IMP_ROWS;
+    ptrdiff_t j, ja = -1, jb = -1, r0 = t1, r1 = t0, k;
+    for (j = 0; j < nq; ++j)
+        if (qf[j] < t1 && qe[j] > t0 && qe[j] > qf[j]) {
+            if (ja < 0)
+                ja = j;
+            jb = j + 1;
+            r0 = qf[j] < r0 ? qf[j] : r0;
+            r1 = qe[j] > r1 ? qe[j] : r1;
+        }
+    r0 = r0 > t0 ? r0 : t0;
+    r1 = r1 < t1 ? r1 : t1;
+    if (ja < 0)
+        return;
+    kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
+    for (j = ja; j < jb; j += KVC_PF_IMP_QUERIES) {
+        ptrdiff_t nr = jb - j < KVC_PF_IMP_QUERIES ? jb - j : KVC_PF_IMP_QUERIES, i;
+        if (j + nr < jb)   /* the next queries, into L2 while these are scored */
+            kvc_pf_prefetch(q, j + nr, jb - j - nr < KVC_PF_IMP_QUERIES ? jb : j + nr + KVC_PF_IMP_QUERIES,
+                            hd * 4);
+        ptrdiff_t c0 = r1 - t0, c1 = r0 - t0;   /* the columns this block sees */
+        for (i = 0; i < nr; ++i) {
+            ptrdiff_t jj = j + i;
+            if (!(qe[jj] > qf[jj]) || qf[jj] >= t1 || qe[jj] <= t0)
+                continue;
+            ptrdiff_t a = (qf[jj] > r0 ? qf[jj] : r0) - t0, b = (qe[jj] < r1 ? qe[jj] : r1) - t0;
+            c0 = a < c0 ? a : c0;
+            c1 = b > c1 ? b : c1;
+        }
+        if (c0 >= c1)
+            continue;
+        kvc_pf_scores(q + j * hd, hd, nr, Kp, hd, c0, c1, S, KVC_PF_IMP_ROWS);
+        for (i = 0; i < nr; ++i) {
+            ptrdiff_t jj = j + i;
+            ptrdiff_t a = (qf[jj] > t0 ? qf[jj] : t0) - t0, b = (qe[jj] < t1 ? qe[jj] : t1) - t0;
+            float *s = S + i * KVC_PF_IMP_ROWS;
+            if (!(qe[jj] > qf[jj]) || a >= b)
+                continue;
+            kvc_pf_scale(s, a, b, scale, softcap);
+            /* the sum divides only when it is > 0 (a NaN sum leaves exp(s - m)), as in
+             * kvc_softmax */
+            float m = qm[jj], l = ql[jj] > 0.0f ? ql[jj] : 1.0f;
+            k = a;
+#if KVC_SIMD
+            {
+                __m256 mv = _mm256_set1_ps(m), lv = _mm256_set1_ps(l);
+                for (; k + 8 <= b; k += 8) {
+                    __m256 p = _mm256_div_ps(kvc_expf8(_mm256_sub_ps(_mm256_loadu_ps(s + k), mv)), lv);
+                    _mm256_storeu_ps(colsum + k, _mm256_add_ps(_mm256_loadu_ps(colsum + k), p));
+                }
+            }
+#endif
+            for (; k < b; ++k)
+                colsum[k] = colsum[k] + kvc_expf(s[k] - m) / l;
+        }
+    }
+}
+
+#endif

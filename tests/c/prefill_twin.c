@@ -1,0 +1,97 @@
+/* Runs the blocked prompt kernel of _prefill.h (tasks and the importance pass) on fixed
+ * pseudo-random inputs and prints every result as raw bits.  tests/test_prefill.py builds it
+ * twice -- with the AVX2/FMA path and with -DKVC_NO_SIMD (the portable C path) -- and
+ * requires identical output. */
+#include "_prefill.h"
+#include <stdio.h>
+#include <stdlib.h>
+
+static uint32_t state = 20261202u;
+static float rnd(void)
+{
+    state = state * 1664525u + 1013904223u;
+    return ((float)(state >> 8) / 16777216.0f - 0.5f) * 4.0f;
+}
+
+static void out(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    printf("%08x\n", b);
+}
+
+#define HDMAX 136
+#define ROWS 203
+#define NQ 23
+
+int main(void)
+{
+    static float q[NQ * HDMAX], k[ROWS * HDMAX], v[ROWS * HDMAX], ks[ROWS * 5], vs[ROWS];
+    static float vcol[HDMAX], o[NQ * HDMAX], qm[NQ], ql[NQ], colsum[KVC_PF_IMP_ROWS];
+    static int8_t kq[ROWS * HDMAX], vq[ROWS * HDMAX];
+    size_t nscr = KVC_PF_SCRATCH_FLOATS(HDMAX, NQ) > KVC_PF_IMP_SCRATCH(HDMAX)
+                      ? KVC_PF_SCRATCH_FLOATS(HDMAX, NQ) : KVC_PF_IMP_SCRATCH(HDMAX);
+    float *scratch = malloc(sizeof(float) * nscr);
+    ptrdiff_t hds[] = {1, 7, 8, 16, 24, 40, 64, 72, 128, 136};
+    ptrdiff_t qf[NQ], qe[NQ];
+    int i, h, mode, cap;
+    for (i = 0; i < NQ * HDMAX; ++i) q[i] = rnd();
+    for (i = 0; i < ROWS * HDMAX; ++i) {
+        k[i] = rnd();
+        v[i] = rnd();
+        kq[i] = (int8_t)(rnd() * 60.0f);
+        vq[i] = (int8_t)(rnd() * 60.0f);
+    }
+    for (i = 0; i < ROWS * 5; ++i) ks[i] = rnd() * rnd();
+    for (i = 0; i < ROWS; ++i) vs[i] = rnd() * 0.1f;
+    for (i = 0; i < HDMAX; ++i) vcol[i] = 1.0f + 0.1f * rnd();
+    /* causal ranges of 23 queries (positions 150..172, three heads per position, shared
+     * ends), one with a window, one empty, one seeing a single row */
+    for (i = 0; i < NQ; ++i) {
+        qe[i] = 150 + i / 3 + 1;
+        qf[i] = 0;
+    }
+    qf[4] = 100;
+    qf[5] = 63;
+    qf[9] = qe[9] - 1;
+    qe[12] = qf[12] = 0;
+    qf[20] = 129;
+    for (h = 0; h < 10; ++h) {
+        ptrdiff_t hd = hds[h];
+        for (mode = 0; mode < 4; ++mode)
+            for (cap = 0; cap < 2; ++cap) {
+                int quant_k = mode & 1, quant_v = mode >> 1;
+                float softcap = cap ? 2.5f : 0.0f;
+                ptrdiff_t t0, j;
+                kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, quant_k, v, vq, vs, 1, quant_v, vcol,
+                            hd, 0.3f, softcap, o, qm, ql, scratch);
+                for (i = 0; i < NQ * hd; ++i)
+                    out(o[i]);
+                for (j = 0; j < NQ; ++j) {
+                    out(qm[j]);
+                    out(ql[j]);
+                }
+                /* the importance pass over blocks of 64 rows, then over one block */
+                for (t0 = 0; t0 < 173 + 64; t0 += 64) {
+                    ptrdiff_t a0 = t0 < 173 ? t0 : 0, t1 = t0 < 173 ? t0 + 64 : 173;
+                    t1 = t1 < 173 ? t1 : 173;
+                    memset(colsum, 0, sizeof colsum);
+                    kvc_pf_imp_group(q, NQ, qf, qe, qm, ql, k, kq, ks, 5, quant_k, hd, 0.3f,
+                                     softcap, a0, t1, colsum, scratch);
+                    for (i = 0; i < t1 - a0; ++i)
+                        out(colsum[i]);
+                }
+            }
+    }
+    /* NaN, infinities and -inf scores */
+    k[3 * 64 + 5] = NAN;
+    v[7 * 64 + 2] = INFINITY;
+    for (i = 0; i < 64; ++i)
+        k[150 * 64 + i] = -1e30f;
+    kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, 0, v, vq, vs, 1, 0, vcol, 64, 1e10f, 0.0f, o, qm,
+                ql, scratch);
+    for (i = 0; i < NQ * 64; ++i)
+        out(o[i]);
+    free(scratch);
+    return 0;
+}

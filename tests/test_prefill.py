@@ -1,0 +1,447 @@
+"""The blocked prompt kernel (``_core.attend_blocked``, src/kvcache/_prefill.h).
+
+Against its NumPy twin over shapes, head dims, GQA fan-outs, windows, softcaps, ``first``,
+tile-boundary lengths and the four storage modes; thread counts and chunk independence bit
+for bit; importance against the twin and the materialised kernel (``attend_rows``); decode
+bits unchanged; NaN/inf like the decode kernel; bad input refused before any work; the AVX2
+and portable C paths of the header bit for bit.
+
+Tolerances: outputs and importance within 2e-6 absolute + 1e-4 relative of the twin (float32,
+different summation order); within 1e-5 absolute + 1e-4 relative of ``attend_rows`` (another
+formula: tile-wise rescaling, no skip rule, int8 rows dequantised before the dot product).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvcache as kc
+from kvcache import _core, reference as ref
+from kvcache._attention import default_scale
+
+MODES = [kc.KvMode.F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False),
+         kc.KvMode.Q8(k=False, v=True)]
+MODE_IDS = ["f32", "q8", "q8k", "q8v"]
+RTOL, ATOL = 1e-4, 2e-6
+ATOL_ROWS = 1e-5
+TILE = _core.PREFILL_TILE_ROWS
+
+
+def filled(nkv, hd, mode, rows, rng, scale=1.0):
+    """A layer with ``rows`` random rows (appended in pieces, so a q8 column field freezes)."""
+    layer = kc.LayerKvCache(nkv, hd, mode=mode)
+    for start in range(0, rows, 97):
+        n = min(97, rows - start)
+        k = (rng.standard_normal((n, nkv, hd)) * scale).astype(np.float32)
+        v = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+        layer.append(k, v)
+    return layer
+
+
+def grouped(layer, q3):
+    """Queries (n, nh, hd) gathered per KV group, position-major, K column folded in."""
+    n, nh, hd = q3.shape
+    nkv = layer.num_kv_heads
+    hpk = nh // nkv
+    qk = q3.reshape(n, nkv, hpk, hd).transpose(1, 0, 2, 3).reshape(nkv, n * hpk, hd)
+    q2 = layer._queries(qk).reshape(nkv * n * hpk, hd)
+    return q2, np.arange(nkv + 1, dtype=np.intp) * (n * hpk)
+
+
+def run(fn, layer, q2, group_q0, *, n_pos, n_back, window=0, first=0, scale=None,
+        softcap=0.0, imp_mode=2, n_threads=1, imp_len=None, rows=None):
+    """One kernel call on a layer's rows; returns (out, imp)."""
+    rows = layer._rows() if rows is None else rows
+    hd = q2.shape[1]
+    out = np.full(q2.shape, 7.0, dtype=np.float32)
+    imp = np.zeros(int(rows.head_len.max()) if imp_len is None else imp_len, dtype=np.float32)
+    kw = dict(kf__hcd=rows.kf, kq__hcd=rows.kq, ks__hcg=rows.ks, vf__hcd=rows.vf,
+              vq__hcd=rows.vq, vs__hc1=rows.vs, vcol__hd=rows.vcol, head_len__h=rows.head_len,
+              q__jd=q2, group_q0=group_q0, n_pos=n_pos, n_back=n_back, window=window,
+              first=first, scale=default_scale(hd) if scale is None else scale,
+              softcap=softcap, out__jd=out, imp__l=imp, imp_mode=imp_mode,
+              quant_k=rows.quant_k, quant_v=rows.quant_v, n_threads=n_threads)
+    if fn == "rows":
+        kw["probs__jl"] = np.zeros((q2.shape[0], max(1, imp.shape[0], int(rows.head_len.max()))),
+                                   dtype=np.float32)
+        _core.attend_rows(**kw)
+    elif fn == "ref":
+        ref.attend_blocked(**kw)
+    else:
+        _core.attend_blocked(**kw)
+    return out, imp
+
+
+def close(got, want, atol=ATOL):
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=atol)
+
+
+# ---------------------------------------------------------------------------------------------
+# against the twin
+
+CASES = [  # (rows, n_pos, n_back, window, first, softcap)
+    (200, 200, 200, 0, 0, 0.0),
+    (130, 70, 70, 0, 0, 0.0),
+    (129, 129, 129, 50, 0, 0.0),
+    (300, 65, 65, 0, 10, 0.0),
+    (150, 40, 90, 0, 0, 2.5),       # n_back > n: a block of a longer prompt
+    (64, 64, 64, 7, 0, 1.0),
+]
+
+
+@pytest.mark.parametrize("mi", range(4), ids=MODE_IDS)
+@pytest.mark.parametrize("hd", [64, 128, 72, 5])
+@pytest.mark.parametrize("fanout", [1, 3, 4, 7])
+def test_matches_the_twin(mi, hd, fanout, rng):
+    """Every (mode, head dim, fan-out) once, the cases of CASES in turn."""
+    nkv = 2
+    rows, n_pos, n_back, window, first, softcap = CASES[(hd + 3 * fanout + mi) % len(CASES)]
+    layer = filled(nkv, hd, MODES[mi], rows, rng)
+    q3 = rng.standard_normal((n_pos, nkv * fanout, hd)).astype(np.float32) * 2
+    q2, g0 = grouped(layer, q3)
+    kw = dict(n_pos=n_pos, n_back=n_back, window=window, first=first, softcap=softcap)
+    out, imp = run("blk", layer, q2, g0, **kw)
+    out_r, imp_r = run("ref", layer, q2, g0, **kw)
+    close(out, out_r)
+    close(imp, imp_r)
+    assert imp.sum() == pytest.approx(q2.shape[0], rel=1e-4)   # every query's mass is 1
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("rows", [1, 2, 63, 64, 65, 127, 128, 129, 191, 257])
+def test_tile_boundary_lengths(mode, rows, rng):
+    nkv, hd = 1, 32
+    layer = filled(nkv, hd, mode, rows, rng)
+    for n in {rows, max(1, rows // 2), 1}:
+        q3 = rng.standard_normal((n, 3, hd)).astype(np.float32)
+        q2, g0 = grouped(layer, q3)
+        for window in (0, 64, 65):
+            out, imp = run("blk", layer, q2, g0, n_pos=n, n_back=n, window=window)
+            out_r, imp_r = run("ref", layer, q2, g0, n_pos=n, n_back=n, window=window)
+            close(out, out_r)
+            close(imp, imp_r)
+
+
+@settings(max_examples=40, deadline=None)
+@given(nkv=st.integers(1, 3), fan=st.sampled_from([1, 2, 3, 4, 7]),
+       hd=st.sampled_from([1, 8, 13, 16, 40, 64, 72]), rows=st.integers(1, 300),
+       frac=st.floats(0.0, 1.0), back=st.integers(0, 40), window=st.integers(0, 150),
+       first=st.integers(0, 80), softcap=st.sampled_from([0.0, 1.5, 30.0]),
+       mode=st.sampled_from(range(4)), imp_len=st.integers(0, 320), seed=st.integers(0, 999))
+def test_fuzz_against_the_twin(nkv, fan, hd, rows, frac, back, window, first, softcap, mode,
+                               imp_len, seed):
+    rng = np.random.default_rng(seed)
+    layer = filled(nkv, hd, MODES[mode], rows, rng)
+    n = max(1, int(rows * frac))
+    q3 = (rng.standard_normal((n, nkv * fan, hd)) * 2).astype(np.float32)
+    q2, g0 = grouped(layer, q3)
+    kw = dict(n_pos=n, n_back=n + back, window=window, first=first, softcap=softcap,
+              imp_len=imp_len)
+    out, imp = run("blk", layer, q2, g0, **kw)
+    out_r, imp_r = run("ref", layer, q2, g0, **kw)
+    close(out, out_r)
+    close(imp, imp_r)
+
+
+def test_unequal_head_lengths_and_empty_groups(rng):
+    """Groups of other lengths (dead heads) and a group without queries."""
+    nkv, hd = 3, 16
+    layer = filled(nkv, hd, kc.KvMode.F32, 150, rng)
+    rows = layer._rows()._replace(head_len=np.array([150, 70, 0], dtype=np.intp))
+    q2 = rng.standard_normal((2 * 10 * 2, hd)).astype(np.float32)
+    g0 = np.array([0, 20, 40, 40], dtype=np.intp)            # group 2 has no query
+    for fn in ("blk", "ref"):
+        out, imp = run(fn, layer, q2, g0, n_pos=10, n_back=10, rows=rows)
+        if fn == "blk":
+            got = out, imp
+    close(got[0], out)
+    close(got[1], imp)
+    # group 1 holds 70 rows: its last query sees them all
+    assert np.isfinite(got[0]).all() and got[1][70:].sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# bits: threads, chunks, decode
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_thread_counts_give_the_same_bits(mode, rng):
+    layer = filled(2, 64, mode, 700, rng)
+    q3 = rng.standard_normal((300, 8, 64)).astype(np.float32)
+    q2, g0 = grouped(layer, q3)
+    for kw in (dict(), dict(window=100, softcap=3.0)):
+        one = run("blk", layer, q2, g0, n_pos=300, n_back=300, n_threads=1, **kw)
+        for threads in (2, 3):
+            many = run("blk", layer, q2, g0, n_pos=300, n_back=300, n_threads=threads, **kw)
+            assert np.array_equal(one[0], many[0]) and np.array_equal(one[1], many[1])
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("window,first", [(0, 0), (90, 0), (0, 33)])
+def test_a_query_gets_the_same_bits_alone_or_in_a_longer_call(mode, window, first, rng):
+    """The runner and the prefix store rely on it: a chunk computed after a stored prefix gives
+    the bits of the same chunk inside a longer call."""
+    nkv, fan, hd, rows = 2, 3, 40, 260
+    layer = filled(nkv, hd, mode, rows, rng)
+    n = 200                                               # positions rows-200 .. rows-1
+    q3 = rng.standard_normal((n, nkv * fan, hd)).astype(np.float32)
+    q2, g0 = grouped(layer, q3)
+    whole, _ = run("blk", layer, q2, g0, n_pos=n, n_back=n, window=window, first=first)
+    whole = whole.reshape(nkv, n, fan, hd)
+    for a, b in [(0, 1), (63, 64), (64, 130), (129, 130), (150, 200), (199, 200), (5, 77)]:
+        sub = np.ascontiguousarray(q3[a:b])
+        q2s, g0s = grouped(layer, sub)
+        part, _ = run("blk", layer, q2s, g0s, n_pos=b - a, n_back=n - a, window=window,
+                      first=first)
+        assert np.array_equal(part.reshape(nkv, b - a, fan, hd), whole[:, a:b]), (a, b)
+
+
+def test_a_prompt_in_chunks_equals_one_call_through_the_layer(rng):
+    """attend_all_heads(prefill=True) chunk by chunk (one-position chunks included) gives the
+    bits of one call over the whole prompt."""
+    nkv, nh, hd, n = 2, 8, 64, 150
+    k = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+    v = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+    q = rng.standard_normal((n, nh, hd)).astype(np.float32)
+    one = kc.LayerKvCache(nkv, hd)
+    one.append(k, v)
+    want = one.attend_all_heads(q, window=70)
+    chunked = kc.LayerKvCache(nkv, hd)
+    got = []
+    for a, b in [(0, 64), (64, 65), (65, 128), (128, 129), (129, 150)]:
+        chunked.append(k[a:b], v[a:b])
+        got.append(chunked.attend_all_heads(q[a:b], window=70, prefill=True))
+    assert np.array_equal(np.concatenate(got), want)
+    np.testing.assert_allclose(chunked.importance, one.importance, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_decode_bits_are_unchanged(mode, rng):
+    """One position takes the decode kernel by default: the bits of attend_rows itself, and
+    prefill=False keeps a block on it too."""
+    nkv, nh, hd = 2, 6, 64
+    layer = filled(nkv, hd, mode, 300, rng)
+    q3 = rng.standard_normal((4, nh, hd)).astype(np.float32)
+    # one position, default
+    imp0 = layer.importance.copy()
+    got = layer.attend_all_heads(q3[0])
+    q2, g0 = grouped(layer, q3[:1])
+    want, imp = run("rows", layer, q2, g0, n_pos=1, n_back=1)
+    assert np.array_equal(got, want.reshape(nh, hd))
+    assert np.array_equal(layer.importance, imp0 + imp)
+    # a block with prefill=False: the decode kernel, bit for bit
+    got = layer.attend_all_heads(q3, prefill=False)
+    q2, g0 = grouped(layer, q3)
+    want, _ = run("rows", layer, q2, g0, n_pos=4, n_back=4)
+    assert np.array_equal(got, want.reshape(nkv, 4, nh // nkv, hd).transpose(1, 0, 2, 3)
+                          .reshape(4, nh, hd))
+    # attend() per head still equals the one-position path
+    out_h, _ = layer.attend(q3[0, 0], 0)
+    assert np.array_equal(out_h, layer.attend_all_heads(q3[0])[0])
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_prefill_switch(mode, rng):
+    nkv, nh, hd = 2, 4, 32
+    layer = filled(nkv, hd, mode, 100, rng)
+    q3 = rng.standard_normal((5, nh, hd)).astype(np.float32)
+    # None with n > 1 and True: the blocked kernel
+    q2, g0 = grouped(layer, q3)
+    want, _ = run("blk", layer, q2, g0, n_pos=5, n_back=5)
+    want = want.reshape(nkv, 5, nh // nkv, hd).transpose(1, 0, 2, 3).reshape(5, nh, hd)
+    assert np.array_equal(layer.attend_all_heads(q3), want)
+    assert np.array_equal(layer.attend_all_heads(q3, prefill=True), want)
+    # True with one position: the blocked kernel (the last position of the block)
+    one = layer.attend_all_heads(q3[-1], prefill=True)
+    assert one.shape == (nh, hd) and np.array_equal(one, want[-1])
+    # the twin wrapper takes the same switch
+    close(ref.attend_all_heads(layer, q3[-1], prefill=True), want[-1])
+    before = layer.importance.copy()
+    with pytest.raises(TypeError, match="prefill"):
+        layer.attend_all_heads(q3, prefill="yes")
+    assert np.array_equal(layer.importance, before)
+
+
+def test_static_cache_block_uses_the_blocked_kernel(rng):
+    nkv, nh, hd, rows = 2, 8, 64, 90
+    c = kc.StaticKvCache(1, nkv, hd, 128)
+    k = rng.standard_normal((nkv, rows, hd)).astype(np.float32)
+    v = rng.standard_normal((nkv, rows, hd)).astype(np.float32)
+    c.write_layer(0, k, v)
+    c.advance(rows)
+    layer = kc.LayerKvCache(nkv, hd)
+    layer.append(k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+    q = rng.standard_normal((30, nh, hd)).astype(np.float32)
+    assert np.array_equal(c.attend(0, q, window=40), layer.attend_all_heads(q, window=40))
+    close(c.attend(0, q, window=40), ref.static_attend(c, 0, q, window=40))
+
+
+# ---------------------------------------------------------------------------------------------
+# importance and outputs against the materialised kernel
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (100, 0.0), (0, 4.0)])
+def test_against_attend_rows(mode, window, softcap, rng):
+    layer = filled(2, 64, mode, 400, rng)
+    q3 = rng.standard_normal((150, 8, 64)).astype(np.float32) * 2
+    q2, g0 = grouped(layer, q3)
+    kw = dict(n_pos=150, n_back=150, window=window, softcap=softcap)
+    out, imp = run("blk", layer, q2, g0, **kw)
+    out_r, imp_r = run("rows", layer, q2, g0, **kw)
+    close(out, out_r, atol=ATOL_ROWS)
+    close(imp, imp_r, atol=ATOL_ROWS)
+
+
+def test_imp_mode_zero_leaves_importance_alone(rng):
+    layer = filled(1, 16, kc.KvMode.F32, 80, rng)
+    q2, g0 = grouped(layer, rng.standard_normal((80, 2, 16)).astype(np.float32))
+    _, imp = run("blk", layer, q2, g0, n_pos=80, n_back=80, imp_mode=0)
+    assert not imp.any()
+
+
+# ---------------------------------------------------------------------------------------------
+# NaN and infinity
+
+def poisoned(rng):
+    nkv, hd, rows = 1, 16, 200
+    layer = filled(nkv, hd, kc.KvMode.F32, rows, rng)
+    rows_ = layer._rows()
+    kf, vf = rows_.kf.copy(), rows_.vf.copy()
+    kf[0, 10, 3] = np.nan               # a NaN score for every query that sees row 10
+    kf[0, 150, :] = np.inf              # +inf or NaN scores from row 150 on
+    vf[0, 90, 5] = np.inf               # an infinite value
+    vf[0, 120, 2] = np.nan              # a NaN value
+    return layer, rows_._replace(kf=kf, vf=vf)
+
+
+def test_nan_and_inf_propagate_like_the_decode_kernel(rng):
+    layer, rows = poisoned(rng)
+    q3 = rng.standard_normal((195, 2, 16)).astype(np.float32)
+    q3[100, 1, 0] = np.nan              # one NaN query
+    q2, g0 = grouped(layer, q3)
+    # window 60: queries before row 10 + 60 see the NaN key, later ones do not
+    for window in (0, 60):
+        out, imp = run("blk", layer, q2, g0, n_pos=195, n_back=195, window=window, rows=rows)
+        out_r, imp_r = run("rows", layer, q2, g0, n_pos=195, n_back=195, window=window,
+                           rows=rows)
+        assert np.array_equal(np.isnan(out), np.isnan(out_r))
+        assert np.array_equal(np.isinf(out), np.isinf(out_r))
+        assert np.array_equal(np.isnan(imp), np.isnan(imp_r))
+        fin = np.isfinite(out_r)
+        assert fin.any() and (~fin).any()
+        close(out[fin], out_r[fin], atol=ATOL_ROWS)
+        fin = np.isfinite(imp_r)
+        close(imp[fin], imp_r[fin], atol=ATOL_ROWS)
+
+
+def test_all_minus_inf_scores_give_nan_like_the_decode_kernel(rng):
+    layer = filled(1, 8, kc.KvMode.F32, 70, rng)
+    rows = layer._rows()
+    kf = rows.kf.copy()
+    kf[0, :70] = -1e30
+    rows = rows._replace(kf=kf)
+    q2 = np.full((3, 8), 1e30, dtype=np.float32)      # scores of -inf everywhere
+    g0 = np.array([0, 3], dtype=np.intp)
+    out, imp = run("blk", layer, q2, g0, n_pos=3, n_back=3, rows=rows)
+    out_r, imp_r = run("rows", layer, q2, g0, n_pos=3, n_back=3, rows=rows)
+    assert np.isnan(out_r).all() and np.isnan(out).all()
+    assert np.array_equal(np.isnan(imp), np.isnan(imp_r))
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+def _bad_cases(layer, q2, g0):
+    rows = layer._rows()
+    hd = q2.shape[1]
+    return [
+        (dict(n_threads=0), "n_threads"),
+        (dict(imp_mode=1), "imp_mode"),
+        (dict(n_pos=0), "n_pos"),
+        (dict(n_pos=7), "multiple of n_pos"),
+        (dict(n_back=-1), "n_back"),
+        (dict(window=-2), "n_back, window, first"),
+        (dict(first=-1), "n_back, window, first"),
+        (dict(group_q0=np.array([0, 5, 9], dtype=np.intp)), "group_q0"),
+        (dict(group_q0=np.array([1, g0[1], g0[2]], dtype=np.intp)), "group_q0"),
+        (dict(group_q0=np.array([0, 30, 20], dtype=np.intp)), "group_q0"),
+        (dict(head_len__h=np.array([50, 10 ** 6], dtype=np.intp)), "head_len"),
+        (dict(head_len__h=np.array([50, -1], dtype=np.intp)), "head_len"),
+        (dict(head_len__h=np.array([50], dtype=np.intp)), "group_q0"),
+        (dict(out__jd=np.zeros((q2.shape[0], hd + 1), np.float32)), "out"),
+        (dict(out__jd=np.zeros((q2.shape[0] - 1, hd), np.float32)), "out"),
+        (dict(kf__hcd=rows.kf[:1]), "float32 K"),
+        (dict(vf__hcd=np.zeros((2, 10, hd), np.float32)), "head_len"),
+        (dict(quant_k=True), "head_len"),          # the empty int8 arrays hold no row
+        (dict(quant_v=True), "head_len"),
+    ]
+
+
+def test_bad_input_raises_before_any_work(rng):
+    layer = filled(2, 16, kc.KvMode.F32, 50, rng)
+    q2, g0 = grouped(layer, rng.standard_normal((10, 4, 16)).astype(np.float32))
+    for change, match in _bad_cases(layer, q2, g0):
+        rows = layer._rows()
+        out = np.full(q2.shape, 7.0, dtype=np.float32)
+        imp = np.full(50, 3.0, dtype=np.float32)
+        kw = dict(kf__hcd=rows.kf, kq__hcd=rows.kq, ks__hcg=rows.ks, vf__hcd=rows.vf,
+                  vq__hcd=rows.vq, vs__hc1=rows.vs, vcol__hd=rows.vcol,
+                  head_len__h=rows.head_len, q__jd=q2, group_q0=g0, n_pos=10, n_back=10,
+                  window=0, first=0, scale=0.25, softcap=0.0, out__jd=out, imp__l=imp,
+                  imp_mode=2, quant_k=False, quant_v=False, n_threads=1)
+        kw.update(change)
+        with pytest.raises(ValueError, match=match):
+            _core.attend_blocked(**kw)
+        assert (out == 7.0).all() and (imp == 3.0).all(), change
+
+
+def test_q8_storage_shapes_are_checked(rng):
+    layer = filled(2, 40, kc.KvMode.Q8(), 80, rng)
+    q2, g0 = grouped(layer, rng.standard_normal((4, 2, 40)).astype(np.float32))
+    rows = layer._rows()
+    for bad in (rows._replace(ks=np.ascontiguousarray(rows.ks[:, :, :1])),
+                rows._replace(vs=np.ascontiguousarray(rows.vs[:, :10])),
+                rows._replace(vcol=np.ones((2, 39), np.float32))):
+        with pytest.raises(ValueError, match="int8"):
+            run("blk", layer, q2, g0, n_pos=4, n_back=4, rows=bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# the header's AVX2 path and its portable C twin
+
+def _build_and_run(tmp_path, name, extra):
+    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    exe = tmp_path / name
+    src = Path(__file__).parent / "c" / "prefill_twin.c"
+    cmd = cc + ["-O2", "-std=gnu11", "-march=native", *extra,
+                f"-I{Path(kc.__file__).parent}", str(src), "-o", str(exe), "-lm"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return subprocess.run([str(exe)], check=True, capture_output=True, text=True,
+                          env=dict(os.environ)).stdout
+
+
+def test_simd_and_portable_paths_agree_bit_for_bit(tmp_path):
+    simd = _build_and_run(tmp_path, "simd", []).splitlines()
+    portable = _build_and_run(tmp_path, "portable", ["-DKVC_NO_SIMD"]).splitlines()
+    assert len(simd) == len(portable) > 10000
+    diff = [i for i, (a, b) in enumerate(zip(simd, portable)) if a != b]
+    assert not diff, f"{len(diff)} of {len(simd)} results differ, first at line {diff[0]}"
+    assert len(set(simd)) > 1000
+
+
+@pytest.mark.parametrize("n,maxlen,window", [(1, 1, 0), (5, 9, 0), (70, 70, 16), (3, 2, 0)])
+def test_prefill_work_counts_the_visible_rows(n, maxlen, window):
+    from kvcache._attention import prefill_work
+    nh, nkv, hd = 14, 2, 8
+    rows = sum(min(max(0, maxlen - n + i + 1), window or maxlen) for i in range(n))
+    work, tasks = prefill_work(n, maxlen, window, nh, nkv, hd)
+    assert work == rows * 2 * hd * nh
+    per_task = -(-_core.PREFILL_TASK_QUERIES // (nh // nkv))
+    assert tasks == nkv * -(-n // per_task)
