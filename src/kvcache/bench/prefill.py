@@ -131,17 +131,30 @@ class PromptAttention:
         self.scale = geom.head_dim ** -0.5
 
     def kvcache(self, mode: str) -> Callable[[], F32]:
-        """A layer in ``mode`` holding the K/V rows; the returned call attends all queries."""
+        """A layer in ``mode`` holding the K/V rows; the returned call attends all queries.
+
+        ``mode`` ``"f32_noimp"``: an f32 layer's prompt kernel run without its importance
+        pass (``imp_mode=0``), the same work as SDPA's; ``attend_all_heads`` always adds
+        importance, which costs a second pass of scores."""
+        from .. import _core
+        from .._attention import attend_prefill
         from ..layer import LayerKvCache
         from ..modes import KvMode
         g = self.geom
-        layer = LayerKvCache(g.num_kv_heads, g.head_dim, KvMode.parse(mode))
+        bare = mode == "f32_noimp"
+        layer = LayerKvCache(g.num_kv_heads, g.head_dim, KvMode.parse("f32" if bare else mode))
         layer.append(self.k, self.v)
         out = np.empty_like(self.q)
         kwargs = prompt_kwargs()
+        no_imp = np.zeros(0, dtype=np.float32)
 
         def call() -> F32:
-            layer.attend_all_heads(self.q, scale=self.scale, out=out, **kwargs)
+            if bare:
+                attend_prefill(_core, layer._rows(), self.q, out, maxlen=self.context,
+                               window=0, scale=self.scale, softcap=0.0, imp=no_imp,
+                               imp_mode=0, n_threads=_core.max_threads())
+            else:
+                layer.attend_all_heads(self.q, scale=self.scale, out=out, **kwargs)
             return out
         return call
 
@@ -196,7 +209,7 @@ def attention_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar,
             rec: Row = {"geometry": geom.key, "context": context, "flops": flops,
                         "threads": threads}
             outs: dict[str, F32] = {}
-            names = [*PREFILL_MODES, *(["sdpa"] if torch is not None else [])]
+            names = [*PREFILL_MODES, "f32_noimp", *(["sdpa"] if torch is not None else [])]
             for name in names:
                 est = flops / rate[geom.key, name] if (geom.key, name) in rate else None
                 if est is not None and est > cfg.max_call_s:
@@ -212,13 +225,16 @@ def attention_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar,
                 rec[name] = {"skipped": False, "s": med, "gflops": flops / med / 1e9,
                              "pct_peak": 100 * flops / med / 1e9 / peak_gflops,
                              "samples_s": samples}
+            if "f32_noimp" in outs and "f32" in outs:
+                rec["f32_noimp"]["same_as_f32"] = bool(np.array_equal(outs["f32"],
+                                                                      outs["f32_noimp"]))
             if "sdpa" in outs:
                 for mode in PREFILL_MODES:
                     if mode in outs:
                         diff = float(np.abs(outs[mode] - outs["sdpa"]).max())
                         rec[mode]["max_abs_diff"] = diff
                         rec[mode]["matches"] = diff <= PREFILL_TOL[mode]
-            rec["vs_sdpa"] = {m: _ratio(rec, "sdpa", m) for m in PREFILL_MODES}
+            rec["vs_sdpa"] = {m: _ratio(rec, "sdpa", m) for m in (*PREFILL_MODES, "f32_noimp")}
             rec["q8_vs_f32"] = _ratio(rec, "f32", "q8")
             rows.append(rec)
             del data, outs
@@ -348,10 +364,13 @@ def attention_table(rows: Sequence[Row]) -> str:
                      *(_cell_text(s)[:2] if s else ["not installed", "-"]),
                      fmt_ratio(r["vs_sdpa"]["f32"]), fmt_ratio(r["vs_sdpa"]["q8"]),
                      fmt_ratio(r["q8_vs_f32"]),
+                     *_cell_text(r.get("f32_noimp")),
+                     fmt_ratio(r["vs_sdpa"].get("f32_noimp")),
                      "-" if not ok else ("yes" if all(ok) else "NO")])
     return render_table(["geometry", "prompt", "f32 s", "f32 GFLOP/s", "f32 %peak", "q8 s",
                          "q8 GFLOP/s", "q8 %peak", "SDPA s", "SDPA GFLOP/s", "f32/SDPA",
-                         "q8/SDPA", "q8/f32", "matches SDPA"], body)
+                         "q8/SDPA", "q8/f32", "no-imp s", "no-imp GFLOP/s", "no-imp %peak",
+                         "no-imp/SDPA", "matches SDPA"], body)
 
 
 def ttft_table(rows: Sequence[Row]) -> str:
@@ -380,6 +399,8 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
            f"(_core.fma_probe); median of up to {cfg.repeats} calls (fewer once a "
            f"cell took {cfg.cell_s:.0f} s); a cell estimated over "
            f"{cfg.max_call_s:.0f} s per call is skipped; ratios are speeds",
+           "no-imp: the same f32 prompt kernel without its importance pass (a second pass "
+           "of scores that attend_all_heads always runs), the work SDPA does",
            f"matches SDPA: max |kvcache - SDPA| <= {PREFILL_TOL['f32']:g} (f32), "
            f"<= {PREFILL_TOL['q8']:g} (q8)",
            f"time to first token: Runner.prefill(ids) vs transformers "
@@ -396,6 +417,9 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
             if c.get("matches") is False:
                 out.append(f"WARNING: {r['geometry']} {context_label(r['context'])} {mode}: "
                            f"output differs from SDPA by {c['max_abs_diff']:.2g}")
+        if (r.get("f32_noimp") or {}).get("same_as_f32") is False:
+            out.append(f"WARNING: {r['geometry']} {context_label(r['context'])}: the kernel "
+                       f"without importance gave other outputs than attend_all_heads")
     for r in result["ttft"]:
         if r["max_abs_logit_diff"] > 1e-3:
             out.append(f"WARNING: at {context_label(r['context'])} the runner's f32 logits "
