@@ -408,3 +408,42 @@ def test_contention_options_are_checked(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--sections", "contention", "--contention-conditions", "loud"])
     assert "unknown contention condition" in capsys.readouterr().err
+
+
+def test_one_threads_object_entered_by_several_threads_at_once():
+    """Each thread restores its own setting, whatever the order they leave in."""
+    import threading
+    import time
+
+    shared = kc.threads(1)
+    seen: list[object] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(3)
+
+    def work(delay: float) -> None:
+        try:
+            with shared:
+                barrier.wait()
+                time.sleep(delay)
+                seen.append(kc.thread_settings().cap)
+            seen.append(kc.thread_settings().cap)
+        except BaseException as exc:      # noqa: BLE001 -- reported below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=work, args=(d,)) for d in (0.03, 0.0, 0.015)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert errors == []
+    assert sorted(seen, key=str) == sorted([1, 1, 1, None, None, None], key=str)
+    assert kc.thread_settings().cap is None
+
+
+def test_threads_takes_numpy_ints_and_refuses_other_types():
+    with kc.threads(np.int64(2)):
+        assert kc.thread_settings().cap == 2
+    with pytest.raises(TypeError):
+        kc.threads(2.0)       # type: ignore[arg-type]
+    with pytest.raises(RuntimeError):
+        kc.threads(1).__exit__(None, None, None)

@@ -877,7 +877,7 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
         kcap = kq__hcd.shape[1]
         ks_stride = ks__hcg.shape[2]
         if kq__hcd.shape[0] < nkv or kq__hcd.shape[2] != hd or ks__hcg.shape[0] < nkv \
-                or ks__hcg.shape[1] < kcap or ks_stride < (hd + 31) // 32:
+                or ks__hcg.shape[1] != kcap or ks_stride < (hd + 31) // 32:
             raise ValueError("int8 K: expected kq (nkv, capacity, head_dim) and ks "
                              "(nkv, capacity, ceil(head_dim/32))")
     else:
@@ -889,7 +889,7 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
         vcap = vq__hcd.shape[1]
         vs_stride = vs__hc1.shape[2]
         if vq__hcd.shape[0] < nkv or vq__hcd.shape[2] != hd or vs__hc1.shape[0] < nkv \
-                or vs__hc1.shape[1] < vcap or vs_stride < 1 or vcol__hd.shape[0] < nkv \
+                or vs__hc1.shape[1] != vcap or vs_stride < 1 or vcol__hd.shape[0] < nkv \
                 or vcol__hd.shape[1] != hd:
             raise ValueError("int8 V: expected vq (nkv, capacity, head_dim), vs "
                              "(nkv, capacity, 1) and vcol (nkv, head_dim)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 import os
 import threading
 import time
@@ -255,6 +256,11 @@ def threads_for(work: int, tasks: int) -> int:
     return (_sampler or sampler()).cap(n, limit)
 
 
+_Setting = tuple[Optional[int], bool]
+_entered: contextvars.ContextVar[tuple[tuple[int, contextvars.Token[_Setting]], ...]] = (
+    contextvars.ContextVar("kvcache_threads_entered", default=()))
+
+
 class threads:
     """Set kvcache's thread count for a block of code: ``with kvcache.threads(1): ...``.
 
@@ -283,25 +289,34 @@ class threads:
         ``n`` < 1.
     """
 
-    __slots__ = ("_value", "_tokens")
+    __slots__ = ("_value",)
 
     def __init__(self, n: Optional[int] = None, *, adaptive: bool = True) -> None:
         if n is not None:
-            if isinstance(n, bool) or not isinstance(n, int):
+            if isinstance(n, bool) or not hasattr(n, "__index__"):
                 raise TypeError(f"n: expected an int or None, got {type(n).__name__}")
+            n = operator.index(n)
             if n < 1:
                 raise ValueError(f"n: expected >= 1, got {n}")
         if not isinstance(adaptive, bool):
             raise TypeError(f"adaptive: expected a bool, got {type(adaptive).__name__}")
         self._value: tuple[Optional[int], bool] = (n, adaptive)
-        self._tokens: list[contextvars.Token[tuple[Optional[int], bool]]] = []
 
     def __enter__(self) -> threads:
-        self._tokens.append(_setting.set(self._value))
+        # the token goes on a stack of the current context, so one object may be entered by
+        # several threads or tasks at once, each restoring its own setting
+        token = _setting.set(self._value)
+        _entered.set(_entered.get() + ((id(self), token),))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _setting.reset(self._tokens.pop())
+        stack = _entered.get()
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i][0] == id(self):
+                _entered.set(stack[:i] + stack[i + 1:])
+                _setting.reset(stack[i][1])
+                return
+        raise RuntimeError("kvcache.threads: left a block that this thread or task did not enter")
 
     def __repr__(self) -> str:
         n, adaptive = self._value

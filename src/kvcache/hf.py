@@ -746,7 +746,7 @@ def prefill(model: Any, input_ids: Any, *, cache: HfKvCache | None = None,
 
 
 def generate(model: Any, input_ids: torch.Tensor, *, mode: KvMode | str | None = None,
-             cache: HfKvCache | None = None, prefill_step: int | None = None,
+             cache: HfKvCache | None = None, prefill_step: int | None = DEFAULT_PREFILL_STEP,
              **kwargs: Any) -> Any:
     """``model.generate`` with an :class:`HfKvCache`.
 
@@ -759,11 +759,13 @@ def generate(model: Any, input_ids: torch.Tensor, *, mode: KvMode | str | None =
         Storage precision of a new cache (ignored when ``cache`` is given).
     cache : HfKvCache, optional
         A cache to continue from (multi-turn); a new one is made otherwise.
-    prefill_step : int, optional
-        When given, the prompt's positions but the last that the cache does not hold yet are
-        first fed through :func:`prefill` in steps of ``prefill_step`` (when there are more
-        than ``prefill_step`` of them); ``model.generate`` then computes the last one.  None
-        (the default) leaves the whole prompt to ``model.generate``, one block.
+    prefill_step : int or None
+        The prompt's positions but the last that the cache does not hold yet are first fed
+        through :func:`prefill` in steps of ``prefill_step`` (default
+        :data:`DEFAULT_PREFILL_STEP`, 512) when there are more than ``prefill_step`` of them,
+        so a long prompt's activations hold one step; ``model.generate`` then computes the
+        last one.  None leaves the whole prompt to ``model.generate``, one block, as does a
+        batch of several sequences.
     **kwargs
         Passed to ``model.generate`` (``max_new_tokens``, ``do_sample``, ...).
 
@@ -774,7 +776,9 @@ def generate(model: Any, input_ids: torch.Tensor, *, mode: KvMode | str | None =
     """
     _check_model(model)
     cache = _new_or_given(model, cache, mode)
-    if prefill_step is not None:
+    batched = (isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2
+               and input_ids.shape[0] != 1)
+    if prefill_step is not None and not batched:
         _check_step("prefill_step", prefill_step)
         ids = _prompt_ids(input_ids)
         if ids.shape[0] - 1 - cache.get_seq_length() > prefill_step:

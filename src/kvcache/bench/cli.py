@@ -218,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"decode steps timed per side in the runner section (default "
                         f"{RUNNER_STEPS}, quick {QUICK_RUNNER_STEPS})")
     p.add_argument("--no-store", action="store_true", help="skip the store section")
+    p.add_argument("--no-prefill", action="store_true", help="skip the prefill section")
     p.add_argument("--store-contexts", nargs="+", metavar="T",
                    help="prompt lengths of the store section (default 512 2k 4k, quick "
                         "256 512)")
@@ -328,7 +329,7 @@ def _resolve_options(args: argparse.Namespace) -> Options:
         store=runs("store", args.no_store),
         store_contexts=contexts_of(args.store_contexts, QUICK_STORE_CONTEXTS, STORE_CONTEXTS),
         store_repeats=count(args.store_repeats, QUICK_STORE_REPEATS, STORE_REPEATS),
-        prefill=runs("prefill"), prefill_quick=quick,
+        prefill=runs("prefill", args.no_prefill), prefill_quick=quick,
         contention=runs("contention", args.no_contention),
         contention_contexts=contexts_of(args.contention_contexts, QUICK_CONTENTION_CONTEXTS,
                                         CONTENTION_CONTEXTS),

@@ -82,8 +82,12 @@ class BusyMonitor:
         except (ImportError, OSError, ValueError):
             return None
         busy = (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")   # minus idle, iowait
+        # this process and its reaped children (the contention section's busy loop and
+        # worker processes are the benchmark's own load, not other processes')
         own = resource.getrusage(resource.RUSAGE_SELF)
-        return time.perf_counter(), busy, own.ru_utime + own.ru_stime
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (time.perf_counter(), busy,
+                own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime)
 
     def other_cores(self) -> float | None:
         """Average number of cores other processes kept busy since construction (None: unknown)."""

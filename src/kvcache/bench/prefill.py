@@ -42,6 +42,7 @@ import numpy as np
 from .geometry import F32, GEOMETRIES, Geometry
 from .machine import available_cpus, import_torch, package_version
 from .tables import Row, context_label, fmt, fmt_ratio, render_table
+from .._threads import threads as kvcache_threads
 from .timing import omp_threads
 
 if TYPE_CHECKING:
@@ -216,7 +217,8 @@ def attention_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar,
                     rec[name] = {"skipped": True, "estimated_s": est}
                     continue
                 call = data.sdpa(torch, F) if name == "sdpa" else data.kvcache(name)
-                with omp_threads(threads):
+                # every thread, as the targets are stated (no adaptive count)
+                with omp_threads(threads), kvcache_threads(adaptive=False):
                     samples, out = _cell(call, repeats, cfg.cell_s)
                 outs[name] = np.array(out)
                 del call

@@ -66,6 +66,10 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_PREFILL_STEP", "Runner"]
 
+#: Version of the prompt attention whose rows the prefix store keeps (part of the fingerprint):
+#: "blocked-1" is the tiled kernel of ``LayerKvCache.attend_all_heads(prefill=True)``.
+PROMPT_KERNEL = "blocked-1"
+
 #: Positions per prefill chunk (chunks end at multiples of it).  It divides the prefix store's
 #: default block (256), so stored blocks and computed chunks line up; a full store hit still
 #: computes the chunk holding the prompt's last position, so it bounds the time to first token
@@ -515,6 +519,9 @@ class Runner:
         if self.position:
             raise ValueError(f"prefill: the cache already holds {self.position} positions; "
                              f"call reset() first or use forward()")
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress: expected a callable or None, got "
+                            f"{type(progress).__name__}")
         self.store_loaded = 0
         arr = self._check_ids(ids)
         if store is None:
@@ -585,13 +592,15 @@ class Runner:
     @property
     def fingerprint(self) -> str:
         """A digest of what decides the KV rows this runner computes: the config, every weight
-        array's bytes (as the forward pass holds them), the KV mode and ``prefill_chunk``
-        (the low bits of the rows depend on the chunking).  Hex BLAKE2b, computed on first use
-        (about a second per GB of weights) and kept; the prefix store's key for this model."""
+        array's bytes (as the forward pass holds them), the KV mode, ``prefill_chunk``
+        (the low bits of the rows depend on the chunking) and the prompt kernel's version
+        (:data:`PROMPT_KERNEL`: rows written by another prompt kernel have other low bits).
+        Hex BLAKE2b, computed on first use (about a second per GB of weights) and kept; the
+        prefix store's key for this model."""
         if self._fingerprint is None:
             h = hashlib.blake2b(digest_size=32, person=b"kvcache-runner")
             meta = {"config": dataclasses.asdict(self.config), "kv": repr(self.mode),
-                    "prefill_chunk": self.prefill_chunk}
+                    "prefill_chunk": self.prefill_chunk, "prompt_kernel": PROMPT_KERNEL}
             h.update(json.dumps(meta, sort_keys=True, default=repr).encode())
             arrays: list[tuple[str, Array]] = [("embed", self.embed), ("norm", self.norm)]
             if not self.config.tie_word_embeddings:       # else it is the embeddings'
@@ -670,6 +679,9 @@ class Runner:
         ``max_new_tokens - 1`` must fit ``max_seq_len`` (checked before anything runs).
         """
         max_new = as_int("max_new_tokens", max_new_tokens, minimum=0)
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress: expected a callable or None, got "
+                            f"{type(progress).__name__}")
         temperature = float(temperature)
         top_p = float(top_p)
         if not temperature >= 0.0 or math.isinf(temperature):
