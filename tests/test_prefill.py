@@ -408,7 +408,11 @@ def test_q8_storage_shapes_are_checked(rng):
     rows = layer._rows()
     for bad in (rows._replace(ks=np.ascontiguousarray(rows.ks[:, :, :1])),
                 rows._replace(vs=np.ascontiguousarray(rows.vs[:, :10])),
-                rows._replace(vcol=np.ones((2, 39), np.float32))):
+                rows._replace(vcol=np.ones((2, 39), np.float32)),
+                # scale arrays longer than the rows' capacity: their group stride would differ
+                rows._replace(ks=np.zeros((2, rows.kq.shape[1] + 8, rows.ks.shape[2]),
+                                          np.float32)),
+                rows._replace(vs=np.zeros((2, rows.vq.shape[1] + 8, 1), np.float32))):
         with pytest.raises(ValueError, match="int8"):
             run("blk", layer, q2, g0, n_pos=4, n_back=4, rows=bad)
 

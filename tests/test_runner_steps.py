@@ -165,3 +165,14 @@ def test_o1_layers_seal_the_same_prompt_whatever_the_step():
         out.append([first] + [r.step(int(np.argmax(first)) + k) for k in range(3)])
     for a, b in zip(*out):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [5, "bar", object()])
+def test_a_progress_that_is_not_callable_is_refused_before_any_work(bad):
+    r = kr.Runner.random(kv="f32", prefill_step=64)
+    with pytest.raises(TypeError, match="progress"):
+        r.prefill(ids_of(200), progress=bad)
+    assert r.position == 0 and r.cache.layers[0].seq_len == 0
+    with pytest.raises(TypeError, match="progress"):
+        r.generate(ids_of(200), 2, progress=bad)
+    assert r.position == 0 and r.cache.layers[0].seq_len == 0
