@@ -90,9 +90,23 @@ def test_the_count_stays_down_for_a_moment_after_competition(tmp_path, monkeypat
     assert s.cap(2, 2) == 2
     (tmp_path / "loadavg").write_text("0.5 0.4 0.3 2/100 1\n")    # a busy loop appears
     assert s.cap(2, 2) == 1
+    assert s.cap(2, 2) == 1                                   # seen twice in a row: held
     (tmp_path / "loadavg").write_text("0.5 0.4 0.3 1/100 1\n")    # ...pauses
     assert s.cap(2, 2) == 1 and s.last == 1
     monkeypatch.setattr(_threads, "HOLD", 0.0)                # ...and has been gone long enough
+    assert s.cap(2, 2) == 2
+
+
+def test_a_thread_runnable_for_one_sample_is_not_held(tmp_path, monkeypatch):
+    """A competitor seen by one sample only (a daemon waking up) lowers that sample's count
+    but starts no hold: the next sample without it gives the team back."""
+    monkeypatch.setattr(_threads, "SAMPLE_TTL", -1.0)
+    monkeypatch.setattr(_threads, "HOLD", 3600.0)
+    s = fake_sampler(tmp_path, running=1)
+    assert s.cap(2, 2) == 2
+    (tmp_path / "loadavg").write_text("0.5 0.4 0.3 2/100 1\n")
+    assert s.cap(2, 2) == 1
+    (tmp_path / "loadavg").write_text("0.5 0.4 0.3 1/100 1\n")
     assert s.cap(2, 2) == 2
 
 

@@ -10,7 +10,8 @@ call in Python with the call's size.  The count is the smallest of
   on the calling thread);
 - the CPUs that are free right now (:class:`Sampler`): the CPUs this process may use, less the
   runnable threads of everything else -- other processes, other Python threads, BLAS workers
-  that spin after a product -- held down for :data:`HOLD` seconds after competition was seen.  An OpenMP fork-join waits for its slowest member, so a team
+  that spin after a product -- held down for :data:`HOLD` seconds once two samples in a row
+  saw competition.  An OpenMP fork-join waits for its slowest member, so a team
   larger than the free CPUs waits for a descheduled thread (docs/threads.md has the
   measurements); one that fits does not.
 
@@ -41,7 +42,7 @@ SAMPLE_TTL = 0.002
 """Seconds a sample of the free CPUs is reused by the calls of one Python thread."""
 
 HOLD = 0.02
-"""Seconds the count stays down after competition was last seen: a competitor that pauses
+"""Seconds the count stays down after two samples in a row saw competition: a competitor that pauses
 for a moment (another process between two calls, a thread between two products) does not
 bring back a team that it would stall when it resumes."""
 
@@ -102,6 +103,7 @@ class _Cached(threading.local):
     exact = False
     used = 1
     low_at = -1.0
+    low_streak = 0
 
 
 class Sampler:
@@ -200,9 +202,17 @@ class Sampler:
             if c.at < 0 or free <= c.free or now - c.low_at > HOLD:
                 c.free, c.exact = free, exact
                 if free < limit:
-                    c.low_at = now                  # competition seen now
+                    # competition seen now; held only when the previous sample saw it too,
+                    # so a thread that is runnable for a moment (a daemon, a kernel worker)
+                    # costs one sample's calls, not a whole hold
+                    if c.low_streak:
+                        c.low_at = now
+                    c.low_streak += 1
+                else:
+                    c.low_streak = 0
             else:
                 c.exact = True                      # held down: no resampling until then
+                c.low_streak = 0
             c.at = now
             c.used = 1
             self.last = c.free
