@@ -243,6 +243,31 @@ cdef inline double _block_sum(const float *p, Py_ssize_t n) noexcept nogil:
     return s
 
 
+cdef inline Py_ssize_t _visible(Py_ssize_t stored, Py_ssize_t n_back, Py_ssize_t i,
+                                Py_ssize_t window, Py_ssize_t first, Py_ssize_t cap,
+                                Py_ssize_t *first_out) noexcept nogil:
+    """The rows [first, end) that query position i of a group holding ``stored`` rows sees
+    (the rule of attend_rows' docstring, reference.visible_range): returns end, writes first.
+    ``cap`` bounds end as well (the probability rows' width in attend_rows)."""
+    cdef Py_ssize_t e = stored - n_back + i + 1, f = 0
+    if e < 0:
+        e = 0
+    if e > stored:
+        e = stored
+    if e > cap:
+        e = cap
+    if window > 0 and e - window > 0:
+        f = e - window
+    if first > f:
+        f = first
+    if f > e - 1:
+        f = e - 1
+    if f < 0:
+        f = 0
+    first_out[0] = f
+    return e
+
+
 def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
                 const float[:, :, ::1] ks__hcg,
                 const float[:, :, ::1] vf__hcd, const int8_t[:, :, ::1] vq__hcd,
@@ -322,22 +347,7 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
             for jl in range(cnt):
                 j = group_q0[g] + jl
                 i = jl // per
-                e = head_len__h[g] - n_back + i + 1
-                if e < 0:
-                    e = 0
-                if e > head_len__h[g]:
-                    e = head_len__h[g]
-                if e > L:
-                    e = L
-                f = 0
-                if window > 0 and e - window > 0:
-                    f = e - window
-                if first > f:
-                    f = first
-                if f > e - 1:
-                    f = e - 1
-                if f < 0:
-                    f = 0
+                e = _visible(head_len__h[g], n_back, i, window, first, L, &f)
                 q_first[j] = f
                 q_end[j] = e
                 q_group[j] = g
@@ -928,20 +938,7 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
             for jl in range(cnt):
                 j = group_q0[g] + jl
                 i = jl // per
-                e = head_len__h[g] - n_back + i + 1
-                if e < 0:
-                    e = 0
-                if e > head_len__h[g]:
-                    e = head_len__h[g]
-                f = 0
-                if window > 0 and e - window > 0:
-                    f = e - window
-                if first > f:
-                    f = first
-                if f > e - 1:
-                    f = e - 1
-                if f < 0:
-                    f = 0
+                e = _visible(head_len__h[g], n_back, i, window, first, head_len__h[g], &f)
                 q_first[j] = f
                 q_end[j] = e
                 if e > f:
