@@ -22,6 +22,10 @@ ALL_MODES = [F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False), kc.KvMode.Q8(k=
 MODE_IDS = ["f32", "q8", "q8k", "q8v"]
 Q8_MODES = ALL_MODES[1:]
 Q8_IDS = MODE_IDS[1:]
+# the spec's scheme (column freeze after 64 rows): KvMode's legacy int8 scheme "cmf"
+CMF_MODES = [kc.KvMode.Q8(scheme="cmf"), kc.KvMode.Q8(True, False, scheme="cmf"),
+             kc.KvMode.Q8(False, True, scheme="cmf")]
+CMF_IDS = ["q8:cmf", "q8k:cmf", "q8v:cmf"]
 WARMUP = 64           # spec 3: KV_COL_WARMUP
 K_GROUP = 32          # spec 3: KV_K_GROUP
 
@@ -170,7 +174,7 @@ def test_q8_attend_matches_f32_within_grid(rng):
     k = _channel_structured(rng, rows, nkv, hd)
     v = _channel_structured(rng, rows, nkv, hd)
     exact = kc.LayerKvCache(nkv, hd, mode=F32)
-    q8 = kc.LayerKvCache(nkv, hd, mode=kc.KvMode.Q8())
+    q8 = kc.LayerKvCache(nkv, hd, mode=CMF_MODES[0])
     for i in range(rows):                      # one position at a time, crossing the freeze
         exact.append(k[i], v[i])
         q8.append(k[i], v[i])
@@ -513,7 +517,7 @@ def test_accumulate_imp_adds_over_the_overlapping_prefix(rng, make_kv):
 
 
 # ---------------------------------------------------------------------------- q8 column freeze
-@pytest.mark.parametrize("mode", Q8_MODES, ids=Q8_IDS)
+@pytest.mark.parametrize("mode", CMF_MODES, ids=CMF_IDS)
 def test_column_freeze_fires_at_the_65th_append(rng, make_kv, mode):
     nkv, hd = 2, 40
     k, v = make_kv(rng, 65, nkv, hd)
@@ -558,7 +562,7 @@ def test_block_append_equals_single_appends(rng, make_kv, mode):
     assert block.memory_bytes() == single.memory_bytes()
 
 
-@pytest.mark.parametrize("mode", Q8_MODES, ids=Q8_IDS)
+@pytest.mark.parametrize("mode", CMF_MODES, ids=CMF_IDS)
 def test_columns_survive_truncate_and_eviction_but_not_clear(rng, make_kv, mode):
     k, v = make_kv(rng, 90, 2, 32)
     layer = filled(mode, k, v)
@@ -576,7 +580,7 @@ def test_columns_survive_truncate_and_eviction_but_not_clear(rng, make_kv, mode)
     assert all(any(c is not None for c in layer.columns(h)) for h in range(2))
 
 
-@pytest.mark.parametrize("mode", Q8_MODES, ids=Q8_IDS)
+@pytest.mark.parametrize("mode", CMF_MODES, ids=CMF_IDS)
 def test_column_freeze_sees_only_rows_that_survived_rollback(rng, make_kv, mode):
     k, v = make_kv(rng, 80, 2, 32)
     rolled = kc.LayerKvCache(2, 32, mode=mode)
@@ -594,7 +598,7 @@ def test_column_freeze_sees_only_rows_that_survived_rollback(rng, make_kv, mode)
 def test_q8_memory_per_row_and_head_matches_spec(rng, make_kv):
     hd, rows = 128, 10
     k, v = make_kv(rng, rows, 1, hd)
-    q8 = filled(kc.KvMode.Q8(), k, v)
+    q8 = filled(CMF_MODES[0], k, v)
     f32 = filled(F32, k, v)
     assert q8.memory_bytes() == rows * 276            # spec 3.4: hd=128 -> 276 B
     assert f32.memory_bytes() == rows * 1024
@@ -616,7 +620,7 @@ def test_q8_outlier_channels_stay_within_three_percent(rng):
     # few units, so the score scale is chosen to give the f32 logits a standard deviation of 2.
     logits = np.einsum("nhd,rhd->nhr", q.reshape(4, nkv, hpk, hd)[:, :, 0], k)
     scale = 2.0 / float(np.std(logits))
-    exact, q8 = filled(F32, k, v), filled(kc.KvMode.Q8(), k, v)
+    exact, q8 = filled(F32, k, v), filled(CMF_MODES[0], k, v)   # the column field's purpose
     o32 = exact.attend_all_heads(q, scale=scale)
     o8 = q8.attend_all_heads(q, scale=scale)
     assert np.max(np.abs(o32 - o8)) <= 0.03 * np.max(np.abs(o32))
@@ -772,12 +776,13 @@ def _spec_quantise(row, col, group):
     return codes, np.array(scales, dtype=np.float32)
 
 
-def _spec_store(rows, group):
-    """Spec 3.1-3.2 for one head's component appended row by row: codes, scales, column."""
+def _spec_store(rows, group, freeze=True):
+    """Spec 3.1-3.2 for one head's component appended row by row: codes, scales, column.
+    ``freeze`` False: scheme "rows", where 3.2 (the column freeze) never happens."""
     hd = rows.shape[1]
     codes, scales, col = [], [], None
     for i, row in enumerate(rows):
-        if i >= WARMUP and col is None:             # the freeze, at the start of the append
+        if freeze and i >= WARMUP and col is None:             # the freeze, at the start of the append
             x = np.array([c.astype(np.float32) * np.repeat(s, group)[:hd]
                           for c, s in zip(codes, scales)], dtype=np.float32)
             sq = np.zeros(hd, dtype=np.float32)
@@ -792,7 +797,7 @@ def _spec_store(rows, group):
     return np.array(codes), np.array(scales), col
 
 
-@pytest.mark.parametrize("mode", Q8_MODES, ids=Q8_IDS)
+@pytest.mark.parametrize("mode", CMF_MODES + Q8_MODES, ids=CMF_IDS + Q8_IDS)
 def test_q8_storage_matches_a_numpy_model_of_the_spec(rng, make_kv, mode):
     nkv, hd, rows = 2, 40, 100
     k, v = make_kv(rng, rows, nkv, hd)
@@ -804,14 +809,15 @@ def test_q8_storage_matches_a_numpy_model_of_the_spec(rng, make_kv, mode):
     for h in range(nkv):
         kq, ks, vq, vs = layer.q8_rows(h)
         kcol, vcol = layer.columns(h)
+        freeze = mode.scheme == "cmf"
         if mode.quant_k:
-            codes, scales, col = _spec_store(k[:, h], K_GROUP)
+            codes, scales, col = _spec_store(k[:, h], K_GROUP, freeze)
             assert np.array_equal(kq, codes) and ks.tobytes() == scales.tobytes()
-            assert kcol.tobytes() == col.tobytes()
+            assert (kcol is None and col is None) if not freeze else kcol.tobytes() == col.tobytes()
         if mode.quant_v:
-            codes, scales, col = _spec_store(v[:, h], hd)
+            codes, scales, col = _spec_store(v[:, h], hd, freeze)
             assert np.array_equal(vq, codes) and vs.tobytes() == scales[:, 0].tobytes()
-            assert vcol.tobytes() == col.tobytes()
+            assert (vcol is None and col is None) if not freeze else vcol.tobytes() == col.tobytes()
 
 
 # ---------------------------------------------------------------------------- rollback property

@@ -124,9 +124,10 @@ def test_parse_reads_the_same_names_as_the_environment(monkeypatch):
         assert kc.KvMode.from_env() == mode
     mode = kc.KvMode.Q8(True, False)
     assert kc.KvMode.parse(mode) is mode
-    with pytest.raises(ValueError, match="kv: expected 'f32'"):
+    with pytest.raises(ValueError, match="kv: expected one of 'f32', 'q8', 'q8k', 'q8v', "
+                                         "'q8:cmf', 'q8k:cmf', 'q8v:cmf'"):
         kc.KvMode.parse("q4", "kv")
-    with pytest.raises(ValueError, match="expected 'f32'"):
+    with pytest.raises(ValueError, match="expected one of 'f32'"):
         kc.KvMode.parse("")                       # empty means f32 only in the environment
     with pytest.raises(TypeError, match="mode: expected a KvMode"):
         kc.KvMode.parse(8)
@@ -141,7 +142,7 @@ def test_every_cache_takes_a_mode_name(name, mode):
 
 
 def test_a_bad_mode_name_names_the_parameter():
-    with pytest.raises(ValueError, match="mode: expected 'f32'"):
+    with pytest.raises(ValueError, match="mode: expected one of 'f32'"):
         kc.LayerKvCache(2, 4, mode="q4")
     with pytest.raises(TypeError, match="mode: expected a KvMode"):
         kc.KvCache(2, 2, 4, 16, mode=8)

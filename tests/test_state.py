@@ -59,7 +59,7 @@ def test_an_installed_copy_shares_nothing_with_its_source(name, make):
 
 
 def test_export_is_read_only_views_of_the_storage():
-    c = filled(kc.KvMode.Q8(), n=70)
+    c = filled(kc.KvMode.Q8(scheme="cmf"), n=70)                 # columns frozen at 64
     st = c._export_state()
     assert st.kf is None and st.vf is None
     for name, arr in st.stores().items():
@@ -96,7 +96,8 @@ def test_linear_scratch_none_keeps_the_layers_own():
 
 
 def _bad_states():
-    """(id, edit(state) -> bad state, error type, message) for a filled q8 layer's state."""
+    """(id, edit(state) -> bad state, error type, message) for a filled q8 layer's state
+    (scheme "cmf", 70 positions: its column fields are frozen)."""
     r = dataclasses.replace
 
     def ro_copy(a):
@@ -121,7 +122,7 @@ def _bad_states():
         return r(s, vcol_on=on)
 
     def f32_frozen(s):
-        return r(s, mode=kc.KvMode.Q8(k=True, v=False), vq=None, vs=None,
+        return r(s, mode=kc.KvMode.Q8(k=True, v=False, scheme="cmf"), vq=None, vs=None,
                  vf=np.zeros(s.vq.shape, np.float32))
 
     def sealed_with_rows(s):
@@ -150,6 +151,8 @@ def _bad_states():
         ("col-not-ones", col_not_ones, ValueError, "all ones"),
         ("col-flag", flag_two, ValueError, "0 or 1"),
         ("frozen-on-f32", f32_frozen, ValueError, "float32"),
+        ("frozen-in-rows", lambda s: r(s, mode=kc.KvMode.Q8()), ValueError,
+         "scheme 'rows', which never freezes"),
         ("importance-long", lambda s: r(s, importance=np.zeros(s.seq_len + 1, np.float32)),
          ValueError, "importance"),
         ("importance-2d", lambda s: r(s, importance=np.zeros((1, 1), np.float32)),
@@ -178,7 +181,7 @@ BAD = _bad_states()
 @pytest.mark.parametrize("name,edit,exc,match", BAD, ids=[b[0] for b in BAD])
 def test_a_bad_state_is_refused_and_the_layer_is_unchanged(name, edit, exc, match, snapshot,
                                                             assert_same_state):
-    good = filled(kc.KvMode.Q8(), n=70)
+    good = filled(kc.KvMode.Q8(scheme="cmf"), n=70)
     bad = edit(good._export_state())
     target = filled(F32, n=12, seed=4)
     target.linear_scratch = [3.0]
@@ -207,3 +210,23 @@ def test_a_sealed_state_round_trips_and_keeps_stepping_the_same():
         q, k, v = rng.standard_normal((4, 8)), rng.standard_normal((2, 8)), rng.standard_normal((2, 8))
         np.testing.assert_array_equal(dst.o1_step(q, k, v, 4), src.o1_step(q, k, v, 4))
     assert dst.to_bytes() == src.to_bytes()
+
+
+@pytest.mark.parametrize("have, got", [("q8", "q8:cmf"), ("q8k:cmf", "q8v"),
+                                       ("q8v:cmf", "q8")])
+def test_a_layer_keeps_its_int8_scheme(have, got, snapshot, assert_same_state):
+    """A state of int8 rows in the other scheme is refused; F32 states and F32 layers mix
+    with either (the mode comes from the state)."""
+    src = filled(kc.KvMode.parse(got), n=70)
+    target = filled(kc.KvMode.parse(have), n=12, seed=4)
+    before, raw, gen = snapshot(target), target.to_bytes(), target.generation
+    with pytest.raises(ValueError, match=f"int8 scheme '{kc.KvMode.parse(got).scheme}'.*"
+                                         f"scheme '{kc.KvMode.parse(have).scheme}'"):
+        target._install_state(src._export_state())
+    assert_same_state(before, snapshot(target))
+    assert target.to_bytes() == raw and target.generation == gen
+    f32 = filled(F32, n=5)
+    f32._install_state(src._export_state())                      # F32 takes either scheme
+    assert f32.mode == src.mode
+    target._install_state(filled(F32, n=3)._export_state())       # and an F32 state goes anywhere
+    assert target.mode == F32

@@ -22,8 +22,10 @@ import kvcache as kc
 from kvcache import wire
 
 F32 = kc.KvMode.F32
-MODES = [kc.KvMode.F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False), kc.KvMode.Q8(k=False, v=True)]
-MODE_IDS = ["f32", "q8", "q8k", "q8v"]
+MODES = [kc.KvMode.F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False), kc.KvMode.Q8(k=False, v=True),
+         kc.KvMode.Q8(scheme="cmf"), kc.KvMode.Q8(k=True, v=False, scheme="cmf"),
+         kc.KvMode.Q8(k=False, v=True, scheme="cmf")]
+MODE_IDS = ["f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "q8v:cmf"]
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -258,7 +260,8 @@ def test_legacy_import_of_a_valid_handmade_buffer():
 def test_round_trip_is_bit_exact(name, make):
     a, b = make(), make()
     buf = a.to_bytes(fingerprint="model-A")
-    target = kc.LayerKvCache(2, 8, mode=kc.KvMode.Q8(k=False, v=True))
+    # another mode, but the buffer's int8 scheme: a layer keeps its scheme (test_q8_scheme.py)
+    target = kc.LayerKvCache(2, 8, mode=kc.KvMode.Q8(k=False, v=True, scheme=a.mode.scheme or "rows"))
     target.linear_scratch = [123.0]
     target.from_bytes(buf, fingerprint="model-A")
     assert target.to_bytes(fingerprint="model-A") == buf       # re-export: the same bytes
@@ -283,19 +286,19 @@ def test_golden_bytes_versioned(monkeypatch):
     c = kc.LayerKvCache(1, 2, mode=F32)
     c.append([[1.0, 2.0]], [[3.0, 4.0]])
     c.linear_state = [0.5]
-    body = struct.pack("<IIBBBBI", 1, 2, 0, 0, 0, 0, 0) + struct.pack("<QQQQ", 1, 1, 1, 0)
+    body = struct.pack("<IIBBBBBBH", 1, 2, 0, 0, 0, 0, 0, 0, 0) + struct.pack("<QQQQ", 1, 1, 1, 0)
     body += struct.pack("<Q", 1) + bytes([0, 0]) + bytes(6)
     body += struct.pack("<2f", 1, 1) + struct.pack("<2f", 1, 1)           # kcol, vcol (ones)
     body += struct.pack("<f", 0) + bytes(4)                               # importance, pad
     body += struct.pack("<f", 0.5) + bytes(4)                             # linear_state, pad
     body += struct.pack("<2f", 1, 2) + struct.pack("<2f", 3, 4)           # head 0 keys, values
     fp = b"llama-3-8b@rev1"
-    head = wire.MAGIC + struct.pack("<HBBIQI", 1, 1, wire.ALG_XXH3, 0, 48 + len(body) + 8, len(fp))
+    head = wire.MAGIC + struct.pack("<HBBIQI", 2, 1, wire.ALG_XXH3, 0, 48 + len(body) + 8, len(fp))
     head += fp + bytes(5)                                                 # 28 + 15 -> 48
     expect = head + body
     expect += struct.pack("<Q", xxhash.xxh3_64_intdigest(expect))
     assert c.to_bytes(fingerprint=fp) == expect
-    assert len(expect) == 168 and expect[-8:].hex() == "e5f0a45c035df55d"
+    assert len(expect) == 168 and expect[-8:].hex() == "ce225e9dd847ed0f"
     monkeypatch.setattr(wire, "_xxhash", lambda: None)                   # the zlib fallback
     crc = c.to_bytes(fingerprint=fp)
     assert crc[11] == wire.ALG_CRC32
@@ -365,7 +368,8 @@ def test_version_kind_flags_and_magic_are_checked(snapshot, assert_same_state):
     target = filled(F32, n=6, seed=4)
     before = snapshot(target)
     cases = [
-        (reseal(buf, lambda b: b.__setitem__(slice(8, 10), struct.pack("<H", 2))), "version 2"),
+        (reseal(buf, lambda b: b.__setitem__(slice(8, 10), struct.pack("<H", 3))), "version 3"),
+        (reseal(buf, lambda b: b.__setitem__(slice(8, 10), struct.pack("<H", 0))), "version 0"),
         (reseal(buf, lambda b: b.__setitem__(10, 2)), "whole KvCache"),
         (reseal(buf, lambda b: b.__setitem__(10, 7)), "kind 7"),
         (reseal(buf, lambda b: b.__setitem__(slice(12, 16), struct.pack("<I", 1))), "flags"),
@@ -388,6 +392,9 @@ def test_version_kind_flags_and_magic_are_checked(snapshot, assert_same_state):
     (lambda b, o: b.__setitem__(slice(o + 32, o + 40), struct.pack("<Q", 2**40)), "truncated"),
     (lambda b, o: b.__setitem__(slice(o + 48, o + 56), struct.pack("<Q", 2**62)), "more rows"),
     (lambda b, o: b.__setitem__(o + 64, 1), "frozen columns on a component stored as float32"),
+    (lambda b, o: b.__setitem__(o + 12, 1), "invalid int8 scheme byte 1"),     # f32 says "rows"
+    (lambda b, o: b.__setitem__(o + 13, 1), "invalid layer flags"),            # reserved
+    (lambda b, o: b.__setitem__(o + 15, 1), "invalid layer flags"),            # reserved
 ])
 def test_valid_digest_but_inconsistent_body_is_refused(edit, match, snapshot, assert_same_state):
     c = filled(F32, n=4)
@@ -739,6 +746,13 @@ def test_fresh_bytes_writer_keeps_its_bytes_alive():
 
 
 GOLDEN_PINNED = {  # sha256 of deterministic buffers: pins every section's layout (and the digest)
+    "q8": "f1cb6fe8a31586c61b9c7f931ff0fbf4cfb7cb419a6fc1a46ced08d20a72e21e",
+    "q8_rows": "7346e34111930d95b58c3fce1a9e64e1984b631033818ae89ec5445f9b28578b",
+    "collecting": "bd2b54be01eb8150442b672943db1912cbf281a05a5c53992da963b6410716b8",
+    "sealed": "f43b55bc65f8640e13652e6142a724be5b18591b877b92e67c6bfd95cc934b14",
+    "model": "13d49461cb9008ccfa1f4e1b44bac75274aaa4f9b42f6a28e802604347bbb74b",
+}
+GOLDEN_PINNED_V1 = {  # the same buffers as format version 1 wrote them (before the scheme byte)
     "q8": "5fa173f39ca933d4e3f8d5b564eea63e4ae14095a4d2578f7fd7a6ec28912c7b",
     "collecting": "daaa151ce88ca4b6532501b6a6fa4a8cf16512545d67015f059390d14ce6dca7",
     "sealed": "d1439ca84ae56710825aab40e7e6fdb13ca38a3049c1bfd5a246406ba8199d4d",
@@ -762,7 +776,8 @@ def exact_layer(mode, n, nkv=2, hd=8, seed=0):
 
 
 def golden_buffers(tmp_path):
-    out = {"q8": exact_layer(kc.KvMode.Q8(), 70, seed=11).to_bytes(fingerprint="g")}
+    out = {"q8": exact_layer(kc.KvMode.Q8(scheme="cmf"), 70, seed=11).to_bytes(fingerprint="g"),
+           "q8_rows": exact_layer(kc.KvMode.Q8(), 70, seed=11).to_bytes(fingerprint="g")}
     c = exact_layer(F32, 30, seed=3)
     c.o1_begin(4, 8, 2, "fm")
     c.o1_push_q(exact_rows(30, 4, 8, 5))
@@ -783,6 +798,38 @@ def golden_buffers(tmp_path):
 def test_golden_digests_of_every_section(tmp_path):
     got = {k: hashlib.sha256(v).hexdigest() for k, v in golden_buffers(tmp_path).items()}
     assert got == GOLDEN_PINNED
+
+
+def as_version_1(buf):
+    """A version-2 buffer rewritten as version 1 wrote it: version field 1, the scheme bytes
+    (a layer body's byte 12, a model body's byte 15) zero, the digest recomputed (XXH3)."""
+    b = bytearray(buf)
+    b[8:10] = struct.pack("<H", 1)
+    (fp_len,) = struct.unpack_from("<I", b, 24)
+    body = 28 + fp_len + (-(28 + fp_len) % 8)
+    if b[10] == wire.KIND_LAYER:
+        b[body + 12] = 0
+    else:
+        b[body + 15] = 0
+        (n_layers,) = struct.unpack_from("<I", b, body)
+        pos = body + 32
+        for _ in range(n_layers):
+            (size,) = struct.unpack_from("<Q", b, pos)
+            b[pos + 8 + 12] = 0
+            pos += 8 + size
+    b[-8:] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(b[:-8])))
+    return bytes(b)
+
+
+def test_version_2_is_version_1_plus_the_scheme_byte(tmp_path):
+    """Against the digests version 1 pinned: the new format changed nothing else (the "q8"
+    buffer is in scheme "cmf", which is what version 1 stored; the q8k model holds 12 rows,
+    where the two schemes store the same bytes)."""
+    bufs = golden_buffers(tmp_path)
+    got = {k: hashlib.sha256(as_version_1(bufs[k])).hexdigest() for k in GOLDEN_PINNED_V1}
+    assert got == GOLDEN_PINNED_V1
+    for name, want in (("q8", 2), ("q8_rows", 1), ("collecting", 0)):
+        assert bufs[name][32 + 12] == want, name           # header 28 (+ "g") padded to 32
 
 
 @pytest.mark.parametrize("cut", ["truncate", "flip"])

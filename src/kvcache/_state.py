@@ -13,7 +13,7 @@ Storage (as the layer keeps it: head-major, ``cap`` rows per head of which the f
 * V: float32 rows ``vf`` (G, cap, D), or int8 rows ``vq`` (G, cap, D) with scales
   ``vs`` (G, cap, 1);
 * the column fields ``kcol``/``vcol`` (G, D), rows of ones where ``kcol_on``/``vcol_on``
-  (G,) uint8 is 0;
+  (G,) uint8 is 0 (always 0 unless the mode's int8 scheme is "cmf");
 * ``importance`` (n,) float32 for the first n <= seq_len positions;
 * ``linear_state`` and ``linear_scratch``, 1-D float32 (``linear_scratch`` None: keep the
   layer's own, for the legacy layout that carries none);
@@ -39,7 +39,7 @@ from . import quant
 from .modes import KvMode
 from .o1 import O1Collecting, O1Sealed
 
-__all__ = ["LayerState", "O1State"]
+__all__ = ["LayerState", "O1State", "scheme_conflict"]
 
 O1State = Union[O1Collecting, O1Sealed, None]
 
@@ -140,6 +140,9 @@ class LayerState:
             if on.any() and not quantised:
                 raise ValueError(f"state.{name}_on: frozen columns on a component stored as "
                                  f"float32")
+            if on.any() and not self.mode.freezes_columns:
+                raise ValueError(f"state.{name}_on: frozen columns in int8 scheme "
+                                 f"{self.mode.scheme!r}, which never freezes one")
             if not (col[on == 0] == 1.0).all():
                 raise ValueError(f"state.{name}: a column field that is not frozen must be all "
                                  f"ones")
@@ -176,6 +179,16 @@ class LayerState:
             if isinstance(value, np.ndarray):
                 arrays[f.name] = np.array(value, order="C", copy=True)
         return dataclasses.replace(self, o1=copy.deepcopy(self.o1), owned=True, **arrays)
+
+
+def scheme_conflict(have: KvMode, got: KvMode) -> Optional[str]:
+    """Why a layer in mode ``have`` cannot take a state in mode ``got`` (both store int8 rows,
+    in different schemes), or None when it can."""
+    if have.is_f32 or got.is_f32 or have.scheme == got.scheme:
+        return None
+    return (f"int8 scheme {got.scheme!r} ({got!r}), this layer stores int8 rows in scheme "
+            f"{have.scheme!r} ({have!r}); a layer keeps its scheme (use a layer made in "
+            f"{got.name!r}, or KvCache.load)")
 
 
 def _check(name: str, arr: object, dtype: np.dtype[Any], shape: tuple[Optional[int], ...],

@@ -8,7 +8,8 @@ and importance still advance.  Stores per mode:
 
 * K: float32 rows ``_kf`` or int8 rows ``_kq`` with one scale per 32 channels ``_ks``;
 * V: float32 rows ``_vf`` or int8 rows ``_vq`` with one scale per row ``_vs``;
-* frozen column fields ``_kcol``/``_vcol`` (rows of ones where not frozen).
+* frozen column fields ``_kcol``/``_vcol`` (rows of ones where not frozen; only the int8
+  scheme "cmf" freezes them, see :class:`KvMode`).
 
 Views handed out (``head_keys`` and friends, ``importance``) are read-only and show the
 storage as it is; a later append, truncation or eviction may change or re-allocate what they
@@ -26,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import quant, wire
-from ._state import LayerState
+from ._state import LayerState, scheme_conflict
 from ._validate import (FloatArrayLike, IntArrayLike, as_f32, as_f32_scalar, as_index, as_int,
                         out_f32, readonly)
 from ._attention import (Rows, attend_blocks, attend_prefill, attend_rows, default_scale,
@@ -70,7 +71,9 @@ class LayerKvCache:
         Channels per head (>= 1).
     mode : KvMode or str, optional
         Storage precision: a KvMode or a name :meth:`KvMode.parse` accepts ("f32", "q8",
-        "q8k", "q8v"); ``None`` reads ``KVCACHE_KV`` through :meth:`KvMode.from_env`.
+        "q8k", "q8v" in the default int8 scheme "rows"; "q8:cmf", "q8k:cmf", "q8v:cmf" in the
+        legacy column-freeze scheme); ``None`` reads ``KVCACHE_KV`` through
+        :meth:`KvMode.from_env`.
 
     Examples
     --------
@@ -322,10 +325,10 @@ class LayerKvCache:
         if n == 0:
             return
         self._reserve(n)
-        if self._mode.is_f32:
+        if not self._mode.freezes_columns:     # f32, or q8 in scheme "rows": rows only
             self._store(k3, v3, live)
             return
-        # q8: the column freeze fires at the start of the first single append that finds
+        # q8 in scheme "cmf": the column freeze fires at the start of the first single append that finds
         # seq_len >= 64 with no column frozen yet; split the block there so a block append
         # is identical to n single appends.
         i = 0
@@ -614,7 +617,10 @@ class LayerKvCache:
         """Roll back the newest ``n`` positions (speculative-decode reject).
 
         Drops min(n, seq_len) positions from every head (dead heads saturate at 0) and from
-        the importance; keeps the column fields and the linear state.  A sealed O(1) layer
+        the importance; keeps the column fields and the linear state.  In the int8 scheme
+        "rows" (and in F32) appending the same rows again restores every stored byte; in the
+        scheme "cmf" a column frozen by the dropped positions stays frozen, so rolling back
+        across position 64 does not restore what was stored before.  A sealed O(1) layer
         raises RuntimeError (its far-field insertions cannot be undone): roll it back with
         :meth:`o1_snapshot` / :meth:`o1_restore` instead."""
         n = as_int("n", n, minimum=0)
@@ -734,17 +740,22 @@ class LayerKvCache:
             linear_state=readonly(self._linear_state),
             linear_scratch=readonly(self._linear_scratch), o1=self._o1)
 
-    def _install_state(self, state: LayerState) -> None:
+    def _install_state(self, state: LayerState, any_scheme: bool = False) -> None:
         """Replace everything the layer holds with ``state``, atomically.
 
         ``state`` is checked completely first (:meth:`LayerState.check`: geometry, dtypes,
-        shapes, lengths, column and O(1) rules; ValueError or TypeError) and copied unless
+        shapes, lengths, column and O(1) rules; ValueError or TypeError; and, when both this
+        layer and the state store int8 rows, the same int8 scheme, unless ``any_scheme``: a
+        whole model read from bytes takes each layer as it was saved) and copied unless
         it is ``owned``; only then is it swapped in, by assignments that cannot fail.  When
         this raises, the layer is unchanged.  ``linear_scratch=None`` keeps the layer's own.
         The generation diverges (a mirror re-uploads everything)."""
         if not isinstance(state, LayerState):
             raise TypeError(f"state: expected a LayerState, got {type(state).__name__}")
         state.check(self._nkv, self._hd)
+        problem = None if any_scheme else scheme_conflict(self._mode, state.mode)
+        if problem is not None:
+            raise ValueError(f"state: {problem}")
         if not state.owned:
             state = state.owned_copy()
         empty_ks = np.zeros((self._nkv, 0, self._ngk), dtype=_F32)
@@ -818,7 +829,12 @@ class LayerKvCache:
 
         The digest, the format, the geometry (num_kv_heads and head_dim must match; the mode
         comes from the buffer) and, when given, the fingerprint are checked and the whole body
-        validated before anything changes.  Every bad buffer raises kvcache.WireError."""
+        validated before anything changes.  Every bad buffer raises kvcache.WireError.
+
+        A layer that stores int8 rows keeps its int8 scheme: a buffer of int8 rows in the other
+        scheme is refused (WireError, nothing changes).  A buffer of format version 1 (written
+        before the scheme was recorded) holds scheme "cmf"; read it into a layer made with
+        ``mode="q8:cmf"`` (or an F32 layer), or with ``KvCache.load``."""
         self._install_state(wire.layer_from_bytes(self, buf, fingerprint))
 
     # ------------------------------------------------------------------ O(1) override

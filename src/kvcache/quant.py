@@ -1,14 +1,21 @@
-"""The q8 storage scheme (described in docs/numerics.md) and the one place for row sizes.
+"""The q8 storage schemes (described in docs/numerics.md) and the one place for row sizes.
 
 K rows are quantised in groups of ``K_GROUP`` = 32 channels with one float32 scale per group;
 V rows with one scale per row.  Scales are ``max(absmax / 127, 1e-12)``, values
 ``clamp(round_half_away_from_zero(r / s), -127, 127)`` (NaN -> 0), where ``r = x / col`` once
 the per-channel column field is frozen, else ``r = x``.
 
-The column field is frozen once per conversation, at the start of the first append that finds
-``seq_len >= COL_WARMUP`` (64) and no column frozen yet: for every head and quantised component
-holding rows, ``col[d] = max(sqrt(sum_p x[p, d]**2 / n), 1e-6)`` over the dequantised rows
-(float32, rows added in order), and every stored row is requantised against it.
+Two schemes (:attr:`kvcache.KvMode.scheme`):
+
+* ``"rows"`` (the default) never freezes a column field: ``r = x`` for every row, so a stored
+  row depends on its own values only and rolling back then appending the same rows again
+  stores the same bytes at every position;
+* ``"cmf"`` (the legacy scheme) freezes the column field once per conversation, at the start
+  of the first append that finds ``seq_len >= COL_WARMUP`` (64) and no column frozen yet: for
+  every head and quantised component holding rows, ``col[d] = max(sqrt(sum_p x[p, d]**2 / n),
+  1e-6)`` over the dequantised rows (float32, rows added in order), and every stored row is
+  requantised against it.  A rollback keeps the frozen column, so rows appended again after
+  rolling back across position 64 are stored differently.
 
 Sizes.  :func:`k_scale_count`, :func:`k_row_bytes`, :func:`v_row_bytes` and
 :func:`q8_row_bytes` are the only place the byte size of a stored row is computed: the

@@ -27,8 +27,10 @@ No magic, no version, no checksum (byte-compatible with the upstream engine)::
         u32 n_v
         n_v x f32|f16       values
 
-Export refuses (in this order) a cache stored as int8 (any q8 mode), one with O(1) state
-(collecting or sealed), and one with frozen columns: the layout cannot describe them.  f16 is
+Export refuses (in this order) a cache stored as int8 (any q8 mode, in either int8 scheme:
+the layout has no place for int8 rows, so a "rows" cache cannot be converted to it either), one
+with O(1) state (collecting or sealed), and one with frozen columns: the layout cannot describe
+them.  f16 is
 NumPy's IEEE conversion (round to nearest even, also for subnormals, where the upstream writer
 rounds half up).  Import checks the geometry first (the message names both shapes, e.g.
 "peer sent 2×4 per position, this layer is 2×8"), then the lengths (each head's rows a whole
@@ -44,7 +46,7 @@ A buffer is a header, a body, and an 8-byte digest of every byte before it::
     offset size
     0      8    magic  89 4B 56 43 41 43 48 45  ("\\x89KVCACHE": the high bit catches 7-bit
                                                  channels, the text catches mix-ups)
-    8      2    u16 format version (1)
+    8      2    u16 format version (2; a reader also takes 1, see "Versions" below)
     10     1    u8  kind: 1 = one LayerKvCache, 2 = a KvCache (every layer of a model)
     11     1    u8  digest algorithm: 1 = XXH3-64 (``xxhash``), 2 = CRC-32 (``zlib``, zero-extended)
     12     4    u32 flags (0; any other value is refused)
@@ -65,7 +67,8 @@ Layer body (kind 1; also each layer of a model body)::
     u8  quant_k, u8 quant_v          (1: that component is stored as int8)
     u8  o1 state                     (0 none, 1 collecting, 2 sealed)
     u8  f16                          (1: float K/V rows are binary16)
-    u32 reserved (0)
+    u8  scheme                       (int8 scheme: 0 none (F32), 1 "rows", 2 "cmf")
+    u8  reserved (0), u16 reserved (0)
     u64 seq_len, u64 imp_len, u64 n_linear_state, u64 n_linear_scratch
     u64 x G  head_len[h]
     u8 x G   kcol_on[h],  u8 x G  vcol_on[h],  pad8
@@ -91,9 +94,16 @@ Model body (kind 2)::
 
     u32 n_layers, u32 num_kv_heads, u32 head_dim
     u8  quant_k, u8 quant_v          (the KvCache's mode for new layers)
-    u8  policy (0 recent, 1 born), u8 reserved (0)
+    u8  policy (0 recent, 1 born), u8 scheme (as in a layer body)
     u64 policy sink (kept for both kinds), u64 max_seq_len
     per layer: u64 body length, then the layer body (its length is a multiple of 8)
+
+Versions.  Version 2 records the int8 scheme (:attr:`KvMode.scheme`) in the scheme bytes
+above; a layer without an int8 component writes 0 there, one with int8 rows 1 ("rows") or 2
+("cmf"), and any other combination is refused.  Version 1 (kvcache before the scheme existed)
+had zeros in those bytes (a u32 reserved field in the layer body, a u8 reserved field in the
+model body) and knew only the column-freeze scheme: a reader takes a version-1 buffer as it
+was written, its int8 rows in scheme "cmf".  A writer always writes version 2.
 
 Import verifies, in order: the minimum length, the magic, the version, the total length field
 against the buffer (truncated / trailing bytes), the flags, the digest algorithm, the digest,
@@ -118,7 +128,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _core, quant
-from ._state import LayerState
+from ._state import LayerState, scheme_conflict
 from .eviction import EvictionPolicy
 from .modes import KvMode
 from .o1 import EXACT_EXTRA, O1Collecting, O1Rect, O1Sealed
@@ -127,11 +137,12 @@ if TYPE_CHECKING:
     from .layer import LayerKvCache
     from .model import KvCache
 
-__all__ = ["WireError", "MAGIC", "VERSION", "KIND_LAYER", "KIND_MODEL", "ALG_XXH3", "ALG_CRC32",
+__all__ = ["WireError", "MAGIC", "VERSION", "READ_VERSIONS", "KIND_LAYER", "KIND_MODEL", "ALG_XXH3", "ALG_CRC32",
            "default_algorithm", "digest", "BufferLike", "Fingerprint"]
 
 MAGIC = b"\x89KVCACHE"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)           # versions a reader takes (module docstring, "Versions")
 KIND_LAYER = 1
 KIND_MODEL = 2
 ALG_XXH3 = 1
@@ -411,11 +422,12 @@ class _Reader:
     """Bounds-checked reads from a uint8 array; arrays come back as views (no copy)."""
 
     def __init__(self, buf: npt.NDArray[np.uint8], start: int = 0, end: Optional[int] = None,
-                 what: str = "buffer") -> None:
+                 what: str = "buffer", version: int = VERSION) -> None:
         self.buf = buf
         self.pos = start
         self.end = len(buf) if end is None else end
         self.what = what
+        self.version = version           # the format version of the buffer being read
 
     def _take(self, n: int, field: str) -> int:
         if n < 0 or self.pos + n > self.end:
@@ -479,13 +491,14 @@ def _open(buf: object, kind: int, fingerprint: Optional[_Fingerprint]) -> _Reade
         raise WireError(f"not a kvcache buffer (magic {bytes(u8[:8])!r}, expected {MAGIC!r}); "
                         "a legacy export_wire buffer goes to import_wire")
     version, kind_got, alg, flags, total, fp_len = struct.unpack_from("<HBBIQI", u8.data, 8)
-    if version != VERSION:
-        raise WireError(f"unsupported format version {version} (this kvcache reads version {VERSION})")
+    if version not in READ_VERSIONS:
+        raise WireError(f"unsupported format version {version} (this kvcache reads versions "
+                        f"{', '.join(map(str, READ_VERSIONS))})")
     if total != n:
         what = "truncated" if n < total else "trailing bytes"
         raise WireError(f"{what}: the header says {total} bytes, the buffer has {n}")
     if flags != 0:
-        raise WireError(f"unsupported flags 0x{flags:08x} (version {VERSION} defines none)")
+        raise WireError(f"unsupported flags 0x{flags:08x} (version {version} defines none)")
     stored = struct.unpack_from("<Q", u8.data, n - 8)[0]
     if digest(alg, u8[: n - 8]) != stored:
         raise WireError(f"checksum mismatch: the buffer is corrupted ({_ALG_NAMES[alg]} of its "
@@ -494,7 +507,7 @@ def _open(buf: object, kind: int, fingerprint: Optional[_Fingerprint]) -> _Reade
         names = {KIND_LAYER: "one LayerKvCache", KIND_MODEL: "a whole KvCache"}
         raise WireError(f"the buffer holds {names.get(kind_got, f'kind {kind_got}')}, expected "
                         f"{names[kind]}")
-    rd = _Reader(u8, _HEADER_FIXED, n - 8)
+    rd = _Reader(u8, _HEADER_FIXED, n - 8, version=version)
     fp = rd.bytes(fp_len, "fingerprint")
     rd.pad8("fingerprint")
     if fp_want is not None and fp != fp_want:
@@ -521,7 +534,8 @@ def state_plan(st: LayerState, f16: bool = False) -> _Plan:
     lens = st.lengths
     scratch = st.linear_scratch if st.linear_scratch is not None else np.zeros(0, np.float32)
     plan = _Plan()
-    plan.pack("IIBBBBI", nkv, hd, int(mode.quant_k), int(mode.quant_v), o1_kind, int(f16), 0)
+    plan.pack("IIBBBBBBH", nkv, hd, int(mode.quant_k), int(mode.quant_v), o1_kind, int(f16),
+              scheme_code(mode), 0, 0)
     plan.pack("QQQQ", st.seq_len, st.importance.size, st.linear_state.size, scratch.size)
     plan.pack(f"{nkv}Q", *[int(x) for x in lens])
     plan.raw(st.kcol_on.astype(np.uint8).tobytes() + st.vcol_on.astype(np.uint8).tobytes())
@@ -564,9 +578,32 @@ def state_plan(st: LayerState, f16: bool = False) -> _Plan:
 _SEALED_FIXED = ("sink_k", "sink_v", "k_tilde", "q_tilde", "mu", "t_hat", "z_hat", "m_max")
 
 
-def _mode(qk: int, qv: int) -> KvMode:
-    """The KvMode of a body's quant_k / quant_v flags."""
-    return KvMode.Q8(k=bool(qk), v=bool(qv)) if qk or qv else KvMode.F32
+SCHEME_CODES = {"": 0, "rows": 1, "cmf": 2}
+"""The scheme byte of a version-2 body: 0 for a mode without int8 rows (F32)."""
+_SCHEME_NAMES = {code: name for name, code in SCHEME_CODES.items()}
+
+
+def scheme_code(mode: KvMode) -> int:
+    """The scheme byte a version-2 body writes for ``mode``."""
+    return SCHEME_CODES[mode.scheme]
+
+
+def _mode(qk: int, qv: int, code: int, version: int) -> KvMode:
+    """The KvMode of a body's quant_k / quant_v flags and scheme byte (``code``; always 0 in
+    version 1, whose int8 rows are in scheme "cmf"); WireError for a scheme byte that does not
+    fit the flags."""
+    quantised = bool(qk or qv)
+    if version == 1:
+        if code:
+            raise WireError(f"invalid reserved field {code} (format version 1)")
+        scheme = "cmf"
+    else:
+        name = _SCHEME_NAMES.get(code)
+        if name is None or bool(name) != quantised:
+            raise WireError(f"invalid int8 scheme byte {code} for quant_k={qk} quant_v={qv} "
+                            f"(expected {'1 (rows) or 2 (cmf)' if quantised else '0'})")
+        scheme = name
+    return KvMode.Q8(k=bool(qk), v=bool(qv), scheme=scheme) if quantised else KvMode.F32
 
 
 def _f32(view: npt.NDArray[Any], shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
@@ -585,7 +622,8 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
                 head_dim: Optional[int] = None) -> LayerState:
     """Parse and validate one layer body; return an owned state for
     ``LayerKvCache._install_state``."""
-    nkv, hd, qk, qv, o1_kind, f16, reserved = rd.unpack("IIBBBBI", "layer geometry")
+    nkv, hd, qk, qv, o1_kind, f16, code, res8, res16 = rd.unpack("IIBBBBBBH", "layer geometry")
+    reserved = res8 | res16
     if num_kv_heads is not None and (nkv, hd) != (num_kv_heads, head_dim):
         raise WireError(f"geometry mismatch: the buffer holds {nkv}×{hd} per position "
                         f"(num_kv_heads×head_dim), this layer is {num_kv_heads}×{head_dim}")
@@ -594,7 +632,7 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     if qk > 1 or qv > 1 or o1_kind > 2 or f16 > 1 or reserved:
         raise WireError(f"invalid layer flags quant_k={qk} quant_v={qv} o1={o1_kind} f16={f16} "
                         f"reserved={reserved}")
-    mode = _mode(qk, qv)
+    mode = _mode(qk, qv, code, rd.version)
     budget = _ALLOC_FACTOR * (rd.end - rd.pos) + _ALLOC_SLACK
     seq_len, imp_len, n_lin, n_scr = rd.unpack("QQQQ", "layer lengths")
     if seq_len > MAX_POSITIONS:
@@ -609,6 +647,8 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
         raise WireError("invalid column flags (expected 0 or 1)")
     if (kcol_on.any() and not qk) or (vcol_on.any() and not qv):
         raise WireError("frozen columns on a component stored as float32")
+    if cols.any() and not mode.freezes_columns:
+        raise WireError(f"frozen columns in int8 scheme {mode.scheme!r}, which never freezes one")
     if o1_kind == 2:
         if imp_len != 0 or lens.any() or qk or qv:
             raise WireError("a sealed O(1) layer holds no KV rows and no importance, in F32 mode")
@@ -828,6 +868,9 @@ def layer_from_bytes(layer: LayerKvCache, buf: _Buffer,
     rd.what = "layer body"
     st = parse_layer(rd, layer.num_kv_heads, layer.head_dim)
     rd.done()
+    problem = scheme_conflict(layer.mode, st.mode)
+    if problem is not None:
+        raise WireError(f"the buffer holds {problem}")
     return st
 
 
@@ -841,8 +884,8 @@ def model_plan(model: KvCache, f16: bool = False) -> _Plan:
             raise WireError(f"save: layer {i} is {layer.num_kv_heads}×{layer.head_dim}, the cache "
                             f"is {model.num_kv_heads}×{model.head_dim}; nothing was written")
     plan.pack("IIIBBBBQQ", len(model.layers), model.num_kv_heads, model.head_dim,
-              int(mode.quant_k), int(mode.quant_v), 1 if pol.kind == "born" else 0, 0,
-              pol.sink, model.max_seq_len)
+              int(mode.quant_k), int(mode.quant_v), 1 if pol.kind == "born" else 0,
+              scheme_code(mode), pol.sink, model.max_seq_len)
     for layer in model.layers:
         lp = layer_plan(layer, f16)
         plan.pack("Q", lp.size)
@@ -889,11 +932,11 @@ def model_from_bytes(cls: type[_Model], buf: _Buffer,
     """Parse and validate a whole-model buffer into a new ``cls`` (a KvCache)."""
     rd = _open(buf, KIND_MODEL, fingerprint)
     rd.what = "model body"
-    n_layers, nkv, hd, qk, qv, pol, reserved, sink, max_seq = rd.unpack("IIIBBBBQQ", "model header")
-    if qk > 1 or qv > 1 or pol > 1 or reserved or nkv < 1 or hd < 1 or max_seq < 1:
+    n_layers, nkv, hd, qk, qv, pol, code, sink, max_seq = rd.unpack("IIIBBBBQQ", "model header")
+    if qk > 1 or qv > 1 or pol > 1 or nkv < 1 or hd < 1 or max_seq < 1:
         raise WireError(f"invalid model header: num_kv_heads={nkv} head_dim={hd} quant=({qk},{qv}) "
                         f"policy={pol} max_seq_len={max_seq}")
-    mode = _mode(qk, qv)
+    mode = _mode(qk, qv, code, rd.version)
     policy = EvictionPolicy("born" if pol else "recent", sink)
     states = []
     for i in range(n_layers):
@@ -901,12 +944,12 @@ def model_from_bytes(cls: type[_Model], buf: _Buffer,
         end = rd.pos + size
         if size % 8 or end > rd.end:
             raise WireError(f"model body: layer {i} length {size} is not valid here")
-        sub = _Reader(rd.buf, rd.pos, end, what=f"layer {i}")
+        sub = _Reader(rd.buf, rd.pos, end, what=f"layer {i}", version=rd.version)
         states.append(parse_layer(sub, nkv, hd))
         sub.done()
         rd.pos = end
     rd.done()
     model = cls(n_layers, nkv, hd, max_seq_len=max_seq, policy=policy, mode=mode)
     for layer, st in zip(model.layers, states):
-        layer._install_state(st)
+        layer._install_state(st, any_scheme=True)       # each layer as it was saved
     return model
