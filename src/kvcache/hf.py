@@ -164,7 +164,8 @@ def parse_mode(mode: KvMode | str | None) -> KvMode:
     mode : KvMode, str or None
         ``None`` reads ``KVCACHE_KV`` (:meth:`KvMode.from_env`, float32 when unset); strings
         are ``"f32"``, ``"q8"`` (int8 K and V), ``"q8k"`` (int8 K only) or ``"q8v"`` (int8 V
-        only), case-insensitive.
+        only), in the default int8 scheme "rows", or the same with ``":cmf"`` (e.g.
+        ``"q8:cmf"``) for the legacy column-freeze scheme; case-insensitive.
 
     Returns
     -------
@@ -680,10 +681,10 @@ def _check_step(name: str, step: Any) -> None:
 
 def _steps(start: int, n: int, step: int, mode: KvMode) -> list[tuple[int, int]]:
     """The ``(lo, hi)`` positions of :func:`prefill`'s calls: steps end at multiples of
-    ``step`` and at ``n``; in q8 modes none ends at or below ``quant.COL_WARMUP``, where the
-    column freeze requantises the rows before it (a one-shot prefill freezes before any of its
+    ``step`` and at ``n``; in the q8 scheme "cmf" none ends at or below ``quant.COL_WARMUP``,
+    where the column freeze requantises the rows before it (a one-shot prefill freezes before any of its
     queries attend; so does the first step then)."""
-    floor = 0 if mode.is_f32 else quant.COL_WARMUP
+    floor = quant.COL_WARMUP if mode.freezes_columns else 0
     ends = [e for e in range((start // step + 1) * step, n, step) if e > floor] + [n]
     return list(zip([start] + ends[:-1], ends))
 
@@ -709,8 +710,9 @@ def prefill(model: Any, input_ids: Any, *, cache: HfKvCache | None = None,
         Positions per ``model(...)`` call (default :data:`DEFAULT_PREFILL_STEP`): the model's
         activations and products hold ``step`` rows, not the prompt's; each call asks the
         model for its last position's logits only (``logits_to_keep=1``).  Steps end at
-        multiples of ``step`` (absolute positions), and with a q8 cache the first runs past
-        position 64, where q8's column field freezes, as a one-shot prefill does.
+        multiples of ``step`` (absolute positions), and with a q8 cache in the legacy scheme
+        "cmf" the first runs past position 64, where its column field freezes, as a one-shot
+        prefill does.
 
     Returns
     -------

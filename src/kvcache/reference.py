@@ -588,3 +588,75 @@ def mla_attend(qn__nhk: F32, qr__nhe: F32, lat__tr: F32, kr__te: F32, wuk__hkr: 
         raise ValueError(f"MLA kernel: {n} query positions need at least {n} cached rows, "
                          f"got {f[2].shape[0]}")
     out__nhj[...] = mla_absorbed(f[0], f[1], f[2], f[3], f[4], f[5], _F32(scale))
+
+
+# ---------------------------------------------------------------------------- int8 storage
+def q8_storage(k: FloatArrayLike, v: FloatArrayLike, alive: npt.ArrayLike | None,
+               quant_k: bool, quant_v: bool, scheme: str) -> dict[str, list[npt.NDArray[Any]]]:
+    """What a LayerKvCache in int8 scheme ``scheme`` stores for the positions ``k``, ``v``
+    (n, nkv, hd) appended in order (``alive`` (n, nkv) bool, None for all alive), by the words
+    of docs/numerics.md, "int8 storage", position by position in NumPy.
+
+    Returns per-head lists: ``kq``/``ks`` (rows, hd) int8 / (rows, ceil(hd/32)) float32 when
+    ``quant_k``, ``vq``/``vs`` (rows, hd) / (rows,) when ``quant_v``, and ``kcol``/``vcol``,
+    each head's frozen column field (hd,) or None.
+
+    "rows": each row by itself (:func:`quantize_rows`, no column), so nothing depends on what
+    else is stored.  "cmf": the same until position 64; the append of a position that finds
+    64 or more stored positions and no column frozen first freezes, for every head and int8
+    component holding rows, ``col = max(sqrt(mean of squares of the dequantised rows), 1e-6)``
+    (float32, rows summed in order) and requantises those rows over it; later rows are
+    quantised over the column."""
+    if scheme not in ("rows", "cmf"):
+        raise ValueError(f"scheme: expected 'rows' or 'cmf', got {scheme!r}")
+    ka = np.asarray(k, dtype=_F32)
+    va = np.asarray(v, dtype=_F32)
+    n, nkv, hd = ka.shape
+    live = np.ones((n, nkv), bool) if alive is None else np.asarray(alive, dtype=bool)
+    comps = [(name, x, group) for name, x, group, on in
+             (("k", ka, K_GROUP, quant_k), ("v", va, hd, quant_v)) if on]
+    codes: dict[str, list[list[npt.NDArray[np.int8]]]] = {c: [[] for _ in range(nkv)] for c, _, _ in comps}
+    scales: dict[str, list[list[npt.NDArray[np.float32]]]] = {c: [[] for _ in range(nkv)] for c, _, _ in comps}
+    cols: dict[str, list[npt.NDArray[np.float32] | None]] = {c: [None] * nkv for c, _, _ in comps}
+    empty = np.zeros(0, dtype=_F32)
+    ng = {c: -(-hd // g) for c, _, g in comps}
+
+    def quantise(row: npt.NDArray[np.float32], col: npt.NDArray[np.float32] | None,
+                 c: str, group: int) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32]]:
+        q = np.zeros((1, hd), np.int8)
+        s = np.zeros((1, ng[c]), _F32)
+        quantize_rows(row[None], empty if col is None else col, group, q, s)
+        return q[0], s[0]
+
+    frozen = False
+    for i in range(n):
+        if scheme == "cmf" and i >= 64 and not frozen:
+            for c, _, group in comps:
+                for h in range(nkv):
+                    if not codes[c][h]:
+                        continue
+                    x = np.array([qr.astype(_F32) * np.repeat(sr, group)[:hd]
+                                  for qr, sr in zip(codes[c][h], scales[c][h])], dtype=_F32)
+                    sq = np.zeros(hd, dtype=_F32)
+                    with np.errstate(invalid="ignore", over="ignore"):
+                        for xr in x:
+                            sq += xr * xr
+                        col = np.maximum(np.sqrt(sq / _F32(len(x))), _F32(1e-6)).astype(_F32)
+                    cols[c][h] = col
+                    redone = [quantise(xr, col, c, group) for xr in x]
+                    codes[c][h] = [q for q, _ in redone]
+                    scales[c][h] = [s for _, s in redone]
+                    frozen = True
+        for c, x, group in comps:
+            for h in range(nkv):
+                if live[i, h]:
+                    q, s = quantise(x[i, h], cols[c][h], c, group)
+                    codes[c][h].append(q)
+                    scales[c][h].append(s)
+    out: dict[str, list[npt.NDArray[Any]]] = {}
+    for c, _, _ in comps:
+        out[f"{c}q"] = [np.array(codes[c][h], np.int8).reshape(-1, hd) for h in range(nkv)]
+        s_all = [np.array(scales[c][h], _F32).reshape(-1, ng[c]) for h in range(nkv)]
+        out[f"{c}s"] = s_all if c == "k" else [a[:, 0] for a in s_all]
+        out[f"{c}col"] = list(cols[c])            # type: ignore[arg-type]
+    return out

@@ -763,7 +763,8 @@ def export_wire(layer: LayerKvCache, f16: bool = False) -> bytes:
     st = layer._export_state()
     if not st.mode.is_f32:
         raise WireError(f"export_wire: the legacy layout describes F32 caches only; this layer is "
-                        f"{st.mode!r} (use to_bytes, which carries int8 storage)")
+                        f"{st.mode!r}, int8 scheme {st.mode.scheme!r} (use to_bytes, which "
+                        f"carries int8 storage in either scheme)")
     if st.o1 is not None:
         raise WireError("export_wire: a Nyström overlay (O(1) state) is not part of this format "
                         "(use to_bytes)")

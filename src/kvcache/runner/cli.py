@@ -62,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ids", nargs="+", metavar="ID",
                      help="prompt token ids (e.g. --ids 1 15043 29892 or --ids 1,15043)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
-    p.add_argument("--kv", default="f32", type=_kv_name, metavar="{f32,q8,q8k,q8v}",
-                   help="KV storage (default f32; any name KvMode.parse accepts)")
+    p.add_argument("--kv", default="f32", type=_kv_name,
+                   metavar="{f32,q8,q8k,q8v,q8:cmf,q8k:cmf,q8v:cmf}",
+                   help="KV storage (default f32; q8 names use the int8 scheme 'rows', ':cmf' "
+                        "the legacy column-freeze scheme; any name KvMode.parse accepts)")
     p.add_argument("--o1", metavar="LAYERS",
                    help="O(1) Nystrom layers: all, deepN, or a list like 0,5,7 (default none)")
     p.add_argument("--o1-params", metavar="M,W,SINK", default="32,128,4",

@@ -24,8 +24,8 @@ Steps.  A long prompt is computed step-major: a step of ``prefill_step`` positio
 activations, the products' scratch and the attention output hold one step's rows, not the
 prompt's.  A step is a group of whole chunks and each query attends on its own to the rows
 stored before it, so the bits do not depend on the step size.  One exception is kept out by
-construction: in q8 modes the first append that reaches position ``quant.COL_WARMUP`` (64)
-freezes the column field and requantises the rows before it, which a one-block prefill does
+construction: in q8 modes of the legacy int8 scheme "cmf" the first append that reaches
+position ``quant.COL_WARMUP`` (64) freezes the column field and requantises the rows before it, which a one-block prefill does
 before any of its queries attend; no step therefore ends at or below that position (the first
 step then runs past it), and the queries of the first positions see the frozen rows as they
 would in one block.
@@ -137,8 +137,9 @@ class Runner:
     config : ModelConfig
     weights : dict of str to ndarray
         Hugging Face tensor names (``model.layers.{i}.self_attn.q_proj.weight``, ...).
-    kv : {"f32", "q8", "q8k", "q8v"} or KvMode
-        KV storage of every layer.
+    kv : {"f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "q8v:cmf"} or KvMode
+        KV storage of every layer (any name :meth:`KvMode.parse` accepts; "q8" is the default
+        int8 scheme "rows", ":cmf" the legacy column-freeze scheme).
     o1_layers : str or sequence of int, optional
         Layers decoded with the O(1) Nystrom override (:func:`parse_layers` syntax).  They
         seal at the end of the first :meth:`prefill` (their prompt K/V is kept in f32 until
@@ -414,11 +415,12 @@ class Runner:
     def _steps(self, n: int) -> list[list[tuple[int, int]]]:
         """The chunks ``(lo, hi)`` (offsets into the call) of ``n`` positions after
         :attr:`position`, grouped in steps: chunks end at multiples of ``prefill_chunk``, steps
-        at multiples of ``prefill_step`` (absolute positions) and at the end; in q8 modes no
-        step ends at or below ``quant.COL_WARMUP`` (the column freeze, module docstring)."""
+        at multiples of ``prefill_step`` (absolute positions) and at the end; in the q8 scheme
+        "cmf" no step ends at or below ``quant.COL_WARMUP`` (the column freeze, module
+        docstring)."""
         start, c, size = self.position, self.prefill_chunk, self.prefill_step
         ends = list(range((start // c + 1) * c, start + n, c)) + [start + n]
-        floor = 0 if self.mode.is_f32 else quant.COL_WARMUP
+        floor = quant.COL_WARMUP if self.mode.freezes_columns else 0
         steps: list[list[tuple[int, int]]] = [[]]
         lo = start
         for hi in ends:
@@ -574,8 +576,8 @@ class Runner:
         try:                                          # computed, for its logits
             loaded = st.load(ids[: min(n, -(-most // b) * b)], self.cache) if most else 0
             keep = min(loaded, most)
-            if keep <= quant.COL_WARMUP and not self.mode.is_f32:
-                keep = 0          # below the q8 warm-up a rolled-back cache keeps frozen columns
+            if keep <= quant.COL_WARMUP and self.mode.freezes_columns:
+                keep = 0          # below the cmf warm-up a rolled-back cache keeps frozen columns
             if keep == 0:
                 self.cache.clear()
             elif keep < loaded:
@@ -592,7 +594,8 @@ class Runner:
     @property
     def fingerprint(self) -> str:
         """A digest of what decides the KV rows this runner computes: the config, every weight
-        array's bytes (as the forward pass holds them), the KV mode, ``prefill_chunk``
+        array's bytes (as the forward pass holds them), the KV mode (its int8 scheme
+        included), ``prefill_chunk``
         (the low bits of the rows depend on the chunking) and the prompt kernel's version
         (:data:`PROMPT_KERNEL`: rows written by another prompt kernel have other low bits).
         Hex BLAKE2b, computed on first use (about a second per GB of weights) and kept; the
@@ -601,6 +604,8 @@ class Runner:
             h = hashlib.blake2b(digest_size=32, person=b"kvcache-runner")
             meta = {"config": dataclasses.asdict(self.config), "kv": repr(self.mode),
                     "prefill_chunk": self.prefill_chunk, "prompt_kernel": PROMPT_KERNEL}
+            if self.mode.scheme == "rows":     # repr() of a "rows" mode names no scheme
+                meta["kv_scheme"] = "rows"
             h.update(json.dumps(meta, sort_keys=True, default=repr).encode())
             arrays: list[tuple[str, Array]] = [("embed", self.embed), ("norm", self.norm)]
             if not self.config.tie_word_embeddings:       # else it is the embeddings'

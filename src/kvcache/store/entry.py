@@ -23,7 +23,9 @@ Header (96 bytes)::
     72     4    u32 head_dim D
     76     1    u8  quant_k (1: keys stored as int8)
     77     1    u8  quant_v (1: values stored as int8)
-    78     2    u16 reserved (0)
+    78     1    u8  int8 scheme: 0 = F32 or "cmf" (what entries held before the scheme
+                    existed), 1 = "rows"
+    79     1    u8  reserved (0)
     80     16   fingerprint digest (BLAKE2b-128 of the fingerprint bytes)
 
 Payload, per layer l = 0 .. n_layers-1, each array pad8::
@@ -46,7 +48,7 @@ to expect before it looks at the bytes.  A reader (:func:`check_header`, then th
 :func:`decode` or the store's scattered read) checks, in order: the length against a header's,
 the magic, the version, the header length, flags and reserved field, the total length against
 the value and against the geometry it expects, the key, the fingerprint digest, the geometry,
-the mode, the block size and the block index against what the caller asked for, and last the
+the mode (quant_k, quant_v and the scheme byte), the block size and the block index against what the caller asked for, and last the
 digest.  Any failure raises :class:`EntryError`; nothing is returned for a bad entry.
 """
 
@@ -71,7 +73,7 @@ __all__ = ["EntryError", "MAGIC", "VERSION", "HEADER_SIZE", "DIGEST_SIZE", "Fiel
 
 MAGIC = b"\x89KVBLOCK"
 VERSION = 1
-_HEADER = struct.Struct("<8sHBBIQ32sIIIIIBBH16s")
+_HEADER = struct.Struct("<8sHBBIQ32sIIIIIBBBB16s")
 HEADER_SIZE = _HEADER.size          # 96
 _DIGEST = struct.Struct("<Q")
 DIGEST_SIZE = _DIGEST.size
@@ -144,7 +146,13 @@ def entry_size(geom: Geometry) -> int:
 def _header(geom: Geometry, index: int, key: bytes, fp_digest: bytes, alg: int) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, alg, 0, HEADER_SIZE, entry_size(geom), key, geom.block,
                         index, geom.n_layers, geom.num_kv_heads, geom.head_dim,
-                        int(geom.mode.quant_k), int(geom.mode.quant_v), 0, fp_digest)
+                        int(geom.mode.quant_k), int(geom.mode.quant_v), _scheme_byte(geom), 0,
+                        fp_digest)
+
+
+def _scheme_byte(geom: Geometry) -> int:
+    """Byte 78 of the header: 1 for the int8 scheme "rows", else 0."""
+    return 1 if geom.mode.scheme == "rows" else 0
 
 
 def encode_parts(geom: Geometry, index: int, key: bytes, fp_digest: bytes,
@@ -198,7 +206,7 @@ def check_header(head: Any, n: int, geom: Geometry, index: int, key: bytes,
     if n < HEADER_SIZE + _DIGEST.size:
         raise EntryError(f"truncated: {n} bytes, shorter than a header")
     (magic, version, alg, flags, header_len, total, e_key, e_block, e_index, e_layers, e_nkv,
-     e_hd, e_qk, e_qv, reserved, e_fp) = _HEADER.unpack_from(head, 0)
+     e_hd, e_qk, e_qv, e_scheme, reserved, e_fp) = _HEADER.unpack_from(head, 0)
     if magic != MAGIC:
         raise EntryError("not a prefix store entry (bad magic)")
     if version != VERSION:
@@ -217,7 +225,8 @@ def check_header(head: Any, n: int, geom: Geometry, index: int, key: bytes,
     if (e_layers, e_nkv, e_hd) != (geom.n_layers, geom.num_kv_heads, geom.head_dim):
         raise EntryError(f"geometry {e_layers}x{e_nkv}x{e_hd}, expected "
                          f"{geom.n_layers}x{geom.num_kv_heads}x{geom.head_dim}")
-    if (bool(e_qk), bool(e_qv)) != (geom.mode.quant_k, geom.mode.quant_v) or e_qk > 1 or e_qv > 1:
+    if ((bool(e_qk), bool(e_qv)) != (geom.mode.quant_k, geom.mode.quant_v) or e_qk > 1
+            or e_qv > 1 or e_scheme != _scheme_byte(geom)):
         raise EntryError("another KV mode")
     if (e_block, e_index) != (geom.block, index):
         raise EntryError(f"block {e_index} of size {e_block}, expected block {index} of size "

@@ -7,7 +7,9 @@ A prompt is cut into blocks of ``block`` token ids.  Block i's key is
 
 where the root record packs the store format version, the fingerprint (its length, then its
 bytes), the KV mode (quant_k, quant_v), the geometry (n_layers, num_kv_heads, head_dim) and
-the block size.  A key therefore depends on every id before the end of its block and on
+the block size, followed, for a mode in the int8 scheme "rows", by the 8 bytes ``b"scheme=r"``
+(a mode in the legacy scheme "cmf" or F32 adds nothing, so keys written before the scheme
+existed -- which were all "cmf" -- still match).  A key therefore depends on every id before the end of its block and on
 everything that decides what the rows are: a key never matches another model, mode, geometry,
 block size or history.  The backend sees the key as 64 lowercase hex digits.
 """
@@ -32,6 +34,7 @@ _PERSON = b"kvcache-prefix1"
 _ROOT = struct.Struct("<4sHI")          # b"root", version, fingerprint length
 _SHAPE = struct.Struct("<BBIIII")       # quant_k, quant_v, n_layers, nkv, head_dim, block
 _VERSION = 1
+_ROWS = b"scheme=r"                    # appended to the root record for the int8 scheme "rows"
 _I64 = np.dtype("<i8")
 
 
@@ -103,6 +106,8 @@ def _root(fp: bytes, geom: Geometry) -> bytes:
     h.update(fp)
     h.update(_SHAPE.pack(int(geom.mode.quant_k), int(geom.mode.quant_v), geom.n_layers,
                          geom.num_kv_heads, geom.head_dim, geom.block))
+    if geom.mode.scheme == "rows":
+        h.update(_ROWS)
     return h.digest()
 
 

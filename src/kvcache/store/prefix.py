@@ -13,14 +13,14 @@ What a cache must be (else ValueError, nothing stored or loaded):
 - a :class:`kvcache.KvCache` whose layers all have the cache's geometry and one mode;
 - ``put``: every layer holds exactly ``len(ids)`` positions, every head all of them
   (no dead heads, no evicted rows: seq_len == every head's length == importance length), no
-  O(1) state (``o1`` None, empty ``linear_state`` and ``linear_scratch``); in q8 modes the
-  column fields are frozen on every head once more than 64 positions are held, as an append
-  leaves them;
+  O(1) state (``o1`` None, empty ``linear_state`` and ``linear_scratch``); in the q8 scheme
+  "cmf" the column fields are frozen on every head once more than 64 positions are held, as an
+  append leaves them;
 - ``load``: the same rules for the cache as it is (empty, or holding a whole number of
   blocks which the caller vouches are the first positions of ``ids``);
-- q8 modes need ``block > 64``: the column fields freeze when a layer passes 64 positions and
-  every row is requantised then, so only blocks cut from caches past that point can be loaded
-  bit for bit.
+- q8 modes in the legacy int8 scheme "cmf" need ``block > 64``: the column fields freeze when
+  a layer passes 64 positions and every row is requantised then, so only blocks cut from caches
+  past that point can be loaded bit for bit.  The default scheme "rows" takes any block size.
 
 Faults: a missing, corrupted, truncated or foreign entry is a miss (and, unless the backend
 is merely unable to read it, deleted and logged once on logger ``"kvcache"``); a backend that
@@ -156,8 +156,8 @@ class PrefixStore:
         Identifies the model and its weights (required): entries stored under another
         fingerprint never match.
     block : int
-        Positions per block (default 256); only whole blocks are stored.  q8 caches need
-        ``block > 64``.
+        Positions per block (default 256); only whole blocks are stored.  q8 caches in the
+        legacy int8 scheme "cmf" need ``block > 64``.
 
     Examples
     --------
@@ -344,7 +344,7 @@ class PrefixStore:
             elif layer.mode != mode:
                 raise ValueError(f"cache.layers[{i}]: mode {layer.mode!r}, layer 0 has {mode!r}; "
                                  f"the store needs one mode for every layer")
-        if not mode.is_f32 and self._block <= quant.COL_WARMUP:
+        if mode.freezes_columns and self._block <= quant.COL_WARMUP:
             raise ValueError(f"block={self._block}: a {mode!r} cache needs block > "
                              f"{quant.COL_WARMUP} (its column fields freeze after "
                              f"{quant.COL_WARMUP} positions and requantise every row)")
@@ -379,6 +379,9 @@ class PrefixStore:
         col_arrays: Optional[list[dict[str, npt.NDArray[Any]]]] = None
         if m and not geom.mode.is_f32:
             cols = [_state_columns(st) for st in states]
+        elif not geom.mode.is_f32 and not geom.mode.freezes_columns:
+            # the int8 scheme "rows" never freezes a column: every entry's must be unfrozen
+            cols = [_state_columns(st) for st in states]        # an empty layer's: unfrozen
         expected = cols
 
         def same_columns(got: list[Optional[bytes]]) -> None:
@@ -535,7 +538,7 @@ def _check_state(i: int, st: LayerState, n: int, what: str) -> None:
         raise ValueError(f"{what}: layer {i} has heads holding {st.lengths.tolist()} rows and "
                          f"importance for {st.importance.shape[0]} of its {n} positions (dead "
                          f"heads or evicted rows), which the prefix store does not handle")
-    if n > quant.COL_WARMUP:
+    if st.mode.freezes_columns and n > quant.COL_WARMUP:
         for name, quantised, on in (("key", st.mode.quant_k, st.kcol_on),
                                     ("value", st.mode.quant_v, st.vcol_on)):
             if quantised and not on.all():
