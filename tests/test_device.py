@@ -21,7 +21,8 @@ from kvcache import device as kd, quant
 from kvcache._generation import LOG_LIMIT
 
 F32, Q8KV, Q8K = kc.KvMode.F32, kc.KvMode.Q8(True, True), kc.KvMode.Q8(True, False)
-MODES = [F32, Q8KV, Q8K, kc.KvMode.Q8(False, True)]
+Q8CMF = kc.KvMode.Q8(True, True, scheme="cmf")     # the legacy scheme: the column freeze
+MODES = [F32, Q8KV, Q8K, kc.KvMode.Q8(False, True), Q8CMF]
 
 
 def _torch_or_skip():
@@ -132,7 +133,7 @@ def test_generation_moves_on_every_non_append_change(rng):
 
 
 def test_q8_column_freeze_bumps_the_generation_once(rng):
-    c = kc.LayerKvCache(2, 8, mode=Q8KV)
+    c = kc.LayerKvCache(2, 8, mode=Q8CMF)
     c.append(rows(rng, 64, 2, 8), rows(rng, 64, 2, 8))
     g = c.generation
     c.append(rows(rng, 1, 2, 8), rows(rng, 1, 2, 8))            # the freeze requantises
@@ -142,7 +143,7 @@ def test_q8_column_freeze_bumps_the_generation_once(rng):
 
 
 def test_q8_freeze_with_no_rows_stored_is_not_a_change(rng):
-    c = kc.LayerKvCache(1, 8, mode=Q8KV)
+    c = kc.LayerKvCache(1, 8, mode=Q8CMF)
     for _ in range(70):
         c.append(rows(rng, 1, 1, 8), rows(rng, 1, 1, 8), alive=[False])
     assert c.generation == 0 and c.columns(0) == (None, None)
@@ -302,7 +303,7 @@ def test_rollback_then_reappend_moves_from_the_truncation_point(rng, backend):
 
 @pytest.mark.parametrize("diverge", ["evict", "clear", "import", "freeze", "seal"])
 def test_divergence_reuploads_everything(rng, backend, diverge):
-    mode = Q8KV if diverge == "freeze" else F32
+    mode = Q8CMF if diverge == "freeze" else F32
     c = kc.LayerKvCache(2, 8, mode=mode)
     if diverge == "seal":
         c.o1_begin(4, 8, 2)

@@ -42,7 +42,9 @@ from kvcache.device import as_tensor, tensors  # noqa: E402
 from kvcache.o1 import O1Collecting, O1Sealed  # noqa: E402
 
 F32 = kc.KvMode.F32
-Q8_MODES = [kc.KvMode.Q8(True, True), kc.KvMode.Q8(True, False), kc.KvMode.Q8(False, True)]
+# the legacy int8 scheme "cmf": its layers hand out column fields too (scheme "rows" has none)
+Q8_MODES = [kc.KvMode.Q8(True, True, scheme="cmf"), kc.KvMode.Q8(True, False, scheme="cmf"),
+            kc.KvMode.Q8(False, True, scheme="cmf")]
 NKV, HD = 2, 40              # head_dim 40: two K scale groups of 32 channels per q8 row
 H, G, D = 4, 2, 16           # O(1): query heads, KV groups, head_dim
 M, W, SINK, P = 8, 16, 4, 96  # P > W + SINK + 8: the seal is a skeleton, not exact-only

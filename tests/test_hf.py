@@ -293,7 +293,7 @@ def test_modes_and_layer_types():
     assert kh.parse_mode("q8v") == kc.KvMode.Q8(False, True)
     assert kh.parse_mode("f32") == kc.KvMode.F32
     assert kh.parse_mode(kc.KvMode.F32) == kc.KvMode.F32
-    with pytest.raises(ValueError, match="expected 'f32'"):
+    with pytest.raises(ValueError, match="expected one of 'f32'"):
         kh.parse_mode("q4")
     with pytest.raises(TypeError):
         kh.parse_mode(8)

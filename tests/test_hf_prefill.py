@@ -46,7 +46,7 @@ def rows(cache):
     return out
 
 
-@pytest.mark.parametrize("mode", ["f32", "q8"])
+@pytest.mark.parametrize("mode", ["f32", "q8", "q8:cmf"])
 def test_stepped_prefill_matches_one_shot(fam, mode):
     want, whole = one_shot(fam.mk, fam.ids, mode)
     calls = []
@@ -56,8 +56,9 @@ def test_stepped_prefill_matches_one_shot(fam, mode):
         got, cache = kh.prefill(fam.mk, fam.ids, mode=mode, step=64)
     finally:
         hook.remove()
-    # q8: the first step runs past position 64 (the column freeze), as one shot does
-    assert calls == ([64, 64, 64, 64, 44] if mode == "f32" else [128, 64, 64, 44])
+    # q8:cmf: the first step runs past position 64 (the column freeze), as one shot does;
+    # the default q8 scheme "rows" has no freeze and steps as f32 does
+    assert calls == ([128, 64, 64, 44] if mode == "q8:cmf" else [64, 64, 64, 64, 44])
     assert got.shape == (want.shape[0],) and got.dtype == torch.float32
     assert (got - want).abs().max().item() < TOL
     assert cache.get_seq_length() == whole.get_seq_length() == N

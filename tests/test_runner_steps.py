@@ -68,9 +68,12 @@ def test_steps_hold_whole_chunks_and_skip_the_q8_warmup():
         [(0, 64), (64, 128)], [(128, 192), (192, 256)], [(256, 300)]]
     r.position = 100                                  # a call that starts inside a chunk
     assert r._steps(200) == [[(0, 28)], [(28, 92), (92, 156)], [(156, 200)]]
-    q = kr.Runner.random(kv="q8", prefill_step=64)
-    # f32 would end a step at 64; q8 runs the first step past the column freeze
+    q = kr.Runner.random(kv="q8:cmf", prefill_step=64)
+    # f32 would end a step at 64; the legacy q8 scheme runs the first step past its column
+    # freeze; the default scheme "rows" has no freeze and steps as f32 does
     assert q._steps(200) == [[(0, 64), (64, 128)], [(128, 192)], [(192, 200)]]
+    assert kr.Runner.random(kv="q8", prefill_step=64)._steps(200) == [
+        [(0, 64)], [(64, 128)], [(128, 192)], [(192, 200)]]
     assert kr.Runner.random().prefill_step == km.DEFAULT_PREFILL_STEP == 512
     assert kr.Runner.random(prefill_chunk=96).prefill_step == 576     # rounded up
     with pytest.raises(ValueError, match="multiple of prefill_chunk=64"):

@@ -27,7 +27,7 @@ from kvcache.store.backend import ScatterBackend
 from kvcache.store.keys import Geometry, as_ids, block_keys
 
 L, G, D = 3, 2, 40           # D = 40: two key scale groups, rows not a multiple of 8 bytes in int8
-MODES = ["f32", "q8", "q8k", "q8v"]
+MODES = ["f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf"]
 MAXPOS = 600
 
 
@@ -130,9 +130,9 @@ def test_round_trip_full_hit_is_bit_identical(backend, mode):
     assert store.longest_prefix(ids, fresh) == 3 * b
     assert store.load(ids, fresh) == 3 * b
     assert_same(fresh, ref)                              # importance too: same length as put
-    if mode != "f32":
-        assert all(layer._export_state().kcol_on.all() or not layer.mode.quant_k
-                   for layer in fresh.layers)
+    if mode != "f32":          # cmf: the loaded columns are frozen; rows: never
+        assert all(layer._export_state().kcol_on.all() == layer.mode.freezes_columns
+                   or not layer.mode.quant_k for layer in fresh.layers)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -216,9 +216,9 @@ def test_q8_columns_must_match_the_cache(backend):
     b = 80
     ids = ids_of(2 * b)
     store = PrefixStore(backend, fingerprint="m", block=b)
-    store.put(ids, cold(ids, "q8"))
+    store.put(ids, cold(ids, "q8:cmf"))
     other = ids_of(b, seed=9)                # another prompt: other rows, other columns
-    part = cold(other, "q8", attend=False)   # ... which the caller claims is ids[:b]
+    part = cold(other, "q8:cmf", attend=False)   # ... which the caller claims is ids[:b]
     before = snapshot(part)
     assert store.load(ids, part) == 0
     assert snapshot(part) == before
@@ -318,8 +318,8 @@ def test_entry_layout_matches_the_documented_header():
     assert (version, flags, hlen, total) == (1, 0, 96, len(value))
     assert alg == wire.default_algorithm()
     assert value[24:56].hex() == key
-    assert struct.unpack_from("<IIIIIBBH", value, 56) == (80, 0, L, G, D, 1, 1, 0)
-    geom = Geometry(L, G, D, kc.KvMode.Q8(), 80)
+    assert struct.unpack_from("<IIIIIBBBB", value, 56) == (80, 0, L, G, D, 1, 1, 1, 0)
+    geom = Geometry(L, G, D, kc.KvMode.Q8(), 80)       # scheme byte 1: "rows"
     assert len(value) == store_entry.entry_size(geom)
     # the trailer is kvcache.wire's digest of everything before it
     body = np.frombuffer(value, dtype=np.uint8)[:-8]
@@ -612,11 +612,11 @@ def test_caches_the_store_does_not_handle_are_refused():
         store.load(ids, c)
     c.clear()
     assert store.load(ids, c) == 0 or c.seq_len > 0  # a cleared layer is usable again
-    # a q8 store needs block > 64
+    # a q8 store in the legacy scheme needs block > 64
     with pytest.raises(ValueError, match="block > 64"):
-        PrefixStore(backend, fingerprint="m", block=64).put(ids_of(128), cold(ids_of(128), "q8"))
-    # a q8 cache rolled back below the column warm-up keeps frozen columns: refused
-    c = cold(ids_of(100), "q8", attend=False)
+        PrefixStore(backend, fingerprint="m", block=64).put(ids_of(128), cold(ids_of(128), "q8:cmf"))
+    # a cmf cache rolled back below the column warm-up keeps frozen columns: refused
+    c = cold(ids_of(100), "q8:cmf", attend=False)
     c.truncate_last(100 - 80 + 20)
     with pytest.raises(ValueError, match="frozen column"):
         PrefixStore(backend, fingerprint="m", block=80).put(ids_of(60), c)
@@ -858,13 +858,13 @@ def test_a_q8_load_into_a_mismatched_cache_keeps_the_entry(tmp_path):
     # the cache's own column fields differ: a miss for this load, the entry stays for others
     ids = ids_of(160)
     store = PrefixStore(DirectoryBackend(tmp_path, fsync=False), fingerprint="m", block=80)
-    assert store.put(ids, cold(ids, "q8", attend=False)) == 2
-    other = cold(ids_of(80, seed=5), "q8", attend=False)               # another first block
+    assert store.put(ids, cold(ids, "q8:cmf", attend=False)) == 2
+    other = cold(ids_of(80, seed=5), "q8:cmf", attend=False)           # another first block
     assert store.load(ids, other) == 0 and other.seq_len == 80
     assert len(entry_files(tmp_path)) == 2
-    fresh = kc.KvCache(L, G, D, mode="q8")
+    fresh = kc.KvCache(L, G, D, mode="q8:cmf")
     assert store.load(ids, fresh) == 160
-    assert_same(fresh, cold(ids, "q8", attend=False))
+    assert_same(fresh, cold(ids, "q8:cmf", attend=False))
 
 
 def test_a_read_only_folder_still_serves_reads(tmp_path, caplog, monkeypatch):
