@@ -328,3 +328,46 @@ def test_generate_command_with_a_gguf_and_chat(tmp_path, capsys):
     assert "(llama, 2 layers)" in out
     with pytest.raises(SystemExit):                       # --chat needs a prompt
         generate_main(["--model", str(path), "--chat"])
+
+
+def write_sentencepiece_file(path):
+    """A one-layer Llama GGUF whose tokenizer is SentencePiece BPE (no merges: derived from the
+    scores), with byte-fallback tokens, as llama.cpp writes Llama 2's."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    pieces = ["\u2581", "t", "h", "e", "a", "b", "c", "x", "\u2581t", "he", "\u2581the", "ab", "abc",
+              "\u2581a", "\u2581abc"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    for k, v in {"llama.block_count": 1, "llama.embedding_length": 64,
+                 "llama.feed_forward_length": 64, "llama.attention.head_count": 2}.items():
+        w.add_uint32(k, v)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tokens
+
+
+def test_sentencepiece_tokenizer_from_the_metadata(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tokens = write_sentencepiece_file(tmp_path / "s.gguf")
+    tok = load_tokenizer(tmp_path / "s.gguf")
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="s.gguf")
+    for text in ("the abc", "hello", "abc xyz\n\u00e9 the"):       # BOS added, bytes fall back
+        assert tok.encode(text).ids == ref(text)["input_ids"], text
+        assert tok.decode(tok.encode(text).ids) == text
+    # llama.cpp (and SentencePiece) prefix every text with a space, also one that starts with
+    # a space and one after a control token; transformers' GGUF conversion does not there
+    sp = "\u2581"
+    assert tok.encode(" the").ids == [1, tokens.index(sp), tokens.index(sp + "the")]
+    assert tok.encode("abc</s>the").ids == [1, tokens.index(sp + "abc"), 2,
+                                            tokens.index(sp + "the")]
+    assert tok.decode(tok.encode(" the  abc").ids) == " the  abc"
