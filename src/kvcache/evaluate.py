@@ -283,7 +283,6 @@ def evaluate(model: Any, ids: Sequence[int] | npt.NDArray[Any], configs: Sequenc
 
 def format_table(results: Sequence[ConfigResult]) -> str:
     """The results as a text table (one row per configuration)."""
-    from .bench.tables import render_table
     headers = ["config", "perplexity", "ratio", "mean KL", "max KL", "top-1", "KV memory",
                "decode tok/s"]
     rows: list[list[str]] = []
@@ -298,7 +297,20 @@ def format_table(results: Sequence[ConfigResult]) -> str:
                      f"{r.max_kl:.2e}", f"{100 * r.top1:.1f}%",
                      f"{r.kv_bytes / 2 ** 20:.2f} MiB", f"{r.decode_tok_s:.1f}"])
     notes = [f"{r.name}: {r.error}" for r in results if r.error is not None]
-    return "\n".join([render_table(headers, rows)] + notes)
+    return "\n".join([_table(headers, rows)] + notes)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A right-aligned text table, the name column left-aligned (the library does not import
+    the benchmark's table helpers)."""
+    cells = [list(headers)] + [list(r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(cells[0]), line(["-" * w for w in widths])]
+                     + [line(r) for r in cells[1:]])
 
 
 def _encode_text(model: str, path: str) -> list[int]:
