@@ -322,7 +322,10 @@ def _dequantize(tensor: _Tensor) -> Array:
         raise ValueError(f"GGUF: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
                          f"which the gguf package cannot dequantise") from None
     shape = tuple(int(d) for d in reversed(tensor.shape))
-    return np.ascontiguousarray(np.asarray(arr, dtype=np.float32).reshape(shape))
+    out = np.ascontiguousarray(np.asarray(arr, dtype=np.float32).reshape(shape))
+    if not out.flags.writeable:          # an F32 tensor is a view of the mapped file: copy it,
+        out = out.copy()                 # so the runner does not depend on the file staying
+    return out
 
 
 def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Array]]:
