@@ -4,7 +4,9 @@ A GGUF file (llama.cpp's format) holds everything a checkpoint folder holds, in 
 tensors (quantised or not) under llama.cpp's names, and metadata key/value pairs that describe
 the model (``<arch>.block_count``, ``<arch>.attention.head_count``, ...), the tokenizer
 (``tokenizer.ggml.*``) and the chat template (``tokenizer.chat_template``).  This module reads
-it with the ``gguf`` package (``pip install gguf``, or the ``kvcache[runner]`` extra):
+the header itself (:class:`_Reader`, ``struct`` over a memory map) and takes the tensor types
+and their dequantisation from the ``gguf`` package (``pip install gguf``, or the
+``kvcache[runner]`` extra):
 
 - :func:`load_gguf` returns the :class:`~kvcache.runner.ModelConfig` and the weights, every
   tensor dequantised to float32 at load (``gguf.quants.dequantize``: F32, F16, BF16, Q8_0,
