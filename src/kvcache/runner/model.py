@@ -247,7 +247,13 @@ class Runner:
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], **kwargs: Any) -> Runner:
-        """Load ``path/config.json`` and its safetensors (see the class for ``kwargs``)."""
+        """Load a checkpoint: a folder (``config.json`` and its safetensors) or a GGUF file
+        (weights dequantised to float32, config from its metadata: :mod:`kvcache.runner.gguf`).
+        See the class for ``kwargs``."""
+        if os.path.isfile(os.fspath(path)):
+            from .gguf import load_gguf
+            config, weights = load_gguf(path)
+            return cls(config, weights, **kwargs)
         return cls(read_config(path), load_safetensors(path), **kwargs)
 
     @classmethod
