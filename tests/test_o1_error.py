@@ -132,8 +132,8 @@ def test_estimate_tracks_the_real_error_over_data_kinds() -> None:
         real.append(_real_error(layer, q, k, v, 1024, 48))
     assert _spearman(est, real) >= 0.7, (est, real)
     # not only the order: each estimate is within a factor of two of the error it predicts
-    for e, r in zip(est, real):
-        assert 0.5 * r <= e <= 2.0 * r, (est, real)
+    for got, want in zip(est, real):
+        assert 0.5 * want <= got <= 2.0 * want, (est, real)
     # the topic that changes every token is flagged far above clustered data
     names = [c[0] for c in _kinds()]
     assert min(est[i] for i, n in enumerate(names) if n.startswith("switch")) > \

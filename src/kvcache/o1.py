@@ -27,6 +27,11 @@ float32; the layer's own scale and softcap are not used (to use a scale ``s'``, 
 pushed queries and the step queries by ``s' * sqrt(head_dim)``: landmarks are means, so the
 operator is then exactly the one with scale ``s'``).
 
+Beyond the specified operator (docs/o1.md): every seal estimates its own error
+(:func:`estimate_error`, :class:`O1Error`; ``LayerKvCache.o1_seal(max_error=...)`` refuses a
+seal above a bound), and two far-field options, off by default: ``keep`` far keys per group
+kept exact beside the sinks (:func:`select_kept`) and the pseudo-inverse's ``ridge``.
+
 Where this differs from the upstream engine (deliberately):
 
 * bad arguments raise instead of being clamped or ignored: ``o1_begin`` with m < 4, w < 1 or
