@@ -262,7 +262,10 @@ def _sharp_random(**kw: object) -> Runner:
 
 def test_runner_auto_refuses_on_random_data() -> None:
     ids = np.random.default_rng(0).integers(0, 512, 300)
-    auto = _sharp_random(o1_layers="auto")
+    assert Runner.random(o1_layers="auto").o1_params == (32, 128, 4, 128, 1e-3)  # O1_AUTO_PARAMS
+    assert Runner.random(o1_layers="all").o1_params == (32, 128, 4)
+    # (with 128 kept keys, most of a 300-token prompt would stay exact: the plain operator)
+    auto = _sharp_random(o1_layers="auto", o1_params=(32, 128, 4))
     plain = _sharp_random()
     assert auto.o1_auto and auto.o1_max_error == pytest.approx(0.1)
     assert auto.o1_layers == tuple(range(4))

@@ -65,12 +65,17 @@ if TYPE_CHECKING:
     from ..o1 import O1Snapshot
     from ..store import PrefixStore
 
-__all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_PREFILL_STEP", "O1_AUTO_MAX_ERROR", "Runner"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_PREFILL_STEP", "O1_AUTO_MAX_ERROR",
+           "O1_AUTO_PARAMS", "Runner"]
 
 #: The error bound of ``o1_layers="auto"`` when ``o1_max_error`` is not given: a layer seals
 #: only when the seal's own estimate of its relative error (``LayerKvCache.o1_error``, see
 #: docs/o1.md) is at most this.  Chosen on SmolLM2-135M (docs/o1.md, "auto").
 O1_AUTO_MAX_ERROR = 0.1
+#: The O(1) parameters ``(m, w, sink, keep, ridge)`` of ``o1_layers="auto"`` when ``o1_params``
+#: is not given: 128 far keys kept exact and a ridge of 1e-3 make the far field good enough
+#: for twice as many layers to pass the bound (docs/o1.md, measurements).
+O1_AUTO_PARAMS = (32, 128, 4, 128, 1e-3)
 
 #: Version of the prompt attention whose rows the prefix store keeps (part of the fingerprint):
 #: "blocked-1" is the tiled kernel of ``LayerKvCache.attend_all_heads(prefill=True)``.
@@ -155,7 +160,8 @@ class Runner:
     o1_params : tuple
         ``(m, w, sink)`` of the O(1) layers (default ``(32, 128, 4)``, upstream's), optionally
         followed by ``keep`` (far keys kept exact per KV group, default 0) and ``ridge`` (of
-        the landmark pseudo-inverse, default 1e-6): see ``LayerKvCache.o1_begin``.
+        the landmark pseudo-inverse, default 1e-6): see ``LayerKvCache.o1_begin``.  With
+        ``o1_layers="auto"`` the default is :data:`O1_AUTO_PARAMS`.
     o1_max_error : float, optional
         Seal an O(1) layer only when the seal's estimate of its relative error is at most
         this (``LayerKvCache.o1_seal(max_error=...)``; a refused layer decodes exactly).
@@ -189,7 +195,7 @@ class Runner:
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Array], *,
                  kv: KvMode | str = "f32", o1_layers: LayerSpec = None,
-                 o1_params: Sequence[float] = (32, 128, 4),
+                 o1_params: Sequence[float] | None = None,
                  o1_max_error: float | None = None, max_seq_len: int = 131072,
                  decode_blas_threads: int = 1,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
@@ -200,6 +206,9 @@ class Runner:
         cfg = config
         self.mode = KvMode.parse(kv, "kv")
         self.max_seq_len = as_int("max_seq_len", max_seq_len, minimum=1)
+        auto = isinstance(o1_layers, str) and o1_layers.strip().lower() == "auto"
+        if o1_params is None:
+            o1_params = O1_AUTO_PARAMS if auto else (32, 128, 4)
         if len(o1_params) not in (3, 4, 5):
             raise ValueError(f"o1_params: expected (m, w, sink), (m, w, sink, keep) or "
                              f"(m, w, sink, keep, ridge), got {o1_params!r}")
