@@ -13,7 +13,8 @@ Convenience wrappers run a LayerKvCache's own driver on these kernels:
 
 The O(1) Nystrom operator has, besides the kernel twins ``o1_absorb``/``o1_step``, its two
 float64 forms: ``nystrom_stream`` (seal, replay, decode steps) and ``nystrom_matrix`` (the
-definition, with an explicit far weight per key); see the end of this module.
+definition, with an explicit far weight per key); ``kept_keys`` and ``o1_error_estimate`` are
+the seal's kept-key choice and error estimate written from their definitions.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = ["CHUNK_ROWS", "openmp_built", "max_threads", "round_half_away", "quan
            "attend_blocked",
            "attend_all_heads", "attend", "attend_group", "o1_seal", "o1_step_layer",
            "static_attend", "o1_absorb", "o1_step", "nystrom_stream", "nystrom_matrix",
+           "kept_keys", "o1_error_estimate",
            "mla_absorbed", "mla_naive", "mla_attend"]
 
 _F32 = np.float32
@@ -395,20 +397,24 @@ def _softmax_rows(q: F64, k: F64, v: F64, s: float, p: int, H: int, G: int) -> F
 
 @overload
 def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
-                   sink: int, rect: str = ..., *, return_dropped: Literal[False] = ...) -> F64: ...
+                   sink: int, rect: str = ..., *, return_dropped: Literal[False] = ...,
+                   keep: int = ..., ridge: float = ...) -> F64: ...
 @overload
 def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
                    sink: int, rect: str = ..., *,
-                   return_dropped: Literal[True]) -> tuple[F64, int]: ...
+                   return_dropped: Literal[True], keep: int = ...,
+                   ridge: float = ...) -> tuple[F64, int]: ...
 @overload
 def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
                    sink: int, rect: str = ..., *,
-                   return_dropped: bool) -> F64 | tuple[F64, int]: ...
+                   return_dropped: bool, keep: int = ...,
+                   ridge: float = ...) -> F64 | tuple[F64, int]: ...
 
 
 def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
                    sink: int, rect: str = "aggregate", *,
-                   return_dropped: bool = False) -> F64 | tuple[F64, int]:
+                   return_dropped: bool = False, keep: int = 0,
+                   ridge: float = 1e-6) -> F64 | tuple[F64, int]:
     """The O(1) operator in streaming form, float64 (docs/o1.md, "The operator").
 
     Seal on positions [0, p) -- segment-mean landmarks, ``M = (Au^T Au + lam I)^-1 Au^T`` with
@@ -424,6 +430,11 @@ def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: i
     return_dropped : bool
         Also return how many (step, head) outputs had their far field dropped by the
         aggregate guard.
+    keep : int
+        Far keys per group kept exact (:func:`kept_keys`): they join the sinks, the replay
+        skips them.
+    ridge : float
+        ``lam = ridge * mean(diag(Au^T Au))`` (default 1e-6, the specified operator).
 
     Returns
     -------
@@ -449,14 +460,20 @@ def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: i
     for h in range(H):
         au = np.exp(s * qt[h] @ kt[h // hpk].T)                         # (me, me)
         ata = au.T @ au
-        lam = 1e-6 * np.mean(np.diag(ata))
+        lam = ridge * np.mean(np.diag(ata))
         mu[h] = np.linalg.solve(ata + lam * np.eye(me), au.T)
     kg = np.ascontiguousarray(k.transpose(1, 0, 2))                     # (G, t, d)
     vg = np.ascontiguousarray(v.transpose(1, 0, 2))                     # (G, t, dv)
     t_hat = np.zeros((H, me, dv))
     z_hat = np.zeros((H, me))
     m_max = np.full((H, me), -np.inf)
-    o1_absorb(qt, kg, vg, sink, p - sink - w, s, t_hat, z_hat, m_max)
+    kept = kept_keys(q, k, p, w, sink, keep)                            # (G, n)
+    far = [[j for j in range(sink, p - w) if j not in set(kept[g])] for g in range(G)]
+    far_k = np.stack([kg[g, far[g]] for g in range(G)])                 # (G, nfar, d)
+    far_v = np.stack([vg[g, far[g]] for g in range(G)])
+    o1_absorb(qt, far_k, far_v, 0, far_k.shape[1], s, t_hat, z_hat, m_max)
+    sk = np.stack([np.concatenate([kg[g, :sink], kg[g, kept[g]]]) for g in range(G)])
+    sv = np.stack([np.concatenate([vg[g, :sink], vg[g, kept[g]]]) for g in range(G)])
     win_k = np.zeros((G, w, d))
     win_v = np.zeros((G, w, dv))
     tail = np.arange(p - w, p)
@@ -466,11 +483,83 @@ def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: i
     out = np.empty((t - p, H, dv))
     dropped = 0
     for i in range(p, t):
-        dropped += o1_step(q[i], k[i], v[i], kg[:, :sink], vg[:, :sink], win_k, win_v, w, head,
+        dropped += o1_step(q[i], k[i], v[i], sk, sv, win_k, win_v, w, head,
                            True, kt, qt, mu, t_hat, z_hat, m_max, True,
                            str(rect).lower().endswith("fm"), s, out[i - p])
         head = (head + 1) % w
     return (out, dropped) if return_dropped else out
+
+
+def kept_keys(q: FloatArrayLike, k: FloatArrayLike, p: int, w: int, sink: int,
+              keep: int) -> npt.NDArray[np.intp]:
+    """The far keys a seal on positions [0, p) keeps exact (docs/o1.md, kept keys), (G, n).
+
+    Per group: every key ``sink <= j < p - w`` scored by the attention mass it gets from the
+    group's heads at the 256 queries before the last 16 of the prompt (each query's softmax over
+    all p keys); the ``min(keep, p - sink - w)`` highest, the earlier key on a tie, ascending."""
+    q, k, _ = _o1_inputs(q, k, k)
+    H, d, G = q.shape[1], q.shape[2], k.shape[1]
+    s = float(_F32(1.0) / np.sqrt(_F32(d)))
+    n = max(min(keep, p - sink - w), 0)
+    hi = max(p - 16, 1)
+    queries = range(max(hi - 256, 0), hi)
+    out = np.empty((G, n), dtype=np.intp)
+    for g in range(G):
+        mass = np.zeros(p)
+        for h in range(g * (H // G), (g + 1) * (H // G)):
+            for i in queries:
+                sc = s * (k[:p, g] @ q[i, h])
+                e = np.exp(sc - sc.max())
+                mass += e / e.sum()
+        cand = sorted(range(sink, p - w), key=lambda j: (-mass[j], j))
+        out[g] = sorted(cand[:n])
+    return out
+
+
+def o1_error_estimate(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int,
+                      w: int, sink: int, rect: str = "aggregate", keep: int = 0,
+                      ridge: float = 1e-6, queries: int = 16) -> tuple[F64, float]:
+    """The seal's error estimate (docs/o1.md, error estimate) from its definition, float64:
+    the last ``queries`` prompt queries read as decode queries at the end of the prompt (near
+    set: sinks, kept keys, the last w keys; far set: the rest, with an explicit Nystrom
+    weight per key) against exact softmax over keys [0, p).
+
+    Returns (per-head relative L2 errors (H,), overall relative L2 error)."""
+    q, k, v = _o1_inputs(q, k, v)
+    H, d, G = q.shape[1], q.shape[2], k.shape[1]
+    s = float(_F32(1.0) / np.sqrt(_F32(d)))
+    n = min(queries, p)
+    if p <= w + sink + 8:
+        return np.zeros(H), 0.0
+    me = min(max(p // 8, 4), m)
+    bounds = (np.arange(me + 1) * p) // me
+    kept = kept_keys(q, k, p, w, sink, keep)
+    err2, ref2 = np.zeros(H), np.zeros(H)
+    for h in range(H):
+        g = h // (H // G)
+        kt = np.stack([k[a:b, g].mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:])])
+        qt = np.stack([q[a:b, h].mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:])])
+        au = np.exp(s * qt @ kt.T)
+        ata = au.T @ au
+        mu = np.linalg.solve(ata + ridge * np.mean(np.diag(ata)) * np.eye(me), au.T)
+        j = np.arange(p)
+        near = (j >= p - w) | (j < sink) | np.isin(j, kept[g])
+        for i in range(p - n, p):
+            qi = q[i, h]
+            sc = s * (k[:p, g] @ qi)
+            e = np.exp(sc - sc.max())
+            exact = e @ v[:p, g] / e.sum()
+            wn = np.exp(s * (k[:p][near, g] @ qi))                      # unscaled (float64)
+            u = np.exp(s * (kt @ qi)) @ mu
+            if rect.lower() == "fm":
+                u = np.maximum(u, 0.0)
+            wf = np.exp(s * (k[:p][~near, g] @ qt.T)) @ u                # (nfar,)
+            if wf.sum() < 0:
+                wf = np.zeros_like(wf)
+            approx = (wn @ v[:p][near, g] + wf @ v[:p][~near, g]) / (wn.sum() + wf.sum())
+            err2[h] += float(np.sum((approx - exact) ** 2))
+            ref2[h] += float(np.sum(exact ** 2))
+    return np.sqrt(err2 / ref2), float(np.sqrt(err2.sum() / ref2.sum()))
 
 
 def nystrom_matrix(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
