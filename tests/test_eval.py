@@ -9,7 +9,9 @@ import pytest
 
 from kvcache.evaluate import (EvalConfig, evaluate, main, parse_config,  # noqa: E402
                               split_configs)
+from kvcache.o1 import RIDGE
 from kvcache.runner import ModelConfig, Runner
+from kvcache.runner.model import O1_AUTO_PARAMS
 from kvcache.runner.weights import random_weights
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -52,14 +54,24 @@ def test_config_names_parse():
     assert parse_config("f32") == EvalConfig("f32")
     assert parse_config("q8").kv == "q8"
     c = parse_config("o1:deep2:m=8,sink=2")
-    assert (c.kv, c.o1_layers, c.o1_params) == ("f32", "deep2", (8, 128, 2))
+    assert (c.kv, c.o1_layers, c.o1_params) == ("f32", "deep2", (8, 128, 2, 0, RIDGE))
+    c = parse_config("o1:all:keep=64,ridge=1e-3,max_error=0.2")
+    assert c.o1_params == (32, 128, 4, 64, 1e-3) and c.o1_max_error == 0.2
+    assert parse_config("o1:all").o1_params is None         # the runner's own defaults
+    c = parse_config("o1:auto:max_error=0.15")
+    assert c.o1_params is None and c.runner_kwargs()["o1_max_error"] == 0.15
+    assert parse_config("o1:auto:w=256").o1_params == (O1_AUTO_PARAMS[:1] + (256,)
+                                                       + O1_AUTO_PARAMS[2:])
     assert parse_config("o1:1+3").o1_layers == "1,3"
     assert parse_config("o1:auto").runner_kwargs()["o1_layers"] == "auto"
-    for bad in ("q9", "o1:", "o1:all:m=x", "o1:all:q=3", "o1:a:b:c"):
+    for bad in ("q9", "o1:", "o1:all:m=x", "o1:all:q=3", "o1:a:b:c", "o1:all:keep=1.5",
+                "o1:all:ridge=x", "o1:all:max_error=-"):
         with pytest.raises(ValueError):
             parse_config(bad)
     assert split_configs("f32,q8,o1:deep15:m=64,w=256,sink=4,o1:0,3,5:m=16,o1:all") == [
         "f32", "q8", "o1:deep15:m=64,w=256,sink=4", "o1:0+3+5:m=16", "o1:all"]
+    assert split_configs("o1:deep15:keep=128,ridge=1e-3,max_error=0.1,q8") == [
+        "o1:deep15:keep=128,ridge=1e-3,max_error=0.1", "q8"]
 
 
 def _ids(folder):

@@ -25,8 +25,9 @@ prediction needs a context).  Configuration names (:func:`parse_config`):
 - ``o1:<layers>`` with ``<layers>`` as the runner's ``o1_layers`` reads it (``all``,
   ``deepN``: the N deepest global layers, ``auto``, or a list ``3+7+11``; on the command line
   ``o1:3,7,11`` works too), f32 storage;
-- ``o1:<layers>:m=64,w=256,sink=4``: the O(1) parameters (any of them; the others keep the
-  runner's defaults 32, 128, 4).
+- ``o1:<layers>:m=64,w=256,sink=4,keep=128,ridge=1e-3,max_error=0.1``: the O(1) parameters
+  (any of them; the others keep the runner's defaults: 32, 128, 4, 0, the specified ridge, or
+  ``O1_AUTO_PARAMS`` for ``auto``) and the seal's error bound (``o1_max_error``).
 
 f32 is always computed first (the baseline), whether listed or not.
 """
@@ -49,29 +50,39 @@ import numpy.typing as npt
 
 from ._progress import ProgressBar, progress_bar
 from .modes import KvMode
+from .o1 import RIDGE
 
 __all__ = ["EvalConfig", "build_parser", "evaluate", "main", "parse_config", "split_configs"]
 
-#: The O(1) parameters an ``o1:`` configuration may set, in the runner's ``o1_params`` order.
-O1_KEYS = ("m", "w", "sink")
-_DEFAULT_O1 = (32, 128, 4)
-_PARAM = re.compile(r"^(m|w|sink)=\d+$")
+#: The O(1) parameters an ``o1:`` configuration may set, in the runner's ``o1_params`` order
+#: (``m``, ``w``, ``sink``, ``keep`` integers, ``ridge`` a float), and ``max_error`` (the
+#: runner's ``o1_max_error``).
+O1_KEYS = ("m", "w", "sink", "keep", "ridge")
+_DEFAULT_O1 = (32, 128, 4, 0, RIDGE)
+_NUM = r"(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?"
+_PARAM = re.compile(rf"^((m|w|sink|keep)=\d+|(ridge|max_error)={_NUM})$")
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """One configuration of an evaluation: its name and the runner keywords it stands for."""
+    """One configuration of an evaluation: its name and the runner keywords it stands for.
+
+    ``o1_params`` None: the runner's default for the layer choice (``O1_AUTO_PARAMS`` for
+    ``auto``); ``o1_max_error`` None: the runner's default bound (none, or
+    ``O1_AUTO_MAX_ERROR`` for ``auto``)."""
 
     name: str
     kv: str = "f32"
     o1_layers: str | None = None
-    o1_params: tuple[int, int, int] = _DEFAULT_O1
+    o1_params: tuple[float, ...] | None = None
+    o1_max_error: float | None = None
 
     def runner_kwargs(self) -> dict[str, Any]:
         """The keywords of :class:`kvcache.runner.Runner` for this configuration."""
         kw: dict[str, Any] = {"kv": self.kv}
         if self.o1_layers is not None:
-            kw.update(o1_layers=self.o1_layers, o1_params=self.o1_params)
+            kw.update(o1_layers=self.o1_layers, o1_params=self.o1_params,
+                      o1_max_error=self.o1_max_error)
         return kw
 
 
@@ -108,18 +119,24 @@ def parse_config(name: str) -> EvalConfig:
         parts = name.split(":")
         if len(parts) > 3 or not parts[1]:
             raise ValueError(f"config {name!r}: expected o1:<layers> or o1:<layers>:m=M,w=W,"
-                             f"sink=S")
+                             f"sink=S,keep=K,ridge=R,max_error=E")
         layers = parts[1].replace("+", ",")
-        params = dict(zip(O1_KEYS, _DEFAULT_O1))
+        given: dict[str, float] = {}
         if len(parts) == 3:
             for item in parts[2].split(","):
                 if not _PARAM.match(item.strip()):
                     raise ValueError(f"config {name!r}: O(1) parameter {item!r}: expected "
-                                     f"m=INT, w=INT or sink=INT")
+                                     f"m=, w=, sink=, keep= (integers), ridge= or max_error= "
+                                     f"(numbers)")
                 key, value = item.strip().split("=")
-                params[key] = int(value)
-        m, w, sink = (params[k] for k in O1_KEYS)
-        return EvalConfig(name=name, o1_layers=layers, o1_params=(m, w, sink))
+                given[key] = float(value) if key in ("ridge", "max_error") else int(value)
+        max_error = given.pop("max_error", None)
+        params: tuple[float, ...] | None = None
+        if given:
+            from .runner.model import O1_AUTO_PARAMS
+            base = O1_AUTO_PARAMS if layers.strip().lower() == "auto" else _DEFAULT_O1
+            params = tuple(given.get(k, b) for k, b in zip(O1_KEYS, base))
+        return EvalConfig(name=name, o1_layers=layers, o1_params=params, o1_max_error=max_error)
     KvMode.parse(name, "config")         # ValueError naming the config for an unknown mode
     return EvalConfig(name=name, kv=name)
 
@@ -342,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the second token on)")
     p.add_argument("--configs", default="f32,q8", metavar="NAMES",
                    help="comma-separated: f32, any KV mode name (q8, q8k, q8v, ...), "
-                        "o1:<layers>[:m=M,w=W,sink=S] with layers all, deepN, auto or 3+7+11 "
+                        "o1:<layers>[:m=M,w=W,sink=S,keep=K,ridge=R,max_error=E] with layers all, deepN, auto or 3+7+11 "
                         "(default f32,q8; f32 is always computed, as the baseline)")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

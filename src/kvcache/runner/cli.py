@@ -97,8 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the legacy column-freeze scheme; any name KvMode.parse accepts)")
     p.add_argument("--o1", metavar="LAYERS",
                    help="O(1) Nystrom layers: all, deepN, or a list like 0,5,7 (default none)")
-    p.add_argument("--o1-params", metavar="M,W,SINK", default="32,128,4",
-                   help="O(1) landmarks, window and sinks (default 32,128,4)")
+    p.add_argument("--o1-params", metavar="M,W,SINK[,KEEP[,RIDGE]]",
+                   help="O(1) landmarks, window, sinks, kept far keys and ridge (default: "
+                        "32,128,4; with --o1 auto the runner's O1_AUTO_PARAMS)")
+    p.add_argument("--o1-max-error", type=float, metavar="E",
+                   help="seal only the O(1) layers whose estimated error is at most E "
+                        "(default: no bound; 0.1 with --o1 auto)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1)")
     p.add_argument("--seed", type=int, help="sampler seed")
@@ -158,17 +162,22 @@ def main(argv: Sequence[str] | None = None, file: IO[str] | None = None) -> int:
     out = sys.stdout if file is None else file
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        o1_params = tuple(int(v) for v in args.o1_params.split(","))
-    except ValueError:
-        parser.error(f"--o1-params: expected M,W,SINK integers, got {args.o1_params!r}")
-    if len(o1_params) != 3:
-        parser.error(f"--o1-params: expected M,W,SINK, got {args.o1_params!r}")
+    o1_params: tuple[float, ...] | None = None
+    if args.o1_params is not None:
+        parts = args.o1_params.split(",")
+        try:
+            o1_params = tuple(int(v) for v in parts[:4]) + tuple(float(v) for v in parts[4:])
+        except ValueError:
+            parser.error(f"--o1-params: expected M,W,SINK[,KEEP] integers and a RIDGE number, "
+                         f"got {args.o1_params!r}")
+        if not 3 <= len(o1_params) <= 5:
+            parser.error(f"--o1-params: expected M,W,SINK[,KEEP[,RIDGE]], got {args.o1_params!r}")
     if args.chat and (args.prompt is None or not args.model):
         parser.error("--chat needs --prompt and a --model with a tokenizer and chat template")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    kwargs: dict[str, Any] = dict(kv=args.kv, o1_layers=args.o1, o1_params=o1_params)
+    kwargs: dict[str, Any] = dict(kv=args.kv, o1_layers=args.o1, o1_params=o1_params,
+                                  o1_max_error=args.o1_max_error)
     try:
         t0 = time.perf_counter()
         if args.model:
