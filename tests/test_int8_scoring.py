@@ -48,10 +48,10 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
-def _rand_case(rng, nq, n, hd, qmag=1.0):
+def _rand_case(rng, nq, n, hd, qmag=1.0, group=32):
     q = (rng.standard_normal((nq, hd)) * qmag).astype(np.float32)
     k = rng.integers(-128, 128, (n, hd)).astype(np.int8)
-    ks = (rng.random((n, -(-hd // 32))) * rng.choice([1e-4, 1e-2, 1.0])).astype(np.float32)
+    ks = (rng.random((n, -(-hd // group))) * rng.choice([1e-4, 1e-2, 1.0])).astype(np.float32)
     return q, k, ks
 
 
@@ -82,22 +82,26 @@ def test_reference_fmaf_is_correctly_rounded():
 # ---------------------------------------------------------------------------------------------
 # the query quantiser and the raw scores, every level against the twin
 
-@pytest.mark.parametrize("hd", [1, 7, 8, 32, 33, 40, 64, 72, 96, 128, 136, 256])
-def test_quantize_query_matches_the_twin(hd):
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("hd", [1, 7, 8, 32, 33, 40, 48, 64, 72, 96, 128, 136, 256])
+def test_quantize_query_matches_the_twin(hd, group):
     rng = np.random.default_rng(hd)
     q = (rng.standard_normal((9, hd)) * rng.choice([1e-6, 1.0, 1e4], (9, 1))).astype(np.float32)
     q[3] = 0.0
-    ng = -(-hd // 32)
-    got = [np.zeros((9, ng * 32), np.int8), np.zeros((9, ng), np.float32), np.zeros((9, ng), np.int32)]
+    ng = -(-hd // group)
+    got = [np.zeros((9, -(-hd // 32) * 32), np.int8), np.zeros((9, ng), np.float32),
+           np.zeros((9, ng), np.int32)]
     want = [np.zeros_like(a) for a in got]
-    _core.quantize_query(q, *got)
-    R.quantize_query(q, *want)
+    _core.quantize_query(q, *got, group=group)
+    R.quantize_query(q, *want, group=group)
     assert np.array_equal(got[0], want[0])
     assert np.array_equal(_bits(got[1]), _bits(want[1]))
     assert np.array_equal(got[2], want[2])
     assert np.all(got[0][:, hd:] == 0)
     assert np.abs(got[0]).max() == 127                   # every nonzero group reaches 127
-    assert np.array_equal(got[2], got[0].reshape(9, ng, 32).astype(np.int32).sum(axis=2))
+    padded = np.zeros((9, ng * group), np.int32)
+    padded[:, :hd] = got[0][:, :hd]
+    assert np.array_equal(got[2], padded.reshape(9, ng, group).sum(axis=2))
 
 
 def test_quantize_query_marks_non_finite_groups():
@@ -112,22 +116,27 @@ def test_quantize_query_marks_non_finite_groups():
     assert np.isnan(sq[2, 2]) and np.isfinite(sq[2, :2]).all()
 
 
-@pytest.mark.parametrize("hd", [1, 8, 31, 32, 40, 64, 72, 100, 128, 136, 256])
-def test_scores_of_every_level_match_the_twin_bit_for_bit(hd, each_level):
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("hd", [1, 8, 24, 31, 32, 40, 48, 64, 72, 100, 128, 136, 256])
+def test_scores_of_every_level_match_the_twin_bit_for_bit(hd, group, each_level):
     rng = np.random.default_rng(100 + hd)
     assert "avx2" in each_level or _core.isa_detected() == "portable"
     for trial in range(4):
         n = int(rng.integers(1, 90))
-        q, k, ks = _rand_case(rng, 5, n, hd, qmag=[1e-3, 1.0, 300.0, 1.0][trial])
+        q, k, ks = _rand_case(rng, 5, n, hd, qmag=[1e-3, 1.0, 300.0, 1.0][trial], group=group)
         if trial == 3:
             k[:] = np.where(rng.random(k.shape) < 0.5, -128, 127).astype(np.int8)  # extreme codes
         want = np.zeros((5, n), np.float32)
-        R.q8_scores(q, k, ks, want)
+        R.q8_scores(q, k, ks, want, group)
         for level in each_level:
             _core.set_isa(level)
             got = np.zeros((5, n), np.float32)
-            _core.q8_scores(q, k, ks, got)
+            _core.q8_scores(q, k, ks, got, k_group=group)
             assert np.array_equal(_bits(got), _bits(want)), (level, hd, trial)
+            if hd > 16:                                  # the group read from the scale count
+                again = np.zeros((5, n), np.float32)
+                _core.q8_scores(q, k, ks, again)
+                assert np.array_equal(_bits(again), _bits(want))
 
 
 def test_scores_are_the_documented_arithmetic():
@@ -135,7 +144,7 @@ def test_scores_are_the_documented_arithmetic():
     rng = np.random.default_rng(7)
     q, k, ks = _rand_case(rng, 1, 3, 72)
     qi, sq, qs = np.zeros((1, 96), np.int8), np.zeros((1, 3), np.float32), np.zeros((1, 3), np.int32)
-    R.quantize_query(q, qi, sq, qs)
+    R.quantize_query(q, qi, sq, qs, 32)
     got = np.zeros((1, 3), np.float32)
     _core.q8_scores(q, k, ks, got)
     for r in range(3):
@@ -317,3 +326,58 @@ def test_show_config_names_the_path_in_use(each_level):
         line = [ln for ln in buf.getvalue().splitlines() if ln.strip().startswith("isa:")]
         assert len(line) == 1
         assert line[0].split(":", 1)[1].strip().startswith(f"{level} (cpu: {_core.isa_detected()};")
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("hd", [40, 64, 72])
+def test_kernels_take_the_k_group_from_the_scale_count(hd, group, each_level):
+    """attend_rows and attend_blocked with K in groups of 16 or 32 channels (the scales per row
+    tell which): every level the same bits, close to the NumPy twin."""
+    rng = np.random.default_rng(hd + group)
+    nkv, hpk, T, n_pos = 2, 3, 300, 5
+    ng = -(-hd // group)
+    kq = rng.integers(-127, 128, (nkv, T, hd)).astype(np.int8)
+    ks = (rng.random((nkv, T, ng)) * 0.02).astype(np.float32)
+    vq = rng.integers(-127, 128, (nkv, T, hd)).astype(np.int8)
+    vs = (rng.random((nkv, T, 1)) * 0.02).astype(np.float32)
+    zf = np.zeros((nkv, 1, hd), np.float32)
+    vcol = np.ones((nkv, hd), np.float32)
+    hl = np.array([T, T - 7], np.intp)
+    nq = nkv * hpk * n_pos
+    q = rng.standard_normal((nq, hd)).astype(np.float32)
+    g0 = np.arange(nkv + 1, dtype=np.intp) * hpk * n_pos
+    common = dict(kf__hcd=zf, kq__hcd=kq, ks__hcg=ks, vf__hcd=zf, vq__hcd=vq, vs__hc1=vs,
+                  vcol__hd=vcol, head_len__h=hl, q__jd=q, group_q0=g0, n_pos=n_pos,
+                  n_back=n_pos, window=0, first=0, scale=0.2, softcap=0.0, imp_mode=0,
+                  quant_k=True, quant_v=True)
+
+    def run(mod, blocked, threads):
+        out = np.zeros((nq, hd), np.float32)
+        if blocked:
+            mod.attend_blocked(out__jd=out, imp__l=np.zeros(0, np.float32), n_threads=threads,
+                               **common)
+        else:
+            mod.attend_rows(out__jd=out, probs__jl=np.zeros((nq, T), np.float32),
+                            imp__l=np.zeros(0, np.float32), n_threads=threads, **common)
+        return out
+
+    for blocked in (False, True):
+        want = run(R, blocked, 1)
+        first = None
+        for level in each_level:
+            _core.set_isa(level)
+            for threads in (1, 2):
+                got = run(_core, blocked, threads)
+                first = got if first is None else first
+                assert np.array_equal(_bits(got), _bits(first)), (level, threads, blocked)
+        assert np.allclose(first, want, rtol=1e-4, atol=2e-5)
+        if group == 16:   # the 16-channel arithmetic differs from the 32-channel one
+            other = np.zeros((nq, hd), np.float32)
+            ks32 = np.ascontiguousarray(ks[:, :, : -(-hd // 32)])
+            kw = dict(common, ks__hcg=ks32)
+            if blocked:
+                _core.attend_blocked(out__jd=other, imp__l=np.zeros(0, np.float32), n_threads=1, **kw)
+            else:
+                _core.attend_rows(out__jd=other, probs__jl=np.zeros((nq, T), np.float32),
+                                  imp__l=np.zeros(0, np.float32), n_threads=1, **kw)
+            assert not np.array_equal(_bits(other), _bits(first))

@@ -678,12 +678,13 @@ static inline void kvc_quant_row(const float *restrict x, const float *restrict 
 /* ---------------------------------------------------------------------------------------
  * q8 scoring: integer dot products (docs/numerics.md, "q8 scoring").
  *
- *   query      per call, each query is quantised like a stored row (kvc_quant_row, 32-channel
- *              groups, the last one partial when head_dim % 32 != 0): codes qi (zero-padded to
- *              whole groups), scales sq, and the group sums qsum of the codes (the VNNI
- *              bodies' offset correction).  A group holding a NaN or an infinity gets scale
+ *   query      per call, each query is quantised like a stored row (kvc_quant_row) in groups
+ *              of the layer's K group (`group`: 16 or 32 channels; the last group partial
+ *              when head_dim % group != 0): codes qi (zero-padded to whole 32-channel chunks),
+ *              scales sq, and the group sums qsum of the codes (the VNNI bodies' offset
+ *              correction).  A group holding a NaN or an infinity gets scale
  *              NaN, so every score of that query is NaN (as its float32 scores would be).
- *   row score  acc = 0; for each group g in order:
+ *   row score  acc = 0; for each K group g in order:
  *                  isum_g = sum over the group's channels of qi[d] * k[d]   (exact, int32)
  *                  acc = fmaf((float)isum_g, sq_g * sk_g, acc)
  *              then, as for float32 rows, s = acc * scale and the softcap.
@@ -694,22 +695,22 @@ static inline void kvc_quant_row(const float *restrict x, const float *restrict 
 #include "_isa.h"
 
 #define KVC_I8_PAD(hd) (((hd) + 31) / 32 * 32) /* int8 codes per quantised query */
-#define KVC_I8_GROUPS(hd) (((hd) + 31) / 32)
+#define KVC_I8_GROUPS(hd, group) (((hd) + (group) - 1) / (group))
 
-/* Quantise one query x (hd floats): qi (KVC_I8_PAD(hd) codes, zeros past hd), sq and qsum
- * (KVC_I8_GROUPS(hd) each). */
-static void kvc_quant_query(const float *restrict x, ptrdiff_t hd, int8_t *restrict qi,
-                            float *restrict sq, int32_t *restrict qsum)
+/* Quantise one query x (hd floats) in groups of `group` (16 or 32) channels: qi
+ * (KVC_I8_PAD(hd) codes, zeros past hd), sq and qsum (KVC_I8_GROUPS(hd, group) each). */
+static void kvc_quant_query(const float *restrict x, ptrdiff_t hd, ptrdiff_t group,
+                            int8_t *restrict qi, float *restrict sq, int32_t *restrict qsum)
 {
-    ptrdiff_t ng = KVC_I8_GROUPS(hd), g, d;
-    kvc_quant_row(x, NULL, hd, 32, qi, sq);
-    for (d = hd; d < ng * 32; ++d)
+    ptrdiff_t ng = KVC_I8_GROUPS(hd, group), g, d;
+    kvc_quant_row(x, NULL, hd, group, qi, sq);
+    for (d = hd; d < KVC_I8_PAD(hd); ++d)
         qi[d] = 0;
     for (g = 0; g < ng; ++g) {
-        ptrdiff_t g1 = hd - 32 * g < 32 ? hd : 32 * g + 32;
+        ptrdiff_t g1 = hd - group * g < group ? hd : group * g + group;
         int32_t s = 0;
         int finite = 1;
-        for (d = 32 * g; d < g1; ++d) {
+        for (d = group * g; d < g1; ++d) {
             s += qi[d];
             finite = finite && isfinite(x[d]);
         }
@@ -721,12 +722,13 @@ static void kvc_quant_query(const float *restrict x, ptrdiff_t hd, int8_t *restr
 
 /* The raw q8 score of one row k (hd codes) with group scales ks: the definition above. */
 KVC_INLINE float kvc_i8_score1(const int8_t *restrict qi, const float *restrict sq,
-                               const int8_t *restrict k, const float *restrict ks, ptrdiff_t hd)
+                               const int8_t *restrict k, const float *restrict ks, ptrdiff_t hd,
+                               ptrdiff_t group)
 {
     ptrdiff_t g0, gi = 0, d;
     float acc = 0.0f;
-    for (g0 = 0; g0 < hd; g0 += 32, ++gi) {
-        ptrdiff_t g1 = hd - g0 < 32 ? hd : g0 + 32;
+    for (g0 = 0; g0 < hd; g0 += group, ++gi) {
+        ptrdiff_t g1 = hd - g0 < group ? hd : g0 + group;
         int32_t isum = 0;
         for (d = g0; d < g1; ++d)
             isum += (int32_t)qi[d] * (int32_t)k[d];
@@ -760,53 +762,54 @@ KVC_INLINE float kvc_i8_score1(const int8_t *restrict qi, const float *restrict 
 #undef KVC_I8_DPBUSD
 #endif
 
-/* out[i] = raw q8 score of row i < n (rows k + i * hd, scales ks + i * ks_stride) with the
- * body of level isa. */
-static void kvc_i8_rows_isa(int isa, const int8_t *qi, const float *sq, const int32_t *qsum,
-                            const int8_t *k, const float *ks, ptrdiff_t ks_stride, ptrdiff_t hd,
-                            ptrdiff_t n, float *out)
+/* out[i] = raw q8 score of row i < n (rows k + i * hd, scales ks + i * ks_stride; K groups
+ * of `group`, 16 or 32, channels) with the body of level isa. */
+static void kvc_i8_rows_isa(int isa, ptrdiff_t group, const int8_t *qi, const float *sq,
+                            const int32_t *qsum, const int8_t *k, const float *ks,
+                            ptrdiff_t ks_stride, ptrdiff_t hd, ptrdiff_t n, float *out)
 {
     ptrdiff_t i;
 #if KVC_DISPATCH && KVC_VNNI
     if (isa >= KVC_ISA_AVX512) {
-        kvc_i8_rows_avx512(qi, sq, qsum, k, ks, ks_stride, hd, n, out);
+        kvc_i8_rows_avx512(qi, sq, qsum, k, ks, ks_stride, hd, group, n, out);
         return;
     }
     if (isa == KVC_ISA_AVXVNNI) {
-        kvc_i8_rows_avxvnni(qi, sq, qsum, k, ks, ks_stride, hd, n, out);
+        kvc_i8_rows_avxvnni(qi, sq, qsum, k, ks, ks_stride, hd, group, n, out);
         return;
     }
 #endif
 #if KVC_SIMD
     if (isa >= KVC_ISA_AVX2) {
-        kvc_i8_rows_avx2(qi, sq, qsum, k, ks, ks_stride, hd, n, out);
+        kvc_i8_rows_avx2(qi, sq, qsum, k, ks, ks_stride, hd, group, n, out);
         return;
     }
 #endif
     (void)qsum;
     for (i = 0; i < n; ++i)
-        out[i] = kvc_i8_score1(qi, sq, k + i * hd, ks + i * ks_stride, hd);
+        out[i] = kvc_i8_score1(qi, sq, k + i * hd, ks + i * ks_stride, hd, group);
 }
 
 #define KVC_I8_BLOCK 64 /* rows scored for every query of a task before the next rows */
 
 /* Scores of one decode task (kvc_task_scores with int8 keys): queries j < nq (quantised:
- * qi + j * KVC_I8_PAD(hd), sq / qsum + j * KVC_I8_GROUPS(hd)) over their visible rows in
- * [p0, p1): probs[j * L + p] = raw score * scale, softcapped. */
-static void kvc_task_scores_i8(int isa, const int8_t *qi, const float *sq, const int32_t *qsum,
+ * qi + j * KVC_I8_PAD(hd), sq / qsum + j * KVC_I8_GROUPS(hd, group)) over their visible rows
+ * in [p0, p1): probs[j * L + p] = raw score * scale, softcapped. */
+static void kvc_task_scores_i8(int isa, ptrdiff_t group, const int8_t *qi, const float *sq,
+                               const int32_t *qsum,
                                ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
                                const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
                                ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd, float scale,
                                float softcap, float *probs, ptrdiff_t L)
 {
-    const ptrdiff_t hdp = KVC_I8_PAD(hd), ng = KVC_I8_GROUPS(hd);
+    const ptrdiff_t hdp = KVC_I8_PAD(hd), ng = KVC_I8_GROUPS(hd, group);
     ptrdiff_t b0, j, p;
     for (b0 = p0; b0 < p1; b0 += KVC_I8_BLOCK) {
         ptrdiff_t b1 = p1 - b0 < KVC_I8_BLOCK ? p1 : b0 + KVC_I8_BLOCK;
         for (j = 0; j < nq; ++j) {
             ptrdiff_t lo = b0 > qf[j] ? b0 : qf[j], hi = b1 < qe[j] ? b1 : qe[j];
             if (lo < hi)
-                kvc_i8_rows_isa(isa, qi + j * hdp, sq + j * ng, qsum + j * ng, kq + lo * hd,
+                kvc_i8_rows_isa(isa, group, qi + j * hdp, sq + j * ng, qsum + j * ng, kq + lo * hd,
                                 ks + lo * ks_stride, ks_stride, hd, hi - lo, probs + j * L + lo);
         }
     }

@@ -11,8 +11,8 @@
  *                in each only its visible rows.
  *   scores       s = dot * scale, where dot = fma(q[d], k[d], dot) over the channels d in
  *                increasing order from 0 (one chain, no lanes) for float32 keys, and for int8
- *                keys the raw q8 score of _kernels.h (the query quantised per 32-channel
- *                group, exact int32 group sums, groups combined with fmaf in order: the bits
+ *                keys the raw q8 score of _kernels.h (the query quantised per K group of 16
+ *                or 32 channels, exact int32 group sums, groups combined with fmaf in order: the bits
  *                the decode kernel gives).  Softcap (> 0): s = cap * tanhf(s / cap) for
  *                finite s.
  *   online max   m' = max(m, max of the tile's visible scores), NaN ignored, m starts at -inf;
@@ -409,7 +409,8 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
                                  ptrdiff_t vs_stride, int quant_v, const float *vcol,
                                  ptrdiff_t hd, float scale, float softcap, float *out,
                                  float *qm, float *ql, float *scratch, int isa,
-                                 const int8_t *qi, const float *qsc, const int32_t *qsum)
+                                 ptrdiff_t group, const int8_t *qi, const float *qsc,
+                                 const int32_t *qsum)
 {
     const ptrdiff_t hdp = KVC_PF_PAD16(hd);
     float *Kp = scratch;
@@ -448,8 +449,9 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
         ptrdiff_t pf_step = (KVC_PF_TILE * KVC_PF_QR + (jb - ja) - 1) / (jb - ja);
         if (quant_k) {
             for (j = ja; j < jb; ++j)
-                kvc_i8_rows_isa(isa, qi + j * KVC_I8_PAD(hd), qsc + j * KVC_I8_GROUPS(hd),
-                                qsum + j * KVC_I8_GROUPS(hd), kq + r0 * hd, ks + r0 * ks_stride,
+                kvc_i8_rows_isa(isa, group, qi + j * KVC_I8_PAD(hd),
+                                qsc + j * KVC_I8_GROUPS(hd, group),
+                                qsum + j * KVC_I8_GROUPS(hd, group), kq + r0 * hd, ks + r0 * ks_stride,
                                 ks_stride, hd, r1 - r0, S + j * KVC_PF_TILE + (r0 - t0));
         } else {
             kvc_pf_scores(q + ja * hd, hd, jb - ja, Kp, hd, r0 - t0, r1 - t0,
@@ -545,12 +547,12 @@ static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const
                         int quant_k, const float *vf, const int8_t *vq, const float *vs,
                         ptrdiff_t vs_stride, int quant_v, const float *vcol, ptrdiff_t hd,
                         float scale, float softcap, float *out, float *qm, float *ql,
-                        float *scratch, int isa, const int8_t *qi, const float *qsc,
-                        const int32_t *qsum)
+                        float *scratch, int isa, ptrdiff_t group, const int8_t *qi,
+                        const float *qsc, const int32_t *qsum)
 {
 #define KVC_PF_TASK(HD) kvc_pf_task_impl(q, nq, qf, qe, kf, kq, ks, ks_stride, quant_k, vf, vq, \
                                          vs, vs_stride, quant_v, vcol, HD, scale, softcap, out, \
-                                         qm, ql, scratch, isa, qi, qsc, qsum)
+                                         qm, ql, scratch, isa, group, qi, qsc, qsum)
     switch (hd) {
     case 64: KVC_PF_TASK(64); break;
     case 128: KVC_PF_TASK(128); break;
@@ -573,8 +575,8 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                              const float *kf, const int8_t *kq, const float *ks,
                              ptrdiff_t ks_stride, int quant_k, ptrdiff_t hd, float scale,
                              float softcap, ptrdiff_t t0, ptrdiff_t t1, float *colsum,
-                             float *scratch, int isa, const int8_t *qi, const float *qsc,
-                             const int32_t *qsum)
+                             float *scratch, int isa, ptrdiff_t group, const int8_t *qi,
+                             const float *qsc, const int32_t *qsum)
 {
     float *Kp = scratch;
     float *S = Kp + hd * KVC_PF_IMP_ROWS;
@@ -611,9 +613,9 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
             continue;
         if (quant_k) {
             for (i = 0; i < nr; ++i)
-                kvc_i8_rows_isa(isa, qi + (j + i) * KVC_I8_PAD(hd),
-                                qsc + (j + i) * KVC_I8_GROUPS(hd),
-                                qsum + (j + i) * KVC_I8_GROUPS(hd), kq + (t0 + c0) * hd,
+                kvc_i8_rows_isa(isa, group, qi + (j + i) * KVC_I8_PAD(hd),
+                                qsc + (j + i) * KVC_I8_GROUPS(hd, group),
+                                qsum + (j + i) * KVC_I8_GROUPS(hd, group), kq + (t0 + c0) * hd,
                                 ks + (t0 + c0) * ks_stride, ks_stride, hd, c1 - c0,
                                 S + i * KVC_PF_IMP_ROWS + c0);
         } else {

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .static import StaticKvCache
 
 __all__ = ["CHUNK_ROWS", "openmp_built", "max_threads", "round_half_away", "quantize_rows",
-           "store_rows_f32", "store_rows_q8", "stream_read", "fmaf", "quantize_query", "q8_scores", "visible_range", "attend_rows",
+           "store_rows_f32", "store_rows_q8", "stream_read", "fmaf", "k_group_of", "quantize_query", "q8_scores", "visible_range", "attend_rows",
            "attend_blocked",
            "attend_all_heads", "attend", "attend_group", "o1_seal", "o1_step_layer",
            "static_attend", "o1_absorb", "o1_step", "nystrom_stream", "nystrom_matrix",
@@ -117,36 +117,46 @@ def fmaf(a: F32, b: F32, c: F32) -> F32:
     return out
 
 
-def quantize_query(q__jd: F32, qi__jp: I8, sq__jg: F32, qsum__jg: npt.NDArray[np.int32]) -> None:
+def k_group_of(hd: int, n_scales: int, k_group: int = 0) -> int:
+    """The K group of a q8 call, as ``_core`` reads it: ``k_group`` when 16 or 32, else 16 when
+    the K store holds ceil(hd / 16) scales per row (and hd > 16), otherwise 32."""
+    if k_group in (16, 32):
+        return k_group
+    return 16 if hd > 16 and n_scales == -(-hd // 16) else 32
+
+
+def quantize_query(q__jd: F32, qi__jp: I8, sq__jg: F32, qsum__jg: npt.NDArray[np.int32],
+                   group: int = 32) -> None:
     """Twin of ``_core.quantize_query`` (docs/numerics.md, "q8 scoring"): each query quantised
-    like a stored row in 32-channel groups (codes zero past head_dim), a group with a NaN or an
-    infinity gets scale NaN; qsum holds the group sums of the codes."""
+    like a stored row in groups of ``group`` (16 or 32) channels (codes zero past head_dim), a
+    group with a NaN or an infinity gets scale NaN; qsum holds the group sums of the codes."""
     q = np.asarray(q__jd, dtype=_F32)
     nq, hd = q.shape
-    ng = -(-hd // K_GROUP)
+    ng = -(-hd // group)
     qi__jp[:] = 0
-    quantize_rows(q, np.zeros(0, dtype=_F32), K_GROUP, qi__jp[:, :hd], sq__jg)
+    quantize_rows(q, np.zeros(0, dtype=_F32), group, qi__jp[:, :hd], sq__jg)
     for g in range(ng):
-        qsum__jg[:, g] = qi__jp[:, g * K_GROUP:(g + 1) * K_GROUP].astype(np.int32).sum(axis=1)
-        bad = ~np.isfinite(q[:, g * K_GROUP:(g + 1) * K_GROUP]).all(axis=1)   # (nq,)
+        qsum__jg[:, g] = qi__jp[:, g * group:(g + 1) * group].astype(np.int32).sum(axis=1)
+        bad = ~np.isfinite(q[:, g * group:(g + 1) * group]).all(axis=1)       # (nq,)
         sq__jg[bad, g] = np.nan
 
 
-def q8_scores(q__jd: F32, kq__rd: I8, ks__rg: F32, out__jr: F32) -> None:
-    """Twin of ``_core.q8_scores``, bit for bit: per query and row, acc = 0 and for each
-    32-channel group g in order acc = fmaf(float(isum_g), sq_g * sk_g, acc), isum_g the exact
-    integer dot product of the group's codes."""
+def q8_scores(q__jd: F32, kq__rd: I8, ks__rg: F32, out__jr: F32, k_group: int = 0) -> None:
+    """Twin of ``_core.q8_scores``, bit for bit: per query and row, acc = 0 and for each K
+    group g (``k_group_of``) in order acc = fmaf(float(isum_g), sq_g * sk_g, acc), isum_g the
+    exact integer dot product of the group's codes."""
     q = np.asarray(q__jd, dtype=_F32)
     nq, hd = q.shape
-    ng = -(-hd // K_GROUP)
-    qi = np.zeros((nq, ng * K_GROUP), dtype=np.int8)
+    group = k_group_of(hd, ks__rg.shape[1], k_group)
+    ng = -(-hd // group)
+    qi = np.zeros((nq, -(-hd // 32) * 32), dtype=np.int8)
     sq = np.zeros((nq, ng), dtype=_F32)
     qs = np.zeros((nq, ng), dtype=np.int32)
-    quantize_query(q, qi, sq, qs)
+    quantize_query(q, qi, sq, qs, group)
     k = np.asarray(kq__rd).astype(np.int64)                                   # (r, hd)
     acc = np.zeros((nq, k.shape[0]), dtype=_F32)
     for g in range(ng):
-        g0, g1 = g * K_GROUP, min(hd, (g + 1) * K_GROUP)
+        g0, g1 = g * group, min(hd, (g + 1) * group)
         isum = qi[:, g0:g1].astype(np.int64) @ k[:, g0:g1].T                  # (nq, r) exact
         with np.errstate(invalid="ignore", over="ignore"):
             prod = (sq[:, g:g + 1] * ks__rg[None, :, g]).astype(_F32)          # (nq, r)
@@ -193,7 +203,7 @@ def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: 
                 vs__hc1: F32, vcol__hd: F32, head_len__h: IP, q__jd: F32, group_q0: IP,
                 n_pos: int, n_back: int, window: int, first: int, scale: float, softcap: float,
                 out__jd: F32, probs__jl: F32, imp__l: F32, imp_mode: int, quant_k: bool,
-                quant_v: bool, n_threads: int = 1) -> None:
+                quant_v: bool, n_threads: int = 1, k_group: int = 0) -> None:
     """NumPy twin of ``_core.attend_rows`` (see its docstring for the contract)."""
     nkv = len(head_len__h)
     L = probs__jl.shape[1]
@@ -216,7 +226,7 @@ def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: 
             qj = q__jd[j]                                              # (hd,)
             if quant_k:
                 raw = np.zeros((1, e - f), dtype=_F32)                 # (1, r)
-                q8_scores(qj[None, :], kq__hcd[g, f:e], ks__hcg[g, f:e], raw)
+                q8_scores(qj[None, :], kq__hcd[g, f:e], ks__hcg[g, f:e], raw, k_group)
                 with np.errstate(invalid="ignore", over="ignore"):
                     sc = raw[0] * scale                                # bit-exact scores
             else:
@@ -253,7 +263,7 @@ def attend_blocked(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hc
                    vs__hc1: F32, vcol__hd: F32, head_len__h: IP, q__jd: F32, group_q0: IP,
                    n_pos: int, n_back: int, window: int, first: int, scale: float,
                    softcap: float, out__jd: F32, imp__l: F32, imp_mode: int, quant_k: bool,
-                   quant_v: bool, n_threads: int = 1) -> None:
+                   quant_v: bool, n_threads: int = 1, k_group: int = 0) -> None:
     """NumPy twin of ``_core.attend_blocked``: the same visible ranges and arithmetic in one
     softmax per query (the kernel's tiles change only the rounding).  int8 keys are
     scored with the integer arithmetic of ``q8_scores`` (bit for bit), int8 values are
@@ -281,7 +291,7 @@ def attend_blocked(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hc
             with np.errstate(invalid="ignore", over="ignore"):
                 if keys is None:                                                # q8 scoring
                     raw = np.zeros((1, e - f), dtype=_F32)
-                    q8_scores(q__jd[j][None, :], kq__hcd[g, f:e], ks__hcg[g, f:e], raw)
+                    q8_scores(q__jd[j][None, :], kq__hcd[g, f:e], ks__hcg[g, f:e], raw, k_group)
                     sc = raw[0] * scale                                         # (r,)
                 else:
                     sc = (keys[f:e] @ q__jd[j]).astype(_F32) * scale           # (r,)

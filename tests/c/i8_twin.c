@@ -1,6 +1,6 @@
 /* Runs the q8 scoring of _kernels.h (query quantiser, raw scores of every instruction-set
  * body, a decode score task) on pseudo-random inputs and prints every result as raw bits.
- * Usage: i8_twin LEVEL (0 portable, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI).
+ * K groups of 16 and of 32 channels.  Usage: i8_twin LEVEL (0 portable, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI).
  * tests/test_int8_scoring.py builds it with -DKVC_EMULATE_VNNI (the VNNI bodies compiled
  * without their target attributes, vpdpbusd emulated exactly with AVX2) and with
  * -DKVC_NO_SIMD, runs every level and requires identical output. */
@@ -29,10 +29,10 @@ static void out(float x)
 
 int main(int argc, char **argv)
 {
-    static float q[NQ * HDMAX], ks[ROWS * 12], res[ROWS], probs[NQ * ROWS];
+    static float q[NQ * HDMAX], ks[ROWS * 17], res[ROWS], probs[NQ * ROWS];
     static int8_t kq[ROWS * HDMAX], qi[NQ * HDMAX];
-    static float sq[NQ * 12];
-    static int32_t qsum[NQ * 12];
+    static float sq[NQ * 17];
+    static int32_t qsum[NQ * 17];
     ptrdiff_t hds[] = {1, 7, 8, 16, 31, 32, 33, 40, 64, 72, 96, 100, 128, 136, 160, 256, 264};
     ptrdiff_t qf[NQ] = {0, 3, 0, 9, 20}, qe[NQ] = {77, 77, 70, 40, 21};
     int level = argc > 1 ? atoi(argv[1]) : 0, trial, h, i, j;
@@ -43,16 +43,17 @@ int main(int argc, char **argv)
             q[i] = rnd() * mag;
         for (i = 0; i < ROWS * HDMAX; ++i)
             kq[i] = trial % 4 == 3 ? (int8_t)(next() % 2 ? -128 : 127) : (int8_t)(next() & 0xFF);
-        for (i = 0; i < ROWS * 12; ++i)
+        for (i = 0; i < ROWS * 17; ++i)
             ks[i] = rnd() * rnd() * (trial % 2 ? 1e-2f : 1.0f);
         if (trial == 5) {   /* a non-finite query value: NaN scores for that query */
             q[3] = NAN;
             q[HDMAX + 40] = INFINITY;
         }
-        for (h = 0; h < (int)(sizeof hds / sizeof hds[0]); ++h) {
-            ptrdiff_t hd = hds[h], hdp = KVC_I8_PAD(hd), ng = KVC_I8_GROUPS(hd);
+        for (h = 0; h < (int)(sizeof hds / sizeof hds[0]) * 2; ++h) {
+            ptrdiff_t hd = hds[h / 2], group = h % 2 ? 16 : 32;
+            ptrdiff_t hdp = KVC_I8_PAD(hd), ng = KVC_I8_GROUPS(hd, group);
             for (j = 0; j < NQ; ++j) {
-                kvc_quant_query(q + j * hd, hd, qi + j * hdp, sq + j * ng, qsum + j * ng);
+                kvc_quant_query(q + j * hd, hd, group, qi + j * hdp, sq + j * ng, qsum + j * ng);
                 for (i = 0; i < hdp; ++i)
                     printf("%d\n", qi[j * hdp + i]);
                 for (i = 0; i < ng; ++i) {
@@ -63,13 +64,13 @@ int main(int argc, char **argv)
             for (j = 0; j < NQ; ++j) {
                 /* every row count (the 8-row bodies and the scalar tail), scale stride 12 */
                 ptrdiff_t n = 1 + (ptrdiff_t)(next() % ROWS);
-                kvc_i8_rows_isa(level, qi + j * hdp, sq + j * ng, qsum + j * ng, kq, ks, 12, hd,
-                                n, res);
+                kvc_i8_rows_isa(level, group, qi + j * hdp, sq + j * ng, qsum + j * ng, kq, ks, 17,
+                                hd, n, res);
                 for (i = 0; i < n; ++i)
                     out(res[i]);
             }
             memset(probs, 0, sizeof probs);
-            kvc_task_scores_i8(level, qi, sq, qsum, NQ, qf, qe, kq, ks, 12, 2, ROWS, hd, 0.17f,
+            kvc_task_scores_i8(level, group, qi, sq, qsum, NQ, qf, qe, kq, ks, 17, 2, ROWS, hd, 0.17f,
                                trial % 2 ? 5.0f : 0.0f, probs, ROWS);
             for (i = 0; i < NQ * ROWS; ++i)
                 out(probs[i]);

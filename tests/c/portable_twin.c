@@ -49,12 +49,13 @@ int main(void)
             memset(probs, 0, sizeof probs);
             if (quant) {   /* integer scoring (every level: tests/c/i8_twin.c) */
                 static int8_t qi[8 * KVC_I8_PAD(HDMAX)];
-                static float sq[8 * KVC_I8_GROUPS(HDMAX)];
-                static int32_t qsum[8 * KVC_I8_GROUPS(HDMAX)];
+                static float sq[8 * KVC_I8_GROUPS(HDMAX, 32)];
+                static int32_t qsum[8 * KVC_I8_GROUPS(HDMAX, 32)];
                 for (i = 0; i < 8; ++i)
-                    kvc_quant_query(q + i * hd, hd, qi + i * KVC_I8_PAD(hd),
-                                    sq + i * KVC_I8_GROUPS(hd), qsum + i * KVC_I8_GROUPS(hd));
-                kvc_task_scores_i8(KVC_SIMD ? KVC_ISA_AVX2 : KVC_ISA_PORTABLE, qi, sq, qsum, 8,
+                    kvc_quant_query(q + i * hd, hd, 32, qi + i * KVC_I8_PAD(hd),
+                                    sq + i * KVC_I8_GROUPS(hd, 32),
+                                    qsum + i * KVC_I8_GROUPS(hd, 32));
+                kvc_task_scores_i8(KVC_SIMD ? KVC_ISA_AVX2 : KVC_ISA_PORTABLE, 32, qi, sq, qsum, 8,
                                    qf, qe, kq, ks, ng, 0, ROWS, hd, 0.3f, 2.5f, probs, 64);
             } else {
                 kvc_task_scores(q, 8, qf, qe, k, 0, ROWS, hd, 0.3f, 2.5f, probs, 64);
