@@ -5,7 +5,8 @@ identical inputs (the oracle) and the benchmark can time them side by side (the 
 Numerics follow the same rules (docs/numerics.md) in float32 (scores, softmax, V accumulation,
 importance), with NumPy's own summation order inside dot products and sums; results therefore
 agree with the kernels to float32 rounding, not bit for bit (the exceptions, bit-identical by
-construction, are row quantisation and the row stores).
+construction, are row quantisation, the row stores, the query quantiser and the raw q8 scores:
+``quantize_query``, ``q8_scores`` and the q8 scores inside ``attend_rows``/``attend_blocked``).
 
 Convenience wrappers run a LayerKvCache's own driver on these kernels:
 ``attend_all_heads(layer, q, ...)``, ``attend(layer, q, h)``, ``attend_group(layer, ...)``,
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from .static import StaticKvCache
 
 __all__ = ["CHUNK_ROWS", "openmp_built", "max_threads", "round_half_away", "quantize_rows",
-           "store_rows_f32", "store_rows_q8", "stream_read", "visible_range", "attend_rows",
+           "store_rows_f32", "store_rows_q8", "stream_read", "fmaf", "k_group_of", "quantize_query", "q8_scores", "visible_range", "attend_rows",
            "attend_blocked",
            "attend_all_heads", "attend", "attend_group", "o1_seal", "o1_step_layer",
            "static_attend", "o1_absorb", "o1_step", "nystrom_stream", "nystrom_matrix",
@@ -92,6 +93,79 @@ def quantize_rows(x__nd: F32, col__d: F32, group: int, q__nd: I8, s__ng: F32,
         s__ng[:, gi] = s
 
 
+def fmaf(a: F32, b: F32, c: F32) -> F32:
+    """C's ``fmaf`` elementwise: a * b + c with ONE rounding to float32, exactly.
+
+    a * b is exact in float64 (24 + 24 significant bits); the float64 sum s = a * b + c is
+    rounded once more, which changes the float32 result only when s lands exactly on a
+    midpoint between two float32 numbers while the exact sum does not: then s is nudged one
+    float64 step towards the exact sum (its rounding error, from TwoSum) before rounding."""
+    a64 = np.asarray(a, dtype=_F32).astype(np.float64)
+    b64 = np.asarray(b, dtype=_F32).astype(np.float64)
+    c64 = np.asarray(c, dtype=_F32).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = a64 * b64                                                   # exact
+        s = p + c64
+        bb = s - p
+        err = (p - (s - bb)) + (c64 - bb)                               # s + err == p + c
+        r = s.astype(_F32)
+        r64 = r.astype(np.float64)
+        other = np.nextafter(r, np.where(s > r64, _F32(np.inf), _F32(-np.inf))).astype(np.float64)
+        mid = np.isfinite(s) & np.isfinite(err) & (r64 != s) & ((r64 + other) / 2 == s) & (err != 0)
+        if np.any(mid):
+            s2 = np.nextafter(s, np.where(err > 0, np.inf, -np.inf))
+            r = np.where(mid, s2.astype(_F32), r)
+    out: F32 = np.asarray(r, dtype=_F32)
+    return out
+
+
+def k_group_of(hd: int, n_scales: int, k_group: int = 0) -> int:
+    """The K group of a q8 call, as ``_core`` reads it: ``k_group`` when 16 or 32, else 16 when
+    the K store holds ceil(hd / 16) scales per row (and hd > 16), otherwise 32."""
+    if k_group in (16, 32):
+        return k_group
+    return 16 if hd > 16 and n_scales == -(-hd // 16) else 32
+
+
+def quantize_query(q__jd: F32, qi__jp: I8, sq__jg: F32, qsum__jg: npt.NDArray[np.int32],
+                   group: int = 32) -> None:
+    """Twin of ``_core.quantize_query`` (docs/numerics.md, "q8 scoring"): each query quantised
+    like a stored row in groups of ``group`` (16 or 32) channels (codes zero past head_dim), a
+    group with a NaN or an infinity gets scale NaN; qsum holds the group sums of the codes."""
+    q = np.asarray(q__jd, dtype=_F32)
+    nq, hd = q.shape
+    ng = -(-hd // group)
+    qi__jp[:] = 0
+    quantize_rows(q, np.zeros(0, dtype=_F32), group, qi__jp[:, :hd], sq__jg)
+    for g in range(ng):
+        qsum__jg[:, g] = qi__jp[:, g * group:(g + 1) * group].astype(np.int32).sum(axis=1)
+        bad = ~np.isfinite(q[:, g * group:(g + 1) * group]).all(axis=1)       # (nq,)
+        sq__jg[bad, g] = np.nan
+
+
+def q8_scores(q__jd: F32, kq__rd: I8, ks__rg: F32, out__jr: F32, k_group: int = 0) -> None:
+    """Twin of ``_core.q8_scores``, bit for bit: per query and row, acc = 0 and for each K
+    group g (``k_group_of``) in order acc = fmaf(float(isum_g), sq_g * sk_g, acc), isum_g the
+    exact integer dot product of the group's codes."""
+    q = np.asarray(q__jd, dtype=_F32)
+    nq, hd = q.shape
+    group = k_group_of(hd, ks__rg.shape[1], k_group)
+    ng = -(-hd // group)
+    qi = np.zeros((nq, -(-hd // 32) * 32), dtype=np.int8)
+    sq = np.zeros((nq, ng), dtype=_F32)
+    qs = np.zeros((nq, ng), dtype=np.int32)
+    quantize_query(q, qi, sq, qs, group)
+    k = np.asarray(kq__rd).astype(np.int64)                                   # (r, hd)
+    acc = np.zeros((nq, k.shape[0]), dtype=_F32)
+    for g in range(ng):
+        g0, g1 = g * group, min(hd, (g + 1) * group)
+        isum = qi[:, g0:g1].astype(np.int64) @ k[:, g0:g1].T                  # (nq, r) exact
+        with np.errstate(invalid="ignore", over="ignore"):
+            prod = (sq[:, g:g + 1] * ks__rg[None, :, g]).astype(_F32)          # (nq, r)
+        acc = fmaf(isum.astype(_F32), prod, acc)
+    out__jr[:] = acc
+
+
 def store_rows_f32(x__nhd: F32, alive__h: U8, head_len__h: IP, store__hcd: F32) -> None:
     """store[h, head_len[h] + i] = x[i, h] for alive heads."""
     n = x__nhd.shape[0]
@@ -131,7 +205,7 @@ def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: 
                 vs__hc1: F32, vcol__hd: F32, head_len__h: IP, q__jd: F32, group_q0: IP,
                 n_pos: int, n_back: int, window: int, first: int, scale: float, softcap: float,
                 out__jd: F32, probs__jl: F32, imp__l: F32, imp_mode: int, quant_k: bool,
-                quant_v: bool, n_threads: int = 1) -> None:
+                quant_v: bool, n_threads: int = 1, k_group: int = 0) -> None:
     """NumPy twin of ``_core.attend_rows`` (see its docstring for the contract)."""
     nkv = len(head_len__h)
     L = probs__jl.shape[1]
@@ -153,12 +227,10 @@ def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: 
                 continue
             qj = q__jd[j]                                              # (hd,)
             if quant_k:
-                hd = qj.shape[0]
-                sc = np.zeros(e - f, dtype=_F32)                       # (r,)
-                for gi, g0 in enumerate(range(0, hd, K_GROUP)):
-                    part = kq__hcd[g, f:e, g0:g0 + K_GROUP].astype(_F32) @ qj[g0:g0 + K_GROUP]
-                    sc += ks__hcg[g, f:e, gi] * part                   # (r,)
-                sc = sc * scale
+                raw = np.zeros((1, e - f), dtype=_F32)                 # (1, r)
+                q8_scores(qj[None, :], kq__hcd[g, f:e], ks__hcg[g, f:e], raw, k_group)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    sc = raw[0] * scale                                # bit-exact scores
             else:
                 sc = (kf__hcd[g, f:e] @ qj) * scale                    # (r,)
             if softcap > 0:
@@ -193,9 +265,10 @@ def attend_blocked(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hc
                    vs__hc1: F32, vcol__hd: F32, head_len__h: IP, q__jd: F32, group_q0: IP,
                    n_pos: int, n_back: int, window: int, first: int, scale: float,
                    softcap: float, out__jd: F32, imp__l: F32, imp_mode: int, quant_k: bool,
-                   quant_v: bool, n_threads: int = 1) -> None:
+                   quant_v: bool, n_threads: int = 1, k_group: int = 0) -> None:
     """NumPy twin of ``_core.attend_blocked``: the same visible ranges and arithmetic in one
-    softmax per query (the kernel's tiles change only the rounding).  int8 rows are
+    softmax per query (the kernel's tiles change only the rounding).  int8 keys are
+    scored with the integer arithmetic of ``q8_scores`` (bit for bit), int8 values are
     dequantised as int8 value times scale, every visible row is summed (no skip rule), the
     output is (sum of exp(s - max) * v) / (sum of exp(s - max)), times the V column in q8."""
     nkv = len(head_len__h)
@@ -208,12 +281,7 @@ def attend_blocked(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hc
             continue
         per = cnt // n_pos
         stored = int(head_len__h[g])
-        if quant_k:
-            hd = kq__hcd.shape[2]
-            sc_k = np.repeat(ks__hcg[g, :stored], K_GROUP, axis=1)[:, :hd]   # (T, hd)
-            keys = kq__hcd[g, :stored].astype(_F32) * sc_k                    # (T, hd)
-        else:
-            keys = kf__hcd[g, :stored]                                         # (T, hd)
+        keys = None if quant_k else kf__hcd[g, :stored]                        # (T, hd)
         vals = (vq__hcd[g, :stored].astype(_F32) * vs__hc1[g, :stored, :1] if quant_v
                 else vf__hcd[g, :stored])                                      # (T, hd)
         for jl in range(cnt):
@@ -223,7 +291,12 @@ def attend_blocked(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hc
             if e <= f:
                 continue
             with np.errstate(invalid="ignore", over="ignore"):
-                sc = (keys[f:e] @ q__jd[j]).astype(_F32) * scale               # (r,)
+                if keys is None:                                                # q8 scoring
+                    raw = np.zeros((1, e - f), dtype=_F32)
+                    q8_scores(q__jd[j][None, :], kq__hcd[g, f:e], ks__hcg[g, f:e], raw, k_group)
+                    sc = raw[0] * scale                                         # (r,)
+                else:
+                    sc = (keys[f:e] @ q__jd[j]).astype(_F32) * scale           # (r,)
                 if softcap > 0:
                     fin = np.isfinite(sc)
                     sc[fin] = softcap * np.tanh(sc[fin] / softcap)

@@ -79,7 +79,7 @@ O1_AUTO_PARAMS = (32, 128, 4, 128, 1e-3)
 
 #: Version of the prompt attention whose rows the prefix store keeps (part of the fingerprint):
 #: "blocked-1" is the tiled kernel of ``LayerKvCache.attend_all_heads(prefill=True)``.
-PROMPT_KERNEL = "blocked-1"
+PROMPT_KERNEL = "blocked-2"
 
 #: Positions per prefill chunk (chunks end at multiples of it).  It divides the prefix store's
 #: default block (256), so stored blocks and computed chunks line up; a full store hit still
