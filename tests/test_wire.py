@@ -752,8 +752,9 @@ GOLDEN_PINNED = {  # sha256 of deterministic buffers: pins every section's layou
     "sealed": "f43b55bc65f8640e13652e6142a724be5b18591b877b92e67c6bfd95cc934b14",
     "model": "13d49461cb9008ccfa1f4e1b44bac75274aaa4f9b42f6a28e802604347bbb74b",
 }
-GOLDEN_PINNED_V1 = {  # the same buffers as format version 1 wrote them (before the scheme byte)
-    "q8": "5fa173f39ca933d4e3f8d5b564eea63e4ae14095a4d2578f7fd7a6ec28912c7b",
+GOLDEN_PINNED_V1 = {  # the same buffers as format version 1 wrote them (before the scheme byte);
+    # the q8 and model buffers carry importance from q8 scoring, re-taken with integer scoring
+    "q8": "6cfee2baeb6d2e9babecf55b333e44e485329dfdc9b1ef4ff4715097ec2cc448",
     "collecting": "daaa151ce88ca4b6532501b6a6fa4a8cf16512545d67015f059390d14ce6dca7",
     "sealed": "d1439ca84ae56710825aab40e7e6fdb13ca38a3049c1bfd5a246406ba8199d4d",
     "model": "7452cf403641830386658a52ad3005c91464633c40d0fdf4a30e5245333db9d4",

@@ -30,6 +30,8 @@ def config_info() -> dict[str, Any]:
         "openmp_built": _core.openmp_built(),
         "simd_built": _core.simd_built(),
         "isa": f"{_core.isa()} (cpu: {_core.isa_detected()}; build: {_core.isa_build()})",
+        "isa_bodies": (f"q8 scoring {_core.isa()}, MLA {_core.mla_path()}, "
+                       "float32 attention avx2" if _core.simd_built() else "portable C"),
         "threads": ts.max_threads,
         "thread_mode": (f"{ts.mode}: "
                         + (f"1 to {ts.max_threads}" if ts.adaptive else f"{ts.max_threads}")
@@ -58,7 +60,7 @@ def show_config(file: Optional[TextIO] = None) -> None:
     (``kvcache.threads``: limit, mode, the free-CPU sampler) and threadpoolctl's view."""
     info = config_info()
     out = file or sys.stdout
-    for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "simd_built", "isa",
+    for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "simd_built", "isa", "isa_bodies",
                 "threads", "thread_mode", "thread_sampler", "chunk_rows", "wire_digest"):
         print(f"{key:>14}: {info[key]}", file=out)
     print(f"{'threadpools':>14}:", file=out)

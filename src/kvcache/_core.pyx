@@ -831,6 +831,13 @@ cdef extern from "_mla.h" nogil:
     void kvc_mla_merge_head(const float *acc, Py_ssize_t acc_stride, const float *m,
                             const float *l, Py_ssize_t ml_stride, Py_ssize_t nt,
                             const float *wuv, Py_ssize_t r, Py_ssize_t dv, float *c, float *out)
+    ctypedef void (*kvc_mla_task_fn)(const float *qT, Py_ssize_t H, Py_ssize_t Hp,
+                                     const float *lat, const float *kr, Py_ssize_t r,
+                                     Py_ssize_t dr, Py_ssize_t p0, Py_ssize_t p1,
+                                     Py_ssize_t pf_end, float scale, float *acc, float *m,
+                                     float *l, float *S)
+    kvc_mla_task_fn kvc_mla_task_select()
+    const char *kvc_mla_path()
     Py_ssize_t KVC_MLA_BLOCK
     float kvc_fma_probe(long iters, float x)
 
@@ -850,6 +857,12 @@ def fma_probe(long iters, int n_threads):
     for t in range(n_threads):
         acc += res[t]
     return acc
+
+
+def mla_path():
+    """The body the MLA kernel runs at the current instruction-set level: "avx512", "avx2" or
+    "portable" (the same bits whichever; _mla.h)."""
+    return kvc_mla_path().decode()
 
 
 def mla_task_rows(Py_ssize_t T):
@@ -914,6 +927,7 @@ def mla_attend(const float[:, :, ::1] qn__nhk, const float[:, :, ::1] qr__nhe,
     cdef float *outp = &out__nhj[0, 0, 0]
     cdef bint par_scores = T * H * (r + dr) > _PAR_WORK
     cdef bint par_heads = H > 1 and H * (dn + dv) * r > _PAR_WORK
+    cdef kvc_mla_task_fn task_fn = kvc_mla_task_select()   # the level's body, once per call
     for g0 in range(0, n, G):
         g1 = min(n, g0 + G)
         ng = g1 - g0
@@ -935,7 +949,7 @@ def mla_attend(const float[:, :, ::1] qn__nhk, const float[:, :, ::1] qr__nhe,
             p1 = min(p0 + R, e)
             tid = omp_get_thread_num()
             if p0 < p1:
-                kvc_mla_task(&qT[i, 0, 0], H, Hp, latp, krp, r, dr, p0, p1, e, scale,
+                task_fn(&qT[i, 0, 0], H, Hp, latp, krp, r, dr, p0, p1, e, scale,
                              &acc[task, 0, 0], &ml[0, task, 0], &ml[1, task, 0], &sbuf[tid, 0])
             else:
                 for h in range(Hp):
