@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._validate import FloatArrayLike
-from .quant import CHUNK_ROWS, K_GROUP
+from .quant import CHUNK_ROWS, k_group, k_group_of_scales
 
 if TYPE_CHECKING:
     from .layer import LayerKvCache
@@ -152,9 +152,10 @@ def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: 
             qj = q__jd[j]                                              # (hd,)
             if quant_k:
                 hd = qj.shape[0]
+                kg = k_group_of_scales(hd, ks__hcg.shape[2])           # the scheme's K group
                 sc = np.zeros(e - f, dtype=_F32)                       # (r,)
-                for gi, g0 in enumerate(range(0, hd, K_GROUP)):
-                    part = kq__hcd[g, f:e, g0:g0 + K_GROUP].astype(_F32) @ qj[g0:g0 + K_GROUP]
+                for gi, g0 in enumerate(range(0, hd, kg)):
+                    part = kq__hcd[g, f:e, g0:g0 + kg].astype(_F32) @ qj[g0:g0 + kg]
                     sc += ks__hcg[g, f:e, gi] * part                   # (r,)
                 sc = sc * scale
             else:
@@ -208,7 +209,8 @@ def attend_blocked(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hc
         stored = int(head_len__h[g])
         if quant_k:
             hd = kq__hcd.shape[2]
-            sc_k = np.repeat(ks__hcg[g, :stored], K_GROUP, axis=1)[:, :hd]   # (T, hd)
+            kg = k_group_of_scales(hd, ks__hcg.shape[2])                     # 16 or 32
+            sc_k = np.repeat(ks__hcg[g, :stored], kg, axis=1)[:, :hd]        # (T, hd)
             keys = kq__hcd[g, :stored].astype(_F32) * sc_k                    # (T, hd)
         else:
             keys = kf__hcd[g, :stored]                                         # (T, hd)
@@ -597,12 +599,14 @@ def q8_storage(k: FloatArrayLike, v: FloatArrayLike, alive: npt.ArrayLike | None
     (n, nkv, hd) appended in order (``alive`` (n, nkv) bool, None for all alive), by the words
     of docs/numerics.md, "int8 storage", position by position in NumPy.
 
-    Returns per-head lists: ``kq``/``ks`` (rows, hd) int8 / (rows, ceil(hd/32)) float32 when
-    ``quant_k``, ``vq``/``vs`` (rows, hd) / (rows,) when ``quant_v``, and ``kcol``/``vcol``,
+    Returns per-head lists: ``kq``/``ks`` (rows, hd) int8 / (rows, ceil(hd/group)) float32 when
+    ``quant_k`` (group = the scheme's K group, :func:`kvcache.quant.k_group`: 16 for "rows",
+    32 for "cmf"), ``vq``/``vs`` (rows, hd) / (rows,) when ``quant_v``, and ``kcol``/``vcol``,
     each head's frozen column field (hd,) or None.
 
-    "rows": each row by itself (:func:`quantize_rows`, no column), so nothing depends on what
-    else is stored.  "cmf": the same until position 64; the append of a position that finds
+    "rows": each row by itself (:func:`quantize_rows`, no column; K in 16-channel groups, a
+    partial last group when hd is not a multiple of 16), so nothing depends on what else is
+    stored.  "cmf": the same until position 64; the append of a position that finds
     64 or more stored positions and no column frozen first freezes, for every head and int8
     component holding rows, ``col = max(sqrt(mean of squares of the dequantised rows), 1e-6)``
     (float32, rows summed in order) and requantises those rows over it; later rows are
@@ -614,7 +618,7 @@ def q8_storage(k: FloatArrayLike, v: FloatArrayLike, alive: npt.ArrayLike | None
     n, nkv, hd = ka.shape
     live = np.ones((n, nkv), bool) if alive is None else np.asarray(alive, dtype=bool)
     comps = [(name, x, group) for name, x, group, on in
-             (("k", ka, K_GROUP, quant_k), ("v", va, hd, quant_v)) if on]
+             (("k", ka, k_group(scheme), quant_k), ("v", va, hd, quant_v)) if on]
     codes: dict[str, list[list[npt.NDArray[np.int8]]]] = {c: [[] for _ in range(nkv)] for c, _, _ in comps}
     scales: dict[str, list[list[npt.NDArray[np.float32]]]] = {c: [[] for _ in range(nkv)] for c, _, _ in comps}
     cols: dict[str, list[npt.NDArray[np.float32] | None]] = {c: [None] * nkv for c, _, _ in comps}
