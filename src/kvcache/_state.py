@@ -119,8 +119,9 @@ class LayerState:
             raise ValueError(f"state.lengths: expected 0 <= lengths <= seq_len={seq_len}, got "
                              f"{self.lengths.tolist()}")
         ngk = quant.k_scale_count(hd, self.mode.scheme) if self.mode.quant_k else 0
-        widths: dict[str, tuple[int, np.dtype[Any]]] = {"kf": (hd, F32), "kq": (hd, I8), "ks": (ngk, F32),
-                  "vf": (hd, F32), "vq": (hd, I8), "vs": (1, F32)}
+        widths: dict[str, tuple[int, np.dtype[Any]]] = {
+            "kf": (hd, F32), "kq": (hd, I8), "ks": (ngk, F32),
+            "vf": (hd, F32), "vq": (hd, I8), "vs": (1, F32)}
         stores = self.stores()
         for name in widths:
             if name not in stores and getattr(self, name) is not None:

@@ -1,33 +1,35 @@
 """The q8 storage schemes (described in docs/numerics.md) and the one place for row sizes.
 
-K rows are quantised per row in groups of ``k_group(scheme)`` channels, one float32 scale per
-group: 16 channels for ``"rows"``, 32 for ``"cmf"`` (:data:`K_GROUPS`); a head_dim that is not a
-multiple of the group has a partial last group, so a K row holds ``ceil(head_dim / group)``
-scales.  V rows have one scale per row in both schemes.  Scales are ``max(absmax / 127, 1e-12)``, values
-``clamp(round_half_away_from_zero(r / s), -127, 127)`` (NaN -> 0), where ``r = x / col`` once
-the per-channel column field is frozen, else ``r = x``.
+K rows are quantised per row in groups of ``k_group(scheme)`` consecutive channels, one float32
+scale per group: 16 channels in ``"rows"``, 32 in ``"cmf"`` (:data:`K_GROUPS`); when head_dim is
+not a multiple of the group the last group is partial, so a K row holds ``ceil(head_dim /
+group)`` scales.  V rows have one scale per row in both schemes.  Scales are
+``max(absmax / 127, 1e-12)``, values ``clamp(round_half_away_from_zero(r / s), -127, 127)``
+(NaN -> 0), where ``r = x / col`` once the per-channel column field is frozen, else ``r = x``.
 
 Two schemes (:attr:`kvcache.KvMode.scheme`):
 
-* ``"rows"`` (the default) stores K in 16-channel groups and never freezes a column field: ``r = x`` for every row, so a stored
-  row depends on its own values only and rolling back then appending the same rows again
-  stores the same bytes at every position;
-* ``"cmf"`` (the legacy scheme) stores K in 32-channel groups and freezes the column field once per conversation, at the start
-  of the first append that finds ``seq_len >= COL_WARMUP`` (64) and no column frozen yet: for
-  every head and quantised component holding rows, ``col[d] = max(sqrt(sum_p x[p, d]**2 / n),
-  1e-6)`` over the dequantised rows (float32, rows added in order), and every stored row is
-  requantised against it.  A rollback keeps the frozen column, so rows appended again after
-  rolling back across position 64 are stored differently.
+* ``"rows"`` (the default): K in 16-channel groups, and no column field is ever frozen:
+  ``r = x`` for every row, so a stored row depends on its own values only and rolling back
+  then appending the same rows again stores the same bytes at every position;
+* ``"cmf"`` (the legacy scheme): K in 32-channel groups, and the column field is frozen once
+  per conversation, at the start of the first append that finds ``seq_len >= COL_WARMUP`` (64)
+  and no column frozen yet: for every head and quantised component holding rows,
+  ``col[d] = max(sqrt(sum_p x[p, d]**2 / n), 1e-6)`` over the dequantised rows (float32, rows
+  added in order), and every stored row is requantised against it.  A rollback keeps the
+  frozen column, so rows appended again after rolling back across position 64 are stored
+  differently.
 
 Sizes.  :func:`k_group`, :func:`k_scale_count`, :func:`k_row_bytes`, :func:`v_row_bytes` and
-:func:`q8_row_bytes` are the only place the group and the byte size of a stored row are
-computed: the layer (its K scale store and ``memory_bytes``), the states, the byte formats
-(:mod:`kvcache.wire`, the prefix-store entries), the static cache and the device mirrors use
+:func:`q8_row_bytes` are the only place the K group and the byte size of a stored row are
+computed: the layer (the width of its K scale store, the group it quantises with,
+``memory_bytes``), the states' checks, the byte formats (:mod:`kvcache.wire`, whose scheme byte
+decides the scale count, and the prefix-store entries) and the benchmarks' byte counts use
 them.  Every K size takes the scheme as a required argument (there is no default group), so a
 caller cannot size a K row for one scheme by omission.  :func:`k_group_of_scales` goes the other
-way, from a K scale store's width to its group.  :data:`CHUNK_ROWS` is the number of rows the attention kernels accumulate per chunk
-(the compiled ``_core.CHUNK_ROWS`` must equal it), and :data:`COPY_CHUNK_BYTES` the bytes the
-byte formats copy (and hash) per step.
+way, from the width of a K scale store to its group.  :data:`CHUNK_ROWS` is the number of rows
+the attention kernels accumulate per chunk (the compiled ``_core.CHUNK_ROWS`` must equal it),
+and :data:`COPY_CHUNK_BYTES` the bytes the byte formats copy (and hash) per step.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["COL_WARMUP", "K_GROUPS", "k_group", "k_group_of_scales", "COL_FLOOR", "CHUNK_ROWS", "COPY_CHUNK_BYTES", "n_groups",
-           "k_scale_count", "k_row_bytes", "v_row_bytes", "q8_row_bytes", "dequantize",
-           "column_field", "freeze_columns"]
+__all__ = ["COL_WARMUP", "K_GROUPS", "k_group", "k_group_of_scales", "COL_FLOOR", "CHUNK_ROWS",
+           "COPY_CHUNK_BYTES", "n_groups", "k_scale_count", "k_row_bytes", "v_row_bytes",
+           "q8_row_bytes", "dequantize", "column_field", "freeze_columns"]
 
 COL_WARMUP = 64
 K_GROUPS: dict[str, int] = {"rows": 16, "cmf": 32}
