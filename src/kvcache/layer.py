@@ -34,7 +34,7 @@ from ._validate import (FloatArrayLike, IntArrayLike, as_f32, as_f32_scalar, as_
 from ._attention import (Rows, attend_blocks, attend_prefill, attend_rows, default_scale,
                          grouped_queries)
 from .eviction import EvictionPolicy, born_rows
-from .modes import KvMode
+from .modes import DEFAULT_SCHEME, KvMode
 from ._generation import Generation
 from .o1 import O1Collecting, O1DeviceView, O1Rect, O1Sealed, O1Snapshot, check_seal
 
@@ -59,6 +59,13 @@ _MIN_CAPACITY = 16
 _O1_MAX = (1 << 31) - 1      # bound of the O(1) parameters (they travel as u32)
 
 _log = logging.getLogger("kvcache")
+
+
+def _k_scales(hd: int, mode: KvMode) -> int:
+    """Width of a layer's K scale store: the scale count of the mode's scheme.  A mode with
+    float32 K keeps that store empty and never reads it; it takes the default scheme's width
+    (>= ceil(hd / 32), what the kernels' shape checks accept for an unused store)."""
+    return quant.k_scale_count(hd, mode.scheme or DEFAULT_SCHEME)
 
 
 class LayerKvCache:
@@ -145,8 +152,8 @@ class LayerKvCache:
 
     @property
     def _ngk(self) -> int:
-        """K scales per int8 row of this layer's scheme (0 when K is float32)."""
-        return quant.k_scale_count(self._hd, self._mode.scheme) if self._mode.quant_k else 0
+        """K scales per int8 row of this layer's scheme."""
+        return _k_scales(self._hd, self._mode)
 
     @property
     def _k_group(self) -> int:
@@ -768,8 +775,7 @@ class LayerKvCache:
             raise ValueError(f"state: {problem}")
         if not state.owned:
             state = state.owned_copy()
-        ngk = quant.k_scale_count(self._hd, state.mode.scheme) if state.mode.quant_k else 0
-        empty_ks = np.zeros((self._nkv, 0, ngk), dtype=_F32)
+        empty_ks = np.zeros((self._nkv, 0, _k_scales(self._hd, state.mode)), dtype=_F32)
         # commit: assignments only
         self._mode = state.mode
         self._seq_len = int(state.seq_len)
