@@ -3,8 +3,15 @@
 The Cython directives are set once here.  ``KVCACHE_CYTHON_DEBUG=1`` turns bounds and
 wraparound checks back on (for a test run).  OpenMP is probed with a tiny test program; when the
 compiler cannot build it the extension is compiled serially and a warning is printed, so an
-install never fails for lack of OpenMP.  ``KVCACHE_NATIVE=0`` drops ``-march=native`` (use it
-when building a wheel for other machines).
+install never fails for lack of OpenMP.
+
+Instruction sets (docs/numerics.md, "Dispatch"): on x86-64 the extension is compiled for the
+AVX2 + FMA baseline (``-mavx2 -mfma``, probed), and the kernels that gain from newer
+instructions (AVX-VNNI, AVX-512 VNNI) carry extra bodies chosen at run time, so one build runs
+on every AVX2 machine at its best speed.  When the compiler cannot build the VNNI bodies, it is
+built without them (``KVC_NO_VNNI``).  Other compilers or CPUs get the portable C.
+``KVCACHE_NATIVE=1`` adds ``-march=native`` (a build for this machine only; not needed for
+speed).  ``KVCACHE_NO_SIMD=1`` builds the portable C on any machine (for tests).
 """
 
 import os
@@ -19,7 +26,23 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("KVCACHE_CYTHON_DEBUG", "0") not in ("", "0")
-NATIVE = os.environ.get("KVCACHE_NATIVE", "1") not in ("", "0")
+NATIVE = os.environ.get("KVCACHE_NATIVE", "0") not in ("", "0")
+NO_SIMD = os.environ.get("KVCACHE_NO_SIMD", "0") not in ("", "0")
+
+# the VNNI bodies: the target attributes and intrinsics _isa.h uses
+VNNI_PROBE = """
+    #include <immintrin.h>
+    __attribute__((target("avx2,fma,avxvnni"))) static __m256i a(__m256i x, __m256i y)
+    { return _mm256_dpbusd_avx_epi32(x, x, y); }
+    __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+    static __m256i b(__m256i x, __m256i y) { return _mm256_dpbusd_epi32(x, x, y); }
+    int main(void) {
+        __builtin_cpu_init();
+        volatile int s = __builtin_cpu_supports("avxvnni") + __builtin_cpu_supports("avx512vnni");
+        __m256i z = _mm256_set1_epi32(s);
+        return _mm256_extract_epi32(a(z, z), 0) + _mm256_extract_epi32(b(z, z), 0) == 12345;
+    }
+"""
 
 DIRECTIVES = {
     "language_level": 3,
@@ -47,7 +70,7 @@ def _compiles(compiler, code, extra_compile, extra_link):
 
 
 class BuildExt(build_ext):
-    """build_ext that probes OpenMP and -march=native before compiling."""
+    """build_ext that probes OpenMP and the x86-64 AVX2/FMA baseline before compiling."""
 
     def build_extensions(self):
         compile_args = ["-O3", "-std=gnu11"]
@@ -57,8 +80,15 @@ class BuildExt(build_ext):
             omp_c, omp_l = ["/openmp"], []
         else:
             omp_c, omp_l = ["-fopenmp"], ["-fopenmp"]
+            simd = ["-mavx2", "-mfma"]
+            if NO_SIMD:
+                self.extensions[0].define_macros.append(("KVC_NO_SIMD", "1"))
+            elif _compiles(self.compiler, "int main(void){return 0;}\n", simd, []):
+                compile_args += simd
+                if not _compiles(self.compiler, VNNI_PROBE, simd, []):
+                    self.extensions[0].define_macros.append(("KVC_NO_VNNI", "1"))
             if NATIVE and _compiles(self.compiler, "int main(void){return 0;}\n", ["-march=native"], []):
-                compile_args += ["-march=native", "-mprefer-vector-width=512"]
+                compile_args += ["-march=native"]
             compile_args += ["-fno-math-errno", "-fno-trapping-math"]
         omp_probe = """
             #include <omp.h>
@@ -91,6 +121,7 @@ extensions = [
         ["src/kvcache/_core.pyx"],
         include_dirs=["src/kvcache"],
         depends=["src/kvcache/_kernels.h", "src/kvcache/_mla.h", "src/kvcache/_prefill.h",
+                 "src/kvcache/_isa.h", "src/kvcache/_i8dot.h",
                  "src/kvcache/_openmp.pxd"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )

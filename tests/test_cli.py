@@ -23,10 +23,33 @@ def test_version_prints_name_and_version_and_exits_0() -> None:
 def test_help_lists_every_command_and_version(capsys) -> None:
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
-    for word in ("bench", "generate", "config", "--version"):
+    for word in ("bench", "generate", "eval", "config", "--version"):
         assert word in text
 
 
 def test_unknown_command_exits_2(capsys) -> None:
     assert main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_eval_help_names_its_options(capsys) -> None:
+    import pytest
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("--model", "--text", "--tokens", "--prompt-tokens", "--configs", "--json",
+                 "--no-progress", "o1:"):
+        assert word in text
+
+
+def test_bench_realmodel_section_is_opt_in() -> None:
+    from kvcache.bench.cli import build_parser, resolve_options
+    parser = build_parser()
+    assert not resolve_options(parser.parse_args([]), parser).realmodel
+    opts = resolve_options(parser.parse_args(["--sections", "realmodel", "--quick"]), parser)
+    assert opts.realmodel and not opts.runner and not opts.decode
+    assert list(opts.realmodel_contexts) == [512]
+    opts = resolve_options(parser.parse_args(["--sections", "realmodel",
+                                              "--realmodel-contexts", "1k", "4k"]), parser)
+    assert list(opts.realmodel_contexts) == [1024, 4096]

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvcache as kc
+from kvcache import reference as _reference  # noqa: F401  (kc.reference for scored_query)
 from kvcache._attention import default_scale
 
 F32 = kc.KvMode.F32
@@ -51,6 +52,37 @@ def stored_keys(layer, h):
     x = kq.astype(np.float64) * np.repeat(ks.astype(np.float64), group, axis=1)[:, :hd]
     kcol = layer.columns(h)[0]
     return x if kcol is None else x * kcol.astype(np.float64)
+
+
+def scored_query(layer, h, q):
+    """The query, as float64, that the kernels score against stored_keys(layer, h).
+
+    float32 keys: q itself.  int8 keys (docs/numerics.md, "q8 scoring"): the kernel quantises
+    the column-folded query q * kcol per K group of the scheme (16 or 32 channels), so its scores are those of the
+    dequantised codes Q(q * kcol), i.e. of Q(q * kcol) / kcol against stored_keys."""
+    q = np.asarray(q, dtype=np.float32)
+    if not layer.mode.quant_k:
+        return q.astype(np.float64)
+    hd = q.shape[-1]
+    kcol = layer.columns(h)[0]
+    x = (q if kcol is None else q * kcol).reshape(-1, hd).astype(np.float32)
+    group = K_GROUP[layer.mode.scheme]                  # the query in the K groups
+    ng = -(-hd // group)
+    qi, sq = np.zeros((len(x), ng * group), np.int8), np.zeros((len(x), ng), np.float32)
+    kc.reference.quantize_query(x, qi, sq, np.zeros((len(x), ng), np.int32), group)
+    deq = (qi.astype(np.float64) * np.repeat(sq.astype(np.float64), group, axis=1))[:, :hd]
+    deq = deq.reshape(q.shape)
+    return deq if kcol is None else deq / kcol.astype(np.float64)
+
+
+def scored_queries(layer, q):
+    """scored_query for every head of q (..., nh, hd): head h reads KV group h // hpk."""
+    q = np.asarray(q, dtype=np.float32)
+    hpk = q.shape[-2] // layer.num_kv_heads
+    out = np.empty(q.shape, dtype=np.float64)
+    for h in range(q.shape[-2]):
+        out[..., h, :] = scored_query(layer, h // hpk, q[..., h, :])
+    return out
 
 
 def stored_values(layer, h):
@@ -189,7 +221,10 @@ def test_q8_attend_matches_f32_within_grid(rng):
     def compare(expect_len):
         for h in range(nkv):
             for q in queries:
-                o32, p32 = exact.attend(q, h)
+                # the f32 layer scores the query the int8 keys are scored with (q8 scoring
+                # quantises the query; tests/test_int8_scoring.py checks that step): what is
+                # compared here is the storage's error
+                o32, p32 = exact.attend(scored_query(q8, h, q).astype(np.float32), h)
                 o8, p8 = q8.attend(q, h)
                 assert p8.shape == p32.shape == (expect_len,)
                 bound = 0.03 * np.max(np.abs(o32)) + 1e-3
@@ -261,7 +296,8 @@ def test_born_eviction_mixed_modes_stay_consistent(rng, make_kv, softmax_attenti
         f32_now = layer.head_keys(h) if not mode.quant_k else layer.head_values(h)
         assert np.array_equal(f32_now, f32_part[kept])
         out, probs = layer.attend(q, h)
-        want, want_p = softmax_attention(q, kk[kept], vv[kept], default_scale(hd))
+        want, want_p = softmax_attention(scored_query(layer, h, q), kk[kept], vv[kept],
+                                         default_scale(hd))
         assert_close32(out, want)
         assert_close32(probs, want_p)
 
@@ -342,7 +378,7 @@ def test_attend_group_first_hides_earlier_rows(rng, make_kv, softmax_attention, 
     assert not imp[:first].any()                             # probability exactly 0
     want_imp = np.zeros(rows)
     for j in range(hpk):
-        want, p = softmax_attention(qg[j], stored_keys(layer, 1)[first:],
+        want, p = softmax_attention(scored_query(layer, 1, qg[j]), stored_keys(layer, 1)[first:],
                                     stored_values(layer, 1)[first:], 0.4)
         assert_close32(out[j], want)
         want_imp[first:] += p
@@ -404,8 +440,8 @@ def test_attend_single_head_matches_numpy(rng, make_kv, softmax_attention, mode)
     for h in range(nkv):
         q = rng.standard_normal(hd).astype(np.float32)
         out, probs = layer.attend(q, h)
-        want, want_p = softmax_attention(q, stored_keys(layer, h), stored_values(layer, h),
-                                         1.0 / math.sqrt(hd))
+        want, want_p = softmax_attention(scored_query(layer, h, q), stored_keys(layer, h),
+                                         stored_values(layer, h), 1.0 / math.sqrt(hd))
         assert_close32(out, want)
         assert_close32(probs, want_p)
 
@@ -424,7 +460,8 @@ def test_attend_all_heads_causal_window_matches_numpy(rng, make_kv, softmax_atte
     q = rng.standard_normal((n, nkv * hpk, hd)).astype(np.float32)
     scale = 0.3
     got = layer.attend_all_heads(q, scale=scale, window=window)
-    want, want_imp = reference_all_heads(softmax_attention, keys, values, q, scale, window)
+    want, want_imp = reference_all_heads(softmax_attention, keys, values,
+                                         scored_queries(layer, q), scale, window)
     assert got.shape == (n, nkv * hpk, hd) and got.dtype == np.float32
     assert_close32(got, want)
     assert_close32(layer.importance, want_imp)

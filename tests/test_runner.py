@@ -500,3 +500,21 @@ def test_generate_command_says_which_o1_layers_sealed(capsys):
     assert "O(1) layers [2, 3]," in capsys.readouterr().out
     assert cli.main(["generate", "--o1", "9", "--max-new-tokens", "2", "--no-progress"]) == 0
     assert "selects no global layer" in capsys.readouterr().err
+
+
+def test_generate_command_o1_keep_ridge_and_error_bound(capsys):
+    """--o1-params takes KEEP and RIDGE after M,W,SINK; --o1-max-error bounds the seal (a
+    bound no layer meets leaves every layer exact, and the command says so)."""
+    ids = ["--ids"] + [str(i) for i in range(1, 41)]
+    argv = ["generate", "--o1", "deep2", "--o1-params", "4,8,2,4,1e-3", "--max-new-tokens", "3",
+            "--no-progress"] + ids
+    assert cli.main(argv) == 0
+    assert "O(1) layers [2, 3]," in capsys.readouterr().out
+    argv = ["generate", "--o1", "deep2", "--o1-params", "4,8,2", "--o1-max-error", "1e-9",
+            "--max-new-tokens", "3", "--no-progress"] + ids
+    assert cli.main(argv) == 0
+    assert "seal refused on [2, 3]" in capsys.readouterr().out
+    for bad in ("4,8", "4,8,2,1,1e-3,9", "4,8,x", "4,8,2,1.5"):
+        with pytest.raises(SystemExit):
+            cli.main(["generate", "--o1", "deep2", "--o1-params", bad, "--no-progress"])
+    capsys.readouterr()

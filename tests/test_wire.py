@@ -756,7 +756,7 @@ GOLDEN_PINNED_V1 = {  # the same buffers as format version 1 wrote them (before 
     "q8": "5fa173f39ca933d4e3f8d5b564eea63e4ae14095a4d2578f7fd7a6ec28912c7b",
     "collecting": "daaa151ce88ca4b6532501b6a6fa4a8cf16512545d67015f059390d14ce6dca7",
     "sealed": "d1439ca84ae56710825aab40e7e6fdb13ca38a3049c1bfd5a246406ba8199d4d",
-    "model": "9e65c27548d879fe6352847c401f7bb5977559036a415aa5cb21d8cdad454fe5",
+    "model": "7452cf403641830386658a52ad3005c91464633c40d0fdf4a30e5245333db9d4",
 }
 
 

@@ -1,14 +1,17 @@
 """``python -m kvcache bench [...]``, ``python -m kvcache generate [...]``,
-``python -m kvcache config`` and ``python -m kvcache --version``."""
+``python -m kvcache eval [...]``, ``python -m kvcache config`` and
+``python -m kvcache --version``."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
-USAGE = ("usage: python -m kvcache {bench,generate,config} [options] | --version\n"
+USAGE = ("usage: python -m kvcache {bench,generate,eval,config} [options] | --version\n"
          "  bench      decode-attention benchmark (python -m kvcache bench --help)\n"
          "  generate   decode with a checkpoint (python -m kvcache generate --help)\n"
+         "  eval       quality of KV modes / O(1) on a checkpoint and a text "
+         "(python -m kvcache eval --help)\n"
          "  config     print show_config()\n"
          "  --version  print the installed version")
 
@@ -29,6 +32,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "generate":
         from .runner import main as generate_main
         return int(generate_main(rest) or 0)
+    if cmd == "eval":
+        from .evaluate import main as eval_main
+        return int(eval_main(rest) or 0)
     if cmd == "config":
         from . import show_config
         show_config()

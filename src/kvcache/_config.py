@@ -29,6 +29,7 @@ def config_info() -> dict[str, Any]:
         "numpy": np.__version__,
         "openmp_built": _core.openmp_built(),
         "simd_built": _core.simd_built(),
+        "isa": f"{_core.isa()} (cpu: {_core.isa_detected()}; build: {_core.isa_build()})",
         "threads": ts.max_threads,
         "thread_mode": (f"{ts.mode}: "
                         + (f"1 to {ts.max_threads}" if ts.adaptive else f"{ts.max_threads}")
@@ -51,12 +52,14 @@ def config_info() -> dict[str, Any]:
 
 
 def show_config(file: Optional[TextIO] = None) -> None:
-    """Print kvcache's version, whether OpenMP was built in, its thread settings in this context
+    """Print kvcache's version, whether OpenMP was built in, the instruction-set path the kernels
+    use (``isa``: the level in use, the CPU's best, what the build holds; docs/numerics.md,
+    "Dispatch"), its thread settings in this context
     (``kvcache.threads``: limit, mode, the free-CPU sampler) and threadpoolctl's view."""
     info = config_info()
     out = file or sys.stdout
-    for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "simd_built", "threads",
-                "thread_mode", "thread_sampler", "chunk_rows", "wire_digest"):
+    for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "simd_built", "isa",
+                "threads", "thread_mode", "thread_sampler", "chunk_rows", "wire_digest"):
         print(f"{key:>14}: {info[key]}", file=out)
     print(f"{'threadpools':>14}:", file=out)
     pools = info["threadpools"]

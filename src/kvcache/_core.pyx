@@ -7,9 +7,10 @@
 #
 # Summation orders (documented, thread-count independent; the code is in _kernels.h):
 #   * a row's f32 score is kvc_dot_f32 (8 fused-multiply-add lanes folded pairwise, then the
-#     tail) times `scale`; a q8 score is kvc_score_q8w: per 32-channel group an 8-lane partial
-#     of widened int8 values times the (column-folded) query, folded into the lanes with the
-#     group's scale, then the lanes folded pairwise, times `scale`;
+#     tail) times `scale`; a q8 score is integer scoring (_kernels.h, "q8 scoring"): the
+#     (column-folded) query quantised per 32-channel group once per call, exact int32 group
+#     sums, groups combined in order as acc = fmaf(isum, sq * sk, acc), times `scale`; the
+#     instruction-set body (kvc_isa, read once per call) changes speed, never bits;
 #   * the softmax of a query runs over its visible rows [first, end) in one piece;
 #   * V is accumulated per chunk of CHUNK_ROWS rows (chunk c = absolute rows
 #     [c*CHUNK_ROWS, (c+1)*CHUNK_ROWS)), rows in order inside a chunk (one fused multiply-add
@@ -23,7 +24,7 @@
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy, memset
 from libc.math cimport fabsf, tanhf, isfinite, INFINITY
-from libc.stdint cimport int8_t
+from libc.stdint cimport int8_t, int32_t
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.buffer cimport PyBuffer_FillInfo
 from cython.parallel cimport prange
@@ -34,10 +35,9 @@ from kvcache._openmp cimport KVC_OPENMP_BUILT, omp_get_max_threads, omp_get_thre
 
 cdef extern from "_kernels.h" nogil:
     void kvc_task_scores(const float *q, Py_ssize_t nq, const Py_ssize_t *qf,
-                         const Py_ssize_t *qe, const float *kf, const int8_t *kq,
-                         const float *ks, Py_ssize_t ng, int quant_k, Py_ssize_t p0,
+                         const Py_ssize_t *qe, const float *kf, Py_ssize_t p0,
                          Py_ssize_t p1, Py_ssize_t hd, float scale, float softcap,
-                         float *probs, Py_ssize_t L, float *scratch)
+                         float *probs, Py_ssize_t L)
     void kvc_task_values(const float *probs, Py_ssize_t L, Py_ssize_t nq,
                          const Py_ssize_t *qf, const Py_ssize_t *qe, const float *vf,
                          const int8_t *vq, const float *vs, int quant_v, Py_ssize_t p0,
@@ -58,6 +58,32 @@ cdef extern from "_kernels.h" nogil:
                      float *scr)
     bint KVC_SIMD
     Py_ssize_t KVC_SCRATCH_FLOATS(Py_ssize_t hd)
+    void kvc_quant_query(const float *x, Py_ssize_t hd, Py_ssize_t group, int8_t *qi, float *sq,
+                         int32_t *qsum)
+    void kvc_task_scores_i8(int isa, Py_ssize_t group, const int8_t *qi, const float *sq,
+                            const int32_t *qsum,
+                            Py_ssize_t nq, const Py_ssize_t *qf, const Py_ssize_t *qe,
+                            const int8_t *kq, const float *ks, Py_ssize_t ks_stride,
+                            Py_ssize_t p0, Py_ssize_t p1, Py_ssize_t hd, float scale,
+                            float softcap, float *probs, Py_ssize_t L)
+    void kvc_i8_rows_isa(int isa, Py_ssize_t group, const int8_t *qi, const float *sq,
+                         const int32_t *qsum,
+                         const int8_t *k, const float *ks, Py_ssize_t ks_stride, Py_ssize_t hd,
+                         Py_ssize_t n, float *out)
+    Py_ssize_t KVC_I8_PAD(Py_ssize_t hd)
+    Py_ssize_t KVC_I8_GROUPS(Py_ssize_t hd, Py_ssize_t group)
+
+cdef extern from "_isa.h" nogil:
+    int kvc_isa
+    void kvc_isa_set(int level)
+    int kvc_isa_detect()
+    const char *kvc_isa_name(int level)
+    int KVC_ISA_PORTABLE
+    int KVC_ISA_AVX2
+    int KVC_ISA_AVXVNNI
+    int KVC_ISA_AVX512
+    bint KVC_DISPATCH
+    bint KVC_VNNI
 
 cdef extern from *:
     """
@@ -123,6 +149,125 @@ def fresh_bytes(Py_ssize_t n):
     if n >= (4 << 20):
         kvc_advise_huge(w.p, <size_t>n)
     return b, w
+
+
+# ---- instruction-set level (_isa.h): the detected one, or a lower one named by KVCACHE_ISA --
+_ISA_LEVELS = {"avx2": KVC_ISA_AVX2, "avxvnni": KVC_ISA_AVXVNNI, "avx512": KVC_ISA_AVX512}
+
+
+def isa_detected():
+    """The best instruction-set level this CPU runs and this build holds: ``"avx2"``,
+    ``"avxvnni"``, ``"avx512"``, or ``"portable"`` (a build without AVX2/FMA)."""
+    return kvc_isa_name(kvc_isa_detect()).decode()
+
+
+def isa():
+    """The instruction-set level the kernels use now (docs/numerics.md, "Dispatch")."""
+    return kvc_isa_name(kvc_isa).decode()
+
+
+def set_isa(name):
+    """Use the level ``name`` (``"avx2"``, ``"avxvnni"`` or ``"avx512"``, at most the detected
+    one) from the next kernel call on; every level gives the same bits.  ValueError for an
+    unknown name, a level above the detected one, or any name on a portable build."""
+    cdef int det = kvc_isa_detect()
+    if not isinstance(name, str) or name not in _ISA_LEVELS:
+        raise ValueError(f"isa: expected one of {sorted(_ISA_LEVELS)}, got {name!r}")
+    if _ISA_LEVELS[name] > det:
+        raise ValueError(f"isa: {name!r} is above what this CPU and build run "
+                         f"({kvc_isa_name(det).decode()!r})")
+    kvc_isa_set(_ISA_LEVELS[name])
+
+
+def isa_build():
+    """What the build holds: ``"avx2+fma baseline, vnni bodies"``, ``"avx2+fma baseline"``
+    (a compiler without the VNNI intrinsics) or ``"portable C"``."""
+    if not KVC_SIMD:
+        return "portable C"
+    return "avx2+fma baseline, vnni bodies" if KVC_DISPATCH and KVC_VNNI else "avx2+fma baseline"
+
+
+def _isa_from_env():
+    """Set the level at import: KVCACHE_ISA when it names a level the CPU runs, else the
+    detected level (with a RuntimeWarning for a name that cannot be used)."""
+    import os
+    import warnings
+    kvc_isa_set(kvc_isa_detect())
+    want = os.environ.get("KVCACHE_ISA", "").strip().lower()
+    if not want:
+        return
+    try:
+        set_isa(want)
+    except ValueError as exc:
+        warnings.warn(f"KVCACHE_ISA={want!r} ignored, using {isa()!r}: {exc}", RuntimeWarning,
+                      stacklevel=2)
+
+
+_isa_from_env()
+
+
+cdef Py_ssize_t _k_group(Py_ssize_t hd, Py_ssize_t n_scales, Py_ssize_t k_group) except -1:
+    """The K group (16 or 32 channels) of a q8 call: ``k_group`` when given (16 or 32), else
+    read from the K store's scales per row (ceil(hd / 16) scales: 16, otherwise 32; the two
+    agree for head dims <= 16, where one partial group covers the row either way)."""
+    if k_group == 16 or k_group == 32:
+        return k_group
+    if k_group != 0:
+        raise ValueError(f"k_group: expected 16, 32 or 0 (from the scale count), got {k_group}")
+    return 16 if hd > 16 and n_scales == (hd + 15) // 16 else 32
+
+
+def quantize_query(const float[:, ::1] q__jd, int8_t[:, ::1] qi__jp, float[:, ::1] sq__jg,
+                   int32_t[:, ::1] qsum__jg, Py_ssize_t group=32):
+    """Quantise queries for q8 scoring (docs/numerics.md) in groups of ``group`` (16 or 32)
+    channels: qi (nq, ceil(hd/32)*32) codes, zero past hd; sq and qsum (nq, ceil(hd/group))
+    group scales (NaN for a group with a non-finite value) and group sums of the codes."""
+    cdef Py_ssize_t nq = q__jd.shape[0], hd = q__jd.shape[1], j
+    if group != 16 and group != 32:
+        raise ValueError(f"group: expected 16 or 32, got {group}")
+    if hd < 1 or qi__jp.shape[0] != nq or qi__jp.shape[1] != KVC_I8_PAD(hd) \
+            or sq__jg.shape[0] != nq or sq__jg.shape[1] != KVC_I8_GROUPS(hd, group) \
+            or qsum__jg.shape[0] != nq or qsum__jg.shape[1] != KVC_I8_GROUPS(hd, group):
+        raise ValueError("quantize_query: expected qi (nq, ceil(hd/32)*32), sq and qsum "
+                         "(nq, ceil(hd/group))")
+    with nogil:
+        for j in range(nq):
+            kvc_quant_query(&q__jd[j, 0], hd, group, &qi__jp[j, 0], &sq__jg[j, 0],
+                            &qsum__jg[j, 0])
+
+
+def q8_scores(const float[:, ::1] q__jd, const int8_t[:, ::1] kq__rd, const float[:, ::1] ks__rg,
+              float[:, ::1] out__jr, Py_ssize_t k_group=0):
+    """Raw q8 scores (before the softmax scale) of every query against every int8 row, with
+    the kernels' query quantiser and the body of the current level: the arithmetic of
+    attend_rows' and attend_blocked's q8 scores, exposed for tests.  ``k_group``: 16 or 32, or
+    0 to read it from ks (ceil(hd/16) scales per row: 16)."""
+    cdef Py_ssize_t nq = q__jd.shape[0], hd = q__jd.shape[1], n = kq__rd.shape[0], j
+    cdef Py_ssize_t hdp, ng, group
+    if hd < 1:
+        raise ValueError("q8_scores: expected head_dim >= 1")
+    group = _k_group(hd, ks__rg.shape[1], k_group)
+    if kq__rd.shape[1] != hd or ks__rg.shape[0] != n \
+            or ks__rg.shape[1] < KVC_I8_GROUPS(hd, group) or out__jr.shape[0] != nq \
+            or out__jr.shape[1] != n:
+        raise ValueError("q8_scores: expected kq (n, hd), ks (n, >= ceil(hd/group)), out (nq, n)")
+    hdp = KVC_I8_PAD(hd)
+    ng = KVC_I8_GROUPS(hd, group)
+    qi_arr = np.zeros((max(nq, 1), hdp), dtype=np.int8)
+    sq_arr = np.zeros((max(nq, 1), ng), dtype=np.float32)
+    qs_arr = np.zeros((max(nq, 1), ng), dtype=np.int32)
+    cdef int8_t[:, ::1] qi = qi_arr
+    cdef float[:, ::1] sq = sq_arr
+    cdef int32_t[:, ::1] qs = qs_arr
+    cdef int level = kvc_isa
+    if nq == 0 or n == 0:
+        return
+    with nogil:
+        for j in range(nq):
+            kvc_quant_query(&q__jd[j, 0], hd, group, &qi[j, 0], &sq[j, 0], &qs[j, 0])
+            kvc_i8_rows_isa(level, group, &qi[j, 0], &sq[j, 0], &qs[j, 0], &kq__rd[0, 0],
+                            &ks__rg[0, 0],
+                            ks__rg.shape[1], hd, n, &out__jr[j, 0])
 
 
 def simd_built():
@@ -277,7 +422,7 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
                 Py_ssize_t n_pos, Py_ssize_t n_back, Py_ssize_t window, Py_ssize_t first,
                 float scale, float softcap,
                 float[:, ::1] out__jd, float[:, ::1] probs__jl, float[::1] imp__l,
-                int imp_mode, bint quant_k, bint quant_v, int n_threads):
+                int imp_mode, bint quant_k, bint quant_v, int n_threads, Py_ssize_t k_group=0):
     """Grouped attention of nq queries over the head-major storage of one layer.
 
     Queries of KV head g are rows [group_q0[g], group_q0[g+1]) of q, ordered position-major
@@ -285,7 +430,8 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
     stored rows [first_i, end_i) with end_i = head_len[g] - n_back + i + 1 (clamped to
     [0, head_len[g]]), first_i = max(end_i - window, 0) when window > 0, then
     first_i = min(max(first_i, first), end_i - 1).  In q8-K mode q must already be multiplied
-    by the frozen key columns.
+    by the frozen key columns; q8 scores use K groups of ``k_group`` channels (16 or 32; 0:
+    from ks, ceil(head_dim/16) scales per row meaning 16).
 
     Fills out (nq, hd) and probs (nq, L) (normalised probabilities, 0 outside the visible
     rows).  imp_mode 0: importance untouched; 1: imp[p] += probs[j, p] for each query j in
@@ -312,7 +458,15 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
     cdef float *imp_tmp
     cdef Py_ssize_t ga, gb, t0, t1, j0, j1
     cdef Py_ssize_t nscr, ngk
+    cdef int8_t *q_i8 = NULL
+    cdef float *q_sc = NULL
+    cdef int32_t *q_sum = NULL
+    cdef Py_ssize_t hdp = KVC_I8_PAD(hd), ngq, kgroup = 32
+    cdef int level = kvc_isa
 
+    if quant_k:
+        kgroup = _k_group(hd, ks__hcg.shape[2], k_group)
+    ngq = KVC_I8_GROUPS(hd, kgroup)
     if nq == 0:
         return
     q_first = <Py_ssize_t *> malloc(nq * sizeof(Py_ssize_t))
@@ -385,6 +539,17 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
                 t += 1
         par = work > _PAR_WORK
         ngk = ks__hcg.shape[2]
+        if quant_k:
+            # the queries' int8 codes for integer scoring (docs/numerics.md, "q8 scoring")
+            q_i8 = <int8_t *> malloc(nq * hdp)
+            q_sc = <float *> malloc(nq * ngq * sizeof(float))
+            q_sum = <int32_t *> malloc(nq * ngq * sizeof(int32_t))
+            if q_i8 == NULL or q_sc == NULL or q_sum == NULL:
+                raise MemoryError()
+            for j in prange(nq, nogil=True, num_threads=n_threads, schedule="static",
+                            use_threads_if=par and nq * hd > _PAR_WORK):
+                kvc_quant_query(&q__jd[j, 0], hd, kgroup, q_i8 + j * hdp, q_sc + j * ngq,
+                                q_sum + j * ngq)
 
         # ---- groups are processed in batches whose probabilities (batch queries x L floats)
         # stay in the core's L2 between the score, softmax, value and importance passes
@@ -409,14 +574,19 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
             for t in prange(t0, t1, nogil=True, num_threads=n_threads, schedule="static",
                             use_threads_if=par):
                 g = task_g[t]
-                kvc_task_scores(&q__jd[group_q0[g], 0], group_q0[g + 1] - group_q0[g],
-                                q_first + group_q0[g], q_end + group_q0[g],
-                                NULL if quant_k else &kf__hcd[g, 0, 0],
-                                &kq__hcd[g, 0, 0] if quant_k else NULL,
-                                &ks__hcg[g, 0, 0] if quant_k else NULL, ngk, quant_k,
-                                task_p0[t], task_p1[t], hd, scale, softcap,
-                                &probs__jl[group_q0[g], 0], L,
-                                scratch + omp_get_thread_num() * nscr)
+                if quant_k:
+                    kvc_task_scores_i8(level, kgroup, q_i8 + group_q0[g] * hdp,
+                                       q_sc + group_q0[g] * ngq,
+                                       q_sum + group_q0[g] * ngq, group_q0[g + 1] - group_q0[g],
+                                       q_first + group_q0[g], q_end + group_q0[g],
+                                       &kq__hcd[g, 0, 0], &ks__hcg[g, 0, 0], ngk,
+                                       task_p0[t], task_p1[t], hd, scale, softcap,
+                                       &probs__jl[group_q0[g], 0], L)
+                else:
+                    kvc_task_scores(&q__jd[group_q0[g], 0], group_q0[g + 1] - group_q0[g],
+                                    q_first + group_q0[g], q_end + group_q0[g],
+                                    &kf__hcd[g, 0, 0], task_p0[t], task_p1[t], hd, scale,
+                                    softcap, &probs__jl[group_q0[g], 0], L)
 
             # 2. softmax per query over its visible rows; zeros elsewhere
             for j in prange(j0, j1, nogil=True, num_threads=n_threads, schedule="static",
@@ -480,6 +650,9 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
         free(part)
         free(scratch)
         free(imp_tmp)
+        free(q_i8)
+        free(q_sc)
+        free(q_sum)
 
 
 cdef void _importance_chunk(const float[:, ::1] probs__jl, const Py_ssize_t *q_group,
@@ -787,13 +960,15 @@ cdef extern from "_prefill.h" nogil:
                      int quant_k, const float *vf, const int8_t *vq, const float *vs,
                      Py_ssize_t vs_stride, int quant_v, const float *vcol, Py_ssize_t hd,
                      float scale, float softcap, float *out, float *qm, float *ql,
-                     float *scratch)
+                     float *scratch, int isa, Py_ssize_t group, const int8_t *qi,
+                     const float *qsc, const int32_t *qsum)
     void kvc_pf_imp_group(const float *q, Py_ssize_t nq, const Py_ssize_t *qf,
                           const Py_ssize_t *qe, const float *qm, const float *ql,
                           const float *kf, const int8_t *kq, const float *ks,
                           Py_ssize_t ks_stride, int quant_k, Py_ssize_t hd, float scale,
                           float softcap, Py_ssize_t t0, Py_ssize_t t1, float *colsum,
-                          float *scratch)
+                          float *scratch, int isa, Py_ssize_t group, const int8_t *qi,
+                          const float *qsc, const int32_t *qsum)
     Py_ssize_t KVC_PF_TILE
     Py_ssize_t KVC_PF_QR
     Py_ssize_t KVC_PF_IMP_ROWS
@@ -822,7 +997,8 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
                    Py_ssize_t n_pos, Py_ssize_t n_back, Py_ssize_t window, Py_ssize_t first,
                    float scale, float softcap,
                    float[:, ::1] out__jd, float[::1] imp__l,
-                   int imp_mode, bint quant_k, bint quant_v, int n_threads):
+                   int imp_mode, bint quant_k, bint quant_v, int n_threads,
+                   Py_ssize_t k_group=0):
     """Grouped attention of nq queries over one layer's head-major rows, tile by tile.
 
     The queries, visible ranges and outputs are those of :func:`attend_rows` (query position
@@ -832,7 +1008,8 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
     docs/numerics.md), so a query's bits depend only on its own visible rows.  imp_mode 0:
     importance untouched; 2: every row p < len(imp) gets, once, the sum over KV groups in
     order and their queries in order of the query's final probability of row p (a second
-    pass of scores).  ValueError on inconsistent shapes or arguments, before any work.
+    pass of scores).  q8 keys: K groups of ``k_group`` channels as in :func:`attend_rows`.
+    ValueError on inconsistent shapes or arguments, before any work.
     """
     cdef Py_ssize_t nkv = head_len__h.shape[0], hd = q__jd.shape[1], nq = q__jd.shape[0]
     cdef Py_ssize_t n_imp = imp__l.shape[0]
@@ -859,6 +1036,11 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
     cdef float *scr
     cdef float *colsum
     cdef bint par
+    cdef int8_t *q_i8 = NULL
+    cdef float *q_sc = NULL
+    cdef int32_t *q_sum = NULL
+    cdef Py_ssize_t hdp, ngq, kgroup = 32
+    cdef int level = kvc_isa
 
     # ---- validation: everything the nogil code indexes is checked here -------------------
     if n_threads < 1:
@@ -886,10 +1068,11 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
     if quant_k:
         kcap = kq__hcd.shape[1]
         ks_stride = ks__hcg.shape[2]
+        kgroup = _k_group(hd, ks_stride, k_group)
         if kq__hcd.shape[0] < nkv or kq__hcd.shape[2] != hd or ks__hcg.shape[0] < nkv \
-                or ks__hcg.shape[1] != kcap or ks_stride < (hd + 31) // 32:
+                or ks__hcg.shape[1] != kcap or ks_stride < (hd + kgroup - 1) // kgroup:
             raise ValueError("int8 K: expected kq (nkv, capacity, head_dim) and ks "
-                             "(nkv, capacity, ceil(head_dim/32))")
+                             "(nkv, capacity, ceil(head_dim/k_group))")
     else:
         kcap = kf__hcd.shape[1]
         ks_stride = 0
@@ -977,6 +1160,19 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
         par = work > _PAR_WORK
         qp = &q__jd[0, 0]
         outp = &out__jd[0, 0]
+        hdp = KVC_I8_PAD(hd)
+        ngq = KVC_I8_GROUPS(hd, kgroup)
+        if quant_k:
+            # the queries' int8 codes for integer scoring (docs/numerics.md, "q8 scoring")
+            q_i8 = <int8_t *> malloc(nq * hdp)
+            q_sc = <float *> malloc(nq * ngq * sizeof(float))
+            q_sum = <int32_t *> malloc(nq * ngq * sizeof(int32_t))
+            if q_i8 == NULL or q_sc == NULL or q_sum == NULL:
+                raise MemoryError()
+            for j in prange(nq, nogil=True, num_threads=n_threads, schedule="static",
+                            use_threads_if=par and nq * hd > _PAR_WORK):
+                kvc_quant_query(qp + j * hd, hd, kgroup, q_i8 + j * hdp, q_sc + j * ngq,
+                                q_sum + j * ngq)
         if quant_k:
             kqp = &kq__hcd[0, 0, 0] if kcap > 0 else NULL
             ksp = &ks__hcg[0, 0, 0] if kcap > 0 else NULL
@@ -1005,7 +1201,10 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
                         vqp + g * vcap * hd if vqp != NULL else NULL,
                         vsp + g * vcap * vs_stride if vsp != NULL else NULL, vs_stride,
                         quant_v, vcp + g * hd if vcp != NULL else NULL, hd, scale, softcap,
-                        outp + j0 * hd, q_m + j0, q_l + j0, scr + tid * nscr)
+                        outp + j0 * hd, q_m + j0, q_l + j0, scr + tid * nscr, level, kgroup,
+                        q_i8 + j0 * hdp if q_i8 != NULL else NULL,
+                        q_sc + j0 * ngq if q_sc != NULL else NULL,
+                        q_sum + j0 * ngq if q_sum != NULL else NULL)
 
         # ---- 2. importance: blocks of rows, each owned by one thread (the first rows, seen by
         # the most queries, first) --------------------------------------------------------
@@ -1030,7 +1229,10 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
                                      kqp + g * kcap * hd if kqp != NULL else NULL,
                                      ksp + g * kcap * ks_stride if ksp != NULL else NULL,
                                      ks_stride, quant_k, hd, scale, softcap, t0, t1,
-                                     colsum, colsum + KVC_PF_IMP_ROWS)
+                                     colsum, colsum + KVC_PF_IMP_ROWS, level, kgroup,
+                                     q_i8 + j0 * hdp if q_i8 != NULL else NULL,
+                                     q_sc + j0 * ngq if q_sc != NULL else NULL,
+                                     q_sum + j0 * ngq if q_sum != NULL else NULL)
                 for p in range(t0, t1):
                     imp__l[p] = imp__l[p] + colsum[p - t0]
     finally:
@@ -1042,3 +1244,6 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
         free(task_j0)
         free(task_j1)
         free(scr_raw)
+        free(q_i8)
+        free(q_sc)
+        free(q_sum)

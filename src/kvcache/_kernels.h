@@ -182,94 +182,6 @@ KVC_INLINE void kvc_dot2x4_f32(const float *q0, const float *q1, const float *k0
 #endif
 }
 
-/* int8 -> float widening of one row (no scale applied). */
-KVC_INLINE void kvc_widen_i8(const int8_t *restrict x, float *restrict y, ptrdiff_t n)
-{
-    ptrdiff_t i;
-    for (i = 0; i < n; ++i)
-        y[i] = (float)x[i];
-}
-
-/* q8 score of one widened K row kw (float copy of the int8 values, unscaled) with scales ks:
- * per 32-channel group g, an 8-lane partial p_g (fma over the group's full 8-blocks) is
- * folded into the lane accumulator as acc = fma(ks[g], p_g, acc); the group's remainder
- * (len % 8 elements, in order) gives t_g, folded as tail = fmaf(ks[g], t_g, tail).
- * Result: fold8(acc) + tail.  The caller multiplies by the softmax scale. */
-KVC_INLINE float kvc_score_q8w(const float *restrict kw, const float *restrict ks,
-                               const float *restrict qc, ptrdiff_t hd, ptrdiff_t group)
-{
-    ptrdiff_t g0, gi = 0, i;
-    float tail = 0.0f;
-#if KVC_SIMD
-    __m256 acc = _mm256_setzero_ps();
-#else
-    float acc[8] = {0};
-    int l;
-#endif
-    for (g0 = 0; g0 < hd; g0 += group, ++gi) {
-        ptrdiff_t g1 = hd - g0 < group ? hd : g0 + group;
-        float t = 0.0f;
-        i = g0;
-#if KVC_SIMD
-        __m256 pv = _mm256_setzero_ps();
-        for (; i + 8 <= g1; i += 8)
-            pv = _mm256_fmadd_ps(_mm256_loadu_ps(kw + i), _mm256_loadu_ps(qc + i), pv);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(ks[gi]), pv, acc);
-#else
-        float pv[8] = {0};
-        for (; i + 8 <= g1; i += 8)
-            for (l = 0; l < 8; ++l)
-                pv[l] = fmaf(kw[i + l], qc[i + l], pv[l]);
-        for (l = 0; l < 8; ++l)
-            acc[l] = fmaf(ks[gi], pv[l], acc[l]);
-#endif
-        for (; i < g1; ++i)
-            t = fmaf(kw[i], qc[i], t);
-        tail = fmaf(ks[gi], t, tail);
-    }
-#if KVC_SIMD
-    return kvc_fold8(acc) + tail;
-#else
-    return kvc_hsum8(acc) + tail;
-#endif
-}
-
-/* Four q8 scores (widened rows kw, kw + hd, kw + 2hd, kw + 3hd with scale rows ks0..ks3),
- * each bit-identical to kvc_score_q8w; only for hd % 8 == 0 (no group remainders). */
-KVC_INLINE void kvc_score4_q8w(const float *restrict kw, const float *ks0, const float *ks1,
-                               const float *ks2, const float *ks3, const float *restrict qc,
-                               ptrdiff_t hd, ptrdiff_t group, float *out)
-{
-#if KVC_SIMD
-    const float *k0 = kw, *k1 = kw + hd, *k2 = kw + 2 * hd, *k3 = kw + 3 * hd;
-    __m256 z = _mm256_setzero_ps();
-    __m256 a0 = z, a1 = z, a2 = z, a3 = z;
-    ptrdiff_t g0, gi = 0, i;
-    for (g0 = 0; g0 < hd; g0 += group, ++gi) {
-        ptrdiff_t g1 = hd - g0 < group ? hd : g0 + group;
-        __m256 p0 = z, p1 = z, p2 = z, p3 = z;
-        for (i = g0; i + 8 <= g1; i += 8) {
-            __m256 qv = _mm256_loadu_ps(qc + i);
-            p0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + i), qv, p0);
-            p1 = _mm256_fmadd_ps(_mm256_loadu_ps(k1 + i), qv, p1);
-            p2 = _mm256_fmadd_ps(_mm256_loadu_ps(k2 + i), qv, p2);
-            p3 = _mm256_fmadd_ps(_mm256_loadu_ps(k3 + i), qv, p3);
-        }
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(ks0[gi]), p0, a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(ks1[gi]), p1, a1);
-        a2 = _mm256_fmadd_ps(_mm256_set1_ps(ks2[gi]), p2, a2);
-        a3 = _mm256_fmadd_ps(_mm256_set1_ps(ks3[gi]), p3, a3);
-    }
-    /* + 0.0f: the single-row path adds its (empty) tail, which turns -0 into +0 */
-    _mm_storeu_ps(out, _mm_add_ps(kvc_fold8x4(a0, a1, a2, a3), _mm_setzero_ps()));
-#else
-    out[0] = kvc_score_q8w(kw, ks0, qc, hd, group);
-    out[1] = kvc_score_q8w(kw + hd, ks1, qc, hd, group);
-    out[2] = kvc_score_q8w(kw + 2 * hd, ks2, qc, hd, group);
-    out[3] = kvc_score_q8w(kw + 3 * hd, ks3, qc, hd, group);
-#endif
-}
-
 /* y += w * x, one fused multiply-add per element. */
 KVC_INLINE void kvc_axpy_f32(float *restrict y, float w, const float *restrict x, ptrdiff_t n)
 {
@@ -472,45 +384,31 @@ KVC_INLINE void kvc_prefetch_rows(const void *base, ptrdiff_t p, ptrdiff_t nb, p
     kvc_prefetch_rows_to(base, p, nb, row_bytes, 0);
 }
 
-/* Point rows[0..nb) at rows p..p+nb of a store -- float rows in place, int8 rows widened
- * (unscaled) into the 4-row scratch -- and prefetch the block KVC_PREFETCH_ROWS rows ahead,
- * with its scale rows (scale_bytes per row) when the store is int8. */
-KVC_INLINE void kvc_row_block(const float *f, const int8_t *q, const float *scale,
-                              ptrdiff_t scale_bytes, int quant, ptrdiff_t p, ptrdiff_t p1,
-                              ptrdiff_t nb, ptrdiff_t hd, float *scratch, const float **rows)
+/* Point rows[0..nb) at rows p..p+nb of a float32 store and prefetch the block
+ * KVC_PREFETCH_ROWS rows ahead. */
+KVC_INLINE void kvc_row_block(const float *f, ptrdiff_t p, ptrdiff_t p1, ptrdiff_t nb,
+                              ptrdiff_t hd, const float **rows)
 {
     ptrdiff_t r;
-    if (p + KVC_PREFETCH_ROWS + 4 <= p1) {
-        if (quant) {
-            kvc_prefetch_rows(q, p + KVC_PREFETCH_ROWS, 4, hd);
-            kvc_prefetch_rows(scale, p + KVC_PREFETCH_ROWS, 4, scale_bytes);
-        } else {
-            kvc_prefetch_rows(f, p + KVC_PREFETCH_ROWS, 4, hd * 4);
-        }
-    }
-    for (r = 0; r < nb; ++r) {
-        if (quant) {
-            kvc_widen_i8(q + (p + r) * hd, scratch + r * hd, hd);
-            rows[r] = scratch + r * hd;
-        } else {
-            rows[r] = f + (p + r) * hd;
-        }
-    }
+    if (p + KVC_PREFETCH_ROWS + 4 <= p1)
+        kvc_prefetch_rows(f, p + KVC_PREFETCH_ROWS, 4, hd * 4);
+    for (r = 0; r < nb; ++r)
+        rows[r] = f + (p + r) * hd;
 }
 
+/* Scores of one task with float32 keys (int8 keys: kvc_task_scores_i8). */
 KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
-                                   const ptrdiff_t *qe, const float *kf, const int8_t *kq,
-                                   const float *ks, ptrdiff_t ng, int quant_k, ptrdiff_t p0,
-                                   ptrdiff_t p1, ptrdiff_t hd, float scale, float softcap,
-                                   float *probs, ptrdiff_t L, float *scratch)
+                                     const ptrdiff_t *qe, const float *kf, ptrdiff_t p0,
+                                     ptrdiff_t p1, ptrdiff_t hd, float scale, float softcap,
+                                     float *probs, ptrdiff_t L)
 {
     ptrdiff_t p, j, r;
     const float *rows[4] = {0, 0, 0, 0};
     for (p = p0; p < p1; p += 4) {
         ptrdiff_t nb = p1 - p < 4 ? p1 - p : 4;
-        kvc_row_block(kf, kq, ks, ng * 4, quant_k, p, p1, nb, hd, scratch, rows);
+        kvc_row_block(kf, p, p1, nb, hd, rows);
         j = 0;
-        if (!quant_k && nb == 4)
+        if (nb == 4)
             for (; j + 2 <= nq; j += 2) {
                 if (!(p >= qf[j] && p + 4 <= qe[j] && p >= qf[j + 1] && p + 4 <= qe[j + 1]))
                     break;
@@ -521,22 +419,14 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
             const float *qj = q + j * hd;
             float *s = probs + j * L;
             if (nb == 4 && p >= qf[j] && p + 4 <= qe[j]) {
-                if (!quant_k) {
-                    kvc_dot4_f32(qj, rows[0], rows[1], rows[2], rows[3], hd, s + p);
-                    continue;
-                }
-                if (hd % 8 == 0) {
-                    kvc_score4_q8w(scratch, ks + p * ng, ks + (p + 1) * ng, ks + (p + 2) * ng,
-                                   ks + (p + 3) * ng, qj, hd, 32, s + p);
-                    continue;
-                }
+                kvc_dot4_f32(qj, rows[0], rows[1], rows[2], rows[3], hd, s + p);
+                continue;
             }
             for (r = 0; r < nb; ++r) {
                 ptrdiff_t pr = p + r;
                 if (pr < qf[j] || pr >= qe[j])
                     continue;
-                s[pr] = quant_k ? kvc_score_q8w(rows[r], ks + pr * ng, qj, hd, 32)
-                                : kvc_dot_f32(qj, rows[r], hd);
+                s[pr] = kvc_dot_f32(qj, rows[r], hd);
             }
         }
     }
@@ -560,9 +450,9 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
 #define KVC_VBLOCK 32
 #define KVC_VROWS 256 /* rows of one task at most: the chunk size of _core.pyx */
 
-/* Per-thread scratch floats a task needs: four widened rows (K, and f32-path V), or the
- * int8 value pass's KVC_VROWS x 4 weights and KVC_VROWS masks. */
-#define KVC_SCRATCH_FLOATS(hd) (4 * (hd) > 5 * KVC_VROWS ? 4 * (hd) : 5 * KVC_VROWS)
+/* Per-thread scratch floats a task needs: the int8 value pass's KVC_VROWS x 4 weights and
+ * KVC_VROWS masks (the other passes read the rows in place). */
+#define KVC_SCRATCH_FLOATS(hd) ((void)(hd), 5 * KVC_VROWS)
 
 KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq,
                                    const ptrdiff_t *qf, const ptrdiff_t *qe, const int8_t *vq,
@@ -650,9 +540,9 @@ KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq
 
 /* Value pass of one task.  For every query j and channel d the accumulation is
  * acc[j][d] = fma(w_p, v_p[d], acc[j][d]) over the visible, non-skipped rows p in order
- * (w_p = prob, times the row scale in q8; rows with |w_p| < 1e-12 are skipped).  Rows stream
- * past in prefetched blocks of four (int8 rows widened into the 4-row scratch); each query's
- * accumulator is loaded and stored once per block (kvc_axpy4_f32). */
+ * (w_p = prob, times the row scale in q8; rows with |w_p| < 1e-12 are skipped).  float32 rows
+ * stream past in prefetched blocks of four, each query's accumulator loaded and stored once
+ * per block (kvc_axpy4_f32); int8 rows go through kvc_task_values_q8. */
 KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t nq,
                                    const ptrdiff_t *qf, const ptrdiff_t *qe, const float *vf,
                                    const int8_t *vq, const float *vs, int quant_v, ptrdiff_t p0,
@@ -701,7 +591,7 @@ KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t 
 #endif
     for (p = p0; p < p1; p += 4) {
         ptrdiff_t nb = p1 - p < 4 ? p1 - p : 4;
-        kvc_row_block(vf, vq, vs, 4, quant_v, p, p1, nb, hd, scratch, rows);
+        kvc_row_block(vf, p, p1, nb, hd, rows);
         for (j = 0; j < nq; ++j) {
             float w[4];
             int use[4], all = nb == 4;
@@ -738,12 +628,11 @@ KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t 
     default: CALL(hd); break; }
 
 static void kvc_task_scores(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
-                            const float *kf, const int8_t *kq, const float *ks, ptrdiff_t ng,
-                            int quant_k, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd, float scale,
-                            float softcap, float *probs, ptrdiff_t L, float *scratch)
+                            const float *kf, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd, float scale,
+                            float softcap, float *probs, ptrdiff_t L)
 {
-#define KVC_SCORES(HD) kvc_task_scores_impl(q, nq, qf, qe, kf, kq, ks, ng, quant_k, p0, p1, HD, \
-                                            scale, softcap, probs, L, scratch)
+#define KVC_SCORES(HD) kvc_task_scores_impl(q, nq, qf, qe, kf, p0, p1, HD, scale, softcap, \
+                                            probs, L)
     KVC_BY_HEAD_DIM(hd, KVC_SCORES);
 #undef KVC_SCORES
 }
@@ -782,6 +671,156 @@ static inline void kvc_quant_row(const float *restrict x, const float *restrict 
             v = v > 127.0f ? 127.0f : v;
             v = v < -127.0f ? -127.0f : v;
             q[d] = (v == v) ? (int8_t)v : (int8_t)0;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * q8 scoring: integer dot products (docs/numerics.md, "q8 scoring").
+ *
+ *   query      per call, each query is quantised like a stored row (kvc_quant_row) in groups
+ *              of the layer's K group (`group`: 16 or 32 channels; the last group partial
+ *              when head_dim % group != 0): codes qi (zero-padded to whole 32-channel chunks),
+ *              scales sq, and the group sums qsum of the codes (the VNNI bodies' offset
+ *              correction).  A group holding a NaN or an infinity gets scale
+ *              NaN, so every score of that query is NaN (as its float32 scores would be).
+ *   row score  acc = 0; for each K group g in order:
+ *                  isum_g = sum over the group's channels of qi[d] * k[d]   (exact, int32)
+ *                  acc = fmaf((float)isum_g, sq_g * sk_g, acc)
+ *              then, as for float32 rows, s = acc * scale and the softcap.
+ * Every instruction-set body (portable C, AVX2, AVX-VNNI, AVX-512 VNNI: _i8dot.h) computes
+ * exactly these bits; kvc_isa picks the body once per call.
+ * ------------------------------------------------------------------------------------- */
+
+#include "_isa.h"
+
+#define KVC_I8_PAD(hd) (((hd) + 31) / 32 * 32) /* int8 codes per quantised query */
+#define KVC_I8_GROUPS(hd, group) (((hd) + (group) - 1) / (group))
+
+/* Quantise one query x (hd floats) in groups of `group` (16 or 32) channels: qi
+ * (KVC_I8_PAD(hd) codes, zeros past hd), sq and qsum (KVC_I8_GROUPS(hd, group) each). */
+static void kvc_quant_query(const float *restrict x, ptrdiff_t hd, ptrdiff_t group,
+                            int8_t *restrict qi, float *restrict sq, int32_t *restrict qsum)
+{
+    ptrdiff_t ng = KVC_I8_GROUPS(hd, group), g, d;
+    kvc_quant_row(x, NULL, hd, group, qi, sq);
+    for (d = hd; d < KVC_I8_PAD(hd); ++d)
+        qi[d] = 0;
+    for (g = 0; g < ng; ++g) {
+        ptrdiff_t g1 = hd - group * g < group ? hd : group * g + group;
+        int32_t s = 0;
+        int finite = 1;
+        for (d = group * g; d < g1; ++d) {
+            s += qi[d];
+            finite = finite && isfinite(x[d]);
+        }
+        qsum[g] = s;
+        if (!finite)
+            sq[g] = NAN;
+    }
+}
+
+/* The raw q8 score of one row k (hd codes) with group scales ks: the definition above. */
+KVC_INLINE float kvc_i8_score1(const int8_t *restrict qi, const float *restrict sq,
+                               const int8_t *restrict k, const float *restrict ks, ptrdiff_t hd,
+                               ptrdiff_t group)
+{
+    ptrdiff_t g0, gi = 0, d;
+    float acc = 0.0f;
+    for (g0 = 0; g0 < hd; g0 += group, ++gi) {
+        ptrdiff_t g1 = hd - g0 < group ? hd : g0 + group;
+        int32_t isum = 0;
+        for (d = g0; d < g1; ++d)
+            isum += (int32_t)qi[d] * (int32_t)k[d];
+        acc = fmaf((float)isum, sq[gi] * ks[gi], acc);
+    }
+    return acc;
+}
+
+#if KVC_SIMD
+#define KVC_I8_NAME(x) x##_avx2
+#define KVC_I8_ATTR
+#include "_i8dot.h"
+#undef KVC_I8_NAME
+#undef KVC_I8_ATTR
+#endif
+
+#if KVC_DISPATCH && KVC_VNNI
+#define KVC_I8_NAME(x) x##_avxvnni
+#define KVC_I8_ATTR KVC_TARGET_AVXVNNI
+#define KVC_I8_DPBUSD KVC_DPBUSD_AVXVNNI
+#include "_i8dot.h"
+#undef KVC_I8_NAME
+#undef KVC_I8_ATTR
+#undef KVC_I8_DPBUSD
+#define KVC_I8_NAME(x) x##_avx512
+#define KVC_I8_ATTR KVC_TARGET_AVX512
+#define KVC_I8_DPBUSD KVC_DPBUSD_AVX512
+#include "_i8dot.h"
+#undef KVC_I8_NAME
+#undef KVC_I8_ATTR
+#undef KVC_I8_DPBUSD
+#endif
+
+/* out[i] = raw q8 score of row i < n (rows k + i * hd, scales ks + i * ks_stride; K groups
+ * of `group`, 16 or 32, channels) with the body of level isa. */
+static void kvc_i8_rows_isa(int isa, ptrdiff_t group, const int8_t *qi, const float *sq,
+                            const int32_t *qsum, const int8_t *k, const float *ks,
+                            ptrdiff_t ks_stride, ptrdiff_t hd, ptrdiff_t n, float *out)
+{
+    ptrdiff_t i;
+#if KVC_DISPATCH && KVC_VNNI
+    if (isa >= KVC_ISA_AVX512) {
+        kvc_i8_rows_avx512(qi, sq, qsum, k, ks, ks_stride, hd, group, n, out);
+        return;
+    }
+    if (isa == KVC_ISA_AVXVNNI) {
+        kvc_i8_rows_avxvnni(qi, sq, qsum, k, ks, ks_stride, hd, group, n, out);
+        return;
+    }
+#endif
+#if KVC_SIMD
+    if (isa >= KVC_ISA_AVX2) {
+        kvc_i8_rows_avx2(qi, sq, qsum, k, ks, ks_stride, hd, group, n, out);
+        return;
+    }
+#endif
+    (void)qsum;
+    for (i = 0; i < n; ++i)
+        out[i] = kvc_i8_score1(qi, sq, k + i * hd, ks + i * ks_stride, hd, group);
+}
+
+#define KVC_I8_BLOCK 64 /* rows scored for every query of a task before the next rows */
+
+/* Scores of one decode task (kvc_task_scores with int8 keys): queries j < nq (quantised:
+ * qi + j * KVC_I8_PAD(hd), sq / qsum + j * KVC_I8_GROUPS(hd, group)) over their visible rows
+ * in [p0, p1): probs[j * L + p] = raw score * scale, softcapped. */
+static void kvc_task_scores_i8(int isa, ptrdiff_t group, const int8_t *qi, const float *sq,
+                               const int32_t *qsum,
+                               ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
+                               const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
+                               ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd, float scale,
+                               float softcap, float *probs, ptrdiff_t L)
+{
+    const ptrdiff_t hdp = KVC_I8_PAD(hd), ng = KVC_I8_GROUPS(hd, group);
+    ptrdiff_t b0, j, p;
+    for (b0 = p0; b0 < p1; b0 += KVC_I8_BLOCK) {
+        ptrdiff_t b1 = p1 - b0 < KVC_I8_BLOCK ? p1 : b0 + KVC_I8_BLOCK;
+        for (j = 0; j < nq; ++j) {
+            ptrdiff_t lo = b0 > qf[j] ? b0 : qf[j], hi = b1 < qe[j] ? b1 : qe[j];
+            if (lo < hi)
+                kvc_i8_rows_isa(isa, group, qi + j * hdp, sq + j * ng, qsum + j * ng, kq + lo * hd,
+                                ks + lo * ks_stride, ks_stride, hd, hi - lo, probs + j * L + lo);
+        }
+    }
+    for (j = 0; j < nq; ++j) {
+        ptrdiff_t lo = p0 > qf[j] ? p0 : qf[j], hi = p1 < qe[j] ? p1 : qe[j];
+        float *s = probs + j * L;
+        for (p = lo; p < hi; ++p) {
+            float v = s[p] * scale;
+            if (softcap > 0.0f && isfinite(v))
+                v = softcap * tanhf(v / softcap);
+            s[p] = v;
         }
     }
 }

@@ -1,6 +1,10 @@
 /* Absorbed Multi-head Latent Attention (DeepSeek-V2 MLA) decode: the inner loops behind
- * _core.mla_attend.  AVX2/FMA intrinsics with a portable C twin that computes the same bits
- * (no -ffast-math; tests/c/portable_twin.c compiles both and compares).
+ * _core.mla_attend.  Three bodies of a task (scores, online softmax, latent sums) compute the
+ * same bits (no -ffast-math): the portable C twin (a build without AVX2/FMA), the AVX2/FMA
+ * body on 8-float vectors (the SIMD build's baseline) and the AVX-512 body on 16-float
+ * vectors, which kvc_mla_task() runs when kvc_isa (_isa.h) is KVC_ISA_AVX512.  The two SIMD
+ * bodies are one source compiled twice (see "the SIMD bodies" below).
+ * tests/c/portable_twin.c and tests/c/mla_paths.c compile them and compare the bits.
  *
  * Geometry: H query heads; the latent rank r and the shared RoPE key width dr; W_UK is
  * (H, dn, r) and W_UV (H, dv, r).  Cache rows: lat (T x r), kr (T x dr), both row-major.
@@ -28,10 +32,12 @@
  *   unfold    out[h][j] = kvc_dot_f32(wuv[h][j], c[h], r)  (the 8-lane order of _kernels.h)
  * exp is kvc_expf / kvc_expf8 (identical bits).
  */
+#ifndef KVC_MLA_PASS
 #ifndef KVCACHE_MLA_H
 #define KVCACHE_MLA_H
 
 #include "_kernels.h"
+#include "_isa.h"
 
 #define KVC_MLA_BLOCK 64          /* rows per online-softmax block (~147 KiB at r=512) */
 #define KVC_MLA_CHUNK 64          /* elements per partial sum of a score */
@@ -55,116 +61,15 @@ static void kvc_mla_fold(const float *restrict qn, const float *restrict qr,
         qT[(r + x) * Hp + h] = qr[x];
 }
 
-/* ---- scores of nb rows for all heads: S[t * Hp + h] ------------------------------------ */
+/* ---- the portable twin: scores, latent sums, one task ------------------------------------
+ * Plain C in the documented orders; the SIMD bodies below compute the same bits. */
 
-#if KVC_SIMD
-/* One chunk (len <= KVC_MLA_CHUNK elements) of the scores of NR rows x NV head-vectors (8 heads
- * each): fresh accumulators, then S = c (first chunk) or S = S + c.  src points at element x0
- * of row 0 (rows ld floats apart), qc at row x0 of qT.  pf: the same elements of the next
- * block's rows, prefetched a cache line at a time (NULL: none). */
-KVC_INLINE void kvc_mla_score_chunk(const float *restrict qc, ptrdiff_t Hp, const float *src,
-                                    ptrdiff_t ld, ptrdiff_t len, int NR, int NV, float *S,
-                                    int first, const float *pf)
+#if !KVC_SIMD
+static void kvc_mla_scores_c(const float *restrict qT, ptrdiff_t Hp, const float *lat,
+                             const float *kr, ptrdiff_t r, ptrdiff_t dr, ptrdiff_t nb,
+                             float scale, float *restrict S)
 {
-    __m256 c[6][2];
-    int i, v;
-    ptrdiff_t x;
-    for (i = 0; i < NR; ++i)
-        for (v = 0; v < NV; ++v)
-            c[i][v] = _mm256_setzero_ps();
-    for (x = 0; x < len; ++x) {
-        if (pf && (x & 15) == 0)
-            for (i = 0; i < NR; ++i)
-                __builtin_prefetch(pf + i * ld + x, 0, 2);
-        __m256 q0 = _mm256_loadu_ps(qc + x * Hp);
-        __m256 q1 = NV > 1 ? _mm256_loadu_ps(qc + x * Hp + 8) : q0;
-        for (i = 0; i < NR; ++i) {
-            __m256 b = _mm256_broadcast_ss(src + i * ld + x);
-            c[i][0] = _mm256_fmadd_ps(q0, b, c[i][0]);
-            if (NV > 1)
-                c[i][1] = _mm256_fmadd_ps(q1, b, c[i][1]);
-        }
-    }
-    for (i = 0; i < NR; ++i)
-        for (v = 0; v < NV; ++v) {
-            float *sp = S + i * Hp + 8 * v;
-            _mm256_storeu_ps(sp, first ? c[i][v] : _mm256_add_ps(_mm256_loadu_ps(sp), c[i][v]));
-        }
-}
-
-/* Scores of NR rows x NV head-vectors: the latent part in chunks, then the RoPE part in
- * chunks, then the scale.  pfl/pfk: the next block's rows to prefetch (NULL: none). */
-KVC_INLINE void kvc_mla_score_tile(const float *restrict qT, ptrdiff_t Hp, const float *lat,
-                                   const float *kr, ptrdiff_t r, ptrdiff_t dr, int NR, int NV,
-                                   float scale, float *S, const float *pfl, const float *pfk)
-{
-    ptrdiff_t x0;
-    int i, v;
-    for (x0 = 0; x0 < r; x0 += KVC_MLA_CHUNK)
-        kvc_mla_score_chunk(qT + x0 * Hp, Hp, lat + x0, r,
-                            r - x0 < KVC_MLA_CHUNK ? r - x0 : KVC_MLA_CHUNK, NR, NV, S, x0 == 0,
-                            pfl ? pfl + x0 : NULL);
-    for (x0 = 0; x0 < dr; x0 += KVC_MLA_CHUNK)
-        kvc_mla_score_chunk(qT + (r + x0) * Hp, Hp, kr + x0, dr,
-                            dr - x0 < KVC_MLA_CHUNK ? dr - x0 : KVC_MLA_CHUNK, NR, NV, S, 0,
-                            pfk ? pfk + x0 : NULL);
-    __m256 sv = _mm256_set1_ps(scale);
-    for (i = 0; i < NR; ++i)
-        for (v = 0; v < NV; ++v)
-            _mm256_storeu_ps(S + i * Hp + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(S + i * Hp + 8 * v), sv));
-}
-#endif
-
-/* Rows [0, pf_rows) of (pf_lat, pf_kr) -- the next block -- are prefetched a tile at a time
- * while this block is scored, so the stream from memory overlaps the arithmetic. */
-static void kvc_mla_scores(const float *restrict qT, ptrdiff_t Hp, const float *lat,
-                           const float *kr, ptrdiff_t r, ptrdiff_t dr, ptrdiff_t nb, float scale,
-                           float *restrict S, const float *pf_lat, const float *pf_kr,
-                           ptrdiff_t pf_rows)
-{
-#if KVC_SIMD
-    ptrdiff_t t = 0, v;
-    for (; t + 6 <= nb; t += 6) {
-        /* rows t..t+5 of the next block are prefetched inside the first head-vector pass,
-         * spread over its arithmetic */
-        const float *pl = t + 6 <= pf_rows ? pf_lat + t * r : NULL;
-        const float *pk = t + 6 <= pf_rows ? pf_kr + t * dr : NULL;
-        if (!pl && t < pf_rows) {
-            kvc_prefetch_rows_to(pf_lat, t, pf_rows - t, r * (ptrdiff_t)sizeof(float), 1);
-            kvc_prefetch_rows_to(pf_kr, t, pf_rows - t, dr * (ptrdiff_t)sizeof(float), 1);
-        }
-        for (v = 0; v + 16 <= Hp; v += 16) {
-            kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, 6, 2, scale, S + t * Hp + v, pl, pk);
-            pl = pk = NULL;
-        }
-        if (v < Hp)
-            kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, 6, 1, scale, S + t * Hp + v, pl, pk);
-    }
-    if (t < nb) {
-        if (t < pf_rows) {
-            kvc_prefetch_rows_to(pf_lat, t, pf_rows - t, r * (ptrdiff_t)sizeof(float), 1);
-            kvc_prefetch_rows_to(pf_kr, t, pf_rows - t, dr * (ptrdiff_t)sizeof(float), 1);
-        }
-#define KVC_MLA_REM(NR) \
-        for (v = 0; v + 16 <= Hp; v += 16) \
-            kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, NR, 2, scale, S + t * Hp + v, NULL, NULL); \
-        if (v < Hp) \
-            kvc_mla_score_tile(qT + v, Hp, lat + t * r, kr + t * dr, r, dr, NR, 1, scale, S + t * Hp + v, NULL, NULL);
-        switch (nb - t) {
-        case 5: KVC_MLA_REM(5) break;
-        case 4: KVC_MLA_REM(4) break;
-        case 3: KVC_MLA_REM(3) break;
-        case 2: KVC_MLA_REM(2) break;
-        default: KVC_MLA_REM(1) break;
-        }
-#undef KVC_MLA_REM
-    }
-#else
-    ptrdiff_t t, h, x;
-    (void)pf_lat;
-    (void)pf_kr;
-    (void)pf_rows;
-    ptrdiff_t x0, x1;
+    ptrdiff_t t, h, x, x0, x1;
     for (t = 0; t < nb; ++t)
         for (h = 0; h < Hp; ++h) {
             float s = 0.0f;
@@ -184,80 +89,16 @@ static void kvc_mla_scores(const float *restrict qT, ptrdiff_t Hp, const float *
             }
             S[t * Hp + h] = s * scale;
         }
-#endif
 }
 
-/* ---- acc[h][x] += sum over rows of P[t][h] lat[t][x] (rows ascending, one fma each) ------ */
-
-#if KVC_SIMD
-/* NH heads (<= 6) x NV latent vectors (<= 2) of accumulators over nb rows. */
-KVC_INLINE void kvc_mla_acc_tile(const float *P, ptrdiff_t Hp, const float *lat, ptrdiff_t r,
-                                 ptrdiff_t nb, int NH, int NV, float *acc)
-{
-    __m256 a[6][2];
-    int i, v;
-    ptrdiff_t t;
-    for (i = 0; i < NH; ++i)
-        for (v = 0; v < NV; ++v)
-            a[i][v] = _mm256_loadu_ps(acc + i * r + 8 * v);
-    for (t = 0; t < nb; ++t) {
-        __m256 l0 = _mm256_loadu_ps(lat + t * r);
-        __m256 l1 = NV > 1 ? _mm256_loadu_ps(lat + t * r + 8) : l0;
-        for (i = 0; i < NH; ++i) {
-            __m256 p = _mm256_broadcast_ss(P + t * Hp + i);
-            a[i][0] = _mm256_fmadd_ps(p, l0, a[i][0]);
-            if (NV > 1)
-                a[i][1] = _mm256_fmadd_ps(p, l1, a[i][1]);
-        }
-    }
-    for (i = 0; i < NH; ++i)
-        for (v = 0; v < NV; ++v)
-            _mm256_storeu_ps(acc + i * r + 8 * v, a[i][v]);
-}
-
-#define KVC_MLA_ACC_HEADS(NV) { \
-    ptrdiff_t h = 0; \
-    for (; h + 6 <= H; h += 6) \
-        kvc_mla_acc_tile(P + h, Hp, lat + x, r, nb, 6, NV, acc + h * r + x); \
-    switch (H - h) { \
-    case 5: kvc_mla_acc_tile(P + h, Hp, lat + x, r, nb, 5, NV, acc + h * r + x); break; \
-    case 4: kvc_mla_acc_tile(P + h, Hp, lat + x, r, nb, 4, NV, acc + h * r + x); break; \
-    case 3: kvc_mla_acc_tile(P + h, Hp, lat + x, r, nb, 3, NV, acc + h * r + x); break; \
-    case 2: kvc_mla_acc_tile(P + h, Hp, lat + x, r, nb, 2, NV, acc + h * r + x); break; \
-    case 1: kvc_mla_acc_tile(P + h, Hp, lat + x, r, nb, 1, NV, acc + h * r + x); break; \
-    default: break; } }
-#endif
-
-static void kvc_mla_accumulate(const float *restrict P, ptrdiff_t Hp, ptrdiff_t H,
-                               const float *restrict lat, ptrdiff_t r, ptrdiff_t nb,
-                               float *restrict acc)
-{
-    ptrdiff_t x = 0, t, h;
-#if KVC_SIMD
-    for (; x + 16 <= r; x += 16)
-        KVC_MLA_ACC_HEADS(2)
-    for (; x + 8 <= r; x += 8)
-        KVC_MLA_ACC_HEADS(1)
-#endif
-    for (h = 0; h < H; ++h)
-        for (ptrdiff_t xx = x; xx < r; ++xx) {
-            float a = acc[h * r + xx];
-            for (t = 0; t < nb; ++t)
-                a = fmaf(P[t * Hp + h], lat[t * r + xx], a);
-            acc[h * r + xx] = a;
-        }
-}
-
-/* One task: rows [p0, p1) of one position.  acc (H x r), m and l (Hp each) are the task's
- * partial state; S is KVC_MLA_BLOCK x Hp scratch.  Rows up to pf_end (>= p1) may be
- * prefetched, never read. */
-static void kvc_mla_task(const float *restrict qT, ptrdiff_t H, ptrdiff_t Hp,
-                         const float *lat, const float *kr, ptrdiff_t r, ptrdiff_t dr,
-                         ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t pf_end, float scale,
-                         float *restrict acc, float *restrict m, float *restrict l,
-                         float *restrict S)
+static void kvc_mla_task_c(const float *restrict qT, ptrdiff_t H, ptrdiff_t Hp,
+                           const float *lat, const float *kr, ptrdiff_t r, ptrdiff_t dr,
+                           ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t pf_end, float scale,
+                           float *restrict acc, float *restrict m, float *restrict l,
+                           float *restrict S)
 {
     ptrdiff_t b0, t, h, x;
+    (void)pf_end;
     for (h = 0; h < Hp; ++h) {
         m[h] = -INFINITY;
         l[h] = 0.0f;
@@ -265,11 +106,7 @@ static void kvc_mla_task(const float *restrict qT, ptrdiff_t H, ptrdiff_t Hp,
     memset(acc, 0, (size_t)(H * r) * sizeof(float));
     for (b0 = p0; b0 < p1; b0 += KVC_MLA_BLOCK) {
         ptrdiff_t nb = p1 - b0 < KVC_MLA_BLOCK ? p1 - b0 : KVC_MLA_BLOCK;
-        /* the next block; after the last one, the rows after p1 (up to pf_end), which the
-         * same thread reads next when tasks are handed out in contiguous runs */
-        ptrdiff_t nx = pf_end - b0 - nb < KVC_MLA_BLOCK ? pf_end - b0 - nb : KVC_MLA_BLOCK;
-        kvc_mla_scores(qT, Hp, lat + b0 * r, kr + b0 * dr, r, dr, nb, scale, S,
-                       lat + (b0 + nb) * r, kr + (b0 + nb) * dr, nx);
+        kvc_mla_scores_c(qT, Hp, lat + b0 * r, kr + b0 * dr, r, dr, nb, scale, S);
         for (h = 0; h < H; ++h) {
             float b = -INFINITY;
             for (t = 0; t < nb; ++t) {
@@ -280,33 +117,219 @@ static void kvc_mla_task(const float *restrict qT, ptrdiff_t H, ptrdiff_t Hp,
             if (mn > m[h] && m[h] > -INFINITY) {
                 float a = kvc_expf(m[h] - mn);
                 l[h] *= a;
-                float *restrict ah = acc + h * r;
                 for (x = 0; x < r; ++x)
-                    ah[x] *= a;
+                    acc[h * r + x] *= a;
             }
             m[h] = mn;
         }
-        for (t = 0; t < nb; ++t) {
-            float *restrict st = S + t * Hp;
-            h = 0;
-#if KVC_SIMD
-            for (; h + 8 <= H; h += 8) {
-                __m256 sv = _mm256_loadu_ps(st + h);
-                __m256 e = kvc_expf8(_mm256_sub_ps(sv, _mm256_loadu_ps(m + h)));
-                e = _mm256_andnot_ps(_mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), e);
-                _mm256_storeu_ps(st + h, e);
-                _mm256_storeu_ps(l + h, _mm256_add_ps(_mm256_loadu_ps(l + h), e));
-            }
-#endif
-            for (; h < H; ++h) {
-                float e = st[h] == -INFINITY ? 0.0f : kvc_expf(st[h] - m[h]);
-                st[h] = e;
+        for (t = 0; t < nb; ++t)
+            for (h = 0; h < H; ++h) {
+                float *st = S + t * Hp + h;
+                float e = *st == -INFINITY ? 0.0f : kvc_expf(*st - m[h]);
+                *st = e;
                 l[h] += e;
             }
-        }
-        kvc_mla_accumulate(S, Hp, H, lat + b0 * r, r, nb, acc);
+        for (h = 0; h < H; ++h)
+            for (x = 0; x < r; ++x) {
+                float a = acc[h * r + x];
+                for (t = 0; t < nb; ++t)
+                    a = fmaf(S[t * Hp + h], lat[(b0 + t) * r + x], a);
+                acc[h * r + x] = a;
+            }
     }
 }
+#endif
+
+/* ---- prefetch of the next block ---------------------------------------------------------
+ * While a block is scored and summed, the next block's rows (two contiguous byte ranges: its
+ * latents and its RoPE keys) are asked for in L2, a few cache lines at each score chunk and
+ * each latent-sum tile, so that the stream from memory is spread evenly over the block's
+ * arithmetic instead of arriving in bursts. */
+#define KVC_MLA_PF_STRIDE 64       /* bytes between two prefetches: every cache line */
+#define KVC_MLA_PF_HINT 2          /* __builtin_prefetch locality: L2 and below */
+typedef struct {
+    const char *p, *e, *p2, *e2;   /* the two ranges still to ask for */
+    ptrdiff_t per;                 /* lines per step */
+} kvc_mla_pf;
+
+KVC_INLINE void kvc_mla_pf_step(kvc_mla_pf *f)
+{
+    ptrdiff_t k;
+    for (k = 0; k < f->per; ++k) {
+        if (f->p < f->e) {
+            __builtin_prefetch(f->p, 0, KVC_MLA_PF_HINT);
+            f->p += KVC_MLA_PF_STRIDE;
+        } else if (f->p2 < f->e2) {
+            __builtin_prefetch(f->p2, 0, KVC_MLA_PF_HINT);
+            f->p2 += KVC_MLA_PF_STRIDE;
+        } else {
+            break;
+        }
+    }
+}
+
+/* The next block: rows [0, nx) of (lat, kr); the steps of this block (nb rows, H heads, score
+ * tiles of `rows` rows over head-vectors of w floats) share its lines. */
+KVC_INLINE void kvc_mla_pf_start(kvc_mla_pf *f, const float *lat, const float *kr,
+                                 ptrdiff_t nx, ptrdiff_t H, ptrdiff_t Hp, ptrdiff_t r,
+                                 ptrdiff_t dr, ptrdiff_t nb, ptrdiff_t rows, ptrdiff_t w)
+{
+    ptrdiff_t lines, steps;
+    if (nx <= 0) {
+        f->p = f->e = f->p2 = f->e2 = NULL;
+        f->per = 0;
+        return;
+    }
+    f->p = (const char *)((uintptr_t)lat & ~(uintptr_t)63);
+    f->e = (const char *)(lat + nx * r);
+    f->p2 = (const char *)((uintptr_t)kr & ~(uintptr_t)63);
+    f->e2 = (const char *)(kr + nx * dr);
+    lines = (f->e - f->p + KVC_MLA_PF_STRIDE - 1) / KVC_MLA_PF_STRIDE
+            + (f->e2 - f->p2 + KVC_MLA_PF_STRIDE - 1) / KVC_MLA_PF_STRIDE;
+    steps = ((nb + rows - 1) / rows + 3) * ((Hp + 2 * w - 1) / (2 * w))
+            * ((r + KVC_MLA_CHUNK - 1) / KVC_MLA_CHUNK + (dr + KVC_MLA_CHUNK - 1) / KVC_MLA_CHUNK)
+            + ((r + 2 * w - 1) / (2 * w)) * ((H + 5) / 6);
+    f->per = (lines + steps - 1) / steps;
+}
+
+/* Whatever the steps left. */
+KVC_INLINE void kvc_mla_pf_finish(kvc_mla_pf *f)
+{
+    f->per = PTRDIFF_MAX;
+    kvc_mla_pf_step(f);
+}
+
+/* ---- the SIMD bodies ----------------------------------------------------------------------
+ * One body, written over a thin vector layer (KVC_MV* below: load, store, broadcast, fma, add,
+ * mul, sub, exp, "0 where the score is -inf" on a vector of KVC_MVW floats), is compiled twice
+ * by including this file into itself: with 8-float __m256 vectors (the AVX2/FMA baseline,
+ * functions named *_avx2) and with 16-float vectors (functions named *_avx512, compiled with
+ * KVC_TARGET_AVX512 and __m512 intrinsics).  Lane j of a vector is one head (scores) or one
+ * latent element (sums) and carries its own chain of operations, so the width changes how
+ * many chains run side by side, never the order inside one: both bodies and the portable twin
+ * give the same bits.  The 16-float body hands a remainder of 8 heads or 8 elements to the
+ * 8-float code, and exp runs as two kvc_expf8 on the halves of a vector.
+ *
+ * KVC_EMULATE_512 (tests only: tests/c/mla_paths.c) builds the 16-float body from pairs of
+ * __m256 operations, so that the very code of the AVX-512 path runs, and is compared bit for
+ * bit, on a machine without AVX-512. */
+
+#if KVC_SIMD && (KVC_DISPATCH || defined(KVC_EMULATE_512))
+#define KVC_MLA_HAS512 1
+#else
+#define KVC_MLA_HAS512 0
+#endif
+
+#if KVC_MLA_HAS512
+#if defined(KVC_EMULATE_512)
+#define KVC_T512
+typedef struct { __m256 lo, hi; } kvc_v16;
+KVC_INLINE kvc_v16 kvc_v16_pair(__m256 lo, __m256 hi)
+{
+    kvc_v16 v;
+    v.lo = lo;
+    v.hi = hi;
+    return v;
+}
+KVC_INLINE kvc_v16 kvc_v16_load(const float *p)
+{
+    return kvc_v16_pair(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+}
+KVC_INLINE void kvc_v16_store(float *p, kvc_v16 v)
+{
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+}
+KVC_INLINE kvc_v16 kvc_v16_bcast(const float *p)
+{
+    __m256 b = _mm256_broadcast_ss(p);
+    return kvc_v16_pair(b, b);
+}
+KVC_INLINE kvc_v16 kvc_v16_set1(float x)
+{
+    return kvc_v16_pair(_mm256_set1_ps(x), _mm256_set1_ps(x));
+}
+KVC_INLINE kvc_v16 kvc_v16_fma(kvc_v16 a, kvc_v16 b, kvc_v16 c)
+{
+    return kvc_v16_pair(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+KVC_INLINE kvc_v16 kvc_v16_add(kvc_v16 a, kvc_v16 b)
+{
+    return kvc_v16_pair(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi));
+}
+KVC_INLINE kvc_v16 kvc_v16_sub(kvc_v16 a, kvc_v16 b)
+{
+    return kvc_v16_pair(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi));
+}
+KVC_INLINE kvc_v16 kvc_v16_mul(kvc_v16 a, kvc_v16 b)
+{
+    return kvc_v16_pair(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi));
+}
+KVC_INLINE kvc_v16 kvc_v16_exp(kvc_v16 a)
+{
+    return kvc_v16_pair(kvc_expf8(a.lo), kvc_expf8(a.hi));
+}
+/* e, with 0 in the lanes where s is -inf */
+KVC_INLINE kvc_v16 kvc_v16_zero_neginf(kvc_v16 s, kvc_v16 e)
+{
+    __m256 ninf = _mm256_set1_ps(-INFINITY);
+    return kvc_v16_pair(_mm256_andnot_ps(_mm256_cmp_ps(s.lo, ninf, _CMP_EQ_OQ), e.lo),
+                        _mm256_andnot_ps(_mm256_cmp_ps(s.hi, ninf, _CMP_EQ_OQ), e.hi));
+}
+#else
+#define KVC_T512 KVC_TARGET_AVX512
+typedef __m512 kvc_v16;
+KVC_INLINE KVC_T512 kvc_v16 kvc_v16_load(const float *p) { return _mm512_loadu_ps(p); }
+KVC_INLINE KVC_T512 void kvc_v16_store(float *p, kvc_v16 v) { _mm512_storeu_ps(p, v); }
+KVC_INLINE KVC_T512 kvc_v16 kvc_v16_bcast(const float *p) { return _mm512_set1_ps(*p); }
+KVC_INLINE KVC_T512 kvc_v16 kvc_v16_set1(float x) { return _mm512_set1_ps(x); }
+KVC_INLINE KVC_T512 kvc_v16 kvc_v16_fma(kvc_v16 a, kvc_v16 b, kvc_v16 c)
+{
+    return _mm512_fmadd_ps(a, b, c);
+}
+KVC_INLINE KVC_T512 kvc_v16 kvc_v16_add(kvc_v16 a, kvc_v16 b) { return _mm512_add_ps(a, b); }
+KVC_INLINE KVC_T512 kvc_v16 kvc_v16_sub(kvc_v16 a, kvc_v16 b) { return _mm512_sub_ps(a, b); }
+KVC_INLINE KVC_T512 kvc_v16 kvc_v16_mul(kvc_v16 a, kvc_v16 b) { return _mm512_mul_ps(a, b); }
+KVC_INLINE KVC_T512 kvc_v16 kvc_v16_exp(kvc_v16 a)
+{
+    __m256 lo = kvc_expf8(_mm512_castps512_ps256(a));
+    __m256 hi = kvc_expf8(_mm512_extractf32x8_ps(a, 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+KVC_INLINE KVC_T512 kvc_v16 kvc_v16_zero_neginf(kvc_v16 s, kvc_v16 e)
+{
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                e, _mm512_setzero_ps());
+}
+#endif
+#endif
+
+#if KVC_SIMD
+/* Rows per score tile, by vector width.  8 floats: 5 rows x 2 head-vectors = 10 accumulators,
+ * enough to cover the FMA latency, and 16 ymm registers leave room for the two query vectors
+ * and the broadcast (6 rows measured slower: the compiler spills).  16 floats: 12 rows of one
+ * zmm head-vector (16 heads), or 12 x 2 = 24 of the 32 zmm registers. */
+#ifndef KVC_MLA_TILE_ROWS8
+#define KVC_MLA_TILE_ROWS8 5
+#endif
+#ifndef KVC_MLA_TILE_ROWS16
+#define KVC_MLA_TILE_ROWS16 12
+#endif
+#define KVC_MLA_TILE_MAX 12       /* rows of a score tile at most: KVC_MLA_EACH's count */
+#define KVC_MLA_EACH(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11)
+#define KVC_MLA_EACH6(M) M(0) M(1) M(2) M(3) M(4) M(5)
+
+/* the 8-float body */
+#define KVC_MLA_PASS 8
+#include "_mla.h"
+#undef KVC_MLA_PASS
+#if KVC_MLA_HAS512
+/* the 16-float body */
+#define KVC_MLA_PASS 16
+#include "_mla.h"
+#undef KVC_MLA_PASS
+#endif
+#endif
 
 /* Merge the nt task partials of one head (strides: acc by acc_stride floats, m and l by
  * ml_stride) and apply W_UV: out[j] = W_UV[h][j] . c.  c: r floats of scratch. */
@@ -343,6 +366,51 @@ static void kvc_mla_merge_head(const float *acc, ptrdiff_t acc_stride, const flo
         out[j] = kvc_dot_f32(c, wuv + j * r, r);
 }
 
+/* ---- dispatch ------------------------------------------------------------------------- */
+
+typedef void (*kvc_mla_task_fn)(const float *qT, ptrdiff_t H, ptrdiff_t Hp, const float *lat,
+                                const float *kr, ptrdiff_t r, ptrdiff_t dr, ptrdiff_t p0,
+                                ptrdiff_t p1, ptrdiff_t pf_end, float scale, float *acc,
+                                float *m, float *l, float *S);
+
+/* The task body of the level in use: the 16-float body when kvc_isa >= KVC_ISA_AVX512, else
+ * the 8-float one (kvc_isa 0 included) on a SIMD build, the portable twin otherwise.  A caller
+ * reads it once per call, before its parallel region. */
+static inline kvc_mla_task_fn kvc_mla_task_select(void)
+{
+#if KVC_MLA_HAS512
+    if (kvc_isa >= KVC_ISA_AVX512)
+        return kvc_mla_task_avx512;
+#endif
+#if KVC_SIMD
+    return kvc_mla_task_avx2;
+#else
+    return kvc_mla_task_c;
+#endif
+}
+
+/* The name of that body: "avx512", "avx2" or "portable". */
+static inline const char *kvc_mla_path(void)
+{
+#if KVC_MLA_HAS512
+    if (kvc_isa >= KVC_ISA_AVX512)
+        return "avx512";
+#endif
+    return KVC_SIMD ? "avx2" : "portable";
+}
+
+/* One task: rows [p0, p1) of one position.  acc (H x r), m and l (Hp each) are the task's
+ * partial state; S is KVC_MLA_BLOCK x Hp scratch.  Rows up to pf_end (>= p1) may be
+ * prefetched, never read.  Runs the body kvc_mla_task_select() names. */
+static void kvc_mla_task(const float *restrict qT, ptrdiff_t H, ptrdiff_t Hp,
+                         const float *lat, const float *kr, ptrdiff_t r, ptrdiff_t dr,
+                         ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t pf_end, float scale,
+                         float *restrict acc, float *restrict m, float *restrict l,
+                         float *restrict S)
+{
+    kvc_mla_task_select()(qT, H, Hp, lat, kr, r, dr, p0, p1, pf_end, scale, acc, m, l, S);
+}
+
 /* Machine probe for the benchmark: `iters` steps of 10 independent chains of 8-lane fused
  * multiply-adds (80 FMAs per step), enough chains to cover the FMA latency on current x86
  * cores.  Returns a value that depends on every chain so nothing is optimised away. */
@@ -377,4 +445,314 @@ static float kvc_fma_probe(long iters, float x)
 #endif
 }
 
+#endif /* KVCACHE_MLA_H */
+
+#else /* KVC_MLA_PASS: one SIMD body of the scores, the latent sums and a task ------------- */
+
+#if KVC_MLA_PASS == 8
+#define KVC_MVW 8
+#define KVC_MV __m256
+#define KVC_MVLOAD _mm256_loadu_ps
+#define KVC_MVSTORE _mm256_storeu_ps
+#define KVC_MVBCAST _mm256_broadcast_ss
+#define KVC_MVSET1 _mm256_set1_ps
+#define KVC_MVFMA _mm256_fmadd_ps
+#define KVC_MVADD _mm256_add_ps
+#define KVC_MVSUB _mm256_sub_ps
+#define KVC_MVMUL _mm256_mul_ps
+#define KVC_MVEXP kvc_expf8
+#define KVC_MVZNEGINF(s, e) \
+    _mm256_andnot_ps(_mm256_cmp_ps((s), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), (e))
+#define KVC_MVFN(name) name##_avx2
+#define KVC_MVTGT
+#define KVC_MVROWS KVC_MLA_TILE_ROWS8
+#else
+#define KVC_MVW 16
+#define KVC_MV kvc_v16
+#define KVC_MVLOAD kvc_v16_load
+#define KVC_MVSTORE kvc_v16_store
+#define KVC_MVBCAST kvc_v16_bcast
+#define KVC_MVSET1 kvc_v16_set1
+#define KVC_MVFMA kvc_v16_fma
+#define KVC_MVADD kvc_v16_add
+#define KVC_MVSUB kvc_v16_sub
+#define KVC_MVMUL kvc_v16_mul
+#define KVC_MVEXP kvc_v16_exp
+#define KVC_MVZNEGINF kvc_v16_zero_neginf
+#define KVC_MVFN(name) name##_avx512
+#define KVC_MVTGT KVC_T512
+#define KVC_MVROWS KVC_MLA_TILE_ROWS16
+#endif
+
+/* One chunk (len <= KVC_MLA_CHUNK elements) of the scores of NR rows x NV head-vectors:
+ * fresh accumulators, one fma per element in order, then S = c (first chunk) or S = S + c.
+ * src points at element x0 of row 0 (rows ld floats apart), qc at row x0 of qT.  pf: the
+ * prefetch stream (NULL: none), one step per chunk.  The accumulators are named variables,
+ * not an array, so that they stay in registers. */
+KVC_INLINE KVC_MVTGT void KVC_MVFN(kvc_mla_score_chunk)(const float *restrict qc, ptrdiff_t Hp,
+                                                        const float *src, ptrdiff_t ld,
+                                                        ptrdiff_t len, int NR, int NV, float *S,
+                                                        int first, kvc_mla_pf *pf)
+{
+    ptrdiff_t x;
+    KVC_MV z = KVC_MVSET1(0.0f);
+#define KVC_MLA_DECL(j) KVC_MV c##j##_0 = z, c##j##_1 = z;
+    KVC_MLA_EACH(KVC_MLA_DECL)
+#undef KVC_MLA_DECL
+    if (pf)
+        kvc_mla_pf_step(pf);
+    for (x = 0; x < len; ++x) {
+        KVC_MV q0 = KVC_MVLOAD(qc + x * Hp);
+        KVC_MV q1 = NV > 1 ? KVC_MVLOAD(qc + x * Hp + KVC_MVW) : q0;
+#define KVC_MLA_FMA(j) \
+        if (NR > j) { \
+            KVC_MV b = KVC_MVBCAST(src + j * ld + x); \
+            c##j##_0 = KVC_MVFMA(q0, b, c##j##_0); \
+            if (NV > 1) \
+                c##j##_1 = KVC_MVFMA(q1, b, c##j##_1); \
+        }
+        KVC_MLA_EACH(KVC_MLA_FMA)
+#undef KVC_MLA_FMA
+    }
+#define KVC_MLA_STORE(j) \
+    if (NR > j) { \
+        float *sp = S + j * Hp; \
+        KVC_MVSTORE(sp, first ? c##j##_0 : KVC_MVADD(KVC_MVLOAD(sp), c##j##_0)); \
+        if (NV > 1) \
+            KVC_MVSTORE(sp + KVC_MVW, first ? c##j##_1 \
+                                            : KVC_MVADD(KVC_MVLOAD(sp + KVC_MVW), c##j##_1)); \
+    }
+    KVC_MLA_EACH(KVC_MLA_STORE)
+#undef KVC_MLA_STORE
+}
+
+/* Scores of NR rows x NV head-vectors: the latent part in chunks, then the RoPE part in
+ * chunks, then the scale. */
+KVC_INLINE KVC_MVTGT void KVC_MVFN(kvc_mla_score_tile)(const float *restrict qT, ptrdiff_t Hp,
+                                                     const float *lat, const float *kr,
+                                                     ptrdiff_t r, ptrdiff_t dr, int NR, int NV,
+                                                     float scale, float *S, kvc_mla_pf *pf)
+{
+    ptrdiff_t x0;
+    int i, v;
+    for (x0 = 0; x0 < r; x0 += KVC_MLA_CHUNK)
+        KVC_MVFN(kvc_mla_score_chunk)(qT + x0 * Hp, Hp, lat + x0, r,
+                                     r - x0 < KVC_MLA_CHUNK ? r - x0 : KVC_MLA_CHUNK, NR, NV, S,
+                                     x0 == 0, pf);
+    for (x0 = 0; x0 < dr; x0 += KVC_MLA_CHUNK)
+        KVC_MVFN(kvc_mla_score_chunk)(qT + (r + x0) * Hp, Hp, kr + x0, dr,
+                                     dr - x0 < KVC_MLA_CHUNK ? dr - x0 : KVC_MLA_CHUNK, NR, NV,
+                                     S, 0, pf);
+    KVC_MV sv = KVC_MVSET1(scale);
+    for (i = 0; i < NR; ++i)
+        for (v = 0; v < NV; ++v)
+            KVC_MVSTORE(S + i * Hp + KVC_MVW * v, KVC_MVMUL(KVC_MVLOAD(S + i * Hp + KVC_MVW * v), sv));
+}
+
+/* NR rows for every head: pairs of head-vectors, a single one, and (16-float body) a last 8
+ * heads through the 8-float tile. */
+KVC_INLINE KVC_MVTGT void KVC_MVFN(kvc_mla_score_rows)(const float *restrict qT, ptrdiff_t Hp,
+                                                     const float *lat, const float *kr,
+                                                     ptrdiff_t r, ptrdiff_t dr, int NR,
+                                                     float scale, float *S, kvc_mla_pf *pf)
+{
+    ptrdiff_t v = 0;
+    for (; v + 2 * KVC_MVW <= Hp; v += 2 * KVC_MVW) {
+        KVC_MVFN(kvc_mla_score_tile)(qT + v, Hp, lat, kr, r, dr, NR, 2, scale, S + v, pf);
+    }
+    for (; v + KVC_MVW <= Hp; v += KVC_MVW) {
+        KVC_MVFN(kvc_mla_score_tile)(qT + v, Hp, lat, kr, r, dr, NR, 1, scale, S + v, pf);
+    }
+#if KVC_MVW == 16
+    if (v < Hp)                       /* Hp is a multiple of 8 */
+        kvc_mla_score_tile_avx2(qT + v, Hp, lat, kr, r, dr, NR, 1, scale, S + v, pf);
+#endif
+}
+
+/* Scores of nb rows for all heads, S[t * Hp + h]: tiles of KVC_MVROWS rows, then 4, 2, 1. */
+static KVC_MVTGT void KVC_MVFN(kvc_mla_scores)(const float *restrict qT, ptrdiff_t Hp,
+                                               const float *lat, const float *kr, ptrdiff_t r,
+                                               ptrdiff_t dr, ptrdiff_t nb, float scale,
+                                               float *restrict S, kvc_mla_pf *pf)
+{
+    ptrdiff_t t = 0;
+#define KVC_MLA_ROWS(NR) { \
+        KVC_MVFN(kvc_mla_score_rows)(qT, Hp, lat + t * r, kr + t * dr, r, dr, (NR), scale, \
+                                     S + t * Hp, pf); \
+        t += (NR); }
+    while (t + KVC_MVROWS <= nb)
+        KVC_MLA_ROWS(KVC_MVROWS)
+    while (t + 4 <= nb)
+        KVC_MLA_ROWS(4)
+    if (t + 2 <= nb)
+        KVC_MLA_ROWS(2)
+    if (t < nb)
+        KVC_MLA_ROWS(1)
+#undef KVC_MLA_ROWS
+}
+
+/* acc[h][x] += sum over rows of P[t][h] lat[t][x] for NH heads (<= 6) x NV vectors (<= 2) of
+ * latent elements: rows ascending, one fma each (named accumulators, as above). */
+KVC_INLINE KVC_MVTGT void KVC_MVFN(kvc_mla_acc_tile)(const float *P, ptrdiff_t Hp,
+                                                     const float *lat, ptrdiff_t r,
+                                                     ptrdiff_t nb, int NH, int NV, float *acc,
+                                                     kvc_mla_pf *pf)
+{
+    ptrdiff_t t;
+    KVC_MV z = KVC_MVSET1(0.0f);
+    if (pf)
+        kvc_mla_pf_step(pf);
+#define KVC_MLA_LOAD(j) \
+    KVC_MV a##j##_0 = NH > j ? KVC_MVLOAD(acc + j * r) : z; \
+    KVC_MV a##j##_1 = NH > j && NV > 1 ? KVC_MVLOAD(acc + j * r + KVC_MVW) : z;
+    KVC_MLA_EACH6(KVC_MLA_LOAD)
+#undef KVC_MLA_LOAD
+    for (t = 0; t < nb; ++t) {
+        KVC_MV l0 = KVC_MVLOAD(lat + t * r);
+        KVC_MV l1 = NV > 1 ? KVC_MVLOAD(lat + t * r + KVC_MVW) : l0;
+#define KVC_MLA_FMA(j) \
+        if (NH > j) { \
+            KVC_MV p = KVC_MVBCAST(P + t * Hp + j); \
+            a##j##_0 = KVC_MVFMA(p, l0, a##j##_0); \
+            if (NV > 1) \
+                a##j##_1 = KVC_MVFMA(p, l1, a##j##_1); \
+        }
+        KVC_MLA_EACH6(KVC_MLA_FMA)
+#undef KVC_MLA_FMA
+    }
+#define KVC_MLA_STORE(j) \
+    if (NH > j) { \
+        KVC_MVSTORE(acc + j * r, a##j##_0); \
+        if (NV > 1) \
+            KVC_MVSTORE(acc + j * r + KVC_MVW, a##j##_1); \
+    }
+    KVC_MLA_EACH6(KVC_MLA_STORE)
+#undef KVC_MLA_STORE
+}
+
+/* One slice of NV vectors of latent elements, all heads, in tiles of 6 heads. */
+KVC_INLINE KVC_MVTGT void KVC_MVFN(kvc_mla_acc_slice)(const float *P, ptrdiff_t Hp, ptrdiff_t H,
+                                                      const float *lat, ptrdiff_t r,
+                                                      ptrdiff_t nb, int NV, float *acc,
+                                                      kvc_mla_pf *pf)
+{
+    ptrdiff_t h;
+    for (h = 0; h + 6 <= H; h += 6)
+        KVC_MVFN(kvc_mla_acc_tile)(P + h, Hp, lat, r, nb, 6, NV, acc + h * r, pf);
+    switch (H - h) {
+    case 5: KVC_MVFN(kvc_mla_acc_tile)(P + h, Hp, lat, r, nb, 5, NV, acc + h * r, pf); break;
+    case 4: KVC_MVFN(kvc_mla_acc_tile)(P + h, Hp, lat, r, nb, 4, NV, acc + h * r, pf); break;
+    case 3: KVC_MVFN(kvc_mla_acc_tile)(P + h, Hp, lat, r, nb, 3, NV, acc + h * r, pf); break;
+    case 2: KVC_MVFN(kvc_mla_acc_tile)(P + h, Hp, lat, r, nb, 2, NV, acc + h * r, pf); break;
+    case 1: KVC_MVFN(kvc_mla_acc_tile)(P + h, Hp, lat, r, nb, 1, NV, acc + h * r, pf); break;
+    default: break;
+    }
+}
+
+static KVC_MVTGT void KVC_MVFN(kvc_mla_accumulate)(const float *restrict P, ptrdiff_t Hp,
+                                                 ptrdiff_t H, const float *restrict lat,
+                                                 ptrdiff_t r, ptrdiff_t nb, float *restrict acc,
+                                                 kvc_mla_pf *pf)
+{
+    ptrdiff_t x = 0, t, h;
+    for (; x + 2 * KVC_MVW <= r; x += 2 * KVC_MVW)
+        KVC_MVFN(kvc_mla_acc_slice)(P, Hp, H, lat + x, r, nb, 2, acc + x, pf);
+    for (; x + KVC_MVW <= r; x += KVC_MVW)
+        KVC_MVFN(kvc_mla_acc_slice)(P, Hp, H, lat + x, r, nb, 1, acc + x, pf);
+#if KVC_MVW == 16
+    for (; x + 8 <= r; x += 8)
+        kvc_mla_acc_slice_avx2(P, Hp, H, lat + x, r, nb, 1, acc + x, pf);
+#endif
+    for (h = 0; h < H; ++h)
+        for (ptrdiff_t xx = x; xx < r; ++xx) {
+            float a = acc[h * r + xx];
+            for (t = 0; t < nb; ++t)
+                a = fmaf(P[t * Hp + h], lat[t * r + xx], a);
+            acc[h * r + xx] = a;
+        }
+}
+
+/* One task (see kvc_mla_task). */
+static KVC_MVTGT void KVC_MVFN(kvc_mla_task)(const float *restrict qT, ptrdiff_t H,
+                                           ptrdiff_t Hp, const float *lat, const float *kr,
+                                           ptrdiff_t r, ptrdiff_t dr, ptrdiff_t p0,
+                                           ptrdiff_t p1, ptrdiff_t pf_end, float scale,
+                                           float *restrict acc, float *restrict m,
+                                           float *restrict l, float *restrict S)
+{
+    ptrdiff_t b0, t, h, x;
+    for (h = 0; h < Hp; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(acc, 0, (size_t)(H * r) * sizeof(float));
+    for (b0 = p0; b0 < p1; b0 += KVC_MLA_BLOCK) {
+        ptrdiff_t nb = p1 - b0 < KVC_MLA_BLOCK ? p1 - b0 : KVC_MLA_BLOCK;
+        /* the next block; after the last one, the rows after p1 (up to pf_end), which the
+         * same thread reads next when tasks are handed out in contiguous runs */
+        ptrdiff_t nx = pf_end - b0 - nb < KVC_MLA_BLOCK ? pf_end - b0 - nb : KVC_MLA_BLOCK;
+        kvc_mla_pf pf;
+        kvc_mla_pf_start(&pf, lat + (b0 + nb) * r, kr + (b0 + nb) * dr, nx, H, Hp, r, dr, nb,
+                         KVC_MVROWS, KVC_MVW);
+        KVC_MVFN(kvc_mla_scores)(qT, Hp, lat + b0 * r, kr + b0 * dr, r, dr, nb, scale, S, &pf);
+        for (h = 0; h < H; ++h) {
+            float b = -INFINITY;
+            for (t = 0; t < nb; ++t) {
+                float v = S[t * Hp + h];
+                b = v > b ? v : b;
+            }
+            float mn = b > m[h] ? b : m[h];
+            if (mn > m[h] && m[h] > -INFINITY) {
+                float a = kvc_expf(m[h] - mn);
+                l[h] *= a;
+                float *restrict ah = acc + h * r;
+                for (x = 0; x < r; ++x)
+                    ah[x] *= a;
+            }
+            m[h] = mn;
+        }
+        for (t = 0; t < nb; ++t) {
+            float *restrict st = S + t * Hp;
+            h = 0;
+            for (; h + KVC_MVW <= H; h += KVC_MVW) {
+                KVC_MV sv = KVC_MVLOAD(st + h);
+                KVC_MV e = KVC_MVZNEGINF(sv, KVC_MVEXP(KVC_MVSUB(sv, KVC_MVLOAD(m + h))));
+                KVC_MVSTORE(st + h, e);
+                KVC_MVSTORE(l + h, KVC_MVADD(KVC_MVLOAD(l + h), e));
+            }
+#if KVC_MVW == 16
+            for (; h + 8 <= H; h += 8) {
+                __m256 sv = _mm256_loadu_ps(st + h);
+                __m256 e = kvc_expf8(_mm256_sub_ps(sv, _mm256_loadu_ps(m + h)));
+                e = _mm256_andnot_ps(_mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), e);
+                _mm256_storeu_ps(st + h, e);
+                _mm256_storeu_ps(l + h, _mm256_add_ps(_mm256_loadu_ps(l + h), e));
+            }
+#endif
+            for (; h < H; ++h) {
+                float e = st[h] == -INFINITY ? 0.0f : kvc_expf(st[h] - m[h]);
+                st[h] = e;
+                l[h] += e;
+            }
+        }
+        KVC_MVFN(kvc_mla_accumulate)(S, Hp, H, lat + b0 * r, r, nb, acc, &pf);
+        kvc_mla_pf_finish(&pf);
+    }
+}
+
+#undef KVC_MVW
+#undef KVC_MV
+#undef KVC_MVLOAD
+#undef KVC_MVSTORE
+#undef KVC_MVBCAST
+#undef KVC_MVSET1
+#undef KVC_MVFMA
+#undef KVC_MVADD
+#undef KVC_MVSUB
+#undef KVC_MVMUL
+#undef KVC_MVEXP
+#undef KVC_MVZNEGINF
+#undef KVC_MVFN
+#undef KVC_MVTGT
+#undef KVC_MVROWS
 #endif

@@ -10,9 +10,11 @@
  *                multiples; a query takes the tiles that meet [f, e) in increasing order, and
  *                in each only its visible rows.
  *   scores       s = dot * scale, where dot = fma(q[d], k[d], dot) over the channels d in
- *                increasing order from 0 (one chain, no lanes); int8 keys are first
- *                dequantised channel by channel as (float)k8[d] * group_scale[d / 32] (one
- *                rounded product).  Softcap (> 0): s = cap * tanhf(s / cap) for finite s.
+ *                increasing order from 0 (one chain, no lanes) for float32 keys, and for int8
+ *                keys the raw q8 score of _kernels.h (the query quantised per K group of 16
+ *                or 32 channels, exact int32 group sums, groups combined with fmaf in order: the bits
+ *                the decode kernel gives).  Softcap (> 0): s = cap * tanhf(s / cap) for
+ *                finite s.
  *   online max   m' = max(m, max of the tile's visible scores), NaN ignored, m starts at -inf;
  *                mu = m' (0 while m' is -inf); alpha = exp(m - mu); p = exp(s - mu) with
  *                kvc_expf (the same function scalar and 8-wide).
@@ -406,7 +408,9 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
                                  const float *vf, const int8_t *vq, const float *vs,
                                  ptrdiff_t vs_stride, int quant_v, const float *vcol,
                                  ptrdiff_t hd, float scale, float softcap, float *out,
-                                 float *qm, float *ql, float *scratch)
+                                 float *qm, float *ql, float *scratch, int isa,
+                                 ptrdiff_t group, const int8_t *qi, const float *qsc,
+                                 const int32_t *qsum)
 {
     const ptrdiff_t hdp = KVC_PF_PAD16(hd);
     float *Kp = scratch;
@@ -436,14 +440,23 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
             }
         if (ja < 0)
             continue;
-        kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
+        if (!quant_k)
+            kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
         kvc_pf_load_v(vf, vq, vs, vs_stride, quant_v, t0, r0, r1, hd, Vp);
         /* the next tile's rows go to L2 while this one is computed, a few rows per block
          * of queries (a burst of prefetches would stall on the miss buffers) */
         ptrdiff_t pf_next = t1, pf_end = hi < t1 + KVC_PF_TILE ? hi : t1 + KVC_PF_TILE;
         ptrdiff_t pf_step = (KVC_PF_TILE * KVC_PF_QR + (jb - ja) - 1) / (jb - ja);
-        kvc_pf_scores(q + ja * hd, hd, jb - ja, Kp, hd, r0 - t0, r1 - t0, S + ja * KVC_PF_TILE,
-                      KVC_PF_TILE);
+        if (quant_k) {
+            for (j = ja; j < jb; ++j)
+                kvc_i8_rows_isa(isa, group, qi + j * KVC_I8_PAD(hd),
+                                qsc + j * KVC_I8_GROUPS(hd, group),
+                                qsum + j * KVC_I8_GROUPS(hd, group), kq + r0 * hd, ks + r0 * ks_stride,
+                                ks_stride, hd, r1 - r0, S + j * KVC_PF_TILE + (r0 - t0));
+        } else {
+            kvc_pf_scores(q + ja * hd, hd, jb - ja, Kp, hd, r0 - t0, r1 - t0,
+                          S + ja * KVC_PF_TILE, KVC_PF_TILE);
+        }
         for (j = ja; j < jb; ++j) {
             ptrdiff_t a = (qf[j] > t0 ? qf[j] : t0) - t0, b = (qe[j] < t1 ? qe[j] : t1) - t0;
             float *s = S + j * KVC_PF_TILE;
@@ -534,11 +547,12 @@ static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const
                         int quant_k, const float *vf, const int8_t *vq, const float *vs,
                         ptrdiff_t vs_stride, int quant_v, const float *vcol, ptrdiff_t hd,
                         float scale, float softcap, float *out, float *qm, float *ql,
-                        float *scratch)
+                        float *scratch, int isa, ptrdiff_t group, const int8_t *qi,
+                        const float *qsc, const int32_t *qsum)
 {
 #define KVC_PF_TASK(HD) kvc_pf_task_impl(q, nq, qf, qe, kf, kq, ks, ks_stride, quant_k, vf, vq, \
                                          vs, vs_stride, quant_v, vcol, HD, scale, softcap, out, \
-                                         qm, ql, scratch)
+                                         qm, ql, scratch, isa, group, qi, qsc, qsum)
     switch (hd) {
     case 64: KVC_PF_TASK(64); break;
     case 128: KVC_PF_TASK(128); break;
@@ -561,7 +575,8 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                              const float *kf, const int8_t *kq, const float *ks,
                              ptrdiff_t ks_stride, int quant_k, ptrdiff_t hd, float scale,
                              float softcap, ptrdiff_t t0, ptrdiff_t t1, float *colsum,
-                             float *scratch)
+                             float *scratch, int isa, ptrdiff_t group, const int8_t *qi,
+                             const float *qsc, const int32_t *qsum)
 {
     float *Kp = scratch;
     float *S = Kp + hd * KVC_PF_IMP_ROWS;
@@ -578,7 +593,8 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
     r1 = r1 < t1 ? r1 : t1;
     if (ja < 0)
         return;
-    kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
+    if (!quant_k)
+        kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
     for (j = ja; j < jb; j += KVC_PF_IMP_QUERIES) {
         ptrdiff_t nr = jb - j < KVC_PF_IMP_QUERIES ? jb - j : KVC_PF_IMP_QUERIES, i;
         if (j + nr < jb)   /* the next queries, into L2 while these are scored */
@@ -595,7 +611,16 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
         }
         if (c0 >= c1)
             continue;
-        kvc_pf_scores(q + j * hd, hd, nr, Kp, hd, c0, c1, S, KVC_PF_IMP_ROWS);
+        if (quant_k) {
+            for (i = 0; i < nr; ++i)
+                kvc_i8_rows_isa(isa, group, qi + (j + i) * KVC_I8_PAD(hd),
+                                qsc + (j + i) * KVC_I8_GROUPS(hd, group),
+                                qsum + (j + i) * KVC_I8_GROUPS(hd, group), kq + (t0 + c0) * hd,
+                                ks + (t0 + c0) * ks_stride, ks_stride, hd, c1 - c0,
+                                S + i * KVC_PF_IMP_ROWS + c0);
+        } else {
+            kvc_pf_scores(q + j * hd, hd, nr, Kp, hd, c0, c1, S, KVC_PF_IMP_ROWS);
+        }
         for (i = 0; i < nr; ++i) {
             ptrdiff_t jj = j + i;
             ptrdiff_t a = (qf[jj] > t0 ? qf[jj] : t0) - t0, b = (qe[jj] < t1 ? qe[jj] : t1) - t0;

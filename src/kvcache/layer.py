@@ -36,7 +36,8 @@ from ._attention import (Rows, attend_blocks, attend_prefill, attend_rows, defau
 from .eviction import EvictionPolicy, born_rows
 from .modes import DEFAULT_SCHEME, KvMode
 from ._generation import Generation
-from .o1 import O1Collecting, O1DeviceView, O1Rect, O1Sealed, O1Snapshot, check_seal
+from .o1 import (O1Collecting, O1DeviceView, O1Error, O1Rect, O1Sealed, O1Snapshot,
+                 check_max_error, check_ridge, check_seal, estimate_error)
 
 try:
     from . import _core
@@ -109,6 +110,7 @@ class LayerKvCache:
     _seq_len: int
     _cap: int
     _o1: Optional[O1State]
+    _o1_refused: Optional[O1Error]
     _linear_state: F32
     _linear_scratch: F32
     _evicted: bool
@@ -121,6 +123,7 @@ class LayerKvCache:
         self._nkv = nkv
         self._hd = hd
         self._o1 = None
+        self._o1_refused = None
         self._linear_state = np.zeros(0, dtype=_F32)
         self._linear_scratch = np.zeros(0, dtype=_F32)
         self._empty_f = np.zeros((nkv, 0, hd), dtype=_F32)
@@ -658,6 +661,7 @@ class LayerKvCache:
         self._linear_state = np.zeros(0, dtype=_F32)
         self._linear_scratch = np.zeros(0, dtype=_F32)
         self._o1 = None
+        self._o1_refused = None
         self._gen.diverge()
 
     def _shift_rows(self, h: int, keep_idx: Optional[IP] = None, drop: int = 0) -> None:
@@ -796,6 +800,7 @@ class LayerKvCache:
         if state.linear_scratch is not None:
             self._linear_scratch = state.linear_scratch
         self._o1 = state.o1
+        self._o1_refused = None
         self._gen.diverge()
 
     def export_wire(self, f16: bool = False) -> bytes:
@@ -856,7 +861,8 @@ class LayerKvCache:
 
     # ------------------------------------------------------------------ O(1) override
     def o1_begin(self, m: int, w: int, sink: int,
-                 rect: Union[O1Rect, str] = O1Rect.AGGREGATE) -> None:
+                 rect: Union[O1Rect, str] = O1Rect.AGGREGATE,
+                 keep: int = 0, ridge: float = 1e-6) -> None:
         """Start collecting the prompt's query trace for an O(1) seal (docs/o1.md).
 
         Parameters
@@ -869,6 +875,13 @@ class LayerKvCache:
             Sink rows kept exact for ever (>= 0).
         rect : O1Rect or {"agg", "aggregate", "fm"}
             Far-field rectifier.
+        keep : int
+            Far keys per KV group the seal keeps exact beside the sinks (>= 0, default 0: the
+            specified operator): the ones the last prompt queries attend most (docs/o1.md,
+            kept keys).  They cost ``keep * 2 * head_dim`` floats per group.
+        ridge : float
+            Ridge of the pseudo-inverse ``M``, relative to ``mean(diag(Au^T Au))``, in (0, 1]
+            (default 1e-6, the specified operator; larger is better conditioned, docs/o1.md).
 
         Replaces any collecting trace.  Meant to be called on a fresh (cleared) layer; the
         trace must then cover every position the layer holds when :meth:`o1_seal` runs.
@@ -877,14 +890,17 @@ class LayerKvCache:
         m = as_int("m", m, minimum=4)
         w = as_int("w", w, minimum=1)
         sink = as_int("sink", sink, minimum=0)
-        for name, value in (("m", m), ("w", w), ("sink", sink)):
+        keep = as_int("keep", keep, minimum=0)
+        ridge = check_ridge(ridge)
+        for name, value in (("m", m), ("w", w), ("sink", sink), ("sink + keep", sink + keep)):
             if value > _O1_MAX:
                 raise ValueError(f"{name}: expected an integer <= {_O1_MAX}, got {value}")
         rect = O1Rect.parse(rect)
         if self.o1_sealed():
             raise RuntimeError("o1_begin: this layer is sealed and its KV was released; "
                                "call clear() before beginning a new O(1) prompt")
-        self._o1 = O1Collecting(m, w, sink, rect, self._hd)
+        self._o1 = O1Collecting(m, w, sink, rect, self._hd, keep=keep, ridge=ridge)
+        self._o1_refused = None
 
     def o1_push_q(self, q_all: FloatArrayLike) -> None:
         """Append one prompt position's queries (num_heads, head_dim) -- or several,
@@ -902,7 +918,7 @@ class LayerKvCache:
         """True when the layer is sealed (O(1) decode through :meth:`o1_step`)."""
         return self.o1 is not None and bool(getattr(self.o1, "sealed", False))
 
-    def o1_seal(self, num_heads: int) -> bool:
+    def o1_seal(self, num_heads: int, max_error: Optional[float] = None) -> bool:
         """Freeze the prompt into per-group Nystrom states and release the layer's KV.
 
         Idempotent: when the layer is not collecting, returns :meth:`o1_sealed` and changes
@@ -914,13 +930,32 @@ class LayerKvCache:
         rows and the importance are released, ``seq_len`` stays t and True is returned (also
         for a short prompt sealed in exact-only mode, see :class:`kvcache.o1.O1Sealed`).
 
-        Raises ValueError when ``num_heads`` is not a positive integer (nothing changes).
-        """
-        return self._o1_seal(_core, num_heads)
+        Every seal that builds a state also estimates its error (:meth:`o1_error`, docs/o1.md:
+        the last prompt queries read as decode queries, against exact attention over the rows
+        about to be released).  With ``max_error`` (a relative error bound > 0), a seal whose
+        estimate is above it is refused: the state is dropped, a warning says why, ``o1``
+        becomes None, the layer keeps its rows exactly as they were and False is returned;
+        :meth:`o1_error` still reports the estimate.
 
-    def _o1_seal(self, kernels: ModuleType, num_heads: int) -> bool:
+        Raises ValueError when ``num_heads`` is not a positive integer, TypeError/ValueError
+        when ``max_error`` is not None or a positive number (nothing changes).
+        """
+        return self._o1_seal(_core, num_heads, max_error)
+
+    def o1_error(self) -> Optional[O1Error]:
+        """The error estimate of the last seal that built a state (:class:`kvcache.o1.O1Error`:
+        ``per_head``, ``overall``), whether it was kept or refused by ``max_error``; None
+        before any, while collecting, after :meth:`clear`, or for a state read from bytes."""
+        o1 = self._o1
+        if isinstance(o1, O1Sealed):
+            return o1.error
+        return self._o1_refused if o1 is None else None
+
+    def _o1_seal(self, kernels: ModuleType, num_heads: int,
+                 max_error: Optional[float] = None) -> bool:
         """:meth:`o1_seal` with the prompt replayed by ``kernels.o1_absorb``."""
         nh = as_int("num_heads", num_heads, minimum=1)
+        bound = check_max_error(max_error)
         coll = self.o1
         if not isinstance(coll, O1Collecting):
             return self.o1_sealed()
@@ -931,13 +966,21 @@ class LayerKvCache:
             return False
         t, hd = self._seq_len, self._hd
         try:
-            state = O1Sealed.seal(coll.trace.reshape(t, nh, hd), self._kf, self._vf,
+            trace = coll.trace.reshape(t, nh, hd)
+            state = O1Sealed.seal(trace, self._kf, self._vf,
                                   t=t, m=coll.m, w=coll.w, sink=coll.sink, rect=coll.rect,
-                                  kernels=kernels,
-                                  n_threads=_core.max_threads())
+                                  kernels=kernels, n_threads=_core.max_threads(),
+                                  keep=coll.keep, ridge=coll.ridge)
+            state.error = estimate_error(state, trace, self._kf, self._vf, t)
         except BaseException:
             self._o1 = coll          # e.g. MemoryError: nothing changed, still collecting
             raise
+        if bound is not None and not state.error.overall <= bound:
+            self._o1 = None
+            self._o1_refused = state.error
+            _log.warning("kvcache O(1): seal refused, the layer stays exact: %s is above "
+                         "max_error=%g", state.error, bound)
+            return False
         self._reset_storage()          # rows, columns, importance (the linear state stays)
         self._seq_len = t
         self._o1 = state

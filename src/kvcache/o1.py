@@ -27,6 +27,11 @@ float32; the layer's own scale and softcap are not used (to use a scale ``s'``, 
 pushed queries and the step queries by ``s' * sqrt(head_dim)``: landmarks are means, so the
 operator is then exactly the one with scale ``s'``).
 
+Beyond the specified operator (docs/o1.md): every seal estimates its own error
+(:func:`estimate_error`, :class:`O1Error`; ``LayerKvCache.o1_seal(max_error=...)`` refuses a
+seal above a bound), and two far-field options, off by default: ``keep`` far keys per group
+kept exact beside the sinks (:func:`select_kept`) and the pseudo-inverse's ``ridge``.
+
 Where this differs from the upstream engine (deliberately):
 
 * bad arguments raise instead of being clamped or ignored: ``o1_begin`` with m < 4, w < 1 or
@@ -61,18 +66,22 @@ if TYPE_CHECKING:
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
 
-__all__ = ["O1Rect", "O1Collecting", "O1Sealed", "O1DeviceView", "O1HeadView", "O1Snapshot",
-           "EXACT_SLACK", "EXACT_EXTRA", "seg_means", "ridge_pinv", "effective_landmarks", "o1_scale",
-           "check_seal"]
+__all__ = ["O1Rect", "O1Error", "O1Collecting", "O1Sealed", "O1DeviceView", "O1HeadView", "O1Snapshot",
+           "EXACT_SLACK", "EXACT_EXTRA", "seg_means", "ridge_pinv", "effective_landmarks",
+           "o1_scale", "check_seal", "estimate_error", "check_max_error", "select_kept",
+           "ERROR_QUERIES", "KEEP_QUERIES", "RIDGE", "check_ridge"]
 
 log = logging.getLogger("kvcache")
 
 _F32 = np.float32
 EXACT_SLACK = 8          # a seal prompt of t <= w + sink + EXACT_SLACK positions is kept exact
-_RIDGE = 1e-6            # ridge, relative to mean(diag(A^T A))
+_RIDGE = 1e-6            # ridge, relative to mean(diag(A^T A)) (the specified default)
+RIDGE = _RIDGE
 _RIDGE_TRIES = 12        # ridge x10 per failed Cholesky, this many attempts
 EXACT_EXTRA = 64         # spare window rows allocated for an exact-only group at seal
 _EXACT_EXTRA = EXACT_EXTRA
+ERROR_QUERIES = 16       # prompt queries (the last ones) the seal's error estimate replays
+KEEP_QUERIES = 256       # prompt queries (before the estimate's) that choose the kept keys
 
 
 class O1Rect(enum.Enum):
@@ -99,6 +108,44 @@ class O1Rect(enum.Enum):
                 return cls.FM
             raise ValueError(f"rect: expected 'agg', 'aggregate' or 'fm', got {value!r}")
         raise TypeError(f"rect: expected an O1Rect or a string, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class O1Error:
+    """The seal's estimate of the O(1) operator's relative error (docs/o1.md, error estimate).
+
+    The last ``queries`` prompt queries are read as if they were decode queries at the end of
+    the prompt, through the state the seal built (near set exact, far field Nystrom), and
+    compared with exact softmax attention over all ``t`` prompt keys:
+    ``||o1 - exact|| / ||exact||`` (L2 over the queries' outputs), per query head and over all
+    of them.  1.0 is what returning zeros would score.
+    """
+
+    per_head: tuple[float, ...]
+    overall: float
+    queries: int
+    t: int
+
+    def __str__(self) -> str:
+        heads = ", ".join(f"{e:.3g}" for e in self.per_head)
+        return (f"estimated relative error {self.overall:.3g} (per head: {heads}; "
+                f"{self.queries} prompt queries of {self.t})")
+
+
+def check_max_error(max_error: object) -> Optional[float]:
+    """``max_error`` of :meth:`LayerKvCache.o1_seal` checked: None, or a float > 0 (finite or
+    inf).  TypeError for a non-number (bool included), ValueError for nan or a value <= 0."""
+    if max_error is None:
+        return None
+    if isinstance(max_error, bool) or not isinstance(max_error, (int, float, np.integer,
+                                                                 np.floating)):
+        raise TypeError(f"max_error: expected None or a positive number, got "
+                        f"{type(max_error).__name__}")
+    value = float(max_error)
+    if not value > 0:          # nan too
+        raise ValueError(f"max_error: expected a positive number (a relative error bound, "
+                         f"e.g. 0.3), got {max_error!r}")
+    return value
 
 
 def o1_scale(d: int) -> np.float32:
@@ -128,19 +175,64 @@ def seg_means(x: npt.ArrayLike, m: int) -> F64:
     return out
 
 
-def ridge_pinv(a: npt.ArrayLike) -> F64:
+def select_kept(q_trace: F32, keys: F32, *, t: int, sink: int, w: int, keep: int,
+                scale: float) -> npt.NDArray[np.intp]:
+    """The far keys a seal keeps exact (docs/o1.md, kept keys): (G, n) row indices, ascending
+    per group, ``n = min(keep, t - sink - w)``.
+
+    Per KV group, each far candidate (rows ``sink .. t - w - 1``) is scored by the attention
+    mass the group's heads give it from the ``KEEP_QUERIES`` prompt queries before the last
+    ``ERROR_QUERIES`` (each query's softmax over all t keys, float64); the ``n`` largest win
+    (the earlier row on a tie)."""
+    nkv = keys.shape[0]
+    nh = q_trace.shape[1]
+    hpk = nh // nkv
+    n_far = t - sink - w
+    n = max(min(keep, n_far), 0)
+    out = np.empty((nkv, n), dtype=np.intp)
+    if n == 0:
+        return out
+    hi = max(t - ERROR_QUERIES, 1)
+    lo = max(hi - KEEP_QUERIES, 0)
+    for g in range(nkv):
+        kg = keys[g, :t].astype(np.float64)
+        mass = np.zeros(n_far)
+        for h in range(g * hpk, (g + 1) * hpk):
+            sc = float(scale) * (q_trace[lo:hi, h].astype(np.float64) @ kg.T)       # (nq, t)
+            p = np.exp(sc - sc.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            mass += p[:, sink: sink + n_far].sum(axis=0)
+        best = np.argsort(-mass, kind="stable")[:n]
+        out[g] = sink + np.sort(best)
+    return out
+
+
+def check_ridge(ridge: object) -> float:
+    """The ``ridge`` of ``o1_begin`` checked: a finite float in (0, 1] (TypeError for a
+    non-number, bool included; ValueError otherwise)."""
+    if isinstance(ridge, bool) or not isinstance(ridge, (int, float, np.integer, np.floating)):
+        raise TypeError(f"ridge: expected a number, got {type(ridge).__name__}")
+    value = float(ridge)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"ridge: expected a number in (0, 1] (relative to mean(diag(A^T A))), "
+                         f"got {ridge!r}")
+    return value
+
+
+def ridge_pinv(a: npt.ArrayLike, ridge: Optional[float] = None) -> F64:
     """Ridge pseudo-inverse ``(A^T A + lam I)^-1 A^T`` of a square float64 matrix (docs/o1.md).
 
-    ``lam = 1e-6 mean(diag(A^T A))`` (at least the smallest positive float64); a Cholesky that
+    ``lam = ridge * mean(diag(A^T A))``, ridge 1e-6 by default (at least the smallest positive float64); a Cholesky that
     fails (non-positive or non-finite pivot) multiplies lam by 10, up to 12 attempts; after
     that the fallback is ``I / mean(diag(A^T A))``.
     """
     a64 = np.asarray(a, dtype=np.float64)
     n = a64.shape[0]
+    rel = _RIDGE if ridge is None else ridge
     with np.errstate(all="ignore"):
         g = a64.T @ a64
         mean_diag = float(np.mean(np.diag(g))) if n else 1.0
-        lam = (max(_RIDGE * mean_diag, float(np.finfo(np.float64).tiny))
+        lam = (max(rel * mean_diag, float(np.finfo(np.float64).tiny))
                if mean_diag == mean_diag else float("nan"))
         eye = np.eye(n)
         for _ in range(_RIDGE_TRIES):
@@ -174,8 +266,10 @@ class O1Collecting:
 
     sealed = False
 
-    def __init__(self, m: int, w: int, sink: int, rect: O1Rect, head_dim: int) -> None:
+    def __init__(self, m: int, w: int, sink: int, rect: O1Rect, head_dim: int,
+                 keep: int = 0, ridge: float = _RIDGE) -> None:
         self.m, self.w, self.sink, self.rect = m, w, sink, rect
+        self.keep, self.ridge = keep, ridge
         self._hd = head_dim
         self._q = np.zeros(0, dtype=_F32)
         self._len = 0
@@ -206,7 +300,7 @@ class O1Collecting:
 
     def __repr__(self) -> str:
         return (f"O1Collecting(m={self.m}, w={self.w}, sink={self.sink}, rect={self.rect.name}, "
-                f"trace_floats={self._len})")
+                f"keep={self.keep}, ridge={self.ridge:g}, trace_floats={self._len})")
 
 
 @dataclass(frozen=True)
@@ -293,7 +387,9 @@ class O1Sealed:
     scr: F32
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, d: int, dv: int, m: int, w: int,
-                 sink: int, rect: O1Rect, exact_only: bool) -> None:
+                 sink: int, rect: O1Rect, exact_only: bool, keep: int = 0) -> None:
+        self.keep = keep        # kept far keys (stored after the sinks, counted in sink)
+        self.error: Optional[O1Error] = None      # the seal's estimate (None: not estimated)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.hpk = num_heads // num_kv_heads
@@ -311,11 +407,14 @@ class O1Sealed:
     # ------------------------------------------------------------------ construction
     @classmethod
     def seal(cls, q_trace: F32, keys: F32, values: F32, *, t: int, m: int, w: int, sink: int,
-             rect: O1Rect, kernels: ModuleType, n_threads: int) -> O1Sealed:
+             rect: O1Rect, kernels: ModuleType, n_threads: int, keep: int = 0,
+             ridge: float = _RIDGE) -> O1Sealed:
         """Build the state from a prompt of t positions (docs/o1.md).
 
         q_trace (t, H, d); keys (G, cap, d) and values (G, cap, dv) with the prompt in rows
-        [0, t) (the layer's own head-major stores): float32, C-contiguous."""
+        [0, t) (the layer's own head-major stores): float32, C-contiguous.  ``keep`` far keys
+        per group (:func:`select_kept`) stay exact: they are stored after the sinks and the
+        state counts them as sinks (``sink_len = sink + kept``)."""
         nh, d = q_trace.shape[1], q_trace.shape[2]
         nkv, dv = values.shape[0], values.shape[2]
         st = cls(num_heads=nh, num_kv_heads=nkv, d=d, dv=dv, m=m, w=w, sink=sink, rect=rect,
@@ -332,9 +431,15 @@ class O1Sealed:
             log.warning("kvcache O(1): landmark budget m=%d clamped to %d by a %d-position seal "
                         "prompt (use a prompt of at least 8*m = %d positions)", m, m_eff, t, 8 * m)
         st.m_eff = m_eff
-        st.sink_len = sink
-        st.sink_k = np.ascontiguousarray(keys[:, :sink])
-        st.sink_v = np.ascontiguousarray(values[:, :sink])
+        n_far = t - sink - w
+        kept = select_kept(q_trace, keys, t=t, sink=sink, w=w, keep=keep, scale=st.scale)
+        n_kept = kept.shape[1]
+        st.keep = n_kept
+        st.sink = st.sink_len = sink + n_kept
+        gi = np.arange(nkv)[:, None]
+        st.sink_k = np.ascontiguousarray(np.concatenate([keys[:, :sink], keys[gi, kept]], axis=1))
+        st.sink_v = np.ascontiguousarray(np.concatenate([values[:, :sink], values[gi, kept]],
+                                                        axis=1))
         st.k_tilde = seg_means(keys[:, :t], m_eff).astype(_F32)                       # (G, m, d)
         # a view, not a copy: at 32k positions the trace is 512 MiB for Llama-3-8B
         st.q_tilde = seg_means(q_trace.transpose(1, 0, 2), m_eff).astype(_F32)   # (H, m, d)
@@ -344,20 +449,29 @@ class O1Sealed:
         for h in range(nh):
             with np.errstate(over="ignore", invalid="ignore"):
                 au = np.exp(s64 * (st.q_tilde[h].astype(np.float64) @ kt64[h // st.hpk].T))
-            st.mu[h] = ridge_pinv(au)
+            st.mu[h] = ridge_pinv(au, ridge)
         st.t_hat = np.zeros((nh, m_eff, dv), dtype=_F32)
         st.z_hat = np.zeros((nh, m_eff), dtype=_F32)
         st.m_max = np.full((nh, m_eff), -np.inf, dtype=_F32)
-        st.scr = np.zeros((nh, sink + w + 3 * m_eff), dtype=_F32)
-        # replay: keys sink .. t-w-1 leave the window in order and enter the far field
-        n_far = t - sink - w
+        st.scr = np.zeros((nh, st.sink_len + w + 3 * m_eff), dtype=_F32)
+        # replay: keys sink .. t-w-1 leave the window in order and enter the far field (the
+        # kept ones excepted, they are exact)
+        far_k, far_v, row0 = keys, values, sink
+        if n_kept:
+            rest = np.ones((nkv, n_far), dtype=bool)
+            rest[gi, kept - sink] = False
+            idx = (sink + np.nonzero(rest)[1]).reshape(nkv, n_far - n_kept)   # row order
+            far_k = np.ascontiguousarray(keys[gi, idx])
+            far_v = np.ascontiguousarray(values[gi, idx])
+            row0 = 0
+        n_abs = n_far - n_kept
         # n_threads caps the policy's count (kvcache._threads)
-        n_threads = min(n_threads, threads_for(nh * n_far * m_eff * (d + dv), nh))
-        kernels.o1_absorb(q_tilde__hmd=st.q_tilde, keys__gnd=keys, values__gne=values,
-                          row0=sink, n=n_far, scale=st.scale, t_hat__hme=st.t_hat,
+        n_threads = min(n_threads, threads_for(nh * n_abs * m_eff * (d + dv), nh))
+        kernels.o1_absorb(q_tilde__hmd=st.q_tilde, keys__gnd=far_k, values__gne=far_v,
+                          row0=row0, n=n_abs, scale=st.scale, t_hat__hme=st.t_hat,
                           z_hat__hm=st.z_hat, m_max__hm=st.m_max, scr__hm=st.scr,
                           n_threads=n_threads)
-        st.far_len = n_far
+        st.far_len = n_abs
         # ...and key j >= sink sits in ring slot (j - sink) % w
         st.win_k = np.zeros((nkv, w, d), dtype=_F32)
         st.win_v = np.zeros((nkv, w, dv), dtype=_F32)
@@ -493,7 +607,81 @@ class O1Sealed:
     def __repr__(self) -> str:
         mode = "exact-only" if self.exact_only else f"m_eff={self.m_eff}"
         return (f"O1Sealed(groups={self.num_kv_heads}, heads={self.num_heads}, {mode}, "
-                f"w={self.w}, sink={self.sink_len}, rect={self.rect.name}, far_len={self.far_len})")
+                f"w={self.w}, sink={self.sink_len} (kept {self.keep}), rect={self.rect.name}, "
+                f"far_len={self.far_len})")
+
+    # ------------------------------------------------------------------ error estimate
+    def outputs(self, q: npt.ArrayLike) -> F64:
+        """The operator's outputs (n, H, dv), float64, for queries ``q`` (n, H, d) read against
+        the current state without changing it (no key inserted, nothing absorbed): the near
+        set (sinks, the window's ``win_len`` rows) exact, the far field through ``M``, ``T^``
+        and ``Z^``, the rectifier applied.  The float64 form of what :meth:`step` reads."""
+        qa = np.asarray(q, dtype=np.float64)
+        n = qa.shape[0]
+        out = np.empty((n, self.num_heads, self.dv))
+        s = float(self.scale)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            for h in range(self.num_heads):
+                g = h // self.hpk
+                qh = qa[:, h]                                                   # (n, d)
+                keys = np.concatenate([self.sink_k[g, : self.sink_len],
+                                       self.win_k[g, : self.win_len]]).astype(np.float64)
+                vals = np.concatenate([self.sink_v[g, : self.sink_len],
+                                       self.win_v[g, : self.win_len]]).astype(np.float64)
+                sc = s * (qh @ keys.T)                                          # (n, near)
+                c_all = np.max(sc, axis=1, initial=-np.inf)
+                num = np.zeros((n, self.dv))
+                den = np.zeros(n)
+                if self.far_len > 0 and self.m_eff > 0:
+                    f_a = s * (qh @ self.k_tilde[g].astype(np.float64).T)       # (n, m)
+                    f = f_a.max(axis=1)
+                    u = np.exp(f_a - f[:, None]) @ self.mu[h].astype(np.float64)
+                    if self.rect is O1Rect.FM:
+                        u = np.maximum(u, 0.0)
+                    mm = self.m_max[h].astype(np.float64)
+                    c_all = np.maximum(c_all, f + np.max(mm))
+                    gain = u * np.exp(f[:, None] + mm[None, :] - c_all[:, None])
+                    gain = np.where(np.isfinite(gain), gain, 0.0)
+                    far_den = gain @ self.z_hat[h].astype(np.float64)
+                    keep = far_den >= 0
+                    den = np.where(keep, far_den, 0.0)
+                    num = np.where(keep[:, None], gain @ self.t_hat[h].astype(np.float64), 0.0)
+                p = np.exp(sc - c_all[:, None])
+                den = den + p.sum(axis=1)
+                num = num + p @ vals
+                out[:, h] = num / np.maximum(den, 1e-30)[:, None]
+        return out
+
+
+def estimate_error(state: O1Sealed, q_trace: F32, keys: F32, values: F32, t: int,
+                   queries: int = ERROR_QUERIES) -> O1Error:
+    """The seal's error estimate (:class:`O1Error`, docs/o1.md): the last ``queries`` prompt
+    queries of ``q_trace`` (t, H, d), read as decode queries through ``state``, against exact
+    softmax attention over the prompt's ``t`` keys/values (``keys`` (G, >= t, d), the rows the
+    seal is about to release).  Cost: ``queries * H * t * (d + dv)`` multiply-adds for the
+    exact side, ``queries * H * (sink + w + m_eff) * (d + dv)`` for the operator's side."""
+    nh = state.num_heads
+    n = min(queries, t)
+    if state.exact_only or n == 0:
+        return O1Error(per_head=(0.0,) * nh, overall=0.0, queries=n, t=t)
+    q = q_trace[t - n: t].astype(np.float64)                                   # (n, H, d)
+    approx = state.outputs(q)                                                  # (n, H, dv)
+    s = float(state.scale)
+    err2 = np.empty(nh)
+    ref2 = np.empty(nh)
+    for g in range(state.num_kv_heads):
+        kg = keys[g, :t].astype(np.float64)
+        vg = values[g, :t].astype(np.float64)
+        for h in range(g * state.hpk, (g + 1) * state.hpk):
+            sc = s * (q[:, h] @ kg.T)                                          # (n, t)
+            p = np.exp(sc - sc.max(axis=1, keepdims=True))
+            exact = (p @ vg) / p.sum(axis=1, keepdims=True)                    # (n, dv)
+            err2[h] = float(np.sum((approx[:, h] - exact) ** 2))
+            ref2[h] = float(np.sum(exact ** 2))
+    tiny = 1e-300
+    per_head = tuple(float(np.sqrt(e / max(r, tiny))) for e, r in zip(err2, ref2))
+    overall = float(np.sqrt(err2.sum() / max(ref2.sum(), tiny)))
+    return O1Error(per_head=per_head, overall=overall, queries=n, t=t)
 
 
 def check_seal(layer: LayerKvCache, coll: O1Collecting, num_heads: int) -> Optional[str]:

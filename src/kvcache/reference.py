@@ -5,7 +5,8 @@ identical inputs (the oracle) and the benchmark can time them side by side (the 
 Numerics follow the same rules (docs/numerics.md) in float32 (scores, softmax, V accumulation,
 importance), with NumPy's own summation order inside dot products and sums; results therefore
 agree with the kernels to float32 rounding, not bit for bit (the exceptions, bit-identical by
-construction, are row quantisation and the row stores).
+construction, are row quantisation, the row stores, the query quantiser and the raw q8 scores:
+``quantize_query``, ``q8_scores`` and the q8 scores inside ``attend_rows``/``attend_blocked``).
 
 Convenience wrappers run a LayerKvCache's own driver on these kernels:
 ``attend_all_heads(layer, q, ...)``, ``attend(layer, q, h)``, ``attend_group(layer, ...)``,
@@ -13,7 +14,8 @@ Convenience wrappers run a LayerKvCache's own driver on these kernels:
 
 The O(1) Nystrom operator has, besides the kernel twins ``o1_absorb``/``o1_step``, its two
 float64 forms: ``nystrom_stream`` (seal, replay, decode steps) and ``nystrom_matrix`` (the
-definition, with an explicit far weight per key); see the end of this module.
+definition, with an explicit far weight per key); ``kept_keys`` and ``o1_error_estimate`` are
+the seal's kept-key choice and error estimate written from their definitions.
 """
 
 from __future__ import annotations
@@ -26,17 +28,18 @@ import numpy as np
 import numpy.typing as npt
 
 from ._validate import FloatArrayLike
-from .quant import CHUNK_ROWS, k_group, k_group_of_scales
+from .quant import CHUNK_ROWS, k_group
 
 if TYPE_CHECKING:
     from .layer import LayerKvCache
     from .static import StaticKvCache
 
 __all__ = ["CHUNK_ROWS", "openmp_built", "max_threads", "round_half_away", "quantize_rows",
-           "store_rows_f32", "store_rows_q8", "stream_read", "visible_range", "attend_rows",
+           "store_rows_f32", "store_rows_q8", "stream_read", "fmaf", "k_group_of", "quantize_query", "q8_scores", "visible_range", "attend_rows",
            "attend_blocked",
            "attend_all_heads", "attend", "attend_group", "o1_seal", "o1_step_layer",
            "static_attend", "o1_absorb", "o1_step", "nystrom_stream", "nystrom_matrix",
+           "kept_keys", "o1_error_estimate",
            "mla_absorbed", "mla_naive", "mla_attend"]
 
 _F32 = np.float32
@@ -90,6 +93,79 @@ def quantize_rows(x__nd: F32, col__d: F32, group: int, q__nd: I8, s__ng: F32,
         s__ng[:, gi] = s
 
 
+def fmaf(a: F32, b: F32, c: F32) -> F32:
+    """C's ``fmaf`` elementwise: a * b + c with ONE rounding to float32, exactly.
+
+    a * b is exact in float64 (24 + 24 significant bits); the float64 sum s = a * b + c is
+    rounded once more, which changes the float32 result only when s lands exactly on a
+    midpoint between two float32 numbers while the exact sum does not: then s is nudged one
+    float64 step towards the exact sum (its rounding error, from TwoSum) before rounding."""
+    a64 = np.asarray(a, dtype=_F32).astype(np.float64)
+    b64 = np.asarray(b, dtype=_F32).astype(np.float64)
+    c64 = np.asarray(c, dtype=_F32).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = a64 * b64                                                   # exact
+        s = p + c64
+        bb = s - p
+        err = (p - (s - bb)) + (c64 - bb)                               # s + err == p + c
+        r = s.astype(_F32)
+        r64 = r.astype(np.float64)
+        other = np.nextafter(r, np.where(s > r64, _F32(np.inf), _F32(-np.inf))).astype(np.float64)
+        mid = np.isfinite(s) & np.isfinite(err) & (r64 != s) & ((r64 + other) / 2 == s) & (err != 0)
+        if np.any(mid):
+            s2 = np.nextafter(s, np.where(err > 0, np.inf, -np.inf))
+            r = np.where(mid, s2.astype(_F32), r)
+    out: F32 = np.asarray(r, dtype=_F32)
+    return out
+
+
+def k_group_of(hd: int, n_scales: int, k_group: int = 0) -> int:
+    """The K group of a q8 call, as ``_core`` reads it: ``k_group`` when 16 or 32, else 16 when
+    the K store holds ceil(hd / 16) scales per row (and hd > 16), otherwise 32."""
+    if k_group in (16, 32):
+        return k_group
+    return 16 if hd > 16 and n_scales == -(-hd // 16) else 32
+
+
+def quantize_query(q__jd: F32, qi__jp: I8, sq__jg: F32, qsum__jg: npt.NDArray[np.int32],
+                   group: int = 32) -> None:
+    """Twin of ``_core.quantize_query`` (docs/numerics.md, "q8 scoring"): each query quantised
+    like a stored row in groups of ``group`` (16 or 32) channels (codes zero past head_dim), a
+    group with a NaN or an infinity gets scale NaN; qsum holds the group sums of the codes."""
+    q = np.asarray(q__jd, dtype=_F32)
+    nq, hd = q.shape
+    ng = -(-hd // group)
+    qi__jp[:] = 0
+    quantize_rows(q, np.zeros(0, dtype=_F32), group, qi__jp[:, :hd], sq__jg)
+    for g in range(ng):
+        qsum__jg[:, g] = qi__jp[:, g * group:(g + 1) * group].astype(np.int32).sum(axis=1)
+        bad = ~np.isfinite(q[:, g * group:(g + 1) * group]).all(axis=1)       # (nq,)
+        sq__jg[bad, g] = np.nan
+
+
+def q8_scores(q__jd: F32, kq__rd: I8, ks__rg: F32, out__jr: F32, k_group: int = 0) -> None:
+    """Twin of ``_core.q8_scores``, bit for bit: per query and row, acc = 0 and for each K
+    group g (``k_group_of``) in order acc = fmaf(float(isum_g), sq_g * sk_g, acc), isum_g the
+    exact integer dot product of the group's codes."""
+    q = np.asarray(q__jd, dtype=_F32)
+    nq, hd = q.shape
+    group = k_group_of(hd, ks__rg.shape[1], k_group)
+    ng = -(-hd // group)
+    qi = np.zeros((nq, -(-hd // 32) * 32), dtype=np.int8)
+    sq = np.zeros((nq, ng), dtype=_F32)
+    qs = np.zeros((nq, ng), dtype=np.int32)
+    quantize_query(q, qi, sq, qs, group)
+    k = np.asarray(kq__rd).astype(np.int64)                                   # (r, hd)
+    acc = np.zeros((nq, k.shape[0]), dtype=_F32)
+    for g in range(ng):
+        g0, g1 = g * group, min(hd, (g + 1) * group)
+        isum = qi[:, g0:g1].astype(np.int64) @ k[:, g0:g1].T                  # (nq, r) exact
+        with np.errstate(invalid="ignore", over="ignore"):
+            prod = (sq[:, g:g + 1] * ks__rg[None, :, g]).astype(_F32)          # (nq, r)
+        acc = fmaf(isum.astype(_F32), prod, acc)
+    out__jr[:] = acc
+
+
 def store_rows_f32(x__nhd: F32, alive__h: U8, head_len__h: IP, store__hcd: F32) -> None:
     """store[h, head_len[h] + i] = x[i, h] for alive heads."""
     n = x__nhd.shape[0]
@@ -129,7 +205,7 @@ def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: 
                 vs__hc1: F32, vcol__hd: F32, head_len__h: IP, q__jd: F32, group_q0: IP,
                 n_pos: int, n_back: int, window: int, first: int, scale: float, softcap: float,
                 out__jd: F32, probs__jl: F32, imp__l: F32, imp_mode: int, quant_k: bool,
-                quant_v: bool, n_threads: int = 1) -> None:
+                quant_v: bool, n_threads: int = 1, k_group: int = 0) -> None:
     """NumPy twin of ``_core.attend_rows`` (see its docstring for the contract)."""
     nkv = len(head_len__h)
     L = probs__jl.shape[1]
@@ -151,13 +227,10 @@ def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: 
                 continue
             qj = q__jd[j]                                              # (hd,)
             if quant_k:
-                hd = qj.shape[0]
-                kg = k_group_of_scales(hd, ks__hcg.shape[2])           # the scheme's K group
-                sc = np.zeros(e - f, dtype=_F32)                       # (r,)
-                for gi, g0 in enumerate(range(0, hd, kg)):
-                    part = kq__hcd[g, f:e, g0:g0 + kg].astype(_F32) @ qj[g0:g0 + kg]
-                    sc += ks__hcg[g, f:e, gi] * part                   # (r,)
-                sc = sc * scale
+                raw = np.zeros((1, e - f), dtype=_F32)                 # (1, r)
+                q8_scores(qj[None, :], kq__hcd[g, f:e], ks__hcg[g, f:e], raw, k_group)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    sc = raw[0] * scale                                # bit-exact scores
             else:
                 sc = (kf__hcd[g, f:e] @ qj) * scale                    # (r,)
             if softcap > 0:
@@ -192,9 +265,10 @@ def attend_blocked(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hc
                    vs__hc1: F32, vcol__hd: F32, head_len__h: IP, q__jd: F32, group_q0: IP,
                    n_pos: int, n_back: int, window: int, first: int, scale: float,
                    softcap: float, out__jd: F32, imp__l: F32, imp_mode: int, quant_k: bool,
-                   quant_v: bool, n_threads: int = 1) -> None:
+                   quant_v: bool, n_threads: int = 1, k_group: int = 0) -> None:
     """NumPy twin of ``_core.attend_blocked``: the same visible ranges and arithmetic in one
-    softmax per query (the kernel's tiles change only the rounding).  int8 rows are
+    softmax per query (the kernel's tiles change only the rounding).  int8 keys are
+    scored with the integer arithmetic of ``q8_scores`` (bit for bit), int8 values are
     dequantised as int8 value times scale, every visible row is summed (no skip rule), the
     output is (sum of exp(s - max) * v) / (sum of exp(s - max)), times the V column in q8."""
     nkv = len(head_len__h)
@@ -207,13 +281,7 @@ def attend_blocked(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hc
             continue
         per = cnt // n_pos
         stored = int(head_len__h[g])
-        if quant_k:
-            hd = kq__hcd.shape[2]
-            kg = k_group_of_scales(hd, ks__hcg.shape[2])                     # 16 or 32
-            sc_k = np.repeat(ks__hcg[g, :stored], kg, axis=1)[:, :hd]        # (T, hd)
-            keys = kq__hcd[g, :stored].astype(_F32) * sc_k                    # (T, hd)
-        else:
-            keys = kf__hcd[g, :stored]                                         # (T, hd)
+        keys = None if quant_k else kf__hcd[g, :stored]                        # (T, hd)
         vals = (vq__hcd[g, :stored].astype(_F32) * vs__hc1[g, :stored, :1] if quant_v
                 else vf__hcd[g, :stored])                                      # (T, hd)
         for jl in range(cnt):
@@ -223,7 +291,12 @@ def attend_blocked(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hc
             if e <= f:
                 continue
             with np.errstate(invalid="ignore", over="ignore"):
-                sc = (keys[f:e] @ q__jd[j]).astype(_F32) * scale               # (r,)
+                if keys is None:                                                # q8 scoring
+                    raw = np.zeros((1, e - f), dtype=_F32)
+                    q8_scores(q__jd[j][None, :], kq__hcd[g, f:e], ks__hcg[g, f:e], raw, k_group)
+                    sc = raw[0] * scale                                         # (r,)
+                else:
+                    sc = (keys[f:e] @ q__jd[j]).astype(_F32) * scale           # (r,)
                 if softcap > 0:
                     fin = np.isfinite(sc)
                     sc[fin] = softcap * np.tanh(sc[fin] / softcap)
@@ -397,20 +470,24 @@ def _softmax_rows(q: F64, k: F64, v: F64, s: float, p: int, H: int, G: int) -> F
 
 @overload
 def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
-                   sink: int, rect: str = ..., *, return_dropped: Literal[False] = ...) -> F64: ...
+                   sink: int, rect: str = ..., *, return_dropped: Literal[False] = ...,
+                   keep: int = ..., ridge: float = ...) -> F64: ...
 @overload
 def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
                    sink: int, rect: str = ..., *,
-                   return_dropped: Literal[True]) -> tuple[F64, int]: ...
+                   return_dropped: Literal[True], keep: int = ...,
+                   ridge: float = ...) -> tuple[F64, int]: ...
 @overload
 def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
                    sink: int, rect: str = ..., *,
-                   return_dropped: bool) -> F64 | tuple[F64, int]: ...
+                   return_dropped: bool, keep: int = ...,
+                   ridge: float = ...) -> F64 | tuple[F64, int]: ...
 
 
 def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,
                    sink: int, rect: str = "aggregate", *,
-                   return_dropped: bool = False) -> F64 | tuple[F64, int]:
+                   return_dropped: bool = False, keep: int = 0,
+                   ridge: float = 1e-6) -> F64 | tuple[F64, int]:
     """The O(1) operator in streaming form, float64 (docs/o1.md, "The operator").
 
     Seal on positions [0, p) -- segment-mean landmarks, ``M = (Au^T Au + lam I)^-1 Au^T`` with
@@ -426,6 +503,11 @@ def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: i
     return_dropped : bool
         Also return how many (step, head) outputs had their far field dropped by the
         aggregate guard.
+    keep : int
+        Far keys per group kept exact (:func:`kept_keys`): they join the sinks, the replay
+        skips them.
+    ridge : float
+        ``lam = ridge * mean(diag(Au^T Au))`` (default 1e-6, the specified operator).
 
     Returns
     -------
@@ -451,14 +533,20 @@ def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: i
     for h in range(H):
         au = np.exp(s * qt[h] @ kt[h // hpk].T)                         # (me, me)
         ata = au.T @ au
-        lam = 1e-6 * np.mean(np.diag(ata))
+        lam = ridge * np.mean(np.diag(ata))
         mu[h] = np.linalg.solve(ata + lam * np.eye(me), au.T)
     kg = np.ascontiguousarray(k.transpose(1, 0, 2))                     # (G, t, d)
     vg = np.ascontiguousarray(v.transpose(1, 0, 2))                     # (G, t, dv)
     t_hat = np.zeros((H, me, dv))
     z_hat = np.zeros((H, me))
     m_max = np.full((H, me), -np.inf)
-    o1_absorb(qt, kg, vg, sink, p - sink - w, s, t_hat, z_hat, m_max)
+    kept = kept_keys(q, k, p, w, sink, keep)                            # (G, n)
+    far = [[j for j in range(sink, p - w) if j not in set(kept[g])] for g in range(G)]
+    far_k = np.stack([kg[g, far[g]] for g in range(G)])                 # (G, nfar, d)
+    far_v = np.stack([vg[g, far[g]] for g in range(G)])
+    o1_absorb(qt, far_k, far_v, 0, far_k.shape[1], s, t_hat, z_hat, m_max)
+    sk = np.stack([np.concatenate([kg[g, :sink], kg[g, kept[g]]]) for g in range(G)])
+    sv = np.stack([np.concatenate([vg[g, :sink], vg[g, kept[g]]]) for g in range(G)])
     win_k = np.zeros((G, w, d))
     win_v = np.zeros((G, w, dv))
     tail = np.arange(p - w, p)
@@ -468,11 +556,83 @@ def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: i
     out = np.empty((t - p, H, dv))
     dropped = 0
     for i in range(p, t):
-        dropped += o1_step(q[i], k[i], v[i], kg[:, :sink], vg[:, :sink], win_k, win_v, w, head,
+        dropped += o1_step(q[i], k[i], v[i], sk, sv, win_k, win_v, w, head,
                            True, kt, qt, mu, t_hat, z_hat, m_max, True,
                            str(rect).lower().endswith("fm"), s, out[i - p])
         head = (head + 1) % w
     return (out, dropped) if return_dropped else out
+
+
+def kept_keys(q: FloatArrayLike, k: FloatArrayLike, p: int, w: int, sink: int,
+              keep: int) -> npt.NDArray[np.intp]:
+    """The far keys a seal on positions [0, p) keeps exact (docs/o1.md, kept keys), (G, n).
+
+    Per group: every key ``sink <= j < p - w`` scored by the attention mass it gets from the
+    group's heads at the 256 queries before the last 16 of the prompt (each query's softmax over
+    all p keys); the ``min(keep, p - sink - w)`` highest, the earlier key on a tie, ascending."""
+    q, k, _ = _o1_inputs(q, k, k)
+    H, d, G = q.shape[1], q.shape[2], k.shape[1]
+    s = float(_F32(1.0) / np.sqrt(_F32(d)))
+    n = max(min(keep, p - sink - w), 0)
+    hi = max(p - 16, 1)
+    queries = range(max(hi - 256, 0), hi)
+    out = np.empty((G, n), dtype=np.intp)
+    for g in range(G):
+        mass = np.zeros(p)
+        for h in range(g * (H // G), (g + 1) * (H // G)):
+            for i in queries:
+                sc = s * (k[:p, g] @ q[i, h])
+                e = np.exp(sc - sc.max())
+                mass += e / e.sum()
+        cand = sorted(range(sink, p - w), key=lambda j: (-mass[j], j))
+        out[g] = sorted(cand[:n])
+    return out
+
+
+def o1_error_estimate(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int,
+                      w: int, sink: int, rect: str = "aggregate", keep: int = 0,
+                      ridge: float = 1e-6, queries: int = 16) -> tuple[F64, float]:
+    """The seal's error estimate (docs/o1.md, error estimate) from its definition, float64:
+    the last ``queries`` prompt queries read as decode queries at the end of the prompt (near
+    set: sinks, kept keys, the last w keys; far set: the rest, with an explicit Nystrom
+    weight per key) against exact softmax over keys [0, p).
+
+    Returns (per-head relative L2 errors (H,), overall relative L2 error)."""
+    q, k, v = _o1_inputs(q, k, v)
+    H, d, G = q.shape[1], q.shape[2], k.shape[1]
+    s = float(_F32(1.0) / np.sqrt(_F32(d)))
+    n = min(queries, p)
+    if p <= w + sink + 8:
+        return np.zeros(H), 0.0
+    me = min(max(p // 8, 4), m)
+    bounds = (np.arange(me + 1) * p) // me
+    kept = kept_keys(q, k, p, w, sink, keep)
+    err2, ref2 = np.zeros(H), np.zeros(H)
+    for h in range(H):
+        g = h // (H // G)
+        kt = np.stack([k[a:b, g].mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:])])
+        qt = np.stack([q[a:b, h].mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:])])
+        au = np.exp(s * qt @ kt.T)
+        ata = au.T @ au
+        mu = np.linalg.solve(ata + ridge * np.mean(np.diag(ata)) * np.eye(me), au.T)
+        j = np.arange(p)
+        near = (j >= p - w) | (j < sink) | np.isin(j, kept[g])
+        for i in range(p - n, p):
+            qi = q[i, h]
+            sc = s * (k[:p, g] @ qi)
+            e = np.exp(sc - sc.max())
+            exact = e @ v[:p, g] / e.sum()
+            wn = np.exp(s * (k[:p][near, g] @ qi))                      # unscaled (float64)
+            u = np.exp(s * (kt @ qi)) @ mu
+            if rect.lower() == "fm":
+                u = np.maximum(u, 0.0)
+            wf = np.exp(s * (k[:p][~near, g] @ qt.T)) @ u                # (nfar,)
+            if wf.sum() < 0:
+                wf = np.zeros_like(wf)
+            approx = (wn @ v[:p][near, g] + wf @ v[:p][~near, g]) / (wn.sum() + wf.sum())
+            err2[h] += float(np.sum((approx - exact) ** 2))
+            ref2[h] += float(np.sum(exact ** 2))
+    return np.sqrt(err2 / ref2), float(np.sqrt(err2.sum() / ref2.sum()))
 
 
 def nystrom_matrix(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: int, m: int, w: int,

@@ -45,16 +45,21 @@ int main(void)
         kvc_dot4_f32(q, k, k + hd, k + 2 * hd, k + 3 * hd, hd, res);
         kvc_dot2x4_f32(q, q + hd, k, k + hd, k + 2 * hd, k + 3 * hd, hd, res + 4, 8);
         for (i = 0; i < 16; ++i) out(res[i]);
-        for (i = 0; i < 4 * hd; ++i) scratch[i] = (float)kq[i];
-        out(kvc_score_q8w(scratch, ks, q, hd, 32));
-        if (hd % 8 == 0) {
-            kvc_score4_q8w(scratch, ks, ks + ng, ks + 2 * ng, ks + 3 * ng, q, hd, 32, res);
-            for (i = 0; i < 4; ++i) out(res[i]);
-        }
         for (quant = 0; quant < 2; ++quant) {
             memset(probs, 0, sizeof probs);
-            kvc_task_scores(q, 8, qf, qe, k, kq, ks, ng, quant, 0, ROWS, hd, 0.3f, 2.5f, probs, 64,
-                            scratch);
+            if (quant) {   /* integer scoring (every level: tests/c/i8_twin.c) */
+                static int8_t qi[8 * KVC_I8_PAD(HDMAX)];
+                static float sq[8 * KVC_I8_GROUPS(HDMAX, 32)];
+                static int32_t qsum[8 * KVC_I8_GROUPS(HDMAX, 32)];
+                for (i = 0; i < 8; ++i)
+                    kvc_quant_query(q + i * hd, hd, 32, qi + i * KVC_I8_PAD(hd),
+                                    sq + i * KVC_I8_GROUPS(hd, 32),
+                                    qsum + i * KVC_I8_GROUPS(hd, 32));
+                kvc_task_scores_i8(KVC_SIMD ? KVC_ISA_AVX2 : KVC_ISA_PORTABLE, 32, qi, sq, qsum, 8,
+                                   qf, qe, kq, ks, ng, 0, ROWS, hd, 0.3f, 2.5f, probs, 64);
+            } else {
+                kvc_task_scores(q, 8, qf, qe, k, 0, ROWS, hd, 0.3f, 2.5f, probs, 64);
+            }
             for (i = 0; i < 8; ++i)
                 if (qe[i] > qf[i]) kvc_softmax(probs + i * 64 + qf[i], qe[i] - qf[i]);
             for (i = 0; i < 8 * 64; ++i) out(probs[i]);

@@ -1,7 +1,8 @@
 /* Runs the blocked prompt kernel of _prefill.h (tasks and the importance pass) on fixed
  * pseudo-random inputs and prints every result as raw bits.  tests/test_prefill.py builds it
- * twice -- with the AVX2/FMA path and with -DKVC_NO_SIMD (the portable C path) -- and
- * requires identical output. */
+ * twice -- with the AVX2/FMA path (and the VNNI bodies emulated, -DKVC_EMULATE_VNNI) and with
+ * -DKVC_NO_SIMD (the portable C path) -- runs it at every instruction-set level (argv[1]:
+ * 0 portable .. 3 AVX-512 VNNI; the q8 scores dispatch on it) and requires identical output. */
 #include "_prefill.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,8 +25,12 @@ static void out(float x)
 #define ROWS 203
 #define NQ 23
 
-int main(void)
+int main(int argc, char **argv)
 {
+    static int8_t qi[NQ * KVC_I8_PAD(HDMAX)];
+    static float qsc[NQ * KVC_I8_GROUPS(HDMAX, 32)];
+    static int32_t qsum[NQ * KVC_I8_GROUPS(HDMAX, 32)];
+    int level = argc > 1 ? atoi(argv[1]) : 0;
     static float q[NQ * HDMAX], k[ROWS * HDMAX], v[ROWS * HDMAX], ks[ROWS * 5], vs[ROWS];
     static float vcol[HDMAX], o[NQ * HDMAX], qm[NQ], ql[NQ], colsum[KVC_PF_IMP_ROWS];
     static int8_t kq[ROWS * HDMAX], vq[ROWS * HDMAX];
@@ -58,13 +63,16 @@ int main(void)
     qf[20] = 129;
     for (h = 0; h < 10; ++h) {
         ptrdiff_t hd = hds[h];
+        for (i = 0; i < NQ; ++i)
+            kvc_quant_query(q + i * hd, hd, 32, qi + i * KVC_I8_PAD(hd),
+                            qsc + i * KVC_I8_GROUPS(hd, 32), qsum + i * KVC_I8_GROUPS(hd, 32));
         for (mode = 0; mode < 4; ++mode)
             for (cap = 0; cap < 2; ++cap) {
                 int quant_k = mode & 1, quant_v = mode >> 1;
                 float softcap = cap ? 2.5f : 0.0f;
                 ptrdiff_t t0, j;
                 kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, quant_k, v, vq, vs, 1, quant_v, vcol,
-                            hd, 0.3f, softcap, o, qm, ql, scratch);
+                            hd, 0.3f, softcap, o, qm, ql, scratch, level, 32, qi, qsc, qsum);
                 for (i = 0; i < NQ * hd; ++i)
                     out(o[i]);
                 for (j = 0; j < NQ; ++j) {
@@ -77,7 +85,7 @@ int main(void)
                     t1 = t1 < 173 ? t1 : 173;
                     memset(colsum, 0, sizeof colsum);
                     kvc_pf_imp_group(q, NQ, qf, qe, qm, ql, k, kq, ks, 5, quant_k, hd, 0.3f,
-                                     softcap, a0, t1, colsum, scratch);
+                                     softcap, a0, t1, colsum, scratch, level, 32, qi, qsc, qsum);
                     for (i = 0; i < t1 - a0; ++i)
                         out(colsum[i]);
                 }
@@ -89,7 +97,7 @@ int main(void)
     for (i = 0; i < 64; ++i)
         k[150 * 64 + i] = -1e30f;
     kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, 0, v, vq, vs, 1, 0, vcol, 64, 1e10f, 0.0f, o, qm,
-                ql, scratch);
+                ql, scratch, level, 32, qi, qsc, qsum);
     for (i = 0; i < NQ * 64; ++i)
         out(o[i]);
     free(scratch);

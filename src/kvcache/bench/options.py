@@ -15,6 +15,7 @@ from .mla import (
     MLA_CONTEXTS, MLA_FMA_ITERS, MLA_NAIVE_MAX_CONTEXT, MLA_NAIVE_REPEATS, MLA_REPEATS,
     MLA_WORKING_SET)
 from .o1 import O1_CONTEXTS, O1_REPEATS
+from .realmodel import REALMODEL_CONTEXTS, REALMODEL_STEPS, REALMODEL_TTFT_REPEATS
 from .runner import RUNNER_CONTEXTS, RUNNER_STEPS
 from .store import STORE_CONTEXTS, STORE_REPEATS
 from .sync import SYNC_CONTEXT, SYNC_FULL_REPEATS, SYNC_STEPS
@@ -23,7 +24,9 @@ from .wire import WIRE_CONTEXT, WIRE_REPEATS, WIRE_SAVE_LAYERS
 
 
 SECTIONS = ("decode", "append", "o1", "wire", "mla", "sync", "runner", "store", "prefill",
-            "contention")
+            "contention", "realmodel")
+#: Sections that run only when ``--sections`` names them (they need an optional download).
+OPT_IN_SECTIONS = ("realmodel",)
 
 
 @dataclass
@@ -77,3 +80,7 @@ class Options:
     contention_conditions: Sequence[str] = CONDITIONS
     contention_runner_context: int = CONTENTION_RUNNER_CONTEXT
     contention_runner_model: str = "bench"
+    realmodel: bool = False
+    realmodel_contexts: Sequence[int] = REALMODEL_CONTEXTS
+    realmodel_steps: int = REALMODEL_STEPS
+    realmodel_ttft_repeats: int = REALMODEL_TTFT_REPEATS

@@ -1,8 +1,10 @@
 """A llama-style CPU runner on kvcache: Hugging Face checkpoints decoded through kvcache's caches.
 
 :class:`Runner` loads a checkpoint folder (``config.json`` and ``*.safetensors``, sharded or
-not, read with the ``safetensors`` package's NumPy loader) of the Llama, Mistral, Qwen2 or
-Gemma-2 family and runs it in NumPy float32, with every attention layer's K/V in a
+not, read with the ``safetensors`` package's NumPy loader) or a GGUF file (llama.cpp's format:
+tensors dequantised to float32 at load, configuration, tokenizer and chat template from its
+metadata, :mod:`~kvcache.runner.gguf`) of the Llama, Mistral, Qwen2 or Gemma-2 family and runs
+it in NumPy float32, with every attention layer's K/V in a
 :class:`kvcache.KvCache` and attention computed by kvcache's kernels:
 
 - grouped-query attention, RoPE with the config's theta and scaling (``default``, ``linear``,
@@ -28,7 +30,9 @@ Both config layouts are read: transformers 5's ``rope_parameters`` / ``layer_typ
 4.x ``rope_theta`` / ``rope_scaling`` keys (with Gemma-2's even layers sliding, as 4.x did).
 Which layers slide is the rule :mod:`kvcache.hf` uses too (``kvcache._windows``).
 
-``python -m kvcache generate`` (:func:`main`) is the command-line front end.
+``python -m kvcache generate`` (:func:`main`) is the command-line front end; ``python -m
+kvcache eval`` (:mod:`kvcache.evaluate`) measures what a KV mode or the O(1) override costs in
+quality on a checkpoint and a text.
 
 The package, one job per module:
 
@@ -36,6 +40,7 @@ The package, one job per module:
   the O(1) layer selection (:func:`parse_layers`);
 - :mod:`~kvcache.runner.weights`: reading safetensors, the fused per-layer products,
   random checkpoints;
+- :mod:`~kvcache.runner.gguf`: GGUF files (weights, config, tokenizer, chat template);
 - :mod:`~kvcache.runner.model`: :class:`Runner`, the forward pass and decoding;
 - :mod:`~kvcache.runner.sampling`: greedy and top-p sampling (:func:`sample`);
 - :mod:`~kvcache.runner.cli`: ``python -m kvcache generate`` (:func:`main`).
@@ -49,9 +54,10 @@ from __future__ import annotations
 
 from .cli import build_parser, main
 from .config import FAMILIES, ModelConfig, parse_layers, read_config
+from .gguf import load_gguf, load_tokenizer
 from .model import Runner
 from .sampling import sample
 from .weights import load_safetensors, random_weights
 
-__all__ = ["FAMILIES", "ModelConfig", "Runner", "build_parser", "load_safetensors", "main",
-           "parse_layers", "random_weights", "read_config", "sample"]
+__all__ = ["FAMILIES", "ModelConfig", "Runner", "build_parser", "load_gguf", "load_safetensors",
+           "load_tokenizer", "main", "parse_layers", "random_weights", "read_config", "sample"]

@@ -1,7 +1,9 @@
 """``python -m kvcache generate``: decode a checkpoint (or a small random model) from the shell.
 
 :func:`main` parses the command line, loads the model through :class:`~kvcache.runner.Runner`,
-encodes the prompt with the folder's ``tokenizer.json`` when there is one, generates with a
+encodes the prompt with the checkpoint's tokenizer (the folder's ``tokenizer.json``, or the one
+a GGUF file describes) when there is one (``--chat``: as a user message rendered by the
+checkpoint's chat template), generates with a
 progress bar on stderr (one over the prompt's positions first, when the prompt takes more than
 two prefill steps) and prints the output with prefill / decode rates and the cache size.
 ``--store`` names a prefix store (a folder or a Redis URL) whose hit is reported on stderr.
@@ -25,7 +27,11 @@ __all__ = ["build_parser", "main"]
 
 
 def _load_tokenizer(path: str | None) -> Any:
-    """The ``tokenizers`` Tokenizer of ``path/tokenizer.json``; None without that file."""
+    """The ``tokenizers`` Tokenizer of a GGUF file (built from its metadata) or of
+    ``path/tokenizer.json``; None without one."""
+    if path and os.path.isfile(path):
+        from .gguf import load_tokenizer
+        return load_tokenizer(path)
     tok_file = os.path.join(path, "tokenizer.json") if path else None
     if not tok_file or not os.path.exists(tok_file):
         return None
@@ -38,6 +44,24 @@ def _load_tokenizer(path: str | None) -> Any:
         return Tokenizer.from_file(tok_file)
     except Exception as exc:              # tokenizers raises a bare Exception for a bad file
         raise ValueError(f"{tok_file}: not a readable tokenizer ({exc})") from None
+
+
+def _chat_ids(path: str, tokenizer: Any, cfg: ModelConfig, text: str) -> list[int]:
+    """``text`` as one user message rendered by the checkpoint's chat template (ValueError
+    without one), encoded as the template wrote it (special tokens included)."""
+    from .gguf import chat_template, render_chat
+    template = chat_template(path)
+    if template is None:
+        raise ValueError(f"--chat: {path} has no chat template (tokenizer.chat_template, "
+                         f"chat_template.jinja or tokenizer_config.json's chat_template)")
+
+    def token(i: int | None) -> str:
+        return "" if i is None else str(tokenizer.id_to_token(i) or "")
+
+    eos = cfg.eos_token_id[0] if cfg.eos_token_id else None
+    rendered = render_chat(template, [{"role": "user", "content": text}],
+                           bos_token=token(cfg.bos_token_id), eos_token=token(eos))
+    return list(tokenizer.encode(rendered, add_special_tokens=False).ids)
 
 
 def _kv_name(text: str) -> str:
@@ -56,11 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decode with a Llama / Mistral / Qwen2 / Gemma-2 checkpoint on kvcache. "
                     "Without --model, a small random-weight Llama built in memory is used.")
     p.add_argument("--model", metavar="PATH",
-                   help="checkpoint folder (config.json + *.safetensors [+ tokenizer.json])")
+                   help="checkpoint folder (config.json + *.safetensors [+ tokenizer.json]) "
+                        "or GGUF file (model.gguf: weights dequantised to float32)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text (needs tokenizer.json in the model folder)")
+    src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer: "
+                                      "tokenizer.json in the folder, or the GGUF file's)")
     src.add_argument("--ids", nargs="+", metavar="ID",
                      help="prompt token ids (e.g. --ids 1 15043 29892 or --ids 1,15043)")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message through the checkpoint's chat template "
+                        "(the answer stops at the end-of-turn token)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
     p.add_argument("--kv", default="f32", type=_kv_name,
                    metavar="{f32,q8,q8k,q8v,q8:cmf,q8k:cmf,q8v:cmf}",
@@ -68,8 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the legacy column-freeze scheme; any name KvMode.parse accepts)")
     p.add_argument("--o1", metavar="LAYERS",
                    help="O(1) Nystrom layers: all, deepN, or a list like 0,5,7 (default none)")
-    p.add_argument("--o1-params", metavar="M,W,SINK", default="32,128,4",
-                   help="O(1) landmarks, window and sinks (default 32,128,4)")
+    p.add_argument("--o1-params", metavar="M,W,SINK[,KEEP[,RIDGE]]",
+                   help="O(1) landmarks, window, sinks, kept far keys and ridge (default: "
+                        "32,128,4; with --o1 auto the runner's O1_AUTO_PARAMS)")
+    p.add_argument("--o1-max-error", type=float, metavar="E",
+                   help="seal only the O(1) layers whose estimated error is at most E "
+                        "(default: no bound; 0.1 with --o1 auto)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1)")
     p.add_argument("--seed", type=int, help="sampler seed")
@@ -92,8 +125,10 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: Any, cfg: ModelConfig,
             parser.error(f"--ids: expected integers, got {' '.join(args.ids)}")
     if args.prompt is not None:
         if tokenizer is None:
-            parser.error("--prompt needs a tokenizer.json in the --model folder (and the "
-                         "tokenizers package); pass --ids instead")
+            parser.error("--prompt needs a tokenizer (tokenizer.json in the --model folder, or "
+                         "a GGUF file) and the tokenizers package; pass --ids instead")
+        if args.chat:
+            return _chat_ids(args.model, tokenizer, cfg, args.prompt)
         return list(tokenizer.encode(args.prompt).ids)
     if tokenizer is not None:
         return list(tokenizer.encode("Once upon a time").ids)
@@ -127,15 +162,22 @@ def main(argv: Sequence[str] | None = None, file: IO[str] | None = None) -> int:
     out = sys.stdout if file is None else file
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        o1_params = tuple(int(v) for v in args.o1_params.split(","))
-    except ValueError:
-        parser.error(f"--o1-params: expected M,W,SINK integers, got {args.o1_params!r}")
-    if len(o1_params) != 3:
-        parser.error(f"--o1-params: expected M,W,SINK, got {args.o1_params!r}")
+    o1_params: tuple[float, ...] | None = None
+    if args.o1_params is not None:
+        parts = args.o1_params.split(",")
+        try:
+            o1_params = tuple(int(v) for v in parts[:4]) + tuple(float(v) for v in parts[4:])
+        except ValueError:
+            parser.error(f"--o1-params: expected M,W,SINK[,KEEP] integers and a RIDGE number, "
+                         f"got {args.o1_params!r}")
+        if not 3 <= len(o1_params) <= 5:
+            parser.error(f"--o1-params: expected M,W,SINK[,KEEP[,RIDGE]], got {args.o1_params!r}")
+    if args.chat and (args.prompt is None or not args.model):
+        parser.error("--chat needs --prompt and a --model with a tokenizer and chat template")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    kwargs: dict[str, Any] = dict(kv=args.kv, o1_layers=args.o1, o1_params=o1_params)
+    kwargs: dict[str, Any] = dict(kv=args.kv, o1_layers=args.o1, o1_params=o1_params,
+                                  o1_max_error=args.o1_max_error)
     try:
         t0 = time.perf_counter()
         if args.model:
@@ -197,7 +239,9 @@ def main(argv: Sequence[str] | None = None, file: IO[str] | None = None) -> int:
                         f"decoded exactly)")
     p(f"model: {name} ({runner.config.family}, {runner.config.num_layers} layers), kv "
       f"{args.kv}{o1_text}, loaded in {load_s:.2f} s")
-    shown = prompt if tokenizer is None else repr(args.prompt or tokenizer.decode(prompt))
+    shown = prompt if tokenizer is None else repr(
+        tokenizer.decode(prompt, skip_special_tokens=False) if args.chat
+        else args.prompt or tokenizer.decode(prompt))
     p(f"prompt ({len(prompt)} tokens): {shown}")
     p(f"output ({len(tokens)} tokens): "
       + (repr(tokenizer.decode(tokens)) if tokenizer is not None else str(tokens)))

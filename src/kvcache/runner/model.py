@@ -55,6 +55,7 @@ from ..eviction import EvictionPolicy
 from ..layer import LayerKvCache
 from ..model import KvCache
 from ..modes import KvMode
+from ..o1 import RIDGE, check_max_error, check_ridge
 from .config import LayerSpec, ModelConfig, parse_layers, read_config
 from .sampling import sample
 from .weights import (Array, LayerWeights, Tracked, as_f32, layers_from, load_safetensors,
@@ -64,11 +65,21 @@ if TYPE_CHECKING:
     from ..o1 import O1Snapshot
     from ..store import PrefixStore
 
-__all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_PREFILL_STEP", "Runner"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_PREFILL_STEP", "O1_AUTO_MAX_ERROR",
+           "O1_AUTO_PARAMS", "Runner"]
+
+#: The error bound of ``o1_layers="auto"`` when ``o1_max_error`` is not given: a layer seals
+#: only when the seal's own estimate of its relative error (``LayerKvCache.o1_error``, see
+#: docs/o1.md) is at most this.  Chosen on SmolLM2-135M (docs/o1.md, "auto").
+O1_AUTO_MAX_ERROR = 0.1
+#: The O(1) parameters ``(m, w, sink, keep, ridge)`` of ``o1_layers="auto"`` when ``o1_params``
+#: is not given: 128 far keys kept exact and a ridge of 1e-3 make the far field good enough
+#: for twice as many layers to pass the bound (docs/o1.md, measurements).
+O1_AUTO_PARAMS = (32, 128, 4, 128, 1e-3)
 
 #: Version of the prompt attention whose rows the prefix store keeps (part of the fingerprint):
 #: "blocked-1" is the tiled kernel of ``LayerKvCache.attend_all_heads(prefill=True)``.
-PROMPT_KERNEL = "blocked-1"
+PROMPT_KERNEL = "blocked-2"
 
 #: Positions per prefill chunk (chunks end at multiples of it).  It divides the prefix store's
 #: default block (256), so stored blocks and computed chunks line up; a full store hit still
@@ -141,12 +152,21 @@ class Runner:
         KV storage of every layer (any name :meth:`KvMode.parse` accepts; "q8" is the default
         int8 scheme "rows", ":cmf" the legacy column-freeze scheme).
     o1_layers : str or sequence of int, optional
-        Layers decoded with the O(1) Nystrom override (:func:`parse_layers` syntax).  They
-        seal at the end of the first :meth:`prefill` (their prompt K/V is kept in f32 until
-        then, whatever ``kv`` says); sliding-window layers are refused.
-        The override approximates full softmax attention (no logit softcap on those layers).
-    o1_params : tuple of int
-        ``(m, w, sink)`` of the O(1) layers (default ``(32, 128, 4)``, upstream's).
+        Layers decoded with the O(1) Nystrom override (:func:`parse_layers` syntax, or
+        ``"auto"``: every global layer is a candidate and seals only when its error estimate
+        is at most ``o1_max_error``).  They seal at the end of the first :meth:`prefill` (their
+        prompt K/V is kept in f32 until then, whatever ``kv`` says, and stays f32 when a seal
+        is refused); sliding-window layers are refused.  The override approximates full
+        softmax attention (no logit softcap on those layers).
+    o1_params : tuple
+        ``(m, w, sink)`` of the O(1) layers (default ``(32, 128, 4)``, upstream's), optionally
+        followed by ``keep`` (far keys kept exact per KV group, default 0) and ``ridge`` (of
+        the landmark pseudo-inverse, default 1e-6): see ``LayerKvCache.o1_begin``.  With
+        ``o1_layers="auto"`` the default is :data:`O1_AUTO_PARAMS`.
+    o1_max_error : float, optional
+        Seal an O(1) layer only when the seal's estimate of its relative error is at most
+        this (``LayerKvCache.o1_seal(max_error=...)``; a refused layer decodes exactly).
+        Default: no bound, or :data:`O1_AUTO_MAX_ERROR` with ``o1_layers="auto"``.
     max_seq_len : int
         Positions the cache may hold (prefill and decode check it).
     decode_blas_threads : int
@@ -176,7 +196,8 @@ class Runner:
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Array], *,
                  kv: KvMode | str = "f32", o1_layers: LayerSpec = None,
-                 o1_params: Sequence[int] = (32, 128, 4), max_seq_len: int = 131072,
+                 o1_params: Sequence[float] | None = None,
+                 o1_max_error: float | None = None, max_seq_len: int = 131072,
                  decode_blas_threads: int = 1,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prefill_step: int | None = None) -> None:
@@ -186,10 +207,17 @@ class Runner:
         cfg = config
         self.mode = KvMode.parse(kv, "kv")
         self.max_seq_len = as_int("max_seq_len", max_seq_len, minimum=1)
-        if len(o1_params) != 3:
-            raise ValueError(f"o1_params: expected (m, w, sink), got {o1_params!r}")
-        self.o1_params = tuple(as_int(n, v, minimum=lo) for n, v, lo in
-                               zip(("m", "w", "sink"), o1_params, (4, 1, 0)))
+        auto = isinstance(o1_layers, str) and o1_layers.strip().lower() == "auto"
+        if o1_params is None:
+            o1_params = O1_AUTO_PARAMS if auto else (32, 128, 4)
+        if len(o1_params) not in (3, 4, 5):
+            raise ValueError(f"o1_params: expected (m, w, sink), (m, w, sink, keep) or "
+                             f"(m, w, sink, keep, ridge), got {o1_params!r}")
+        ints = tuple(as_int(n, v, minimum=lo) for n, v, lo in
+                     zip(("m", "w", "sink", "keep"), o1_params[:4], (4, 1, 0, 0)))
+        #: (m, w, sink[, keep[, ridge]]) as given, checked
+        self.o1_params: tuple[float, ...] = ints + tuple(check_ridge(r) for r in o1_params[4:])
+        max_error = check_max_error(o1_max_error)
         self.blas_threads = as_int("decode_blas_threads", decode_blas_threads, minimum=0)
         self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, minimum=1)
         c = self.prefill_chunk
@@ -220,10 +248,17 @@ class Runner:
                              f"does not describe them, so the logits would be wrong")
         glob = [i for i in range(cfg.num_layers) if cfg.layer_windows[i] is None]
         spec = o1_layers.strip().lower() if isinstance(o1_layers, str) else ""
-        if spec == "all" or spec.startswith("deep"):
+        #: whether ``o1_layers`` was "auto" (every global layer a candidate, sealed under a bound)
+        self.o1_auto = spec == "auto"
+        if self.o1_auto and max_error is None:
+            max_error = O1_AUTO_MAX_ERROR
+        #: the error bound of the O(1) seals (None: none)
+        self.o1_max_error: float | None = max_error
+        if self.o1_auto:
+            self.o1_layers: tuple[int, ...] = tuple(glob)
+        elif spec == "all" or spec.startswith("deep"):
             # "all" / "deepN" count the global layers only: a window is already constant-size
-            self.o1_layers: tuple[int, ...] = tuple(glob[j] for j in
-                                                    parse_layers(o1_layers, len(glob)))
+            self.o1_layers = tuple(glob[j] for j in parse_layers(o1_layers, len(glob)))
         else:
             self.o1_layers = parse_layers(o1_layers, cfg.num_layers)
         for i in self.o1_layers:
@@ -247,7 +282,13 @@ class Runner:
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], **kwargs: Any) -> Runner:
-        """Load ``path/config.json`` and its safetensors (see the class for ``kwargs``)."""
+        """Load a checkpoint: a folder (``config.json`` and its safetensors) or a GGUF file
+        (weights dequantised to float32, config from its metadata: :mod:`kvcache.runner.gguf`).
+        See the class for ``kwargs``."""
+        if os.path.isfile(os.fspath(path)):
+            from .gguf import load_gguf
+            config, weights = load_gguf(path)
+            return cls(config, weights, **kwargs)
         return cls(read_config(path), load_safetensors(path), **kwargs)
 
     @classmethod
@@ -445,9 +486,10 @@ class Runner:
         outs: list[Array] = []
         try:
             if sealing:
-                m, w, sink = self.o1_params
+                m, w, sink, keep, ridge = self.o1_params + (0, RIDGE)[len(self.o1_params) - 3:]
                 for i in self.o1_layers:
-                    self.cache.layers[i].o1_begin(m, w, sink)
+                    self.cache.layers[i].o1_begin(int(m), int(w), int(sink), keep=int(keep),
+                                                  ridge=ridge)
             with self._blas_for(n):
                 for chunks in steps:
                     xs: list[Array] = []
@@ -468,7 +510,8 @@ class Runner:
                     outs = [self._logits(xs[-1][-1:])]
             if sealing:
                 for i in self.o1_layers:
-                    self.cache.layers[i].o1_seal(self.config.num_heads)
+                    self.cache.layers[i].o1_seal(self.config.num_heads,
+                                                 max_error=self.o1_max_error)
         except BaseException:             # MemoryError, Ctrl-C...: no layer keeps a half step
             self._undo(undo)
             raise
@@ -639,6 +682,12 @@ class Runner:
         self.cache.clear()
         self.position = 0
         self.store_loaded = 0
+
+    @property
+    def o1_sealed_layers(self) -> tuple[int, ...]:
+        """The layers sealed in O(1) mode now (those of ``o1_layers`` whose seal was not
+        refused; empty before the first prefill)."""
+        return tuple(i for i in self.o1_layers if self.cache.layers[i].o1_sealed())
 
     def memory_bytes(self) -> int:
         """Bytes held by the KV cache (every layer)."""

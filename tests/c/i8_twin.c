@@ -1,0 +1,80 @@
+/* Runs the q8 scoring of _kernels.h (query quantiser, raw scores of every instruction-set
+ * body, a decode score task) on pseudo-random inputs and prints every result as raw bits.
+ * K groups of 16 and of 32 channels.  Usage: i8_twin LEVEL (0 portable, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI).
+ * tests/test_int8_scoring.py builds it with -DKVC_EMULATE_VNNI (the VNNI bodies compiled
+ * without their target attributes, vpdpbusd emulated exactly with AVX2) and with
+ * -DKVC_NO_SIMD, runs every level and requires identical output. */
+#include "_kernels.h"
+#include <stdio.h>
+#include <stdlib.h>
+
+static uint32_t state = 20261202u;
+static uint32_t next(void)
+{
+    state = state * 1664525u + 1013904223u;
+    return state >> 8;
+}
+static float rnd(void) { return ((float)next() / 16777216.0f - 0.5f) * 4.0f; }
+
+static void out(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    printf("%08x\n", b);
+}
+
+#define HDMAX 264
+#define ROWS 77
+#define NQ 5
+
+int main(int argc, char **argv)
+{
+    static float q[NQ * HDMAX], ks[ROWS * 17], res[ROWS], probs[NQ * ROWS];
+    static int8_t kq[ROWS * HDMAX], qi[NQ * HDMAX];
+    static float sq[NQ * 17];
+    static int32_t qsum[NQ * 17];
+    ptrdiff_t hds[] = {1, 7, 8, 16, 31, 32, 33, 40, 64, 72, 96, 100, 128, 136, 160, 256, 264};
+    ptrdiff_t qf[NQ] = {0, 3, 0, 9, 20}, qe[NQ] = {77, 77, 70, 40, 21};
+    int level = argc > 1 ? atoi(argv[1]) : 0, trial, h, i, j;
+    for (trial = 0; trial < 12; ++trial) {
+        /* magnitudes from tiny to large; some trials use the extreme codes -128 and 127 */
+        float mag = trial % 3 == 0 ? 1e-3f : trial % 3 == 1 ? 1.0f : 300.0f;
+        for (i = 0; i < NQ * HDMAX; ++i)
+            q[i] = rnd() * mag;
+        for (i = 0; i < ROWS * HDMAX; ++i)
+            kq[i] = trial % 4 == 3 ? (int8_t)(next() % 2 ? -128 : 127) : (int8_t)(next() & 0xFF);
+        for (i = 0; i < ROWS * 17; ++i)
+            ks[i] = rnd() * rnd() * (trial % 2 ? 1e-2f : 1.0f);
+        if (trial == 5) {   /* a non-finite query value: NaN scores for that query */
+            q[3] = NAN;
+            q[HDMAX + 40] = INFINITY;
+        }
+        for (h = 0; h < (int)(sizeof hds / sizeof hds[0]) * 2; ++h) {
+            ptrdiff_t hd = hds[h / 2], group = h % 2 ? 16 : 32;
+            ptrdiff_t hdp = KVC_I8_PAD(hd), ng = KVC_I8_GROUPS(hd, group);
+            for (j = 0; j < NQ; ++j) {
+                kvc_quant_query(q + j * hd, hd, group, qi + j * hdp, sq + j * ng, qsum + j * ng);
+                for (i = 0; i < hdp; ++i)
+                    printf("%d\n", qi[j * hdp + i]);
+                for (i = 0; i < ng; ++i) {
+                    out(sq[j * ng + i]);
+                    printf("%d\n", qsum[j * ng + i]);
+                }
+            }
+            for (j = 0; j < NQ; ++j) {
+                /* every row count (the 8-row bodies and the scalar tail), scale stride 12 */
+                ptrdiff_t n = 1 + (ptrdiff_t)(next() % ROWS);
+                kvc_i8_rows_isa(level, group, qi + j * hdp, sq + j * ng, qsum + j * ng, kq, ks, 17,
+                                hd, n, res);
+                for (i = 0; i < n; ++i)
+                    out(res[i]);
+            }
+            memset(probs, 0, sizeof probs);
+            kvc_task_scores_i8(level, group, qi, sq, qsum, NQ, qf, qe, kq, ks, 17, 2, ROWS, hd, 0.17f,
+                               trial % 2 ? 5.0f : 0.0f, probs, ROWS);
+            for (i = 0; i < NQ * ROWS; ++i)
+                out(probs[i]);
+        }
+    }
+    return 0;
+}
