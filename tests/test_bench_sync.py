@@ -12,7 +12,8 @@ from kvcache import bench
 TINY = ["--sections", "sync", "--sync-context", "512", "--sync-steps", "4",
         "--sync-full-repeats", "2", "--no-progress"]
 ROW = {"f32": 8 * 128 * 4 * 2,                        # K and V rows of 8 heads
-       "q8": 8 * (128 + 4 * 4) + 8 * (128 + 4),       # int8 rows, 4 K scales, 1 V scale
+       "q8": 8 * (128 + 8 * 4) + 8 * (128 + 4),       # int8 rows ("rows": 8 K scales of 16
+                                                      # channels), 1 V scale
        "latent": (512 + 64) * 4}
 
 

@@ -91,7 +91,7 @@ def assert_slots_mirrored(m, c):
 
 def row_bytes(c):
     """Bytes of one stored row of one head, every store of the mode together."""
-    return (quant.k_row_bytes(c.head_dim, c.mode.quant_k)
+    return (quant.k_row_bytes(c.head_dim, c.mode.quant_k, scheme=c.mode.scheme)
             + quant.v_row_bytes(c.head_dim, c.mode.quant_v))
 
 

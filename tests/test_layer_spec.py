@@ -28,7 +28,9 @@ CMF_MODES = [kc.KvMode.Q8(scheme="cmf"), kc.KvMode.Q8(True, False, scheme="cmf")
              kc.KvMode.Q8(False, True, scheme="cmf")]
 CMF_IDS = ["q8:cmf", "q8k:cmf", "q8v:cmf"]
 WARMUP = 64           # spec 3: KV_COL_WARMUP
-K_GROUP = 32          # spec 3: KV_K_GROUP
+# K channels per scale group: spec 3's KV_K_GROUP (32) for "cmf"; the default scheme "rows"
+# stores K in 16-channel groups (docs/numerics.md, "int8 storage")
+K_GROUP = {"rows": 16, "cmf": 32}
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -46,7 +48,8 @@ def stored_keys(layer, h):
         return layer.head_keys(h).astype(np.float64)
     kq, ks, _, _ = layer.q8_rows(h)
     hd = layer.head_dim
-    x = kq.astype(np.float64) * np.repeat(ks.astype(np.float64), K_GROUP, axis=1)[:, :hd]
+    group = K_GROUP[layer.mode.scheme]
+    x = kq.astype(np.float64) * np.repeat(ks.astype(np.float64), group, axis=1)[:, :hd]
     kcol = layer.columns(h)[0]
     return x if kcol is None else x * kcol.astype(np.float64)
 
@@ -55,7 +58,7 @@ def scored_query(layer, h, q):
     """The query, as float64, that the kernels score against stored_keys(layer, h).
 
     float32 keys: q itself.  int8 keys (docs/numerics.md, "q8 scoring"): the kernel quantises
-    the column-folded query q * kcol per 32-channel group, so its scores are those of the
+    the column-folded query q * kcol per K group of the scheme (16 or 32 channels), so its scores are those of the
     dequantised codes Q(q * kcol), i.e. of Q(q * kcol) / kcol against stored_keys."""
     q = np.asarray(q, dtype=np.float32)
     if not layer.mode.quant_k:
@@ -63,10 +66,11 @@ def scored_query(layer, h, q):
     hd = q.shape[-1]
     kcol = layer.columns(h)[0]
     x = (q if kcol is None else q * kcol).reshape(-1, hd).astype(np.float32)
-    ng = -(-hd // K_GROUP)
-    qi, sq = np.zeros((len(x), ng * K_GROUP), np.int8), np.zeros((len(x), ng), np.float32)
-    kc.reference.quantize_query(x, qi, sq, np.zeros((len(x), ng), np.int32))
-    deq = (qi.astype(np.float64) * np.repeat(sq.astype(np.float64), K_GROUP, axis=1))[:, :hd]
+    group = K_GROUP[layer.mode.scheme]                  # the query in the K groups
+    ng = -(-hd // group)
+    qi, sq = np.zeros((len(x), ng * group), np.int8), np.zeros((len(x), ng), np.float32)
+    kc.reference.quantize_query(x, qi, sq, np.zeros((len(x), ng), np.int32), group)
+    deq = (qi.astype(np.float64) * np.repeat(sq.astype(np.float64), group, axis=1))[:, :hd]
     deq = deq.reshape(q.shape)
     return deq if kcol is None else deq / kcol.astype(np.float64)
 
@@ -148,7 +152,7 @@ def test_dead_head_stores_nothing(rng, make_kv, mode):
     assert layer.head_len(0) == rows and layer.head_len(1) == 0
     assert layer.seq_len == rows
     assert layer.importance.shape == (rows,)
-    k_bytes = hd + 4 * math.ceil(hd / K_GROUP) if mode.quant_k else 4 * hd
+    k_bytes = hd + 4 * math.ceil(hd / K_GROUP[mode.scheme]) if mode.quant_k else 4 * hd
     v_bytes = hd + 4 if mode.quant_v else 4 * hd
     assert layer.memory_bytes() == rows * (k_bytes + v_bytes)      # only head 0's rows
     if mode == F32:
@@ -777,16 +781,36 @@ def test_quantised_components_show_empty_float_views(rng, make_kv, mode):
 
 
 def test_q8_rows_follow_the_spec_quantiser():
-    # one row, hd 33: K groups [0, 32) and [32, 33); V one group.  Values chosen so the
-    # expected int8 codes are plain arithmetic: absmax 127 -> scale 1.
+    # the spec's scheme ("cmf"), one row (no column yet), hd 33: K groups [0, 32) and [32, 33);
+    # V one group.  Values chosen so the expected int8 codes are plain arithmetic: absmax 127
+    # -> scale 1.
     hd = 33
     row = np.arange(hd, dtype=np.float32) - 16.0          # -16 .. 16
     row[0] = 127.0
     row[32] = -2.5                                        # alone in its group: scale 2.5/127
-    layer = kc.LayerKvCache(1, hd, mode=kc.KvMode.Q8())
+    layer = kc.LayerKvCache(1, hd, mode=kc.KvMode.Q8(scheme="cmf"))
     layer.append(row[None], row[None])
     kq, ks, vq, vs = layer.q8_rows(0)
     assert ks.tolist() == [[1.0, np.float32(2.5) / np.float32(127)]]
+    assert kq[0, :32].tolist() == row[:32].astype(int).tolist()
+    assert kq[0, 32] == -127
+    assert vs.tolist() == [1.0]
+    assert vq[0, :32].tolist() == row[:32].astype(int).tolist()
+    assert vq[0, 32] == -3                                # -2.5: half away from zero
+
+
+def test_q8_rows_scheme_quantises_k_in_16_channel_groups():
+    # the default scheme "rows", hd 33: K groups [0, 16), [16, 32) and the partial [32, 33);
+    # V one scale per row.  Each full K group holds a +-127, so its scale is 1.
+    hd = 33
+    row = np.arange(hd, dtype=np.float32) - 16.0          # -16 .. 16
+    row[0] = 127.0
+    row[31] = -127.0
+    row[32] = -2.5                                        # alone in its group: scale 2.5/127
+    layer = kc.LayerKvCache(1, hd, mode=kc.KvMode.Q8())
+    layer.append(row[None], row[None])
+    kq, ks, vq, vs = layer.q8_rows(0)
+    assert ks.tolist() == [[1.0, 1.0, np.float32(2.5) / np.float32(127)]]
     assert kq[0, :32].tolist() == row[:32].astype(int).tolist()
     assert kq[0, 32] == -127
     assert vs.tolist() == [1.0]
@@ -847,7 +871,7 @@ def test_q8_storage_matches_a_numpy_model_of_the_spec(rng, make_kv, mode):
         kcol, vcol = layer.columns(h)
         freeze = mode.scheme == "cmf"
         if mode.quant_k:
-            codes, scales, col = _spec_store(k[:, h], K_GROUP, freeze)
+            codes, scales, col = _spec_store(k[:, h], K_GROUP[mode.scheme], freeze)
             assert np.array_equal(kq, codes) and ks.tobytes() == scales.tobytes()
             assert (kcol is None and col is None) if not freeze else kcol.tobytes() == col.tobytes()
         if mode.quant_v:

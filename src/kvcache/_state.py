@@ -9,7 +9,8 @@ Storage (as the layer keeps it: head-major, ``cap`` rows per head of which the f
 ``lengths[h]`` hold data):
 
 * K: float32 rows ``kf`` (G, cap, D), or int8 rows ``kq`` (G, cap, D) with float32 scales
-  ``ks`` (G, cap, ceil(D / 32)); the other pair is None;
+  ``ks`` (G, cap, ceil(D / group)), the group of the mode's scheme
+  (:func:`kvcache.quant.k_group`: 16 "rows", 32 "cmf"); the other pair is None;
 * V: float32 rows ``vf`` (G, cap, D), or int8 rows ``vq`` (G, cap, D) with scales
   ``vs`` (G, cap, 1);
 * the column fields ``kcol``/``vcol`` (G, D), rows of ones where ``kcol_on``/``vcol_on``
@@ -117,8 +118,10 @@ class LayerState:
         if (self.lengths < 0).any() or int(self.lengths.max(initial=0)) > seq_len:
             raise ValueError(f"state.lengths: expected 0 <= lengths <= seq_len={seq_len}, got "
                              f"{self.lengths.tolist()}")
-        widths: dict[str, tuple[int, np.dtype[Any]]] = {"kf": (hd, F32), "kq": (hd, I8), "ks": (quant.k_scale_count(hd), F32),
-                  "vf": (hd, F32), "vq": (hd, I8), "vs": (1, F32)}
+        ngk = quant.k_scale_count(hd, self.mode.scheme) if self.mode.quant_k else 0
+        widths: dict[str, tuple[int, np.dtype[Any]]] = {
+            "kf": (hd, F32), "kq": (hd, I8), "ks": (ngk, F32),
+            "vf": (hd, F32), "vq": (hd, I8), "vs": (1, F32)}
         stores = self.stores()
         for name in widths:
             if name not in stores and getattr(self, name) is not None:

@@ -6,7 +6,8 @@ append is amortised O(1): the whole cache is copied only when the capacity doubl
 has its own stored length; dead heads (``alive[h] == False``) store nothing while ``seq_len``
 and importance still advance.  Stores per mode:
 
-* K: float32 rows ``_kf`` or int8 rows ``_kq`` with one scale per 32 channels ``_ks``;
+* K: float32 rows ``_kf`` or int8 rows ``_kq`` with one scale per K group ``_ks`` (16
+  channels in the "rows" scheme, 32 in "cmf": :func:`kvcache.quant.k_group`);
 * V: float32 rows ``_vf`` or int8 rows ``_vq`` with one scale per row ``_vs``;
 * frozen column fields ``_kcol``/``_vcol`` (rows of ones where not frozen; only the int8
   scheme "cmf" freezes them, see :class:`KvMode`).
@@ -33,7 +34,7 @@ from ._validate import (FloatArrayLike, IntArrayLike, as_f32, as_f32_scalar, as_
 from ._attention import (Rows, attend_blocks, attend_prefill, attend_rows, default_scale,
                          grouped_queries)
 from .eviction import EvictionPolicy, born_rows
-from .modes import KvMode
+from .modes import DEFAULT_SCHEME, KvMode
 from ._generation import Generation
 from .o1 import (O1Collecting, O1DeviceView, O1Error, O1Rect, O1Sealed, O1Snapshot,
                  check_max_error, check_ridge, check_seal, estimate_error)
@@ -59,6 +60,13 @@ _MIN_CAPACITY = 16
 _O1_MAX = (1 << 31) - 1      # bound of the O(1) parameters (they travel as u32)
 
 _log = logging.getLogger("kvcache")
+
+
+def _k_scales(hd: int, mode: KvMode) -> int:
+    """Width of a layer's K scale store: the scale count of the mode's scheme.  A mode with
+    float32 K keeps that store empty and never reads it; it takes the default scheme's width
+    (>= ceil(hd / 32), what the kernels' shape checks accept for an unused store)."""
+    return quant.k_scale_count(hd, mode.scheme or DEFAULT_SCHEME)
 
 
 class LayerKvCache:
@@ -114,7 +122,6 @@ class LayerKvCache:
         self._mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
         self._nkv = nkv
         self._hd = hd
-        self._ngk = quant.k_scale_count(hd)
         self._o1 = None
         self._o1_refused = None
         self._linear_state = np.zeros(0, dtype=_F32)
@@ -145,6 +152,16 @@ class LayerKvCache:
         self._imp = np.zeros(0, dtype=_F32)
         self._imp_len = 0
         self._evicted = False
+
+    @property
+    def _ngk(self) -> int:
+        """K scales per int8 row of this layer's scheme."""
+        return _k_scales(self._hd, self._mode)
+
+    @property
+    def _k_group(self) -> int:
+        """Channels per K scale group of this layer's int8 scheme (16 rows, 32 cmf)."""
+        return quant.k_group(self._mode.scheme)
 
     def _stores(self) -> list[str]:
         """Names of the (nkv, cap, .) stores this mode uses."""
@@ -349,7 +366,7 @@ class LayerKvCache:
         if self._len.any():                  # requantises every stored row (heads with rows)
             self._gen.diverge()
         if self._mode.quant_k:
-            quant.freeze_columns(self._kq, self._ks, self._len, quant.K_GROUP, self._kcol,
+            quant.freeze_columns(self._kq, self._ks, self._len, self._k_group, self._kcol,
                                  self._kcol_on, _core)
         if self._mode.quant_v:
             quant.freeze_columns(self._vq, self._vs, self._len, self._hd, self._vcol,
@@ -359,7 +376,7 @@ class LayerKvCache:
         n = k3.shape[0]
         if self._mode.quant_k:
             _core.store_rows_q8(x__nhd=k3, alive__h=live, head_len__h=self._len,
-                                col__hd=self._kcol, col_on__h=self._kcol_on, group=quant.K_GROUP,
+                                col__hd=self._kcol, col_on__h=self._kcol_on, group=self._k_group,
                                 q__hcd=self._kq, s__hcg=self._ks)
         else:
             _core.store_rows_f32(x__nhd=k3, alive__h=live, head_len__h=self._len,
@@ -410,7 +427,7 @@ class LayerKvCache:
     def q8_rows(self, h: int) -> tuple[Optional[I8], Optional[F32], Optional[I8], Optional[F32]]:
         """Read-only views of head h's int8 storage: (kq, ks, vq, vs), None for f32 parts.
 
-        kq (head_len, head_dim) int8, ks (head_len, ceil(head_dim/32)) float32,
+        kq (head_len, head_dim) int8, ks (head_len, ceil(head_dim/group)) float32 (group 16 or 32),
         vq (head_len, head_dim) int8, vs (head_len,) float32."""
         h = as_index("kv_head", h, self._nkv)
         n = self._len[h]
@@ -716,7 +733,7 @@ class LayerKvCache:
         rows = int(self._len.sum())
         hd = self._hd
         total = 0
-        total += rows * quant.k_row_bytes(hd, self._mode.quant_k)
+        total += rows * quant.k_row_bytes(hd, self._mode.quant_k, scheme=self._mode.scheme)
         total += rows * quant.v_row_bytes(hd, self._mode.quant_v)
         total += 4 * hd * int(self._kcol_on.sum() + self._vcol_on.sum())
         total += 4 * self._linear_state.size
@@ -762,7 +779,7 @@ class LayerKvCache:
             raise ValueError(f"state: {problem}")
         if not state.owned:
             state = state.owned_copy()
-        empty_ks = np.zeros((self._nkv, 0, self._ngk), dtype=_F32)
+        empty_ks = np.zeros((self._nkv, 0, _k_scales(self._hd, state.mode)), dtype=_F32)
         # commit: assignments only
         self._mode = state.mode
         self._seq_len = int(state.seq_len)

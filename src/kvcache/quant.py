@@ -1,28 +1,35 @@
 """The q8 storage schemes (described in docs/numerics.md) and the one place for row sizes.
 
-K rows are quantised in groups of ``K_GROUP`` = 32 channels with one float32 scale per group;
-V rows with one scale per row.  Scales are ``max(absmax / 127, 1e-12)``, values
-``clamp(round_half_away_from_zero(r / s), -127, 127)`` (NaN -> 0), where ``r = x / col`` once
-the per-channel column field is frozen, else ``r = x``.
+K rows are quantised per row in groups of ``k_group(scheme)`` consecutive channels, one float32
+scale per group: 16 channels in ``"rows"``, 32 in ``"cmf"`` (:data:`K_GROUPS`); when head_dim is
+not a multiple of the group the last group is partial, so a K row holds ``ceil(head_dim /
+group)`` scales.  V rows have one scale per row in both schemes.  Scales are
+``max(absmax / 127, 1e-12)``, values ``clamp(round_half_away_from_zero(r / s), -127, 127)``
+(NaN -> 0), where ``r = x / col`` once the per-channel column field is frozen, else ``r = x``.
 
 Two schemes (:attr:`kvcache.KvMode.scheme`):
 
-* ``"rows"`` (the default) never freezes a column field: ``r = x`` for every row, so a stored
-  row depends on its own values only and rolling back then appending the same rows again
-  stores the same bytes at every position;
-* ``"cmf"`` (the legacy scheme) freezes the column field once per conversation, at the start
-  of the first append that finds ``seq_len >= COL_WARMUP`` (64) and no column frozen yet: for
-  every head and quantised component holding rows, ``col[d] = max(sqrt(sum_p x[p, d]**2 / n),
-  1e-6)`` over the dequantised rows (float32, rows added in order), and every stored row is
-  requantised against it.  A rollback keeps the frozen column, so rows appended again after
-  rolling back across position 64 are stored differently.
+* ``"rows"`` (the default): K in 16-channel groups, and no column field is ever frozen:
+  ``r = x`` for every row, so a stored row depends on its own values only and rolling back
+  then appending the same rows again stores the same bytes at every position;
+* ``"cmf"`` (the legacy scheme): K in 32-channel groups, and the column field is frozen once
+  per conversation, at the start of the first append that finds ``seq_len >= COL_WARMUP`` (64)
+  and no column frozen yet: for every head and quantised component holding rows,
+  ``col[d] = max(sqrt(sum_p x[p, d]**2 / n), 1e-6)`` over the dequantised rows (float32, rows
+  added in order), and every stored row is requantised against it.  A rollback keeps the
+  frozen column, so rows appended again after rolling back across position 64 are stored
+  differently.
 
-Sizes.  :func:`k_scale_count`, :func:`k_row_bytes`, :func:`v_row_bytes` and
-:func:`q8_row_bytes` are the only place the byte size of a stored row is computed: the
-layer's ``memory_bytes``, the byte formats (:mod:`kvcache.wire`) and the device mirrors use
-them.  :data:`CHUNK_ROWS` is the number of rows the attention kernels accumulate per chunk
-(the compiled ``_core.CHUNK_ROWS`` must equal it), and :data:`COPY_CHUNK_BYTES` the bytes the
-byte formats copy (and hash) per step.
+Sizes.  :func:`k_group`, :func:`k_scale_count`, :func:`k_row_bytes`, :func:`v_row_bytes` and
+:func:`q8_row_bytes` are the only place the K group and the byte size of a stored row are
+computed: the layer (the width of its K scale store, the group it quantises with,
+``memory_bytes``), the states' checks, the byte formats (:mod:`kvcache.wire`, whose scheme byte
+decides the scale count, and the prefix-store entries) and the benchmarks' byte counts use
+them.  Every K size takes the scheme as a required argument (there is no default group), so a
+caller cannot size a K row for one scheme by omission.  :func:`k_group_of_scales` goes the other
+way, from the width of a K scale store to its group.  :data:`CHUNK_ROWS` is the number of rows
+the attention kernels accumulate per chunk (the compiled ``_core.CHUNK_ROWS`` must equal it),
+and :data:`COPY_CHUNK_BYTES` the bytes the byte formats copy (and hash) per step.
 """
 
 from __future__ import annotations
@@ -32,12 +39,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["COL_WARMUP", "K_GROUP", "COL_FLOOR", "CHUNK_ROWS", "COPY_CHUNK_BYTES", "n_groups",
-           "k_scale_count", "k_row_bytes", "v_row_bytes", "q8_row_bytes", "dequantize",
-           "column_field", "freeze_columns"]
+__all__ = ["COL_WARMUP", "K_GROUPS", "k_group", "k_group_of_scales", "COL_FLOOR", "CHUNK_ROWS",
+           "COPY_CHUNK_BYTES", "n_groups", "k_scale_count", "k_row_bytes", "v_row_bytes",
+           "q8_row_bytes", "dequantize", "column_field", "freeze_columns"]
 
 COL_WARMUP = 64
-K_GROUP = 32
+K_GROUPS: dict[str, int] = {"rows": 16, "cmf": 32}
+"""Channels per K scale group, by int8 scheme."""
 COL_FLOOR = np.float32(1e-6)
 CHUNK_ROWS = 256                 # rows per V-accumulation chunk of the attention kernels
 COPY_CHUNK_BYTES = 256 << 10     # bytes copied, then hashed while still in L2, per step
@@ -48,14 +56,40 @@ def n_groups(head_dim: int, group: int) -> int:
     return -(-head_dim // group)
 
 
-def k_scale_count(head_dim: int) -> int:
-    """Float32 scales per int8 K row: ceil(head_dim / K_GROUP)."""
-    return n_groups(head_dim, K_GROUP)
+def k_group(scheme: str) -> int:
+    """Channels per K scale group of int8 scheme ``scheme``: 16 ("rows") or 32 ("cmf").
+
+    ValueError for anything else (an F32 mode's empty scheme included: it stores no int8 K)."""
+    try:
+        return K_GROUPS[scheme]
+    except (KeyError, TypeError):
+        raise ValueError(f"int8 scheme must be one of {sorted(K_GROUPS)}, got {scheme!r}") \
+            from None
 
 
-def k_row_bytes(head_dim: int, q8: bool = True) -> int:
-    """Bytes of one stored K row: int8 values and their group scales, or float32 values."""
-    return head_dim + 4 * k_scale_count(head_dim) if q8 else 4 * head_dim
+def k_group_of_scales(head_dim: int, n_scales: int) -> int:
+    """The K group of a scale store holding ``n_scales`` float32 scales per row of ``head_dim``
+    channels: 16 when ``n_scales == ceil(head_dim / 16)``, else 32 when it is
+    ``ceil(head_dim / 32)`` (for head_dim <= 16 both groups cover the row with one scale and 16
+    is returned), ValueError otherwise."""
+    if n_scales == n_groups(head_dim, K_GROUPS["rows"]):
+        return K_GROUPS["rows"]
+    if n_scales == n_groups(head_dim, K_GROUPS["cmf"]):
+        return K_GROUPS["cmf"]
+    raise ValueError(f"{n_scales} K scales per row of {head_dim} channels match no int8 "
+                     f"scheme (expected {n_groups(head_dim, 16)} or {n_groups(head_dim, 32)})")
+
+
+def k_scale_count(head_dim: int, scheme: str) -> int:
+    """Float32 scales per int8 K row: ceil(head_dim / k_group(scheme))."""
+    return n_groups(head_dim, k_group(scheme))
+
+
+def k_row_bytes(head_dim: int, q8: bool = True, *, scheme: str) -> int:
+    """Bytes of one stored K row: int8 values and their group scales, or float32 values.
+
+    ``scheme`` is required; it is only read when ``q8`` (float32 rows are one size)."""
+    return head_dim + 4 * k_scale_count(head_dim, scheme) if q8 else 4 * head_dim
 
 
 def v_row_bytes(head_dim: int, q8: bool = True) -> int:
@@ -63,9 +97,9 @@ def v_row_bytes(head_dim: int, q8: bool = True) -> int:
     return head_dim + 4 if q8 else 4 * head_dim
 
 
-def q8_row_bytes(head_dim: int) -> int:
+def q8_row_bytes(head_dim: int, scheme: str) -> int:
     """Bytes of one position of one KV head stored as int8 K and V (rows and scales)."""
-    return k_row_bytes(head_dim) + v_row_bytes(head_dim)
+    return k_row_bytes(head_dim, scheme=scheme) + v_row_bytes(head_dim)
 
 
 def dequantize(q: npt.NDArray[np.int8], s: npt.NDArray[np.float32],

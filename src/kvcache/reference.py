@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._validate import FloatArrayLike
-from .quant import CHUNK_ROWS, K_GROUP
+from .quant import CHUNK_ROWS, k_group
 
 if TYPE_CHECKING:
     from .layer import LayerKvCache
@@ -759,12 +759,14 @@ def q8_storage(k: FloatArrayLike, v: FloatArrayLike, alive: npt.ArrayLike | None
     (n, nkv, hd) appended in order (``alive`` (n, nkv) bool, None for all alive), by the words
     of docs/numerics.md, "int8 storage", position by position in NumPy.
 
-    Returns per-head lists: ``kq``/``ks`` (rows, hd) int8 / (rows, ceil(hd/32)) float32 when
-    ``quant_k``, ``vq``/``vs`` (rows, hd) / (rows,) when ``quant_v``, and ``kcol``/``vcol``,
+    Returns per-head lists: ``kq``/``ks`` (rows, hd) int8 / (rows, ceil(hd/group)) float32 when
+    ``quant_k`` (group = the scheme's K group, :func:`kvcache.quant.k_group`: 16 for "rows",
+    32 for "cmf"), ``vq``/``vs`` (rows, hd) / (rows,) when ``quant_v``, and ``kcol``/``vcol``,
     each head's frozen column field (hd,) or None.
 
-    "rows": each row by itself (:func:`quantize_rows`, no column), so nothing depends on what
-    else is stored.  "cmf": the same until position 64; the append of a position that finds
+    "rows": each row by itself (:func:`quantize_rows`, no column; K in 16-channel groups, a
+    partial last group when hd is not a multiple of 16), so nothing depends on what else is
+    stored.  "cmf": the same until position 64; the append of a position that finds
     64 or more stored positions and no column frozen first freezes, for every head and int8
     component holding rows, ``col = max(sqrt(mean of squares of the dequantised rows), 1e-6)``
     (float32, rows summed in order) and requantises those rows over it; later rows are
@@ -776,7 +778,7 @@ def q8_storage(k: FloatArrayLike, v: FloatArrayLike, alive: npt.ArrayLike | None
     n, nkv, hd = ka.shape
     live = np.ones((n, nkv), bool) if alive is None else np.asarray(alive, dtype=bool)
     comps = [(name, x, group) for name, x, group, on in
-             (("k", ka, K_GROUP, quant_k), ("v", va, hd, quant_v)) if on]
+             (("k", ka, k_group(scheme), quant_k), ("v", va, hd, quant_v)) if on]
     codes: dict[str, list[list[npt.NDArray[np.int8]]]] = {c: [[] for _ in range(nkv)] for c, _, _ in comps}
     scales: dict[str, list[list[npt.NDArray[np.float32]]]] = {c: [[] for _ in range(nkv)] for c, _, _ in comps}
     cols: dict[str, list[npt.NDArray[np.float32] | None]] = {c: [None] * nkv for c, _, _ in comps}

@@ -17,7 +17,6 @@ from typing import Any, Optional
 import numpy as np
 import numpy.typing as npt
 
-from . import quant
 from ._generation import Generation
 from ._slots import (F32 as _F32, KvAllocId, SlotCache, as_slab as _as_slab,
                      at_least_one as _at_least_one, cast_slabs as _cast_slabs,
@@ -261,9 +260,9 @@ class StaticKvCache(SlotCache):
         out = np.empty((nh, hd) if single else (n, nh, hd), dtype=_F32)
         if n == 0:
             return out
-        # the (1, nkv, max_seq_len, hd) storage is already the kernel's head-major layout
-        rows = Rows.float32(k_store[0], v_store[0], np.full(nkv, L, dtype=np.intp),
-                            quant.n_groups(hd, quant.K_GROUP))
+        # the (1, nkv, max_seq_len, hd) storage is already the kernel's head-major layout; K is
+        # float32, so the (empty) K scale store is never read: one scale column
+        rows = Rows.float32(k_store[0], v_store[0], np.full(nkv, L, dtype=np.intp), 1)
         # a prompt block (n > 1) takes the blocked kernel, one position the decode kernel
         run = attend_prefill if n > 1 else attend_blocks
         run(kernels, rows, q3, out.reshape(n, nh, hd), maxlen=L, window=window, scale=scale,

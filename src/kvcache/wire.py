@@ -78,7 +78,8 @@ Layer body (kind 1; also each layer of a model body)::
     f32 x n_linear_state, pad8
     f32 x n_linear_scratch, pad8
     per head h: keys   float: f32|f16 x head_len*D, pad8
-                       int8:  i8 x head_len*D, pad8, f32 x head_len*ceil(D/32) scales, pad8
+                       int8:  i8 x head_len*D, pad8, f32 x head_len*ceil(D/g) scales, pad8
+                              (g: the K group of the scheme, 16 "rows", 32 "cmf")
                 values float: f32|f16 x head_len*D, pad8
                        int8:  i8 x head_len*D, pad8, f32 x head_len scales, pad8
     o1 collecting:  u32 m, u32 w, u32 sink, u32 rect (0 aggregate, 1 fm), u64 trace floats T,
@@ -103,7 +104,9 @@ above; a layer without an int8 component writes 0 there, one with int8 rows 1 ("
 ("cmf"), and any other combination is refused.  Version 1 (kvcache before the scheme existed)
 had zeros in those bytes (a u32 reserved field in the layer body, a u8 reserved field in the
 model body) and knew only the column-freeze scheme: a reader takes a version-1 buffer as it
-was written, its int8 rows in scheme "cmf".  A writer always writes version 2.
+was written, its int8 rows in scheme "cmf".  A writer always writes version 2.  The scheme
+byte also decides how many K scales a stored int8 row has (``ceil(D / 16)`` for "rows",
+``ceil(D / 32)`` for "cmf" and every version-1 buffer).
 
 Import verifies, in order: the minimum length, the magic, the version, the total length field
 against the buffer (truncated / trailing bytes), the flags, the digest algorithm, the digest,
@@ -663,7 +666,7 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     lin = _f32(rd.array(_F32, n_lin, "linear_state"), (n_lin,))
     scr = _f32(rd.array(_F32, n_scr, "linear_scratch"), (n_scr,))
     rows_dtype = _F16 if f16 else _F32
-    ngk = quant.k_scale_count(hd)
+    ngk = quant.k_scale_count(hd, mode.scheme) if qk else 0   # the scheme byte decides
     # the rows must be present before storage for them is allocated (a crafted header must
     # not make us allocate what the buffer does not hold)
     need = 0
@@ -674,7 +677,8 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
         raise WireError(f"{rd.what}: truncated: the head lengths {lens.tolist()} need {need} bytes "
                         f"of rows, {rd.end - rd.pos} left")
     cap = int(lens.max(initial=0))
-    store_bytes = nkv * cap * (quant.k_row_bytes(hd, bool(qk)) + quant.v_row_bytes(hd, bool(qv)))
+    store_bytes = nkv * cap * (quant.k_row_bytes(hd, bool(qk), scheme=mode.scheme)
+                               + quant.v_row_bytes(hd, bool(qv)))
     if store_bytes > budget:
         raise WireError(f"{rd.what}: {nkv} heads of up to {cap} rows would need {store_bytes} bytes "
                         f"of storage, more than {_ALLOC_FACTOR}x the buffer; refused")

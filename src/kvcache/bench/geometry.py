@@ -36,7 +36,7 @@ class Geometry:
         """Bytes of K and V rows (and q8 scales) one decode step reads at ``context`` rows."""
         mode = make_mode(mode_name)
         hd = self.head_dim
-        return self.num_kv_heads * context * (quant.k_row_bytes(hd, mode.quant_k)
+        return self.num_kv_heads * context * (quant.k_row_bytes(hd, mode.quant_k, scheme=mode.scheme)
                                               + quant.v_row_bytes(hd, mode.quant_v))
 
 

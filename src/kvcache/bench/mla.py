@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _core, quant, reference
+from ..modes import DEFAULT_SCHEME
 from .geometry import F32, MiB, layer_count
 from .tables import (
     Row, above_bandwidth, bandwidth_footnotes, context_label, fmt, fmt_ratio, pct_bandwidth_cell,
@@ -60,12 +61,13 @@ def mla_scale() -> float:
 def mla_cache_bytes_per_token() -> dict[str, float]:
     """Cache bytes per token per layer: the MLA latent (slot 0 + slot 1) against a per-head
     cache of the same attention (K of width qk_nope + qk_rope, V of width v_head_dim per head),
-    f32 and in kvcache's q8 layout (K: int8 + a float scale per 32 values, V: int8 + one scale
-    per row)."""
+    f32 and in kvcache's default q8 layout (scheme "rows": K int8 + a float scale per 16
+    values, V int8 + one scale per row)."""
     k, v = MLA_NOPE + MLA_ROPE, MLA_V
     out: dict[str, float] = {"latent": MLA_ROW_BYTES,
                              "per_head_f32": MLA_HEADS * (k + v) * 4,
-                             "per_head_q8": MLA_HEADS * (quant.k_row_bytes(k) + quant.v_row_bytes(v))}
+                             "per_head_q8": MLA_HEADS * (quant.k_row_bytes(k, scheme=DEFAULT_SCHEME)
+                                                       + quant.v_row_bytes(v))}
     out["ratio_f32"] = out["per_head_f32"] / out["latent"]
     out["ratio_q8"] = out["per_head_q8"] / out["latent"]
     return out

@@ -36,7 +36,8 @@ Payload, per layer l = 0 .. n_layers-1, each array pad8::
         f32 x G*D    kcol (ones where not frozen)
         f32 x G*D    vcol
     keys    f32: f32 x G*B*D  (head-major: head h's B rows, then head h+1's)
-            int8: i8 x G*B*D, then f32 x G*B*ceil(D/32) scales
+            int8: i8 x G*B*D, then f32 x G*B*ceil(D/g) scales (g: the scheme's K group,
+                  16 "rows", 32 "cmf")
     values  f32: f32 x G*B*D
             int8: i8 x G*B*D, then f32 x G*B scales
     f32 x B  importance of the block's positions
@@ -121,7 +122,7 @@ def layer_fields(geom: Geometry) -> tuple[tuple[Field, ...], int]:
         specs += [("kcol_on", _U8, (g,)), ("vcol_on", _U8, (g,)), ("kcol", _F32, (g, d)),
                   ("vcol", _F32, (g, d))]
     if geom.mode.quant_k:
-        specs += [("kq", _I8, (g, b, d)), ("ks", _F32, (g, b, quant.k_scale_count(d)))]
+        specs += [("kq", _I8, (g, b, d)), ("ks", _F32, (g, b, quant.k_scale_count(d, geom.mode.scheme)))]
     else:
         specs += [("kf", _F32, (g, b, d))]
     if geom.mode.quant_v:
