@@ -746,11 +746,12 @@ def test_fresh_bytes_writer_keeps_its_bytes_alive():
 
 
 GOLDEN_PINNED = {  # sha256 of deterministic buffers: pins every section's layout (and the digest)
-    "q8": "f1cb6fe8a31586c61b9c7f931ff0fbf4cfb7cb419a6fc1a46ced08d20a72e21e",
-    "q8_rows": "7346e34111930d95b58c3fce1a9e64e1984b631033818ae89ec5445f9b28578b",
+    # (q8, q8_rows and model re-taken when q8 importance came from integer scoring)
+    "q8": "9599d8a6bbd6e2f889221bb7683492655dcb3bc05d533a4c5158e3a5e5a1d923",
+    "q8_rows": "54acc853416170fed2c2ce6b99b297859f6e5b502687f712cdcef83241b34473",
     "collecting": "bd2b54be01eb8150442b672943db1912cbf281a05a5c53992da963b6410716b8",
     "sealed": "f43b55bc65f8640e13652e6142a724be5b18591b877b92e67c6bfd95cc934b14",
-    "model": "13d49461cb9008ccfa1f4e1b44bac75274aaa4f9b42f6a28e802604347bbb74b",
+    "model": "6848b3f6d5b7a57ce4b9d903c221ec9e0bce2fdbf529ce946a092efec0d759a2",
 }
 GOLDEN_PINNED_V1 = {  # the same buffers as format version 1 wrote them (before the scheme byte);
     # the q8 and model buffers carry importance from q8 scoring, re-taken with integer scoring
