@@ -8,6 +8,7 @@ import logging
 import numpy as np
 import pytest
 
+import kvcache as kc
 from kvcache import LayerKvCache
 from kvcache import reference as R
 from kvcache.bench.geometry import Geometry
@@ -293,3 +294,25 @@ def test_runner_bound_and_params() -> None:
         Runner.random(o1_params=(16, 64, 4, 8, 1e-3, 1))
     with pytest.raises(ValueError, match="ridge"):
         Runner.random(o1_params=(16, 64, 4, 8, 0.0))
+
+
+def test_a_collecting_layer_with_keep_or_ridge_is_refused_by_the_byte_format():
+    """Format version 2 carries only the default seal options of a collecting layer: other
+    keep/ridge values are refused in one line (the layer unchanged, still collecting), and
+    once sealed the layer round-trips."""
+    rng = np.random.default_rng(3)
+    c = kc.LayerKvCache(2, 16)
+    c.append(rng.standard_normal((60, 2, 16), dtype=np.float32),
+             rng.standard_normal((60, 2, 16), dtype=np.float32))
+    c.o1_begin(8, 16, 2, keep=4, ridge=1e-3)
+    for _ in range(60):
+        c.o1_push_q(rng.standard_normal((4, 16), dtype=np.float32))
+    with pytest.raises(ValueError, match="keep=4, ridge=0.001"):
+        c.to_bytes()
+    assert not c.o1_sealed() and c.seq_len == 60
+    assert c.o1_seal(4)
+    d = kc.LayerKvCache(2, 16)
+    d.from_bytes(c.to_bytes())
+    q = rng.standard_normal((4, 16), dtype=np.float32)
+    k, v = rng.standard_normal((2, 2, 16), dtype=np.float32)
+    assert np.array_equal(c.o1_step(q, k, v, 4), d.o1_step(q, k, v, 4))

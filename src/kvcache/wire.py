@@ -83,7 +83,8 @@ Layer body (kind 1; also each layer of a model body)::
                 values float: f32|f16 x head_len*D, pad8
                        int8:  i8 x head_len*D, pad8, f32 x head_len scales, pad8
     o1 collecting:  u32 m, u32 w, u32 sink, u32 rect (0 aggregate, 1 fm), u64 trace floats T,
-                    f32 x T trace, pad8
+                    f32 x T trace, pad8 (only with the seal's default keep=0 and ridge; a
+                    layer collecting with other values is refused: seal it first)
     o1 sealed:      u32 num_heads H, u32 m, u32 w, u32 sink, u32 rect, u32 exact_only,
                     u32 m_eff M, u32 sink_len S, u64 window rows R (w, or win_len when
                     exact-only), u64 win_len, u64 win_head, u64 far_len, then f32 arrays, each
@@ -134,7 +135,7 @@ from . import _core, quant
 from ._state import LayerState, scheme_conflict
 from .eviction import EvictionPolicy
 from .modes import KvMode
-from .o1 import EXACT_EXTRA, O1Collecting, O1Rect, O1Sealed
+from .o1 import EXACT_EXTRA, RIDGE, O1Collecting, O1Rect, O1Sealed
 
 if TYPE_CHECKING:
     from .layer import LayerKvCache
@@ -563,6 +564,11 @@ def state_plan(st: LayerState, f16: bool = False) -> _Plan:
         else:
             plan.array(stores["vf"][h, :n], rows_dtype)
     if isinstance(o1, O1Collecting):
+        if o1.keep != 0 or o1.ridge != RIDGE:
+            raise ValueError(f"to_bytes: this layer collects for an O(1) seal with keep="
+                             f"{o1.keep}, ridge={o1.ridge:g}, which format version {VERSION} "
+                             f"cannot carry (only the defaults keep=0, ridge={RIDGE:g}); seal "
+                             f"it first (a sealed state carries everything)")
         trace = o1.trace
         plan.pack("IIIIQ", o1.m, o1.w, o1.sink, int(o1.rect is O1Rect.FM), trace.size)
         plan.array(trace, _F32)
