@@ -2,11 +2,11 @@
 
 Two int8 schemes (:data:`SCHEMES`):
 
-* ``"rows"`` (the default): every K row in groups of 32 channels with one float32 scale per
+* ``"rows"`` (the default): every K row in groups of 16 channels with one float32 scale per
   group, every V row with one scale; nothing depends on how many rows existed when, so a row's
   bytes depend only on its own values and rollback/replay is exact at every position;
-* ``"cmf"`` (the legacy scheme, what kvcache stored before the choice existed): the same row
-  scales over a per-channel column field frozen once 64 positions are held
+* ``"cmf"`` (the legacy scheme, what kvcache stored before the choice existed): K in groups of
+  32 channels over a per-channel column field frozen once 64 positions are held
   (:mod:`kvcache.quant`).
 
 Names (``parse``, ``from_env``, the CLI): "f32" ("float32"), "q8", "q8k", "q8v" (scheme
