@@ -78,14 +78,6 @@ def test_no_k_size_has_a_default_scheme():
         quant.k_row_bytes(64, True, scheme="")
 
 
-@pytest.mark.parametrize("hd", HEAD_DIMS + [33])
-def test_the_group_of_a_scale_store(hd):
-    assert quant.k_group_of_scales(hd, math.ceil(hd / 32)) == (16 if hd <= 16 else 32)
-    assert quant.k_group_of_scales(hd, math.ceil(hd / 16)) == 16
-    with pytest.raises(ValueError, match="match no int8 scheme"):
-        quant.k_group_of_scales(hd, math.ceil(hd / 16) + 1)
-
-
 # ------------------------------------------------------------------------------ layer storage
 @pytest.mark.parametrize("mode", K_MODES, ids=K_IDS)
 @pytest.mark.parametrize("hd", HEAD_DIMS)

@@ -26,8 +26,9 @@ computed: the layer (the width of its K scale store, the group it quantises with
 ``memory_bytes``), the states' checks, the byte formats (:mod:`kvcache.wire`, whose scheme byte
 decides the scale count, and the prefix-store entries) and the benchmarks' byte counts use
 them.  Every K size takes the scheme as a required argument (there is no default group), so a
-caller cannot size a K row for one scheme by omission.  :func:`k_group_of_scales` goes the other
-way, from the width of a K scale store to its group.  :data:`CHUNK_ROWS` is the number of rows
+caller cannot size a K row for one scheme by omission.  (The kernels read the group back from
+the width of a K scale store; that rule lives with them, ``_core._k_group`` and its twin
+``reference.k_group_of``.)  :data:`CHUNK_ROWS` is the number of rows
 the attention kernels accumulate per chunk (the compiled ``_core.CHUNK_ROWS`` must equal it),
 and :data:`COPY_CHUNK_BYTES` the bytes the byte formats copy (and hash) per step.
 """
@@ -39,7 +40,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["COL_WARMUP", "K_GROUPS", "k_group", "k_group_of_scales", "COL_FLOOR", "CHUNK_ROWS",
+__all__ = ["COL_WARMUP", "K_GROUPS", "k_group", "COL_FLOOR", "CHUNK_ROWS",
            "COPY_CHUNK_BYTES", "n_groups", "k_scale_count", "k_row_bytes", "v_row_bytes",
            "q8_row_bytes", "dequantize", "column_field", "freeze_columns"]
 
@@ -65,19 +66,6 @@ def k_group(scheme: str) -> int:
     except (KeyError, TypeError):
         raise ValueError(f"int8 scheme must be one of {sorted(K_GROUPS)}, got {scheme!r}") \
             from None
-
-
-def k_group_of_scales(head_dim: int, n_scales: int) -> int:
-    """The K group of a scale store holding ``n_scales`` float32 scales per row of ``head_dim``
-    channels: 16 when ``n_scales == ceil(head_dim / 16)``, else 32 when it is
-    ``ceil(head_dim / 32)`` (for head_dim <= 16 both groups cover the row with one scale and 16
-    is returned), ValueError otherwise."""
-    if n_scales == n_groups(head_dim, K_GROUPS["rows"]):
-        return K_GROUPS["rows"]
-    if n_scales == n_groups(head_dim, K_GROUPS["cmf"]):
-        return K_GROUPS["cmf"]
-    raise ValueError(f"{n_scales} K scales per row of {head_dim} channels match no int8 "
-                     f"scheme (expected {n_groups(head_dim, 16)} or {n_groups(head_dim, 32)})")
 
 
 def k_scale_count(head_dim: int, scheme: str) -> int:
