@@ -413,6 +413,27 @@ cdef inline Py_ssize_t _visible(Py_ssize_t stored, Py_ssize_t n_back, Py_ssize_t
     return e
 
 
+cdef int _query_codes(const float *qp, Py_ssize_t nq, Py_ssize_t hd, Py_ssize_t kgroup,
+                      int n_threads, bint par, int8_t **q_i8, float **q_sc,
+                      int32_t **q_sum) except -1:
+    """The int8 codes of nq contiguous queries for integer scoring (docs/numerics.md, "q8
+    scoring"): allocates *q_i8 (nq x KVC_I8_PAD(hd)), *q_sc and *q_sum (nq x groups), which the
+    caller frees (also after a MemoryError here), and quantises query j into row j."""
+    cdef Py_ssize_t j, hdp = KVC_I8_PAD(hd), ngq = KVC_I8_GROUPS(hd, kgroup)
+    q_i8[0] = <int8_t *> malloc(nq * hdp)
+    q_sc[0] = <float *> malloc(nq * ngq * sizeof(float))
+    q_sum[0] = <int32_t *> malloc(nq * ngq * sizeof(int32_t))
+    if q_i8[0] == NULL or q_sc[0] == NULL or q_sum[0] == NULL:
+        raise MemoryError()
+    cdef int8_t *qi = q_i8[0]
+    cdef float *sq = q_sc[0]
+    cdef int32_t *qs = q_sum[0]
+    for j in prange(nq, nogil=True, num_threads=n_threads, schedule="static",
+                    use_threads_if=par):
+        kvc_quant_query(qp + j * hd, hd, kgroup, qi + j * hdp, sq + j * ngq, qs + j * ngq)
+    return 0
+
+
 def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
                 const float[:, :, ::1] ks__hcg,
                 const float[:, :, ::1] vf__hcd, const int8_t[:, :, ::1] vq__hcd,
@@ -540,16 +561,8 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
         par = work > _PAR_WORK
         ngk = ks__hcg.shape[2]
         if quant_k:
-            # the queries' int8 codes for integer scoring (docs/numerics.md, "q8 scoring")
-            q_i8 = <int8_t *> malloc(nq * hdp)
-            q_sc = <float *> malloc(nq * ngq * sizeof(float))
-            q_sum = <int32_t *> malloc(nq * ngq * sizeof(int32_t))
-            if q_i8 == NULL or q_sc == NULL or q_sum == NULL:
-                raise MemoryError()
-            for j in prange(nq, nogil=True, num_threads=n_threads, schedule="static",
-                            use_threads_if=par and nq * hd > _PAR_WORK):
-                kvc_quant_query(&q__jd[j, 0], hd, kgroup, q_i8 + j * hdp, q_sc + j * ngq,
-                                q_sum + j * ngq)
+            _query_codes(&q__jd[0, 0], nq, hd, kgroup, n_threads, par and nq * hd > _PAR_WORK,
+                         &q_i8, &q_sc, &q_sum)
 
         # ---- groups are processed in batches whose probabilities (batch queries x L floats)
         # stay in the core's L2 between the score, softmax, value and importance passes
@@ -1177,16 +1190,8 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
         hdp = KVC_I8_PAD(hd)
         ngq = KVC_I8_GROUPS(hd, kgroup)
         if quant_k:
-            # the queries' int8 codes for integer scoring (docs/numerics.md, "q8 scoring")
-            q_i8 = <int8_t *> malloc(nq * hdp)
-            q_sc = <float *> malloc(nq * ngq * sizeof(float))
-            q_sum = <int32_t *> malloc(nq * ngq * sizeof(int32_t))
-            if q_i8 == NULL or q_sc == NULL or q_sum == NULL:
-                raise MemoryError()
-            for j in prange(nq, nogil=True, num_threads=n_threads, schedule="static",
-                            use_threads_if=par and nq * hd > _PAR_WORK):
-                kvc_quant_query(qp + j * hd, hd, kgroup, q_i8 + j * hdp, q_sc + j * ngq,
-                                q_sum + j * ngq)
+            _query_codes(qp, nq, hd, kgroup, n_threads, par and nq * hd > _PAR_WORK,
+                         &q_i8, &q_sc, &q_sum)
         if quant_k:
             kqp = &kq__hcd[0, 0, 0] if kcap > 0 else NULL
             ksp = &ks__hcg[0, 0, 0] if kcap > 0 else NULL
