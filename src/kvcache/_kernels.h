@@ -396,6 +396,26 @@ KVC_INLINE void kvc_row_block(const float *f, ptrdiff_t p, ptrdiff_t p1, ptrdiff
         rows[r] = f + (p + r) * hd;
 }
 
+/* The last step of every score pass, float32 or int8 keys alike: each raw score of rows
+ * [p0, p1) that query j sees (its range [qf[j], qe[j])) times `scale`, then the softcap
+ * cap * tanh(s / cap) on finite scores when cap > 0. */
+KVC_INLINE void kvc_scale_scores(ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
+                                 ptrdiff_t p0, ptrdiff_t p1, float scale, float softcap,
+                                 float *probs, ptrdiff_t L)
+{
+    ptrdiff_t j, p;
+    for (j = 0; j < nq; ++j) {
+        ptrdiff_t lo = p0 > qf[j] ? p0 : qf[j], hi = p1 < qe[j] ? p1 : qe[j];
+        float *s = probs + j * L;
+        for (p = lo; p < hi; ++p) {
+            float v = s[p] * scale;
+            if (softcap > 0.0f && isfinite(v))
+                v = softcap * tanhf(v / softcap);
+            s[p] = v;
+        }
+    }
+}
+
 /* Scores of one task with float32 keys (int8 keys: kvc_task_scores_i8). */
 KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                                      const ptrdiff_t *qe, const float *kf, ptrdiff_t p0,
@@ -430,16 +450,7 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
             }
         }
     }
-    for (j = 0; j < nq; ++j) {
-        ptrdiff_t lo = p0 > qf[j] ? p0 : qf[j], hi = p1 < qe[j] ? p1 : qe[j];
-        float *s = probs + j * L;
-        for (p = lo; p < hi; ++p) {
-            float v = s[p] * scale;
-            if (softcap > 0.0f && isfinite(v))
-                v = softcap * tanhf(v / softcap);
-            s[p] = v;
-        }
-    }
+    kvc_scale_scores(nq, qf, qe, p0, p1, scale, softcap, probs, L);
 }
 
 /* The value pass scheduled the other way round, for int8 V rows (whose four 32-channel
@@ -803,7 +814,7 @@ static void kvc_task_scores_i8(int isa, ptrdiff_t group, const int8_t *qi, const
                                float softcap, float *probs, ptrdiff_t L)
 {
     const ptrdiff_t hdp = KVC_I8_PAD(hd), ng = KVC_I8_GROUPS(hd, group);
-    ptrdiff_t b0, j, p;
+    ptrdiff_t b0, j;
     for (b0 = p0; b0 < p1; b0 += KVC_I8_BLOCK) {
         ptrdiff_t b1 = p1 - b0 < KVC_I8_BLOCK ? p1 : b0 + KVC_I8_BLOCK;
         for (j = 0; j < nq; ++j) {
@@ -813,16 +824,7 @@ static void kvc_task_scores_i8(int isa, ptrdiff_t group, const int8_t *qi, const
                                 ks + lo * ks_stride, ks_stride, hd, hi - lo, probs + j * L + lo);
         }
     }
-    for (j = 0; j < nq; ++j) {
-        ptrdiff_t lo = p0 > qf[j] ? p0 : qf[j], hi = p1 < qe[j] ? p1 : qe[j];
-        float *s = probs + j * L;
-        for (p = lo; p < hi; ++p) {
-            float v = s[p] * scale;
-            if (softcap > 0.0f && isfinite(v))
-                v = softcap * tanhf(v / softcap);
-            s[p] = v;
-        }
-    }
+    kvc_scale_scores(nq, qf, qe, p0, p1, scale, softcap, probs, L);
 }
 
 /* ---------------------------------------------------------------------------------------
