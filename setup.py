@@ -5,13 +5,17 @@ wraparound checks back on (for a test run).  OpenMP is probed with a tiny test p
 compiler cannot build it the extension is compiled serially and a warning is printed, so an
 install never fails for lack of OpenMP.
 
-Instruction sets (docs/numerics.md, "Dispatch"): on x86-64 the extension is compiled for the
-AVX2 + FMA baseline (``-mavx2 -mfma``, probed), and the kernels that gain from newer
-instructions (AVX-VNNI, AVX-512 VNNI) carry extra bodies chosen at run time, so one build runs
-on every AVX2 machine at its best speed.  When the compiler cannot build the VNNI bodies, it is
-built without them (``KVC_NO_VNNI``).  Other compilers or CPUs get the portable C.
+Instruction sets (docs/numerics.md, "Dispatch"): the extension is compiled for the baseline of
+the target (plain x86-64 on x86), so it imports and runs on any CPU of the family.  The kernels
+are compiled a second time in their own translation unit, ``_body_avx2.c``, under ``#pragma GCC
+target("avx2,fma")`` with the AVX-VNNI and AVX-512 bodies under per-function target attributes;
+_core runs a body of that unit only where the CPU reports every feature the body needs.  When
+the compiler cannot build that unit it is left empty (``KVC_NO_SIMD``), and when it cannot
+build the VNNI intrinsics those bodies are left out (``KVC_NO_VNNI``).
 ``KVCACHE_NATIVE=1`` adds ``-march=native`` (a build for this machine only; not needed for
-speed).  ``KVCACHE_NO_SIMD=1`` builds the portable C on any machine (for tests).
+speed).  ``KVCACHE_NO_SIMD=1`` builds the portable C alone (for tests).
+Floating-point contraction is off (``-ffp-contract=off``): every fused multiply-add in the
+kernels is written out, so each body computes the bits of the portable twin.
 """
 
 import os
@@ -29,6 +33,22 @@ DEBUG = os.environ.get("KVCACHE_CYTHON_DEBUG", "0") not in ("", "0")
 NATIVE = os.environ.get("KVCACHE_NATIVE", "0") not in ("", "0")
 NO_SIMD = os.environ.get("KVCACHE_NO_SIMD", "0") not in ("", "0")
 
+# the SIMD unit: #pragma GCC target and the AVX2/FMA intrinsics, without -m flags
+SIMD_PROBE = """
+    #include <immintrin.h>
+    #pragma GCC push_options
+    #pragma GCC target("avx2,fma")
+    static float f(const float *p)
+    { __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p), _mm256_setzero_ps());
+      return _mm_cvtss_f32(_mm256_castps256_ps128(v)); }
+    #pragma GCC pop_options
+    int main(void) {
+        float x[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") ? (int)f(x) - 1 : 0;
+    }
+"""
+
 # the VNNI bodies: the target attributes and intrinsics _isa.h uses
 VNNI_PROBE = """
     #include <immintrin.h>
@@ -36,11 +56,14 @@ VNNI_PROBE = """
     { return _mm256_dpbusd_avx_epi32(x, x, y); }
     __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
     static __m256i b(__m256i x, __m256i y) { return _mm256_dpbusd_epi32(x, x, y); }
-    int main(void) {
-        __builtin_cpu_init();
+    __attribute__((target("avx2"))) static int c(void) {
         volatile int s = __builtin_cpu_supports("avxvnni") + __builtin_cpu_supports("avx512vnni");
         __m256i z = _mm256_set1_epi32(s);
         return _mm256_extract_epi32(a(z, z), 0) + _mm256_extract_epi32(b(z, z), 0) == 12345;
+    }
+    int main(void) {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") ? c() : 0;
     }
 """
 
@@ -70,7 +93,7 @@ def _compiles(compiler, code, extra_compile, extra_link):
 
 
 class BuildExt(build_ext):
-    """build_ext that probes OpenMP and the x86-64 AVX2/FMA baseline before compiling."""
+    """build_ext that probes OpenMP and the x86-64 SIMD unit before compiling."""
 
     def build_extensions(self):
         compile_args = ["-O3", "-std=gnu11"]
@@ -80,16 +103,14 @@ class BuildExt(build_ext):
             omp_c, omp_l = ["/openmp"], []
         else:
             omp_c, omp_l = ["-fopenmp"], ["-fopenmp"]
-            simd = ["-mavx2", "-mfma"]
-            if NO_SIMD:
-                self.extensions[0].define_macros.append(("KVC_NO_SIMD", "1"))
-            elif _compiles(self.compiler, "int main(void){return 0;}\n", simd, []):
-                compile_args += simd
-                if not _compiles(self.compiler, VNNI_PROBE, simd, []):
-                    self.extensions[0].define_macros.append(("KVC_NO_VNNI", "1"))
+            macros = self.extensions[0].define_macros
+            if NO_SIMD or not _compiles(self.compiler, SIMD_PROBE, [], []):
+                macros.append(("KVC_NO_SIMD", "1"))
+            elif not _compiles(self.compiler, VNNI_PROBE, [], []):
+                macros.append(("KVC_NO_VNNI", "1"))
             if NATIVE and _compiles(self.compiler, "int main(void){return 0;}\n", ["-march=native"], []):
                 compile_args += ["-march=native"]
-            compile_args += ["-fno-math-errno", "-fno-trapping-math"]
+            compile_args += ["-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
         omp_probe = """
             #include <omp.h>
             int main(void) {
@@ -118,10 +139,11 @@ class BuildExt(build_ext):
 extensions = [
     Extension(
         "kvcache._core",
-        ["src/kvcache/_core.pyx"],
+        ["src/kvcache/_core.pyx", "src/kvcache/_body_portable.c", "src/kvcache/_body_avx2.c"],
         include_dirs=["src/kvcache"],
         depends=["src/kvcache/_kernels.h", "src/kvcache/_mla.h", "src/kvcache/_prefill.h",
-                 "src/kvcache/_isa.h", "src/kvcache/_i8dot.h",
+                 "src/kvcache/_isa.h", "src/kvcache/_i8dot.h", "src/kvcache/_sizes.h",
+                 "src/kvcache/_dispatch.h", "src/kvcache/_body.h",
                  "src/kvcache/_openmp.pxd"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )

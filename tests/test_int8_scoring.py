@@ -21,27 +21,24 @@ import pytest
 
 import kvcache
 from kvcache import KvMode, LayerKvCache, _core
+from kvcache import _dispatch as dispatch
 from kvcache import reference as R
 
-LEVELS = ["avx2", "avxvnni", "avx512"]
-RANK = {"portable": 0, "avx2": 1, "avxvnni": 2, "avx512": 3}
-
-
 def runnable_levels() -> list[str]:
-    """Every level at most the detected one (what set_isa accepts here)."""
-    det = RANK[_core.isa_detected()]
-    return [name for name in LEVELS if RANK[name] <= det]
+    """Every body name whose needed features this CPU reports and that some family of this
+    build holds, portable included: what set_isa accepts here (features as sets, no ladder)."""
+    held = set().union(*_core.built_bodies().values())
+    return [b for b in dispatch.runnable(_core.cpu_features()) if b in held]
 
 
 @pytest.fixture
 def each_level():
-    """Yield the runnable levels, restoring the level in use afterwards."""
-    before = _core.isa()
+    """Yield the runnable bodies, restoring the limit in force afterwards."""
+    before = _core._isa_cap
     try:
         yield runnable_levels()
     finally:
-        if before in RANK and before != "portable":
-            _core.set_isa(before)
+        _core.set_isa(before)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -277,7 +274,7 @@ def test_the_real_vnni_bodies_run_where_the_cpu_has_them(tmp_path):
                             "-lm"], check=True, capture_output=True)
     ref = subprocess.run([str(port), "0"], check=True, capture_output=True, text=True).stdout
     for name in runnable_levels():
-        got = subprocess.run([str(exe), str(RANK[name])], check=True, capture_output=True,
+        got = subprocess.run([str(exe), str(dispatch.BODIES.index(name))], check=True, capture_output=True,
                              text=True).stdout
         assert got == ref, name
 
@@ -285,36 +282,67 @@ def test_the_real_vnni_bodies_run_where_the_cpu_has_them(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # dispatch: set_isa, KVCACHE_ISA, show_config
 
-def test_set_isa_refuses_unknown_and_unavailable_levels(each_level):
-    det = _core.isa_detected()
-    assert _core.isa() in RANK
-    with pytest.raises(ValueError, match="expected one of"):
-        _core.set_isa("sse2")
-    with pytest.raises(ValueError, match="expected one of"):
-        _core.set_isa("portable")          # compile-time only
-    for name in LEVELS:
-        if RANK[name] > RANK[det]:
-            with pytest.raises(ValueError, match="above what this CPU"):
+def test_set_isa_refuses_unknown_and_unrunnable_bodies(each_level):
+    have = _core.cpu_features()
+    assert _core.isa() in dispatch.BODIES
+    for bad in ("sse2", "", 3, b"avx2"):
+        before = _core.bodies()
+        with pytest.raises(ValueError, match="expected one of"):
+            _core.set_isa(bad)
+        assert _core.bodies() == before
+    for name in dispatch.BODIES:
+        before = _core.bodies()
+        if not _core.body_needs(name) <= have:
+            with pytest.raises(ValueError, match="does not report"):
                 _core.set_isa(name)
+            assert _core.bodies() == before            # nothing changed
         else:
             _core.set_isa(name)
             assert _core.isa() == name
+            for fam, body in _core.bodies().items():  # never beyond the limit or the CPU
+                assert _core.body_needs(body) <= _core.body_needs(name) & have, (name, fam)
+    _core.set_isa("portable")
+    assert set(_core.bodies().values()) == {"portable"}
 
 
-@pytest.mark.parametrize("value", ["avx2", "avxvnni", "avx512", "bogus", ""])
+def test_set_bodies_is_all_or_nothing(each_level):
+    before = _core.bodies()
+    lacking = [b for b in dispatch.BODIES if not _core.body_needs(b) <= _core.cpu_features()]
+    bad = [{"f32": "portable", "nope": "avx2"}, {"q8": "sse2"}, {"f32": "avxvnni"}]
+    bad += [{"f32": "portable", "q8": b} for b in lacking]
+    for choice in bad:
+        with pytest.raises(ValueError):
+            _core.set_bodies(choice)
+        assert _core.bodies() == before, choice
+
+
+def test_the_chosen_bodies_are_the_pure_rule_on_the_detected_features():
+    want = dispatch.choose(_core.cpu_features(), _core.built_bodies())
+    code = "import kvcache._core as c; print(sorted(c.bodies().items()))"
+    env = {k: v for k, v in os.environ.items() if k != "KVCACHE_ISA"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert res.stdout.strip() == str(sorted(want.items()))
+    for name in dispatch.BODIES:
+        assert _core.body_needs(name) == dispatch.BODY_NEEDS[name]   # C and Python agree
+
+
+@pytest.mark.parametrize("value", ["portable", "avx2", "avxvnni", "avx512", "bogus", "", "AVX2 "])
 def test_kvcache_isa_environment_variable(value):
     code = ("import warnings, kvcache._core as c; print(c.isa(), c.isa_detected())")
     env = dict(os.environ, KVCACHE_ISA=value, PYTHONWARNINGS="always")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
     used, det = res.stdout.split()
-    usable = value in RANK and value != "portable" and RANK[value] <= RANK[det]
+    name = value.strip().lower()
+    usable = name in runnable_levels()
     if usable:
-        assert used == value and "RuntimeWarning" not in res.stderr
+        assert used == name and "RuntimeWarning" not in res.stderr
     else:
         assert used == det
-        if value:
-            assert "RuntimeWarning" in res.stderr and "KVCACHE_ISA" in res.stderr
+        if name:
+            warning = [ln for ln in res.stderr.splitlines() if "KVCACHE_ISA" in ln]
+            assert len(warning) == 1 and "RuntimeWarning" in warning[0]
 
 
 def test_show_config_names_the_path_in_use(each_level):
@@ -323,9 +351,17 @@ def test_show_config_names_the_path_in_use(each_level):
         _core.set_isa(level)
         buf = io.StringIO()
         kvcache.show_config(file=buf)
-        line = [ln for ln in buf.getvalue().splitlines() if ln.strip().startswith("isa:")]
+        text = buf.getvalue()
+        line = [ln for ln in text.splitlines() if ln.strip().startswith("isa:")]
         assert len(line) == 1
         assert line[0].split(":", 1)[1].strip().startswith(f"{level} (cpu: {_core.isa_detected()};")
+        feats = [ln for ln in text.splitlines() if ln.strip().startswith("cpu_features:")]
+        assert len(feats) == 1 and set(feats[0].split(":", 1)[1].split()) == set(_core.cpu_features()) | (
+            {"(none)"} if not _core.cpu_features() else set())
+        bodies = [ln for ln in text.splitlines() if ln.strip().startswith("isa_bodies:")]
+        assert len(bodies) == 1
+        for fam, body in _core.bodies().items():
+            assert f"{fam} {body}" in bodies[0]
 
 
 @pytest.mark.parametrize("group", [16, 32])

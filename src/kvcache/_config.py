@@ -17,6 +17,7 @@ def config_info() -> dict[str, Any]:
     """The facts show_config prints, as a dict."""
     import numpy as np
     from . import _core
+    from ._dispatch import FEATURES
     from ._threads import thread_settings
     from ._version import __version__
 
@@ -29,9 +30,9 @@ def config_info() -> dict[str, Any]:
         "numpy": np.__version__,
         "openmp_built": _core.openmp_built(),
         "simd_built": _core.simd_built(),
+        "cpu_features": " ".join(f for f in FEATURES if f in _core.cpu_features()) or "(none)",
         "isa": f"{_core.isa()} (cpu: {_core.isa_detected()}; build: {_core.isa_build()})",
-        "isa_bodies": (f"q8 scoring {_core.isa()}, MLA {_core.mla_path()}, "
-                       "float32 attention avx2" if _core.simd_built() else "portable C"),
+        "isa_bodies": ", ".join(f"{fam} {body}" for fam, body in _core.bodies().items()),
         "threads": ts.max_threads,
         "thread_mode": (f"{ts.mode}: "
                         + (f"1 to {ts.max_threads}" if ts.adaptive else f"{ts.max_threads}")
@@ -55,13 +56,14 @@ def config_info() -> dict[str, Any]:
 
 def show_config(file: Optional[TextIO] = None) -> None:
     """Print kvcache's version, whether OpenMP was built in, the instruction-set path the kernels
-    use (``isa``: the level in use, the CPU's best, what the build holds; docs/numerics.md,
-    "Dispatch"), its thread settings in this context
+    use (``cpu_features``: what the CPU reports; ``isa``: the limit in force, the CPU's most
+    capable body, what the build holds; ``isa_bodies``: the body each kernel family runs --
+    f32 decode, q8 scoring, prefill, mla; docs/numerics.md, "Dispatch"), its thread settings in this context
     (``kvcache.threads``: limit, mode, the free-CPU sampler) and threadpoolctl's view."""
     info = config_info()
     out = file or sys.stdout
-    for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "simd_built", "isa", "isa_bodies",
-                "threads", "thread_mode", "thread_sampler", "chunk_rows", "wire_digest"):
+    for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "simd_built",
+                "cpu_features", "isa", "isa_bodies", "threads", "thread_mode", "thread_sampler", "chunk_rows", "wire_digest"):
         print(f"{key:>14}: {info[key]}", file=out)
     print(f"{'threadpools':>14}:", file=out)
     pools = info["threadpools"]

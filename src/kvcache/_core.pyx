@@ -10,7 +10,7 @@
 #     tail) times `scale`; a q8 score is integer scoring (_kernels.h, "q8 scoring"): the
 #     (column-folded) query quantised per 32-channel group once per call, exact int32 group
 #     sums, groups combined in order as acc = fmaf(isum, sq * sk, acc), times `scale`; the
-#     instruction-set body (kvc_isa, read once per call) changes speed, never bits;
+#     instruction-set body (chosen per family, read once per call) changes speed, never bits;
 #   * the softmax of a query runs over its visible rows [first, end) in one piece;
 #   * V is accumulated per chunk of CHUNK_ROWS rows (chunk c = absolute rows
 #     [c*CHUNK_ROWS, (c+1)*CHUNK_ROWS)), rows in order inside a chunk (one fused multiply-add
@@ -33,57 +33,110 @@ import numpy as np
 
 from kvcache._openmp cimport KVC_OPENMP_BUILT, omp_get_max_threads, omp_get_thread_num
 
-cdef extern from "_kernels.h" nogil:
-    void kvc_task_scores(const float *q, Py_ssize_t nq, const Py_ssize_t *qf,
-                         const Py_ssize_t *qe, const float *kf, Py_ssize_t p0,
-                         Py_ssize_t p1, Py_ssize_t hd, float scale, float softcap,
-                         float *probs, Py_ssize_t L)
-    void kvc_task_values(const float *probs, Py_ssize_t L, Py_ssize_t nq,
-                         const Py_ssize_t *qf, const Py_ssize_t *qe, const float *vf,
-                         const int8_t *vq, const float *vs, int quant_v, Py_ssize_t p0,
-                         Py_ssize_t p1, Py_ssize_t hd, float *acc, float *scratch)
-    void kvc_axpy_f32(float *y, float w, const float *x, Py_ssize_t n)
-    void kvc_softmax(float *s, Py_ssize_t n)
-    void kvc_quant_row(const float *x, const float *col, Py_ssize_t hd, Py_ssize_t group,
-                       int8_t *q, float *s)
-    void kvc_o1_absorb(const float *qt, const float *k, const float *v, Py_ssize_t m,
-                       Py_ssize_t d, Py_ssize_t dv, float scale, float *t_hat, float *z_hat,
-                       float *m_max, float *l)
-    void kvc_o1_head(const float *q, Py_ssize_t d, Py_ssize_t dv, float scale,
-                     const float *sink_k, const float *sink_v, Py_ssize_t ns,
-                     const float *win_k, const float *win_v, Py_ssize_t nw, Py_ssize_t slot,
-                     const float *k_new, const float *v_new, const float *k_tilde,
-                     const float *mu, const float *t_hat, const float *z_hat,
-                     const float *m_max, Py_ssize_t m, int use_far, int fm, float *out,
-                     float *scr)
-    bint KVC_SIMD
-    Py_ssize_t KVC_SCRATCH_FLOATS(Py_ssize_t hd)
-    void kvc_quant_query(const float *x, Py_ssize_t hd, Py_ssize_t group, int8_t *qi, float *sq,
-                         int32_t *qsum)
-    void kvc_task_scores_i8(int isa, Py_ssize_t group, const int8_t *qi, const float *sq,
-                            const int32_t *qsum,
-                            Py_ssize_t nq, const Py_ssize_t *qf, const Py_ssize_t *qe,
-                            const int8_t *kq, const float *ks, Py_ssize_t ks_stride,
-                            Py_ssize_t p0, Py_ssize_t p1, Py_ssize_t hd, float scale,
-                            float softcap, float *probs, Py_ssize_t L)
-    void kvc_i8_rows_isa(int isa, Py_ssize_t group, const int8_t *qi, const float *sq,
-                         const int32_t *qsum,
-                         const int8_t *k, const float *ks, Py_ssize_t ks_stride, Py_ssize_t hd,
-                         Py_ssize_t n, float *out)
-    Py_ssize_t KVC_I8_PAD(Py_ssize_t hd)
-    Py_ssize_t KVC_I8_GROUPS(Py_ssize_t hd, Py_ssize_t group)
-
-cdef extern from "_isa.h" nogil:
-    int kvc_isa
-    void kvc_isa_set(int level)
-    int kvc_isa_detect()
-    const char *kvc_isa_name(int level)
+cdef extern from "_dispatch.h" nogil:
+    ctypedef void (*kvc_mla_task_fn)(const float *qT, Py_ssize_t H, Py_ssize_t Hp,
+                                     const float *lat, const float *kr, Py_ssize_t r,
+                                     Py_ssize_t dr, Py_ssize_t p0, Py_ssize_t p1,
+                                     Py_ssize_t pf_end, float scale, float *acc, float *m,
+                                     float *l, float *S) noexcept nogil
+    ctypedef struct kvc_ops:
+        const char *name
+        void (*task_scores)(const float *q, Py_ssize_t nq, const Py_ssize_t *qf,
+                            const Py_ssize_t *qe, const float *kf, Py_ssize_t p0,
+                            Py_ssize_t p1, Py_ssize_t hd, float scale, float softcap,
+                            float *probs, Py_ssize_t L) noexcept nogil
+        void (*task_values)(const float *probs, Py_ssize_t L, Py_ssize_t nq,
+                            const Py_ssize_t *qf, const Py_ssize_t *qe, const float *vf,
+                            const int8_t *vq, const float *vs, int quant_v, Py_ssize_t p0,
+                            Py_ssize_t p1, Py_ssize_t hd, float *acc,
+                            float *scratch) noexcept nogil
+        void (*axpy)(float *y, float w, const float *x, Py_ssize_t n) noexcept nogil
+        void (*softmax)(float *s, Py_ssize_t n) noexcept nogil
+        void (*quant_row)(const float *x, const float *col, Py_ssize_t hd, Py_ssize_t group,
+                          int8_t *q, float *s) noexcept nogil
+        void (*quant_query)(const float *x, Py_ssize_t hd, Py_ssize_t group, int8_t *qi,
+                            float *sq, int32_t *qsum) noexcept nogil
+        void (*o1_absorb)(const float *qt, const float *k, const float *v, Py_ssize_t m,
+                          Py_ssize_t d, Py_ssize_t dv, float scale, float *t_hat,
+                          float *z_hat, float *m_max, float *l) noexcept nogil
+        void (*o1_head)(const float *q, Py_ssize_t d, Py_ssize_t dv, float scale,
+                        const float *sink_k, const float *sink_v, Py_ssize_t ns,
+                        const float *win_k, const float *win_v, Py_ssize_t nw, Py_ssize_t slot,
+                        const float *k_new, const float *v_new, const float *k_tilde,
+                        const float *mu, const float *t_hat, const float *z_hat,
+                        const float *m_max, Py_ssize_t m, int use_far, int fm, float *out,
+                        float *scr) noexcept nogil
+        void (*task_scores_i8)(int isa, Py_ssize_t group, const int8_t *qi, const float *sq,
+                               const int32_t *qsum, Py_ssize_t nq, const Py_ssize_t *qf,
+                               const Py_ssize_t *qe, const int8_t *kq, const float *ks,
+                               Py_ssize_t ks_stride, Py_ssize_t p0, Py_ssize_t p1,
+                               Py_ssize_t hd, float scale, float softcap, float *probs,
+                               Py_ssize_t L) noexcept nogil
+        void (*i8_rows)(int isa, Py_ssize_t group, const int8_t *qi, const float *sq,
+                        const int32_t *qsum, const int8_t *k, const float *ks,
+                        Py_ssize_t ks_stride, Py_ssize_t hd, Py_ssize_t n,
+                        float *out) noexcept nogil
+        void (*pf_task)(const float *q, Py_ssize_t nq, const Py_ssize_t *qf,
+                        const Py_ssize_t *qe, const float *kf, const int8_t *kq,
+                        const float *ks, Py_ssize_t ks_stride, int quant_k, const float *vf,
+                        const int8_t *vq, const float *vs, Py_ssize_t vs_stride, int quant_v,
+                        const float *vcol, Py_ssize_t hd, float scale, float softcap,
+                        float *out, float *qm, float *ql, float *scratch, int isa,
+                        Py_ssize_t group, const int8_t *qi, const float *qsc,
+                        const int32_t *qsum) noexcept nogil
+        void (*pf_imp_group)(const float *q, Py_ssize_t nq, const Py_ssize_t *qf,
+                             const Py_ssize_t *qe, const float *qm, const float *ql,
+                             const float *kf, const int8_t *kq, const float *ks,
+                             Py_ssize_t ks_stride, int quant_k, Py_ssize_t hd, float scale,
+                             float softcap, Py_ssize_t t0, Py_ssize_t t1, float *colsum,
+                             float *scratch, int isa, Py_ssize_t group, const int8_t *qi,
+                             const float *qsc, const int32_t *qsum) noexcept nogil
+        void (*mla_fold)(const float *qn, const float *qr, const float *wuk, Py_ssize_t dn,
+                         Py_ssize_t r, Py_ssize_t dr, Py_ssize_t h, Py_ssize_t Hp, float *qa,
+                         float *qT) noexcept nogil
+        kvc_mla_task_fn (*mla_task_for)(int body) noexcept nogil
+        const char *(*mla_path_for)(int body) noexcept nogil
+        void (*mla_merge_head)(const float *acc, Py_ssize_t acc_stride, const float *m,
+                               const float *l, Py_ssize_t ml_stride, Py_ssize_t nt,
+                               const float *wuv, Py_ssize_t r, Py_ssize_t dv, float *c,
+                               float *out) noexcept nogil
+        float (*fma_probe)(long iters, float x) noexcept nogil
+        unsigned q8_bodies
+        unsigned mla_bodies
+    const kvc_ops kvc_ops_portable
+    const kvc_ops *kvc_ops_avx2
+    const kvc_ops *kvc_ops_of(int body)
+    int KVC_FAM_F32
+    int KVC_FAM_Q8
+    int KVC_FAM_PREFILL
+    int KVC_FAM_MLA
+    int KVC_N_FAMILIES
     int KVC_ISA_PORTABLE
     int KVC_ISA_AVX2
     int KVC_ISA_AVXVNNI
     int KVC_ISA_AVX512
-    bint KVC_DISPATCH
-    bint KVC_VNNI
+    int KVC_N_BODIES
+    int KVC_N_FEATURES
+    unsigned kvc_cpu_features()
+    unsigned kvc_body_needs(int body)
+    const char *kvc_isa_name(int body)
+    Py_ssize_t KVC_SCRATCH_FLOATS(Py_ssize_t hd)
+    Py_ssize_t KVC_I8_PAD(Py_ssize_t hd)
+    Py_ssize_t KVC_I8_GROUPS(Py_ssize_t hd, Py_ssize_t group)
+    Py_ssize_t KVC_MLA_BLOCK
+    Py_ssize_t KVC_PF_TILE
+    Py_ssize_t KVC_PF_QR
+    Py_ssize_t KVC_PF_IMP_ROWS
+    Py_ssize_t KVC_PF_SCRATCH_FLOATS(Py_ssize_t hd, Py_ssize_t nq)
+    Py_ssize_t KVC_PF_IMP_SCRATCH(Py_ssize_t hd)
+
+# the body in use per family (KVC_FAM_*), set only by set_bodies (which checks it against the
+# CPU's features); a kernel call reads its family's table once, before its parallel region
+cdef int _family_body[4]
+
+cdef inline const kvc_ops *_ops(int family) noexcept nogil:
+    return kvc_ops_of(_family_body[family])
+
 
 cdef extern from *:
     """
@@ -151,48 +204,115 @@ def fresh_bytes(Py_ssize_t n):
     return b, w
 
 
-# ---- instruction-set level (_isa.h): the detected one, or a lower one named by KVCACHE_ISA --
-_ISA_LEVELS = {"avx2": KVC_ISA_AVX2, "avxvnni": KVC_ISA_AVXVNNI, "avx512": KVC_ISA_AVX512}
+# ---- instruction-set bodies (_isa.h, _dispatch.h, kvcache/_dispatch.py) ---------------------
+# The CPU's features are a set; each family runs the best body it holds whose every needed
+# feature the CPU reports.  KVCACHE_ISA / set_isa only narrow that choice, never widen it.
+from kvcache import _dispatch as _dp
+
+_BODY_ID = {name: i for i, name in enumerate(_dp.BODIES)}
+_FAMILY_ID = {name: i for i, name in enumerate(_dp.FAMILIES)}
+_isa_cap = None
+
+
+def _names(unsigned bits, names):
+    return frozenset(name for i, name in enumerate(names) if bits >> i & 1)
+
+
+def cpu_features():
+    """The instruction-set features this CPU and OS support (a frozenset of names of
+    ``kvcache._dispatch.FEATURES``, e.g. ``{"avx2", "fma", "avx512f", ...}``)."""
+    return _names(kvc_cpu_features(), _dp.FEATURES)
+
+
+def body_needs(name):
+    """The features body ``name`` may execute, as compiled (``kvc_body_needs``)."""
+    return _names(kvc_body_needs(_BODY_ID[name]), _dp.FEATURES)
+
+
+def built_bodies():
+    """Family -> the bodies this build holds for it (a tuple of names, portable first)."""
+    cdef const kvc_ops *simd = kvc_ops_avx2
+    q8 = _names(kvc_ops_portable.q8_bodies | (simd.q8_bodies if simd != NULL else 0), _dp.BODIES)
+    mla = _names(kvc_ops_portable.mla_bodies | (simd.mla_bodies if simd != NULL else 0),
+                 _dp.BODIES)
+    f32 = {"portable", "avx2"} if simd != NULL else {"portable"}
+    held = {"f32": f32, "q8": q8, "prefill": f32, "mla": mla}
+    return {fam: tuple(b for b in _dp.BODIES if b in held[fam]) for fam in _dp.FAMILIES}
+
+
+def bodies():
+    """Family -> the body it runs now (``"portable"``, ``"avx2"``, ``"avxvnni"``, ``"avx512"``)."""
+    return {fam: _dp.BODIES[_family_body[i]] for i, fam in enumerate(_dp.FAMILIES)}
+
+
+def set_bodies(choice):
+    """Run body ``choice[family]`` for each family named (a mapping), from the next kernel call
+    on.  All or nothing: ValueError, changing nothing, for an unknown family or body, a body
+    the build does not hold for that family, or one needing a feature the CPU lacks."""
+    cdef unsigned have = kvc_cpu_features(), need
+    built = built_bodies()
+    todo = []
+    for fam, body in dict(choice).items():
+        if fam not in _FAMILY_ID:
+            raise ValueError(f"family: expected one of {list(_dp.FAMILIES)}, got {fam!r}")
+        if body not in _BODY_ID:
+            raise ValueError(f"{fam}: expected one of {list(_dp.BODIES)}, got {body!r}")
+        if body not in built[fam]:
+            raise ValueError(f"{fam}: this build holds no {body!r} body (it holds "
+                             f"{', '.join(built[fam])})")
+        need = kvc_body_needs(_BODY_ID[body])
+        if need & have != need:
+            missing = sorted(_names(need & ~have, _dp.FEATURES))
+            raise ValueError(f"{fam}: the {body!r} body needs {', '.join(missing)}, which this "
+                             f"CPU does not report")
+        todo.append((_FAMILY_ID[fam], _BODY_ID[body]))
+    for f, b in todo:
+        _family_body[f] = b
 
 
 def isa_detected():
-    """The best instruction-set level this CPU runs and this build holds: ``"avx2"``,
-    ``"avxvnni"``, ``"avx512"``, or ``"portable"`` (a build without AVX2/FMA)."""
-    return kvc_isa_name(kvc_isa_detect()).decode()
+    """The most capable body this CPU runs and this build holds, for display: ``"avx512"``,
+    ``"avxvnni"``, ``"avx2"`` or ``"portable"`` (each family still runs its own best body)."""
+    held = set().union(*built_bodies().values())
+    runs = set(_dp.runnable(cpu_features()))
+    return next(b for b in ("avx512", "avxvnni", "avx2", "portable") if b in held and b in runs)
 
 
 def isa():
-    """The instruction-set level the kernels use now (docs/numerics.md, "Dispatch")."""
-    return kvc_isa_name(kvc_isa).decode()
+    """The body name the kernels are limited to now: the one set by ``set_isa`` or
+    ``KVCACHE_ISA``, else :func:`isa_detected` (docs/numerics.md, "Dispatch")."""
+    return _isa_cap if _isa_cap is not None else isa_detected()
 
 
 def set_isa(name):
-    """Use the level ``name`` (``"avx2"``, ``"avxvnni"`` or ``"avx512"``, at most the detected
-    one) from the next kernel call on; every level gives the same bits.  ValueError for an
-    unknown name, a level above the detected one, or any name on a portable build."""
-    cdef int det = kvc_isa_detect()
-    if not isinstance(name, str) or name not in _ISA_LEVELS:
-        raise ValueError(f"isa: expected one of {sorted(_ISA_LEVELS)}, got {name!r}")
-    if _ISA_LEVELS[name] > det:
-        raise ValueError(f"isa: {name!r} is above what this CPU and build run "
-                         f"({kvc_isa_name(det).decode()!r})")
-    kvc_isa_set(_ISA_LEVELS[name])
+    """Limit every family to bodies whose needs are within those of body ``name``
+    (``"portable"``, ``"avx2"``, ``"avxvnni"`` or ``"avx512"``), from the next kernel call on;
+    ``None`` lifts the limit.  Every body gives the same bits.  ValueError, changing nothing,
+    for an unknown name or a body that needs a feature this CPU does not report."""
+    global _isa_cap
+    if name is not None and (not isinstance(name, str) or name not in _BODY_ID):
+        raise ValueError(f"isa: expected one of {list(_dp.BODIES)} or None, got {name!r}")
+    set_bodies(_dp.choose(cpu_features(), built_bodies(), cap=name))
+    _isa_cap = name
 
 
 def isa_build():
-    """What the build holds: ``"avx2+fma baseline, vnni bodies"``, ``"avx2+fma baseline"``
-    (a compiler without the VNNI intrinsics) or ``"portable C"``."""
-    if not KVC_SIMD:
+    """What the build holds: ``"portable + avx2/fma unit (avx-vnni, avx-512 bodies)"``,
+    ``"portable + avx2/fma unit"`` (a compiler without the VNNI intrinsics) or
+    ``"portable C"`` (no x86-64 SIMD unit: another CPU family, or KVCACHE_NO_SIMD)."""
+    if kvc_ops_avx2 == NULL:
         return "portable C"
-    return "avx2+fma baseline, vnni bodies" if KVC_DISPATCH and KVC_VNNI else "avx2+fma baseline"
+    if "avx512" in built_bodies()["q8"]:
+        return "portable + avx2/fma unit (avx-vnni, avx-512 bodies)"
+    return "portable + avx2/fma unit"
 
 
 def _isa_from_env():
-    """Set the level at import: KVCACHE_ISA when it names a level the CPU runs, else the
-    detected level (with a RuntimeWarning for a name that cannot be used)."""
+    """Choose the bodies at import: the best per family, limited by KVCACHE_ISA when it names
+    a body the CPU runs (a one-line RuntimeWarning, and no limit, for any other value)."""
     import os
     import warnings
-    kvc_isa_set(kvc_isa_detect())
+    set_isa(None)
     want = os.environ.get("KVCACHE_ISA", "").strip().lower()
     if not want:
         return
@@ -232,7 +352,7 @@ def quantize_query(const float[:, ::1] q__jd, int8_t[:, ::1] qi__jp, float[:, ::
                          "(nq, ceil(hd/group))")
     with nogil:
         for j in range(nq):
-            kvc_quant_query(&q__jd[j, 0], hd, group, &qi__jp[j, 0], &sq__jg[j, 0],
+            kvc_ops_portable.quant_query(&q__jd[j, 0], hd, group, &qi__jp[j, 0], &sq__jg[j, 0],
                             &qsum__jg[j, 0])
 
 
@@ -259,20 +379,21 @@ def q8_scores(const float[:, ::1] q__jd, const int8_t[:, ::1] kq__rd, const floa
     cdef int8_t[:, ::1] qi = qi_arr
     cdef float[:, ::1] sq = sq_arr
     cdef int32_t[:, ::1] qs = qs_arr
-    cdef int level = kvc_isa
+    cdef int level = _family_body[KVC_FAM_Q8]   # the q8 body, once per call
+    cdef const kvc_ops *q8 = kvc_ops_of(level)
     if nq == 0 or n == 0:
         return
     with nogil:
         for j in range(nq):
-            kvc_quant_query(&q__jd[j, 0], hd, group, &qi[j, 0], &sq[j, 0], &qs[j, 0])
-            kvc_i8_rows_isa(level, group, &qi[j, 0], &sq[j, 0], &qs[j, 0], &kq__rd[0, 0],
+            kvc_ops_portable.quant_query(&q__jd[j, 0], hd, group, &qi[j, 0], &sq[j, 0], &qs[j, 0])
+            q8.i8_rows(level, group, &qi[j, 0], &sq[j, 0], &qs[j, 0], &kq__rd[0, 0],
                             &ks__rg[0, 0],
                             ks__rg.shape[1], hd, n, &out__jr[j, 0])
 
 
 def simd_built():
-    """True when the AVX2/FMA inner loops were compiled in."""
-    return bool(KVC_SIMD)
+    """True when the x86-64 AVX2/FMA unit (with its VNNI and AVX-512 bodies) was compiled in."""
+    return kvc_ops_avx2 != NULL
 
 
 def openmp_built():
@@ -335,7 +456,7 @@ def store_rows_q8(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive_
             if alive__h[h]:
                 for i in range(n):
                     r = head_len__h[h] + i
-                    kvc_quant_row(&x__nhd[i, h, 0], &col__hd[h, 0] if col_on__h[h] else NULL,
+                    kvc_ops_portable.quant_row(&x__nhd[i, h, 0], &col__hd[h, 0] if col_on__h[h] else NULL,
                                   hd, group, &q__hcd[h, r, 0], &s__hcg[h, r, 0])
 
 
@@ -350,7 +471,7 @@ def quantize_rows(const float[:, ::1] x__nd, const float[::1] col__d, Py_ssize_t
         return
     for i in prange(n, nogil=True, num_threads=n_threads, schedule="static",
                     use_threads_if=n * hd > _PAR_WORK):
-        kvc_quant_row(&x__nd[i, 0], &col__d[0] if has_col else NULL, hd, group,
+        kvc_ops_portable.quant_row(&x__nd[i, 0], &col__d[0] if has_col else NULL, hd, group,
                       &q__nd[i, 0], &s__ng[i, 0])
 
 
@@ -430,7 +551,7 @@ cdef int _query_codes(const float *qp, Py_ssize_t nq, Py_ssize_t hd, Py_ssize_t 
     cdef int32_t *qs = q_sum[0]
     for j in prange(nq, nogil=True, num_threads=n_threads, schedule="static",
                     use_threads_if=par):
-        kvc_quant_query(qp + j * hd, hd, kgroup, qi + j * hdp, sq + j * ngq, qs + j * ngq)
+        kvc_ops_portable.quant_query(qp + j * hd, hd, kgroup, qi + j * hdp, sq + j * ngq, qs + j * ngq)
     return 0
 
 
@@ -483,7 +604,9 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
     cdef float *q_sc = NULL
     cdef int32_t *q_sum = NULL
     cdef Py_ssize_t hdp = KVC_I8_PAD(hd), ngq, kgroup = 32
-    cdef int level = kvc_isa
+    cdef int level = _family_body[KVC_FAM_Q8]   # the q8 body, once per call
+    cdef const kvc_ops *q8 = kvc_ops_of(level)
+    cdef const kvc_ops *f32 = _ops(KVC_FAM_F32)
 
     if quant_k:
         kgroup = _k_group(hd, ks__hcg.shape[2], k_group)
@@ -588,7 +711,7 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
                             use_threads_if=par):
                 g = task_g[t]
                 if quant_k:
-                    kvc_task_scores_i8(level, kgroup, q_i8 + group_q0[g] * hdp,
+                    q8.task_scores_i8(level, kgroup, q_i8 + group_q0[g] * hdp,
                                        q_sc + group_q0[g] * ngq,
                                        q_sum + group_q0[g] * ngq, group_q0[g + 1] - group_q0[g],
                                        q_first + group_q0[g], q_end + group_q0[g],
@@ -596,7 +719,7 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
                                        task_p0[t], task_p1[t], hd, scale, softcap,
                                        &probs__jl[group_q0[g], 0], L)
                 else:
-                    kvc_task_scores(&q__jd[group_q0[g], 0], group_q0[g + 1] - group_q0[g],
+                    f32.task_scores(&q__jd[group_q0[g], 0], group_q0[g + 1] - group_q0[g],
                                     q_first + group_q0[g], q_end + group_q0[g],
                                     &kf__hcd[g, 0, 0], task_p0[t], task_p1[t], hd, scale,
                                     softcap, &probs__jl[group_q0[g], 0], L)
@@ -609,13 +732,13 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
                 if q_end[j] < L:
                     memset(&probs__jl[j, q_end[j]], 0, (L - q_end[j]) * sizeof(float))
                 if q_end[j] > q_first[j]:
-                    kvc_softmax(&probs__jl[j, q_first[j]], q_end[j] - q_first[j])
+                    f32.softmax(&probs__jl[j, q_first[j]], q_end[j] - q_first[j])
 
             # 3. V partials per chunk: a block of 4 V rows read once for the group
             for t in prange(t0, t1, nogil=True, num_threads=n_threads, schedule="static",
                             use_threads_if=par):
                 g = task_g[t]
-                kvc_task_values(&probs__jl[group_q0[g], 0], L, group_q0[g + 1] - group_q0[g],
+                f32.task_values(&probs__jl[group_q0[g], 0], L, group_q0[g + 1] - group_q0[g],
                                 q_first + group_q0[g], q_end + group_q0[g],
                                 NULL if quant_v else &vf__hcd[g, 0, 0],
                                 &vq__hcd[g, 0, 0] if quant_v else NULL,
@@ -639,7 +762,7 @@ def attend_rows(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__hcd,
             for t in range(g_task0[g], g_task0[g + 1]):
                 if task_p1[t] <= q_first[j] or task_p0[t] >= q_end[j]:
                     continue
-                kvc_axpy_f32(&out__jd[j, 0], 1.0, part + (t * maxcnt + j - group_q0[g]) * hd, hd)
+                f32.axpy(&out__jd[j, 0], 1.0, part + (t * maxcnt + j - group_q0[g]) * hd, hd)
             if quant_v:
                 for e in range(hd):
                     out__jd[j, e] = out__jd[j, e] * vcol__hd[g, e]
@@ -729,6 +852,7 @@ def o1_absorb(const float[:, :, ::1] q_tilde__hmd, const float[:, :, ::1] keys__
     cdef float *mp = _ptr2(m_max__hm)
     cdef float *sp = _ptr2(scr__hm)
     cdef Py_ssize_t sstride = scr__hm.shape[1]
+    cdef const kvc_ops *f32 = _ops(KVC_FAM_F32)
     if H == 0 or m == 0 or n <= 0:
         return
     _o1_check(G > 0 and H % G == 0, "H a positive multiple of G")
@@ -744,7 +868,7 @@ def o1_absorb(const float[:, :, ::1] q_tilde__hmd, const float[:, :, ::1] keys__
                     use_threads_if=n * m * (d + dv) > _PAR_WORK):
         g = h // hpk
         for i in range(row0, row0 + n):
-            kvc_o1_absorb(qt + h * m * d, kp + (g * rows + i) * d, vp + (g * rows + i) * dv,
+            f32.o1_absorb(qt + h * m * d, kp + (g * rows + i) * d, vp + (g * rows + i) * dv,
                           m, d, dv, scale, tp + h * m * dv, zp + h * m, mp + h * m,
                           sp + h * sstride)
 
@@ -783,6 +907,7 @@ def o1_step(const float[:, ::1] q__hd, const float[:, ::1] k_new__gd,
     cdef float *mp = _ptr2(m_max__hm)
     cdef float *op
     cdef float *sp
+    cdef const kvc_ops *f32 = _ops(KVC_FAM_F32)
     _o1_check(H > 0 and G > 0 and H % G == 0, "H a positive multiple of G")
     _o1_check(k_new__gd.shape[1] == d and v_new__ge.shape[0] == G, "k_new (G, d), v_new (G, dv)")
     _o1_check(sink_k__gsd.shape[0] == G and sink_k__gsd.shape[2] == d
@@ -813,10 +938,10 @@ def o1_step(const float[:, ::1] q__hd, const float[:, ::1] k_new__gd,
                     use_threads_if=H > 1 and H * (ns + win_len + m) * (d + dv) > _PAR_WORK):
         g = h // hpk
         if absorb and m > 0:
-            kvc_o1_absorb(qtp + h * m * d, wkp + (g * cap + slot) * d, wvp + (g * cap + slot) * dv,
+            f32.o1_absorb(qtp + h * m * d, wkp + (g * cap + slot) * d, wvp + (g * cap + slot) * dv,
                           m, d, dv, scale, tp + h * m * dv, zp + h * m, mp + h * m,
                           sp + h * sstride + ns + win_len + 2 * m)
-        kvc_o1_head(qp + h * d, d, dv, scale,
+        f32.o1_head(qp + h * d, d, dv, scale,
                     skp + g * ns * d if ns > 0 else NULL, svp + g * ns * dv if ns > 0 else NULL, ns,
                     wkp + g * cap * d, wvp + g * cap * dv, win_len, slot,
                     knp + g * d, vnp + g * dv,
@@ -834,26 +959,6 @@ def o1_step(const float[:, ::1] q__hd, const float[:, ::1] k_new__gd,
 # Absorbed MLA decode (DeepSeek-V2 Multi-head Latent Attention).  Inner loops and their
 # summation orders: _mla.h.
 
-cdef extern from "_mla.h" nogil:
-    void kvc_mla_fold(const float *qn, const float *qr, const float *wuk, Py_ssize_t dn,
-                      Py_ssize_t r, Py_ssize_t dr, Py_ssize_t h, Py_ssize_t Hp, float *qa,
-                      float *qT)
-    void kvc_mla_task(const float *qT, Py_ssize_t H, Py_ssize_t Hp, const float *lat,
-                      const float *kr, Py_ssize_t r, Py_ssize_t dr, Py_ssize_t p0, Py_ssize_t p1,
-                      Py_ssize_t pf_end, float scale, float *acc, float *m, float *l, float *S)
-    void kvc_mla_merge_head(const float *acc, Py_ssize_t acc_stride, const float *m,
-                            const float *l, Py_ssize_t ml_stride, Py_ssize_t nt,
-                            const float *wuv, Py_ssize_t r, Py_ssize_t dv, float *c, float *out)
-    ctypedef void (*kvc_mla_task_fn)(const float *qT, Py_ssize_t H, Py_ssize_t Hp,
-                                     const float *lat, const float *kr, Py_ssize_t r,
-                                     Py_ssize_t dr, Py_ssize_t p0, Py_ssize_t p1,
-                                     Py_ssize_t pf_end, float scale, float *acc, float *m,
-                                     float *l, float *S)
-    kvc_mla_task_fn kvc_mla_task_select()
-    const char *kvc_mla_path()
-    Py_ssize_t KVC_MLA_BLOCK
-    float kvc_fma_probe(long iters, float x)
-
 # partial accumulators of one call stay under this many bytes (a causal block of positions is
 # processed in groups that fit)
 cdef Py_ssize_t _MLA_PART_BYTES = 64 * 1024 * 1024
@@ -865,17 +970,18 @@ def fma_probe(long iters, int n_threads):
     cdef int t
     cdef float acc = 0
     cdef float[::1] res = np.zeros(max(1, n_threads), dtype=np.float32)
+    cdef const kvc_ops *best = _ops(KVC_FAM_F32)
     for t in prange(n_threads, nogil=True, num_threads=n_threads, schedule="static"):
-        res[t] = kvc_fma_probe(iters, 1.0 + t)
+        res[t] = best.fma_probe(iters, 1.0 + t)
     for t in range(n_threads):
         acc += res[t]
     return acc
 
 
 def mla_path():
-    """The body the MLA kernel runs at the current instruction-set level: "avx512", "avx2" or
-    "portable" (the same bits whichever; _mla.h)."""
-    return kvc_mla_path().decode()
+    """The body the MLA kernel runs now: "avx512", "avx2" or "portable" (the same bits
+    whichever; _mla.h)."""
+    return _ops(KVC_FAM_MLA).mla_path_for(_family_body[KVC_FAM_MLA]).decode()
 
 
 def mla_task_rows(Py_ssize_t T):
@@ -940,7 +1046,8 @@ def mla_attend(const float[:, :, ::1] qn__nhk, const float[:, :, ::1] qr__nhe,
     cdef float *outp = &out__nhj[0, 0, 0]
     cdef bint par_scores = T * H * (r + dr) > _PAR_WORK
     cdef bint par_heads = H > 1 and H * (dn + dv) * r > _PAR_WORK
-    cdef kvc_mla_task_fn task_fn = kvc_mla_task_select()   # the level's body, once per call
+    cdef const kvc_ops *mla = _ops(KVC_FAM_MLA)            # the family's body, once per call
+    cdef kvc_mla_task_fn task_fn = mla.mla_task_for(_family_body[KVC_FAM_MLA])
     for g0 in range(0, n, G):
         g1 = min(n, g0 + G)
         ng = g1 - g0
@@ -948,7 +1055,7 @@ def mla_attend(const float[:, :, ::1] qn__nhk, const float[:, :, ::1] qr__nhe,
                            use_threads_if=par_heads):
             i = task // H
             h = task % H
-            kvc_mla_fold(qnp + ((g0 + i) * H + h) * dn, qrp + ((g0 + i) * H + h) * dr if dr > 0 else qnp,
+            mla.mla_fold(qnp + ((g0 + i) * H + h) * dn, qrp + ((g0 + i) * H + h) * dr if dr > 0 else qnp,
                          wukp + h * dn * r if dn > 0 else NULL, dn, r, dr, h, Hp,
                          &qa[task, 0], &qT[i, 0, 0])
         # static: each thread takes a contiguous run of tasks, so the rows it prefetches at
@@ -972,7 +1079,7 @@ def mla_attend(const float[:, :, ::1] qn__nhk, const float[:, :, ::1] qr__nhe,
                            use_threads_if=par_heads):
             i = task // H
             h = task % H
-            kvc_mla_merge_head(&acc[i * NT, h, 0], H * r, &ml[0, i * NT, h], &ml[1, i * NT, h],
+            mla.mla_merge_head(&acc[i * NT, h, 0], H * r, &ml[0, i * NT, h], &ml[1, i * NT, h],
                                Hp, NT, wuvp + h * dv * r, r, dv, &cbuf[task, 0],
                                outp + ((g0 + i) * H + h) * dv)
 
@@ -980,27 +1087,6 @@ def mla_attend(const float[:, :, ::1] qn__nhk, const float[:, :, ::1] qr__nhe,
 # ---------------------------------------------------------------------------------------------
 # Blocked prompt attention: tiles of queries x stored rows with an online softmax and no
 # probability matrix.  Inner loops and their summation orders: _prefill.h.
-
-cdef extern from "_prefill.h" nogil:
-    void kvc_pf_task(const float *q, Py_ssize_t nq, const Py_ssize_t *qf, const Py_ssize_t *qe,
-                     const float *kf, const int8_t *kq, const float *ks, Py_ssize_t ks_stride,
-                     int quant_k, const float *vf, const int8_t *vq, const float *vs,
-                     Py_ssize_t vs_stride, int quant_v, const float *vcol, Py_ssize_t hd,
-                     float scale, float softcap, float *out, float *qm, float *ql,
-                     float *scratch, int isa, Py_ssize_t group, const int8_t *qi,
-                     const float *qsc, const int32_t *qsum)
-    void kvc_pf_imp_group(const float *q, Py_ssize_t nq, const Py_ssize_t *qf,
-                          const Py_ssize_t *qe, const float *qm, const float *ql,
-                          const float *kf, const int8_t *kq, const float *ks,
-                          Py_ssize_t ks_stride, int quant_k, Py_ssize_t hd, float scale,
-                          float softcap, Py_ssize_t t0, Py_ssize_t t1, float *colsum,
-                          float *scratch, int isa, Py_ssize_t group, const int8_t *qi,
-                          const float *qsc, const int32_t *qsum)
-    Py_ssize_t KVC_PF_TILE
-    Py_ssize_t KVC_PF_QR
-    Py_ssize_t KVC_PF_IMP_ROWS
-    Py_ssize_t KVC_PF_SCRATCH_FLOATS(Py_ssize_t hd, Py_ssize_t nq)
-    Py_ssize_t KVC_PF_IMP_SCRATCH(Py_ssize_t hd)
 
 # queries per task (whole positions: a task holds ceil(_PF_QUERIES / heads per group) positions
 # of one KV group, so each K/V tile is loaded once for that many queries)
@@ -1067,7 +1153,8 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
     cdef float *q_sc = NULL
     cdef int32_t *q_sum = NULL
     cdef Py_ssize_t hdp, ngq, kgroup = 32
-    cdef int level = kvc_isa
+    cdef int level = _family_body[KVC_FAM_Q8]   # the q8 body, once per call
+    cdef const kvc_ops *pf = _ops(KVC_FAM_PREFILL)
 
     # ---- validation: everything the nogil code indexes is checked here -------------------
     if n_threads < 1:
@@ -1211,7 +1298,7 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
             j0 = task_j0[t]
             j1 = task_j1[t]
             tid = omp_get_thread_num()
-            kvc_pf_task(qp + j0 * hd, j1 - j0, q_first + j0, q_end + j0,
+            pf.pf_task(qp + j0 * hd, j1 - j0, q_first + j0, q_end + j0,
                         kfp + g * kcap * hd if kfp != NULL else NULL,
                         kqp + g * kcap * hd if kqp != NULL else NULL,
                         ksp + g * kcap * ks_stride if ksp != NULL else NULL, ks_stride,
@@ -1242,7 +1329,7 @@ def attend_blocked(const float[:, :, ::1] kf__hcd, const int8_t[:, :, ::1] kq__h
                     j1 = group_q0[g + 1]
                     if j1 == j0:
                         continue
-                    kvc_pf_imp_group(qp + j0 * hd, j1 - j0, q_first + j0, q_end + j0,
+                    pf.pf_imp_group(qp + j0 * hd, j1 - j0, q_first + j0, q_end + j0,
                                      q_m + j0, q_l + j0,
                                      kfp + g * kcap * hd if kfp != NULL else NULL,
                                      kqp + g * kcap * hd if kqp != NULL else NULL,

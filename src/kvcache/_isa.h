@@ -1,25 +1,34 @@
-/* Run-time choice of the instruction-set path of the compiled kernels.
+/* Instruction-set features of the CPU and the kernel bodies that need them.
  *
- * The extension is built for the x86-64 AVX2/FMA baseline (setup.py); kernels that gain from
- * newer instructions carry extra bodies compiled with GCC's per-function target attribute and
- * are chosen at run time from the level below.  Every path computes the same bits (integer
- * sums are exact, float reductions have one fixed order; docs/numerics.md), so the level
- * changes speed, never results.
+ * Features are a SET (bits below), never a ladder: an AVX-512 CPU need not have AVX-VNNI (AMD
+ * Zen 4, Intel Ice Lake and Cascade Lake servers have AVX512-VNNI but not the VEX AVX-VNNI),
+ * and an AVX-VNNI CPU need not have AVX-512 (Alder Lake).  kvc_cpu_features() asks the CPU,
+ * and through libgcc whether the OS saves the wider register state; on aarch64 the kernel's
+ * hardware capabilities (getauxval).
  *
- *   KVC_ISA_PORTABLE  plain C (a build without AVX2/FMA; never chosen at run time on a SIMD build)
- *   KVC_ISA_AVX2      AVX2 + FMA: the build's baseline
- *   KVC_ISA_AVXVNNI   + AVX-VNNI (VEX vpdpbusd on 256-bit registers)
- *   KVC_ISA_AVX512    + AVX-512 F/BW/DQ/VL and AVX-512 VNNI
+ * A kernel body is named by what it is compiled for; kvc_body_needs() is the set of features
+ * it may execute.  Every body computes the bits of the portable twin (docs/numerics.md), so
+ * the choice changes speed, never results:
  *
- * KVC_NO_VNNI (set by setup.py when the compiler cannot build the VNNI intrinsics) caps the
- * levels at AVX2.  KVC_EMULATE_VNNI (tests/c only) compiles the VNNI bodies WITHOUT their
- * target attributes and with an exact AVX2 emulation of vpdpbusd (kvc_dpbusd_emu), so a
- * machine without VNNI runs those bodies and compares their bits with the AVX2 one.
+ *   KVC_ISA_PORTABLE  plain C for the baseline of the target (x86-64: SSE2)        needs {}
+ *   KVC_ISA_AVX2      AVX2 + FMA                                             {avx2, fma}
+ *   KVC_ISA_AVXVNNI   + AVX-VNNI (VEX vpdpbusd on 256-bit registers)   {avx2, fma, avxvnni}
+ *   KVC_ISA_AVX512    + AVX-512 F/BW/DQ/VL and AVX512-VNNI (EVEX)
+ *                                  {avx2, fma, avx512f, avx512bw, avx512dq, avx512vl, avx512vnni}
  *
- * kvc_isa_detect() asks the CPU (and, through libgcc, whether the OS saves the wider register
- * state); kvc_isa is the level in use: _core sets it at import to the detected level, or to a
- * lower one named by KVCACHE_ISA (for tests), and every dispatching kernel reads it once per
- * call, before its parallel region.
+ * Which bodies each kernel family holds, and the choice among them, is made in Python
+ * (kvcache/_dispatch.py) from these sets; _core keeps the chosen body per family.  Only the
+ * translation unit _body_avx2.c is compiled for instructions beyond the baseline (GCC's
+ * `#pragma GCC target`, and per-function target attributes for the VNNI and AVX-512 bodies);
+ * everything else, _core included, runs on any x86-64 CPU.
+ *
+ * The C test programs (tests/c) include the kernel headers into one file built with -mavx2
+ * -mfma (or -DKVC_NO_SIMD for the portable twin); for them kvc_isa is the body the program
+ * runs.  KVC_NO_VNNI (set by setup.py when the compiler cannot build the VNNI intrinsics)
+ * leaves the VNNI and AVX-512 bodies out.  KVC_EMULATE_VNNI (tests/c only) compiles the VNNI
+ * bodies WITHOUT their target attributes and with an exact AVX2 emulation of vpdpbusd
+ * (kvc_dpbusd_emu), so a machine without VNNI runs those bodies and compares their bits with
+ * the AVX2 one.
  */
 #ifndef KVCACHE_ISA_H
 #define KVCACHE_ISA_H
@@ -28,9 +37,29 @@
 #define KVC_ISA_AVX2 1
 #define KVC_ISA_AVXVNNI 2
 #define KVC_ISA_AVX512 3
+#define KVC_N_BODIES 4
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && defined(__AVX2__) \
-    && defined(__FMA__) && !defined(KVC_NO_SIMD)
+/* feature bits (kvcache/_dispatch.py FEATURES holds the same names in the same order) */
+#define KVC_F_AVX2 (1u << 0)
+#define KVC_F_FMA (1u << 1)
+#define KVC_F_AVXVNNI (1u << 2)
+#define KVC_F_AVX512F (1u << 3)
+#define KVC_F_AVX512BW (1u << 4)
+#define KVC_F_AVX512DQ (1u << 5)
+#define KVC_F_AVX512VL (1u << 6)
+#define KVC_F_AVX512VNNI (1u << 7)
+#define KVC_F_AVX512BF16 (1u << 8)
+#define KVC_F_NEON (1u << 9)
+#define KVC_F_DOTPROD (1u << 10)
+#define KVC_N_FEATURES 11
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define KVC_X86 1
+#else
+#define KVC_X86 0
+#endif
+
+#if KVC_X86 && defined(__AVX2__) && defined(__FMA__) && !defined(KVC_NO_SIMD)
 #define KVC_DISPATCH 1
 #include <immintrin.h>
 #if defined(KVC_EMULATE_VNNI)
@@ -66,35 +95,88 @@ static inline __attribute__((always_inline)) __m256i kvc_dpbusd_emu(__m256i acc,
 #define KVC_VNNI 0
 #endif
 
-static int kvc_isa = KVC_ISA_PORTABLE;
-
-static void kvc_isa_set(int level) { kvc_isa = level; }
-
-/* The best level this CPU (and OS) can run, limited to what the build holds. */
-static int kvc_isa_detect(void)
-{
-#if KVC_DISPATCH
-    __builtin_cpu_init();
-    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
-        return KVC_ISA_PORTABLE;   /* cannot happen on a machine that imported the module */
-    if (!KVC_VNNI)
-        return KVC_ISA_AVX2;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")
-        && __builtin_cpu_supports("avx512vnni"))
-        return KVC_ISA_AVX512;
-    if (__builtin_cpu_supports("avxvnni"))
-        return KVC_ISA_AVXVNNI;
-    return KVC_ISA_AVX2;
-#else
-    return KVC_ISA_PORTABLE;
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
 #endif
+
+/* The features this CPU and OS support (a set of KVC_F_* bits). */
+static inline unsigned kvc_cpu_features(void)
+{
+    unsigned f = 0;
+#if KVC_X86
+    __builtin_cpu_init();
+#define KVC_HAS(name, bit) if (__builtin_cpu_supports(name)) f |= (bit)
+    KVC_HAS("avx2", KVC_F_AVX2);
+    KVC_HAS("fma", KVC_F_FMA);
+    KVC_HAS("avxvnni", KVC_F_AVXVNNI);
+    KVC_HAS("avx512f", KVC_F_AVX512F);
+    KVC_HAS("avx512bw", KVC_F_AVX512BW);
+    KVC_HAS("avx512dq", KVC_F_AVX512DQ);
+    KVC_HAS("avx512vl", KVC_F_AVX512VL);
+    KVC_HAS("avx512vnni", KVC_F_AVX512VNNI);
+    KVC_HAS("avx512bf16", KVC_F_AVX512BF16);
+#undef KVC_HAS
+#elif defined(__aarch64__) && defined(__linux__)
+    unsigned long hw = getauxval(AT_HWCAP);
+#ifdef HWCAP_ASIMD
+    if (hw & HWCAP_ASIMD)
+        f |= KVC_F_NEON;
+#endif
+#ifdef HWCAP_ASIMDDP
+    if (hw & HWCAP_ASIMDDP)
+        f |= KVC_F_DOTPROD;
+#endif
+#elif defined(__aarch64__)
+    f |= KVC_F_NEON;   /* Advanced SIMD is part of every AArch64 CPU */
+#endif
+    return f;
 }
 
-/* The name of a level (the names KVCACHE_ISA and _core.set_isa take). */
-static const char *kvc_isa_name(int level)
+/* The features body `body` may execute. */
+static inline unsigned kvc_body_needs(int body)
 {
-    switch (level) {
+    switch (body) {
+    case KVC_ISA_AVX2: return KVC_F_AVX2 | KVC_F_FMA;
+    case KVC_ISA_AVXVNNI: return KVC_F_AVX2 | KVC_F_FMA | KVC_F_AVXVNNI;
+    case KVC_ISA_AVX512:
+        return KVC_F_AVX2 | KVC_F_FMA | KVC_F_AVX512F | KVC_F_AVX512BW | KVC_F_AVX512DQ
+               | KVC_F_AVX512VL | KVC_F_AVX512VNNI;
+    default: return 0;
+    }
+}
+
+/* Whether this CPU runs body `body`: every feature it needs is present. */
+static inline int kvc_cpu_runs(int body)
+{
+    unsigned need = kvc_body_needs(body);
+    return (kvc_cpu_features() & need) == need;
+}
+
+/* The body a C test program runs (tests/c; _core keeps its own choice per family). */
+#if defined(__GNUC__)
+__attribute__((unused))
+#endif
+static int kvc_isa = KVC_ISA_PORTABLE;
+
+/* For the C test programs: the most capable body this CPU runs of those a one-file build
+ * holds (AVX-512, then AVX-VNNI, then AVX2, then the portable C). */
+static inline int kvc_isa_detect(void)
+{
+#if KVC_DISPATCH
+    if (KVC_VNNI && kvc_cpu_runs(KVC_ISA_AVX512))
+        return KVC_ISA_AVX512;
+    if (KVC_VNNI && kvc_cpu_runs(KVC_ISA_AVXVNNI))
+        return KVC_ISA_AVXVNNI;
+    if (kvc_cpu_runs(KVC_ISA_AVX2))
+        return KVC_ISA_AVX2;
+#endif
+    return KVC_ISA_PORTABLE;
+}
+
+/* The name of a body (the names KVCACHE_ISA and _core.set_isa take). */
+static inline const char *kvc_isa_name(int body)
+{
+    switch (body) {
     case KVC_ISA_AVX2: return "avx2";
     case KVC_ISA_AVXVNNI: return "avxvnni";
     case KVC_ISA_AVX512: return "avx512";

@@ -21,6 +21,8 @@
 #include <string.h>
 #include <stddef.h>
 
+#include "_sizes.h"
+
 #define KVC_LANES 16
 
 #if defined(__GNUC__)
@@ -459,11 +461,7 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
  * registers while the chunk's rows stream past, each row widened once for the quad.  Same
  * per-element chain as kvc_task_values_impl. */
 #define KVC_VBLOCK 32
-#define KVC_VROWS 256 /* rows of one task at most: the chunk size of _core.pyx */
 
-/* Per-thread scratch floats a task needs: the int8 value pass's KVC_VROWS x 4 weights and
- * KVC_VROWS masks (the other passes read the rows in place). */
-#define KVC_SCRATCH_FLOATS(hd) ((void)(hd), 5 * KVC_VROWS)
 
 KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq,
                                    const ptrdiff_t *qf, const ptrdiff_t *qe, const int8_t *vq,
@@ -700,13 +698,11 @@ static inline void kvc_quant_row(const float *restrict x, const float *restrict 
  *                  acc = fmaf((float)isum_g, sq_g * sk_g, acc)
  *              then, as for float32 rows, s = acc * scale and the softcap.
  * Every instruction-set body (portable C, AVX2, AVX-VNNI, AVX-512 VNNI: _i8dot.h) computes
- * exactly these bits; kvc_isa picks the body once per call.
+ * exactly these bits; the caller names the body (read once per call).
  * ------------------------------------------------------------------------------------- */
 
 #include "_isa.h"
 
-#define KVC_I8_PAD(hd) (((hd) + 31) / 32 * 32) /* int8 codes per quantised query */
-#define KVC_I8_GROUPS(hd, group) (((hd) + (group) - 1) / (group))
 
 /* Quantise one query x (hd floats) in groups of `group` (16 or 32) channels: qi
  * (KVC_I8_PAD(hd) codes, zeros past hd), sq and qsum (KVC_I8_GROUPS(hd, group) each). */
@@ -774,14 +770,16 @@ KVC_INLINE float kvc_i8_score1(const int8_t *restrict qi, const float *restrict 
 #endif
 
 /* out[i] = raw q8 score of row i < n (rows k + i * hd, scales ks + i * ks_stride; K groups
- * of `group`, 16 or 32, channels) with the body of level isa. */
+ * of `group`, 16 or 32, channels) with the body `isa` (KVC_ISA_*; a body this file was not
+ * compiled with -- any, in the portable build -- runs the portable loop, same bits).  The
+ * caller has checked that the CPU runs it. */
 static void kvc_i8_rows_isa(int isa, ptrdiff_t group, const int8_t *qi, const float *sq,
                             const int32_t *qsum, const int8_t *k, const float *ks,
                             ptrdiff_t ks_stride, ptrdiff_t hd, ptrdiff_t n, float *out)
 {
     ptrdiff_t i;
 #if KVC_DISPATCH && KVC_VNNI
-    if (isa >= KVC_ISA_AVX512) {
+    if (isa == KVC_ISA_AVX512) {
         kvc_i8_rows_avx512(qi, sq, qsum, k, ks, ks_stride, hd, group, n, out);
         return;
     }
@@ -791,7 +789,7 @@ static void kvc_i8_rows_isa(int isa, ptrdiff_t group, const int8_t *qi, const fl
     }
 #endif
 #if KVC_SIMD
-    if (isa >= KVC_ISA_AVX2) {
+    if (isa == KVC_ISA_AVX2) {
         kvc_i8_rows_avx2(qi, sq, qsum, k, ks, ks_stride, hd, group, n, out);
         return;
     }

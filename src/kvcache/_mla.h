@@ -2,7 +2,7 @@
  * _core.mla_attend.  Three bodies of a task (scores, online softmax, latent sums) compute the
  * same bits (no -ffast-math): the portable C twin (a build without AVX2/FMA), the AVX2/FMA
  * body on 8-float vectors (the SIMD build's baseline) and the AVX-512 body on 16-float
- * vectors, which kvc_mla_task() runs when kvc_isa (_isa.h) is KVC_ISA_AVX512.  The two SIMD
+ * vectors, which kvc_mla_task_for() picks for the body KVC_ISA_AVX512 (_isa.h).  The two SIMD
  * bodies are one source compiled twice (see "the SIMD bodies" below).
  * tests/c/portable_twin.c and tests/c/mla_paths.c compile them and compare the bits.
  *
@@ -39,8 +39,6 @@
 #include "_kernels.h"
 #include "_isa.h"
 
-#define KVC_MLA_BLOCK 64          /* rows per online-softmax block (~147 KiB at r=512) */
-#define KVC_MLA_CHUNK 64          /* elements per partial sum of a score */
 
 /* Absorbed query of one (position, head): qa = W_UK[h]^T qn, written into column h of qT,
  * followed by the head's RoPE query qr (dr floats) in rows r .. r + dr - 1. */
@@ -214,7 +212,7 @@ KVC_INLINE void kvc_mla_pf_finish(kvc_mla_pf *f)
  * __m256 operations, so that the very code of the AVX-512 path runs, and is compared bit for
  * bit, on a machine without AVX-512. */
 
-#if KVC_SIMD && (KVC_DISPATCH || defined(KVC_EMULATE_512))
+#if KVC_SIMD && ((KVC_DISPATCH && KVC_VNNI && !defined(KVC_EMULATE_VNNI)) || defined(KVC_EMULATE_512))
 #define KVC_MLA_HAS512 1
 #else
 #define KVC_MLA_HAS512 0
@@ -373,36 +371,44 @@ typedef void (*kvc_mla_task_fn)(const float *qT, ptrdiff_t H, ptrdiff_t Hp, cons
                                 ptrdiff_t p1, ptrdiff_t pf_end, float scale, float *acc,
                                 float *m, float *l, float *S);
 
-/* The task body of the level in use: the 16-float body when kvc_isa >= KVC_ISA_AVX512, else
- * the 8-float one (kvc_isa 0 included) on a SIMD build, the portable twin otherwise.  A caller
- * reads it once per call, before its parallel region. */
-static inline kvc_mla_task_fn kvc_mla_task_select(void)
+/* The task body for body id `body` (_isa.h): the 16-float body for KVC_ISA_AVX512 where this
+ * file holds it, else the 8-float one on a SIMD build (AVX-VNNI brings nothing to float
+ * kernels), the portable twin otherwise.  A caller reads it once per call, before its
+ * parallel region, and has checked that the CPU runs that body. */
+static inline kvc_mla_task_fn kvc_mla_task_for(int body)
 {
 #if KVC_MLA_HAS512
-    if (kvc_isa >= KVC_ISA_AVX512)
+    if (body == KVC_ISA_AVX512)
         return kvc_mla_task_avx512;
 #endif
 #if KVC_SIMD
+    (void)body;
     return kvc_mla_task_avx2;
 #else
+    (void)body;
     return kvc_mla_task_c;
 #endif
 }
 
 /* The name of that body: "avx512", "avx2" or "portable". */
-static inline const char *kvc_mla_path(void)
+static inline const char *kvc_mla_path_for(int body)
 {
 #if KVC_MLA_HAS512
-    if (kvc_isa >= KVC_ISA_AVX512)
+    if (body == KVC_ISA_AVX512)
         return "avx512";
 #endif
+    (void)body;
     return KVC_SIMD ? "avx2" : "portable";
 }
+
+/* The C test programs' form: the body of kvc_isa. */
+static inline kvc_mla_task_fn kvc_mla_task_select(void) { return kvc_mla_task_for(kvc_isa); }
+static inline const char *kvc_mla_path(void) { return kvc_mla_path_for(kvc_isa); }
 
 /* One task: rows [p0, p1) of one position.  acc (H x r), m and l (Hp each) are the task's
  * partial state; S is KVC_MLA_BLOCK x Hp scratch.  Rows up to pf_end (>= p1) may be
  * prefetched, never read.  Runs the body kvc_mla_task_select() names. */
-static void kvc_mla_task(const float *restrict qT, ptrdiff_t H, ptrdiff_t Hp,
+static inline void kvc_mla_task(const float *restrict qT, ptrdiff_t H, ptrdiff_t Hp,
                          const float *lat, const float *kr, ptrdiff_t r, ptrdiff_t dr,
                          ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t pf_end, float scale,
                          float *restrict acc, float *restrict m, float *restrict l,

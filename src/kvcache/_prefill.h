@@ -34,16 +34,7 @@
 
 #include "_kernels.h"
 
-#define KVC_PF_TILE 64 /* rows per key/value tile, at absolute row multiples */
-#define KVC_PF_QR 6    /* queries per register block (scores and values) */
-#define KVC_PF_PAD16(hd) (((hd) + 15) / 16 * 16)
 
-/* Per-thread scratch floats of a task with up to nq queries (the importance pass needs less):
- * the packed K tile (64 x hd), the packed V tile (64 x hd rounded up to 16), scores and
- * probabilities (nq x 64), the partial outputs (nq x padded hd), alpha (nq), and slack. */
-#define KVC_PF_SCRATCH_FLOATS(hd, nq) \
-    (KVC_PF_TILE * (hd) + KVC_PF_TILE * KVC_PF_PAD16(hd) + (nq) * KVC_PF_TILE \
-     + (nq) * KVC_PF_PAD16(hd) + (nq) + 64)
 
 /* Ask for the rows [p0, p1) of a store (row_bytes each) in L2, ahead of the next tile. */
 KVC_INLINE void kvc_pf_prefetch(const void *base, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t row_bytes)
@@ -566,9 +557,6 @@ static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const
  * KVC_PF_IMP_ROWS): for the group's queries in order, colsum[p - t0] += exp(s - qm[j]) / ql[j]
  * over the query's visible rows.  scratch: KVC_PF_IMP_SCRATCH(hd) floats.
  * ------------------------------------------------------------------------------------- */
-#define KVC_PF_IMP_ROWS 256
-#define KVC_PF_IMP_QUERIES 48 /* queries scored together: each K strip is read once for them */
-#define KVC_PF_IMP_SCRATCH(hd) (KVC_PF_IMP_ROWS * (hd) + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS + 64)
 
 static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                              const ptrdiff_t *qe, const float *qm, const float *ql,

@@ -1,0 +1,38 @@
+/* Sizes shared by the kernel headers and the compiled drivers (_core.pyx): tile and task
+ * geometry, scratch per thread, the padded query of q8 scoring.  Included by _kernels.h,
+ * _prefill.h, _mla.h and _dispatch.h, so _core reads them without compiling any kernel. */
+#ifndef KVCACHE_SIZES_H
+#define KVCACHE_SIZES_H
+
+/* the decode value pass (_kernels.h) */
+#define KVC_VROWS 256 /* rows of one task at most: the chunk size of _core.pyx */
+
+/* Per-thread scratch floats a task needs: the int8 value pass's KVC_VROWS x 4 weights and
+ * KVC_VROWS masks (the other passes read the rows in place). */
+#define KVC_SCRATCH_FLOATS(hd) ((void)(hd), 5 * KVC_VROWS)
+
+/* q8 scoring (_kernels.h) */
+#define KVC_I8_PAD(hd) (((hd) + 31) / 32 * 32) /* int8 codes per quantised query */
+#define KVC_I8_GROUPS(hd, group) (((hd) + (group) - 1) / (group))
+
+/* the prompt kernel (_prefill.h) */
+#define KVC_PF_TILE 64 /* rows per key/value tile, at absolute row multiples */
+#define KVC_PF_QR 6    /* queries per register block (scores and values) */
+#define KVC_PF_PAD16(hd) (((hd) + 15) / 16 * 16)
+
+/* Per-thread scratch floats of a task with up to nq queries (the importance pass needs less):
+ * the packed K tile (64 x hd), the packed V tile (64 x hd rounded up to 16), scores and
+ * probabilities (nq x 64), the partial outputs (nq x padded hd), alpha (nq), and slack. */
+#define KVC_PF_SCRATCH_FLOATS(hd, nq) \
+    (KVC_PF_TILE * (hd) + KVC_PF_TILE * KVC_PF_PAD16(hd) + (nq) * KVC_PF_TILE \
+     + (nq) * KVC_PF_PAD16(hd) + (nq) + 64)
+
+#define KVC_PF_IMP_ROWS 256
+#define KVC_PF_IMP_QUERIES 48 /* queries scored together: each K strip is read once for them */
+#define KVC_PF_IMP_SCRATCH(hd) (KVC_PF_IMP_ROWS * (hd) + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS + 64)
+
+/* MLA decode (_mla.h) */
+#define KVC_MLA_BLOCK 64          /* rows per online-softmax block (~147 KiB at r=512) */
+#define KVC_MLA_CHUNK 64          /* elements per partial sum of a score */
+
+#endif
