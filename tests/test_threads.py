@@ -52,12 +52,26 @@ def test_choose_refuses_a_limit_below_one():
 
 
 # ---------------------------------------------------------------- the sampler, simulated
-def fake_sampler(tmp_path, running, host=2, usable=2, own=0):
+class FakeClock:
+    """A monotonic clock that moves only when a test says so (any starting value: the sampler
+    uses differences only)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def fake_sampler(tmp_path, running, host=2, usable=2, own=0, clock=None):
     """A sampler reading a loadavg file of ours, on a simulated host of ``host`` CPUs of which
-    ``usable`` are ours, with ``own`` of our team's workers runnable."""
+    ``usable`` are ours, with ``own`` of our team's workers runnable, on a clock of ours."""
     path = tmp_path / "loadavg"
     path.write_text(f"0.50 0.40 0.30 {running}/321 4567\n")
-    s = Sampler(str(path))
+    s = Sampler(str(path), clock=clock or FakeClock())
     s.host, s.usable = host, usable
     s.own_running = lambda workers: min(own, workers)          # type: ignore[method-assign]
     return s
@@ -81,33 +95,57 @@ def test_sampler_counts_free_cpus(tmp_path, running, own, host, usable, expected
     assert s.cap(64, usable) == expected and s.last == expected
 
 
-def test_the_count_stays_down_for_a_moment_after_competition(tmp_path, monkeypatch):
+# any epoch: a clock read just after boot (0), an hour-old machine, a year-old one
+EPOCHS = [0.0, 3600.0, 3.2e7]
+
+
+@pytest.mark.parametrize("start", EPOCHS)
+def test_the_count_stays_down_for_a_moment_after_competition(tmp_path, start):
     """A competitor that pauses between two calls does not bring back a team it would stall:
     the count goes down at once and up only after HOLD seconds without competition."""
-    monkeypatch.setattr(_threads, "SAMPLE_TTL", -1.0)        # a fresh sample every call
-    monkeypatch.setattr(_threads, "HOLD", 3600.0)
-    s = fake_sampler(tmp_path, running=1)
+    clock = FakeClock(start)
+    s = fake_sampler(tmp_path, running=1, clock=clock)
+    step = 2 * _threads.SAMPLE_TTL                            # a fresh sample every call
     assert s.cap(2, 2) == 2
     (tmp_path / "loadavg").write_text("0.5 0.4 0.3 2/100 1\n")    # a busy loop appears
+    clock.advance(step)
     assert s.cap(2, 2) == 1
+    clock.advance(step)
     assert s.cap(2, 2) == 1                                   # seen twice in a row: held
     (tmp_path / "loadavg").write_text("0.5 0.4 0.3 1/100 1\n")    # ...pauses
+    clock.advance(step)
     assert s.cap(2, 2) == 1 and s.last == 1
-    monkeypatch.setattr(_threads, "HOLD", 0.0)                # ...and has been gone long enough
+    clock.advance(_threads.HOLD / 4)
+    assert s.cap(2, 2) == 1                                   # still inside the hold
+    clock.advance(_threads.HOLD)                              # ...gone long enough
     assert s.cap(2, 2) == 2
 
 
-def test_a_thread_runnable_for_one_sample_is_not_held(tmp_path, monkeypatch):
+@pytest.mark.parametrize("start", EPOCHS)
+def test_a_thread_runnable_for_one_sample_is_not_held(tmp_path, start):
     """A competitor seen by one sample only (a daemon waking up) lowers that sample's count
     but starts no hold: the next sample without it gives the team back."""
-    monkeypatch.setattr(_threads, "SAMPLE_TTL", -1.0)
-    monkeypatch.setattr(_threads, "HOLD", 3600.0)
-    s = fake_sampler(tmp_path, running=1)
+    clock = FakeClock(start)
+    s = fake_sampler(tmp_path, running=1, clock=clock)
+    step = 2 * _threads.SAMPLE_TTL
     assert s.cap(2, 2) == 2
     (tmp_path / "loadavg").write_text("0.5 0.4 0.3 2/100 1\n")
+    clock.advance(step)
     assert s.cap(2, 2) == 1
     (tmp_path / "loadavg").write_text("0.5 0.4 0.3 1/100 1\n")
+    clock.advance(step)
     assert s.cap(2, 2) == 2
+
+
+def test_a_sample_is_reused_for_its_ttl(tmp_path):
+    clock = FakeClock(5.0)
+    s = fake_sampler(tmp_path, running=1, clock=clock)
+    assert s.cap(2, 2) == 2
+    (tmp_path / "loadavg").write_text("0.5 0.4 0.3 2/100 1\n")
+    clock.advance(_threads.SAMPLE_TTL / 2)
+    assert s.cap(2, 2) == 2                                   # the cached sample
+    clock.advance(_threads.SAMPLE_TTL)
+    assert s.cap(2, 2) == 1
 
 
 def test_sampler_parses_the_running_field(tmp_path):

@@ -28,7 +28,7 @@ import operator
 import os
 import threading
 import time
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 from . import _core
 
@@ -95,14 +95,15 @@ class _TeamTids(threading.local):
 
 
 class _Cached(threading.local):
-    """The calling thread's last sample: when, the free CPUs, whether exact or a lower bound,
-    and the largest count handed out since (its workers may still be spinning)."""
+    """The calling thread's last sample: when (None: never), the free CPUs, whether exact or a
+    lower bound, the largest count handed out since (its workers may still be spinning), and
+    when competition was last held (None: never)."""
 
-    at = -1.0
+    at: Optional[float] = None
     free = 1
     exact = False
     used = 1
-    low_at = -1.0
+    low_at: Optional[float] = None
     low_streak = 0
 
 
@@ -122,9 +123,15 @@ class Sampler:
     ----------
     loadavg : str
         The file to read (a test points it at a file of its own).
+    clock : callable, optional
+        Seconds, monotonic (default ``time.monotonic``; a test passes a clock of its own).  Only
+        differences of its readings are used, never its value: the policy does not depend on
+        when the machine booted.
     """
 
-    def __init__(self, loadavg: str = "/proc/loadavg") -> None:
+    def __init__(self, loadavg: str = "/proc/loadavg",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.host = os.cpu_count() or 1
         try:
             self.usable = len(os.sched_getaffinity(0))
@@ -189,8 +196,8 @@ class Sampler:
         calling thread, and a lower count kept for :data:`HOLD` seconds after competition was
         last seen; ``n`` when there is no sample."""
         c = self._cached
-        now = time.monotonic()
-        if now - c.at > SAMPLE_TTL or (not c.exact and c.free < n):
+        now = self.clock()
+        if c.at is None or now - c.at > SAMPLE_TTL or (not c.exact and c.free < n):
             if self._fd is None:
                 return n
             try:
@@ -199,7 +206,7 @@ class Sampler:
                 free, exact = self.sample(n, max(c.used, min(limit, 8)) - 1)
             except (OSError, ValueError, IndexError):
                 return n
-            if c.at < 0 or free <= c.free or now - c.low_at > HOLD:
+            if c.at is None or free <= c.free or c.low_at is None or now - c.low_at > HOLD:
                 c.free, c.exact = free, exact
                 if free < limit:
                     # competition seen now; held only when the previous sample saw it too,

@@ -1,0 +1,148 @@
+"""One call of every kernel family on fixed inputs, printed as a digest per family.
+
+Run as a program (``python tests/isa_smoke.py``) it prints one JSON object: the CPU features
+kvcache detected, the body each family runs and the SHA-256 of each family's output bytes.  The
+bodies compute the portable twin's bits, so the digests must not depend on the CPU or on the
+bodies chosen: .ci/run runs this natively and under user-mode QEMU on CPUs without AVX2
+(``-cpu Nehalem``) and without AVX-512 (``-cpu Haswell``) and compares the digests; the test
+suite runs it in-process for every body this CPU runs (tests/test_isa_smoke.py).
+
+Small shapes (under QEMU the interpreter is emulated), but every family's SIMD paths are
+reached: head dims 64 and 72 (whole and partial vector blocks), K groups of 16 and 32, enough
+rows for several tiles and tasks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import numpy as np
+
+
+def _digest(*arrays: np.ndarray) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def _attention(core, rng, blocked: bool, quant: bool, hd: int, group: int) -> list[np.ndarray]:
+    nkv, hpk, T, n_pos = 2, 3, 300, 5 if not blocked else 70
+    ng = -(-hd // group)
+    kf = rng.standard_normal((nkv, T, hd)).astype(np.float32)
+    vf = rng.standard_normal((nkv, T, hd)).astype(np.float32)
+    kq = rng.integers(-127, 128, (nkv, T, hd)).astype(np.int8)
+    ks = (rng.random((nkv, T, ng)) * 0.02).astype(np.float32)
+    vq = rng.integers(-127, 128, (nkv, T, hd)).astype(np.int8)
+    vs = (rng.random((nkv, T, 1)) * 0.02).astype(np.float32)
+    zf = np.zeros((nkv, 1, hd), np.float32)
+    vcol = (1.0 + rng.random((nkv, hd))).astype(np.float32)
+    hl = np.array([T, T - 7], np.intp)
+    nq = nkv * hpk * n_pos
+    q = rng.standard_normal((nq, hd)).astype(np.float32)
+    g0 = np.arange(nkv + 1, dtype=np.intp) * hpk * n_pos
+    out = np.zeros((nq, hd), np.float32)
+    imp = np.zeros(T, np.float32)
+    args = dict(kf__hcd=zf if quant else kf, kq__hcd=kq, ks__hcg=ks, vf__hcd=zf if quant else vf,
+                vq__hcd=vq, vs__hc1=vs, vcol__hd=vcol, head_len__h=hl, q__jd=q, group_q0=g0,
+                n_pos=n_pos, n_back=n_pos, window=0, first=0, scale=0.125, softcap=0.0,
+                out__jd=out, imp__l=imp, imp_mode=2 if blocked else 1, quant_k=quant,
+                quant_v=quant,
+                n_threads=2)
+    if blocked:
+        core.attend_blocked(**args)
+        return [out, imp]
+    probs = np.zeros((nq, T), np.float32)
+    core.attend_rows(probs__jl=probs, **args)
+    return [out, probs, imp]
+
+
+def _o1(core, rng) -> list[np.ndarray]:
+    H, G, m, d, dv, ns, cap = 4, 2, 8, 64, 64, 4, 32
+    f = np.float32
+    qt = rng.standard_normal((H, m, d)).astype(f)
+    keys = rng.standard_normal((G, 40, d)).astype(f)
+    vals = rng.standard_normal((G, 40, dv)).astype(f)
+    t_hat = np.zeros((H, m, dv), f)
+    z_hat = np.zeros((H, m), f)
+    m_max = np.full((H, m), -np.inf, f)
+    core.o1_absorb(q_tilde__hmd=qt, keys__gnd=keys, values__gne=vals, row0=0, n=40, scale=0.125,
+                   t_hat__hme=t_hat, z_hat__hm=z_hat, m_max__hm=m_max,
+                   scr__hm=np.zeros((H, m), f), n_threads=2)
+    win_k = rng.standard_normal((G, cap, d)).astype(f)
+    win_v = rng.standard_normal((G, cap, dv)).astype(f)
+    out = np.zeros((H, dv), f)
+    core.o1_step(q__hd=rng.standard_normal((H, d)).astype(f),
+                 k_new__gd=rng.standard_normal((G, d)).astype(f),
+                 v_new__ge=rng.standard_normal((G, dv)).astype(f),
+                 sink_k__gsd=rng.standard_normal((G, ns, d)).astype(f),
+                 sink_v__gse=rng.standard_normal((G, ns, dv)).astype(f),
+                 win_k__gcd=win_k, win_v__gce=win_v, win_len=cap, slot=5, absorb=True,
+                 k_tilde__gmd=rng.standard_normal((G, m, d)).astype(f), q_tilde__hmd=qt,
+                 mu__hmm=(rng.standard_normal((H, m, m)) * 0.1).astype(f), t_hat__hme=t_hat,
+                 z_hat__hm=z_hat, m_max__hm=m_max, use_far=True, fm=False, scale=0.125,
+                 out__he=out, scr__hx=np.zeros((H, ns + cap + 3 * m), f), n_threads=2)
+    return [t_hat, z_hat, m_max, win_k, win_v, out]
+
+
+def _mla(core, rng) -> list[np.ndarray]:
+    n, H, dn, dr, T, r, dv = 3, 20, 32, 16, 200, 96, 32
+    f = np.float32
+    out = np.zeros((n, H, dv), f)
+    core.mla_attend(qn__nhk=rng.standard_normal((n, H, dn)).astype(f),
+                    qr__nhe=rng.standard_normal((n, H, dr)).astype(f),
+                    lat__tr=rng.standard_normal((T, r)).astype(f),
+                    kr__te=rng.standard_normal((T, dr)).astype(f),
+                    wuk__hkr=(rng.standard_normal((H, dn, r)) * 0.1).astype(f),
+                    wuv__hjr=(rng.standard_normal((H, dv, r)) * 0.1).astype(f), scale=0.1,
+                    out__nhj=out, n_threads=2)
+    return [out]
+
+
+def _quant(core, rng) -> list[np.ndarray]:
+    x = (rng.standard_normal((50, 72)) * 3).astype(np.float32)
+    res = []
+    for group in (16, 32):
+        ng = -(-72 // group)
+        q = np.zeros((50, 72), np.int8)
+        s = np.zeros((50, ng), np.float32)
+        core.quantize_rows(x, np.zeros(0, np.float32), group, q, s, 2)
+        scores = np.zeros((7, 50), np.float32)
+        core.q8_scores(x[:7].copy(), q, s, scores, group)
+        res += [q, s, scores]
+    return res
+
+
+def run_all() -> dict[str, str]:
+    """Family -> digest of its outputs (fixed seeds, so the same on every machine)."""
+    from kvcache import _core
+
+    rng = np.random.default_rng(20261202)
+    out: dict[str, str] = {}
+    for hd, group in ((64, 16), (72, 32)):
+        out[f"f32 decode hd={hd}"] = _digest(*_attention(_core, rng, False, False, hd, group))
+        out[f"q8 decode hd={hd} group={group}"] = _digest(*_attention(_core, rng, False, True,
+                                                                       hd, group))
+        out[f"f32 prefill hd={hd}"] = _digest(*_attention(_core, rng, True, False, hd, group))
+        out[f"q8 prefill hd={hd} group={group}"] = _digest(*_attention(_core, rng, True, True,
+                                                                        hd, group))
+    out["o1 step"] = _digest(*_o1(_core, rng))
+    out["mla"] = _digest(*_mla(_core, rng))
+    out["quantise"] = _digest(*_quant(_core, rng))
+    return out
+
+
+def main() -> int:
+    from kvcache import _core
+
+    report = {"features": sorted(_core.cpu_features()), "bodies": _core.bodies(),
+              "digests": run_all()}
+    json.dump(report, sys.stdout, indent=1, sort_keys=True)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
