@@ -28,12 +28,13 @@ import operator
 import os
 import threading
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from . import _core
 
-__all__ = ["HOLD", "MIN_WORK_PER_THREAD", "SAMPLE_TTL", "Sampler", "ThreadSettings", "choose",
-           "sampler", "thread_settings", "threads", "threads_for"]
+__all__ = ["BLAS_SAMPLE_TTL", "BlasGovernor", "HOLD", "MIN_WORK_PER_THREAD", "SAMPLE_TTL",
+           "Sampler", "ThreadSettings", "choose", "sampler", "thread_settings", "threads",
+           "threads_for"]
 
 MIN_WORK_PER_THREAD = 1 << 18
 """Multiply-adds a thread must get (about 30-60 us on one core) before it is worth waking."""
@@ -180,6 +181,33 @@ class Sampler:
             except OSError:        # the worker is gone (or a fork's child): capture again
                 team.size = 0
         return n
+
+    def own_runnable(self) -> int:
+        """Runnable threads of this process now, the caller included (every
+        ``/proc/self/task/<tid>/stat`` in state R)."""
+        own = 0
+        for name in os.listdir("/proc/self/task"):
+            try:
+                own += _stat_state(int(name)) == "R"
+            except (OSError, ValueError):
+                pass              # a thread that ended meanwhile
+        return own
+
+    def free_external(self) -> Optional[int]:
+        """CPUs not taken by other processes now, counting the caller's own: the usable CPUs
+        less the runnable threads of everyone else, where every thread of this process --
+        the caller, kvcache's OpenMP workers, BLAS's workers spinning after a product -- is
+        ours, not competition (each is read from ``/proc/self/task/<tid>/stat``).  None
+        without a sample.  What :class:`BlasGovernor` sizes BLAS's team from."""
+        if self._fd is None:
+            return None
+        try:
+            running = self.running()
+            own = self.own_runnable() if running > 1 else 1   # someone else: one of ours?
+            others = max(0, running - max(own, 1))
+        except (OSError, ValueError, IndexError):
+            return None
+        return max(1, min(self.usable, self.host - others))
 
     def sample(self, want: int, spinning: int) -> tuple[int, bool]:
         """Free CPUs now counting the caller's own, and whether the count is exact (False: a
@@ -373,3 +401,116 @@ def thread_settings() -> ThreadSettings:
                           max_threads=limit if cap is None else min(limit, cap),
                           sampler="loadavg" if s.available else "off", free_cpus=s.last,
                           usable_cpus=s.usable)
+
+
+BLAS_SAMPLE_TTL = 0.005
+"""Seconds :class:`BlasGovernor` reuses a sample of the free CPUs (a layer's products of one
+chunk take a few milliseconds: about one sample per layer and chunk)."""
+
+_blas_libs_cache: Optional[list[Any]] = None
+_blas_lock = threading.Lock()
+
+
+def _blas_libs() -> list[Any]:
+    """threadpoolctl's controllers of the BLAS libraries loaded now (NumPy's OpenBLAS, MKL,
+    ...), found once per process after NumPy's import."""
+    global _blas_libs_cache
+    libs = _blas_libs_cache
+    if libs is None:
+        with _blas_lock:
+            if _blas_libs_cache is None:
+                import numpy  # noqa: F401  (loads the BLAS threadpoolctl should see)
+                from threadpoolctl import ThreadpoolController
+                ctl = ThreadpoolController().select(user_api="blas")
+                _blas_libs_cache = list(ctl.lib_controllers)
+            libs = _blas_libs_cache
+    return libs
+
+
+class BlasGovernor:
+    """Size NumPy's BLAS thread pool for each product from the free CPUs, as kvcache's own
+    kernels are sized (docs/threads.md, "BLAS").
+
+    BLAS's fork-join team waits for its slowest thread: on a machine where another process
+    keeps a core busy, a product on every core runs at the pace of the descheduled one (a
+    512-token prompt measured 10x slower), while on a quiet machine one thread leaves cores
+    idle.  Inside a ``with BlasGovernor(): ...`` block, :meth:`size` (called before each
+    product or group of products) sets BLAS's thread count to ``min(cap, free CPUs now)``,
+    where the free CPUs are the usable ones less the runnable threads of *other* processes
+    (this process's own threads, BLAS's and OpenMP's spinning workers included, are not
+    competition: :meth:`Sampler.free_external`).  Leaving the block restores the counts
+    BLAS had.  Results do not depend on the count (BLAS's products are deterministic for a
+    given count only on some libraries; kvcache's runner does not depend on it: its
+    bit-identity guarantees are about its own kernels and chunking).
+
+    Parameters
+    ----------
+    cap : int, optional
+        The most BLAS threads a product may use (>= 1); None: BLAS's own count when the
+        block is entered (``OPENBLAS_NUM_THREADS``, ``threadpoolctl`` limits), which stays
+        the outer limit in every case.
+    clock : callable, optional
+        Monotonic seconds (a test passes its own).
+    sampler : Sampler, optional
+        The free-CPU sampler (default: the process's, :func:`sampler`).
+    """
+
+    def __init__(self, cap: Optional[int] = None, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 sampler: Optional[Sampler] = None) -> None:
+        if cap is not None:
+            if isinstance(cap, bool) or not hasattr(cap, "__index__"):
+                raise TypeError(f"cap: expected an int or None, got {type(cap).__name__}")
+            cap = operator.index(cap)
+            if cap < 1:
+                raise ValueError(f"cap: expected >= 1, got {cap}")
+        self.cap = cap
+        self.clock = clock
+        self._sampler = sampler
+        self._saved: Optional[list[int]] = None
+        self._libs: list[Any] = []
+        self.limit = 1
+        self.current: Optional[int] = None
+        self._at: Optional[float] = None
+        self.sizes: dict[int, int] = {}
+        """How many times :meth:`size` chose each count in this block (for tests and the
+        benchmark)."""
+
+    def __enter__(self) -> BlasGovernor:
+        if self._saved is not None:
+            raise RuntimeError("BlasGovernor: this block is already entered")
+        self._libs = _blas_libs()
+        self._saved = [int(lib.num_threads) for lib in self._libs]
+        base = max(self._saved, default=1)
+        self.limit = max(1, base if self.cap is None else min(self.cap, base))
+        self.current = None
+        self._at = None
+        self.sizes = {}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            for lib, n in zip(self._libs, saved):
+                lib.set_num_threads(n)
+        self.current = None
+
+    def size(self) -> int:
+        """Set BLAS's thread count for the next product(s) and return it: ``min(limit, free
+        CPUs)``, the sample reused for :data:`BLAS_SAMPLE_TTL` seconds.  Outside a block it
+        changes nothing and returns 0."""
+        if self._saved is None:
+            return 0
+        now = self.clock()
+        if self.current is None or self._at is None or now - self._at > BLAS_SAMPLE_TTL:
+            s = self._sampler or sampler()
+            free = s.free_external()
+            n = self.limit if free is None else max(1, min(self.limit, free))
+            self._at = now
+            if n != self.current:
+                for lib in self._libs:
+                    lib.set_num_threads(n)
+                self.current = n
+        n = self.current
+        self.sizes[n] = self.sizes.get(n, 0) + 1
+        return n

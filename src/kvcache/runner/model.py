@@ -43,6 +43,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ContextManager, Union
 
@@ -50,6 +51,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import quant
+from .._threads import BlasGovernor
 from .._validate import IntArrayLike, as_int
 from ..eviction import EvictionPolicy
 from ..layer import LayerKvCache
@@ -169,9 +171,16 @@ class Runner:
         Default: no bound, or :data:`O1_AUTO_MAX_ERROR` with ``o1_layers="auto"``.
     max_seq_len : int
         Positions the cache may hold (prefill and decode check it).
-    decode_blas_threads : int
-        BLAS threads during single-position steps (default 1; 0 leaves BLAS alone): see
-        :meth:`_blas_for` for why one is the right default on small machines.
+    blas_threads : int, optional
+        The BLAS control, for prompt and decode steps alike (docs/threads.md, "BLAS"): None
+        (the default) sizes NumPy's BLAS team for each layer's products from the CPUs free
+        now -- BLAS's own count on a quiet machine, fewer when other processes take cores
+        (:class:`kvcache._threads.BlasGovernor`); an int >= 1 caps that count (1: always one
+        thread); 0 leaves BLAS alone.  BLAS's own setting (``OPENBLAS_NUM_THREADS``,
+        ``threadpoolctl``) stays the outer limit.
+    decode_blas_threads : int, optional
+        Deprecated alias of ``blas_threads`` (a DeprecationWarning): it used to pin BLAS in
+        single-position steps only.
     prefill_chunk : int
         Positions per prefill chunk (default :data:`DEFAULT_PREFILL_CHUNK`, 64): a prompt is
         computed in chunks that end at multiples of it (absolute positions), so the work done
@@ -198,7 +207,8 @@ class Runner:
                  kv: KvMode | str = "f32", o1_layers: LayerSpec = None,
                  o1_params: Sequence[float] | None = None,
                  o1_max_error: float | None = None, max_seq_len: int = 131072,
-                 decode_blas_threads: int = 1,
+                 blas_threads: int | None = None,
+                 decode_blas_threads: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prefill_step: int | None = None) -> None:
         if not isinstance(config, ModelConfig):
@@ -218,7 +228,15 @@ class Runner:
         #: (m, w, sink[, keep[, ridge]]) as given, checked
         self.o1_params: tuple[float, ...] = ints + tuple(check_ridge(r) for r in o1_params[4:])
         max_error = check_max_error(o1_max_error)
-        self.blas_threads = as_int("decode_blas_threads", decode_blas_threads, minimum=0)
+        if decode_blas_threads is not None:
+            warnings.warn("Runner(decode_blas_threads=...) is deprecated: blas_threads governs "
+                          "prompt and decode steps alike", DeprecationWarning, stacklevel=2)
+            if blas_threads is None:
+                blas_threads = as_int("decode_blas_threads", decode_blas_threads, minimum=0)
+        #: the BLAS control: None adaptive, >= 1 a cap, 0 BLAS left alone
+        self.blas_threads: int | None = (None if blas_threads is None else
+                                         as_int("blas_threads", blas_threads, minimum=0))
+        self._blas: BlasGovernor | None = None    # the governor of the call in progress
         self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, minimum=1)
         c = self.prefill_chunk
         if prefill_step is None:
@@ -276,7 +294,6 @@ class Runner:
         self.position = 0
         self.store_loaded = 0
         self.timings: dict[str, float] = {"attention_s": 0.0, "total_s": 0.0}
-        self._pools: Any = None           # threadpoolctl's controller, made on first use
         self._fingerprint: str | None = None
 
     # ---------------------------------------------------------------- construction
@@ -333,6 +350,7 @@ class Runner:
         for x, pos in zip(xs, positions):
             n = x.shape[0]
             h = self._rms(x, L.norm_attn_in)
+            self._blas_size()
             qkv = h @ L.qkv
             if L.bqkv is not None:
                 qkv = qkv + L.bqkv
@@ -358,6 +376,7 @@ class Runner:
             # each chunk's rows in an array of its own, wherever the chunk lies in the call
             mine = out if len(xs) == 1 else np.array(out[lo: lo + n])
             lo += n
+            self._blas_size()
             o = mine.reshape(n, nh * hd) @ L.wo_t
             if L.bo is not None:
                 o = o + L.bo
@@ -402,25 +421,27 @@ class Runner:
         return layer.attend_all_heads(q, scale=cfg.scale, window=window,
                                       softcap=cfg.attn_softcap or 0.0, prefill=prompt)
 
-    def _blas_for(self, n: int) -> ContextManager[object]:
-        """BLAS on one thread for a single position (decode), unless ``blas_threads`` says.
-
-        A decode step's products are memory-bound matrix-vector products.  kvcache's own
-        calls no longer need the pin (its thread policy sees BLAS workers spinning after a
-        product and stays on the calling thread, docs/threads.md), but BLAS's own fork-join
-        stalls the same way when the machine is busy, and kvcache cannot steer it: a step of
-        the benchmark model at 4k took 154 ms with the pin and 260 ms without on a busy
-        2-core machine (docs/threads.md).  Prefill blocks keep every BLAS thread."""
-        if n > 1 or self.blas_threads == 0:
+    def _blas_block(self) -> ContextManager[object]:
+        """The BLAS governor of one call (:attr:`blas_threads`): every product group of the
+        call asks it for BLAS's thread count first (:meth:`_blas_size`).  Prompt and decode
+        steps alike: a decode step's matrix-vector products gain from a second thread on a
+        quiet machine and lose badly to BLAS's fork-join when a core is taken, which is what
+        the free-CPU sample tells apart (docs/threads.md, "BLAS")."""
+        if self.blas_threads == 0:
             return contextlib.nullcontext()
-        if self._pools is None:
-            from threadpoolctl import ThreadpoolController
-            self._pools = ThreadpoolController()
-        limit: ContextManager[object] = self._pools.limit(limits=self.blas_threads, user_api="blas")
-        return limit
+        gov = BlasGovernor(self.blas_threads)
+        self._blas = gov
+        return gov
+
+    def _blas_size(self) -> None:
+        """Size BLAS for the next products (a no-op outside a call or with blas_threads=0)."""
+        gov = self._blas
+        if gov is not None:
+            gov.size()
 
     def _logits(self, x: Array) -> Array:
         h = self._rms(x, self.norm)
+        self._blas_size()
         logits = h @ self.lm_head_t
         cap = self.config.final_softcap
         if cap:
@@ -490,7 +511,7 @@ class Runner:
                 for i in self.o1_layers:
                     self.cache.layers[i].o1_begin(int(m), int(w), int(sink), keep=int(keep),
                                                   ridge=ridge)
-            with self._blas_for(n):
+            with self._blas_block():
                 for chunks in steps:
                     xs: list[Array] = []
                     positions: list[npt.NDArray[np.int64]] = []
