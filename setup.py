@@ -33,15 +33,23 @@ DEBUG = os.environ.get("KVCACHE_CYTHON_DEBUG", "0") not in ("", "0")
 NATIVE = os.environ.get("KVCACHE_NATIVE", "0") not in ("", "0")
 NO_SIMD = os.environ.get("KVCACHE_NO_SIMD", "0") not in ("", "0")
 
-# the SIMD unit: #pragma GCC target and the AVX2/FMA intrinsics, without -m flags
+# the SIMD unit: the target pragma _body_avx2.c uses and the AVX2/FMA intrinsics, no -m flags
 SIMD_PROBE = """
     #include <immintrin.h>
+    #if defined(__clang__)
+    #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+    #else
     #pragma GCC push_options
     #pragma GCC target("avx2,fma")
+    #endif
     static float f(const float *p)
     { __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p), _mm256_setzero_ps());
       return _mm_cvtss_f32(_mm256_castps256_ps128(v)); }
+    #if defined(__clang__)
+    #pragma clang attribute pop
+    #else
     #pragma GCC pop_options
+    #endif
     int main(void) {
         float x[8] = {1, 2, 3, 4, 5, 6, 7, 8};
         __builtin_cpu_init();

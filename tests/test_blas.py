@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from threadpoolctl import threadpool_info, threadpool_limits
+from threadpoolctl import threadpool_limits
 
 from kvcache import _threads
 from kvcache import runner as kr
@@ -36,7 +36,9 @@ def fake(tmp_path, running, own=1, host=2, usable=2):
 
 
 def blas_counts() -> list[int]:
-    return [d["num_threads"] for d in threadpool_info() if d["user_api"] == "blas"]
+    """The thread counts of the BLAS libraries the governor controls (NumPy's; torch, once
+    imported by another test, brings a BLAS of its own that NumPy's products never use)."""
+    return [int(lib.num_threads) for lib in _threads._blas_libs()]
 
 
 @pytest.mark.parametrize("running, own, host, usable, want", [
@@ -106,6 +108,53 @@ def test_bad_caps_are_refused():
     with gov:
         with pytest.raises(RuntimeError, match="already entered"):
             gov.__enter__()
+    assert gov.size() == 0 and gov.current is None
+
+
+def test_nested_and_concurrent_governors_share_one_setting(tmp_path):
+    """BLAS's count is one setting of the process: the count it had comes back when the last
+    governor leaves, and no governor raises it while another one's pinned section runs."""
+    with threadpool_limits(2, user_api="blas"):
+        outer = BlasGovernor(sampler=fake(tmp_path, 1))
+        inner = BlasGovernor(sampler=fake(tmp_path, 1))
+        with outer:
+            assert outer.size() == 2
+            with inner, inner.pinned():
+                assert set(blas_counts()) == {1}
+                assert outer.size() == 1                    # pinned elsewhere: stays at one
+                assert set(blas_counts()) == {1}
+            assert outer.size() == 2                        # the pinned section ended
+            assert set(blas_counts()) == {2}
+            outer.size(1)
+        assert set(blas_counts()) == {2}                    # the last one out restores
+
+
+def test_a_forked_child_gets_its_own_workers(tmp_path):
+    import multiprocessing as mp
+    import os
+    if "fork" not in mp.get_all_start_methods():
+        pytest.fail("this test needs fork (Linux)")
+    with BlasGovernor(sampler=fake(tmp_path, 1)) as gov:
+        assert gov.map(lambda i: i * i, range(6)) == [0, 1, 4, 9, 16, 25]   # pool made
+    pid = os.fork()
+    if pid == 0:                                             # the child
+        code = 1
+        try:
+            with BlasGovernor(sampler=fake(tmp_path, 1)) as gov:
+                code = 0 if gov.map(lambda i: i + 1, range(6)) == [1, 2, 3, 4, 5, 6] else 1
+        finally:
+            os._exit(code)
+    import time
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung in map")
 
 
 # ---------------------------------------------------------------- the runner
@@ -121,16 +170,93 @@ def simulated(monkeypatch, tmp_path):
 @pytest.mark.parametrize("running, want", [(1, 2), (2, 1)])
 def test_runner_sizes_blas_in_prefill_and_decode(simulated, running, want):
     simulated(running)
-    ids = np.arange(150) % 97
+    ids = np.arange(150) % 97                      # chunks of 64, 64 and 22 rows
     with threadpool_limits(2, user_api="blas"):
         r = kr.Runner.random()
         assert r.blas_threads is None
         last = r.prefill(ids)
-        assert set(r._blas.sizes) == {want} and sum(r._blas.sizes.values()) > 10
+        # two chunk maps per layer (QKV, then output projection and MLP)
+        assert r._blas.sizes == {want: 2 * r.config.num_layers}
         assert set(blas_counts()) == {2}            # BLAS's own setting back after the call
         r.step(int(np.argmax(last)))
-        assert set(r._blas.sizes) == {want}
+        assert r._blas.sizes == {want: 2 * r.config.num_layers}   # single rows: size()
         assert set(blas_counts()) == {2}
+
+
+def test_runner_bits_do_not_depend_on_the_load(simulated):
+    """Quiet (two chunk threads, decode with two BLAS threads) or busy (one): the same bits,
+    prompt and decode steps alike, and the same as BLAS left alone on one thread."""
+    ids = np.arange(300) % 97
+    results = []
+    for running, blas in ((1, None), (2, None), (1, 0)):
+        simulated(running)
+        with threadpool_limits(1 if blas == 0 else 2, user_api="blas"):
+            r = kr.Runner.random(kv="q8", blas_threads=blas)
+            every = r.prefill(ids, all_logits=True)
+            steps = [r.step(5), r.step(6)]
+        results.append([every, *steps])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_matrix_vector_bits_do_not_depend_on_blas_threads():
+    """What the runner's decode relies on when it gives BLAS more than one thread."""
+    rng = np.random.default_rng(1)
+    for k, n in ((576, 1536), (1024, 3072), (2048, 8192)):
+        x = rng.standard_normal((1, k), dtype=np.float32)
+        w = rng.standard_normal((k, n), dtype=np.float32)
+        with threadpool_limits(1, user_api="blas"):
+            one = x @ w
+        with threadpool_limits(2, user_api="blas"):
+            two = x @ w
+        np.testing.assert_array_equal(one, two)
+
+
+def test_map_shares_chunks_over_threads_with_blas_on_one(tmp_path):
+    import threading
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((256, 512), dtype=np.float32)
+    xs = [rng.standard_normal((64, 256), dtype=np.float32) for _ in range(7)]
+    with threadpool_limits(1, user_api="blas"):
+        want = [x @ w for x in xs]
+    seen = []
+
+    def fn(x):
+        seen.append((threading.get_ident(), tuple(blas_counts())))
+        return x @ w
+
+    with threadpool_limits(2, user_api="blas"):
+        with BlasGovernor(sampler=fake(tmp_path, 1)) as gov:
+            got = gov.map(fn, xs)
+        assert set(blas_counts()) == {2}
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))   # in order, same bits
+    assert len({t for t, _ in seen}) == 2 and all(set(c) == {1} for _, c in seen)
+    with BlasGovernor(sampler=fake(tmp_path, 2)) as gov:        # busy: the caller alone
+        seen.clear()
+        gov.map(fn, xs)
+    assert len({t for t, _ in seen}) == 1
+    seen.clear()
+    assert len(BlasGovernor().map(fn, xs)) == 7                 # outside a block: in order
+
+
+def test_map_propagates_an_error_after_every_run(tmp_path):
+    done = []
+
+    def fn(i):
+        if i == 5:
+            raise KeyError(i)
+        done.append(i)
+        return i
+
+    with threadpool_limits(2, user_api="blas"):
+        with BlasGovernor(sampler=fake(tmp_path, 1)) as gov:
+            with pytest.raises(KeyError):
+                gov.map(fn, range(8))
+        assert set(blas_counts()) == {2}
+    # two runs, [0, 4) and [4, 8): the first finished, the second stopped at its error, and
+    # neither is still running once map has raised
+    assert sorted(done) == [0, 1, 2, 3, 4]
 
 
 def test_runner_blas_control(simulated):
@@ -145,7 +271,13 @@ def test_runner_blas_control(simulated):
         assert alone._blas is None
         with pytest.warns(DeprecationWarning, match="blas_threads"):
             old = kr.Runner.random(decode_blas_threads=1)
-        assert old.blas_threads == 1
+        assert old.blas_threads is None                    # prompts stay governed
+        old.prefill(ids)
+        assert set(old._blas.sizes) == {2}
+        old.reset()
+        last = old.prefill(ids[:1])                        # a single position: capped at 1
+        assert set(old._blas.sizes) == {1}
+        assert np.isfinite(last).all()
     for bad in (-1, 1.5, "x"):
         with pytest.raises((TypeError, ValueError)):
             kr.Runner.random(blas_threads=bad)

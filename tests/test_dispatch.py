@@ -116,3 +116,19 @@ def test_this_machine_runs_only_bodies_it_can():
         assert _core.body_needs(body) <= have, (fam, body)
         assert body in _core.built_bodies()[fam]
     assert _core.bodies() == dispatch.choose(have, _core.built_bodies(), cap=_core._isa_cap)
+
+
+def test_detection_agrees_with_the_kernel_s_flags():
+    """CPUID + XGETBV (kvc_cpu_features) against the flags Linux reports for this CPU (it lists
+    a flag only when the OS supports it) -- on whatever machine runs the suite."""
+    import platform
+    cpuinfo = Path("/proc/cpuinfo")
+    assert platform.system() != "Linux" or cpuinfo.exists()
+    if not cpuinfo.exists():
+        return
+    key = "flags" if platform.machine() in ("x86_64", "AMD64") else "Features"
+    lines = [ln for ln in cpuinfo.read_text().splitlines() if ln.split(":")[0].strip() == key]
+    if not lines:                     # a CPU family whose flags line we do not read
+        assert _core.cpu_features() <= {"neon", "dotprod"}
+        return
+    assert _core.cpu_features() == dispatch.features_from_cpuinfo(lines[0].split(":", 1)[1])

@@ -250,9 +250,9 @@ def test_every_body_computes_the_same_bits(tmp_path):
     src = Path(__file__).parent / "c" / "i8_twin.c"
     inc = f"-I{Path(kvcache.__file__).parent}"
     emu, port = tmp_path / "emu", tmp_path / "portable"
-    subprocess.run(_cc() + ["-O2", "-std=gnu11", "-mavx2", "-mfma", "-DKVC_EMULATE_VNNI", inc,
+    subprocess.run(_cc() + ["-O2", "-std=gnu11", "-ffp-contract=off", "-mavx2", "-mfma", "-DKVC_EMULATE_VNNI", inc,
                             str(src), "-o", str(emu), "-lm"], check=True, capture_output=True)
-    subprocess.run(_cc() + ["-O2", "-std=gnu11", "-DKVC_NO_SIMD", inc, str(src), "-o", str(port),
+    subprocess.run(_cc() + ["-O2", "-std=gnu11", "-ffp-contract=off", "-DKVC_NO_SIMD", inc, str(src), "-o", str(port),
                             "-lm"], check=True, capture_output=True)
     ref = subprocess.run([str(port), "0"], check=True, capture_output=True, text=True).stdout
     lines = ref.splitlines()
@@ -268,9 +268,9 @@ def test_the_real_vnni_bodies_run_where_the_cpu_has_them(tmp_path):
     src = Path(__file__).parent / "c" / "i8_twin.c"
     inc = f"-I{Path(kvcache.__file__).parent}"
     exe, port = tmp_path / "real", tmp_path / "portable"
-    subprocess.run(_cc() + ["-O2", "-std=gnu11", "-mavx2", "-mfma", inc, str(src), "-o", str(exe),
+    subprocess.run(_cc() + ["-O2", "-std=gnu11", "-ffp-contract=off", "-mavx2", "-mfma", inc, str(src), "-o", str(exe),
                             "-lm"], check=True, capture_output=True)
-    subprocess.run(_cc() + ["-O2", "-std=gnu11", "-DKVC_NO_SIMD", inc, str(src), "-o", str(port),
+    subprocess.run(_cc() + ["-O2", "-std=gnu11", "-ffp-contract=off", "-DKVC_NO_SIMD", inc, str(src), "-o", str(port),
                             "-lm"], check=True, capture_output=True)
     ref = subprocess.run([str(port), "0"], check=True, capture_output=True, text=True).stdout
     for name in runnable_levels():

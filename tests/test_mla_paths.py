@@ -25,7 +25,7 @@ import kvcache
 HEADER_DIR = Path(kvcache.__file__).parent
 SOURCE = Path(__file__).parent / "c" / "mla_paths.c"
 # the extension's baseline (AVX2 + FMA, no -march=native) and its float flags
-FLAGS = ["-O3", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math"]
+FLAGS = ["-O3", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
 SIMD = ["-mavx2", "-mfma"]
 
 

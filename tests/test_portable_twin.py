@@ -20,7 +20,7 @@ SOURCE = Path(__file__).parent / "c" / "portable_twin.c"
 def build_and_run(tmp_path, name, extra):
     cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
     exe = tmp_path / name
-    cmd = cc + ["-O2", "-std=gnu11", "-mavx2", "-mfma", *extra, f"-I{HEADER_DIR}",
+    cmd = cc + ["-O2", "-std=gnu11", "-ffp-contract=off", "-mavx2", "-mfma", *extra, f"-I{HEADER_DIR}",
                 str(SOURCE), "-o", str(exe), "-lm"]
     subprocess.run(cmd, check=True, capture_output=True)
     return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout

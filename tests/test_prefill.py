@@ -424,7 +424,7 @@ def _build(tmp_path, name, extra):
     cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
     exe = tmp_path / name
     src = Path(__file__).parent / "c" / "prefill_twin.c"
-    cmd = cc + ["-O2", "-std=gnu11", "-mavx2", "-mfma", *extra,
+    cmd = cc + ["-O2", "-std=gnu11", "-ffp-contract=off", "-mavx2", "-mfma", *extra,
                 f"-I{Path(kc.__file__).parent}", str(src), "-o", str(exe), "-lm"]
     subprocess.run(cmd, check=True, capture_output=True)
     return exe

@@ -439,20 +439,43 @@ def test_contention_section_smallest_run(tmp_path, capsys):
     assert "contention: decode latency" in text and "forced 1 med/p99 ms" in text
     data = json.loads(path.read_text())
     rows = data["contention"]
-    cells = ["attend f32 64", "attend q8 64", "runner f32 64"]
+    cells = ["attend f32 64", "attend q8 64", "runner f32 64", "prefill f32 64"]
     conds = ["quiet", "spin", "numpy", "pythread", "twoproc"]
     assert [(r["cell"], r["condition"]) for r in rows] == [(c, k) for c in cells for k in conds]
     for r in rows:
         assert set(r["settings"]) == {"default", "forced 1", "forced all"}
         for s in r["settings"].values():
             assert 0 < s["median_ms"] <= s["p99_ms"] <= s["max_ms"]
-        assert isinstance(r["met"], bool)
-        if r["condition"] == "twoproc":
+        if r["cell"].startswith("prefill") and r["condition"] not in ("quiet", "spin"):
+            assert "met" not in r                    # reported, no target
+        else:
+            assert isinstance(r["met"], bool)
+        if r["condition"] == "twoproc" and not r["cell"].startswith("prefill"):
             assert set(r["share_of_half_solo"]) == set(r["settings"])
+    prefill = {r["condition"]: r for r in rows if r["cell"] == "prefill f32 64"}
+    assert "BLAS at its own count" in prefill["quiet"]["target"]
+    q = prefill["quiet"]["settings"]
+    assert prefill["quiet"]["ratio"] == q["default"]["median_ms"] / q["forced all"]["median_ms"]
+    sp = prefill["spin"]["settings"]
+    assert prefill["spin"]["ratio"] == sp["forced 1"]["median_ms"] / sp["default"]["median_ms"]
+    assert all(s["calls"] == 2 for s in q.values())  # the quick run's prefills per setting
     info = data["contention_info"]
-    assert info["calls"] == 3
+    assert info["calls"] == 3 and info["prefill_calls"] == 2
     assert all(len(info["results"]["twoproc"][c]) == 2 for c in cells)   # two processes
     assert data["options"]["contention_runner_model"] == "tiny"
+    assert data["options"]["contention_prefill_tokens"] == [64]
+
+
+def test_contention_prefill_cells_can_be_left_out(tmp_path):
+    from kvcache import bench
+    path = tmp_path / "contention.json"
+    argv = ["--sections", "contention", "--quick", "--contention-calls", "2",
+            "--contention-contexts", "64", "--contention-conditions", "quiet",
+            "--contention-runner-context", "0", "--contention-prefill-tokens", "0",
+            "--no-progress", "--json", str(path)]
+    assert bench.main(argv) == 0
+    rows = json.loads(path.read_text())["contention"]
+    assert [r["cell"] for r in rows] == ["attend f32 64", "attend q8 64"]
 
 
 def test_contention_options_are_checked(capsys):

@@ -23,11 +23,11 @@ from .rebind import (DecodePlan, KvPlanSource, KvRebindSource, PlanValidity, Reb
 from .mla import mla_decode, mla_softmax_scale, split_kv_b, yarn_get_mscale
 from . import reference
 from ._config import show_config
-from ._threads import thread_settings, threads
+from ._threads import BlasGovernor, thread_settings, threads
 
 __all__ = ["KvMode", "LayerKvCache", "KvCache", "EvictionPolicy", "O1Rect", "O1DeviceView",
            "O1HeadView", "O1Snapshot", "WireError", "reference", "show_config", "__version__",
            "KvAllocId", "LatentSlot", "LatentKvCache", "StaticKvCache", "LazyLatentCache",
            "KvRebindSource", "KvPlanSource", "DecodePlan", "PlanValidity", "RebindRefusal",
            "RebindRefused", "mla_decode", "mla_softmax_scale", "split_kv_b", "yarn_get_mscale",
-           "threads", "thread_settings"]
+           "threads", "thread_settings", "BlasGovernor"]

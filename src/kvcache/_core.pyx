@@ -225,13 +225,18 @@ def cpu_features():
 
 
 def body_needs(name):
-    """The features body ``name`` may execute, as compiled (``kvc_body_needs``)."""
+    """The features body ``name`` may execute, as compiled (``kvc_body_needs``); ValueError
+    for an unknown name."""
+    if not isinstance(name, str) or name not in _BODY_ID:
+        raise ValueError(f"body: expected one of {list(_dp.BODIES)}, got {name!r}")
     return _names(kvc_body_needs(_BODY_ID[name]), _dp.FEATURES)
 
 
 def built_bodies():
     """Family -> the bodies this build holds for it (a tuple of names, portable first)."""
     cdef const kvc_ops *simd = kvc_ops_avx2
+    if simd != NULL and simd.name != b"avx2":   # a unit whose target did not take effect
+        simd = NULL
     q8 = _names(kvc_ops_portable.q8_bodies | (simd.q8_bodies if simd != NULL else 0), _dp.BODIES)
     mla = _names(kvc_ops_portable.mla_bodies | (simd.mla_bodies if simd != NULL else 0),
                  _dp.BODIES)
@@ -249,10 +254,14 @@ def set_bodies(choice):
     """Run body ``choice[family]`` for each family named (a mapping), from the next kernel call
     on.  All or nothing: ValueError, changing nothing, for an unknown family or body, a body
     the build does not hold for that family, or one needing a feature the CPU lacks."""
+    global _isa_cap
     cdef unsigned have = kvc_cpu_features(), need
+    if not hasattr(choice, "items"):
+        raise TypeError(f"set_bodies: expected a mapping of family -> body, got "
+                        f"{type(choice).__name__}")
     built = built_bodies()
     todo = []
-    for fam, body in dict(choice).items():
+    for fam, body in list(choice.items()):
         if fam not in _FAMILY_ID:
             raise ValueError(f"family: expected one of {list(_dp.FAMILIES)}, got {fam!r}")
         if body not in _BODY_ID:
@@ -268,6 +277,7 @@ def set_bodies(choice):
         todo.append((_FAMILY_ID[fam], _BODY_ID[body]))
     for f, b in todo:
         _family_body[f] = b
+    _isa_cap = None      # a choice per family: no single limit names it any more
 
 
 def isa_detected():
@@ -290,9 +300,14 @@ def set_isa(name):
     ``None`` lifts the limit.  Every body gives the same bits.  ValueError, changing nothing,
     for an unknown name or a body that needs a feature this CPU does not report."""
     global _isa_cap
+    if isinstance(name, str):
+        name = name.strip().lower()
     if name is not None and (not isinstance(name, str) or name not in _BODY_ID):
         raise ValueError(f"isa: expected one of {list(_dp.BODIES)} or None, got {name!r}")
-    set_bodies(_dp.choose(cpu_features(), built_bodies(), cap=name))
+    built = built_bodies()
+    if name is not None and not any(name in held for held in built.values()):
+        raise ValueError(f"isa: this build holds no {name!r} body")
+    set_bodies(_dp.choose(cpu_features(), built, cap=name))
     _isa_cap = name
 
 
@@ -300,7 +315,7 @@ def isa_build():
     """What the build holds: ``"portable + avx2/fma unit (avx-vnni, avx-512 bodies)"``,
     ``"portable + avx2/fma unit"`` (a compiler without the VNNI intrinsics) or
     ``"portable C"`` (no x86-64 SIMD unit: another CPU family, or KVCACHE_NO_SIMD)."""
-    if kvc_ops_avx2 == NULL:
+    if "avx2" not in built_bodies()["f32"]:
         return "portable C"
     if "avx512" in built_bodies()["q8"]:
         return "portable + avx2/fma unit (avx-vnni, avx-512 bodies)"
@@ -359,7 +374,7 @@ def quantize_query(const float[:, ::1] q__jd, int8_t[:, ::1] qi__jp, float[:, ::
 def q8_scores(const float[:, ::1] q__jd, const int8_t[:, ::1] kq__rd, const float[:, ::1] ks__rg,
               float[:, ::1] out__jr, Py_ssize_t k_group=0):
     """Raw q8 scores (before the softmax scale) of every query against every int8 row, with
-    the kernels' query quantiser and the body of the current level: the arithmetic of
+    the kernels' query quantiser and the q8 body in use: the arithmetic of
     attend_rows' and attend_blocked's q8 scores, exposed for tests.  ``k_group``: 16 or 32, or
     0 to read it from ks (ceil(hd/16) scales per row: 16)."""
     cdef Py_ssize_t nq = q__jd.shape[0], hd = q__jd.shape[1], n = kq__rd.shape[0], j
@@ -393,7 +408,7 @@ def q8_scores(const float[:, ::1] q__jd, const int8_t[:, ::1] kq__rd, const floa
 
 def simd_built():
     """True when the x86-64 AVX2/FMA unit (with its VNNI and AVX-512 bodies) was compiled in."""
-    return kvc_ops_avx2 != NULL
+    return "avx2" in built_bodies()["f32"]
 
 
 def openmp_built():

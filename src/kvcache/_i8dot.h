@@ -1,8 +1,8 @@
 /* One instruction-set body of the int8 scoring kernel (docs/numerics.md, "q8 scoring").
- * _kernels.h includes this file once per level with
- *   KVC_I8_NAME(x)   the function name for the level (x ## _avx2, ...)
- *   KVC_I8_ATTR      the level's target attribute (empty for the AVX2 baseline)
- *   KVC_I8_DPBUSD    vpdpbusd (acc, unsigned bytes, signed bytes) for the VNNI levels;
+ * _kernels.h includes this file once per body with
+ *   KVC_I8_NAME(x)   the function name of the body (x ## _avx2, ...)
+ *   KVC_I8_ATTR      the body's target attribute (empty for AVX2: the unit is compiled for it)
+ *   KVC_I8_DPBUSD    vpdpbusd (acc, unsigned bytes, signed bytes) for the VNNI bodies;
  *                    undefined for AVX2, which uses vpmaddubsw/vpmaddwd
  * and every body computes kvc_i8_score1's bits (integer sums are exact, the float steps are
  * elementwise with lanes = rows).

@@ -2,8 +2,8 @@
  *
  * Features are a SET (bits below), never a ladder: an AVX-512 CPU need not have AVX-VNNI (AMD
  * Zen 4, Intel Ice Lake and Cascade Lake servers have AVX512-VNNI but not the VEX AVX-VNNI),
- * and an AVX-VNNI CPU need not have AVX-512 (Alder Lake).  kvc_cpu_features() asks the CPU,
- * and through libgcc whether the OS saves the wider register state; on aarch64 the kernel's
+ * and an AVX-VNNI CPU need not have AVX-512 (Alder Lake).  kvc_cpu_features() asks the CPU
+ * (CPUID) and whether the OS saves the wider register state (XGETBV); on aarch64 the kernel's
  * hardware capabilities (getauxval).
  *
  * A kernel body is named by what it is compiled for; kvc_body_needs() is the set of features
@@ -59,7 +59,10 @@
 #define KVC_X86 0
 #endif
 
-#if KVC_X86 && defined(__AVX2__) && defined(__FMA__) && !defined(KVC_NO_SIMD)
+/* KVC_UNIT_AVX2: set by _body_avx2.c where the compiler applies the unit's target by
+ * attribute (clang's `#pragma clang attribute`), which defines no __AVX2__ */
+#if KVC_X86 && ((defined(__AVX2__) && defined(__FMA__)) || defined(KVC_UNIT_AVX2)) \
+    && !defined(KVC_NO_SIMD)
 #define KVC_DISPATCH 1
 #include <immintrin.h>
 #if defined(KVC_EMULATE_VNNI)
@@ -95,27 +98,57 @@ static inline __attribute__((always_inline)) __m256i kvc_dpbusd_emu(__m256i acc,
 #define KVC_VNNI 0
 #endif
 
-#if defined(__aarch64__) && defined(__linux__)
+#if KVC_X86
+#include <cpuid.h>
+#elif defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #endif
 
-/* The features this CPU and OS support (a set of KVC_F_* bits). */
+#if KVC_X86
+/* XCR0: which register state the OS saves (read only when CPUID reports OSXSAVE). */
+static inline unsigned long long kvc_xgetbv0(void)
+{
+    unsigned int lo, hi;
+    __asm__ volatile(".byte 0x0f, 0x01, 0xd0" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((unsigned long long)hi << 32) | lo;
+}
+#endif
+
+/* The features this CPU and OS support (a set of KVC_F_* bits): CPUID, and XCR0 for whether
+ * the OS saves the AVX (YMM) and AVX-512 (opmask, ZMM) state -- read directly, so that the
+ * answer does not depend on what the compiler's own feature tables know. */
 static inline unsigned kvc_cpu_features(void)
 {
     unsigned f = 0;
 #if KVC_X86
-    __builtin_cpu_init();
-#define KVC_HAS(name, bit) if (__builtin_cpu_supports(name)) f |= (bit)
-    KVC_HAS("avx2", KVC_F_AVX2);
-    KVC_HAS("fma", KVC_F_FMA);
-    KVC_HAS("avxvnni", KVC_F_AVXVNNI);
-    KVC_HAS("avx512f", KVC_F_AVX512F);
-    KVC_HAS("avx512bw", KVC_F_AVX512BW);
-    KVC_HAS("avx512dq", KVC_F_AVX512DQ);
-    KVC_HAS("avx512vl", KVC_F_AVX512VL);
-    KVC_HAS("avx512vnni", KVC_F_AVX512VNNI);
-    KVC_HAS("avx512bf16", KVC_F_AVX512BF16);
-#undef KVC_HAS
+    unsigned int a, b, c, d, max_leaf, b7 = 0, c7 = 0, a71 = 0;
+    unsigned long long xcr0 = 0;
+    int ymm, zmm;
+    if (!__get_cpuid(0, &max_leaf, &b, &c, &d) || !__get_cpuid(1, &a, &b, &c, &d))
+        return 0;
+    if (c & (1u << 27))                              /* OSXSAVE: XGETBV is usable */
+        xcr0 = kvc_xgetbv0();
+    ymm = (c & (1u << 28)) && (xcr0 & 0x6) == 0x6;   /* AVX, and SSE + YMM state saved */
+    zmm = ymm && (xcr0 & 0xE0) == 0xE0;              /* opmask, ZMM_Hi256, Hi16_ZMM saved */
+    if (ymm && (c & (1u << 12)))
+        f |= KVC_F_FMA;
+    if (max_leaf >= 7) {
+        __cpuid_count(7, 0, a, b7, c7, d);
+        if (a >= 1)
+            __cpuid_count(7, 1, a71, b, c, d);
+    }
+    if (ymm && (b7 & (1u << 5)))
+        f |= KVC_F_AVX2;
+    if (ymm && (a71 & (1u << 4)))
+        f |= KVC_F_AVXVNNI;
+    if (zmm) {
+        if (b7 & (1u << 16)) f |= KVC_F_AVX512F;
+        if (b7 & (1u << 17)) f |= KVC_F_AVX512DQ;
+        if (b7 & (1u << 30)) f |= KVC_F_AVX512BW;
+        if (b7 & (1u << 31)) f |= KVC_F_AVX512VL;
+        if (c7 & (1u << 11)) f |= KVC_F_AVX512VNNI;
+        if (a71 & (1u << 5)) f |= KVC_F_AVX512BF16;
+    }
 #elif defined(__aarch64__) && defined(__linux__)
     unsigned long hw = getauxval(AT_HWCAP);
 #ifdef HWCAP_ASIMD

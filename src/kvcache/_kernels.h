@@ -31,7 +31,7 @@
 #define KVC_INLINE static inline
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(KVC_NO_SIMD)
+#if ((defined(__AVX2__) && defined(__FMA__)) || defined(KVC_UNIT_AVX2)) && !defined(KVC_NO_SIMD)
 #include <immintrin.h>
 #define KVC_SIMD 1
 #else

@@ -200,7 +200,7 @@ KVC_INLINE void kvc_mla_pf_finish(kvc_mla_pf *f)
 /* ---- the SIMD bodies ----------------------------------------------------------------------
  * One body, written over a thin vector layer (KVC_MV* below: load, store, broadcast, fma, add,
  * mul, sub, exp, "0 where the score is -inf" on a vector of KVC_MVW floats), is compiled twice
- * by including this file into itself: with 8-float __m256 vectors (the AVX2/FMA baseline,
+ * by including this file into itself: with 8-float __m256 vectors (the AVX2/FMA unit,
  * functions named *_avx2) and with 16-float vectors (functions named *_avx512, compiled with
  * KVC_TARGET_AVX512 and __m512 intrinsics).  Lane j of a vector is one head (scores) or one
  * latent element (sums) and carries its own chain of operations, so the width changes how

@@ -28,7 +28,7 @@ import operator
 import os
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 from . import _core
 
@@ -427,28 +427,84 @@ def _blas_libs() -> list[Any]:
     return libs
 
 
+_pool: Optional[Any] = None
+
+
+def _executor() -> Any:
+    """The process's worker threads for :meth:`BlasGovernor.map` (made on first use; a forked
+    child makes its own: the parent's workers do not exist there)."""
+    global _pool
+    pool = _pool
+    if pool is None:
+        with _blas_lock:
+            if _pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                _pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1) - 1),
+                                           thread_name_prefix="kvcache-blas")
+            pool = _pool
+    return pool
+
+
+# BLAS's thread count is one setting of the whole process, shared by every governor: the
+# count BLAS had before the first governor entered (restored when the last one leaves), the
+# count set now, and how many pinned sections (map, pinned) are running -- while one is, no
+# governor raises the count above one, so a pinned section's products always run on one thread.
+class _BlasShared:
+    lock = threading.Lock()
+    depth = 0
+    saved: Optional[list[int]] = None
+    now: Optional[int] = None
+    pinned = 0
+
+
+def _set_blas(libs: list[Any], n: int) -> None:
+    """Set every governed BLAS to ``n`` threads (caller holds _BlasShared.lock)."""
+    if _BlasShared.now != n:
+        for lib in libs:
+            lib.set_num_threads(n)
+        _BlasShared.now = n
+
+
+def _after_fork_in_child() -> None:
+    global _pool
+    _pool = None
+    _BlasShared.lock = threading.Lock()
+    _BlasShared.pinned = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class BlasGovernor:
-    """Size NumPy's BLAS thread pool for each product from the free CPUs, as kvcache's own
-    kernels are sized (docs/threads.md, "BLAS").
+    """Size NumPy's BLAS work from the free CPUs, as kvcache's own kernels are sized
+    (docs/threads.md, "BLAS").
 
     BLAS's fork-join team waits for its slowest thread: on a machine where another process
     keeps a core busy, a product on every core runs at the pace of the descheduled one (a
     512-token prompt measured 10x slower), while on a quiet machine one thread leaves cores
-    idle.  Inside a ``with BlasGovernor(): ...`` block, :meth:`size` (called before each
-    product or group of products) sets BLAS's thread count to ``min(cap, free CPUs now)``,
-    where the free CPUs are the usable ones less the runnable threads of *other* processes
-    (this process's own threads, BLAS's and OpenMP's spinning workers included, are not
-    competition: :meth:`Sampler.free_external`).  Leaving the block restores the counts
-    BLAS had.  Results do not depend on the count (BLAS's products are deterministic for a
-    given count only on some libraries; kvcache's runner does not depend on it: its
-    bit-identity guarantees are about its own kernels and chunking).
+    idle.  And the bits of a matrix-matrix product depend on BLAS's thread count (OpenBLAS
+    splits the work differently), so a count that follows the load would make results follow
+    it too.  Inside a ``with BlasGovernor(): ...`` block:
+
+    - :meth:`map` runs a function over independent pieces of work (row chunks of a prompt) on
+      up to ``min(cap, free CPUs)`` threads, BLAS on one thread in each: the bits of a piece
+      never depend on the count, only the time does;
+    - :meth:`size` sets BLAS's own count to ``min(cap, free CPUs)`` for what follows: for
+      matrix-vector products (a decode step), whose bits do not depend on the count
+      (tests/test_blas.py holds NumPy's BLAS to that).
+
+    The free CPUs are the usable ones less the runnable threads of *other* processes (this
+    process's threads -- the caller, kvcache's OpenMP workers, BLAS's workers spinning after a
+    product, :meth:`map`'s workers -- are not competition: :meth:`Sampler.free_external`), one
+    sample reused for :data:`BLAS_SAMPLE_TTL` seconds.  Leaving the block restores the counts
+    BLAS had.
 
     Parameters
     ----------
     cap : int, optional
-        The most BLAS threads a product may use (>= 1); None: BLAS's own count when the
-        block is entered (``OPENBLAS_NUM_THREADS``, ``threadpoolctl`` limits), which stays
-        the outer limit in every case.
+        The most threads (>= 1); None: BLAS's own count when the block is entered
+        (``OPENBLAS_NUM_THREADS``, ``threadpoolctl`` limits), which stays the outer limit.
     clock : callable, optional
         Monotonic seconds (a test passes its own).
     sampler : Sampler, optional
@@ -467,50 +523,127 @@ class BlasGovernor:
         self.cap = cap
         self.clock = clock
         self._sampler = sampler
-        self._saved: Optional[list[int]] = None
+        self._entered = False
         self._libs: list[Any] = []
         self.limit = 1
-        self.current: Optional[int] = None
+        self._free: Optional[int] = None
         self._at: Optional[float] = None
         self.sizes: dict[int, int] = {}
-        """How many times :meth:`size` chose each count in this block (for tests and the
-        benchmark)."""
+        """How many times :meth:`size` and :meth:`map` chose each count in this block (for
+        tests and the benchmark)."""
 
     def __enter__(self) -> BlasGovernor:
-        if self._saved is not None:
+        if self._entered:
             raise RuntimeError("BlasGovernor: this block is already entered")
-        self._libs = _blas_libs()
-        self._saved = [int(lib.num_threads) for lib in self._libs]
-        base = max(self._saved, default=1)
+        libs = _blas_libs()
+        with _BlasShared.lock:
+            if _BlasShared.depth == 0:
+                _BlasShared.saved = [int(lib.num_threads) for lib in libs]
+                _BlasShared.now = None
+            _BlasShared.depth += 1
+            saved = _BlasShared.saved or []
+        self._libs = libs
+        self._entered = True
+        base = max(saved, default=1)
         self.limit = max(1, base if self.cap is None else min(self.cap, base))
-        self.current = None
         self._at = None
+        self._free = None
         self.sizes = {}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        saved, self._saved = self._saved, None
-        if saved is not None:
-            for lib, n in zip(self._libs, saved):
-                lib.set_num_threads(n)
-        self.current = None
+        if not self._entered:
+            return
+        self._entered = False
+        with _BlasShared.lock:
+            _BlasShared.depth -= 1
+            if _BlasShared.depth == 0 and _BlasShared.saved is not None:
+                for lib, n in zip(self._libs, _BlasShared.saved):
+                    lib.set_num_threads(n)
+                _BlasShared.saved = None
+                _BlasShared.now = None
 
-    def size(self) -> int:
-        """Set BLAS's thread count for the next product(s) and return it: ``min(limit, free
-        CPUs)``, the sample reused for :data:`BLAS_SAMPLE_TTL` seconds.  Outside a block it
-        changes nothing and returns 0."""
-        if self._saved is None:
-            return 0
+    @property
+    def current(self) -> Optional[int]:
+        """BLAS's thread count as the governors last set it (None: not set in this block)."""
+        return _BlasShared.now if self._entered else None
+
+    def _count(self, cap: Optional[int] = None) -> int:
+        """``min(limit, cap, free CPUs)``, the sample reused for :data:`BLAS_SAMPLE_TTL`."""
         now = self.clock()
-        if self.current is None or self._at is None or now - self._at > BLAS_SAMPLE_TTL:
+        if self._free is None or self._at is None or now - self._at > BLAS_SAMPLE_TTL:
             s = self._sampler or sampler()
             free = s.free_external()
-            n = self.limit if free is None else max(1, min(self.limit, free))
+            self._free = self.limit if free is None else max(1, min(self.limit, free))
             self._at = now
-            if n != self.current:
-                for lib in self._libs:
-                    lib.set_num_threads(n)
-                self.current = n
-        n = self.current
+        n = self._free if cap is None else max(1, min(self._free, cap))
         self.sizes[n] = self.sizes.get(n, 0) + 1
         return n
+
+    def size(self, cap: Optional[int] = None) -> int:
+        """Set BLAS's thread count for the next product(s) and return it: ``min(limit, cap,
+        free CPUs)`` -- one while a pinned section (:meth:`map`, :meth:`pinned`) of any
+        governor runs.  For matrix-vector products: a matrix-matrix product's bits depend on
+        the count (use :meth:`map`).  Outside a block it changes nothing and returns 0."""
+        if not self._entered:
+            return 0
+        n = self._count(cap)
+        with _BlasShared.lock:
+            if _BlasShared.pinned:
+                n = 1
+            _set_blas(self._libs, n)
+        return n
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:
+        """A section whose products run on one BLAS thread whatever other governors of the
+        process do meanwhile (their :meth:`size` stays at one until it ends)."""
+        if not self._entered:
+            yield
+            return
+        with _BlasShared.lock:
+            _BlasShared.pinned += 1
+            _set_blas(self._libs, 1)
+        try:
+            yield
+        finally:
+            with _BlasShared.lock:
+                _BlasShared.pinned -= 1
+
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``[fn(item) for item in items]``, the items shared out in contiguous runs over
+        ``min(limit, free CPUs, len(items))`` threads (the caller's among them), inside a
+        :meth:`pinned` section: each item's products give the bits they give on one BLAS
+        thread, whatever the count.  Outside a block: in order on the calling thread, BLAS
+        untouched.  An exception of ``fn`` propagates once every run has stopped."""
+        items = list(items)
+        if not self._entered:
+            return [fn(x) for x in items]
+        with self.pinned():
+            n = min(self._count(), len(items)) if len(items) > 1 else 1
+            if n <= 1:
+                return [fn(x) for x in items]
+            bounds = [len(items) * k // n for k in range(n + 1)]
+
+            def run(k: int) -> list[Any]:
+                return [fn(x) for x in items[bounds[k]:bounds[k + 1]]]
+
+            pool = _executor()
+            futures = [pool.submit(run, k) for k in range(1, n)]
+            out: list[Any] = []
+            first: Optional[BaseException] = None
+            try:
+                out = run(0)
+            except BaseException as exc:   # still wait for the others: no work left running
+                first = exc
+            rest = []
+            for f in futures:
+                try:
+                    rest.append(f.result())
+                except BaseException as exc:
+                    first = first or exc
+            if first is not None:
+                raise first
+            for r in rest:
+                out.extend(r)
+            return out

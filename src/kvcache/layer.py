@@ -36,6 +36,7 @@ from ._attention import (Rows, attend_blocks, attend_prefill, attend_rows, defau
 from .eviction import EvictionPolicy, born_rows
 from .modes import DEFAULT_SCHEME, KvMode
 from ._generation import Generation
+from ._threads import BlasGovernor
 from .o1 import (O1Collecting, O1DeviceView, O1Error, O1Rect, O1Sealed, O1Snapshot,
                  check_max_error, check_ridge, check_seal, estimate_error)
 
@@ -967,11 +968,15 @@ class LayerKvCache:
         t, hd = self._seq_len, self._hd
         try:
             trace = coll.trace.reshape(t, nh, hd)
-            state = O1Sealed.seal(trace, self._kf, self._vf,
-                                  t=t, m=coll.m, w=coll.w, sink=coll.sink, rect=coll.rect,
-                                  kernels=kernels, n_threads=_core.max_threads(),
-                                  keep=coll.keep, ridge=coll.ridge)
-            state.error = estimate_error(state, trace, self._kf, self._vf, t)
+            # the seal's float64 products and solves on one BLAS thread: their bits would
+            # depend on BLAS's count (docs/threads.md, "BLAS"), so the state does not depend
+            # on the machine's cores or load
+            with BlasGovernor(1) as blas, blas.pinned():
+                state = O1Sealed.seal(trace, self._kf, self._vf,
+                                      t=t, m=coll.m, w=coll.w, sink=coll.sink, rect=coll.rect,
+                                      kernels=kernels, n_threads=_core.max_threads(),
+                                      keep=coll.keep, ridge=coll.ridge)
+                state.error = estimate_error(state, trace, self._kf, self._vf, t)
         except BaseException:
             self._o1 = coll          # e.g. MemoryError: nothing changed, still collecting
             raise

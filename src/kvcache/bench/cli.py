@@ -17,9 +17,10 @@ from .attention import (
     DEFAULT_CONTEXTS, DEFAULT_WORKING_SET, QUICK_CONTEXTS, QUICK_WORKING_SET,
     accuracy_warnings, run_context)
 from .contention import (
-    CONDITIONS, CONTENTION_CALLS, CONTENTION_CONTEXTS, CONTENTION_RUNNER_CONTEXT,
-    QUICK_CONTENTION_CALLS, QUICK_CONTENTION_CONTEXTS, QUICK_CONTENTION_RUNNER_CONTEXT,
-    run_contention)
+    CONDITIONS, CONTENTION_CALLS, CONTENTION_CONTEXTS, CONTENTION_PREFILL_TOKENS,
+    CONTENTION_RUNNER_CONTEXT, QUICK_CONTENTION_CALLS, QUICK_CONTENTION_CONTEXTS,
+    QUICK_CONTENTION_PREFILL_TOKENS, QUICK_CONTENTION_RUNNER_CONTEXT, PREFILL_CALLS,
+    QUICK_PREFILL_CALLS, run_contention)
 from ..modes import KvMode
 from .geometry import _GEOMETRY_ALIASES, GEOMETRIES, MODE_NAMES, Geometry, GiB, MiB, mode_name
 from .machine import (
@@ -250,6 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"context of the runner-step cell (default "
                         f"{CONTENTION_RUNNER_CONTEXT}, quick {QUICK_CONTENTION_RUNNER_CONTEXT}; "
                         "0 leaves the cell out)")
+    p.add_argument("--contention-prefill-tokens", nargs="+", metavar="N",
+                   help=f"prompt lengths of the runner-prefill cells (default "
+                        f"{' '.join(map(str, CONTENTION_PREFILL_TOKENS))}, quick "
+                        f"{' '.join(map(str, QUICK_CONTENTION_PREFILL_TOKENS))}; 0 leaves them "
+                        "out)")
+    p.add_argument("--contention-prefill-calls", type=int,
+                   help=f"prefills per setting and condition of a prefill cell (default "
+                        f"{PREFILL_CALLS}, quick {QUICK_PREFILL_CALLS})")
     p.add_argument("--bandwidth-mib", type=int,
                    help=f"buffer of the read-bandwidth probe, MiB (default "
                         f"{BANDWIDTH_BUFFER // MiB})")
@@ -353,6 +362,12 @@ def _resolve_options(args: argparse.Namespace) -> Options:
             else context_of(args.contention_runner_context, QUICK_CONTENTION_RUNNER_CONTEXT,
                             CONTENTION_RUNNER_CONTEXT)),
         contention_runner_model="tiny" if quick else "bench",
+        contention_prefill_tokens=(
+            [] if [v.strip() for v in args.contention_prefill_tokens or []] == ["0"]
+            else contexts_of(args.contention_prefill_tokens, QUICK_CONTENTION_PREFILL_TOKENS,
+                             CONTENTION_PREFILL_TOKENS)),
+        contention_prefill_calls=count(args.contention_prefill_calls, QUICK_PREFILL_CALLS,
+                                       PREFILL_CALLS),
         realmodel=runs("realmodel"),
         realmodel_contexts=contexts_of(args.realmodel_contexts, QUICK_REALMODEL_CONTEXTS,
                                        REALMODEL_CONTEXTS),

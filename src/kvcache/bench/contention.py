@@ -1,7 +1,8 @@
 """The contention section: decode latency while other work competes for the cores.
 
-Each cell -- ``attend_all_heads`` of one Llama-3-8B layer (f32, q8) at each context, and one
-decode step of the runner section's model -- is timed call by call under five conditions:
+Each cell -- ``attend_all_heads`` of one Llama-3-8B layer (f32, q8) at each context, one
+decode step of the runner section's model, and the runner's prefill of a prompt of 512 and
+2,048 tokens -- is timed call by call under five conditions:
 
 - ``quiet``: nothing else from this benchmark runs;
 - ``spin``: a process the section starts (and stops) keeps one core busy;
@@ -12,8 +13,12 @@ decode step of the runner section's model -- is timed call by call under five co
 
 and three thread settings side by side, in rotating blocks of calls: kvcache's default
 (``adaptive``), ``kvcache.threads(1, adaptive=False)`` and ``kvcache.threads(adaptive=False)``
-(all threads the OpenMP limit allows, the behaviour before the adaptive default).  Each row is
-checked against the targets of docs/threads.md.  Method: ``docs/benchmark-method.md``.
+(all threads the OpenMP limit allows, the behaviour before the adaptive default).  In the
+prefill cells the three settings are BLAS's instead (kvcache's own threads stay adaptive):
+``default`` is the runner's governed BLAS (``blas_threads=None``), ``forced 1`` one BLAS
+thread (``blas_threads=1``), ``forced all`` BLAS left at its own count (``blas_threads=0``, the
+runner's prefill before BLAS was governed); one prefill per block.  Each row is checked against
+the targets of docs/threads.md.  Method: ``docs/benchmark-method.md``.
 """
 
 from __future__ import annotations
@@ -43,12 +48,17 @@ if TYPE_CHECKING:
 CONTENTION_CONTEXTS, QUICK_CONTENTION_CONTEXTS = (1024, 16384), (256,)
 CONTENTION_CALLS, QUICK_CONTENTION_CALLS = 200, 20
 CONTENTION_RUNNER_CONTEXT, QUICK_CONTENTION_RUNNER_CONTEXT = 512, 64
+CONTENTION_PREFILL_TOKENS, QUICK_CONTENTION_PREFILL_TOKENS = (512, 2048), (64,)
+PREFILL_CALLS = 6                # prefills per setting (and condition) of a prefill cell
+QUICK_PREFILL_CALLS = 2
 CONDITIONS = ("quiet", "spin", "numpy", "pythread", "twoproc")
 SETTINGS = ("default", "forced 1", "forced all")
 BLOCK = 25                       # calls per setting before the next setting's turn
 SETTING_BUDGET_S = 12.0          # a forced setting stops taking turns after this many seconds
                                  # in one cell and condition (forced all threads next to a busy
                                  # core can take 0.5 s a call); the default always completes
+PREFILL_SETTING_BUDGET_S = 90.0  # the same for a prefill cell (a 2k prompt next to a busy core
+                                 # with BLAS on both cores takes about 15 s)
 PRODUCT = 256                    # the interleaved product: (256, 256) @ (256, 256) float32
 THREAD_PRODUCT = 384             # the Python thread's products
 # targets (docs/threads.md)
@@ -57,6 +67,8 @@ BUSY_P99_VS_QUIET = 2.0
 TWOPROC_SHARE = 0.8
 TWOPROC_WORST_VS_MEDIAN = 10.0
 QUIET_MEDIAN_VS_BEST = 1.05
+PREFILL_SPIN_VS_ONE = 0.9        # prefill, one core busy: tokens/s >= 0.9x one BLAS thread's
+PREFILL_QUIET_VS_ALL = 1.05      # prefill, quiet: median <= 1.05x BLAS left at its own count
 
 
 def setting_block(name: str) -> ContextManager[object]:
@@ -90,8 +102,14 @@ class Cell:
             self.token = 17
             self.steps = 0
             self.call = self._step
+        elif kind == "prefill":
+            self.runner = make_runner(mode, 0, seed, runner_model,
+                                      max_seq_len=context + 64)
+            vocab = self.runner.config.vocab_size
+            self.ids = np.random.default_rng([seed, context]).integers(0, vocab, context)
+            self.call = self._prefill
         else:
-            raise ValueError(f"cell kind: expected 'attend' or 'runner', got {kind!r}")
+            raise ValueError(f"cell kind: expected 'attend', 'runner' or 'prefill', got {kind!r}")
 
     def _attend(self) -> None:
         self.layer.attend_all_heads(self.q, out=self.out)
@@ -100,12 +118,26 @@ class Cell:
         self.token = int(np.argmax(self.runner.step(self.token)))
         self.steps += 1
 
+    def _prefill(self) -> None:
+        self.runner.reset()
+        self.runner.prefill(self.ids)
+
+    def setting(self, name: str) -> ContextManager[object]:
+        """The setting of one column: kvcache's threads, or for a prefill cell BLAS's."""
+        if self.kind != "prefill":
+            return setting_block(name)
+        blas = {"default": None, "forced 1": 1, "forced all": 0}
+        if name not in blas:
+            raise ValueError(f"setting: expected one of {SETTINGS}, got {name!r}")
+        self.runner.blas_threads = blas[name]
+        return contextlib.nullcontext()
+
     def block(self, setting: str, calls: int, before: Optional[Callable[[], None]] = None
               ) -> list[float]:
         """Seconds of ``calls`` timed calls under ``setting`` (``before`` runs untimed ahead
         of each); the runner rolls back afterwards so that its context stays the same."""
         times = []
-        with setting_block(setting):
+        with self.setting(setting):
             for _ in range(calls):
                 if before is not None:
                     before()
@@ -118,13 +150,15 @@ class Cell:
         return times
 
 
-def make_runner(mode: str, context: int, seed: int, model: str) -> Any:
+def make_runner(mode: str, context: int, seed: int, model: str,
+                max_seq_len: Optional[int] = None) -> Any:
     """A random-weight runner (the runner section's model, or a tiny one for ``model="tiny"``)
     whose cache holds ``context`` random positions."""
     from ..runner import ModelConfig, Runner
     from .runner import RUNNER_MODEL
     cfg = None if model == "tiny" else ModelConfig.from_hf(dict(RUNNER_MODEL, model_type="llama"))
-    r = Runner.random(cfg, seed=seed, kv=mode, max_seq_len=context + 4 * CONTENTION_CALLS)
+    r = Runner.random(cfg, seed=seed, kv=mode,
+                      max_seq_len=max_seq_len or context + 4 * CONTENTION_CALLS)
     rng = np.random.default_rng([seed, context])
     c = r.config
     for layer in r.cache.layers:
@@ -142,33 +176,46 @@ def make_cells(opts: Options) -> list[Cell]:
     if opts.contention_runner_context:
         cells.append(Cell("runner", "f32", opts.contention_runner_context, opts.seed,
                           opts.contention_runner_model))
+    for n in opts.contention_prefill_tokens:
+        cells.append(Cell("prefill", "f32", n, opts.seed, opts.contention_runner_model))
     return cells
 
 
-def rotation(done: int) -> list[str]:
+def cell_calls(cell: Cell, calls: int, prefill_calls: int = PREFILL_CALLS) -> tuple[int, int]:
+    """(calls per setting, calls per block) of a cell: a prefill cell runs ``prefill_calls``
+    one at a time, the others ``calls`` in blocks of :data:`BLOCK`."""
+    if cell.kind == "prefill":
+        return prefill_calls, 1
+    return calls, BLOCK
+
+
+def rotation(done: int, block: int = BLOCK) -> list[str]:
     """The settings' order in the round that starts after ``done`` calls: each goes first in
     turn, so that none always follows the same one."""
-    k = (done // BLOCK) % len(SETTINGS)
+    k = (done // block) % len(SETTINGS)
     return list(SETTINGS[k:] + SETTINGS[:k])
 
 
-def over_budget(setting: str, times: Sequence[float]) -> bool:
-    """Whether a forced setting has used up :data:`SETTING_BUDGET_S` (never the default)."""
-    return setting != "default" and sum(times) > SETTING_BUDGET_S
+def over_budget(setting: str, times: Sequence[float], kind: str = "attend") -> bool:
+    """Whether a forced setting has used up :data:`SETTING_BUDGET_S` (never the default; a
+    prefill cell, whose calls take seconds, :data:`PREFILL_SETTING_BUDGET_S`)."""
+    budget = PREFILL_SETTING_BUDGET_S if kind == "prefill" else SETTING_BUDGET_S
+    return setting != "default" and sum(times) > budget
 
 
-def run_settings(cell: Cell, calls: int, before: Optional[Callable[[], None]] = None
-                 ) -> dict[str, list[float]]:
+def run_settings(cell: Cell, calls: int, before: Optional[Callable[[], None]] = None,
+                 prefill_calls: int = PREFILL_CALLS) -> dict[str, list[float]]:
     """``calls`` timed calls per setting, in rotating blocks of :data:`BLOCK` (after one
     untimed warm-up call per setting); a forced setting over its budget gets fewer."""
     for s in SETTINGS:
         cell.block(s, 1, before)
+    calls, block = cell_calls(cell, calls, prefill_calls)
     out: dict[str, list[float]] = {s: [] for s in SETTINGS}
     done = 0
     while done < calls:
-        n = min(BLOCK, calls - done)
-        for s in rotation(done):
-            if not over_budget(s, out[s]):
+        n = min(block, calls - done)
+        for s in rotation(done, block):
+            if not over_budget(s, out[s], cell.kind):
                 out[s] += cell.block(s, n, before)
         done += n
     return out
@@ -227,7 +274,8 @@ def interleaved_product() -> Callable[[], None]:
     return product
 
 
-def run_condition(cond: str, cells: Sequence[Cell], calls: int) -> dict[str, dict[str, Row]]:
+def run_condition(cond: str, cells: Sequence[Cell], calls: int,
+                  prefill_calls: int = PREFILL_CALLS) -> dict[str, dict[str, Row]]:
     """Per cell and setting, the summary of ``calls`` calls under condition ``cond`` (not
     ``twoproc``)."""
     before = interleaved_product() if cond == "numpy" else None
@@ -237,7 +285,7 @@ def run_condition(cond: str, cells: Sequence[Cell], calls: int) -> dict[str, dic
     res: dict[str, dict[str, Row]] = {}
     with guard:
         for cell in cells:
-            times = run_settings(cell, calls, before)
+            times = run_settings(cell, calls, before, prefill_calls)
             res[cell.key] = {s: summary(t) for s, t in times.items()}
             gc.collect()
     return res
@@ -262,8 +310,8 @@ def worker_main() -> None:
         print(json.dumps(cells[i].block(setting, calls)), flush=True)
 
 
-def run_twoproc(cells: Sequence[Cell], calls: int, seed: int, runner_model: str
-                ) -> dict[str, list[dict[str, Row]]]:
+def run_twoproc(cells: Sequence[Cell], calls: int, seed: int, runner_model: str,
+                prefill_calls: int = PREFILL_CALLS) -> dict[str, list[dict[str, Row]]]:
     """Two worker processes run every cell's blocks at the same time (each block starts
     in both once both finished the previous one); per cell, per process, per setting."""
     import kvcache
@@ -288,10 +336,11 @@ def run_twoproc(cells: Sequence[Cell], calls: int, seed: int, runner_model: str
         for i, cell in enumerate(cells):
             times: list[dict[str, list[float]]] = [{s: [] for s in SETTINGS} for _ in procs]
             done = 0
-            while done < calls:
-                n = min(BLOCK, calls - done)
-                for s in rotation(done):
-                    if any(over_budget(s, t[s]) for t in times):
+            ncalls, block = cell_calls(cell, calls, prefill_calls)
+            while done < ncalls:
+                n = min(block, ncalls - done)
+                for s in rotation(done, block):
+                    if any(over_budget(s, t[s], cell.kind) for t in times):
                         continue
                     for p in procs:
                         assert p.stdin is not None
@@ -324,16 +373,19 @@ def run_contention(opts: Options, bar: ProgressBar) -> dict[str, Any]:
     """The contention section: every cell under every condition of ``opts``."""
     cells = make_cells(opts)
     calls = opts.contention_calls
-    out: dict[str, Any] = {"calls": calls, "cells": [c.key for c in cells],
+    out: dict[str, Any] = {"calls": calls, "prefill_calls": opts.contention_prefill_calls,
+                           "cells": [c.key for c in cells],
                            "conditions": list(opts.contention_conditions),
                            "cpus": os.cpu_count(), "results": {}}
     for cond in opts.contention_conditions:
         bar.set_postfix_str(f"contention {cond}")
         if cond == "twoproc":
             out["results"][cond] = run_twoproc(cells, calls, opts.seed,
-                                               opts.contention_runner_model)
+                                               opts.contention_runner_model,
+                                               opts.contention_prefill_calls)
         else:
-            out["results"][cond] = run_condition(cond, cells, calls)
+            out["results"][cond] = run_condition(cond, cells, calls,
+                                                 opts.contention_prefill_calls)
         bar.update()
     out["rows"] = contention_rows(out)
     return out
@@ -360,7 +412,7 @@ def contention_rows(res: dict[str, Any]) -> list[Row]:
                                        "max_ms": max(p[s]["max_ms"] for p in per),
                                        "calls": min(p[s]["calls"] for p in per)}
                                    for s in SETTINGS}
-                if solo is not None:
+                if solo is not None and not key.startswith("prefill "):   # prefill: no target
                     share = {s: min(p[s]["per_s"] for p in per) / (solo[s]["per_s"] / 2)
                              for s in SETTINGS}
                     worst = {s: row["settings"][s]["max_ms"] / solo[s]["median_ms"]
@@ -374,7 +426,20 @@ def contention_rows(res: dict[str, Any]) -> list[Row]:
             else:
                 row["settings"] = {s: dict(r[s]) for s in SETTINGS}
                 d = r["default"]
-                if cond == "quiet":
+                if key.startswith("prefill ") and cond in ("quiet", "spin"):
+                    if cond == "quiet":
+                        row["target"] = (f"median <= {PREFILL_QUIET_VS_ALL:g}x BLAS at its own "
+                                         "count (forced all)")
+                        row["ratio"] = d["median_ms"] / r["forced all"]["median_ms"]
+                        row["met"] = row["ratio"] <= PREFILL_QUIET_VS_ALL
+                    else:
+                        row["target"] = (f"tokens/s >= {PREFILL_SPIN_VS_ONE:g}x one BLAS "
+                                         "thread (forced 1)")
+                        row["ratio"] = r["forced 1"]["median_ms"] / d["median_ms"]
+                        row["met"] = row["ratio"] >= PREFILL_SPIN_VS_ONE
+                elif key.startswith("prefill "):
+                    pass                      # reported, no target
+                elif cond == "quiet":
                     best = min(r["forced 1"]["median_ms"], r["forced all"]["median_ms"])
                     row["target"] = f"median <= {QUIET_MEDIAN_VS_BEST:g}x best forced"
                     row["ratio"] = d["median_ms"] / best
@@ -395,8 +460,10 @@ def contention_table(res: dict[str, Any]) -> str:
     """One row per (cell, condition): median / p99 ms of each setting, the target, met."""
     body = []
     for r in res["rows"]:
+        full = (res.get("prefill_calls", PREFILL_CALLS) if r["cell"].startswith("prefill ")
+                else res["calls"])
         cells = [f"{fmt(r['settings'][s]['median_ms'])} / {fmt(r['settings'][s]['p99_ms'])}"
-                 + (f" (n={r['settings'][s]['calls']})" if r["settings"][s]["calls"] < res["calls"]
+                 + (f" (n={r['settings'][s]['calls']})" if r["settings"][s]["calls"] < full
                     else "")
                  for s in SETTINGS]
         if "share_of_half_solo" in r:
@@ -422,9 +489,13 @@ def contention_notes(res: dict[str, Any], opts: Options) -> list[str]:
         f"forced setting stopped after {SETTING_BUDGET_S:g} s of calls); "
         f"attend = LayerKvCache.attend_all_heads, Llama-3-8B layer (8 KV heads x 128, 32 "
         f"query heads); runner = one Runner.step of the runner section's model "
-        f"({opts.contention_runner_model}), rolled back after each block",
+        f"({opts.contention_runner_model}), rolled back after each block; prefill = "
+        f"Runner.prefill of a prompt of that many tokens (same model), "
+        f"{res.get('prefill_calls', PREFILL_CALLS)} per setting, one per block",
         "default = kvcache's adaptive thread count; forced 1 = kvcache.threads(1, "
-        "adaptive=False); forced all = kvcache.threads(adaptive=False)",
+        "adaptive=False); forced all = kvcache.threads(adaptive=False); in the prefill rows "
+        "the settings are BLAS's: default = governed (Runner blas_threads=None), forced 1 = "
+        "blas_threads=1, forced all = blas_threads=0 (BLAS at its own count)",
         f"spin: one process in a busy loop; numpy: a 2-thread ({PRODUCT}x{PRODUCT}) float32 "
         f"product before each call; pythread: a Python thread doing ({THREAD_PRODUCT}x"
         f"{THREAD_PRODUCT}) products all along; twoproc: two processes running the same "

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .contention import (
-    CONDITIONS, CONTENTION_CALLS, CONTENTION_CONTEXTS, CONTENTION_RUNNER_CONTEXT)
+    CONDITIONS, CONTENTION_CALLS, CONTENTION_CONTEXTS, CONTENTION_PREFILL_TOKENS,
+    CONTENTION_RUNNER_CONTEXT, PREFILL_CALLS)
 from .geometry import Geometry
 from .mla import (
     MLA_CONTEXTS, MLA_FMA_ITERS, MLA_NAIVE_MAX_CONTEXT, MLA_NAIVE_REPEATS, MLA_REPEATS,
@@ -80,6 +81,8 @@ class Options:
     contention_conditions: Sequence[str] = CONDITIONS
     contention_runner_context: int = CONTENTION_RUNNER_CONTEXT
     contention_runner_model: str = "bench"
+    contention_prefill_tokens: Sequence[int] = CONTENTION_PREFILL_TOKENS
+    contention_prefill_calls: int = PREFILL_CALLS
     realmodel: bool = False
     realmodel_contexts: Sequence[int] = REALMODEL_CONTEXTS
     realmodel_steps: int = REALMODEL_STEPS

@@ -246,7 +246,9 @@ def options_record(opts: Options) -> dict[str, Any]:
             "contention_calls": opts.contention_calls,
             "contention_conditions": opts.contention_conditions,
             "contention_runner_context": opts.contention_runner_context,
-            "contention_runner_model": opts.contention_runner_model}
+            "contention_runner_model": opts.contention_runner_model,
+            "contention_prefill_tokens": list(opts.contention_prefill_tokens),
+            "contention_prefill_calls": opts.contention_prefill_calls}
 
 
 def write_json(path: str, res: Results, opts: Options) -> None:

@@ -179,8 +179,8 @@ class Runner:
         thread); 0 leaves BLAS alone.  BLAS's own setting (``OPENBLAS_NUM_THREADS``,
         ``threadpoolctl``) stays the outer limit.
     decode_blas_threads : int, optional
-        Deprecated alias of ``blas_threads`` (a DeprecationWarning): it used to pin BLAS in
-        single-position steps only.
+        Deprecated (a DeprecationWarning): BLAS threads in single-position steps only, a cap
+        under ``blas_threads`` (0: BLAS as it is in them), as before; use ``blas_threads``.
     prefill_chunk : int
         Positions per prefill chunk (default :data:`DEFAULT_PREFILL_CHUNK`, 64): a prompt is
         computed in chunks that end at multiples of it (absolute positions), so the work done
@@ -228,14 +228,17 @@ class Runner:
         #: (m, w, sink[, keep[, ridge]]) as given, checked
         self.o1_params: tuple[float, ...] = ints + tuple(check_ridge(r) for r in o1_params[4:])
         max_error = check_max_error(o1_max_error)
-        if decode_blas_threads is not None:
-            warnings.warn("Runner(decode_blas_threads=...) is deprecated: blas_threads governs "
-                          "prompt and decode steps alike", DeprecationWarning, stacklevel=2)
-            if blas_threads is None:
-                blas_threads = as_int("decode_blas_threads", decode_blas_threads, minimum=0)
         #: the BLAS control: None adaptive, >= 1 a cap, 0 BLAS left alone
         self.blas_threads: int | None = (None if blas_threads is None else
                                          as_int("blas_threads", blas_threads, minimum=0))
+        #: the deprecated decode_blas_threads: a cap on single-position steps only (0: BLAS
+        #: as it is in them), as it was; prompts stay governed by blas_threads
+        self._decode_cap: int | None = None
+        if decode_blas_threads is not None:
+            warnings.warn("Runner(decode_blas_threads=...) is deprecated: use blas_threads, "
+                          "which governs prompt and decode steps alike", DeprecationWarning,
+                          stacklevel=2)
+            self._decode_cap = as_int("decode_blas_threads", decode_blas_threads, minimum=0)
         self._blas: BlasGovernor | None = None    # the governor of the call in progress
         self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, minimum=1)
         c = self.prefill_chunk
@@ -344,19 +347,22 @@ class Runner:
         cfg, L = self.config, self.layers[i]
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         nq, nk = nh * hd, nkv * hd
-        qs: list[Array] = []
-        ks: list[Array] = []
-        vs: list[Array] = []
-        for x, pos in zip(xs, positions):
+        def qkv_of(item: tuple[Array, npt.NDArray[np.int64]]) -> tuple[Array, Array, Array]:
+            x, pos = item
             n = x.shape[0]
             h = self._rms(x, L.norm_attn_in)
-            self._blas_size()
             qkv = h @ L.qkv
             if L.bqkv is not None:
                 qkv = qkv + L.bqkv
-            qs.append(self._rope(qkv[:, :nq].reshape(n, nh, hd), pos))
-            ks.append(self._rope(qkv[:, nq: nq + nk].reshape(n, nkv, hd), pos))
-            vs.append(np.ascontiguousarray(qkv[:, nq + nk:]).reshape(n, nkv, hd))
+            return (self._rope(qkv[:, :nq].reshape(n, nh, hd), pos),
+                    self._rope(qkv[:, nq: nq + nk].reshape(n, nkv, hd), pos),
+                    np.ascontiguousarray(qkv[:, nq + nk:]).reshape(n, nkv, hd))
+
+        rows = [x.shape[0] for x in xs]
+        parts = self._chunks(qkv_of, list(zip(xs, positions)), rows)
+        qs = [p[0] for p in parts]
+        ks = [p[1] for p in parts]
+        vs = [p[2] for p in parts]
         q = qs[0] if len(qs) == 1 else as_f32(np.concatenate(qs))
         layer = self.cache.layers[i]
         t0 = time.perf_counter()
@@ -369,14 +375,17 @@ class Runner:
         self.timings["attention_s"] += time.perf_counter() - t0
         act = _ACTIVATIONS[cfg.hidden_act]
         im = cfg.intermediate_size
-        result: list[Array] = []
+        mines: list[Array] = []
         lo = 0
         for x in xs:
             n = x.shape[0]
             # each chunk's rows in an array of its own, wherever the chunk lies in the call
-            mine = out if len(xs) == 1 else np.array(out[lo: lo + n])
+            mines.append(out if len(xs) == 1 else np.array(out[lo: lo + n]))
             lo += n
-            self._blas_size()
+
+        def mlp_of(item: tuple[Array, Array]) -> Array:
+            x, mine = item
+            n = x.shape[0]
             o = mine.reshape(n, nh * hd) @ L.wo_t
             if L.bo is not None:
                 o = o + L.bo
@@ -392,8 +401,9 @@ class Runner:
                 m = m + L.b_down
             if L.norm_mlp_out is not None:
                 m = self._rms(m, L.norm_mlp_out)
-            result.append(x + m)
-        return result
+            return x + m
+
+        return self._chunks(mlp_of, list(zip(xs, mines)), rows)
 
     def _o1_attend(self, layer: LayerKvCache, q: Array, ks: list[Array], vs: list[Array],
                    sealing: bool) -> Array:
@@ -422,26 +432,32 @@ class Runner:
                                       softcap=cfg.attn_softcap or 0.0, prefill=prompt)
 
     def _blas_block(self) -> ContextManager[object]:
-        """The BLAS governor of one call (:attr:`blas_threads`): every product group of the
-        call asks it for BLAS's thread count first (:meth:`_blas_size`).  Prompt and decode
-        steps alike: a decode step's matrix-vector products gain from a second thread on a
-        quiet machine and lose badly to BLAS's fork-join when a core is taken, which is what
-        the free-CPU sample tells apart (docs/threads.md, "BLAS")."""
+        """The BLAS governor of one call (:attr:`blas_threads`; docs/threads.md, "BLAS")."""
         if self.blas_threads == 0:
+            self._blas = None
             return contextlib.nullcontext()
         gov = BlasGovernor(self.blas_threads)
         self._blas = gov
         return gov
 
-    def _blas_size(self) -> None:
-        """Size BLAS for the next products (a no-op outside a call or with blas_threads=0)."""
+    def _chunks(self, fn: Callable[[Any], Any], items: list[Any], rows: list[int]) -> list[Any]:
+        """``[fn(item) for item in items]`` over the chunks of one step, sized by the call's
+        governor: single-row chunks (decode) with BLAS at ``min(blas_threads, free CPUs)``
+        threads (a matrix-vector product's bits do not depend on the count); chunks of
+        several rows shared out over that many threads, BLAS on one thread in each, so a
+        chunk's bits depend on the chunk alone (a matrix-matrix product's would depend on
+        BLAS's count).  With ``blas_threads=0``, in order with BLAS as it is."""
         gov = self._blas
-        if gov is not None:
-            gov.size()
+        if gov is None:
+            return [fn(x) for x in items]
+        if all(r == 1 for r in rows):
+            if self._decode_cap != 0:
+                gov.size(self._decode_cap)
+            return [fn(x) for x in items]
+        return gov.map(fn, items)
 
     def _logits(self, x: Array) -> Array:
         h = self._rms(x, self.norm)
-        self._blas_size()
         logits = h @ self.lm_head_t
         cap = self.config.final_softcap
         if cap:
@@ -524,7 +540,7 @@ class Runner:
                     for i in range(self.config.num_layers):
                         xs = self._layer(i, xs, positions, sealing, prompt)
                     if all_logits:
-                        outs.extend(self._logits(x) for x in xs)
+                        outs.extend(self._chunks(self._logits, xs, [x.shape[0] for x in xs]))
                     if progress is not None:
                         progress(chunks[-1][1], n)
                 if not all_logits:
