@@ -50,10 +50,10 @@ SIMD_PROBE = """
     #else
     #pragma GCC pop_options
     #endif
-    int main(void) {
+    int main(int argc, char **argv) {
         float x[8] = {1, 2, 3, 4, 5, 6, 7, 8};
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("avx2") ? (int)f(x) - 1 : 0;
+        (void)argv;
+        return argc > 99 ? (int)f(x) : 0;   /* compiled and linked, never run */
     }
 """
 
@@ -64,14 +64,13 @@ VNNI_PROBE = """
     { return _mm256_dpbusd_avx_epi32(x, x, y); }
     __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
     static __m256i b(__m256i x, __m256i y) { return _mm256_dpbusd_epi32(x, x, y); }
-    __attribute__((target("avx2"))) static int c(void) {
-        volatile int s = __builtin_cpu_supports("avxvnni") + __builtin_cpu_supports("avx512vnni");
+    __attribute__((target("avx2"))) static int c(int s) {
         __m256i z = _mm256_set1_epi32(s);
         return _mm256_extract_epi32(a(z, z), 0) + _mm256_extract_epi32(b(z, z), 0) == 12345;
     }
-    int main(void) {
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("avx2") ? c() : 0;
+    int main(int argc, char **argv) {
+        (void)argv;
+        return argc > 99 ? c(argc) : 0;   /* compiled and linked, never run */
     }
 """
 
