@@ -214,6 +214,12 @@ _FAMILY_ID = {name: i for i, name in enumerate(_dp.FAMILIES)}
 _isa_cap = None
 
 
+def _short(value):
+    """repr(value), cut to 40 characters (an environment variable may hold anything)."""
+    r = repr(value)
+    return r if len(r) <= 40 else r[:36] + "...'"
+
+
 def _names(unsigned bits, names):
     return frozenset(name for i, name in enumerate(names) if bits >> i & 1)
 
@@ -263,9 +269,9 @@ def set_bodies(choice):
     todo = []
     for fam, body in list(choice.items()):
         if fam not in _FAMILY_ID:
-            raise ValueError(f"family: expected one of {list(_dp.FAMILIES)}, got {fam!r}")
+            raise ValueError(f"family: expected one of {list(_dp.FAMILIES)}, got {_short(fam)}")
         if body not in _BODY_ID:
-            raise ValueError(f"{fam}: expected one of {list(_dp.BODIES)}, got {body!r}")
+            raise ValueError(f"{fam}: expected one of {list(_dp.BODIES)}, got {_short(body)}")
         if body not in built[fam]:
             raise ValueError(f"{fam}: this build holds no {body!r} body (it holds "
                              f"{', '.join(built[fam])})")
@@ -303,7 +309,7 @@ def set_isa(name):
     if isinstance(name, str):
         name = name.strip().lower()
     if name is not None and (not isinstance(name, str) or name not in _BODY_ID):
-        raise ValueError(f"isa: expected one of {list(_dp.BODIES)} or None, got {name!r}")
+        raise ValueError(f"isa: expected one of {list(_dp.BODIES)} or None, got {_short(name)}")
     built = built_bodies()
     if name is not None and not any(name in held for held in built.values()):
         raise ValueError(f"isa: this build holds no {name!r} body")
@@ -334,8 +340,8 @@ def _isa_from_env():
     try:
         set_isa(want)
     except ValueError as exc:
-        warnings.warn(f"KVCACHE_ISA={want!r} ignored, using {isa()!r}: {exc}", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(f"KVCACHE_ISA={_short(want)} ignored, using {isa()!r}: {exc}",
+                      RuntimeWarning, stacklevel=2)
 
 
 _isa_from_env()
