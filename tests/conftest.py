@@ -243,3 +243,11 @@ def redis_server_throwaway(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+def cpu_runs_avx2() -> bool:
+    """Whether this CPU runs AVX2 + FMA code: the C twin programs (tests/c) built with -mavx2
+    -mfma run only then; elsewhere those tests build them (a compile check) and run the
+    portable build alone, and the in-process tests cover the bodies the CPU has."""
+    from kvcache import _core
+    return {"avx2", "fma"} <= _core.cpu_features()

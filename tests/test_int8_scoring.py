@@ -23,6 +23,7 @@ import kvcache
 from kvcache import KvMode, LayerKvCache, _core
 from kvcache import _dispatch as dispatch
 from kvcache import reference as R
+from conftest import cpu_runs_avx2
 
 def runnable_levels() -> list[str]:
     """Every body name whose needed features this CPU reports and that some family of this
@@ -257,7 +258,7 @@ def test_every_body_computes_the_same_bits(tmp_path):
     ref = subprocess.run([str(port), "0"], check=True, capture_output=True, text=True).stdout
     lines = ref.splitlines()
     assert len(lines) > 100000 and len(set(lines)) > 20000
-    for level in (0, 1, 2, 3):
+    for level in ((0, 1, 2, 3) if cpu_runs_avx2() else ()):   # an AVX2 program: run where it can
         got = subprocess.run([str(emu), str(level)], check=True, capture_output=True,
                              text=True).stdout
         assert got == ref, f"level {level} differs from the portable C"
@@ -273,7 +274,7 @@ def test_the_real_vnni_bodies_run_where_the_cpu_has_them(tmp_path):
     subprocess.run(_cc() + ["-O2", "-std=gnu11", "-ffp-contract=off", "-DKVC_NO_SIMD", inc, str(src), "-o", str(port),
                             "-lm"], check=True, capture_output=True)
     ref = subprocess.run([str(port), "0"], check=True, capture_output=True, text=True).stdout
-    for name in runnable_levels():
+    for name in (runnable_levels() if cpu_runs_avx2() else []):   # an AVX2 program
         got = subprocess.run([str(exe), str(dispatch.BODIES.index(name))], check=True, capture_output=True,
                              text=True).stdout
         assert got == ref, name
