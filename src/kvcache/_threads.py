@@ -301,6 +301,19 @@ def threads_for(work: int, tasks: int) -> int:
     return (_sampler or sampler()).cap(n, limit)
 
 
+def _count_or_none(name: str, value: object) -> Optional[int]:
+    """``value`` as a thread count >= 1, or None (TypeError for a non-int or a bool,
+    ValueError below 1)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}")
+    n = operator.index(value)
+    if n < 1:
+        raise ValueError(f"{name}: expected >= 1, got {n}")
+    return n
+
+
 _Setting = tuple[Optional[int], bool]
 _entered: contextvars.ContextVar[tuple[tuple[int, contextvars.Token[_Setting]], ...]] = (
     contextvars.ContextVar("kvcache_threads_entered", default=()))
@@ -337,12 +350,7 @@ class threads:
     __slots__ = ("_value",)
 
     def __init__(self, n: Optional[int] = None, *, adaptive: bool = True) -> None:
-        if n is not None:
-            if isinstance(n, bool) or not hasattr(n, "__index__"):
-                raise TypeError(f"n: expected an int or None, got {type(n).__name__}")
-            n = operator.index(n)
-            if n < 1:
-                raise ValueError(f"n: expected >= 1, got {n}")
+        n = _count_or_none("n", n)
         if not isinstance(adaptive, bool):
             raise TypeError(f"adaptive: expected a bool, got {type(adaptive).__name__}")
         self._value: tuple[Optional[int], bool] = (n, adaptive)
@@ -514,13 +522,7 @@ class BlasGovernor:
     def __init__(self, cap: Optional[int] = None, *,
                  clock: Callable[[], float] = time.monotonic,
                  sampler: Optional[Sampler] = None) -> None:
-        if cap is not None:
-            if isinstance(cap, bool) or not hasattr(cap, "__index__"):
-                raise TypeError(f"cap: expected an int or None, got {type(cap).__name__}")
-            cap = operator.index(cap)
-            if cap < 1:
-                raise ValueError(f"cap: expected >= 1, got {cap}")
-        self.cap = cap
+        self.cap = _count_or_none("cap", cap)
         self.clock = clock
         self._sampler = sampler
         self._entered = False
