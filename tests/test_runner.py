@@ -308,6 +308,19 @@ def test_generate_command_runs_without_a_model(capsys):
     assert "cache memory" in out and "attention share" in out
 
 
+@pytest.mark.parametrize("n", ["0", "1", "2"])
+def test_generate_command_takes_the_blas_control(capsys, n):
+    argv = ["generate", "--max-new-tokens", "3", "--no-progress", "--blas-threads", n]
+    assert cli.main(argv) == 0
+    assert "tokens/s" in capsys.readouterr().out
+
+
+def test_generate_command_refuses_a_negative_blas_control(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--blas-threads", "-1"])
+    assert "--blas-threads must be >= 0" in capsys.readouterr().err
+
+
 def test_generate_command_with_a_checkpoint_and_tokenizer(saved, capsys, tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     _, path = saved("qwen2")

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--o1-max-error", type=float, metavar="E",
                    help="seal only the O(1) layers whose estimated error is at most E "
                         "(default: no bound; 0.1 with --o1 auto)")
+    p.add_argument("--blas-threads", type=int, metavar="N",
+                   help="BLAS control (docs/threads.md, \"BLAS\"): default adaptive, from the "
+                        "CPUs free now; N >= 1 caps it, 0 leaves BLAS alone")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1)")
     p.add_argument("--seed", type=int, help="sampler seed")
@@ -176,8 +179,10 @@ def main(argv: Sequence[str] | None = None, file: IO[str] | None = None) -> int:
         parser.error("--chat needs --prompt and a --model with a tokenizer and chat template")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.blas_threads is not None and args.blas_threads < 0:
+        parser.error(f"--blas-threads must be >= 0, got {args.blas_threads}")
     kwargs: dict[str, Any] = dict(kv=args.kv, o1_layers=args.o1, o1_params=o1_params,
-                                  o1_max_error=args.o1_max_error)
+                                  o1_max_error=args.o1_max_error, blas_threads=args.blas_threads)
     try:
         t0 = time.perf_counter()
         if args.model:
