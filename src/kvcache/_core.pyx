@@ -111,15 +111,10 @@ cdef extern from "_dispatch.h" nogil:
     int KVC_FAM_PREFILL
     int KVC_FAM_MLA
     int KVC_N_FAMILIES
-    int KVC_ISA_PORTABLE
-    int KVC_ISA_AVX2
-    int KVC_ISA_AVXVNNI
-    int KVC_ISA_AVX512
     int KVC_N_BODIES
     int KVC_N_FEATURES
     unsigned kvc_cpu_features()
     unsigned kvc_body_needs(int body)
-    const char *kvc_isa_name(int body)
     Py_ssize_t KVC_SCRATCH_FLOATS(Py_ssize_t hd)
     Py_ssize_t KVC_I8_PAD(Py_ssize_t hd)
     Py_ssize_t KVC_I8_GROUPS(Py_ssize_t hd, Py_ssize_t group)
@@ -209,6 +204,10 @@ def fresh_bytes(Py_ssize_t n):
 # feature the CPU reports.  KVCACHE_ISA / set_isa only narrow that choice, never widen it.
 from kvcache import _dispatch as _dp
 
+if (len(_dp.FEATURES), len(_dp.BODIES), len(_dp.FAMILIES)) != (
+        KVC_N_FEATURES, KVC_N_BODIES, KVC_N_FAMILIES):   # the C and Python tables are one table
+    raise ImportError("kvcache._core: the feature, body or family tables of _isa.h / "
+                      "_dispatch.h and kvcache/_dispatch.py disagree; rebuild the extension")
 _BODY_ID = {name: i for i, name in enumerate(_dp.BODIES)}
 _FAMILY_ID = {name: i for i, name in enumerate(_dp.FAMILIES)}
 _isa_cap = None
