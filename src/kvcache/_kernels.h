@@ -16,139 +16,59 @@
 #ifndef KVCACHE_KERNELS_H
 #define KVCACHE_KERNELS_H
 
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#include <stddef.h>
-
+#include "_vec.h"
 #include "_sizes.h"
 
 #define KVC_LANES 16
 
-#if defined(__GNUC__)
-#define KVC_INLINE static inline __attribute__((always_inline))
-#else
-#define KVC_INLINE static inline
-#endif
-
-#if ((defined(__AVX2__) && defined(__FMA__)) || defined(KVC_UNIT_AVX2)) && !defined(KVC_NO_SIMD)
-#include <immintrin.h>
-#define KVC_SIMD 1
-#else
-#define KVC_SIMD 0
-#endif
-
-/* ---------------------------------------------------------------------------------------
- * The canonical 16-lane reduction.  Lane l (0..15) accumulates, with fused multiply-add,
- * the products of elements i with i % 16 == l over the full 16-blocks.  The lanes are then
- * folded as a[l] = acc[l] + acc[l+8] (l < 8), b[m] = a[2m] + a[2m+1] (m < 4),
- * result = (b[0] + b[1]) + (b[2] + b[3]) -- the tree that two horizontal adds give, so four
- * rows fold together in a handful of instructions.  The tail (n % 16 elements) is accumulated
- * in order with fmaf and added last.  The AVX2 path and the portable path compute exactly
- * this, so a build gives the same bits whichever it uses.
- * ------------------------------------------------------------------------------------- */
-
-KVC_INLINE float kvc_hsum16(const float *acc)
-{
-    float a[8], b[4];
-    int l;
-    for (l = 0; l < 8; ++l)
-        a[l] = acc[l] + acc[l + 8];
-    for (l = 0; l < 4; ++l)
-        b[l] = a[2 * l] + a[2 * l + 1];
-    return (b[0] + b[1]) + (b[2] + b[3]);
-}
-
-#if KVC_SIMD
-KVC_INLINE float kvc_fold(__m256 lo, __m256 hi)
-{
-    __m256 h = _mm256_add_ps(lo, hi);
-    h = _mm256_hadd_ps(h, h);
-    h = _mm256_hadd_ps(h, h);
-    return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
-
+/* Transitional names for the headers not yet on the layer (x86 only). */
+#if KVC_VEC_X86
+KVC_INLINE float kvc_fold(__m256 lo, __m256 hi) { return kvc_f8_fold16(lo, hi); }
+KVC_INLINE float kvc_fold8(__m256 a) { return kvc_f8_fold(a); }
+KVC_INLINE __m256 kvc_expf8(__m256 x) { return kvc_f8_exp(x); }
 #endif
 
 /* ---------------------------------------------------------------------------------------
  * float32 dot products (K scores) use 8 lanes: lane l accumulates, with fused multiply-add,
  * the products of elements i with i % 8 == l over the full 8-blocks; the lanes fold as
- * b[m] = a[2m] + a[2m+1], result = (b[0] + b[1]) + (b[2] + b[3]); the tail (n % 8
- * elements) is accumulated in order with fmaf and added last.  One accumulator register per
- * (query, row) lets a 4 x 4 block of queries and rows run with one load per two FMAs.
+ * kvc_f8_fold; the tail (n % 8 elements) is accumulated in order with fmaf and added last.
+ * One accumulator per (query, row) lets a block of queries and rows run with one load per two
+ * FMAs.
  * ------------------------------------------------------------------------------------- */
-
-KVC_INLINE float kvc_hsum8(const float *a)
-{
-    float b0 = a[0] + a[1], b1 = a[2] + a[3], b2 = a[4] + a[5], b3 = a[6] + a[7];
-    return (b0 + b1) + (b2 + b3);
-}
-
-#if KVC_SIMD
-KVC_INLINE float kvc_fold8(__m256 a)
-{
-    __m256 h = _mm256_hadd_ps(a, a);
-    h = _mm256_hadd_ps(h, h);
-    return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
-
-KVC_INLINE __m128 kvc_fold8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
-{
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-#endif
 
 KVC_INLINE float kvc_dot_f32(const float *restrict a, const float *restrict b, ptrdiff_t n)
 {
     ptrdiff_t i = 0;
-    float tail = 0.0f, head;
-#if KVC_SIMD
-    __m256 acc = _mm256_setzero_ps();
+    float tail = 0.0f;
+    kvc_f8 acc = kvc_f8_zero();
     for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    head = kvc_fold8(acc);
-#else
-    float acc[8] = {0};
-    int l;
-    for (; i + 8 <= n; i += 8)
-        for (l = 0; l < 8; ++l)
-            acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
-    head = kvc_hsum8(acc);
-#endif
+        acc = kvc_f8_fma(kvc_f8_load(a + i), kvc_f8_load(b + i), acc);
     for (; i < n; ++i)
         tail = fmaf(a[i], b[i], tail);
-    return head + tail;
+    return kvc_f8_fold(acc) + tail;
 }
 
 /* out[r] = kvc_dot_f32(q, k_r, n) for four rows, bit for bit. */
 KVC_INLINE void kvc_dot4_f32(const float *restrict q, const float *k0, const float *k1,
                              const float *k2, const float *k3, ptrdiff_t n, float *out)
 {
-#if KVC_SIMD
     ptrdiff_t i = 0;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    kvc_f8 a0 = kvc_f8_zero(), a1 = a0, a2 = a0, a3 = a0;
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (; i + 8 <= n; i += 8) {
-        __m256 qv = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+        kvc_f8 qv = kvc_f8_load(q + i);
+        a0 = kvc_f8_fma(qv, kvc_f8_load(k0 + i), a0);
+        a1 = kvc_f8_fma(qv, kvc_f8_load(k1 + i), a1);
+        a2 = kvc_f8_fma(qv, kvc_f8_load(k2 + i), a2);
+        a3 = kvc_f8_fma(qv, kvc_f8_load(k3 + i), a3);
     }
-    float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
     for (; i < n; ++i) {
-        t0 = fmaf(q[i], k0[i], t0);
-        t1 = fmaf(q[i], k1[i], t1);
-        t2 = fmaf(q[i], k2[i], t2);
-        t3 = fmaf(q[i], k3[i], t3);
+        t[0] = fmaf(q[i], k0[i], t[0]);
+        t[1] = fmaf(q[i], k1[i], t[1]);
+        t[2] = fmaf(q[i], k2[i], t[2]);
+        t[3] = fmaf(q[i], k3[i], t[3]);
     }
-    _mm_storeu_ps(out, _mm_add_ps(kvc_fold8x4(a0, a1, a2, a3), _mm_setr_ps(t0, t1, t2, t3)));
-#else
-    out[0] = kvc_dot_f32(q, k0, n);
-    out[1] = kvc_dot_f32(q, k1, n);
-    out[2] = kvc_dot_f32(q, k2, n);
-    out[3] = kvc_dot_f32(q, k3, n);
-#endif
+    kvc_f8_fold4(a0, a1, a2, a3, t, out);
 }
 
 /* out[j*ostride + r] = kvc_dot_f32(q_j, k_r, n) for two queries and four rows, bit for bit:
@@ -157,42 +77,36 @@ KVC_INLINE void kvc_dot2x4_f32(const float *q0, const float *q1, const float *k0
                                const float *k1, const float *k2, const float *k3, ptrdiff_t n,
                                float *out, ptrdiff_t ostride)
 {
-#if KVC_SIMD
     ptrdiff_t i = 0;
-    __m256 z = _mm256_setzero_ps();
-    __m256 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
+    static const float zero4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    kvc_f8 z = kvc_f8_zero();
+    kvc_f8 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
     if (n % 8) {   /* head dims that are not a multiple of 8: the single-query path */
         kvc_dot4_f32(q0, k0, k1, k2, k3, n, out);
         kvc_dot4_f32(q1, k0, k1, k2, k3, n, out + ostride);
         return;
     }
     for (; i < n; i += 8) {
-        __m256 r0 = _mm256_loadu_ps(k0 + i), r1 = _mm256_loadu_ps(k1 + i);
-        __m256 r2 = _mm256_loadu_ps(k2 + i), r3 = _mm256_loadu_ps(k3 + i);
-        __m256 qa = _mm256_loadu_ps(q0 + i), qb = _mm256_loadu_ps(q1 + i);
-        a00 = _mm256_fmadd_ps(qa, r0, a00); a01 = _mm256_fmadd_ps(qa, r1, a01);
-        a02 = _mm256_fmadd_ps(qa, r2, a02); a03 = _mm256_fmadd_ps(qa, r3, a03);
-        a10 = _mm256_fmadd_ps(qb, r0, a10); a11 = _mm256_fmadd_ps(qb, r1, a11);
-        a12 = _mm256_fmadd_ps(qb, r2, a12); a13 = _mm256_fmadd_ps(qb, r3, a13);
+        kvc_f8 r0 = kvc_f8_load(k0 + i), r1 = kvc_f8_load(k1 + i);
+        kvc_f8 r2 = kvc_f8_load(k2 + i), r3 = kvc_f8_load(k3 + i);
+        kvc_f8 qa = kvc_f8_load(q0 + i), qb = kvc_f8_load(q1 + i);
+        a00 = kvc_f8_fma(qa, r0, a00); a01 = kvc_f8_fma(qa, r1, a01);
+        a02 = kvc_f8_fma(qa, r2, a02); a03 = kvc_f8_fma(qa, r3, a03);
+        a10 = kvc_f8_fma(qb, r0, a10); a11 = kvc_f8_fma(qb, r1, a11);
+        a12 = kvc_f8_fma(qb, r2, a12); a13 = kvc_f8_fma(qb, r3, a13);
     }
-    __m128 zero = _mm_setzero_ps();   /* the single-query path adds its (empty) tail */
-    _mm_storeu_ps(out, _mm_add_ps(kvc_fold8x4(a00, a01, a02, a03), zero));
-    _mm_storeu_ps(out + ostride, _mm_add_ps(kvc_fold8x4(a10, a11, a12, a13), zero));
-#else
-    kvc_dot4_f32(q0, k0, k1, k2, k3, n, out);
-    kvc_dot4_f32(q1, k0, k1, k2, k3, n, out + ostride);
-#endif
+    /* the single-query path adds its (empty) tail */
+    kvc_f8_fold4(a00, a01, a02, a03, zero4, out);
+    kvc_f8_fold4(a10, a11, a12, a13, zero4, out + ostride);
 }
 
 /* y += w * x, one fused multiply-add per element. */
 KVC_INLINE void kvc_axpy_f32(float *restrict y, float w, const float *restrict x, ptrdiff_t n)
 {
     ptrdiff_t i = 0;
-#if KVC_SIMD
-    __m256 wv = _mm256_set1_ps(w);
+    kvc_f8 wv = kvc_f8_set1(w);
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-#endif
+        kvc_f8_store(y + i, kvc_f8_fma(wv, kvc_f8_load(x + i), kvc_f8_load(y + i)));
     for (; i < n; ++i)
         y[i] = fmaf(w, x[i], y[i]);
 }
@@ -200,21 +114,19 @@ KVC_INLINE void kvc_axpy_f32(float *restrict y, float w, const float *restrict x
 /* y = fma(w3, x3, fma(w2, x2, fma(w1, x1, fma(w0, x0, y)))): four kvc_axpy_f32 in row order,
  * with y loaded and stored once. */
 KVC_INLINE void kvc_axpy4_f32(float *restrict y, const float *w, const float *x0,
-                                 const float *x1, const float *x2, const float *x3, ptrdiff_t n)
+                              const float *x1, const float *x2, const float *x3, ptrdiff_t n)
 {
     ptrdiff_t i = 0;
-#if KVC_SIMD
-    __m256 w0 = _mm256_set1_ps(w[0]), w1 = _mm256_set1_ps(w[1]);
-    __m256 w2 = _mm256_set1_ps(w[2]), w3 = _mm256_set1_ps(w[3]);
+    kvc_f8 w0 = kvc_f8_set1(w[0]), w1 = kvc_f8_set1(w[1]);
+    kvc_f8 w2 = kvc_f8_set1(w[2]), w3 = kvc_f8_set1(w[3]);
     for (; i + 8 <= n; i += 8) {
-        __m256 acc = _mm256_loadu_ps(y + i);
-        acc = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + i), acc);
-        acc = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + i), acc);
-        acc = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x2 + i), acc);
-        acc = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x3 + i), acc);
-        _mm256_storeu_ps(y + i, acc);
+        kvc_f8 acc = kvc_f8_load(y + i);
+        acc = kvc_f8_fma(w0, kvc_f8_load(x0 + i), acc);
+        acc = kvc_f8_fma(w1, kvc_f8_load(x1 + i), acc);
+        acc = kvc_f8_fma(w2, kvc_f8_load(x2 + i), acc);
+        acc = kvc_f8_fma(w3, kvc_f8_load(x3 + i), acc);
+        kvc_f8_store(y + i, acc);
     }
-#endif
     for (; i < n; ++i) {
         float a = y[i];
         a = fmaf(w[0], x0[i], a);
@@ -225,120 +137,49 @@ KVC_INLINE void kvc_axpy4_f32(float *restrict y, const float *w, const float *x0
     }
 }
 
-/* exp(x) = 2^n * exp(r), x = n ln2 + r, |r| <= ln2/2: Cody-Waite reduction and a degree-6
- * polynomial, every step an explicit fused multiply-add so that the scalar and the 8-lane
- * versions give the same bits.  exp(-inf) = 0, NaN propagates, below -87.3 flushes to 0. */
-#define KVC_EXP_LOG2E 1.44269504088896341f
-#define KVC_EXP_LN2HI 0.693359375f
-#define KVC_EXP_LN2LO -2.12194440e-4f
-#define KVC_EXP_SHIFT 12582912.0f /* 1.5 * 2^23: adding it rounds to the nearest integer */
-
-static inline float kvc_expf(float x)
-{
-    float xc = x > 88.0f ? 88.0f : x;
-    xc = xc < -87.0f || xc != xc ? -87.0f : xc;
-    float n = fmaf(xc, KVC_EXP_LOG2E, KVC_EXP_SHIFT) - KVC_EXP_SHIFT;
-    float r = fmaf(-n, KVC_EXP_LN2HI, xc);
-    r = fmaf(-n, KVC_EXP_LN2LO, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r) + 1.0f;
-    int32_t ni = (int32_t)n;
-    uint32_t bits = (uint32_t)(ni + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    float y = p * two_n;
-    y = x < -87.33654f ? 0.0f : y;
-    y = x > 88.72283f ? INFINITY : y;
-    return x != x ? x : y;
-}
-
-#if KVC_SIMD
-KVC_INLINE __m256 kvc_expf8(__m256 x)
-{
-    /* NaN lanes are computed as -87 and put back at the end */
-    __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 sh = _mm256_set1_ps(KVC_EXP_SHIFT);
-    __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(KVC_EXP_LOG2E), sh), sh);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(KVC_EXP_LN2HI), xc);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(KVC_EXP_LN2LO), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    y = _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ), y);
-    y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.72283f), _CMP_GT_OQ));
-    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-}
-#endif
-
 /* Max over s[0:n]; NaN entries are ignored, the fold starts at -inf (order does not matter). */
 static inline float kvc_max(const float *restrict s, ptrdiff_t n)
 {
     ptrdiff_t i = 0;
-    float m = -INFINITY;
-#if KVC_SIMD
-    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
-#define KVC_MAXV(acc, off) { __m256 v = _mm256_loadu_ps(s + i + (off)); \
-        acc = _mm256_blendv_ps(acc, v, _mm256_cmp_ps(v, acc, _CMP_GT_OQ)); }
+    float m = -INFINITY, tmp[32];
+    int l;
+    kvc_f8 m0 = kvc_f8_set1(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
     for (; i + 32 <= n; i += 32) {
-        KVC_MAXV(m0, 0) KVC_MAXV(m1, 8) KVC_MAXV(m2, 16) KVC_MAXV(m3, 24)
+        m0 = kvc_f8_max_num(m0, kvc_f8_load(s + i));
+        m1 = kvc_f8_max_num(m1, kvc_f8_load(s + i + 8));
+        m2 = kvc_f8_max_num(m2, kvc_f8_load(s + i + 16));
+        m3 = kvc_f8_max_num(m3, kvc_f8_load(s + i + 24));
     }
     for (; i + 8 <= n; i += 8)
-        KVC_MAXV(m0, 0)
-#undef KVC_MAXV
-    float tmp[32];
-    int l;
-    _mm256_storeu_ps(tmp, m0);
-    _mm256_storeu_ps(tmp + 8, m1);
-    _mm256_storeu_ps(tmp + 16, m2);
-    _mm256_storeu_ps(tmp + 24, m3);
+        m0 = kvc_f8_max_num(m0, kvc_f8_load(s + i));
+    kvc_f8_store(tmp, m0);
+    kvc_f8_store(tmp + 8, m1);
+    kvc_f8_store(tmp + 16, m2);
+    kvc_f8_store(tmp + 24, m3);
     for (l = 0; l < 32; ++l)
         m = tmp[l] > m ? tmp[l] : m;
-#endif
     for (; i < n; ++i)
         m = s[i] > m ? s[i] : m;
     return m;
 }
 
 /* In-place stable softmax of s[0:n]: m = max (NaN ignored), e = exp(s - m), summed in the
- * canonical 16-lane order, divided by the sum only when it is > 0. */
+ * canonical 16-lane order (kvc_f8_fold16), divided by the sum only when it is > 0. */
 static inline void kvc_softmax(float *restrict s, ptrdiff_t n)
 {
     float m = kvc_max(s, n);
     float tail = 0.0f, sum;
     ptrdiff_t i = 0;
-#if KVC_SIMD
-    __m256 mv = _mm256_set1_ps(m), lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    kvc_f8 mv = kvc_f8_set1(m), lo = kvc_f8_zero(), hi = kvc_f8_zero();
     for (; i + KVC_LANES <= n; i += KVC_LANES) {
-        __m256 e0 = kvc_expf8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
-        __m256 e1 = kvc_expf8(_mm256_sub_ps(_mm256_loadu_ps(s + i + 8), mv));
-        _mm256_storeu_ps(s + i, e0);
-        _mm256_storeu_ps(s + i + 8, e1);
-        lo = _mm256_add_ps(lo, e0);
-        hi = _mm256_add_ps(hi, e1);
+        kvc_f8 e0 = kvc_f8_exp(kvc_f8_sub(kvc_f8_load(s + i), mv));
+        kvc_f8 e1 = kvc_f8_exp(kvc_f8_sub(kvc_f8_load(s + i + 8), mv));
+        kvc_f8_store(s + i, e0);
+        kvc_f8_store(s + i + 8, e1);
+        lo = kvc_f8_add(lo, e0);
+        hi = kvc_f8_add(hi, e1);
     }
-    sum = kvc_fold(lo, hi);
-#else
-    float acc[KVC_LANES] = {0};
-    int l;
-    for (; i + KVC_LANES <= n; i += KVC_LANES)
-        for (l = 0; l < KVC_LANES; ++l) {
-            float e = kvc_expf(s[i + l] - m);
-            s[i + l] = e;
-            acc[l] += e;
-        }
-    sum = kvc_hsum16(acc);
-#endif
+    sum = kvc_f8_fold16(lo, hi);
     for (; i < n; ++i) {
         float e = kvc_expf(s[i] - m);
         s[i] = e;
@@ -346,12 +187,10 @@ static inline void kvc_softmax(float *restrict s, ptrdiff_t n)
     }
     sum = sum + tail;
     if (sum > 0.0f) {
+        kvc_f8 sv = kvc_f8_set1(sum);
         i = 0;
-#if KVC_SIMD
-        __m256 sv = _mm256_set1_ps(sum);
         for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(s + i, _mm256_div_ps(_mm256_loadu_ps(s + i), sv));
-#endif
+            kvc_f8_store(s + i, kvc_f8_div(kvc_f8_load(s + i), sv));
         for (; i < n; ++i)
             s[i] = s[i] / sum;
     }
@@ -495,14 +334,13 @@ KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq
             }
             for (d0 = 0; d0 < hd; d0 += KVC_VBLOCK) {
                 ptrdiff_t dn = hd - d0 < KVC_VBLOCK ? hd - d0 : KVC_VBLOCK;
-#if KVC_SIMD
                 if (dn == KVC_VBLOCK) {
                     /* named registers: an array here ends up on the stack */
-#define KVC_LD(J, R) (J < nj ? _mm256_loadu_ps(acc + (j0 + J) * hd + d0 + 8 * R) : _mm256_setzero_ps())
-                    __m256 a00 = KVC_LD(0, 0), a01 = KVC_LD(0, 1), a02 = KVC_LD(0, 2), a03 = KVC_LD(0, 3);
-                    __m256 a10 = KVC_LD(1, 0), a11 = KVC_LD(1, 1), a12 = KVC_LD(1, 2), a13 = KVC_LD(1, 3);
-                    __m256 a20 = KVC_LD(2, 0), a21 = KVC_LD(2, 1), a22 = KVC_LD(2, 2), a23 = KVC_LD(2, 3);
-                    __m256 a30 = KVC_LD(3, 0), a31 = KVC_LD(3, 1), a32 = KVC_LD(3, 2), a33 = KVC_LD(3, 3);
+#define KVC_LD(J, R) (J < nj ? kvc_f8_load(acc + (j0 + J) * hd + d0 + 8 * R) : kvc_f8_zero())
+                    kvc_f8 a00 = KVC_LD(0, 0), a01 = KVC_LD(0, 1), a02 = KVC_LD(0, 2), a03 = KVC_LD(0, 3);
+                    kvc_f8 a10 = KVC_LD(1, 0), a11 = KVC_LD(1, 1), a12 = KVC_LD(1, 2), a13 = KVC_LD(1, 3);
+                    kvc_f8 a20 = KVC_LD(2, 0), a21 = KVC_LD(2, 1), a22 = KVC_LD(2, 2), a23 = KVC_LD(2, 3);
+                    kvc_f8 a30 = KVC_LD(3, 0), a31 = KVC_LD(3, 1), a32 = KVC_LD(3, 2), a33 = KVC_LD(3, 3);
 #undef KVC_LD
                     for (p = c0; p < c1; ++p) {
                         int32_t m = use[p - c0];
@@ -511,25 +349,22 @@ KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq
                         if (!m)
                             continue;
                         const int8_t *src = vq + p * hd + d0;
-                        __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
-                        __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8))));
-                        __m256 v2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 16))));
-                        __m256 v3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 24))));
+                        kvc_f8 v0 = kvc_f8_from_s8(src), v1 = kvc_f8_from_s8(src + 8);
+                        kvc_f8 v2 = kvc_f8_from_s8(src + 16), v3 = kvc_f8_from_s8(src + 24);
                         const float *w = wq + (p - c0) * 4;
-#define KVC_UPD(J) if (m >> J & 1) { __m256 wb = _mm256_broadcast_ss(w + J); \
-                            a##J##0 = _mm256_fmadd_ps(wb, v0, a##J##0); a##J##1 = _mm256_fmadd_ps(wb, v1, a##J##1); \
-                            a##J##2 = _mm256_fmadd_ps(wb, v2, a##J##2); a##J##3 = _mm256_fmadd_ps(wb, v3, a##J##3); }
+#define KVC_UPD(J) if (m >> J & 1) { kvc_f8 wb = kvc_f8_bcast(w + J); \
+                            a##J##0 = kvc_f8_fma(wb, v0, a##J##0); a##J##1 = kvc_f8_fma(wb, v1, a##J##1); \
+                            a##J##2 = kvc_f8_fma(wb, v2, a##J##2); a##J##3 = kvc_f8_fma(wb, v3, a##J##3); }
                         KVC_UPD(0) KVC_UPD(1) KVC_UPD(2) KVC_UPD(3)
 #undef KVC_UPD
                     }
 #define KVC_ST(J) if (J < nj) { float *y = acc + (j0 + J) * hd + d0; \
-                        _mm256_storeu_ps(y, a##J##0); _mm256_storeu_ps(y + 8, a##J##1); \
-                        _mm256_storeu_ps(y + 16, a##J##2); _mm256_storeu_ps(y + 24, a##J##3); }
+                        kvc_f8_store(y, a##J##0); kvc_f8_store(y + 8, a##J##1); \
+                        kvc_f8_store(y + 16, a##J##2); kvc_f8_store(y + 24, a##J##3); }
                     KVC_ST(0) KVC_ST(1) KVC_ST(2) KVC_ST(3)
 #undef KVC_ST
                     continue;
                 }
-#endif
                 for (p = c0; p < c1; ++p) {
                     int32_t m = use[p - c0];
                     const float *w = wq + (p - c0) * 4;
@@ -564,14 +399,13 @@ KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t 
         return;
     }
     memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
-#if KVC_SIMD
     if (!quant_v && hd == 64) {
         /* 64 channels fit in 8 registers: each query sweeps the chunk with its accumulator
          * held in registers (the first sweep streams the rows in, the others hit L2) */
         for (j = 0; j < nq; ++j) {
             ptrdiff_t lo = p0 > qf[j] ? p0 : qf[j], hi = p1 < qe[j] ? p1 : qe[j];
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0,
-                   a6 = a0, a7 = a0;
+            kvc_f8 a0 = kvc_f8_zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+                   a7 = a0;
             for (p = lo; p < hi; ++p) {
                 const float *v = vf + p * 64;
                 float w = probs[j * L + p];
@@ -579,25 +413,24 @@ KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t 
                     kvc_prefetch_rows(vf, p + KVC_PREFETCH_ROWS, 1, 64 * 4);
                 if (fabsf(w) < 1e-12f)
                     continue;
-                __m256 wb = _mm256_set1_ps(w);
-                a0 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v), a0);
-                a1 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 8), a1);
-                a2 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 16), a2);
-                a3 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 24), a3);
-                a4 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 32), a4);
-                a5 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 40), a5);
-                a6 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 48), a6);
-                a7 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(v + 56), a7);
+                kvc_f8 wb = kvc_f8_set1(w);
+                a0 = kvc_f8_fma(wb, kvc_f8_load(v), a0);
+                a1 = kvc_f8_fma(wb, kvc_f8_load(v + 8), a1);
+                a2 = kvc_f8_fma(wb, kvc_f8_load(v + 16), a2);
+                a3 = kvc_f8_fma(wb, kvc_f8_load(v + 24), a3);
+                a4 = kvc_f8_fma(wb, kvc_f8_load(v + 32), a4);
+                a5 = kvc_f8_fma(wb, kvc_f8_load(v + 40), a5);
+                a6 = kvc_f8_fma(wb, kvc_f8_load(v + 48), a6);
+                a7 = kvc_f8_fma(wb, kvc_f8_load(v + 56), a7);
             }
             float *y = acc + j * 64;
-            _mm256_storeu_ps(y, a0); _mm256_storeu_ps(y + 8, a1);
-            _mm256_storeu_ps(y + 16, a2); _mm256_storeu_ps(y + 24, a3);
-            _mm256_storeu_ps(y + 32, a4); _mm256_storeu_ps(y + 40, a5);
-            _mm256_storeu_ps(y + 48, a6); _mm256_storeu_ps(y + 56, a7);
+            kvc_f8_store(y, a0); kvc_f8_store(y + 8, a1);
+            kvc_f8_store(y + 16, a2); kvc_f8_store(y + 24, a3);
+            kvc_f8_store(y + 32, a4); kvc_f8_store(y + 40, a5);
+            kvc_f8_store(y + 48, a6); kvc_f8_store(y + 56, a7);
         }
         return;
     }
-#endif
     for (p = p0; p < p1; p += 4) {
         ptrdiff_t nb = p1 - p < 4 ? p1 - p : 4;
         kvc_row_block(vf, p, p1, nb, hd, rows);
@@ -744,7 +577,7 @@ KVC_INLINE float kvc_i8_score1(const int8_t *restrict qi, const float *restrict 
     return acc;
 }
 
-#if KVC_SIMD
+#if KVC_VEC_X86
 #define KVC_I8_NAME(x) x##_avx2
 #define KVC_I8_ATTR
 #include "_i8dot.h"
@@ -788,7 +621,7 @@ static void kvc_i8_rows_isa(int isa, ptrdiff_t group, const int8_t *qi, const fl
         return;
     }
 #endif
-#if KVC_SIMD
+#if KVC_VEC_X86
     if (isa == KVC_ISA_AVX2) {
         kvc_i8_rows_avx2(qi, sq, qsum, k, ks, ks_stride, hd, group, n, out);
         return;

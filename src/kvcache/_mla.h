@@ -62,7 +62,7 @@ static void kvc_mla_fold(const float *restrict qn, const float *restrict qr,
 /* ---- the portable twin: scores, latent sums, one task ------------------------------------
  * Plain C in the documented orders; the SIMD bodies below compute the same bits. */
 
-#if !KVC_SIMD
+#if !KVC_VEC_X86
 static void kvc_mla_scores_c(const float *restrict qT, ptrdiff_t Hp, const float *lat,
                              const float *kr, ptrdiff_t r, ptrdiff_t dr, ptrdiff_t nb,
                              float scale, float *restrict S)
@@ -212,7 +212,7 @@ KVC_INLINE void kvc_mla_pf_finish(kvc_mla_pf *f)
  * __m256 operations, so that the very code of the AVX-512 path runs, and is compared bit for
  * bit, on a machine without AVX-512. */
 
-#if KVC_SIMD && ((KVC_DISPATCH && KVC_VNNI && !defined(KVC_EMULATE_VNNI)) || defined(KVC_EMULATE_512))
+#if KVC_VEC_X86 && ((KVC_DISPATCH && KVC_VNNI && !defined(KVC_EMULATE_VNNI)) || defined(KVC_EMULATE_512))
 #define KVC_MLA_HAS512 1
 #else
 #define KVC_MLA_HAS512 0
@@ -302,7 +302,7 @@ KVC_INLINE KVC_T512 kvc_v16 kvc_v16_zero_neginf(kvc_v16 s, kvc_v16 e)
 #endif
 #endif
 
-#if KVC_SIMD
+#if KVC_VEC_X86
 /* Rows per score tile, by vector width.  8 floats: 5 rows x 2 head-vectors = 10 accumulators,
  * enough to cover the FMA latency, and 16 ymm registers leave room for the two query vectors
  * and the broadcast (6 rows measured slower: the compiler spills).  16 floats: 12 rows of one
@@ -381,7 +381,7 @@ static inline kvc_mla_task_fn kvc_mla_task_for(int body)
     if (body == KVC_ISA_AVX512)
         return kvc_mla_task_avx512;
 #endif
-#if KVC_SIMD
+#if KVC_VEC_X86
     (void)body;
     return kvc_mla_task_avx2;
 #else
@@ -398,7 +398,7 @@ static inline const char *kvc_mla_path_for(int body)
         return "avx512";
 #endif
     (void)body;
-    return KVC_SIMD ? "avx2" : "portable";
+    return KVC_VEC_X86 ? "avx2" : "portable";
 }
 
 /* The C test programs' form: the body of kvc_isa. */
@@ -424,7 +424,7 @@ static float kvc_fma_probe(long iters, float x)
 {
     long i;
     int k;
-#if KVC_SIMD
+#if KVC_VEC_X86
     __m256 a[10], b = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
     for (k = 0; k < 10; ++k)
         a[k] = _mm256_set1_ps(x + (float)k);

@@ -76,7 +76,7 @@ KVC_INLINE void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks
         for (i = 0; i < 8; ++i)
             src[i] = t0 + g + i < r1 ? t0 + g + i : r1 - 1;
         d = 0;
-#if KVC_SIMD
+#if KVC_VEC_X86
         for (; d + 8 <= hd; d += 8) {
             __m256 a[8];
             if (quant_k) {
@@ -122,7 +122,7 @@ KVC_INLINE void kvc_pf_load_v(const float *vf, const int8_t *vq, const float *vs
         float *dst = Vp + (p - t0) * 16;
         float s = quant_v ? vs[p * vs_stride] : 1.0f;
         d = 0;
-#if KVC_SIMD
+#if KVC_VEC_X86
         for (; d + 8 <= hd; d += 8) {
             __m256 x = quant_v ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                      _mm_loadl_epi64((const __m128i *)(vq + p * hd + d)))),
@@ -147,7 +147,7 @@ KVC_INLINE void kvc_pf_qk(const float *restrict Q, ptrdiff_t ldq, const int NR,
 {
     ptrdiff_t d;
     int q;
-#if KVC_SIMD
+#if KVC_VEC_X86
     __m256 acc[KVC_PF_QR][2];
 #pragma GCC unroll 6
     for (q = 0; q < NR; ++q)
@@ -227,7 +227,7 @@ static float kvc_pf_softmax_step(float *restrict s, ptrdiff_t a, ptrdiff_t b, fl
         kvc_pf_scale(s, a, b, scale, softcap);
         scale = 1.0f;   /* s * 1.0f == s: the passes below leave the capped scores as they are */
     }
-#if KVC_SIMD
+#if KVC_VEC_X86
     const __m256 sc = _mm256_set1_ps(scale);
     if (a == 0 && b == KVC_PF_TILE) {
         /* a whole tile: the 64 scaled scores stay in registers */
@@ -283,7 +283,7 @@ static float kvc_pf_softmax_step(float *restrict s, ptrdiff_t a, ptrdiff_t b, fl
     mnew = tmax > *m ? tmax : *m;
     mu = mnew == -INFINITY ? 0.0f : mnew;
     alpha = kvc_expf(*m - mu);
-#if KVC_SIMD
+#if KVC_VEC_X86
     {
         const __m256 muv = _mm256_set1_ps(mu);
         __m256 acc = _mm256_setzero_ps();
@@ -330,7 +330,7 @@ KVC_INLINE void kvc_pf_pv16(const float *restrict P, const int NR, const float *
 {
     ptrdiff_t r;
     int q;
-#if KVC_SIMD
+#if KVC_VEC_X86
     __m256 acc[KVC_PF_QR][2];
 #pragma GCC unroll 6
     for (q = 0; q < NR; ++q) {
@@ -620,7 +620,7 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
              * kvc_softmax */
             float m = qm[jj], l = ql[jj] > 0.0f ? ql[jj] : 1.0f;
             k = a;
-#if KVC_SIMD
+#if KVC_VEC_X86
             {
                 __m256 mv = _mm256_set1_ps(m), lv = _mm256_set1_ps(l);
                 for (; k + 8 <= b; k += 8) {

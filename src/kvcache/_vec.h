@@ -1,0 +1,457 @@
+/* The vector layer: the types and operations every kernel family is written against, one set
+ * per target.  A kernel is written once on these names; the unit that compiles it picks the
+ * target (below), and every target computes the same bits (docs/numerics.md):
+ *
+ *   KVC_VEC_PORTABLE  plain C over arrays of lanes (every machine; -DKVC_NO_SIMD forces it)
+ *   KVC_VEC_AVX2      x86-64 AVX2 + FMA (__m256; the 16-lane type is a pair of them)
+ *   KVC_VEC_AVX512    x86-64 AVX-512 F/BW/DQ/VL: the 8-lane type stays __m256 (EVEX-encoded,
+ *                     32 registers), the 16-lane type is __m512
+ *   KVC_VEC_NEON      aarch64 Advanced SIMD (float32x4_t pairs and quads)
+ *
+ * KVC_SIMD is 1 for every target but the portable one.  The target is taken from what the
+ * compiler is building for: -DKVC_NO_SIMD, else aarch64, else the x86 features in effect
+ * (`#pragma GCC target` defines __AVX2__/__AVX512F__; clang's `#pragma clang attribute`
+ * defines nothing, so _body_avx2.c/_body_avx512.c also set KVC_UNIT_AVX2/KVC_UNIT_AVX512).
+ *
+ * Types (lanes): kvc_f8 (8 floats), kvc_m8 (8 lane masks), kvc_i8x (8 int32), kvc_f16 (16
+ * floats).  Every operation is lane by lane with the IEEE result of its scalar twin (fma is
+ * fused: fmaf), except the folds, whose order is fixed here and is the order of the portable
+ * C (docs/numerics.md, "Summation orders"):
+ *   kvc_f8_fold(a)            b[m] = a[2m] + a[2m+1] (m < 4), (b0 + b1) + (b2 + b3)
+ *   kvc_f8_fold4(a0..a3, o)   o[r] = kvc_f8_fold(a_r)
+ *   kvc_f16_fold(a)           c[l] = a[l] + a[l+8] (l < 8), then kvc_f8_fold(c)
+ *   kvc_f8_fold16(lo, hi)     kvc_f16_fold of the 16 lanes lo, hi
+ */
+#ifndef KVCACHE_VEC_H
+#define KVCACHE_VEC_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <stddef.h>
+
+#if defined(__GNUC__)
+#define KVC_INLINE static inline __attribute__((always_inline))
+#else
+#define KVC_INLINE static inline
+#endif
+
+#if defined(KVC_NO_SIMD)
+#define KVC_VEC_PORTABLE 1
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVC_VEC_NEON 1
+#elif defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) \
+    && ((defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) \
+         && defined(__AVX512VL__) && defined(__FMA__)) || defined(KVC_UNIT_AVX512))
+#define KVC_VEC_AVX512 1
+#elif defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) \
+    && ((defined(__AVX2__) && defined(__FMA__)) || defined(KVC_UNIT_AVX2))
+#define KVC_VEC_AVX2 1
+#else
+#define KVC_VEC_PORTABLE 1
+#endif
+
+#ifndef KVC_VEC_PORTABLE
+#define KVC_VEC_PORTABLE 0
+#endif
+#ifndef KVC_VEC_NEON
+#define KVC_VEC_NEON 0
+#endif
+#ifndef KVC_VEC_AVX512
+#define KVC_VEC_AVX512 0
+#endif
+#ifndef KVC_VEC_AVX2
+#define KVC_VEC_AVX2 0
+#endif
+#define KVC_VEC_X86 (KVC_VEC_AVX2 || KVC_VEC_AVX512)
+#define KVC_SIMD (!KVC_VEC_PORTABLE)
+
+#if KVC_VEC_X86
+#include <immintrin.h>
+#define KVC_VEC_NAME (KVC_VEC_AVX512 ? "avx512" : "avx2")
+#elif KVC_VEC_NEON
+#include <arm_neon.h>
+#define KVC_VEC_NAME "neon"
+#else
+#define KVC_VEC_NAME "portable"
+#endif
+
+/* ---------------------------------------------------------------------------------------
+ * Scalar twins used by every target for tails and by the portable lanes.
+ * ------------------------------------------------------------------------------------- */
+
+/* exp(x) = 2^n * exp(r), x = n ln2 + r, |r| <= ln2/2: Cody-Waite reduction and a degree-6
+ * polynomial, every step an explicit fused multiply-add so that the scalar and the vector
+ * versions give the same bits.  exp(-inf) = 0, NaN propagates, below -87.3 flushes to 0,
+ * above 88.7 is +inf.  Max error 1.42 ulp. */
+#define KVC_EXP_LOG2E 1.44269504088896341f
+#define KVC_EXP_LN2HI 0.693359375f
+#define KVC_EXP_LN2LO -2.12194440e-4f
+#define KVC_EXP_SHIFT 12582912.0f /* 1.5 * 2^23: adding it rounds to the nearest integer */
+#define KVC_EXP_P0 1.9875691500e-4f
+#define KVC_EXP_P1 1.3981999507e-3f
+#define KVC_EXP_P2 8.3334519073e-3f
+#define KVC_EXP_P3 4.1665795894e-2f
+#define KVC_EXP_P4 1.6666665459e-1f
+#define KVC_EXP_P5 5.0000001201e-1f
+#define KVC_EXP_LO -87.33654f
+#define KVC_EXP_HI 88.72283f
+
+static inline float kvc_expf(float x)
+{
+    float xc = x > 88.0f ? 88.0f : x;
+    xc = xc < -87.0f || xc != xc ? -87.0f : xc;
+    float n = fmaf(xc, KVC_EXP_LOG2E, KVC_EXP_SHIFT) - KVC_EXP_SHIFT;
+    float r = fmaf(-n, KVC_EXP_LN2HI, xc);
+    r = fmaf(-n, KVC_EXP_LN2LO, r);
+    float p = KVC_EXP_P0;
+    p = fmaf(p, r, KVC_EXP_P1);
+    p = fmaf(p, r, KVC_EXP_P2);
+    p = fmaf(p, r, KVC_EXP_P3);
+    p = fmaf(p, r, KVC_EXP_P4);
+    p = fmaf(p, r, KVC_EXP_P5);
+    p = fmaf(p * r, r, r) + 1.0f;
+    int32_t ni = (int32_t)n;
+    uint32_t bits = (uint32_t)(ni + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    float y = p * two_n;
+    y = x < KVC_EXP_LO ? 0.0f : y;
+    y = x > KVC_EXP_HI ? INFINITY : y;
+    return x != x ? x : y;
+}
+
+KVC_INLINE float kvc_hsum8(const float *a)
+{
+    float b0 = a[0] + a[1], b1 = a[2] + a[3], b2 = a[4] + a[5], b3 = a[6] + a[7];
+    return (b0 + b1) + (b2 + b3);
+}
+
+KVC_INLINE float kvc_hsum16(const float *acc)
+{
+    float a[8];
+    int l;
+    for (l = 0; l < 8; ++l)
+        a[l] = acc[l] + acc[l + 8];
+    return kvc_hsum8(a);
+}
+
+/* ---------------------------------------------------------------------------------------
+ * 8 float lanes
+ * ------------------------------------------------------------------------------------- */
+#if KVC_VEC_X86
+
+typedef __m256 kvc_f8;
+typedef __m256 kvc_m8;   /* all-ones / all-zeros lanes */
+typedef __m256i kvc_i8x; /* 8 int32 lanes */
+
+KVC_INLINE kvc_f8 kvc_f8_zero(void) { return _mm256_setzero_ps(); }
+KVC_INLINE kvc_f8 kvc_f8_set1(float x) { return _mm256_set1_ps(x); }
+KVC_INLINE kvc_f8 kvc_f8_bcast(const float *p) { return _mm256_broadcast_ss(p); }
+KVC_INLINE kvc_f8 kvc_f8_load(const float *p) { return _mm256_loadu_ps(p); }
+KVC_INLINE void kvc_f8_store(float *p, kvc_f8 v) { _mm256_storeu_ps(p, v); }
+KVC_INLINE kvc_f8 kvc_f8_setr(float a, float b, float c, float d, float e, float f, float g,
+                              float h) { return _mm256_setr_ps(a, b, c, d, e, f, g, h); }
+KVC_INLINE kvc_f8 kvc_f8_fma(kvc_f8 a, kvc_f8 b, kvc_f8 c) { return _mm256_fmadd_ps(a, b, c); }
+KVC_INLINE kvc_f8 kvc_f8_fnma(kvc_f8 a, kvc_f8 b, kvc_f8 c) { return _mm256_fnmadd_ps(a, b, c); }
+KVC_INLINE kvc_f8 kvc_f8_add(kvc_f8 a, kvc_f8 b) { return _mm256_add_ps(a, b); }
+KVC_INLINE kvc_f8 kvc_f8_sub(kvc_f8 a, kvc_f8 b) { return _mm256_sub_ps(a, b); }
+KVC_INLINE kvc_f8 kvc_f8_mul(kvc_f8 a, kvc_f8 b) { return _mm256_mul_ps(a, b); }
+KVC_INLINE kvc_f8 kvc_f8_div(kvc_f8 a, kvc_f8 b) { return _mm256_div_ps(a, b); }
+KVC_INLINE kvc_m8 kvc_f8_gt(kvc_f8 a, kvc_f8 b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+KVC_INLINE kvc_m8 kvc_f8_lt(kvc_f8 a, kvc_f8 b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+KVC_INLINE kvc_m8 kvc_f8_eq(kvc_f8 a, kvc_f8 b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+KVC_INLINE kvc_m8 kvc_f8_isnan(kvc_f8 a) { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }
+KVC_INLINE kvc_m8 kvc_m8_or(kvc_m8 a, kvc_m8 b) { return _mm256_or_ps(a, b); }
+/* m ? a : b, lane by lane */
+KVC_INLINE kvc_f8 kvc_f8_sel(kvc_m8 m, kvc_f8 a, kvc_f8 b) { return _mm256_blendv_ps(b, a, m); }
+KVC_INLINE kvc_i8x kvc_f8_trunc_i(kvc_f8 a) { return _mm256_cvttps_epi32(a); }
+KVC_INLINE kvc_f8 kvc_i8x_to_f8(kvc_i8x a) { return _mm256_cvtepi32_ps(a); }
+/* 2^n for integer n in [-126, 127] (the exponent field (n + 127) << 23) */
+KVC_INLINE kvc_f8 kvc_i8x_pow2(kvc_i8x n)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+}
+KVC_INLINE kvc_i8x kvc_i8x_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+KVC_INLINE kvc_i8x kvc_i8x_set1(int32_t x) { return _mm256_set1_epi32(x); }
+KVC_INLINE kvc_i8x kvc_i8x_add(kvc_i8x a, kvc_i8x b) { return _mm256_add_epi32(a, b); }
+KVC_INLINE kvc_i8x kvc_i8x_sub(kvc_i8x a, kvc_i8x b) { return _mm256_sub_epi32(a, b); }
+/* eight signed bytes widened to floats */
+KVC_INLINE kvc_f8 kvc_f8_from_s8(const int8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+KVC_INLINE float kvc_f8_fold(kvc_f8 a)
+{
+    __m256 h = _mm256_hadd_ps(a, a);
+    h = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+/* out[r] = kvc_f8_fold(a_r) + t[r] for four accumulators (t: the in-order tails) */
+KVC_INLINE void kvc_f8_fold4(kvc_f8 a0, kvc_f8 a1, kvc_f8 a2, kvc_f8 a3, const float *t,
+                             float *out)
+{
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(out, _mm_add_ps(s, _mm_loadu_ps(t)));
+}
+
+KVC_INLINE float kvc_f8_fold16(kvc_f8 lo, kvc_f8 hi) { return kvc_f8_fold(_mm256_add_ps(lo, hi)); }
+
+#elif KVC_VEC_NEON
+
+typedef float32x4x2_t kvc_f8;
+typedef uint32x4x2_t kvc_m8;
+typedef int32x4x2_t kvc_i8x;
+
+#define KVC_N2(op, a, b) { { op((a).val[0], (b).val[0]), op((a).val[1], (b).val[1]) } }
+KVC_INLINE kvc_f8 kvc_f8_zero(void) { kvc_f8 r = { { vdupq_n_f32(0.0f), vdupq_n_f32(0.0f) } }; return r; }
+KVC_INLINE kvc_f8 kvc_f8_set1(float x) { kvc_f8 r = { { vdupq_n_f32(x), vdupq_n_f32(x) } }; return r; }
+KVC_INLINE kvc_f8 kvc_f8_bcast(const float *p) { return kvc_f8_set1(*p); }
+KVC_INLINE kvc_f8 kvc_f8_load(const float *p) { kvc_f8 r = { { vld1q_f32(p), vld1q_f32(p + 4) } }; return r; }
+KVC_INLINE void kvc_f8_store(float *p, kvc_f8 v) { vst1q_f32(p, v.val[0]); vst1q_f32(p + 4, v.val[1]); }
+KVC_INLINE kvc_f8 kvc_f8_setr(float a, float b, float c, float d, float e, float f, float g,
+                              float h)
+{
+    float t[8] = {a, b, c, d, e, f, g, h};
+    return kvc_f8_load(t);
+}
+/* vfmaq_f32(c, a, b) = c + a * b, fused */
+KVC_INLINE kvc_f8 kvc_f8_fma(kvc_f8 a, kvc_f8 b, kvc_f8 c)
+{
+    kvc_f8 r = { { vfmaq_f32(c.val[0], a.val[0], b.val[0]), vfmaq_f32(c.val[1], a.val[1], b.val[1]) } };
+    return r;
+}
+/* c - a * b, fused (vfmsq_f32) */
+KVC_INLINE kvc_f8 kvc_f8_fnma(kvc_f8 a, kvc_f8 b, kvc_f8 c)
+{
+    kvc_f8 r = { { vfmsq_f32(c.val[0], a.val[0], b.val[0]), vfmsq_f32(c.val[1], a.val[1], b.val[1]) } };
+    return r;
+}
+KVC_INLINE kvc_f8 kvc_f8_add(kvc_f8 a, kvc_f8 b) { kvc_f8 r = KVC_N2(vaddq_f32, a, b); return r; }
+KVC_INLINE kvc_f8 kvc_f8_sub(kvc_f8 a, kvc_f8 b) { kvc_f8 r = KVC_N2(vsubq_f32, a, b); return r; }
+KVC_INLINE kvc_f8 kvc_f8_mul(kvc_f8 a, kvc_f8 b) { kvc_f8 r = KVC_N2(vmulq_f32, a, b); return r; }
+KVC_INLINE kvc_f8 kvc_f8_div(kvc_f8 a, kvc_f8 b) { kvc_f8 r = KVC_N2(vdivq_f32, a, b); return r; }
+KVC_INLINE kvc_m8 kvc_f8_gt(kvc_f8 a, kvc_f8 b) { kvc_m8 r = KVC_N2(vcgtq_f32, a, b); return r; }
+KVC_INLINE kvc_m8 kvc_f8_lt(kvc_f8 a, kvc_f8 b) { kvc_m8 r = KVC_N2(vcltq_f32, a, b); return r; }
+KVC_INLINE kvc_m8 kvc_f8_eq(kvc_f8 a, kvc_f8 b) { kvc_m8 r = KVC_N2(vceqq_f32, a, b); return r; }
+KVC_INLINE kvc_m8 kvc_f8_isnan(kvc_f8 a)
+{
+    kvc_m8 r = { { vmvnq_u32(vceqq_f32(a.val[0], a.val[0])), vmvnq_u32(vceqq_f32(a.val[1], a.val[1])) } };
+    return r;
+}
+KVC_INLINE kvc_m8 kvc_m8_or(kvc_m8 a, kvc_m8 b) { kvc_m8 r = KVC_N2(vorrq_u32, a, b); return r; }
+KVC_INLINE kvc_f8 kvc_f8_sel(kvc_m8 m, kvc_f8 a, kvc_f8 b)
+{
+    kvc_f8 r = { { vbslq_f32(m.val[0], a.val[0], b.val[0]), vbslq_f32(m.val[1], a.val[1], b.val[1]) } };
+    return r;
+}
+/* vcvtq_s32_f32 rounds toward zero, as the C cast */
+KVC_INLINE kvc_i8x kvc_f8_trunc_i(kvc_f8 a)
+{
+    kvc_i8x r = { { vcvtq_s32_f32(a.val[0]), vcvtq_s32_f32(a.val[1]) } };
+    return r;
+}
+KVC_INLINE kvc_f8 kvc_i8x_to_f8(kvc_i8x a)
+{
+    kvc_f8 r = { { vcvtq_f32_s32(a.val[0]), vcvtq_f32_s32(a.val[1]) } };
+    return r;
+}
+KVC_INLINE kvc_f8 kvc_i8x_pow2(kvc_i8x n)
+{
+    int32x4_t b = vdupq_n_s32(127);
+    kvc_f8 r = { { vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n.val[0], b), 23)),
+                   vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n.val[1], b), 23)) } };
+    return r;
+}
+KVC_INLINE kvc_i8x kvc_i8x_load(const int32_t *p) { kvc_i8x r = { { vld1q_s32(p), vld1q_s32(p + 4) } }; return r; }
+KVC_INLINE kvc_i8x kvc_i8x_set1(int32_t x) { kvc_i8x r = { { vdupq_n_s32(x), vdupq_n_s32(x) } }; return r; }
+KVC_INLINE kvc_i8x kvc_i8x_add(kvc_i8x a, kvc_i8x b) { kvc_i8x r = KVC_N2(vaddq_s32, a, b); return r; }
+KVC_INLINE kvc_i8x kvc_i8x_sub(kvc_i8x a, kvc_i8x b) { kvc_i8x r = KVC_N2(vsubq_s32, a, b); return r; }
+KVC_INLINE kvc_f8 kvc_f8_from_s8(const int8_t *p)
+{
+    int16x8_t w = vmovl_s8(vld1_s8(p));
+    kvc_f8 r = { { vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))) } };
+    return r;
+}
+#undef KVC_N2
+
+/* vpaddq_f32(x, y) = {x0+x1, x2+x3, y0+y1, y2+y3}: the fold's pairs exactly */
+KVC_INLINE float kvc_f8_fold(kvc_f8 a)
+{
+    float32x4_t b = vpaddq_f32(a.val[0], a.val[1]); /* b0 b1 b2 b3 */
+    float32x4_t c = vpaddq_f32(b, b);               /* b0+b1, b2+b3 */
+    return vgetq_lane_f32(c, 0) + vgetq_lane_f32(c, 1);
+}
+
+KVC_INLINE void kvc_f8_fold4(kvc_f8 a0, kvc_f8 a1, kvc_f8 a2, kvc_f8 a3, const float *t,
+                             float *out)
+{
+    float32x4_t b0 = vpaddq_f32(a0.val[0], a0.val[1]), b1 = vpaddq_f32(a1.val[0], a1.val[1]);
+    float32x4_t b2 = vpaddq_f32(a2.val[0], a2.val[1]), b3 = vpaddq_f32(a3.val[0], a3.val[1]);
+    float32x4_t c01 = vpaddq_f32(b0, b1), c23 = vpaddq_f32(b2, b3); /* (b0+b1, b2+b3) per row */
+    vst1q_f32(out, vaddq_f32(vpaddq_f32(c01, c23), vld1q_f32(t)));
+}
+
+KVC_INLINE float kvc_f8_fold16(kvc_f8 lo, kvc_f8 hi) { return kvc_f8_fold(kvc_f8_add(lo, hi)); }
+
+#else /* portable */
+
+typedef struct { float v[8]; } kvc_f8;
+typedef struct { int32_t v[8]; } kvc_m8; /* 0 or -1 */
+typedef struct { int32_t v[8]; } kvc_i8x;
+
+#define KVC_P8(T, EXPR) { T r_; int l_; for (l_ = 0; l_ < 8; ++l_) r_.v[l_] = (EXPR); return r_; }
+KVC_INLINE kvc_f8 kvc_f8_zero(void) KVC_P8(kvc_f8, 0.0f)
+KVC_INLINE kvc_f8 kvc_f8_set1(float x) KVC_P8(kvc_f8, x)
+KVC_INLINE kvc_f8 kvc_f8_bcast(const float *p) KVC_P8(kvc_f8, *p)
+KVC_INLINE kvc_f8 kvc_f8_load(const float *p) KVC_P8(kvc_f8, p[l_])
+KVC_INLINE void kvc_f8_store(float *p, kvc_f8 v) { memcpy(p, v.v, sizeof v.v); }
+KVC_INLINE kvc_f8 kvc_f8_setr(float a, float b, float c, float d, float e, float f, float g,
+                              float h)
+{
+    kvc_f8 r = { {a, b, c, d, e, f, g, h} };
+    return r;
+}
+KVC_INLINE kvc_f8 kvc_f8_fma(kvc_f8 a, kvc_f8 b, kvc_f8 c) KVC_P8(kvc_f8, fmaf(a.v[l_], b.v[l_], c.v[l_]))
+KVC_INLINE kvc_f8 kvc_f8_fnma(kvc_f8 a, kvc_f8 b, kvc_f8 c) KVC_P8(kvc_f8, fmaf(-a.v[l_], b.v[l_], c.v[l_]))
+KVC_INLINE kvc_f8 kvc_f8_add(kvc_f8 a, kvc_f8 b) KVC_P8(kvc_f8, a.v[l_] + b.v[l_])
+KVC_INLINE kvc_f8 kvc_f8_sub(kvc_f8 a, kvc_f8 b) KVC_P8(kvc_f8, a.v[l_] - b.v[l_])
+KVC_INLINE kvc_f8 kvc_f8_mul(kvc_f8 a, kvc_f8 b) KVC_P8(kvc_f8, a.v[l_] * b.v[l_])
+KVC_INLINE kvc_f8 kvc_f8_div(kvc_f8 a, kvc_f8 b) KVC_P8(kvc_f8, a.v[l_] / b.v[l_])
+KVC_INLINE kvc_m8 kvc_f8_gt(kvc_f8 a, kvc_f8 b) KVC_P8(kvc_m8, a.v[l_] > b.v[l_] ? -1 : 0)
+KVC_INLINE kvc_m8 kvc_f8_lt(kvc_f8 a, kvc_f8 b) KVC_P8(kvc_m8, a.v[l_] < b.v[l_] ? -1 : 0)
+KVC_INLINE kvc_m8 kvc_f8_eq(kvc_f8 a, kvc_f8 b) KVC_P8(kvc_m8, a.v[l_] == b.v[l_] ? -1 : 0)
+KVC_INLINE kvc_m8 kvc_f8_isnan(kvc_f8 a) KVC_P8(kvc_m8, a.v[l_] != a.v[l_] ? -1 : 0)
+KVC_INLINE kvc_m8 kvc_m8_or(kvc_m8 a, kvc_m8 b) KVC_P8(kvc_m8, a.v[l_] | b.v[l_])
+KVC_INLINE kvc_f8 kvc_f8_sel(kvc_m8 m, kvc_f8 a, kvc_f8 b) KVC_P8(kvc_f8, m.v[l_] ? a.v[l_] : b.v[l_])
+KVC_INLINE kvc_i8x kvc_f8_trunc_i(kvc_f8 a) KVC_P8(kvc_i8x, (int32_t)a.v[l_])
+KVC_INLINE kvc_f8 kvc_i8x_to_f8(kvc_i8x a) KVC_P8(kvc_f8, (float)a.v[l_])
+KVC_INLINE kvc_f8 kvc_i8x_pow2(kvc_i8x n)
+{
+    kvc_f8 r;
+    int l;
+    for (l = 0; l < 8; ++l) {
+        uint32_t bits = (uint32_t)(n.v[l] + 127) << 23;
+        memcpy(&r.v[l], &bits, sizeof bits);
+    }
+    return r;
+}
+KVC_INLINE kvc_i8x kvc_i8x_load(const int32_t *p) KVC_P8(kvc_i8x, p[l_])
+KVC_INLINE kvc_i8x kvc_i8x_set1(int32_t x) KVC_P8(kvc_i8x, x)
+KVC_INLINE kvc_i8x kvc_i8x_add(kvc_i8x a, kvc_i8x b) KVC_P8(kvc_i8x, a.v[l_] + b.v[l_])
+KVC_INLINE kvc_i8x kvc_i8x_sub(kvc_i8x a, kvc_i8x b) KVC_P8(kvc_i8x, a.v[l_] - b.v[l_])
+KVC_INLINE kvc_f8 kvc_f8_from_s8(const int8_t *p) KVC_P8(kvc_f8, (float)p[l_])
+#undef KVC_P8
+
+KVC_INLINE float kvc_f8_fold(kvc_f8 a) { return kvc_hsum8(a.v); }
+
+KVC_INLINE void kvc_f8_fold4(kvc_f8 a0, kvc_f8 a1, kvc_f8 a2, kvc_f8 a3, const float *t,
+                             float *out)
+{
+    out[0] = kvc_hsum8(a0.v) + t[0];
+    out[1] = kvc_hsum8(a1.v) + t[1];
+    out[2] = kvc_hsum8(a2.v) + t[2];
+    out[3] = kvc_hsum8(a3.v) + t[3];
+}
+
+KVC_INLINE float kvc_f8_fold16(kvc_f8 lo, kvc_f8 hi) { return kvc_f8_fold(kvc_f8_add(lo, hi)); }
+
+#endif
+
+/* Lane-wise operations written once on the layer. */
+
+/* exp on 8 lanes: kvc_expf's steps lane by lane (the same bits) */
+KVC_INLINE kvc_f8 kvc_f8_exp(kvc_f8 x)
+{
+    kvc_f8 xc = kvc_f8_sel(kvc_f8_gt(x, kvc_f8_set1(88.0f)), kvc_f8_set1(88.0f), x);
+    xc = kvc_f8_sel(kvc_m8_or(kvc_f8_lt(xc, kvc_f8_set1(-87.0f)), kvc_f8_isnan(xc)),
+                    kvc_f8_set1(-87.0f), xc);
+    kvc_f8 sh = kvc_f8_set1(KVC_EXP_SHIFT);
+    kvc_f8 n = kvc_f8_sub(kvc_f8_fma(xc, kvc_f8_set1(KVC_EXP_LOG2E), sh), sh);
+    kvc_f8 r = kvc_f8_fnma(n, kvc_f8_set1(KVC_EXP_LN2HI), xc);
+    r = kvc_f8_fnma(n, kvc_f8_set1(KVC_EXP_LN2LO), r);
+    kvc_f8 p = kvc_f8_set1(KVC_EXP_P0);
+    p = kvc_f8_fma(p, r, kvc_f8_set1(KVC_EXP_P1));
+    p = kvc_f8_fma(p, r, kvc_f8_set1(KVC_EXP_P2));
+    p = kvc_f8_fma(p, r, kvc_f8_set1(KVC_EXP_P3));
+    p = kvc_f8_fma(p, r, kvc_f8_set1(KVC_EXP_P4));
+    p = kvc_f8_fma(p, r, kvc_f8_set1(KVC_EXP_P5));
+    p = kvc_f8_add(kvc_f8_fma(kvc_f8_mul(p, r), r, r), kvc_f8_set1(1.0f));
+    kvc_f8 y = kvc_f8_mul(p, kvc_i8x_pow2(kvc_f8_trunc_i(n)));
+    y = kvc_f8_sel(kvc_f8_lt(x, kvc_f8_set1(KVC_EXP_LO)), kvc_f8_zero(), y);
+    y = kvc_f8_sel(kvc_f8_gt(x, kvc_f8_set1(KVC_EXP_HI)), kvc_f8_set1(INFINITY), y);
+    return kvc_f8_sel(kvc_f8_isnan(x), x, y);
+}
+
+/* v where v > acc, else acc: a running max that ignores NaN in v */
+KVC_INLINE kvc_f8 kvc_f8_max_num(kvc_f8 acc, kvc_f8 v) { return kvc_f8_sel(kvc_f8_gt(v, acc), v, acc); }
+
+/* e, with 0 in the lanes where s is -inf (where e = exp(s - m) must be exactly 0) */
+KVC_INLINE kvc_f8 kvc_f8_zero_neginf(kvc_f8 s, kvc_f8 e)
+{
+    return kvc_f8_sel(kvc_f8_eq(s, kvc_f8_set1(-INFINITY)), kvc_f8_zero(), e);
+}
+
+/* ---------------------------------------------------------------------------------------
+ * 16 float lanes: __m512 on AVX-512, two 8-lane halves elsewhere (lanes 0-7 in lo).
+ * ------------------------------------------------------------------------------------- */
+#if KVC_VEC_AVX512
+
+typedef __m512 kvc_f16;
+KVC_INLINE kvc_f16 kvc_f16_zero(void) { return _mm512_setzero_ps(); }
+KVC_INLINE kvc_f16 kvc_f16_set1(float x) { return _mm512_set1_ps(x); }
+KVC_INLINE kvc_f16 kvc_f16_bcast(const float *p) { return _mm512_set1_ps(*p); }
+KVC_INLINE kvc_f16 kvc_f16_load(const float *p) { return _mm512_loadu_ps(p); }
+KVC_INLINE void kvc_f16_store(float *p, kvc_f16 v) { _mm512_storeu_ps(p, v); }
+KVC_INLINE kvc_f16 kvc_f16_fma(kvc_f16 a, kvc_f16 b, kvc_f16 c) { return _mm512_fmadd_ps(a, b, c); }
+KVC_INLINE kvc_f16 kvc_f16_add(kvc_f16 a, kvc_f16 b) { return _mm512_add_ps(a, b); }
+KVC_INLINE kvc_f16 kvc_f16_sub(kvc_f16 a, kvc_f16 b) { return _mm512_sub_ps(a, b); }
+KVC_INLINE kvc_f16 kvc_f16_mul(kvc_f16 a, kvc_f16 b) { return _mm512_mul_ps(a, b); }
+KVC_INLINE kvc_f8 kvc_f16_lo(kvc_f16 a) { return _mm512_castps512_ps256(a); }
+KVC_INLINE kvc_f8 kvc_f16_hi(kvc_f16 a)
+{
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+}
+KVC_INLINE kvc_f16 kvc_f16_pair(kvc_f8 lo, kvc_f8 hi)
+{
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
+#else
+
+typedef struct { kvc_f8 lo, hi; } kvc_f16;
+KVC_INLINE kvc_f16 kvc_f16_pair(kvc_f8 lo, kvc_f8 hi) { kvc_f16 r; r.lo = lo; r.hi = hi; return r; }
+KVC_INLINE kvc_f8 kvc_f16_lo(kvc_f16 a) { return a.lo; }
+KVC_INLINE kvc_f8 kvc_f16_hi(kvc_f16 a) { return a.hi; }
+KVC_INLINE kvc_f16 kvc_f16_zero(void) { return kvc_f16_pair(kvc_f8_zero(), kvc_f8_zero()); }
+KVC_INLINE kvc_f16 kvc_f16_set1(float x) { return kvc_f16_pair(kvc_f8_set1(x), kvc_f8_set1(x)); }
+KVC_INLINE kvc_f16 kvc_f16_bcast(const float *p) { return kvc_f16_set1(*p); }
+KVC_INLINE kvc_f16 kvc_f16_load(const float *p) { return kvc_f16_pair(kvc_f8_load(p), kvc_f8_load(p + 8)); }
+KVC_INLINE void kvc_f16_store(float *p, kvc_f16 v) { kvc_f8_store(p, v.lo); kvc_f8_store(p + 8, v.hi); }
+KVC_INLINE kvc_f16 kvc_f16_fma(kvc_f16 a, kvc_f16 b, kvc_f16 c)
+{
+    return kvc_f16_pair(kvc_f8_fma(a.lo, b.lo, c.lo), kvc_f8_fma(a.hi, b.hi, c.hi));
+}
+KVC_INLINE kvc_f16 kvc_f16_add(kvc_f16 a, kvc_f16 b) { return kvc_f16_pair(kvc_f8_add(a.lo, b.lo), kvc_f8_add(a.hi, b.hi)); }
+KVC_INLINE kvc_f16 kvc_f16_sub(kvc_f16 a, kvc_f16 b) { return kvc_f16_pair(kvc_f8_sub(a.lo, b.lo), kvc_f8_sub(a.hi, b.hi)); }
+KVC_INLINE kvc_f16 kvc_f16_mul(kvc_f16 a, kvc_f16 b) { return kvc_f16_pair(kvc_f8_mul(a.lo, b.lo), kvc_f8_mul(a.hi, b.hi)); }
+
+#endif
+
+KVC_INLINE kvc_f16 kvc_f16_exp(kvc_f16 a)
+{
+    return kvc_f16_pair(kvc_f8_exp(kvc_f16_lo(a)), kvc_f8_exp(kvc_f16_hi(a)));
+}
+KVC_INLINE kvc_f16 kvc_f16_zero_neginf(kvc_f16 s, kvc_f16 e)
+{
+    return kvc_f16_pair(kvc_f8_zero_neginf(kvc_f16_lo(s), kvc_f16_lo(e)),
+                        kvc_f8_zero_neginf(kvc_f16_hi(s), kvc_f16_hi(e)));
+}
+KVC_INLINE float kvc_f16_fold(kvc_f16 a) { return kvc_f8_fold16(kvc_f16_lo(a), kvc_f16_hi(a)); }
+
+/* The int8 operations (q8 scoring, the int8 value pass) follow in their own section. */
+
+#endif
