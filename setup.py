@@ -6,19 +6,21 @@ compiler cannot build it the extension is compiled serially and a warning is pri
 install never fails for lack of OpenMP.
 
 Instruction sets (docs/numerics.md, "Dispatch"): the extension is compiled for the baseline of
-the target (plain x86-64 on x86), so it imports and runs on any CPU of the family.  The kernels
-are compiled a second time in their own translation unit, ``_body_avx2.c``, under ``#pragma GCC
-target("avx2,fma")`` with the AVX-VNNI and AVX-512 bodies under per-function target attributes;
-_core runs a body of that unit only where the CPU reports every feature the body needs.  When
-the compiler cannot build that unit it is left empty (``KVC_NO_SIMD``), and when it cannot
-build the VNNI intrinsics those bodies are left out (``KVC_NO_VNNI``).
-``KVCACHE_NATIVE=1`` adds ``-march=native`` (a build for this machine only; not needed for
-speed).  ``KVCACHE_NO_SIMD=1`` builds the portable C alone (for tests).
+the target (plain x86-64 on x86, Armv8-A on aarch64), so it imports and runs on any CPU of the
+family.  The kernels, written once on the vector layer ``_vec.h``, are compiled once per body,
+each in a translation unit of its own under ``#pragma GCC target`` (clang: ``#pragma clang
+attribute``): ``_body_avx2.c``, ``_body_avxvnni.c``, ``_body_avx512.c`` on x86-64,
+``_body_neon.c`` and ``_body_neondot.c`` on aarch64 (Linux and macOS); _core runs a body only
+where the CPU reports every feature it needs.  A unit the compiler cannot build (probed below)
+is left empty (``KVC_NO_AVX2``, ``KVC_NO_AVXVNNI``, ``KVC_NO_AVX512``, ``KVC_NO_NEONDOT``).
+``KVCACHE_NATIVE=1`` adds ``-march=native`` to the baseline units (a build for this machine
+only; not needed for speed).  ``KVCACHE_NO_SIMD=1`` builds the portable C alone (for tests).
 Floating-point contraction is off (``-ffp-contract=off``): every fused multiply-add in the
 kernels is written out, so each body computes the bits of the portable twin.
 """
 
 import os
+import platform
 import sys
 import tempfile
 import textwrap
@@ -33,46 +35,49 @@ DEBUG = os.environ.get("KVCACHE_CYTHON_DEBUG", "0") not in ("", "0")
 NATIVE = os.environ.get("KVCACHE_NATIVE", "0") not in ("", "0")
 NO_SIMD = os.environ.get("KVCACHE_NO_SIMD", "0") not in ("", "0")
 
-# the SIMD unit: the target pragma _body_avx2.c uses and the AVX2/FMA intrinsics, no -m flags
-SIMD_PROBE = """
-    #include <immintrin.h>
+
+def _unit_probe(target, body, includes="#include <immintrin.h>"):
+    """A program that compiles ``body`` (a function ``int f(int s)``) under a unit's target
+    pragma, as the _body_*.c files do, then links it (never run)."""
+    clang_target = target.lstrip("+")
+    return f"""
+    {includes}
     #if defined(__clang__)
-    #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+    #pragma clang attribute push(__attribute__((target("{clang_target}"))), apply_to = function)
     #else
     #pragma GCC push_options
-    #pragma GCC target("avx2,fma")
+    #pragma GCC target("{target}")
     #endif
-    static float f(const float *p)
-    { __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p), _mm256_setzero_ps());
-      return _mm_cvtss_f32(_mm256_castps256_ps128(v)); }
+    {body}
     #if defined(__clang__)
     #pragma clang attribute pop
     #else
     #pragma GCC pop_options
     #endif
-    int main(int argc, char **argv) {
-        float x[8] = {1, 2, 3, 4, 5, 6, 7, 8};
-        (void)argv;
-        return argc > 99 ? (int)f(x) : 0;   /* compiled and linked, never run */
-    }
-"""
+    int main(int argc, char **argv) {{ (void)argv; return argc > 99 ? f(argc) : 0; }}
+    """
 
-# the VNNI bodies: the target attributes and intrinsics _isa.h uses
-VNNI_PROBE = """
-    #include <immintrin.h>
-    __attribute__((target("avx2,fma,avxvnni"))) static __m256i a(__m256i x, __m256i y)
-    { return _mm256_dpbusd_avx_epi32(x, x, y); }
-    __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
-    static __m256i b(__m256i x, __m256i y) { return _mm256_dpbusd_epi32(x, x, y); }
-    __attribute__((target("avx2"))) static int c(int s) {
-        __m256i z = _mm256_set1_epi32(s);
-        return _mm256_extract_epi32(a(z, z), 0) + _mm256_extract_epi32(b(z, z), 0) == 12345;
-    }
-    int main(int argc, char **argv) {
-        (void)argv;
-        return argc > 99 ? c(argc) : 0;   /* compiled and linked, never run */
-    }
-"""
+
+# The units' targets and the intrinsics _vec.h uses there: (macro that leaves the unit out,
+# target, test body).  x86-64 and aarch64 each probe their own.
+X86_UNITS = [
+    ("KVC_NO_AVX2", "avx2,fma",
+     "static int f(int s) { __m256 v = _mm256_set1_ps((float)s); v = _mm256_fmadd_ps(v, v, v);"
+     " return (int)_mm_cvtss_f32(_mm256_castps256_ps128(v)); }"),
+    ("KVC_NO_AVXVNNI", "avx2,fma,avxvnni",
+     "static int f(int s) { __m256i z = _mm256_set1_epi32(s);"
+     " return _mm256_extract_epi32(_mm256_dpbusd_avx_epi32(z, z, z), 0); }"),
+    ("KVC_NO_AVX512",
+     "avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,prefer-vector-width=256",
+     "static int f(int s) { __m256i z = _mm256_set1_epi32(s); __m512 w = _mm512_set1_ps((float)s);"
+     " w = _mm512_fmadd_ps(w, w, w); z = _mm256_dpbusd_epi32(z, z, z);"
+     " return _mm256_extract_epi32(z, 0) + (int)_mm512_reduce_add_ps(w); }"),
+]
+ARM_UNITS = [
+    ("KVC_NO_NEONDOT", "+dotprod",
+     "static int f(int s) { int8x16_t a = vdupq_n_s8((int8_t)s);"
+     " return vgetq_lane_s32(vdotq_s32(vdupq_n_s32(0), a, a), 0); }"),
+]
 
 DIRECTIVES = {
     "language_level": 3,
@@ -111,10 +116,18 @@ class BuildExt(build_ext):
         else:
             omp_c, omp_l = ["-fopenmp"], ["-fopenmp"]
             macros = self.extensions[0].define_macros
-            if NO_SIMD or not _compiles(self.compiler, SIMD_PROBE, [], []):
+            machine = platform.machine().lower()
+            if NO_SIMD:
                 macros.append(("KVC_NO_SIMD", "1"))
-            elif not _compiles(self.compiler, VNNI_PROBE, [], []):
-                macros.append(("KVC_NO_VNNI", "1"))
+            elif machine in ("x86_64", "amd64"):
+                for macro, target, body in X86_UNITS:
+                    if not _compiles(self.compiler, _unit_probe(target, body), [], []):
+                        macros.append((macro, "1"))
+            elif machine in ("aarch64", "arm64"):
+                for macro, target, body in ARM_UNITS:
+                    probe = _unit_probe(target, body, "#include <arm_neon.h>")
+                    if not _compiles(self.compiler, probe, [], []):
+                        macros.append((macro, "1"))
             if NATIVE and _compiles(self.compiler, "int main(void){return 0;}\n", ["-march=native"], []):
                 compile_args += ["-march=native"]
             compile_args += ["-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
@@ -143,14 +156,18 @@ class BuildExt(build_ext):
         super().build_extensions()
 
 
+# one translation unit per kernel body (_dispatch.h); a unit for another CPU family compiles to
+# nothing
+BODY_UNITS = ("portable", "avx2", "avxvnni", "avx512", "neon", "neondot")
+
 extensions = [
     Extension(
         "kvcache._core",
-        ["src/kvcache/_core.pyx", "src/kvcache/_body_portable.c", "src/kvcache/_body_avx2.c"],
+        ["src/kvcache/_core.pyx"] + [f"src/kvcache/_body_{unit}.c" for unit in BODY_UNITS],
         include_dirs=["src/kvcache"],
         depends=["src/kvcache/_kernels.h", "src/kvcache/_mla.h", "src/kvcache/_prefill.h",
                  "src/kvcache/_isa.h", "src/kvcache/_i8dot.h", "src/kvcache/_sizes.h",
-                 "src/kvcache/_dispatch.h", "src/kvcache/_body.h",
+                 "src/kvcache/_dispatch.h", "src/kvcache/_body.h", "src/kvcache/_vec.h",
                  "src/kvcache/_openmp.pxd"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )

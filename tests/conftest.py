@@ -251,3 +251,22 @@ def cpu_runs_avx2() -> bool:
     portable build alone, and the in-process tests cover the bodies the CPU has."""
     from kvcache import _core
     return {"avx2", "fma"} <= _core.cpu_features()
+
+
+# The x86-64 bodies as the C twin programs (tests/c) build them: one program per body, the body
+# chosen by the compile flags as the extension's units choose it by their target pragma.
+X86_BODY_FLAGS = {
+    "portable": ["-DKVC_NO_SIMD"],
+    "avx2": ["-mavx2", "-mfma"],
+    "avxvnni": ["-mavx2", "-mfma", "-mavxvnni"],
+    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
+               "-mavx512vnni", "-mprefer-vector-width=256"],
+}
+
+
+def cpu_runs(body: str) -> bool:
+    """Whether this CPU has every feature body ``body`` needs (kvcache._dispatch.BODY_NEEDS):
+    a C twin program built for it runs only then, elsewhere it is compiled only."""
+    from kvcache import _core
+    from kvcache import _dispatch
+    return _dispatch.BODY_NEEDS[body] <= _core.cpu_features()

@@ -17,18 +17,18 @@ from kvcache import _dispatch as dispatch
 
 FLAGS = Path(__file__).parent / "data" / "cpu-flags"
 
-ALL_BUILT = {fam: dispatch.PREFERENCE[fam] for fam in dispatch.FAMILIES}
+ALL_BUILT = {fam: dispatch.HELD[fam] for fam in dispatch.FAMILIES}
 
 # file -> (features expected from the flags, the body per family with every body built)
 AVX2 = {"f32": "avx2", "q8": "avx2", "prefill": "avx2", "mla": "avx2"}
-AVX512 = {"f32": "avx2", "q8": "avx512", "prefill": "avx2", "mla": "avx512"}
+AVX512 = {"f32": "avx2", "q8": "avx512", "prefill": "avx512", "mla": "avx512"}
 BASE512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}
 TABLE = {
     "intel-haswell.txt": ({"avx2", "fma"}, AVX2),
     "intel-skylake-x.txt": (BASE512, AVX2),                         # no AVX512-VNNI
     "intel-cascade-lake.txt": (BASE512 | {"avx512vnni"}, AVX512),
     "intel-ice-lake-server.txt": (BASE512 | {"avx512vnni"}, AVX512),
-    "intel-alder-lake.txt": ({"avx2", "fma", "avxvnni"}, dict(AVX2, q8="avxvnni")),
+    "intel-alder-lake.txt": ({"avx2", "fma", "avxvnni"}, dict(AVX2, q8="avxvnni", prefill="avxvnni")),
     "intel-sapphire-rapids.txt": (BASE512 | {"avx512vnni", "avx512bf16", "avxvnni"}, AVX512),
     "amd-zen2.txt": ({"avx2", "fma"}, AVX2),
     "amd-zen3.txt": ({"avx2", "fma"}, AVX2),
@@ -102,7 +102,17 @@ def test_a_build_without_a_body_falls_back_to_the_next():
 def test_aarch64_features():
     line = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm asimddp"
     assert dispatch.features_from_cpuinfo(line) == {"neon", "dotprod"}
-    assert set(dispatch.choose({"neon", "dotprod"}, ALL_BUILT).values()) == {"portable"}
+    assert dispatch.choose({"neon", "dotprod"}, ALL_BUILT) == {
+        "f32": "neon", "q8": "neondot", "prefill": "neondot", "mla": "neon"}
+    assert dispatch.choose({"neon"}, ALL_BUILT) == {           # Cortex-A53/A72: no sdot
+        "f32": "neon", "q8": "neon", "prefill": "neon", "mla": "neon"}
+    assert dispatch.choose({"neon", "dotprod"}, ALL_BUILT, cap="neon")["q8"] == "neon"
+
+
+def test_preference_lists_only_held_bodies():
+    for fam in dispatch.FAMILIES:
+        assert set(dispatch.PREFERENCE[fam]) <= set(dispatch.HELD[fam])
+        assert dispatch.PREFERENCE[fam][-1] == "portable"
 
 
 def test_unknown_limit_is_refused():

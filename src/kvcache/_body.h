@@ -1,6 +1,6 @@
-/* The body of one kernel translation unit (_body_portable.c, _body_avx2.c): every kernel
- * family compiled for the unit's target, and the unit's table of entry points (_dispatch.h)
- * named KVC_BODY_TABLE. */
+/* The body of one kernel translation unit (_body_*.c): every kernel family compiled for the
+ * unit's target, and the unit's table of entry points (_dispatch.h) named KVC_BODY_TABLE for
+ * body KVC_BODY_ID named KVC_BODY_NAME. */
 #ifndef KVCACHE_BODY_H
 #define KVCACHE_BODY_H
 
@@ -8,20 +8,8 @@
 #include "_mla.h"
 #include "_dispatch.h"
 
-#if KVC_SIMD
-#define KVC_BODY_UNIT "avx2"
-#define KVC_BODY_Q8 ((1u << KVC_ISA_PORTABLE) | (1u << KVC_ISA_AVX2) \
-                     | (KVC_DISPATCH && KVC_VNNI ? (1u << KVC_ISA_AVXVNNI) | (1u << KVC_ISA_AVX512) : 0u))
-#define KVC_BODY_MLA ((1u << KVC_ISA_PORTABLE) | (1u << KVC_ISA_AVX2) \
-                      | (KVC_MLA_HAS512 ? 1u << KVC_ISA_AVX512 : 0u))
-#else
-#define KVC_BODY_UNIT "portable"
-#define KVC_BODY_Q8 (1u << KVC_ISA_PORTABLE)
-#define KVC_BODY_MLA (1u << KVC_ISA_PORTABLE)
-#endif
-
 const kvc_ops KVC_BODY_TABLE = {
-    KVC_BODY_UNIT,
+    KVC_BODY_NAME,
     kvc_task_scores, kvc_task_values, kvc_axpy_f32, kvc_softmax,
     kvc_quant_row, kvc_quant_query,
     kvc_o1_absorb, kvc_o1_head,
@@ -29,7 +17,7 @@ const kvc_ops KVC_BODY_TABLE = {
     kvc_pf_task, kvc_pf_imp_group,
     kvc_mla_fold, kvc_mla_task_for, kvc_mla_path_for, kvc_mla_merge_head,
     kvc_fma_probe,
-    KVC_BODY_Q8, KVC_BODY_MLA,
+    KVC_BODY_ID,
 };
 
 #endif

@@ -1,13 +1,13 @@
-/* The x86-64 SIMD bodies (_dispatch.h): the kernel sources compiled for AVX2 + FMA, with the
- * AVX-VNNI and AVX-512 bodies of q8 scoring and the AVX-512 body of MLA under their own target
- * attributes.  Only this unit holds instructions beyond the x86-64 baseline, and _core runs a
- * body of it only on a CPU that reports every feature the body needs.  GCC takes the target
- * from `#pragma GCC target`, clang from `#pragma clang attribute` (KVC_UNIT_AVX2 tells the
- * headers, since it defines no __AVX2__).  Elsewhere (another CPU family, KVC_NO_SIMD) it
- * holds no code and kvc_ops_avx2 is NULL. */
+/* The AVX2 + FMA body (_dispatch.h): every kernel family compiled for AVX2 and FMA.
+ * Only this unit holds these instructions, and _core runs its body only on a CPU that reports
+ * every feature the body needs (_isa.h).  GCC takes the target from `#pragma GCC target`, clang
+ * from `#pragma clang attribute` (which defines no feature macros: KVC_UNIT_AVX2 tells _vec.h).
+ * Elsewhere (another CPU family, KVC_NO_SIMD, KVC_NO_AVX2) it holds no code and kvc_ops_avx2
+ * is NULL. */
 #include <stddef.h>
 
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KVC_NO_SIMD)
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(KVC_NO_SIMD) \
+    && !defined(KVC_NO_AVX2)
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -20,9 +20,11 @@
 #pragma GCC target("avx2,fma")
 #endif
 #define KVC_BODY_TABLE kvc_ops_avx2_table
+#define KVC_BODY_NAME "avx2"
+#define KVC_BODY_ID KVC_ISA_AVX2
 #include "_body.h"
-#if !KVC_SIMD
-#error "_body_avx2.c: the AVX2 target did not take effect"
+#if !KVC_VEC_AVX2 || KVC_VEC_I8 != KVC_I8_MADDUBS
+#error "_body_avx2.c: the unit's target did not take effect"
 #endif
 #if defined(__clang__)
 #pragma clang attribute pop

@@ -101,10 +101,9 @@ cdef extern from "_dispatch.h" nogil:
                                const float *wuv, Py_ssize_t r, Py_ssize_t dv, float *c,
                                float *out) noexcept nogil
         float (*fma_probe)(long iters, float x) noexcept nogil
-        unsigned q8_bodies
-        unsigned mla_bodies
+        int body
     const kvc_ops kvc_ops_portable
-    const kvc_ops *kvc_ops_avx2
+    const kvc_ops *kvc_ops_body(int body)
     const kvc_ops *kvc_ops_of(int body)
     int KVC_FAM_F32
     int KVC_FAM_Q8
@@ -238,20 +237,20 @@ def body_needs(name):
 
 
 def built_bodies():
-    """Family -> the bodies this build holds for it (a tuple of names, portable first)."""
-    cdef const kvc_ops *simd = kvc_ops_avx2
-    if simd != NULL and simd.name != b"avx2":   # a unit whose target did not take effect
-        simd = NULL
-    q8 = _names(kvc_ops_portable.q8_bodies | (simd.q8_bodies if simd != NULL else 0), _dp.BODIES)
-    mla = _names(kvc_ops_portable.mla_bodies | (simd.mla_bodies if simd != NULL else 0),
-                 _dp.BODIES)
-    f32 = {"portable", "avx2"} if simd != NULL else {"portable"}
-    held = {"f32": f32, "q8": q8, "prefill": f32, "mla": mla}
-    return {fam: tuple(b for b in _dp.BODIES if b in held[fam]) for fam in _dp.FAMILIES}
+    """Family -> the bodies this build holds for it (a tuple of names, portable first): those
+    of ``kvcache._dispatch.HELD`` whose unit was compiled (_dispatch.h)."""
+    cdef const kvc_ops *t
+    units = set()
+    for i, name in enumerate(_dp.BODIES):
+        t = kvc_ops_body(i)
+        if t != NULL and t.body == i and t.name == name.encode():   # a unit of that body
+            units.add(name)
+    return {fam: tuple(b for b in _dp.BODIES if b in units and b in _dp.HELD[fam])
+            for fam in _dp.FAMILIES}
 
 
 def bodies():
-    """Family -> the body it runs now (``"portable"``, ``"avx2"``, ``"avxvnni"``, ``"avx512"``)."""
+    """Family -> the body it runs now (a name of ``kvcache._dispatch.BODIES``)."""
     return {fam: _dp.BODIES[_family_body[i]] for i, fam in enumerate(_dp.FAMILIES)}
 
 
@@ -286,11 +285,12 @@ def set_bodies(choice):
 
 
 def isa_detected():
-    """The most capable body this CPU runs and this build holds, for display: ``"avx512"``,
-    ``"avxvnni"``, ``"avx2"`` or ``"portable"`` (each family still runs its own best body)."""
+    """The most capable body this CPU runs and this build holds, for display (``"avx512"``,
+    ``"avxvnni"``, ``"avx2"``, ``"neondot"``, ``"neon"`` or ``"portable"``; each family still
+    runs its own best body)."""
     held = set().union(*built_bodies().values())
     runs = set(_dp.runnable(cpu_features()))
-    return next(b for b in ("avx512", "avxvnni", "avx2", "portable") if b in held and b in runs)
+    return next(b for b in _dp.MOST_CAPABLE if b in held and b in runs)
 
 
 def isa():
@@ -300,8 +300,9 @@ def isa():
 
 
 def set_isa(name):
-    """Limit every family to bodies whose needs are within those of body ``name``
-    (``"portable"``, ``"avx2"``, ``"avxvnni"`` or ``"avx512"``), from the next kernel call on;
+    """Limit every family to bodies whose needs are within those of body ``name`` (a name of
+    ``kvcache._dispatch.BODIES``: ``"portable"``, ``"avx2"``, ``"neon"``, ...), from the next
+    kernel call on;
     ``None`` lifts the limit.  Every body gives the same bits.  ValueError, changing nothing,
     for an unknown name or a body that needs a feature this CPU does not report."""
     global _isa_cap
@@ -317,14 +318,12 @@ def set_isa(name):
 
 
 def isa_build():
-    """What the build holds: ``"portable + avx2/fma unit (avx-vnni, avx-512 bodies)"``,
-    ``"portable + avx2/fma unit"`` (a compiler without the VNNI intrinsics) or
-    ``"portable C"`` (no x86-64 SIMD unit: another CPU family, or KVCACHE_NO_SIMD)."""
-    if "avx2" not in built_bodies()["f32"]:
-        return "portable C"
-    if "avx512" in built_bodies()["q8"]:
-        return "portable + avx2/fma unit (avx-vnni, avx-512 bodies)"
-    return "portable + avx2/fma unit"
+    """What the build holds: ``"portable + avx2, avxvnni, avx512"`` (the units compiled
+    besides the portable C), or ``"portable C"`` (no SIMD unit: a compiler without the targets,
+    or KVCACHE_NO_SIMD)."""
+    units = [b for b in _dp.BODIES if b != "portable"
+             and any(b in held for held in built_bodies().values())]
+    return "portable + " + ", ".join(units) if units else "portable C"
 
 
 def _isa_from_env():
@@ -412,8 +411,8 @@ def q8_scores(const float[:, ::1] q__jd, const int8_t[:, ::1] kq__rd, const floa
 
 
 def simd_built():
-    """True when the x86-64 AVX2/FMA unit (with its VNNI and AVX-512 bodies) was compiled in."""
-    return "avx2" in built_bodies()["f32"]
+    """True when a SIMD unit of this CPU family (x86-64 AVX2, aarch64 NEON) was compiled in."""
+    return any(b in built_bodies()["f32"] for b in ("avx2", "neon"))
 
 
 def openmp_built():

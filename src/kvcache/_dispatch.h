@@ -1,19 +1,22 @@
 /* The kernel entry points as a table per compiled body, and the body chosen per family.
  *
- * The kernels are compiled more than once, each time into a translation unit of its own:
+ * The kernel sources (every family, written once on the vector layer _vec.h) are compiled
+ * once per body, each time into a translation unit of its own that is built for that body's
+ * target and nothing else:
  *   _body_portable.c  plain C for the baseline of the target (always built)
- *   _body_avx2.c      x86-64 only: the same sources under `#pragma GCC target("avx2,fma")`,
- *                     holding the AVX2 bodies and, through per-function target attributes,
- *                     the AVX-VNNI and AVX-512 bodies of q8 scoring and the AVX-512 body of MLA
- * Each unit exports one kvc_ops table of its entry points; _core.pyx (compiled for the
- * baseline) includes only this header and calls through the table of the body chosen for a
- * family (kvc_ops_of), read once per kernel call.  Where a table's function takes `isa`, that
- * is the body of the q8 (or MLA) family, which the table runs if it holds it and otherwise
- * answers with the portable loop (same bits).
+ *   _body_avx2.c      x86-64: AVX2 + FMA
+ *   _body_avxvnni.c   x86-64: AVX2 + FMA + AVX-VNNI (q8 scoring with VEX vpdpbusd)
+ *   _body_avx512.c    x86-64: AVX-512 F/BW/DQ/VL + AVX512-VNNI (16-float MLA, EVEX vpdpbusd)
+ *   _body_neon.c      aarch64: Advanced SIMD
+ *   _body_neondot.c   aarch64: Advanced SIMD + the dot-product extension (sdot)
+ * A unit for another CPU family holds no code and its table pointer is NULL.  Each table names
+ * the body it runs; _core.pyx (compiled for the baseline) includes only this header and calls
+ * through the table of the body chosen for a family (kvc_ops_of), read once per kernel call.
+ * An `isa` argument that an entry still takes is not read (the unit's own body runs).
  *
- * Families (kvcache/_dispatch.py holds their bodies and the rule that chooses among them):
+ * Families (kvcache/_dispatch.py holds the bodies each one has and the rule that chooses):
  *   KVC_FAM_F32      decode attention over float32 rows, softmax, the O(1) step
- *   KVC_FAM_Q8       q8 scoring (int8 keys): the `isa` of task_scores_i8, i8_rows, pf_task
+ *   KVC_FAM_Q8       q8 scoring (int8 keys) of decode
  *   KVC_FAM_PREFILL  prompt attention (attend_blocked) and its importance pass
  *   KVC_FAM_MLA      MLA decode
  */
@@ -41,7 +44,7 @@ typedef void (*kvc_mla_task_fn)(const float *qT, ptrdiff_t H, ptrdiff_t Hp, cons
 #endif
 
 typedef struct kvc_ops {
-    const char *name;   /* "portable" or "avx2": the unit the table comes from */
+    const char *name;   /* the body this unit is: "portable", "avx2", ... (_dispatch.py) */
     /* decode, float32 rows */
     void (*task_scores)(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
                         const float *kf, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd, float scale,
@@ -100,20 +103,39 @@ typedef struct kvc_ops {
                            ptrdiff_t r, ptrdiff_t dv, float *c, float *out);
     /* the benchmark's machine probe */
     float (*fma_probe)(long iters, float x);
-    /* which bodies of q8 scoring and MLA this unit holds (bit b: body b) */
-    unsigned q8_bodies;
-    unsigned mla_bodies;
+    /* the body this unit is (KVC_ISA_*) */
+    int body;
 } kvc_ops;
 
 extern const kvc_ops kvc_ops_portable;
-/* the AVX2 unit's table, or NULL where it was not built (another CPU family, KVC_NO_SIMD) */
+/* the other units' tables, or NULL where a unit was not built (another CPU family,
+ * KVC_NO_SIMD, a compiler without the target) */
 extern const kvc_ops *const kvc_ops_avx2;
+extern const kvc_ops *const kvc_ops_avxvnni;
+extern const kvc_ops *const kvc_ops_avx512;
+extern const kvc_ops *const kvc_ops_neon;
+extern const kvc_ops *const kvc_ops_neondot;
 
-/* The table that runs body `body`: the AVX2 unit for every x86 SIMD body (it holds the
- * VNNI and AVX-512 bodies too), the portable one otherwise. */
+/* The table of body `body`, or NULL where this build does not hold it. */
+static inline const kvc_ops *kvc_ops_body(int body)
+{
+    switch (body) {
+    case KVC_ISA_PORTABLE: return &kvc_ops_portable;
+    case KVC_ISA_AVX2: return kvc_ops_avx2;
+    case KVC_ISA_AVXVNNI: return kvc_ops_avxvnni;
+    case KVC_ISA_AVX512: return kvc_ops_avx512;
+    case KVC_ISA_NEON: return kvc_ops_neon;
+    case KVC_ISA_NEONDOT: return kvc_ops_neondot;
+    default: return NULL;
+    }
+}
+
+/* The table that runs body `body`: its own where built (the chooser only picks built bodies),
+ * the portable one otherwise. */
 static inline const kvc_ops *kvc_ops_of(int body)
 {
-    return body != KVC_ISA_PORTABLE && kvc_ops_avx2 ? kvc_ops_avx2 : &kvc_ops_portable;
+    const kvc_ops *t = kvc_ops_body(body);
+    return t ? t : &kvc_ops_portable;
 }
 
 #endif

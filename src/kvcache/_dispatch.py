@@ -18,15 +18,16 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
 
-__all__ = ["BODIES", "BODY_NEEDS", "CPUINFO_FLAGS", "FAMILIES", "FEATURES", "PREFERENCE",
-           "choose", "features_from_cpuinfo", "runnable"]
+__all__ = ["BODIES", "BODY_NEEDS", "CPUINFO_FLAGS", "FAMILIES", "FEATURES", "HELD",
+           "MOST_CAPABLE", "PREFERENCE", "choose", "features_from_cpuinfo", "runnable"]
 
 FEATURES = ("avx2", "fma", "avxvnni", "avx512f", "avx512bw", "avx512dq", "avx512vl",
             "avx512vnni", "avx512bf16", "neon", "dotprod")
 """The features kvcache detects, in the order of their bits in ``_isa.h`` (``KVC_F_*``)."""
 
-BODIES = ("portable", "avx2", "avxvnni", "avx512")
-"""Body names, in the order of their ids in ``_isa.h`` (``KVC_ISA_*``)."""
+BODIES = ("portable", "avx2", "avxvnni", "avx512", "neon", "neondot")
+"""Body names, in the order of their ids in ``_isa.h`` (``KVC_ISA_*``): one compiled unit each
+(``_dispatch.h``)."""
 
 _AVX2 = frozenset({"avx2", "fma"})
 BODY_NEEDS: dict[str, frozenset[str]] = {
@@ -34,6 +35,8 @@ BODY_NEEDS: dict[str, frozenset[str]] = {
     "avx2": _AVX2,
     "avxvnni": _AVX2 | {"avxvnni"},
     "avx512": _AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vnni"},
+    "neon": frozenset({"neon"}),
+    "neondot": frozenset({"neon", "dotprod"}),
 }
 """The features each body may execute (its compile target)."""
 
@@ -41,13 +44,29 @@ FAMILIES = ("f32", "q8", "prefill", "mla")
 """Kernel families, in the order of ``KVC_FAM_*`` (``_dispatch.h``): float32 decode attention
 with the softmax and the O(1) step; q8 scoring of int8 keys; prompt attention; MLA decode."""
 
-PREFERENCE: dict[str, tuple[str, ...]] = {
-    "f32": ("avx2", "portable"),
-    "q8": ("avx512", "avxvnni", "avx2", "portable"),
-    "prefill": ("avx2", "portable"),
-    "mla": ("avx512", "avx2", "portable"),
+HELD: dict[str, tuple[str, ...]] = {
+    "f32": ("portable", "avx2", "avx512", "neon"),
+    "q8": BODIES,
+    "prefill": BODIES,
+    "mla": ("portable", "avx2", "avx512", "neon"),
 }
-"""Per family, the bodies it may hold, best first."""
+"""Per family, the bodies that are its own where their unit is built (a unit whose code for the
+family is another unit's, e.g. the float32 kernels of ``avxvnni``, which are ``avx2``'s, is not
+listed): what ``set_bodies`` accepts."""
+
+PREFERENCE: dict[str, tuple[str, ...]] = {
+    "f32": ("avx2", "neon", "portable"),
+    "q8": ("avx512", "avxvnni", "avx2", "neondot", "neon", "portable"),
+    "prefill": ("avx512", "avxvnni", "avx2", "neondot", "neon", "portable"),
+    "mla": ("avx512", "avx2", "neon", "portable"),
+}
+"""Per family, the bodies :func:`choose` takes, best first.  The float32 decode family holds an
+``avx512`` body (the same 8-float code on EVEX registers) that is not taken by default: no
+interleaved measurement on an AVX-512 machine has shown it to pay (docs/numerics.md,
+"Dispatch"); ``set_bodies({"f32": "avx512"})`` runs it."""
+
+MOST_CAPABLE = ("avx512", "avxvnni", "avx2", "neondot", "neon", "portable")
+"""Body names from the most to the least capable, for display (``_core.isa_detected``)."""
 
 CPUINFO_FLAGS = {
     "avx2": "avx2", "fma": "fma", "avx_vnni": "avxvnni", "avx512f": "avx512f",

@@ -2,33 +2,25 @@
  *
  * Features are a SET (bits below), never a ladder: an AVX-512 CPU need not have AVX-VNNI (AMD
  * Zen 4, Intel Ice Lake and Cascade Lake servers have AVX512-VNNI but not the VEX AVX-VNNI),
- * and an AVX-VNNI CPU need not have AVX-512 (Alder Lake).  kvc_cpu_features() asks the CPU
- * (CPUID) and whether the OS saves the wider register state (XGETBV); on aarch64 the kernel's
- * hardware capabilities (getauxval).
+ * and an AVX-VNNI CPU need not have AVX-512 (Alder Lake); an ARM core need not have the
+ * dot-product extension (Cortex-A53, A72).  kvc_cpu_features() asks the CPU (x86: CPUID, and
+ * XGETBV for whether the OS saves the wider register state; aarch64 Linux: getauxval; macOS:
+ * sysctl).
  *
- * A kernel body is named by what it is compiled for; kvc_body_needs() is the set of features
- * it may execute.  Every body computes the bits of the portable twin (docs/numerics.md), so
- * the choice changes speed, never results:
+ * A kernel body is one translation unit compiled for one target (_dispatch.h); kvc_body_needs()
+ * is the set of features it may execute.  Every body computes the bits of the portable twin
+ * (docs/numerics.md), so the choice changes speed, never results:
  *
  *   KVC_ISA_PORTABLE  plain C for the baseline of the target (x86-64: SSE2)        needs {}
  *   KVC_ISA_AVX2      AVX2 + FMA                                             {avx2, fma}
  *   KVC_ISA_AVXVNNI   + AVX-VNNI (VEX vpdpbusd on 256-bit registers)   {avx2, fma, avxvnni}
  *   KVC_ISA_AVX512    + AVX-512 F/BW/DQ/VL and AVX512-VNNI (EVEX)
  *                                  {avx2, fma, avx512f, avx512bw, avx512dq, avx512vl, avx512vnni}
+ *   KVC_ISA_NEON      aarch64 Advanced SIMD                                         {neon}
+ *   KVC_ISA_NEONDOT   + the dot-product extension (sdot)                   {neon, dotprod}
  *
  * Which bodies each kernel family holds, and the choice among them, is made in Python
- * (kvcache/_dispatch.py) from these sets; _core keeps the chosen body per family.  Only the
- * translation unit _body_avx2.c is compiled for instructions beyond the baseline (GCC's
- * `#pragma GCC target`, and per-function target attributes for the VNNI and AVX-512 bodies);
- * everything else, _core included, runs on any x86-64 CPU.
- *
- * The C test programs (tests/c) include the kernel headers into one file built with -mavx2
- * -mfma (or -DKVC_NO_SIMD for the portable twin); for them kvc_isa is the body the program
- * runs.  KVC_NO_VNNI (set by setup.py when the compiler cannot build the VNNI intrinsics)
- * leaves the VNNI and AVX-512 bodies out.  KVC_EMULATE_VNNI (tests/c only) compiles the VNNI
- * bodies WITHOUT their target attributes and with an exact AVX2 emulation of vpdpbusd
- * (kvc_dpbusd_emu), so a machine without VNNI runs those bodies and compares their bits with
- * the AVX2 one.
+ * (kvcache/_dispatch.py) from these sets; _core keeps the chosen body per family.
  */
 #ifndef KVCACHE_ISA_H
 #define KVCACHE_ISA_H
@@ -37,7 +29,9 @@
 #define KVC_ISA_AVX2 1
 #define KVC_ISA_AVXVNNI 2
 #define KVC_ISA_AVX512 3
-#define KVC_N_BODIES 4
+#define KVC_ISA_NEON 4
+#define KVC_ISA_NEONDOT 5
+#define KVC_N_BODIES 6
 
 /* feature bits (kvcache/_dispatch.py FEATURES holds the same names in the same order) */
 #define KVC_F_AVX2 (1u << 0)
@@ -59,49 +53,19 @@
 #define KVC_X86 0
 #endif
 
-/* KVC_UNIT_AVX2: set by _body_avx2.c where the compiler applies the unit's target by
- * attribute (clang's `#pragma clang attribute`), which defines no __AVX2__ */
-#if KVC_X86 && ((defined(__AVX2__) && defined(__FMA__)) || defined(KVC_UNIT_AVX2)) \
-    && !defined(KVC_NO_SIMD)
-#define KVC_DISPATCH 1
-#include <immintrin.h>
-#if defined(KVC_EMULATE_VNNI)
-#define KVC_VNNI 1
-#define KVC_TARGET_AVXVNNI
-#define KVC_TARGET_AVX512
-/* vpdpbusd: acc + per 32-bit lane the sum of the four products (unsigned byte of a) x (signed
- * byte of b), exact: every product and pair sum fits int16 x int16 -> int32 (vpmaddwd). */
-static inline __attribute__((always_inline)) __m256i kvc_dpbusd_emu(__m256i acc, __m256i a,
-                                                                    __m256i b)
-{
-    __m256i a_even = _mm256_and_si256(a, _mm256_set1_epi16(0x00FF));
-    __m256i a_odd = _mm256_srli_epi16(a, 8);
-    __m256i b_even = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
-    __m256i b_odd = _mm256_srai_epi16(b, 8);
-    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(a_even, b_even),
-                                                  _mm256_madd_epi16(a_odd, b_odd)));
-}
-#define KVC_DPBUSD_AVXVNNI(acc, a, b) kvc_dpbusd_emu(acc, a, b)
-#define KVC_DPBUSD_AVX512(acc, a, b) kvc_dpbusd_emu(acc, a, b)
-#elif !defined(KVC_NO_VNNI)
-#define KVC_VNNI 1
-#define KVC_TARGET_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
-#define KVC_TARGET_AVX512 \
-    __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
-#define KVC_DPBUSD_AVXVNNI(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
-#define KVC_DPBUSD_AVX512(acc, a, b) _mm256_dpbusd_epi32(acc, a, b)
-#else
-#define KVC_VNNI 0
-#endif
-#else
-#define KVC_DISPATCH 0
-#define KVC_VNNI 0
-#endif
-
 #if KVC_X86
 #include <cpuid.h>
 #elif defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
+/* the kernel's AT_HWCAP bits (arch/arm64/include/uapi/asm/hwcap.h), where libc lacks them */
+#ifndef HWCAP_ASIMD
+#define HWCAP_ASIMD (1ul << 1)
+#endif
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1ul << 20)
+#endif
+#elif defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
 #endif
 
 #if KVC_X86
@@ -151,16 +115,18 @@ static inline unsigned kvc_cpu_features(void)
     }
 #elif defined(__aarch64__) && defined(__linux__)
     unsigned long hw = getauxval(AT_HWCAP);
-#ifdef HWCAP_ASIMD
     if (hw & HWCAP_ASIMD)
         f |= KVC_F_NEON;
-#endif
-#ifdef HWCAP_ASIMDDP
-    if (hw & HWCAP_ASIMDDP)
+    if ((hw & HWCAP_ASIMD) && (hw & HWCAP_ASIMDDP))
         f |= KVC_F_DOTPROD;
-#endif
-#elif defined(__aarch64__)
+#elif defined(__aarch64__) && defined(__APPLE__)
+    int on = 0;
+    size_t len = sizeof on;
     f |= KVC_F_NEON;   /* Advanced SIMD is part of every AArch64 CPU */
+    if (sysctlbyname("hw.optional.arm.FEAT_DotProd", &on, &len, NULL, 0) == 0 && on)
+        f |= KVC_F_DOTPROD;
+#elif defined(__aarch64__)
+    f |= KVC_F_NEON;
 #endif
     return f;
 }
@@ -174,6 +140,8 @@ static inline unsigned kvc_body_needs(int body)
     case KVC_ISA_AVX512:
         return KVC_F_AVX2 | KVC_F_FMA | KVC_F_AVX512F | KVC_F_AVX512BW | KVC_F_AVX512DQ
                | KVC_F_AVX512VL | KVC_F_AVX512VNNI;
+    case KVC_ISA_NEON: return KVC_F_NEON;
+    case KVC_ISA_NEONDOT: return KVC_F_NEON | KVC_F_DOTPROD;
     default: return 0;
     }
 }
@@ -183,38 +151,6 @@ static inline int kvc_cpu_runs(int body)
 {
     unsigned need = kvc_body_needs(body);
     return (kvc_cpu_features() & need) == need;
-}
-
-/* The body a C test program runs (tests/c; _core keeps its own choice per family). */
-#if defined(__GNUC__)
-__attribute__((unused))
-#endif
-static int kvc_isa = KVC_ISA_PORTABLE;
-
-/* For the C test programs: the most capable body this CPU runs of those a one-file build
- * holds (AVX-512, then AVX-VNNI, then AVX2, then the portable C). */
-static inline int kvc_isa_detect(void)
-{
-#if KVC_DISPATCH
-    if (KVC_VNNI && kvc_cpu_runs(KVC_ISA_AVX512))
-        return KVC_ISA_AVX512;
-    if (KVC_VNNI && kvc_cpu_runs(KVC_ISA_AVXVNNI))
-        return KVC_ISA_AVXVNNI;
-    if (kvc_cpu_runs(KVC_ISA_AVX2))
-        return KVC_ISA_AVX2;
-#endif
-    return KVC_ISA_PORTABLE;
-}
-
-/* The name of a body (the names KVCACHE_ISA and _core.set_isa take). */
-static inline const char *kvc_isa_name(int body)
-{
-    switch (body) {
-    case KVC_ISA_AVX2: return "avx2";
-    case KVC_ISA_AVXVNNI: return "avxvnni";
-    case KVC_ISA_AVX512: return "avx512";
-    default: return "portable";
-    }
 }
 
 #endif

@@ -530,12 +530,9 @@ static inline void kvc_quant_row(const float *restrict x, const float *restrict 
  *                  isum_g = sum over the group's channels of qi[d] * k[d]   (exact, int32)
  *                  acc = fmaf((float)isum_g, sq_g * sk_g, acc)
  *              then, as for float32 rows, s = acc * scale and the softcap.
- * Every instruction-set body (portable C, AVX2, AVX-VNNI, AVX-512 VNNI: _i8dot.h) computes
- * exactly these bits; the caller names the body (read once per call).
+ * Every target of the vector layer (portable C, AVX2, AVX-VNNI, AVX-512 VNNI, NEON with and
+ * without sdot: _i8dot.h on kvc_i8_dot32x8) computes exactly these bits.
  * ------------------------------------------------------------------------------------- */
-
-#include "_isa.h"
-
 
 /* Quantise one query x (hd floats) in groups of `group` (16 or 32) channels: qi
  * (KVC_I8_PAD(hd) codes, zeros past hd), sq and qsum (KVC_I8_GROUPS(hd, group) each). */
@@ -577,59 +574,16 @@ KVC_INLINE float kvc_i8_score1(const int8_t *restrict qi, const float *restrict 
     return acc;
 }
 
-#if KVC_VEC_X86
-#define KVC_I8_NAME(x) x##_avx2
-#define KVC_I8_ATTR
 #include "_i8dot.h"
-#undef KVC_I8_NAME
-#undef KVC_I8_ATTR
-#endif
 
-#if KVC_DISPATCH && KVC_VNNI
-#define KVC_I8_NAME(x) x##_avxvnni
-#define KVC_I8_ATTR KVC_TARGET_AVXVNNI
-#define KVC_I8_DPBUSD KVC_DPBUSD_AVXVNNI
-#include "_i8dot.h"
-#undef KVC_I8_NAME
-#undef KVC_I8_ATTR
-#undef KVC_I8_DPBUSD
-#define KVC_I8_NAME(x) x##_avx512
-#define KVC_I8_ATTR KVC_TARGET_AVX512
-#define KVC_I8_DPBUSD KVC_DPBUSD_AVX512
-#include "_i8dot.h"
-#undef KVC_I8_NAME
-#undef KVC_I8_ATTR
-#undef KVC_I8_DPBUSD
-#endif
-
-/* out[i] = raw q8 score of row i < n (rows k + i * hd, scales ks + i * ks_stride; K groups
- * of `group`, 16 or 32, channels) with the body `isa` (KVC_ISA_*; a body this file was not
- * compiled with -- any, in the portable build -- runs the portable loop, same bits).  The
- * caller has checked that the CPU runs it. */
+/* The old entry with a body argument: every unit now holds one q8 body, its own (_dispatch.h),
+ * so `isa` is not read.  Kept until the entry points take one call descriptor. */
 static void kvc_i8_rows_isa(int isa, ptrdiff_t group, const int8_t *qi, const float *sq,
                             const int32_t *qsum, const int8_t *k, const float *ks,
                             ptrdiff_t ks_stride, ptrdiff_t hd, ptrdiff_t n, float *out)
 {
-    ptrdiff_t i;
-#if KVC_DISPATCH && KVC_VNNI
-    if (isa == KVC_ISA_AVX512) {
-        kvc_i8_rows_avx512(qi, sq, qsum, k, ks, ks_stride, hd, group, n, out);
-        return;
-    }
-    if (isa == KVC_ISA_AVXVNNI) {
-        kvc_i8_rows_avxvnni(qi, sq, qsum, k, ks, ks_stride, hd, group, n, out);
-        return;
-    }
-#endif
-#if KVC_VEC_X86
-    if (isa == KVC_ISA_AVX2) {
-        kvc_i8_rows_avx2(qi, sq, qsum, k, ks, ks_stride, hd, group, n, out);
-        return;
-    }
-#endif
-    (void)qsum;
-    for (i = 0; i < n; ++i)
-        out[i] = kvc_i8_score1(qi, sq, k + i * hd, ks + i * ks_stride, hd, group);
+    (void)isa;
+    kvc_i8_rows(group, qi, sq, qsum, k, ks, ks_stride, hd, n, out);
 }
 
 #define KVC_I8_BLOCK 64 /* rows scored for every query of a task before the next rows */

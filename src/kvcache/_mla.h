@@ -212,7 +212,7 @@ KVC_INLINE void kvc_mla_pf_finish(kvc_mla_pf *f)
  * __m256 operations, so that the very code of the AVX-512 path runs, and is compared bit for
  * bit, on a machine without AVX-512. */
 
-#if KVC_VEC_X86 && ((KVC_DISPATCH && KVC_VNNI && !defined(KVC_EMULATE_VNNI)) || defined(KVC_EMULATE_512))
+#if KVC_VEC_X86 && defined(KVC_EMULATE_512) /* interim: the AVX-512 unit gets its body with the layer */
 #define KVC_MLA_HAS512 1
 #else
 #define KVC_MLA_HAS512 0
@@ -402,8 +402,7 @@ static inline const char *kvc_mla_path_for(int body)
 }
 
 /* The C test programs' form: the body of kvc_isa. */
-static inline kvc_mla_task_fn kvc_mla_task_select(void) { return kvc_mla_task_for(kvc_isa); }
-static inline const char *kvc_mla_path(void) { return kvc_mla_path_for(kvc_isa); }
+
 
 /* One task: rows [p0, p1) of one position.  acc (H x r), m and l (Hp each) are the task's
  * partial state; S is KVC_MLA_BLOCK x Hp scratch.  Rows up to pf_end (>= p1) may be
@@ -414,7 +413,7 @@ static inline void kvc_mla_task(const float *restrict qT, ptrdiff_t H, ptrdiff_t
                          float *restrict acc, float *restrict m, float *restrict l,
                          float *restrict S)
 {
-    kvc_mla_task_select()(qT, H, Hp, lat, kr, r, dr, p0, p1, pf_end, scale, acc, m, l, S);
+    kvc_mla_task_for(0)(qT, H, Hp, lat, kr, r, dr, p0, p1, pf_end, scale, acc, m, l, S);
 }
 
 /* Machine probe for the benchmark: `iters` steps of 10 independent chains of 8-lane fused

@@ -452,6 +452,153 @@ KVC_INLINE kvc_f16 kvc_f16_zero_neginf(kvc_f16 s, kvc_f16 e)
 }
 KVC_INLINE float kvc_f16_fold(kvc_f16 a) { return kvc_f8_fold16(kvc_f16_lo(a), kvc_f16_hi(a)); }
 
-/* The int8 operations (q8 scoring, the int8 value pass) follow in their own section. */
+/* ---------------------------------------------------------------------------------------
+ * int8 dot products (q8 scoring).  kvc_i8_dot32x8 forms, for one 32-byte chunk of query
+ * codes q and eight rows of key codes (row r at k + r * stride), the exact int32 sums
+ *   lo[r] = sum_{c < 16} q[c] k_r[c],   hi[r] = sum_{16 <= c < 32} q[c] k_r[c]
+ * (integer sums: every target gives the same values).  q codes are in [-127, 127], k codes in
+ * [-128, 127].  qs_lo / qs_hi are sum q[c] over the two halves (or, where only lo + hi is
+ * used, their total in qs_lo and 0 in qs_hi): the VNNI forms need them.  The forms:
+ *   KVC_I8_SCALAR    plain C (the portable target)
+ *   KVC_I8_MADDUBS   AVX2: vpmaddubsw(|k|, sign(q, k)) -- |k| <= 128 unsigned, q sign(k) in
+ *                    [-127, 127], each int16 pair sum at most 2 * 128 * 127 = 32512 -- then
+ *                    vpmaddwd with ones
+ *   KVC_I8_VNNI      vpdpbusd(0, k ^ 0x80, q) = sum (k + 128) q, minus 128 * sum q (exact):
+ *                    VEX (AVX-VNNI unit) or EVEX (AVX-512 unit) encoding; with
+ *                    KVC_EMULATE_VNNI (tests/c only) an exact AVX2 emulation of vpdpbusd
+ *   KVC_I8_SMULL     NEON: vmull_s8 + vmlal_s8 (two products per int16 lane, <= 32512),
+ *                    then pairwise widening adds
+ *   KVC_I8_SDOT      NEON with the dot-product extension: vdotq_s32
+ * ------------------------------------------------------------------------------------- */
+#define KVC_I8_SCALAR 0
+#define KVC_I8_MADDUBS 1
+#define KVC_I8_VNNI 2
+#define KVC_I8_SMULL 3
+#define KVC_I8_SDOT 4
+
+#if KVC_VEC_X86
+#if KVC_VEC_AVX512 || defined(KVC_EMULATE_VNNI) || defined(__AVXVNNI__) || defined(KVC_UNIT_AVXVNNI)
+#define KVC_VEC_I8 KVC_I8_VNNI
+#else
+#define KVC_VEC_I8 KVC_I8_MADDUBS
+#endif
+#elif KVC_VEC_NEON
+#if defined(__ARM_FEATURE_DOTPROD) || defined(KVC_UNIT_NEONDOT)
+#define KVC_VEC_I8 KVC_I8_SDOT
+#else
+#define KVC_VEC_I8 KVC_I8_SMULL
+#endif
+#else
+#define KVC_VEC_I8 KVC_I8_SCALAR
+#endif
+
+#if KVC_VEC_I8 == KVC_I8_VNNI
+#if defined(KVC_EMULATE_VNNI)
+/* vpdpbusd: acc + per 32-bit lane the sum of the four products (unsigned byte of a) x (signed
+ * byte of b), exact: every product and pair sum fits int16 x int16 -> int32 (vpmaddwd). */
+KVC_INLINE __m256i kvc_dpbusd(__m256i acc, __m256i a, __m256i b)
+{
+    __m256i a_even = _mm256_and_si256(a, _mm256_set1_epi16(0x00FF));
+    __m256i a_odd = _mm256_srli_epi16(a, 8);
+    __m256i b_even = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
+    __m256i b_odd = _mm256_srai_epi16(b, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(a_even, b_even),
+                                                  _mm256_madd_epi16(a_odd, b_odd)));
+}
+#elif KVC_VEC_AVX512
+KVC_INLINE __m256i kvc_dpbusd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(acc, a, b); }
+#else
+KVC_INLINE __m256i kvc_dpbusd(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_avx_epi32(acc, a, b); }
+#endif
+#endif
+
+#if KVC_VEC_X86
+KVC_INLINE void kvc_i8_dot32x8(const int8_t *restrict q, const int8_t *restrict k,
+                               ptrdiff_t stride, int32_t qs_lo, int32_t qs_hi, kvc_i8x *lo,
+                               kvc_i8x *hi)
+{
+    const __m256i qv = _mm256_loadu_si256((const __m256i *)q);
+    __m256i m[8];
+    int r;
+#if KVC_VEC_I8 == KVC_I8_VNNI
+    const __m256i x80 = _mm256_set1_epi8((char)0x80);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    (void)qs_lo, (void)qs_hi;
+#endif
+#pragma GCC unroll 8
+    for (r = 0; r < 8; ++r) {
+        __m256i kv = _mm256_loadu_si256((const __m256i *)(k + r * stride));
+#if KVC_VEC_I8 == KVC_I8_VNNI
+        m[r] = kvc_dpbusd(_mm256_setzero_si256(), _mm256_xor_si256(kv, x80), qv);
+#else
+        m[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(kv), _mm256_sign_epi8(qv, kv)),
+                                 ones);
+#endif
+    }
+    /* lane l of m[r]: channels 4l..4l+3 of row r; reduce to rows x (lanes 0-3, lanes 4-7) */
+    __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
+    __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(m[4], m[5]), _mm256_hadd_epi32(m[6], m[7]));
+    *lo = _mm256_permute2x128_si256(a, b, 0x20);
+    *hi = _mm256_permute2x128_si256(a, b, 0x31);
+#if KVC_VEC_I8 == KVC_I8_VNNI
+    *lo = _mm256_sub_epi32(*lo, _mm256_set1_epi32(128 * qs_lo));
+    *hi = _mm256_sub_epi32(*hi, _mm256_set1_epi32(128 * qs_hi));
+#endif
+}
+
+#elif KVC_VEC_NEON
+
+/* four int32 partial sums of 16 channels of one row */
+KVC_INLINE int32x4_t kvc_i8_part16(int8x16_t q, int8x16_t k)
+{
+#if KVC_VEC_I8 == KVC_I8_SDOT
+    return vdotq_s32(vdupq_n_s32(0), q, k);
+#else
+    int16x8_t p = vmull_s8(vget_low_s8(q), vget_low_s8(k));
+    p = vmlal_s8(p, vget_high_s8(q), vget_high_s8(k));
+    return vpaddlq_s16(p);
+#endif
+}
+
+KVC_INLINE void kvc_i8_dot32x8(const int8_t *restrict q, const int8_t *restrict k,
+                               ptrdiff_t stride, int32_t qs_lo, int32_t qs_hi, kvc_i8x *lo,
+                               kvc_i8x *hi)
+{
+    const int8x16_t q0 = vld1q_s8(q), q1 = vld1q_s8(q + 16);
+    int32x4_t l[8], h[8];
+    int r;
+    (void)qs_lo, (void)qs_hi;
+#pragma GCC unroll 8
+    for (r = 0; r < 8; ++r) {
+        l[r] = kvc_i8_part16(q0, vld1q_s8(k + r * stride));
+        h[r] = kvc_i8_part16(q1, vld1q_s8(k + r * stride + 16));
+    }
+    lo->val[0] = vpaddq_s32(vpaddq_s32(l[0], l[1]), vpaddq_s32(l[2], l[3]));
+    lo->val[1] = vpaddq_s32(vpaddq_s32(l[4], l[5]), vpaddq_s32(l[6], l[7]));
+    hi->val[0] = vpaddq_s32(vpaddq_s32(h[0], h[1]), vpaddq_s32(h[2], h[3]));
+    hi->val[1] = vpaddq_s32(vpaddq_s32(h[4], h[5]), vpaddq_s32(h[6], h[7]));
+}
+
+#else
+
+KVC_INLINE void kvc_i8_dot32x8(const int8_t *restrict q, const int8_t *restrict k,
+                               ptrdiff_t stride, int32_t qs_lo, int32_t qs_hi, kvc_i8x *lo,
+                               kvc_i8x *hi)
+{
+    int r, c;
+    (void)qs_lo, (void)qs_hi;
+    for (r = 0; r < 8; ++r) {
+        int32_t a = 0, b = 0;
+        for (c = 0; c < 16; ++c) {
+            a += (int32_t)q[c] * (int32_t)k[r * stride + c];
+            b += (int32_t)q[c + 16] * (int32_t)k[r * stride + c + 16];
+        }
+        lo->v[r] = a;
+        hi->v[r] = b;
+    }
+}
+
+#endif
 
 #endif

@@ -1,9 +1,10 @@
-/* Runs the q8 scoring of _kernels.h (query quantiser, raw scores of every instruction-set
- * body, a decode score task) on pseudo-random inputs and prints every result as raw bits.
- * K groups of 16 and of 32 channels.  Usage: i8_twin LEVEL (0 portable, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI).
- * tests/test_int8_scoring.py builds it with -DKVC_EMULATE_VNNI (the VNNI bodies compiled
- * without their target attributes, vpdpbusd emulated exactly with AVX2) and with
- * -DKVC_NO_SIMD, runs every level and requires identical output. */
+/* Runs the q8 scoring of _kernels.h (query quantiser, raw scores, a decode score task) on
+ * pseudo-random inputs and prints every result as raw bits.  K groups of 16 and of 32
+ * channels.  The body is the one the compile flags select (_vec.h: -DKVC_NO_SIMD, -mavx2,
+ * -mavxvnni, -mavx512*, aarch64 with and without +dotprod; -DKVC_EMULATE_VNNI runs the VNNI
+ * code with an exact AVX2 emulation of vpdpbusd); tests/test_int8_scoring.py and
+ * tests/test_aarch64.py build it once per body and require output identical to the portable
+ * build.  The first line names the body's int8 dot form (KVC_VEC_I8). */
 #include "_kernels.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,7 +28,7 @@ static void out(float x)
 #define ROWS 77
 #define NQ 5
 
-int main(int argc, char **argv)
+int main(void)
 {
     static float q[NQ * HDMAX], ks[ROWS * 17], res[ROWS], probs[NQ * ROWS];
     static int8_t kq[ROWS * HDMAX], qi[NQ * HDMAX];
@@ -35,7 +36,8 @@ int main(int argc, char **argv)
     static int32_t qsum[NQ * 17];
     ptrdiff_t hds[] = {1, 7, 8, 16, 31, 32, 33, 40, 64, 72, 96, 100, 128, 136, 160, 256, 264};
     ptrdiff_t qf[NQ] = {0, 3, 0, 9, 20}, qe[NQ] = {77, 77, 70, 40, 21};
-    int level = argc > 1 ? atoi(argv[1]) : 0, trial, h, i, j;
+    int trial, h, i, j;
+    printf("%s %d\n", KVC_VEC_NAME, KVC_VEC_I8);
     for (trial = 0; trial < 12; ++trial) {
         /* magnitudes from tiny to large; some trials use the extreme codes -128 and 127 */
         float mag = trial % 3 == 0 ? 1e-3f : trial % 3 == 1 ? 1.0f : 300.0f;
@@ -64,13 +66,13 @@ int main(int argc, char **argv)
             for (j = 0; j < NQ; ++j) {
                 /* every row count (the 8-row bodies and the scalar tail), scale stride 12 */
                 ptrdiff_t n = 1 + (ptrdiff_t)(next() % ROWS);
-                kvc_i8_rows_isa(level, group, qi + j * hdp, sq + j * ng, qsum + j * ng, kq, ks, 17,
+                kvc_i8_rows(group, qi + j * hdp, sq + j * ng, qsum + j * ng, kq, ks, 17,
                                 hd, n, res);
                 for (i = 0; i < n; ++i)
                     out(res[i]);
             }
             memset(probs, 0, sizeof probs);
-            kvc_task_scores_i8(level, group, qi, sq, qsum, NQ, qf, qe, kq, ks, 17, 2, ROWS, hd, 0.17f,
+            kvc_task_scores_i8(0, group, qi, sq, qsum, NQ, qf, qe, kq, ks, 17, 2, ROWS, hd, 0.17f,
                                trial % 2 ? 5.0f : 0.0f, probs, ROWS);
             for (i = 0; i < NQ * ROWS; ++i)
                 out(probs[i]);
