@@ -53,3 +53,22 @@ def test_bench_realmodel_section_is_opt_in() -> None:
     opts = resolve_options(parser.parse_args(["--sections", "realmodel",
                                               "--realmodel-contexts", "1k", "4k"]), parser)
     assert list(opts.realmodel_contexts) == [1024, 4096]
+
+
+def test_bench_bodies_option_sets_bodies_all_or_nothing(capsys) -> None:
+    from kvcache import _core
+    from kvcache.bench.cli import apply_bodies
+    before = _core.bodies()
+    try:
+        for bad in (["f32"], ["=avx2"], ["f32="], ["nope=avx2"], ["f32=sse9"],
+                    ["f32=portable", "q8=nope"], ["f32=" + "x" * 1000]):
+            err = apply_bodies(bad)
+            assert err is not None and err.startswith("--bodies: ") and len(err) < 300, bad
+            assert _core.bodies() == before, bad
+        assert apply_bodies(["f32=portable", "MLA=portable"]) is not None   # family names are exact
+        assert apply_bodies(["f32=Portable", "mla=portable"]) is None
+        assert _core.bodies()["f32"] == "portable" and _core.bodies()["mla"] == "portable"
+        assert main(["bench", "--bodies", "q8=sse9", "--sections", "decode", "--quick"]) == 2
+        assert "--bodies:" in capsys.readouterr().err
+    finally:
+        _core.set_bodies(before)

@@ -262,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth-mib", type=int,
                    help=f"buffer of the read-bandwidth probe, MiB (default "
                         f"{BANDWIDTH_BUFFER // MiB})")
+    p.add_argument("--bodies", nargs="+", metavar="FAM=BODY",
+                   help="run kernel family FAM on body BODY for the whole run (e.g. f32=avx512 "
+                        "mla=avx2; families f32, q8, prefill, mla; bodies as in show_config), "
+                        "as kvcache._core.set_bodies does; refused, before anything runs, for "
+                        "a body the build does not hold or the CPU cannot run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write raw results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib)")
@@ -385,6 +390,22 @@ def check_plot_backend() -> str | None:
     return None
 
 
+def apply_bodies(pairs: Sequence[str]) -> str | None:
+    """Set the kernel body of each ``FAM=BODY`` pair (all or nothing); the error text, or None."""
+    from .. import _core
+    choice = {}
+    for pair in pairs:
+        fam, sep, body = pair.partition("=")
+        if not sep or not fam or not body:
+            return f"--bodies: expected FAM=BODY, got {pair[:40]!r}"
+        choice[fam.strip()] = body.strip().lower()
+    try:
+        _core.set_bodies(choice)
+    except ValueError as exc:
+        return f"--bodies: {exc}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m kvcache bench``; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s")
@@ -396,6 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(err, file=sys.stderr)
             return 2
     opts = resolve_options(args, parser)
+    if args.bodies:
+        err = apply_bodies(args.bodies)
+        if err:
+            print(err, file=sys.stderr)
+            return 2
     info = machine_info()
     monitor = BusyMonitor()
     n_tasks = ((len(opts.geometries) * len(opts.contexts) * (len(opts.modes) + opts.torch) + 1

@@ -172,6 +172,8 @@ def print_report(res: Results, opts: Options, file: IO[str] | None = None) -> No
     llc_text = f"LLC reported {llc / MiB:.0f} MiB" if llc else "LLC size unknown"
     p(f"kvcache {info['kvcache']} benchmark -- {info['cpu_model']}, "
       f"{info['cpu_count']} CPUs, {llc_text}")
+    if info.get("isa_bodies"):
+        p(f"kernel bodies: {info['isa_bodies']} (cpu features: {info.get('cpu_features', '?')})")
     other = info.get("other_processes_cores")
     if other is not None:
         p(f"other processes kept {other:.2f} cores busy on average during the run "
