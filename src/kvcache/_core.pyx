@@ -371,7 +371,7 @@ def quantize_query(const float[:, ::1] q__jd, int8_t[:, ::1] qi__jp, float[:, ::
                          "(nq, ceil(hd/group))")
     with nogil:
         for j in range(nq):
-            kvc_ops_portable.quant_query(&q__jd[j, 0], hd, group, &qi__jp[j, 0], &sq__jg[j, 0],
+            _ops(KVC_FAM_Q8).quant_query(&q__jd[j, 0], hd, group, &qi__jp[j, 0], &sq__jg[j, 0],
                             &qsum__jg[j, 0])
 
 
@@ -404,7 +404,7 @@ def q8_scores(const float[:, ::1] q__jd, const int8_t[:, ::1] kq__rd, const floa
         return
     with nogil:
         for j in range(nq):
-            kvc_ops_portable.quant_query(&q__jd[j, 0], hd, group, &qi[j, 0], &sq[j, 0], &qs[j, 0])
+            _ops(KVC_FAM_Q8).quant_query(&q__jd[j, 0], hd, group, &qi[j, 0], &sq[j, 0], &qs[j, 0])
             q8.i8_rows(level, group, &qi[j, 0], &sq[j, 0], &qs[j, 0], &kq__rd[0, 0],
                             &ks__rg[0, 0],
                             ks__rg.shape[1], hd, n, &out__jr[j, 0])
@@ -475,7 +475,7 @@ def store_rows_q8(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive_
             if alive__h[h]:
                 for i in range(n):
                     r = head_len__h[h] + i
-                    kvc_ops_portable.quant_row(&x__nhd[i, h, 0], &col__hd[h, 0] if col_on__h[h] else NULL,
+                    _ops(KVC_FAM_Q8).quant_row(&x__nhd[i, h, 0], &col__hd[h, 0] if col_on__h[h] else NULL,
                                   hd, group, &q__hcd[h, r, 0], &s__hcg[h, r, 0])
 
 
@@ -490,7 +490,7 @@ def quantize_rows(const float[:, ::1] x__nd, const float[::1] col__d, Py_ssize_t
         return
     for i in prange(n, nogil=True, num_threads=n_threads, schedule="static",
                     use_threads_if=n * hd > _PAR_WORK):
-        kvc_ops_portable.quant_row(&x__nd[i, 0], &col__d[0] if has_col else NULL, hd, group,
+        _ops(KVC_FAM_Q8).quant_row(&x__nd[i, 0], &col__d[0] if has_col else NULL, hd, group,
                       &q__nd[i, 0], &s__ng[i, 0])
 
 
@@ -570,7 +570,7 @@ cdef int _query_codes(const float *qp, Py_ssize_t nq, Py_ssize_t hd, Py_ssize_t 
     cdef int32_t *qs = q_sum[0]
     for j in prange(nq, nogil=True, num_threads=n_threads, schedule="static",
                     use_threads_if=par):
-        kvc_ops_portable.quant_query(qp + j * hd, hd, kgroup, qi + j * hdp, sq + j * ngq, qs + j * ngq)
+        _ops(KVC_FAM_Q8).quant_query(qp + j * hd, hd, kgroup, qi + j * hdp, sq + j * ngq, qs + j * ngq)
     return 0
 
 

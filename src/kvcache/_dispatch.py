@@ -42,7 +42,8 @@ BODY_NEEDS: dict[str, frozenset[str]] = {
 
 FAMILIES = ("f32", "q8", "prefill", "mla")
 """Kernel families, in the order of ``KVC_FAM_*`` (``_dispatch.h``): float32 decode attention
-with the softmax and the O(1) step; q8 scoring of int8 keys; prompt attention; MLA decode."""
+with the softmax and the O(1) step; q8 scoring of int8 keys and the int8 quantisers; prompt
+attention; MLA decode."""
 
 HELD: dict[str, tuple[str, ...]] = {
     "f32": ("portable", "avx2", "avx512", "neon"),

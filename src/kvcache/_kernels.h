@@ -496,10 +496,21 @@ static inline void kvc_quant_row(const float *restrict x, const float *restrict 
                                  ptrdiff_t group, int8_t *restrict q, float *restrict s)
 {
     ptrdiff_t g0, d, gi = 0;
+    int l;
+    float r8[8];
     for (g0 = 0; g0 < hd; g0 += group, ++gi) {
         ptrdiff_t g1 = hd - g0 < group ? hd : g0 + group;
+        /* the group's |max| (NaN ignored: a maximum, so the lane order does not matter) */
+        kvc_f8 am = kvc_f8_zero();
         float absmax = 0.0f;
-        for (d = g0; d < g1; ++d) {
+        for (d = g0; d + 8 <= g1; d += 8) {
+            kvc_f8 r = col ? kvc_f8_div(kvc_f8_load(x + d), kvc_f8_load(col + d)) : kvc_f8_load(x + d);
+            am = kvc_f8_max_num(am, kvc_f8_abs(r));
+        }
+        kvc_f8_store(r8, am);
+        for (l = 0; l < 8; ++l)
+            absmax = r8[l] > absmax ? r8[l] : absmax;
+        for (; d < g1; ++d) {
             float r = col ? x[d] / col[d] : x[d];
             float a = fabsf(r);
             absmax = a > absmax ? a : absmax;
@@ -507,7 +518,18 @@ static inline void kvc_quant_row(const float *restrict x, const float *restrict 
         float sc = absmax / 127.0f;
         sc = sc > 1e-12f ? sc : 1e-12f;
         s[gi] = sc;
-        for (d = g0; d < g1; ++d) {
+        /* codes: roundf(r / sc) clamped to [-127, 127], NaN -> 0 */
+        kvc_f8 scv = kvc_f8_set1(sc), hi = kvc_f8_set1(127.0f), lo = kvc_f8_set1(-127.0f);
+        for (d = g0; d + 8 <= g1; d += 8) {
+            kvc_f8 r = col ? kvc_f8_div(kvc_f8_load(x + d), kvc_f8_load(col + d)) : kvc_f8_load(x + d);
+            kvc_f8 v = kvc_f8_round(kvc_f8_div(r, scv));
+            v = kvc_f8_sel(kvc_f8_gt(v, hi), hi, v);
+            v = kvc_f8_sel(kvc_f8_lt(v, lo), lo, v);
+            kvc_f8_store(r8, v);
+            for (l = 0; l < 8; ++l)
+                q[d + l] = (r8[l] == r8[l]) ? (int8_t)r8[l] : (int8_t)0;
+        }
+        for (; d < g1; ++d) {
             float r = col ? x[d] / col[d] : x[d];
             float v = roundf(r / sc);
             v = v > 127.0f ? 127.0f : v;

@@ -601,4 +601,45 @@ KVC_INLINE void kvc_i8_dot32x8(const int8_t *restrict q, const int8_t *restrict 
 
 #endif
 
+/* --- operations added for quantisation --- */
+
+/* |a| lane by lane (fabsf: clears the sign bit, NaN stays NaN) */
+KVC_INLINE kvc_f8 kvc_f8_abs(kvc_f8 a)
+{
+#if KVC_VEC_X86
+    return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a);
+#elif KVC_VEC_NEON
+    kvc_f8 r = { { vabsq_f32(a.val[0]), vabsq_f32(a.val[1]) } };
+    return r;
+#else
+    kvc_f8 r;
+    int l;
+    for (l = 0; l < 8; ++l)
+        r.v[l] = fabsf(a.v[l]);
+    return r;
+#endif
+}
+
+/* roundf lane by lane: to the nearest integer, halfway cases away from zero.  x86 has no such
+ * rounding mode: t = trunc(a), then t + sign(a) where |a - t| >= 0.5 (a - t is exact; for
+ * |a| >= 2^23, inf and NaN, a - t is 0 or NaN and t is the answer). */
+KVC_INLINE kvc_f8 kvc_f8_round(kvc_f8 a)
+{
+#if KVC_VEC_X86
+    __m256 t = _mm256_round_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m256 half = _mm256_cmp_ps(kvc_f8_abs(_mm256_sub_ps(a, t)), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    __m256 one = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(a, _mm256_set1_ps(-0.0f)));
+    return _mm256_blendv_ps(t, _mm256_add_ps(t, one), half);
+#elif KVC_VEC_NEON
+    kvc_f8 r = { { vrndaq_f32(a.val[0]), vrndaq_f32(a.val[1]) } };
+    return r;
+#else
+    kvc_f8 r;
+    int l;
+    for (l = 0; l < 8; ++l)
+        r.v[l] = roundf(a.v[l]);
+    return r;
+#endif
+}
+
 #endif

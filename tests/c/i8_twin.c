@@ -38,6 +38,30 @@ int main(void)
     ptrdiff_t qf[NQ] = {0, 3, 0, 9, 20}, qe[NQ] = {77, 77, 70, 40, 21};
     int trial, h, i, j;
     printf("%s %d\n", KVC_VEC_NAME, KVC_VEC_I8);
+    {   /* the row quantiser on halfway cases (scale exactly 1: |max| = 127), with and without a
+         * column field, special values, every head dim and both groups */
+        static float x[HDMAX], col[HDMAX], sc[17];
+        static int8_t code[HDMAX];
+        const float special[] = {0.5f, -0.5f, 1.5f, -2.5f, 126.5f, -126.5f, 127.0f, -127.0f,
+                                 0.49999997f, -0.49999997f, 2.5000002f, 0.0f, -0.0f, 1e-30f};
+        for (trial = 0; trial < 6; ++trial)
+            for (h = 0; h < (int)(sizeof hds / sizeof hds[0]) * 2; ++h) {
+                ptrdiff_t hd = hds[h / 2], group = h % 2 ? 16 : 32;
+                for (i = 0; i < hd; ++i) {
+                    x[i] = i % 16 == 0 ? 127.0f : trial < 2 ? special[next() % 14] : rnd() * 50.0f;
+                    col[i] = trial % 2 ? 1.0f : 0.25f + (float)(next() % 8) * 0.5f;
+                }
+                if (trial == 4) {
+                    x[hd / 2] = NAN;
+                    x[hd - 1] = -INFINITY;
+                }
+                kvc_quant_row(x, trial % 2 ? NULL : col, hd, group, code, sc);
+                for (i = 0; i < hd; ++i)
+                    printf("%d\n", code[i]);
+                for (i = 0; i < KVC_I8_GROUPS(hd, group); ++i)
+                    out(sc[i]);
+            }
+    }
     for (trial = 0; trial < 12; ++trial) {
         /* magnitudes from tiny to large; some trials use the extreme codes -128 and 127 */
         float mag = trial % 3 == 0 ? 1e-3f : trial % 3 == 1 ? 1.0f : 300.0f;
