@@ -1,5 +1,5 @@
-/* Inner loops of the kvcache kernels (AVX2/FMA intrinsics with a portable C twin that
- * computes the same bits).  No -ffast-math: every reduction has a FIXED order that does not
+/* Inner loops of the decode kernels, the quantisers and the O(1) step, written once on the
+ * vector layer (_vec.h); every target computes the portable C's bits.  No -ffast-math: every reduction has a FIXED order that does not
  * depend on the thread count or on how many queries share a pass, which is what makes
  * attend() and attend_group() (and attend_all_heads) bit-identical:
  *
