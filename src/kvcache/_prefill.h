@@ -1,7 +1,8 @@
 /* Blocked prompt attention (kvcache._core.attend_blocked): tiles of queries x stored rows,
- * an online softmax, no probability matrix.  AVX2/FMA intrinsics under KVC_SIMD with a
- * portable C twin that computes the same bits (the conventions of _kernels.h, whose exp,
- * lane folds and SIMD switch this file reuses).  No -ffast-math.
+ * an online softmax, no probability matrix.  Written once on the vector layer (_vec.h): the
+ * same code is the AVX2 body and, on struct lanes, the portable one (and NEON on aarch64),
+ * so every target computes the same bits.  No -ffast-math; every fused multiply-add is
+ * written out (kvc_f8_fma, fmaf).
  *
  * Summation orders (fixed by row and channel index only, so a query's result depends on its
  * own visible rows [f, e) and never on the other queries of the call or the thread count):
@@ -17,9 +18,12 @@
  *                finite s.
  *   online max   m' = max(m, max of the tile's visible scores), NaN ignored, m starts at -inf;
  *                mu = m' (0 while m' is -inf); alpha = exp(m - mu); p = exp(s - mu) with
- *                kvc_expf (the same function scalar and 8-wide).
+ *                kvc_expf (the same function scalar and 8-wide).  The tile's max runs in 8
+ *                lanes (lane = row % 8, x > y ? x : y), folded by kvc_f8_fold_max for a
+ *                whole tile and in lane order from -inf otherwise; the order shows only in the
+ *                sign of a zero max.
  *   running sum  t = the tile's p summed in 8 lanes (lane = row % 8, rows in order, then
- *                kvc_hsum8's fold); l = fmaf(l, alpha, t).
+ *                kvc_f8_fold); l = fmaf(l, alpha, t).
  *   values       per channel: o = o * alpha, then o = fma(p, v[d], o) over the tile's visible
  *                rows in increasing order (every visible row, no skip rule); int8 values are
  *                dequantised as (float)v8[d] * row_scale.  The result is o / l (then times the
@@ -75,38 +79,25 @@ KVC_INLINE void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks
         ptrdiff_t src[8];
         for (i = 0; i < 8; ++i)
             src[i] = t0 + g + i < r1 ? t0 + g + i : r1 - 1;
-        d = 0;
-#if KVC_VEC_X86
-        for (; d + 8 <= hd; d += 8) {
-            __m256 a[8];
+        /* 8 rows x 8 channels at a time: row i in a[i], then transposed so that a[c] holds
+         * channel d + c of the 8 rows (one contiguous store each) */
+        for (d = 0; d + 8 <= hd; d += 8) {
+            kvc_f8 a[8];
             if (quant_k) {
+#pragma GCC unroll 8
                 for (i = 0; i < 8; ++i)
-                    a[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                               _mm_loadl_epi64((const __m128i *)(kq + src[i] * hd + d)))),
-                           _mm256_set1_ps(ks[src[i] * ks_stride + (d >> 5)]));
+                    a[i] = kvc_f8_mul(kvc_f8_from_s8(kq + src[i] * hd + d),
+                                      kvc_f8_set1(ks[src[i] * ks_stride + (d >> 5)]));
             } else {
+#pragma GCC unroll 8
                 for (i = 0; i < 8; ++i)
-                    a[i] = _mm256_loadu_ps(kf + src[i] * hd + d);
+                    a[i] = kvc_f8_load(kf + src[i] * hd + d);
             }
-            __m256 b0 = _mm256_unpacklo_ps(a[0], a[1]), b1 = _mm256_unpackhi_ps(a[0], a[1]);
-            __m256 b2 = _mm256_unpacklo_ps(a[2], a[3]), b3 = _mm256_unpackhi_ps(a[2], a[3]);
-            __m256 b4 = _mm256_unpacklo_ps(a[4], a[5]), b5 = _mm256_unpackhi_ps(a[4], a[5]);
-            __m256 b6 = _mm256_unpacklo_ps(a[6], a[7]), b7 = _mm256_unpackhi_ps(a[6], a[7]);
-            __m256 c0 = _mm256_shuffle_ps(b0, b2, 0x44), c1 = _mm256_shuffle_ps(b0, b2, 0xEE);
-            __m256 c2 = _mm256_shuffle_ps(b1, b3, 0x44), c3 = _mm256_shuffle_ps(b1, b3, 0xEE);
-            __m256 c4 = _mm256_shuffle_ps(b4, b6, 0x44), c5 = _mm256_shuffle_ps(b4, b6, 0xEE);
-            __m256 c6 = _mm256_shuffle_ps(b5, b7, 0x44), c7 = _mm256_shuffle_ps(b5, b7, 0xEE);
-            float *o = dst + d * 16;
-            _mm256_storeu_ps(o, _mm256_permute2f128_ps(c0, c4, 0x20));
-            _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(c1, c5, 0x20));
-            _mm256_storeu_ps(o + 32, _mm256_permute2f128_ps(c2, c6, 0x20));
-            _mm256_storeu_ps(o + 48, _mm256_permute2f128_ps(c3, c7, 0x20));
-            _mm256_storeu_ps(o + 64, _mm256_permute2f128_ps(c0, c4, 0x31));
-            _mm256_storeu_ps(o + 80, _mm256_permute2f128_ps(c1, c5, 0x31));
-            _mm256_storeu_ps(o + 96, _mm256_permute2f128_ps(c2, c6, 0x31));
-            _mm256_storeu_ps(o + 112, _mm256_permute2f128_ps(c3, c7, 0x31));
+            kvc_f8_transpose8(a);
+#pragma GCC unroll 8
+            for (i = 0; i < 8; ++i)
+                kvc_f8_store(dst + (d + i) * 16, a[i]);
         }
-#endif
         for (; d < hd; ++d)
             for (i = 0; i < 8; ++i)
                 dst[d * 16 + i] = kvc_pf_kval(kf, kq, ks, ks_stride, quant_k, src[i], hd, d);
@@ -121,16 +112,11 @@ KVC_INLINE void kvc_pf_load_v(const float *vf, const int8_t *vq, const float *vs
     for (p = r0; p < r1; ++p) {
         float *dst = Vp + (p - t0) * 16;
         float s = quant_v ? vs[p * vs_stride] : 1.0f;
-        d = 0;
-#if KVC_VEC_X86
-        for (; d + 8 <= hd; d += 8) {
-            __m256 x = quant_v ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                     _mm_loadl_epi64((const __m128i *)(vq + p * hd + d)))),
-                                 _mm256_set1_ps(s))
-                               : _mm256_loadu_ps(vf + p * hd + d);
-            _mm256_storeu_ps(dst + (d / 16) * KVC_PF_TILE * 16 + (d % 16), x);
+        for (d = 0; d + 8 <= hd; d += 8) {
+            kvc_f8 x = quant_v ? kvc_f8_mul(kvc_f8_from_s8(vq + p * hd + d), kvc_f8_set1(s))
+                               : kvc_f8_load(vf + p * hd + d);
+            kvc_f8_store(dst + (d / 16) * KVC_PF_TILE * 16 + (d % 16), x);
         }
-#endif
         for (; d < KVC_PF_PAD16(hd); ++d)
             dst[(d / 16) * KVC_PF_TILE * 16 + (d % 16)] =
                 d >= hd ? 0.0f : quant_v ? (float)vq[p * hd + d] * s : vf[p * hd + d];
@@ -147,35 +133,25 @@ KVC_INLINE void kvc_pf_qk(const float *restrict Q, ptrdiff_t ldq, const int NR,
 {
     ptrdiff_t d;
     int q;
-#if KVC_VEC_X86
-    __m256 acc[KVC_PF_QR][2];
+    /* 2 NR accumulators (12 registers at NR = 6): lane c of acc[q][h] is key 8h + c's chain */
+    kvc_f8 acc[KVC_PF_QR][2];
 #pragma GCC unroll 6
     for (q = 0; q < NR; ++q)
-        acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+        acc[q][0] = acc[q][1] = kvc_f8_zero();
     for (d = 0; d < hd; ++d) {
-        __m256 ka = _mm256_loadu_ps(Ks + d * 16), kb = _mm256_loadu_ps(Ks + d * 16 + 8);
+        kvc_f8 ka = kvc_f8_load(Ks + d * 16), kb = kvc_f8_load(Ks + d * 16 + 8);
 #pragma GCC unroll 6
         for (q = 0; q < NR; ++q) {
-            __m256 b = _mm256_broadcast_ss(Q + q * ldq + d);
-            acc[q][0] = _mm256_fmadd_ps(b, ka, acc[q][0]);
-            acc[q][1] = _mm256_fmadd_ps(b, kb, acc[q][1]);
+            kvc_f8 b = kvc_f8_bcast(Q + q * ldq + d);
+            acc[q][0] = kvc_f8_fma(b, ka, acc[q][0]);
+            acc[q][1] = kvc_f8_fma(b, kb, acc[q][1]);
         }
     }
 #pragma GCC unroll 6
     for (q = 0; q < NR; ++q) {
-        _mm256_storeu_ps(S + q * lds, acc[q][0]);
-        _mm256_storeu_ps(S + q * lds + 8, acc[q][1]);
+        kvc_f8_store(S + q * lds, acc[q][0]);
+        kvc_f8_store(S + q * lds + 8, acc[q][1]);
     }
-#else
-    int c;
-    for (q = 0; q < NR; ++q)
-        for (c = 0; c < 16; ++c) {
-            float a = 0.0f;
-            for (d = 0; d < hd; ++d)
-                a = fmaf(Q[q * ldq + d], Ks[d * 16 + c], a);
-            S[q * lds + c] = a;
-        }
-#endif
 }
 
 /* Scores of nq queries (nq any) for the 16-key strips covering columns [c0, c1) of a packed
@@ -227,93 +203,73 @@ static float kvc_pf_softmax_step(float *restrict s, ptrdiff_t a, ptrdiff_t b, fl
         kvc_pf_scale(s, a, b, scale, softcap);
         scale = 1.0f;   /* s * 1.0f == s: the passes below leave the capped scores as they are */
     }
-#if KVC_VEC_X86
-    const __m256 sc = _mm256_set1_ps(scale);
+    const kvc_f8 sc = kvc_f8_set1(scale);
     if (a == 0 && b == KVC_PF_TILE) {
         /* a whole tile: the 64 scaled scores stay in registers */
-        __m256 v[8], mx = _mm256_set1_ps(-INFINITY), acc;
+        kvc_f8 v[8], mx = kvc_f8_set1(-INFINITY), acc;
         int i;
         for (i = 0; i < 8; ++i) {
-            v[i] = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * i), sc);
-            mx = _mm256_max_ps(v[i], mx);   /* a NaN v keeps mx: NaN ignored */
+            v[i] = kvc_f8_mul(kvc_f8_load(s + 8 * i), sc);
+            mx = kvc_f8_max_num(mx, v[i]);   /* a NaN v keeps mx: NaN ignored */
         }
-        mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
-        mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4E));
-        mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xB1));
-        tmax = _mm_cvtss_f32(_mm256_castps256_ps128(mx));
+        tmax = kvc_f8_fold_max(mx);
         mnew = tmax > *m ? tmax : *m;
         mu = mnew == -INFINITY ? 0.0f : mnew;
         alpha = kvc_expf(*m - mu);
-        const __m256 muv = _mm256_set1_ps(mu);
-        acc = _mm256_setzero_ps();
+        const kvc_f8 muv = kvc_f8_set1(mu);
+        acc = kvc_f8_zero();
         for (i = 0; i < 8; ++i) {
-            __m256 p = kvc_expf8(_mm256_sub_ps(v[i], muv));
-            _mm256_storeu_ps(s + 8 * i, p);
-            acc = _mm256_add_ps(acc, p);
+            kvc_f8 p = kvc_f8_exp(kvc_f8_sub(v[i], muv));
+            kvc_f8_store(s + 8 * i, p);
+            acc = kvc_f8_add(acc, p);
         }
-        t = kvc_fold8(acc);
+        t = kvc_f8_fold(acc);
         *l = fmaf(*l, alpha, t);
         *m = mnew;
         return alpha;
     }
-    const __m256 idx = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 av = _mm256_set1_ps((float)a), bv = _mm256_set1_ps((float)b);
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    __m256 mx = ninf;
+    /* part of a tile: the 8-blocks that meet [a, b), lanes outside it masked (their scores
+     * may be stale or not finite) */
+    const kvc_f8 idx = kvc_f8_setr(0, 1, 2, 3, 4, 5, 6, 7);
+    const kvc_f8 av = kvc_f8_set1((float)a), bv = kvc_f8_set1((float)b);
+    const kvc_f8 ninf = kvc_f8_set1(-INFINITY);
+    kvc_f8 mx = ninf;
     for (k = a / 8 * 8; k < b; k += 8) {
-        __m256 kk = _mm256_add_ps(idx, _mm256_set1_ps((float)k));
-        __m256 vis = _mm256_and_ps(_mm256_cmp_ps(kk, av, _CMP_GE_OQ), _mm256_cmp_ps(kk, bv, _CMP_LT_OQ));
-        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + k), sc);
-        _mm256_storeu_ps(s + k, v);
-        mx = _mm256_max_ps(_mm256_blendv_ps(ninf, v, vis), mx);
+        kvc_f8 kk = kvc_f8_add(idx, kvc_f8_set1((float)k));
+        kvc_m8 vis = kvc_m8_and(kvc_f8_ge(kk, av), kvc_f8_lt(kk, bv));
+        kvc_f8 v = kvc_f8_mul(kvc_f8_load(s + k), sc);
+        kvc_f8_store(s + k, v);
+        mx = kvc_f8_max_num(mx, kvc_f8_sel(vis, v, ninf));
     }
     {
         float tmp[8];
         int i;
-        _mm256_storeu_ps(tmp, mx);
+        kvc_f8_store(tmp, mx);
         for (i = 0; i < 8; ++i)
             tmax = tmp[i] > tmax ? tmp[i] : tmax;
     }
-#else
-    for (k = a; k < b; ++k) {
-        s[k] = s[k] * scale;
-        tmax = s[k] > tmax ? s[k] : tmax;
-    }
-#endif
     mnew = tmax > *m ? tmax : *m;
     mu = mnew == -INFINITY ? 0.0f : mnew;
     alpha = kvc_expf(*m - mu);
-#if KVC_VEC_X86
     {
-        const __m256 muv = _mm256_set1_ps(mu);
-        __m256 acc = _mm256_setzero_ps();
+        const kvc_f8 muv = kvc_f8_set1(mu);
+        kvc_f8 acc = kvc_f8_zero();
         for (k = 0; k < KVC_PF_TILE; k += 8) {
-            if (k + 8 <= a || k >= b) {
-                _mm256_storeu_ps(s + k, _mm256_setzero_ps());
+            if (k + 8 <= a || k >= b) {   /* p = 0 (and adding it would change no sum) */
+                kvc_f8_store(s + k, kvc_f8_zero());
                 continue;
             }
-            __m256 p = kvc_expf8(_mm256_sub_ps(_mm256_loadu_ps(s + k), muv));
+            kvc_f8 p = kvc_f8_exp(kvc_f8_sub(kvc_f8_load(s + k), muv));
             if (k < a || k + 8 > b) {
-                __m256 kk = _mm256_add_ps(idx, _mm256_set1_ps((float)k));
-                p = _mm256_and_ps(p, _mm256_and_ps(_mm256_cmp_ps(kk, av, _CMP_GE_OQ),
-                                                   _mm256_cmp_ps(kk, bv, _CMP_LT_OQ)));
+                kvc_f8 kk = kvc_f8_add(idx, kvc_f8_set1((float)k));
+                p = kvc_f8_sel(kvc_m8_and(kvc_f8_ge(kk, av), kvc_f8_lt(kk, bv)), p,
+                               kvc_f8_zero());
             }
-            _mm256_storeu_ps(s + k, p);
-            acc = _mm256_add_ps(acc, p);
+            kvc_f8_store(s + k, p);
+            acc = kvc_f8_add(acc, p);
         }
-        t = kvc_fold8(acc);
+        t = kvc_f8_fold(acc);
     }
-#else
-    {
-        float acc[8] = {0};
-        for (k = 0; k < KVC_PF_TILE; ++k) {
-            float p = (k >= a && k < b) ? kvc_expf(s[k] - mu) : 0.0f;
-            s[k] = p;
-            acc[k & 7] = acc[k & 7] + p;
-        }
-        t = kvc_hsum8(acc);
-    }
-#endif
     *l = fmaf(*l, alpha, t);
     *m = mnew;
     return alpha;
@@ -330,44 +286,31 @@ KVC_INLINE void kvc_pf_pv16(const float *restrict P, const int NR, const float *
 {
     ptrdiff_t r;
     int q;
-#if KVC_VEC_X86
-    __m256 acc[KVC_PF_QR][2];
+    kvc_f8 acc[KVC_PF_QR][2];
 #pragma GCC unroll 6
     for (q = 0; q < NR; ++q) {
-        acc[q][0] = _mm256_loadu_ps(O + q * ldo);
-        acc[q][1] = _mm256_loadu_ps(O + q * ldo + 8);
+        acc[q][0] = kvc_f8_load(O + q * ldo);
+        acc[q][1] = kvc_f8_load(O + q * ldo + 8);
         if (alpha) {
-            __m256 av = _mm256_broadcast_ss(alpha + q);
-            acc[q][0] = _mm256_mul_ps(acc[q][0], av);
-            acc[q][1] = _mm256_mul_ps(acc[q][1], av);
+            kvc_f8 av = kvc_f8_bcast(alpha + q);
+            acc[q][0] = kvc_f8_mul(acc[q][0], av);
+            acc[q][1] = kvc_f8_mul(acc[q][1], av);
         }
     }
     for (r = ra; r < rb; ++r) {
-        __m256 va = _mm256_loadu_ps(Vs + r * 16), vb = _mm256_loadu_ps(Vs + r * 16 + 8);
+        kvc_f8 va = kvc_f8_load(Vs + r * 16), vb = kvc_f8_load(Vs + r * 16 + 8);
 #pragma GCC unroll 6
         for (q = 0; q < NR; ++q) {
-            __m256 b = _mm256_broadcast_ss(P + q * KVC_PF_TILE + r);
-            acc[q][0] = _mm256_fmadd_ps(b, va, acc[q][0]);
-            acc[q][1] = _mm256_fmadd_ps(b, vb, acc[q][1]);
+            kvc_f8 b = kvc_f8_bcast(P + q * KVC_PF_TILE + r);
+            acc[q][0] = kvc_f8_fma(b, va, acc[q][0]);
+            acc[q][1] = kvc_f8_fma(b, vb, acc[q][1]);
         }
     }
 #pragma GCC unroll 6
     for (q = 0; q < NR; ++q) {
-        _mm256_storeu_ps(O + q * ldo, acc[q][0]);
-        _mm256_storeu_ps(O + q * ldo + 8, acc[q][1]);
+        kvc_f8_store(O + q * ldo, acc[q][0]);
+        kvc_f8_store(O + q * ldo + 8, acc[q][1]);
     }
-#else
-    int c;
-    for (q = 0; q < NR; ++q)
-        for (c = 0; c < 16; ++c) {
-            float o = O[q * ldo + c];
-            if (alpha)
-                o = o * alpha[q];
-            for (r = ra; r < rb; ++r)
-                o = fmaf(P[q * KVC_PF_TILE + r], Vs[r * 16 + c], o);
-            O[q * ldo + c] = o;
-        }
-#endif
 }
 
 /* Values of nr (<= KVC_PF_QR) queries over the rows [ra, rb) of a tile, every strip. */
@@ -620,15 +563,13 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
              * kvc_softmax */
             float m = qm[jj], l = ql[jj] > 0.0f ? ql[jj] : 1.0f;
             k = a;
-#if KVC_VEC_X86
             {
-                __m256 mv = _mm256_set1_ps(m), lv = _mm256_set1_ps(l);
+                kvc_f8 mv = kvc_f8_set1(m), lv = kvc_f8_set1(l);
                 for (; k + 8 <= b; k += 8) {
-                    __m256 p = _mm256_div_ps(kvc_expf8(_mm256_sub_ps(_mm256_loadu_ps(s + k), mv)), lv);
-                    _mm256_storeu_ps(colsum + k, _mm256_add_ps(_mm256_loadu_ps(colsum + k), p));
+                    kvc_f8 p = kvc_f8_div(kvc_f8_exp(kvc_f8_sub(kvc_f8_load(s + k), mv)), lv);
+                    kvc_f8_store(colsum + k, kvc_f8_add(kvc_f8_load(colsum + k), p));
                 }
             }
-#endif
             for (; k < b; ++k)
                 colsum[k] = colsum[k] + kvc_expf(s[k] - m) / l;
         }

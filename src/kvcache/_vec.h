@@ -642,4 +642,134 @@ KVC_INLINE kvc_f8 kvc_f8_round(kvc_f8 a)
 #endif
 }
 
+/* --- operations added for the prompt kernel --- */
+/* Exact semantics, lane by lane, on every target:
+ *   kvc_f8_ge(a, b)        a >= b (false where either lane is NaN, like kvc_f8_lt)
+ *   kvc_m8_and(m, n)       m & n
+ *   kvc_f8_fold_max(a)     the largest lane in a fixed order, with mx(x, y) = x > y ? x : y
+ *                          (y when x == y or either is NaN: x86's maxps): b[l] = mx(a[l], a[l+4])
+ *                          for l < 4, then mx(mx(b[0], b[2]), mx(b[1], b[3])).  The order shows
+ *                          only in the sign of a zero result and in which NaN (if any) is kept.
+ *   kvc_f8_transpose8(r)   r[0..7] in place, an 8 x 8 transpose: afterwards lane j of r[i] is
+ *                          what lane i of r[j] was (copies only, no arithmetic). */
+KVC_INLINE float kvc_max_gt(float x, float y) { return x > y ? x : y; }
+
+#if KVC_VEC_X86
+
+KVC_INLINE kvc_m8 kvc_f8_ge(kvc_f8 a, kvc_f8 b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+KVC_INLINE kvc_m8 kvc_m8_and(kvc_m8 a, kvc_m8 b) { return _mm256_and_ps(a, b); }
+/* _mm256_max_ps(x, y) is mx(x, y): the second operand when equal or unordered */
+KVC_INLINE float kvc_f8_fold_max(kvc_f8 a)
+{
+    __m256 m = _mm256_max_ps(a, _mm256_permute2f128_ps(a, a, 0x01)); /* lanes l, l ^ 4 */
+    m = _mm256_max_ps(m, _mm256_permute_ps(m, 0x4E));                /* l, l ^ 2 */
+    m = _mm256_max_ps(m, _mm256_permute_ps(m, 0xB1));                /* l, l ^ 1 */
+    return _mm_cvtss_f32(_mm256_castps256_ps128(m));
+}
+KVC_INLINE void kvc_f8_transpose8(kvc_f8 *r)
+{
+    __m256 b0 = _mm256_unpacklo_ps(r[0], r[1]), b1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 b2 = _mm256_unpacklo_ps(r[2], r[3]), b3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 b4 = _mm256_unpacklo_ps(r[4], r[5]), b5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 b6 = _mm256_unpacklo_ps(r[6], r[7]), b7 = _mm256_unpackhi_ps(r[6], r[7]);
+    /* c0: lanes 0 and 4 of rows 0-3, c1: lanes 1 and 5, c2: 2 and 6, c3: 3 and 7 (c4-c7:
+     * the same of rows 4-7), one 128-bit half each */
+    __m256 c0 = _mm256_shuffle_ps(b0, b2, 0x44), c1 = _mm256_shuffle_ps(b0, b2, 0xEE);
+    __m256 c2 = _mm256_shuffle_ps(b1, b3, 0x44), c3 = _mm256_shuffle_ps(b1, b3, 0xEE);
+    __m256 c4 = _mm256_shuffle_ps(b4, b6, 0x44), c5 = _mm256_shuffle_ps(b4, b6, 0xEE);
+    __m256 c6 = _mm256_shuffle_ps(b5, b7, 0x44), c7 = _mm256_shuffle_ps(b5, b7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(c0, c4, 0x20);
+    r[1] = _mm256_permute2f128_ps(c1, c5, 0x20);
+    r[2] = _mm256_permute2f128_ps(c2, c6, 0x20);
+    r[3] = _mm256_permute2f128_ps(c3, c7, 0x20);
+    r[4] = _mm256_permute2f128_ps(c0, c4, 0x31);
+    r[5] = _mm256_permute2f128_ps(c1, c5, 0x31);
+    r[6] = _mm256_permute2f128_ps(c2, c6, 0x31);
+    r[7] = _mm256_permute2f128_ps(c3, c7, 0x31);
+}
+
+#elif KVC_VEC_NEON
+
+KVC_INLINE kvc_m8 kvc_f8_ge(kvc_f8 a, kvc_f8 b)
+{
+    kvc_m8 r = { { vcgeq_f32(a.val[0], b.val[0]), vcgeq_f32(a.val[1], b.val[1]) } };
+    return r;
+}
+KVC_INLINE kvc_m8 kvc_m8_and(kvc_m8 a, kvc_m8 b)
+{
+    kvc_m8 r = { { vandq_u32(a.val[0], b.val[0]), vandq_u32(a.val[1], b.val[1]) } };
+    return r;
+}
+/* vmaxq_f32 differs from mx on NaN and on +-0: compare and select instead */
+KVC_INLINE float kvc_f8_fold_max(kvc_f8 a)
+{
+    float32x4_t b = vbslq_f32(vcgtq_f32(a.val[0], a.val[1]), a.val[0], a.val[1]);
+    return kvc_max_gt(kvc_max_gt(vgetq_lane_f32(b, 0), vgetq_lane_f32(b, 2)),
+                      kvc_max_gt(vgetq_lane_f32(b, 1), vgetq_lane_f32(b, 3)));
+}
+/* 4 x 4 transpose of x0..x3 (lane j of y_i = lane i of x_j) */
+KVC_INLINE void kvc_neon_transpose4(float32x4_t x0, float32x4_t x1, float32x4_t x2,
+                                    float32x4_t x3, float32x4_t *y)
+{
+    /* t0 = x0[0] x1[0] x0[2] x1[2], t1 = x0[1] x1[1] x0[3] x1[3] (t2, t3: the same of x2, x3) */
+    float32x4_t t0 = vtrn1q_f32(x0, x1), t1 = vtrn2q_f32(x0, x1);
+    float32x4_t t2 = vtrn1q_f32(x2, x3), t3 = vtrn2q_f32(x2, x3);
+    y[0] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
+    y[1] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
+    y[2] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
+    y[3] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
+}
+/* four 4 x 4 blocks: val[0] holds lanes 0-3, val[1] lanes 4-7 */
+KVC_INLINE void kvc_f8_transpose8(kvc_f8 *r)
+{
+    float32x4_t ll[4], lh[4], hl[4], hh[4]; /* [rows 0-3 | 4-7][lanes 0-3 | 4-7] */
+    kvc_neon_transpose4(r[0].val[0], r[1].val[0], r[2].val[0], r[3].val[0], ll);
+    kvc_neon_transpose4(r[0].val[1], r[1].val[1], r[2].val[1], r[3].val[1], lh);
+    kvc_neon_transpose4(r[4].val[0], r[5].val[0], r[6].val[0], r[7].val[0], hl);
+    kvc_neon_transpose4(r[4].val[1], r[5].val[1], r[6].val[1], r[7].val[1], hh);
+    int i;
+    for (i = 0; i < 4; ++i) {
+        r[i].val[0] = ll[i];
+        r[i].val[1] = hl[i];
+        r[i + 4].val[0] = lh[i];
+        r[i + 4].val[1] = hh[i];
+    }
+}
+
+#else /* portable */
+
+KVC_INLINE kvc_m8 kvc_f8_ge(kvc_f8 a, kvc_f8 b)
+{
+    kvc_m8 r;
+    int l;
+    for (l = 0; l < 8; ++l)
+        r.v[l] = a.v[l] >= b.v[l] ? -1 : 0;
+    return r;
+}
+KVC_INLINE kvc_m8 kvc_m8_and(kvc_m8 a, kvc_m8 b)
+{
+    kvc_m8 r;
+    int l;
+    for (l = 0; l < 8; ++l)
+        r.v[l] = a.v[l] & b.v[l];
+    return r;
+}
+KVC_INLINE float kvc_f8_fold_max(kvc_f8 a)
+{
+    float b0 = kvc_max_gt(a.v[0], a.v[4]), b1 = kvc_max_gt(a.v[1], a.v[5]);
+    float b2 = kvc_max_gt(a.v[2], a.v[6]), b3 = kvc_max_gt(a.v[3], a.v[7]);
+    return kvc_max_gt(kvc_max_gt(b0, b2), kvc_max_gt(b1, b3));
+}
+KVC_INLINE void kvc_f8_transpose8(kvc_f8 *r)
+{
+    kvc_f8 t[8];
+    int i, j;
+    for (i = 0; i < 8; ++i)
+        for (j = 0; j < 8; ++j)
+            t[i].v[j] = r[j].v[i];
+    memcpy(r, t, sizeof t);
+}
+
+#endif
+
 #endif
