@@ -386,8 +386,16 @@ KVC_INLINE kvc_f8 kvc_f8_exp(kvc_f8 x)
     return kvc_f8_sel(kvc_f8_isnan(x), x, y);
 }
 
-/* v where v > acc, else acc: a running max that ignores NaN in v */
-KVC_INLINE kvc_f8 kvc_f8_max_num(kvc_f8 acc, kvc_f8 v) { return kvc_f8_sel(kvc_f8_gt(v, acc), v, acc); }
+/* v where v > acc, else acc: a running max that ignores NaN in v (x86 maxps(v, acc) is exactly
+ * this; NEON's fmax is not: it returns NaN for a NaN operand) */
+KVC_INLINE kvc_f8 kvc_f8_max_num(kvc_f8 acc, kvc_f8 v)
+{
+#if KVC_VEC_X86
+    return _mm256_max_ps(v, acc);
+#else
+    return kvc_f8_sel(kvc_f8_gt(v, acc), v, acc);
+#endif
+}
 
 /* e, with 0 in the lanes where s is -inf (where e = exp(s - m) must be exactly 0) */
 KVC_INLINE kvc_f8 kvc_f8_zero_neginf(kvc_f8 s, kvc_f8 e)
