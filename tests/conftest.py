@@ -251,3 +251,10 @@ def cpu_runs_avx2() -> bool:
     portable build alone, and the in-process tests cover the bodies the CPU has."""
     from kvcache import _core
     return {"avx2", "fma"} <= _core.cpu_features()
+
+
+def cpu_runs_avx512() -> bool:
+    """Whether this CPU runs the code of the AVX-512 body (AVX2 + FMA and AVX-512
+    F/BW/DQ/VL/VNNI: the features a C twin program built for that body may use)."""
+    from kvcache import _core, _dispatch
+    return _dispatch.BODY_NEEDS["avx512"] <= _core.cpu_features()
