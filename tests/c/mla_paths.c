@@ -1,17 +1,20 @@
 /* Runs the absorbed MLA decode of _mla.h -- fold, tasks, merge, as _core.mla_attend drives
  * them -- over many geometries and prints every result as raw bits (NaN as "nan").
- * tests/test_mla_paths.py builds it three ways and requires identical output from:
- *   the 8-float AVX2 body          (-DKVC_EMULATE_512, run with level 1),
- *   the 16-float AVX-512 body      (-DKVC_EMULATE_512, run with level 3: its vector layer
- *                                   built from pairs of __m256 operations),
- *   the portable twin              (-DKVC_NO_SIMD),
- * and, where the CPU has AVX-512, the real __m512 build run with level 3.  Each call prints
- * one line: its geometry, a hash of the bits of every result, how many, how many NaN.
- * Usage: mla_paths LEVEL   (kvc_isa for the run; the first line printed names the body)
- *        mla_paths detect  (prints kvc_isa_detect()) */
+ * A build holds one body of the task, chosen by the compile flags as for a kernel unit (_vec.h,
+ * _mla.h): -DKVC_NO_SIMD the portable one, -mavx2 -mfma the 8-float AVX2 one, with
+ * -DKVC_EMULATE_512 added the 16-float body on pairs of 8-lane vectors, with the AVX-512 flags
+ * the real __m512 one, and on aarch64 the NEON one.  tests/test_mla_paths.py builds each and
+ * requires the output of every one it can run to be the portable build's.
+ * The first line printed names the body (KVC_MLA_PATH); then each call prints one line: its
+ * geometry, a hash of the bits of every result, how many, how many NaN.
+ * Usage: mla_paths */
 #include "_mla.h"
 #include <stdio.h>
 #include <stdlib.h>
+
+/* The task, called through a pointer the compiler cannot see through: it stays a function of
+ * its own in the program, whose instructions tests/test_mla_paths.py inspects. */
+static kvc_mla_task_fn volatile task = kvc_mla_task;
 
 static uint32_t state = 20261202u;
 static float rnd(void)
@@ -74,8 +77,8 @@ static void run(ptrdiff_t H, ptrdiff_t r, ptrdiff_t dr, ptrdiff_t dn, ptrdiff_t 
         for (c = 0; c < NT; ++c) {
             ptrdiff_t p0 = c * R, p1 = p0 + R < e ? p0 + R : e;
             if (p0 < p1) {
-                kvc_mla_task(qT, H, Hp, lat, kr, r, dr, p0, p1, e, scale, acc + c * H * r,
-                             m + c * Hp, l + c * Hp, S);
+                task(qT, H, Hp, lat, kr, r, dr, p0, p1, e, scale, acc + c * H * r, m + c * Hp,
+                     l + c * Hp, S);
                 for (x = 0; x < H * r; ++x) out(acc[c * H * r + x]);
                 for (h = 0; h < H; ++h) {
                     out(m[c * Hp + h]);
@@ -99,7 +102,7 @@ static void run(ptrdiff_t H, ptrdiff_t r, ptrdiff_t dr, ptrdiff_t dn, ptrdiff_t 
     free(acc); free(m); free(l); free(S); free(cb); free(o);
 }
 
-int main(int argc, char **argv)
+int main(void)
 {
     /* heads: 1..7 (no full 8-float vector), 8, 16 and 32 (whole vectors), 9, 17, 24, 40
      * (a remainder of 8 heads for the 16-float body, 1..7 scalar heads for both) */
@@ -110,16 +113,7 @@ int main(int argc, char **argv)
     /* rows: under one tile, tile and block tails, several blocks and tasks */
     static const ptrdiff_t rows[] = {1, 2, 3, 4, 5, 6, 11, 13, 63, 64, 65, 130, 200};
     int hi, ri, di, ti, k = 0;
-    if (argc < 2) {
-        fprintf(stderr, "usage: mla_paths LEVEL | detect\n");
-        return 2;
-    }
-    if (strcmp(argv[1], "detect") == 0) {
-        printf("%d\n", kvc_isa_detect());
-        return 0;
-    }
-    kvc_isa = atoi(argv[1]);
-    printf("%s\n", kvc_mla_path());
+    printf("%s\n", KVC_MLA_PATH);
     for (hi = 0; hi < (int)(sizeof heads / sizeof *heads); ++hi)
         for (ri = 0; ri < (int)(sizeof ranks / sizeof *ranks); ++ri) {
             ptrdiff_t H = heads[hi], r = ranks[ri];
