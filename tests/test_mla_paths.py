@@ -111,7 +111,7 @@ def test_each_x86_body_matches_the_portable_build_bit_for_bit(name: str, tmp_pat
 
 def test_the_avx512_body_is_made_of_zmm_instructions(tmp_path: Path) -> None:
     asm = tmp_path / "mla_paths.s"
-    build(asm, [*AVX512, "-S"])
+    build(asm, [*X86_BODY_FLAGS["avx512"], "-S"])
     text = asm.read_text()
     task = re.search(r"^kvc_mla_task:\n(.*?)^\s*\.size\s+kvc_mla_task,", text, re.M | re.S)
     assert task, "no function kvc_mla_task in the program"

@@ -1,44 +1,53 @@
-"""The AVX2/FMA inner loops and their portable C twin compute the same bits.
+"""Every x86 body of the decode, q8, O(1) and MLA kernels computes the portable twin's bits.
 
-_kernels.h promises that the summation orders are the same whichever path a build compiles;
-this builds a small C program over the header twice (SIMD and -DKVC_NO_SIMD) with the C
-compiler Python was built with and compares the printed bit patterns of every result.
+The kernels are written once on the vector layer, whose folds fix every summation order; this
+builds tests/c/portable_twin.c once per body (the compile flags pick the layer's target) with
+the C compiler Python was built with and compares the printed bit patterns of every result
+(tests/test_aarch64.py does the same for the NEON bodies under emulation).
 """
 
-import os
 import shlex
 import subprocess
 import sysconfig
 from pathlib import Path
 
 import kvcache
-from conftest import cpu_runs_avx2
+from conftest import X86_BODY_FLAGS, cpu_runs
 
 HEADER_DIR = Path(kvcache.__file__).parent
 SOURCE = Path(__file__).parent / "c" / "portable_twin.c"
 
 
-def build_and_run(tmp_path, name, extra):
+def build(tmp_path, name, flags):
     cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
     exe = tmp_path / name
-    cmd = cc + ["-O2", "-std=gnu11", "-ffp-contract=off", "-mavx2", "-mfma", *extra, f"-I{HEADER_DIR}",
+    cmd = cc + ["-O2", "-std=gnu11", "-ffp-contract=off", *flags, f"-I{HEADER_DIR}",
                 str(SOURCE), "-o", str(exe), "-lm"]
     subprocess.run(cmd, check=True, capture_output=True)
+    return exe
+
+
+def run(exe):
     return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
 
 
-def test_simd_and_portable_paths_agree_bit_for_bit(tmp_path):
+def test_every_x86_body_and_the_portable_twin_agree_bit_for_bit(tmp_path):
+    """One build per x86 body (the flags select the vector layer's target as a unit's pragma
+    does); each that this CPU runs prints the portable build's bits, the others compile."""
     assert (HEADER_DIR / "_kernels.h").exists()
-    portable = build_and_run(tmp_path, "portable", ["-DKVC_NO_SIMD"])
-    if not cpu_runs_avx2():          # this CPU cannot run the SIMD build: compile it only
-        subprocess.run(shlex.split(sysconfig.get_config_var("CC") or "cc")
-                       + ["-O2", "-std=gnu11", "-mavx2", "-mfma", f"-I{HEADER_DIR}", "-c",
-                          str(SOURCE), "-o", str(tmp_path / "simd.o")], check=True)
-        assert len(set(portable.splitlines())) > 1000
-        return
-    simd = build_and_run(tmp_path, "simd", [])
-    lines_s, lines_p = simd.splitlines(), portable.splitlines()
-    assert len(lines_s) == len(lines_p) > 10000
-    diff = [i for i, (a, b) in enumerate(zip(lines_s, lines_p)) if a != b]
-    assert not diff, f"{len(diff)} of {len(lines_s)} results differ, first at line {diff[0]}"
-    assert len(set(lines_s)) > 1000                     # the program computed something
+    portable = run(build(tmp_path, "portable", X86_BODY_FLAGS["portable"]))
+    lines_p = portable.splitlines()
+    assert len(lines_p) > 10000 and len(set(lines_p)) > 1000     # it computed something
+    ran = []
+    for body, flags in X86_BODY_FLAGS.items():
+        if body == "portable":
+            continue
+        exe = build(tmp_path, body, flags)
+        if not cpu_runs(body):
+            continue
+        lines_s = run(exe).splitlines()
+        assert len(lines_s) == len(lines_p)
+        diff = [i for i, (a, b) in enumerate(zip(lines_s, lines_p)) if a != b]
+        assert not diff, f"{body}: {len(diff)} of {len(lines_s)} results differ, first at line {diff[0]}"
+        ran.append(body)
+    assert ran == [b for b in X86_BODY_FLAGS if b != "portable" and cpu_runs(b)]
