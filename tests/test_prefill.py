@@ -26,7 +26,7 @@ from hypothesis import given, settings, strategies as st
 import kvcache as kc
 from kvcache import _core, reference as ref
 from kvcache._attention import default_scale
-from conftest import cpu_runs_avx2
+from conftest import X86_BODY_FLAGS, cpu_runs
 
 MODES = [kc.KvMode.F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False),
          kc.KvMode.Q8(k=False, v=True)]
@@ -419,35 +419,39 @@ def test_q8_storage_shapes_are_checked(rng):
 
 
 # ---------------------------------------------------------------------------------------------
-# the header's AVX2 path and its portable C twin
+# every x86 body of the prompt kernel and its portable C twin
 
-def _build(tmp_path, name, extra):
+def _build(tmp_path, name, flags):
     cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
     exe = tmp_path / name
     src = Path(__file__).parent / "c" / "prefill_twin.c"
-    cmd = cc + ["-O2", "-std=gnu11", "-ffp-contract=off", "-mavx2", "-mfma", *extra,
+    cmd = cc + ["-O2", "-std=gnu11", "-ffp-contract=off", *flags,
                 f"-I{Path(kc.__file__).parent}", str(src), "-o", str(exe), "-lm"]
     subprocess.run(cmd, check=True, capture_output=True)
     return exe
 
 
-def _run(exe, level):
-    return subprocess.run([str(exe), str(level)], check=True, capture_output=True, text=True,
+def _run(exe):
+    return subprocess.run([str(exe)], check=True, capture_output=True, text=True,
                           env=dict(os.environ)).stdout.splitlines()
 
 
-def test_simd_and_portable_paths_agree_bit_for_bit(tmp_path):
-    """The AVX2 path, the VNNI bodies (emulated exactly on AVX2: the q8 scores) and the
-    portable C give the same bits."""
-    simd_exe = _build(tmp_path, "simd", ["-DKVC_EMULATE_VNNI"])
-    portable = _run(_build(tmp_path, "portable", ["-DKVC_NO_SIMD"]), 0)
+def test_every_body_and_the_portable_twin_agree_bit_for_bit(tmp_path):
+    """One build per x86 body (float32 and q8 tiles), plus the VNNI q8 code on an exact AVX2
+    emulation of vpdpbusd: each the CPU runs gives the portable C's bits; the others compile."""
+    portable = _run(_build(tmp_path, "portable", X86_BODY_FLAGS["portable"]))
     assert len(portable) > 10000
     assert len(set(portable)) > 1000
-    for level in ((1, 2, 3) if cpu_runs_avx2() else ()):   # built above; run where it can
-        simd = _run(simd_exe, level)
+    builds = {b: (f, b) for b, f in X86_BODY_FLAGS.items() if b != "portable"}
+    builds["vnni-emulated"] = (X86_BODY_FLAGS["avx2"] + ["-DKVC_EMULATE_VNNI"], "avx2")
+    for name, (flags, needs) in builds.items():
+        exe = _build(tmp_path, name, flags)
+        if not cpu_runs(needs):
+            continue
+        simd = _run(exe)
         assert len(simd) == len(portable)
         diff = [i for i, (a, b) in enumerate(zip(simd, portable)) if a != b]
-        assert not diff, (f"level {level}: {len(diff)} of {len(simd)} results differ, first at "
+        assert not diff, (f"{name}: {len(diff)} of {len(simd)} results differ, first at "
                           f"line {diff[0]}")
 
 

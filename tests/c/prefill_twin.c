@@ -1,8 +1,8 @@
-/* Runs the blocked prompt kernel of _prefill.h (tasks and the importance pass) on fixed
- * pseudo-random inputs and prints every result as raw bits.  tests/test_prefill.py builds it
- * twice -- with the AVX2/FMA path (and the VNNI bodies emulated, -DKVC_EMULATE_VNNI) and with
- * -DKVC_NO_SIMD (the portable C path) -- runs it at every instruction-set level (argv[1]:
- * 0 portable .. 3 AVX-512 VNNI; the q8 scores dispatch on it) and requires identical output. */
+/* Runs the blocked prompt kernel of _prefill.h (tasks and the importance pass, float32 and q8
+ * keys) on fixed pseudo-random inputs and prints every result as raw bits.  The body is the one
+ * the compile flags select (_vec.h); tests/test_prefill.py builds it once per x86 body (and the
+ * VNNI q8 code emulated, -DKVC_EMULATE_VNNI), tests/test_aarch64.py once per aarch64 body, and
+ * both require the -DKVC_NO_SIMD build's output. */
 #include "_prefill.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,12 +25,11 @@ static void out(float x)
 #define ROWS 203
 #define NQ 23
 
-int main(int argc, char **argv)
+int main(void)
 {
     static int8_t qi[NQ * KVC_I8_PAD(HDMAX)];
     static float qsc[NQ * KVC_I8_GROUPS(HDMAX, 32)];
     static int32_t qsum[NQ * KVC_I8_GROUPS(HDMAX, 32)];
-    int level = argc > 1 ? atoi(argv[1]) : 0;
     static float q[NQ * HDMAX], k[ROWS * HDMAX], v[ROWS * HDMAX], ks[ROWS * 5], vs[ROWS];
     static float vcol[HDMAX], o[NQ * HDMAX], qm[NQ], ql[NQ], colsum[KVC_PF_IMP_ROWS];
     static int8_t kq[ROWS * HDMAX], vq[ROWS * HDMAX];
@@ -72,7 +71,7 @@ int main(int argc, char **argv)
                 float softcap = cap ? 2.5f : 0.0f;
                 ptrdiff_t t0, j;
                 kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, quant_k, v, vq, vs, 1, quant_v, vcol,
-                            hd, 0.3f, softcap, o, qm, ql, scratch, level, 32, qi, qsc, qsum);
+                            hd, 0.3f, softcap, o, qm, ql, scratch, 0, 32, qi, qsc, qsum);
                 for (i = 0; i < NQ * hd; ++i)
                     out(o[i]);
                 for (j = 0; j < NQ; ++j) {
@@ -85,7 +84,7 @@ int main(int argc, char **argv)
                     t1 = t1 < 173 ? t1 : 173;
                     memset(colsum, 0, sizeof colsum);
                     kvc_pf_imp_group(q, NQ, qf, qe, qm, ql, k, kq, ks, 5, quant_k, hd, 0.3f,
-                                     softcap, a0, t1, colsum, scratch, level, 32, qi, qsc, qsum);
+                                     softcap, a0, t1, colsum, scratch, 0, 32, qi, qsc, qsum);
                     for (i = 0; i < t1 - a0; ++i)
                         out(colsum[i]);
                 }
@@ -97,7 +96,7 @@ int main(int argc, char **argv)
     for (i = 0; i < 64; ++i)
         k[150 * 64 + i] = -1e30f;
     kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, 0, v, vq, vs, 1, 0, vcol, 64, 1e10f, 0.0f, o, qm,
-                ql, scratch, level, 32, qi, qsc, qsum);
+                ql, scratch, 0, 32, qi, qsc, qsum);
     for (i = 0; i < NQ * 64; ++i)
         out(o[i]);
     free(scratch);
