@@ -36,18 +36,22 @@ NATIVE = os.environ.get("KVCACHE_NATIVE", "0") not in ("", "0")
 NO_SIMD = os.environ.get("KVCACHE_NO_SIMD", "0") not in ("", "0")
 
 
-def _unit_probe(target, body, includes="#include <immintrin.h>"):
+def _unit_probe(target, body, includes="#include <immintrin.h>", clang_target=None,
+                inner="", clang_inner=""):
     """A program that compiles ``body`` (a function ``int f(int s)``) under a unit's target
-    pragma, as the _body_*.c files do, then links it (never run)."""
-    clang_target = target.lstrip("+")
+    pragma, as the _body_*.c files do, then links it (never run).  ``inner`` (``clang_inner``
+    for clang only) is what the unit writes after its push, before the body."""
+    clang_target = target.lstrip("+") if clang_target is None else clang_target
     return f"""
     {includes}
     #if defined(__clang__)
     #pragma clang attribute push(__attribute__((target("{clang_target}"))), apply_to = function)
+    {clang_inner}
     #else
     #pragma GCC push_options
     #pragma GCC target("{target}")
     #endif
+    {inner}
     {body}
     #if defined(__clang__)
     #pragma clang attribute pop
@@ -73,11 +77,18 @@ X86_UNITS = [
      " w = _mm512_fmadd_ps(w, w, w); z = _mm256_dpbusd_epi32(z, z, z);"
      " return _mm256_extract_epi32(z, 0) + (int)_mm512_reduce_add_ps(w); }"),
 ]
+# aarch64: (macro, GCC target, clang target, test body), probed as _body_neondot.c builds the
+# unit: arm_neon.h included after the push (clang 14 declares vdotq_s32 only where
+# __ARM_FEATURE_DOTPROD is defined; GCC 12 defines it under arch=armv8.2-a+dotprod)
 ARM_UNITS = [
-    ("KVC_NO_NEONDOT", "+dotprod",
+    ("KVC_NO_NEONDOT", "arch=armv8.2-a+dotprod", "dotprod",
      "static int f(int s) { int8x16_t a = vdupq_n_s8((int8_t)s);"
      " return vgetq_lane_s32(vdotq_s32(vdupq_n_s32(0), a, a), 0); }"),
 ]
+ARM_CLANG_INNER = """
+    #ifndef __ARM_FEATURE_DOTPROD
+    #define __ARM_FEATURE_DOTPROD 1
+    #endif"""
 
 DIRECTIVES = {
     "language_level": 3,
@@ -124,8 +135,9 @@ class BuildExt(build_ext):
                     if not _compiles(self.compiler, _unit_probe(target, body), [], []):
                         macros.append((macro, "1"))
             elif machine in ("aarch64", "arm64"):
-                for macro, target, body in ARM_UNITS:
-                    probe = _unit_probe(target, body, "#include <arm_neon.h>")
+                for macro, target, clang_target, body in ARM_UNITS:
+                    probe = _unit_probe(target, body, "#include <stdint.h>", clang_target,
+                                        "#include <arm_neon.h>", ARM_CLANG_INNER)
                     if not _compiles(self.compiler, probe, [], []):
                         macros.append((macro, "1"))
             if NATIVE and _compiles(self.compiler, "int main(void){return 0;}\n", ["-march=native"], []):
