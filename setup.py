@@ -3,7 +3,10 @@
 The Cython directives are set once here.  ``KVCACHE_CYTHON_DEBUG=1`` turns bounds and
 wraparound checks back on (for a test run).  OpenMP is probed with a tiny test program; when the
 compiler cannot build it the extension is compiled serially and a warning is printed, so an
-install never fails for lack of OpenMP.
+install never fails for lack of OpenMP.  On macOS, Apple clang has no OpenMP of its own: after
+plain ``-fopenmp`` (GCC, LLVM clang) the probe tries ``-Xpreprocessor -fopenmp`` with libomp,
+from Homebrew's prefix where there is one (``brew install libomp``; /opt/homebrew/opt/libomp,
+/usr/local/opt/libomp, or what ``brew --prefix libomp`` answers), then on the default paths.
 
 Instruction sets (docs/numerics.md, "Dispatch"): the extension is compiled for the baseline of
 the target (plain x86-64 on x86, Armv8-A on aarch64), so it imports and runs on any CPU of the
@@ -21,6 +24,8 @@ kernels is written out, so each body computes the bits of the portable twin.
 
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -115,6 +120,39 @@ def _compiles(compiler, code, extra_compile, extra_link):
     return True
 
 
+def _libomp_prefixes():
+    """Homebrew's libomp prefixes on this Mac that hold omp.h: Apple silicon's, Intel's, and the
+    one ``brew --prefix libomp`` names (libomp is keg-only: not on the compiler's paths)."""
+    candidates = ["/opt/homebrew/opt/libomp", "/usr/local/opt/libomp"]
+    brew = shutil.which("brew")
+    if brew:
+        try:
+            answer = subprocess.run([brew, "--prefix", "libomp"], capture_output=True,
+                                    text=True, timeout=60, check=False)
+            if answer.returncode == 0 and answer.stdout.strip():
+                candidates.append(answer.stdout.strip())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    found = []
+    for prefix in candidates:
+        if prefix not in found and os.path.isfile(os.path.join(prefix, "include", "omp.h")):
+            found.append(prefix)
+    return found
+
+
+def _openmp_options():
+    """The OpenMP (compile, link) flags to probe, in order: ``-fopenmp`` (GCC, LLVM clang), and
+    on macOS Apple clang's form, the preprocessor flag with libomp."""
+    options = [(["-fopenmp"], ["-fopenmp"])]
+    if sys.platform == "darwin":
+        for prefix in _libomp_prefixes():
+            lib = os.path.join(prefix, "lib")
+            options.append((["-Xpreprocessor", "-fopenmp", "-I" + os.path.join(prefix, "include")],
+                            ["-L" + lib, "-lomp", "-Wl,-rpath," + lib]))
+        options.append((["-Xpreprocessor", "-fopenmp"], ["-lomp"]))
+    return options
+
+
 class BuildExt(build_ext):
     """build_ext that probes OpenMP and the x86-64 SIMD unit before compiling."""
 
@@ -123,9 +161,9 @@ class BuildExt(build_ext):
         link_args = []
         if self.compiler.compiler_type == "msvc":
             compile_args = ["/O2"]
-            omp_c, omp_l = ["/openmp"], []
+            omp_options = [(["/openmp"], [])]
         else:
-            omp_c, omp_l = ["-fopenmp"], ["-fopenmp"]
+            omp_options = _openmp_options()
             macros = self.extensions[0].define_macros
             machine = platform.machine().lower()
             if NO_SIMD:
@@ -152,13 +190,16 @@ class BuildExt(build_ext):
                 return omp_get_max_threads() > 0 && n > 0 ? 0 : 1;
             }
         """
-        if _compiles(self.compiler, omp_probe, omp_c, omp_l):
-            compile_args += omp_c
-            link_args += omp_l
+        for omp_c, omp_l in omp_options:
+            if _compiles(self.compiler, omp_probe, omp_c, omp_l):
+                compile_args += omp_c
+                link_args += omp_l
+                break
         else:
             warnings.warn(
                 "kvcache: the C compiler cannot build OpenMP code; building the serial "
-                "kernels (they run on one thread). Install libgomp/libomp to get threads.",
+                "kernels (they run on one thread). Install libgomp/libomp to get threads "
+                "(macOS: brew install libomp).",
                 stacklevel=1,
             )
             print("WARNING: kvcache is being built WITHOUT OpenMP", file=sys.stderr)
