@@ -3,7 +3,10 @@
 The Cython directives are set once here.  ``KVCACHE_CYTHON_DEBUG=1`` turns bounds and
 wraparound checks back on (for a test run).  OpenMP is probed with a tiny test program; when the
 compiler cannot build it the extension is compiled serially and a warning is printed, so an
-install never fails for lack of OpenMP.
+install never fails for lack of OpenMP.  On macOS, Apple clang has no OpenMP of its own: after
+plain ``-fopenmp`` (GCC, LLVM clang) the probe tries ``-Xpreprocessor -fopenmp`` with libomp,
+from Homebrew's prefix where there is one (``brew install libomp``; /opt/homebrew/opt/libomp,
+/usr/local/opt/libomp, or what ``brew --prefix libomp`` answers), then on the default paths.
 
 Instruction sets (docs/numerics.md, "Dispatch"): the extension is compiled for the baseline of
 the target (plain x86-64 on x86, Armv8-A on aarch64), so it imports and runs on any CPU of the
@@ -21,6 +24,8 @@ kernels is written out, so each body computes the bits of the portable twin.
 
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -36,18 +41,22 @@ NATIVE = os.environ.get("KVCACHE_NATIVE", "0") not in ("", "0")
 NO_SIMD = os.environ.get("KVCACHE_NO_SIMD", "0") not in ("", "0")
 
 
-def _unit_probe(target, body, includes="#include <immintrin.h>"):
+def _unit_probe(target, body, includes="#include <immintrin.h>", clang_target=None,
+                inner="", clang_inner=""):
     """A program that compiles ``body`` (a function ``int f(int s)``) under a unit's target
-    pragma, as the _body_*.c files do, then links it (never run)."""
-    clang_target = target.lstrip("+")
+    pragma, as the _body_*.c files do, then links it (never run).  ``inner`` (``clang_inner``
+    for clang only) is what the unit writes after its push, before the body."""
+    clang_target = target.lstrip("+") if clang_target is None else clang_target
     return f"""
     {includes}
     #if defined(__clang__)
     #pragma clang attribute push(__attribute__((target("{clang_target}"))), apply_to = function)
+    {clang_inner}
     #else
     #pragma GCC push_options
     #pragma GCC target("{target}")
     #endif
+    {inner}
     {body}
     #if defined(__clang__)
     #pragma clang attribute pop
@@ -73,11 +82,18 @@ X86_UNITS = [
      " w = _mm512_fmadd_ps(w, w, w); z = _mm256_dpbusd_epi32(z, z, z);"
      " return _mm256_extract_epi32(z, 0) + (int)_mm512_reduce_add_ps(w); }"),
 ]
+# aarch64: (macro, GCC target, clang target, test body), probed as _body_neondot.c builds the
+# unit: arm_neon.h included after the push (clang 14 declares vdotq_s32 only where
+# __ARM_FEATURE_DOTPROD is defined; GCC 12 defines it under arch=armv8.2-a+dotprod)
 ARM_UNITS = [
-    ("KVC_NO_NEONDOT", "+dotprod",
+    ("KVC_NO_NEONDOT", "arch=armv8.2-a+dotprod", "dotprod",
      "static int f(int s) { int8x16_t a = vdupq_n_s8((int8_t)s);"
      " return vgetq_lane_s32(vdotq_s32(vdupq_n_s32(0), a, a), 0); }"),
 ]
+ARM_CLANG_INNER = """
+    #ifndef __ARM_FEATURE_DOTPROD
+    #define __ARM_FEATURE_DOTPROD 1
+    #endif"""
 
 DIRECTIVES = {
     "language_level": 3,
@@ -104,6 +120,39 @@ def _compiles(compiler, code, extra_compile, extra_link):
     return True
 
 
+def _libomp_prefixes():
+    """Homebrew's libomp prefixes on this Mac that hold omp.h: Apple silicon's, Intel's, and the
+    one ``brew --prefix libomp`` names (libomp is keg-only: not on the compiler's paths)."""
+    candidates = ["/opt/homebrew/opt/libomp", "/usr/local/opt/libomp"]
+    brew = shutil.which("brew")
+    if brew:
+        try:
+            answer = subprocess.run([brew, "--prefix", "libomp"], capture_output=True,
+                                    text=True, timeout=60, check=False)
+            if answer.returncode == 0 and answer.stdout.strip():
+                candidates.append(answer.stdout.strip())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    found = []
+    for prefix in candidates:
+        if prefix not in found and os.path.isfile(os.path.join(prefix, "include", "omp.h")):
+            found.append(prefix)
+    return found
+
+
+def _openmp_options():
+    """The OpenMP (compile, link) flags to probe, in order: ``-fopenmp`` (GCC, LLVM clang), and
+    on macOS Apple clang's form, the preprocessor flag with libomp."""
+    options = [(["-fopenmp"], ["-fopenmp"])]
+    if sys.platform == "darwin":
+        for prefix in _libomp_prefixes():
+            lib = os.path.join(prefix, "lib")
+            options.append((["-Xpreprocessor", "-fopenmp", "-I" + os.path.join(prefix, "include")],
+                            ["-L" + lib, "-lomp", "-Wl,-rpath," + lib]))
+        options.append((["-Xpreprocessor", "-fopenmp"], ["-lomp"]))
+    return options
+
+
 class BuildExt(build_ext):
     """build_ext that probes OpenMP and the x86-64 SIMD unit before compiling."""
 
@@ -112,9 +161,9 @@ class BuildExt(build_ext):
         link_args = []
         if self.compiler.compiler_type == "msvc":
             compile_args = ["/O2"]
-            omp_c, omp_l = ["/openmp"], []
+            omp_options = [(["/openmp"], [])]
         else:
-            omp_c, omp_l = ["-fopenmp"], ["-fopenmp"]
+            omp_options = _openmp_options()
             macros = self.extensions[0].define_macros
             machine = platform.machine().lower()
             if NO_SIMD:
@@ -124,8 +173,9 @@ class BuildExt(build_ext):
                     if not _compiles(self.compiler, _unit_probe(target, body), [], []):
                         macros.append((macro, "1"))
             elif machine in ("aarch64", "arm64"):
-                for macro, target, body in ARM_UNITS:
-                    probe = _unit_probe(target, body, "#include <arm_neon.h>")
+                for macro, target, clang_target, body in ARM_UNITS:
+                    probe = _unit_probe(target, body, "#include <stdint.h>", clang_target,
+                                        "#include <arm_neon.h>", ARM_CLANG_INNER)
                     if not _compiles(self.compiler, probe, [], []):
                         macros.append((macro, "1"))
             if NATIVE and _compiles(self.compiler, "int main(void){return 0;}\n", ["-march=native"], []):
@@ -140,13 +190,16 @@ class BuildExt(build_ext):
                 return omp_get_max_threads() > 0 && n > 0 ? 0 : 1;
             }
         """
-        if _compiles(self.compiler, omp_probe, omp_c, omp_l):
-            compile_args += omp_c
-            link_args += omp_l
+        for omp_c, omp_l in omp_options:
+            if _compiles(self.compiler, omp_probe, omp_c, omp_l):
+                compile_args += omp_c
+                link_args += omp_l
+                break
         else:
             warnings.warn(
                 "kvcache: the C compiler cannot build OpenMP code; building the serial "
-                "kernels (they run on one thread). Install libgomp/libomp to get threads.",
+                "kernels (they run on one thread). Install libgomp/libomp to get threads "
+                "(macOS: brew install libomp).",
                 stacklevel=1,
             )
             print("WARNING: kvcache is being built WITHOUT OpenMP", file=sys.stderr)

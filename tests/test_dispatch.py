@@ -1,5 +1,6 @@
 """The choice of instruction-set body per kernel family (kvcache._dispatch, docs/numerics.md
-"Dispatch"), held against the real flag lines of ten CPUs (tests/data/cpu-flags).
+"Dispatch"), held against the real flag lines of ten x86-64 and four aarch64 CPUs
+(tests/data/cpu-flags).
 
 Detection is replaced by each CPU's flags: features are a set, so an AVX-512 CPU without
 AVX-VNNI (Zen 4, Cascade Lake, Ice Lake) must never be handed the AVX-VNNI body, and every body
@@ -21,6 +22,8 @@ ALL_BUILT = {fam: dispatch.HELD[fam] for fam in dispatch.FAMILIES}
 
 # file -> (features expected from the flags, the body per family with every body built)
 AVX2 = {"f32": "avx2", "q8": "avx2", "prefill": "avx2", "mla": "avx2"}
+NEON = {"f32": "neon", "q8": "neon", "prefill": "neon", "mla": "neon"}
+NEONDOT = dict(NEON, q8="neondot", prefill="neondot")
 AVX512 = {"f32": "avx2", "q8": "avx512", "prefill": "avx512", "mla": "avx512"}
 BASE512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}
 TABLE = {
@@ -34,6 +37,10 @@ TABLE = {
     "amd-zen3.txt": ({"avx2", "fma"}, AVX2),
     "amd-epyc-zen4-vm.txt": (BASE512 | {"avx512vnni", "avx512bf16"}, AVX512),
     "amd-zen5.txt": (BASE512 | {"avx512vnni", "avx512bf16", "avxvnni"}, AVX512),
+    "arm-cortex-a53-rpi3.txt": ({"neon"}, NEON),                   # no asimddp
+    "arm-cortex-a72-graviton.txt": ({"neon"}, NEON),
+    "arm-neoverse-n1-graviton2.txt": ({"neon", "dotprod"}, NEONDOT),
+    "arm-neoverse-v2-grace.txt": ({"neon", "dotprod"}, NEONDOT),
 }
 
 

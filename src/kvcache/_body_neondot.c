@@ -1,6 +1,14 @@
 /* The NEON + dot-product body (_dispatch.h): the NEON code with q8 scoring on sdot (Armv8.2
- * dot-product extension: Cortex-A55/A75 and later, Neoverse, Apple M1 and later).  GCC takes
- * the target from `#pragma GCC target("+dotprod")`, clang from `#pragma clang attribute`.
+ * dot-product extension: Cortex-A55/A75 and later, Neoverse, Apple M1 and later).
+ * GCC takes the target from `#pragma GCC target("arch=armv8.2-a+dotprod")`: GCC 12's
+ * arm_neon.h defines vdotq_s32 under that very target, and an always_inline intrinsic is
+ * inlined only into a caller whose features include its own, so "+dotprod" alone (Armv8-A plus
+ * sdot) fails to compile there.  Every CPU with the extension implements Armv8.2 (it is an
+ * option of 8.2 and later), so the wider target asks for nothing such a CPU lacks.
+ * clang takes it from `#pragma clang attribute`, which defines no feature macro: KVC_UNIT_NEONDOT
+ * tells _vec.h, and __ARM_FEATURE_DOTPROD is defined before arm_neon.h, since clang's header
+ * (clang 14 at least) declares the dot-product intrinsics only under that macro; included after
+ * the push, those declarations carry the unit's target attribute, so they compile here.
  * Elsewhere (another CPU family, KVC_NO_SIMD, KVC_NO_NEONDOT) it holds no code and kvc_ops_neondot
  * is NULL. */
 #include <stddef.h>
@@ -13,9 +21,12 @@
 #if defined(__clang__)
 #define KVC_UNIT_NEONDOT 1
 #pragma clang attribute push(__attribute__((target("dotprod"))), apply_to = function)
+#ifndef __ARM_FEATURE_DOTPROD
+#define __ARM_FEATURE_DOTPROD 1
+#endif
 #else
 #pragma GCC push_options
-#pragma GCC target("+dotprod")
+#pragma GCC target("arch=armv8.2-a+dotprod")
 #endif
 #include <arm_neon.h>
 #define KVC_BODY_TABLE kvc_ops_neondot_table

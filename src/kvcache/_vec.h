@@ -491,7 +491,9 @@ KVC_INLINE float kvc_f16_fold(kvc_f16 a) { return kvc_f8_fold16(kvc_f16_lo(a), k
 #define KVC_VEC_I8 KVC_I8_MADDUBS
 #endif
 #elif KVC_VEC_NEON
-#if defined(__ARM_FEATURE_DOTPROD) || defined(KVC_UNIT_NEONDOT)
+#if defined(KVC_UNIT_NEON)   /* the NEON unit: smull whatever the baseline (_body_neon.c) */
+#define KVC_VEC_I8 KVC_I8_SMULL
+#elif defined(__ARM_FEATURE_DOTPROD) || defined(KVC_UNIT_NEONDOT)
 #define KVC_VEC_I8 KVC_I8_SDOT
 #else
 #define KVC_VEC_I8 KVC_I8_SMULL

@@ -31,7 +31,7 @@ static void out(float x)
 int main(void)
 {
     static float q[NQ * HDMAX], ks[ROWS * 17], res[ROWS], probs[NQ * ROWS];
-    static int8_t kq[ROWS * HDMAX], qi[NQ * HDMAX];
+    static int8_t kq[ROWS * HDMAX], qi[NQ * KVC_I8_PAD(HDMAX)];   /* codes padded to 32 */
     static float sq[NQ * 17];
     static int32_t qsum[NQ * 17];
     ptrdiff_t hds[] = {1, 7, 8, 16, 31, 32, 33, 40, 64, 72, 96, 100, 128, 136, 160, 256, 264};

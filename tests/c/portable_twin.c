@@ -91,13 +91,13 @@ int main(void)
         }
     }
     {   /* MLA: fold, tasks over 150 rows (three blocks, the last ragged) split in two, merge */
-        static float lat[150 * 40], kr[150 * 5], wuk[12 * 6 * 40], wuv[12 * 7 * 40];
+        static float lat[150 * 40], kr[150 * 8], wuk[12 * 6 * 40], wuv[12 * 7 * 40];
         static float qn[12 * 6], qr[12 * 5], qa[40], qT[45 * 16], macc[2 * 12 * 40];
-        static float mm[2 * 16], ml[2 * 16], S[KVC_MLA_BLOCK * 16], c[40], mo[12 * 7];
+        static float mm[2 * 16], ml[2 * 16], S[KVC_MLA_BLOCK * 16], c[40], mo[16 * 7];
         ptrdiff_t geo[][4] = {{12, 40, 5, 6}, {5, 19, 0, 3}, {16, 24, 3, 0}, {3, 8, 8, 4}};
         int gi;
         for (i = 0; i < 150 * 40; ++i) lat[i] = rnd();
-        for (i = 0; i < 150 * 5; ++i) kr[i] = rnd();
+        for (i = 0; i < 150 * 8; ++i) kr[i] = rnd();
         for (i = 0; i < 12 * 6 * 40; ++i) wuk[i] = rnd() * 0.2f;
         for (i = 0; i < 12 * 7 * 40; ++i) wuv[i] = rnd() * 0.2f;
         for (i = 0; i < 12 * 6; ++i) qn[i] = rnd();
