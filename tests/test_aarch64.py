@@ -85,21 +85,14 @@ class Program:
 # twin (built from the units below, not by flags).
 PROGRAMS: dict[str, Program | None] = {
     "i8_twin": Program(head=1),
-    "prefill_twin": Program(args=(("1",),)),     # the level its x86 test runs the SIMD body at
-    "mla_paths": Program(args=(("1",),), head=1, sdot=False),   # float32 kernels only
+    "mla_paths": Program(head=1, sdot=False),   # float32 kernels only
     "aarch64_dispatch": None,
 }
 # the head each build must print
 HEADS = {
     "i8_twin": {"portable": ["portable 0"], "neon": ["neon 3"], "neondot": ["neon 4"]},
+    "mla_paths": {"portable": ["portable"], "neon": ["neon"], "neondot": ["neon"]},
 }
-# Programs still being ported to the vector layer: where one does not build for aarch64 yet,
-# its test is an expected failure that names the compiler's first error; once it builds it is
-# held to everything above.
-PENDING = {
-    "mla_paths": "the MLA kernels' port to the vector layer (mla_paths.c still sets kvc_isa)",
-}
-
 TWINS = sorted(p.stem for p in C_DIR.glob("*.c") if PROGRAMS.get(p.stem, Program()) is not None)
 
 
@@ -211,15 +204,12 @@ def twins(workdir: Path) -> dict[str, Runs]:
     return results
 
 
-def _built_or_xfail(name: str, runs: Runs) -> None:
+def _built(name: str, runs: Runs) -> None:
     if runs.errors:
         by_error: dict[str, list[str]] = {}
         for b, e in sorted(runs.errors.items()):
             by_error.setdefault(_first_error(e), []).append(b)
         detail = "; ".join(f"{', '.join(bs)}: {e}" for e, bs in by_error.items())
-        if name in PENDING:
-            pytest.xfail(f"{name} does not build for aarch64 yet, waiting on {PENDING[name]}: "
-                         f"{detail}")
         pytest.fail(f"{name} does not build: {detail}", pytrace=False)
 
 
@@ -234,7 +224,7 @@ def _first_difference(a: list[str], b: list[str]) -> str:
 @pytest.mark.parametrize("name", TWINS)
 def test_twin_bodies_agree_under_emulation(twins: dict[str, Runs], name: str) -> None:
     runs = twins[name]
-    _built_or_xfail(name, runs)
+    _built(name, runs)
     prog = PROGRAMS.get(name) or Program()
     assert runs.sdot == prog.sdot, (
         f"{name}: its neondot build {'holds' if runs.sdot else 'holds no'} sdot (PROGRAMS says "
@@ -281,7 +271,7 @@ def test_twin_portable_build_matches_the_host_s(twins: dict[str, Runs], name: st
     """The same program's portable build, on aarch64 and on this machine (both with the fixed
     tanhf; NaNs as one value): the same results, head included."""
     runs = twins[name]
-    _built_or_xfail(name, runs)
+    _built(name, runs)
     for args in (PROGRAMS.get(name) or Program()).args:
         rc_a, arm = runs.out[("portable-fixed", "cortex-a53", args)]
         rc_h, host = runs.out[("host-fixed", "host", args)]
@@ -366,8 +356,11 @@ def _count(insns: list[str], pattern: str) -> int:
 FMLA4S = r"fmla\s+v\d+\.4s"
 SDOT = r"sdot\s"
 SMULL = r"smlal2?\s|smull2?\s"
-# the float kernels of the table (_body.h) that must run on vector FMAs
-F32_KERNELS = ("kvc_task_scores", "kvc_task_values", "kvc_softmax", "kvc_axpy_f32")
+# the float kernels of the table (_body.h) that must run on vector FMAs: decode, prompt, MLA,
+# the O(1) step, the benchmark's FMA probe
+F32_KERNELS = ("kvc_task_scores", "kvc_task_values", "kvc_softmax", "kvc_axpy_f32",
+               "kvc_pf_task", "kvc_pf_imp_group", "kvc_mla_task", "kvc_mla_fold",
+               "kvc_o1_absorb", "kvc_o1_head", "kvc_fma_probe")
 # the q8 scoring, wherever the compiler left it: kvc_i8_rows (GCC clones it), kvc_i8_rows_isa
 # (clang inlines it there), kvc_task_scores_i8
 Q8_PREFIXES = ("kvc_i8_rows", "kvc_task_scores_i8")
