@@ -245,14 +245,6 @@ def redis_server_throwaway(tmp_path_factory):
         server.stop()
 
 
-def cpu_runs_avx2() -> bool:
-    """Whether this CPU runs AVX2 + FMA code: the C twin programs (tests/c) built with -mavx2
-    -mfma run only then; elsewhere those tests build them (a compile check) and run the
-    portable build alone, and the in-process tests cover the bodies the CPU has."""
-    from kvcache import _core
-    return {"avx2", "fma"} <= _core.cpu_features()
-
-
 # The x86-64 bodies as the C twin programs (tests/c) build them: one program per body, the body
 # chosen by the compile flags as the extension's units choose it by their target pragma.
 X86_BODY_FLAGS = {
