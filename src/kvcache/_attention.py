@@ -24,11 +24,12 @@ from __future__ import annotations
 import math
 import threading
 from types import ModuleType
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import numpy.typing as npt
 
+from ._entry import Rows
 from ._threads import threads_for
 from ._validate import FloatArrayLike, as_f32
 from .quant import CHUNK_ROWS
@@ -37,7 +38,6 @@ __all__ = ["PROBS_BUDGET", "Rows", "attend_blocks", "attend_prefill", "attend_ro
            "default_scale", "grouped_queries", "prefill_work", "scratch"]
 
 F32 = npt.NDArray[np.float32]
-I8 = npt.NDArray[np.int8]
 IP = npt.NDArray[np.intp]
 
 PROBS_BUDGET = 64 << 20
@@ -72,34 +72,6 @@ def grouped_queries(q: FloatArrayLike, nkv: int, hd: int) -> tuple[F32, bool]:
 def default_scale(head_dim: int) -> float:
     """1/sqrt(head_dim) as float32 (computed in double, rounded once)."""
     return float(np.float32(1.0 / math.sqrt(head_dim)))
-
-
-class Rows(NamedTuple):
-    """One layer's stored rows as ``attend_rows`` reads them: head-major ``(nkv, capacity, .)``.
-
-    A float32 component leaves its int8 arrays (and scales) with zero capacity, and the other
-    way round; ``vcol`` is the frozen V column field (ones when there is none).
-    """
-
-    kf: F32
-    kq: I8
-    ks: F32
-    vf: F32
-    vq: I8
-    vs: F32
-    vcol: F32
-    head_len: IP
-    quant_k: bool
-    quant_v: bool
-
-    @classmethod
-    def float32(cls, kf: F32, vf: F32, head_len: IP, k_groups: int) -> Rows:
-        """Float32 K and V only (``k_groups`` scale groups per row of an int8 K, unused)."""
-        nkv, _, hd = kf.shape
-        empty_q = np.zeros((nkv, 0, hd), dtype=np.int8)
-        return cls(kf, empty_q, np.zeros((nkv, 0, k_groups), dtype=np.float32), vf, empty_q,
-                   np.zeros((nkv, 0, 1), dtype=np.float32), np.ones((nkv, hd), dtype=np.float32),
-                   head_len, False, False)
 
 
 def attend_rows(kernels: ModuleType, rows: Rows, q2: F32, group_q0: IP, *, n_pos: int,
