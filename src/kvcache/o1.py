@@ -474,8 +474,8 @@ class O1Sealed:
         st.win_v[:, (tail - sink) % w] = values[:, t - w: t]
         # n_threads caps the policy's count (kvcache._threads)
         n_threads = min(n_threads, threads_for(nh * n_abs * m_eff * (d + dv), nh))
-        kernels.o1_absorb(st.arrays(), O1Absorb(keys=far_k, values=far_v, row0=row0, n=n_abs,
-                                                scr=st.scr, n_threads=n_threads))
+        kernels.o1_absorb(st._kernel_state(), O1Absorb(
+            keys=far_k, values=far_v, row0=row0, n=n_abs, scr=st.scr, n_threads=n_threads))
         st.far_len = n_abs
         st.win_len = w
         st.win_head = (t - sink) % w
@@ -509,7 +509,7 @@ class O1Sealed:
         self.scr = np.zeros((nh, 0), dtype=_F32)
 
     # ------------------------------------------------------------------ decode
-    def arrays(self) -> O1State:
+    def _kernel_state(self) -> O1State:
         """The state as the O(1) kernels read it (the arrays themselves, no copies)."""
         return O1State(self.sink_k, self.sink_v, self.win_k, self.win_v, self.k_tilde,
                        self.q_tilde, self.mu, self.t_hat, self.z_hat, self.m_max, self.scale,
@@ -536,7 +536,7 @@ class O1Sealed:
         nh = self.num_heads
         n_threads = min(n_threads, threads_for(
             nh * (self.sink_len + win_len + self.m_eff) * (self.d + self.dv), nh))
-        kernels.o1_step(self.arrays(), O1Step(
+        kernels.o1_step(self._kernel_state(), O1Step(
             q=q, k_new=k_new, v_new=v_new, win_len=win_len, slot=slot, absorb=absorb,
             use_far=far_len > 0, out=out, scr=scr, n_threads=n_threads))
         self.win_len = win_len
