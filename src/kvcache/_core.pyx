@@ -710,8 +710,11 @@ cdef class _Call:
 
 
 cdef class _Plan:
-    """The plan of one attention call and every C buffer it uses (freed with it): each query's
-    visible rows [qf, qe) and KV group qg, the task list, and what the entry adds (alloc)."""
+    """The plan of one attention call and every C buffer it uses (freed with it): its bound
+    descriptors, each query's visible rows [qf, qe) and KV group qg, the task list, and what the
+    entry adds (alloc)."""
+    cdef _Store st
+    cdef _Call ca
     cdef Py_ssize_t *qf
     cdef Py_ssize_t *qe
     cdef Py_ssize_t *qg
@@ -744,6 +747,18 @@ cdef class _Plan:
             free(self._owned[i])
 
 
+cdef _Plan _attention(rows, call, bint blocked):
+    """An attention call's descriptors checked (kvcache._entry: check_attend_blocked or
+    check_attend_rows), then bound and planned; None when the call has no query."""
+    cdef Py_ssize_t k_group = (_entry.check_attend_blocked(rows, call) if blocked
+                               else _entry.check_attend_rows(rows, call))
+    cdef _Store st = _Store(rows, k_group)
+    cdef _Call ca = _Call(call, not blocked)
+    if ca.nq == 0:
+        return None
+    return _plan(st, ca, blocked)
+
+
 cdef _Plan _plan(_Store st, _Call ca, bint blocked):
     """The visible rows of every query of a call (``_visible``; ca.c points at them) and its
     task list.
@@ -756,6 +771,8 @@ cdef _Plan _plan(_Store st, _Call ca, bint blocked):
     ends on short tasks."""
     cdef _Plan pl = _Plan.__new__(_Plan)
     cdef const Py_ssize_t[::1] gq0 = ca.group_q0
+    pl.st = st
+    pl.ca = ca
     cdef Py_ssize_t nkv = st.nkv, hd = st.s.hd, nq = ca.nq
     cdef Py_ssize_t g, jl, j, e, f, cnt, per, stored, lo, hi
     cdef Py_ssize_t *g_lo = <Py_ssize_t *> pl.alloc(nkv * sizeof(Py_ssize_t))
@@ -887,12 +904,11 @@ def attend_rows(rows, call):
     p >= len(imp) are never touched.  Checked by kvcache._entry.check_attend_rows (ValueError,
     TypeError) before any work.
     """
-    cdef Py_ssize_t k_group = _entry.check_attend_rows(rows, call)
-    cdef _Store st = _Store(rows, k_group)
-    cdef _Call ca = _Call(call, True)
-    if ca.nq == 0:
+    cdef _Plan pl = _attention(rows, call, False)
+    if pl is None:
         return
-    cdef _Plan pl = _plan(st, ca, False)
+    cdef _Store st = pl.st
+    cdef _Call ca = pl.ca
     cdef const kvc_store *s = &st.s
     cdef kvc_call *c = &ca.c
     cdef const kvc_task *tasks = pl.tasks
@@ -1024,12 +1040,11 @@ def attend_blocked(rows, call):
     probability of row p (a second pass of scores).  Checked by
     kvcache._entry.check_attend_blocked (ValueError, TypeError) before any work.
     """
-    cdef Py_ssize_t k_group = _entry.check_attend_blocked(rows, call)
-    cdef _Store st = _Store(rows, k_group)
-    cdef _Call ca = _Call(call, False)
-    if ca.nq == 0:
+    cdef _Plan pl = _attention(rows, call, True)
+    if pl is None:
         return
-    cdef _Plan pl = _plan(st, ca, True)
+    cdef _Store st = pl.st
+    cdef _Call ca = pl.ca
     cdef const kvc_store *s = &st.s
     cdef kvc_call *c = &ca.c
     cdef const kvc_task *tasks = pl.tasks
