@@ -5,8 +5,9 @@
 # in the Python layer (layer.py, _attention.py, o1.py, mla.py), once per call.  An entry point
 # takes one storage descriptor and one call descriptor (kvcache._entry: Rows and AttendCall,
 # O1State and O1Absorb / O1Step, MlaCall) and first runs its check there -- the one place its
-# arguments are checked; nothing in this file raises but MemoryError.  Every function here has a
-# NumPy twin of the same name in kvcache/reference.py.
+# arguments are checked; a kernel entry raises nothing itself but MemoryError (the body choice,
+# set_bodies / set_isa, refuses unknown names).  Every kernel here has a NumPy twin of the same
+# name in kvcache/reference.py.
 #
 # Summation orders (documented, thread-count independent; the code is in _kernels.h):
 #   * a row's f32 score is kvc_dot_f32 (8 fused-multiply-add lanes folded pairwise, then the
