@@ -117,7 +117,8 @@ typedef struct kvc_mla {
     ptrdiff_t n, T, H, Hp, dn, dr, r, dv;
     float scale;
     float *out;                     /* n x H x dv */
-    ptrdiff_t i0, R, NT;            /* the group's first position; rows per task; tasks per position */
+    ptrdiff_t i0, R, NT;            /* the group's first position; rows per task; tasks
+                                       per position */
     float *qT;                      /* per position of the group: (r + dr) x Hp folded query */
     float *qa;                      /* per (position, head): r */
     float *acc;                     /* per task: H x r partial latent sums */

@@ -200,7 +200,8 @@ def attend_rows(rows: Rows, call: AttendCall) -> None:
     descriptors, trusted (the compiled entry checks them)."""
     kf__hcd, kq__hcd, ks__hcg, vf__hcd, vq__hcd, vs__hc1, vcol__hd, head_len__h = rows[:8]
     quant_k, quant_v, k_group = rows.quant_k, rows.quant_v, rows.k_group
-    q__jd, group_q0, out__jd, imp__l, probs__jl = call.q, call.group_q0, call.out, call.imp, call.probs
+    q__jd, group_q0, out__jd, imp__l = call.q, call.group_q0, call.out, call.imp
+    probs__jl = call.probs
     n_pos, n_back, window, first, imp_mode = (call.n_pos, call.n_back, call.window, call.first,
                                               call.imp_mode)
     if probs__jl is None:
@@ -362,8 +363,9 @@ def static_attend(cache: StaticKvCache, layer: int, q: FloatArrayLike, *,
 #
 # o1_absorb / o1_step are the twins of the compiled kernels (the same O1State and O1Absorb /
 # O1Step descriptors; they compute in the dtype of the state arrays, so the same code is the
-# float32 twin and, fed float64 arrays, the float64 streaming reference).  nystrom_stream and nystrom_matrix are the operator's two
-# float64 forms, written from the definitions and independent of kvcache.o1's seal code.
+# float32 twin and, fed float64 arrays, the float64 streaming reference).  nystrom_stream and
+# nystrom_matrix are the operator's two float64 forms, written from the definitions and
+# independent of kvcache.o1's seal code.
 
 def o1_absorb(state: O1State, rows: O1Absorb) -> None:
     """Twin of ``_core.o1_absorb``: rows [row0, row0+n) of every group enter the far field of
