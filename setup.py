@@ -220,8 +220,8 @@ extensions = [
         include_dirs=["src/kvcache"],
         depends=["src/kvcache/_kernels.h", "src/kvcache/_mla.h", "src/kvcache/_prefill.h",
                  "src/kvcache/_isa.h", "src/kvcache/_i8dot.h", "src/kvcache/_sizes.h",
-                 "src/kvcache/_dispatch.h", "src/kvcache/_body.h", "src/kvcache/_vec.h",
-                 "src/kvcache/_openmp.pxd"],
+                 "src/kvcache/_dispatch.h", "src/kvcache/_body.h", "src/kvcache/_entry.h",
+                 "src/kvcache/_vec.h", "src/kvcache/_openmp.pxd"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
 ]

@@ -20,6 +20,8 @@ import sys
 
 import numpy as np
 
+from kvcache._entry import AttendCall, MlaCall, O1Absorb, O1State, O1Step, Rows
+
 
 def _digest(*arrays: np.ndarray) -> str:
     h = hashlib.sha256()
@@ -45,17 +47,16 @@ def _attention(core, rng, blocked: bool, quant: bool, hd: int, group: int) -> li
     g0 = np.arange(nkv + 1, dtype=np.intp) * hpk * n_pos
     out = np.zeros((nq, hd), np.float32)
     imp = np.zeros(T, np.float32)
-    args = dict(kf__hcd=zf if quant else kf, kq__hcd=kq, ks__hcg=ks, vf__hcd=zf if quant else vf,
-                vq__hcd=vq, vs__hc1=vs, vcol__hd=vcol, head_len__h=hl, q__jd=q, group_q0=g0,
-                n_pos=n_pos, n_back=n_pos, window=0, first=0, scale=0.125, softcap=0.0,
-                out__jd=out, imp__l=imp, imp_mode=2 if blocked else 1, quant_k=quant,
-                quant_v=quant,
-                n_threads=2)
+    rows = Rows(kf=zf if quant else kf, kq=kq, ks=ks, vf=zf if quant else vf, vq=vq, vs=vs,
+                vcol=vcol, head_len=hl, quant_k=quant, quant_v=quant)
+    call = AttendCall(q=q, group_q0=g0, n_pos=n_pos, n_back=n_pos, window=0, first=0,
+                      scale=0.125, softcap=0.0, out=out, imp=imp, imp_mode=2 if blocked else 1,
+                      n_threads=2)
     if blocked:
-        core.attend_blocked(**args)
+        core.attend_blocked(rows, call)
         return [out, imp]
     probs = np.zeros((nq, T), np.float32)
-    core.attend_rows(probs__jl=probs, **args)
+    core.attend_rows(rows, call._replace(probs=probs))
     return [out, probs, imp]
 
 
@@ -68,22 +69,29 @@ def _o1(core, rng) -> list[np.ndarray]:
     t_hat = np.zeros((H, m, dv), f)
     z_hat = np.zeros((H, m), f)
     m_max = np.full((H, m), -np.inf, f)
-    core.o1_absorb(q_tilde__hmd=qt, keys__gnd=keys, values__gne=vals, row0=0, n=40, scale=0.125,
-                   t_hat__hme=t_hat, z_hat__hm=z_hat, m_max__hm=m_max,
-                   scr__hm=np.zeros((H, m), f), n_threads=2)
-    win_k = rng.standard_normal((G, cap, d)).astype(f)
-    win_v = rng.standard_normal((G, cap, dv)).astype(f)
+    win_k = np.zeros((G, cap, d), f)
+    win_v = np.zeros((G, cap, dv), f)
+    unused = np.zeros((G, 0, d), f)
+    far = O1State(sink_k=unused, sink_v=unused, win_k=win_k, win_v=win_v, k_tilde=unused,
+                  q_tilde=qt, mu=np.zeros((H, 0, 0), f), t_hat=t_hat, z_hat=z_hat, m_max=m_max,
+                  scale=0.125, fm=False)
+    core.o1_absorb(far, O1Absorb(keys=keys, values=vals, row0=0, n=40,
+                                 scr=np.zeros((H, m), f), n_threads=2))
+    win_k[...] = rng.standard_normal((G, cap, d))
+    win_v[...] = rng.standard_normal((G, cap, dv))
     out = np.zeros((H, dv), f)
-    core.o1_step(q__hd=rng.standard_normal((H, d)).astype(f),
-                 k_new__gd=rng.standard_normal((G, d)).astype(f),
-                 v_new__ge=rng.standard_normal((G, dv)).astype(f),
-                 sink_k__gsd=rng.standard_normal((G, ns, d)).astype(f),
-                 sink_v__gse=rng.standard_normal((G, ns, dv)).astype(f),
-                 win_k__gcd=win_k, win_v__gce=win_v, win_len=cap, slot=5, absorb=True,
-                 k_tilde__gmd=rng.standard_normal((G, m, d)).astype(f), q_tilde__hmd=qt,
-                 mu__hmm=(rng.standard_normal((H, m, m)) * 0.1).astype(f), t_hat__hme=t_hat,
-                 z_hat__hm=z_hat, m_max__hm=m_max, use_far=True, fm=False, scale=0.125,
-                 out__he=out, scr__hx=np.zeros((H, ns + cap + 3 * m), f), n_threads=2)
+    q = rng.standard_normal((H, d)).astype(f)
+    k_new = rng.standard_normal((G, d)).astype(f)
+    v_new = rng.standard_normal((G, dv)).astype(f)
+    state = O1State(sink_k=rng.standard_normal((G, ns, d)).astype(f),
+                    sink_v=rng.standard_normal((G, ns, dv)).astype(f),
+                    win_k=win_k, win_v=win_v,
+                    k_tilde=rng.standard_normal((G, m, d)).astype(f), q_tilde=qt,
+                    mu=(rng.standard_normal((H, m, m)) * 0.1).astype(f), t_hat=t_hat,
+                    z_hat=z_hat, m_max=m_max, scale=0.125, fm=False)
+    core.o1_step(state, O1Step(q=q, k_new=k_new, v_new=v_new, win_len=cap, slot=5, absorb=True,
+                               use_far=True, out=out, scr=np.zeros((H, ns + cap + 3 * m), f),
+                               n_threads=2))
     return [t_hat, z_hat, m_max, win_k, win_v, out]
 
 
@@ -91,13 +99,13 @@ def _mla(core, rng) -> list[np.ndarray]:
     n, H, dn, dr, T, r, dv = 3, 20, 32, 16, 200, 96, 32
     f = np.float32
     out = np.zeros((n, H, dv), f)
-    core.mla_attend(qn__nhk=rng.standard_normal((n, H, dn)).astype(f),
-                    qr__nhe=rng.standard_normal((n, H, dr)).astype(f),
-                    lat__tr=rng.standard_normal((T, r)).astype(f),
-                    kr__te=rng.standard_normal((T, dr)).astype(f),
-                    wuk__hkr=(rng.standard_normal((H, dn, r)) * 0.1).astype(f),
-                    wuv__hjr=(rng.standard_normal((H, dv, r)) * 0.1).astype(f), scale=0.1,
-                    out__nhj=out, n_threads=2)
+    core.mla_attend(MlaCall(qn=rng.standard_normal((n, H, dn)).astype(f),
+                            qr=rng.standard_normal((n, H, dr)).astype(f),
+                            lat=rng.standard_normal((T, r)).astype(f),
+                            kr=rng.standard_normal((T, dr)).astype(f),
+                            wuk=(rng.standard_normal((H, dn, r)) * 0.1).astype(f),
+                            wuv=(rng.standard_normal((H, dv, r)) * 0.1).astype(f), scale=0.1,
+                            out=out, n_threads=2))
     return [out]
 
 

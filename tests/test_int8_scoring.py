@@ -23,6 +23,7 @@ import kvcache
 from kvcache import KvMode, LayerKvCache, _core
 from kvcache import _dispatch as dispatch
 from kvcache import reference as R
+from kvcache._entry import AttendCall, Rows
 from conftest import X86_BODY_FLAGS, cpu_runs
 
 def runnable_levels() -> list[str]:
@@ -226,15 +227,13 @@ def test_attend_rows_probabilities_come_from_the_twin_scores(each_level):
         probs = np.zeros((2, n), np.float32)
         out = np.zeros((2, hd), np.float32)
         zf = np.zeros((1, 1, hd), np.float32)
-        _core.attend_rows(kf__hcd=zf, kq__hcd=kq, ks__hcg=ks, vf__hcd=zf,
-                          vq__hcd=np.ones((1, n, hd), np.int8),
-                          vs__hc1=np.ones((1, n, 1), np.float32),
-                          vcol__hd=np.ones((1, hd), np.float32),
-                          head_len__h=np.array([n], np.intp), q__jd=q,
-                          group_q0=np.array([0, 2], np.intp), n_pos=1, n_back=1, window=0,
-                          first=0, scale=1.0, softcap=0.0, out__jd=out, probs__jl=probs,
-                          imp__l=np.zeros(0, np.float32), imp_mode=0, quant_k=True,
-                          quant_v=True, n_threads=1)
+        _core.attend_rows(
+            Rows(kf=zf, kq=kq, ks=ks, vf=zf, vq=np.ones((1, n, hd), np.int8),
+                 vs=np.ones((1, n, 1), np.float32), vcol=np.ones((1, hd), np.float32),
+                 head_len=np.array([n], np.intp), quant_k=True, quant_v=True),
+            AttendCall(q=q, group_q0=np.array([0, 2], np.intp), n_pos=1, n_back=1, window=0,
+                       first=0, scale=1.0, softcap=0.0, out=out, imp=np.zeros(0, np.float32),
+                       imp_mode=0, n_threads=1, probs=probs))
         ref = np.exp(raw.astype(np.float64) - raw.max(axis=1, keepdims=True))
         ref /= ref.sum(axis=1, keepdims=True)
         assert np.allclose(probs, ref, rtol=2e-6, atol=0)
@@ -391,19 +390,21 @@ def test_kernels_take_the_k_group_from_the_scale_count(hd, group, each_level):
     nq = nkv * hpk * n_pos
     q = rng.standard_normal((nq, hd)).astype(np.float32)
     g0 = np.arange(nkv + 1, dtype=np.intp) * hpk * n_pos
-    common = dict(kf__hcd=zf, kq__hcd=kq, ks__hcg=ks, vf__hcd=zf, vq__hcd=vq, vs__hc1=vs,
-                  vcol__hd=vcol, head_len__h=hl, q__jd=q, group_q0=g0, n_pos=n_pos,
-                  n_back=n_pos, window=0, first=0, scale=0.2, softcap=0.0, imp_mode=0,
-                  quant_k=True, quant_v=True)
+    rows = Rows(kf=zf, kq=kq, ks=ks, vf=zf, vq=vq, vs=vs, vcol=vcol, head_len=hl,
+                quant_k=True, quant_v=True)
+
+    def call(out, threads, blocked):
+        return AttendCall(q=q, group_q0=g0, n_pos=n_pos, n_back=n_pos, window=0, first=0,
+                          scale=0.2, softcap=0.0, out=out, imp=np.zeros(0, np.float32),
+                          imp_mode=0, n_threads=threads,
+                          probs=None if blocked else np.zeros((nq, T), np.float32))
 
     def run(mod, blocked, threads):
         out = np.zeros((nq, hd), np.float32)
         if blocked:
-            mod.attend_blocked(out__jd=out, imp__l=np.zeros(0, np.float32), n_threads=threads,
-                               **common)
+            mod.attend_blocked(rows, call(out, threads, blocked))
         else:
-            mod.attend_rows(out__jd=out, probs__jl=np.zeros((nq, T), np.float32),
-                            imp__l=np.zeros(0, np.float32), n_threads=threads, **common)
+            mod.attend_rows(rows, call(out, threads, blocked))
         return out
 
     for blocked in (False, True):
@@ -418,11 +419,9 @@ def test_kernels_take_the_k_group_from_the_scale_count(hd, group, each_level):
         assert np.allclose(first, want, rtol=1e-4, atol=2e-5)
         if group == 16:   # the 16-channel arithmetic differs from the 32-channel one
             other = np.zeros((nq, hd), np.float32)
-            ks32 = np.ascontiguousarray(ks[:, :, : -(-hd // 32)])
-            kw = dict(common, ks__hcg=ks32)
+            rows32 = rows._replace(ks=np.ascontiguousarray(ks[:, :, : -(-hd // 32)]))
             if blocked:
-                _core.attend_blocked(out__jd=other, imp__l=np.zeros(0, np.float32), n_threads=1, **kw)
+                _core.attend_blocked(rows32, call(other, 1, blocked))
             else:
-                _core.attend_rows(out__jd=other, probs__jl=np.zeros((nq, T), np.float32),
-                                  imp__l=np.zeros(0, np.float32), n_threads=1, **kw)
+                _core.attend_rows(rows32, call(other, 1, blocked))
             assert not np.array_equal(_bits(other), _bits(first))

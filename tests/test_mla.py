@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 import kvcache as kc
 from kvcache import _core, mla, reference as ref
+from kvcache._entry import MlaCall
 
 V2_LITE = dict(H=16, dn=128, dr=64, dv=128, r=512)
 
@@ -87,7 +88,7 @@ def test_kernel_matches_naive_within_1e5(geom, n, T):
     assert rel(out, oracle) < 1e-5
     assert rel(out, naive32) < 1e-5
     twin = np.empty_like(out)
-    ref.mla_attend(*args, scale, twin)
+    ref.mla_attend(MlaCall(*args, scale, twin, 1))
     assert rel(out, twin) < 1e-5
 
 
@@ -159,7 +160,7 @@ def test_bit_identical_for_any_thread_count(T):
     outs = []
     for nt in (1, 2, 3, 4):
         o = np.empty((3, 16, 8), dtype=np.float32)
-        _core.mla_attend(*args, 0.3, o, nt)
+        _core.mla_attend(MlaCall(*args, 0.3, o, nt))
         outs.append(o)
     for o in outs[1:]:
         assert o.tobytes() == outs[0].tobytes()
@@ -300,13 +301,13 @@ def test_kernel_driver_checks_shapes_before_nogil():
     qn, qr, lat, kr, wuk, wuv = make(rng, 1, 10, 3, 4, 2, 5, 8)
     out = np.empty((1, 3, 5), np.float32)
     with pytest.raises(ValueError):
-        _core.mla_attend(qn, qr, lat, kr[:5], wuk, wuv, 0.5, out, 1)
+        _core.mla_attend(MlaCall(qn, qr, lat, kr[:5], wuk, wuv, 0.5, out, 1))
     with pytest.raises(ValueError):
-        _core.mla_attend(qn, qr, lat, kr, wuk[:, :, :4], wuv, 0.5, out, 1)
+        _core.mla_attend(MlaCall(qn, qr, lat, kr, wuk[:, :, :4], wuv, 0.5, out, 1))
     with pytest.raises(ValueError):
-        _core.mla_attend(qn, qr, lat, kr, wuk, wuv, 0.5, out[:, :2], 1)
+        _core.mla_attend(MlaCall(qn, qr, lat, kr, wuk, wuv, 0.5, out[:, :2], 1))
     with pytest.raises(ValueError):
-        _core.mla_attend(qn, qr[:, :, :1], lat, kr, wuk, wuv, 0.5, out, 1)
+        _core.mla_attend(MlaCall(qn, qr[:, :, :1], lat, kr, wuk, wuv, 0.5, out, 1))
 
 
 # ------------------------------------------------------------------- scale and weight helpers
@@ -579,7 +580,7 @@ def test_hidden_rows_reach_neither_the_kernel_nor_its_twins():
     assert np.isnan(out[1]).all()
     twin = np.empty_like(out)
     with np.errstate(invalid="ignore"):
-        ref.mla_attend(qn, qr, lat, kr, wuk, wuv, 0.5, twin)
+        ref.mla_attend(MlaCall(qn, qr, lat, kr, wuk, wuv, 0.5, twin, 1))
     assert np.isfinite(twin[0]).all() and rel(out[0], twin[0]) < 1e-5
 
 

@@ -18,6 +18,7 @@ from threadpoolctl import threadpool_limits
 
 import kvcache as kc
 from kvcache import _core, reference
+from kvcache._entry import O1Absorb, O1State, O1Step
 from kvcache.o1 import EXACT_SLACK, O1Collecting, effective_landmarks, ridge_pinv, seg_means
 
 F32 = kc.KvMode.F32
@@ -222,10 +223,10 @@ def test_o1_absorb_kernel_matches_twin(rng, H, G, d, dv, m):
     scale = float(np.float32(1) / np.sqrt(np.float32(d)))
     a = {n: st[n].copy() for n in ("t_hat", "z_hat", "m_max")}
     b = {n: st[n].copy() for n in ("t_hat", "z_hat", "m_max")}
-    _core.o1_absorb(st["q_tilde"], st["win_k"], st["win_v"], 3, 30, scale, a["t_hat"], a["z_hat"],
-                    a["m_max"], np.zeros((H, m), np.float32), 2)
-    reference.o1_absorb(st["q_tilde"], st["win_k"], st["win_v"], 3, 30, scale, b["t_hat"],
-                        b["z_hat"], b["m_max"])
+    _core.o1_absorb(O1State(**dict(st, **a), scale=scale, fm=False),
+                    O1Absorb(st["win_k"], st["win_v"], 3, 30, np.zeros((H, m), np.float32), 2))
+    reference.o1_absorb(O1State(**dict(st, **b), scale=scale, fm=False),
+                        O1Absorb(st["win_k"], st["win_v"], 3, 30, None, 1))
     for n in a:
         np.testing.assert_allclose(a[n], b[n], rtol=3e-5, atol=1e-6)
 
@@ -245,10 +246,9 @@ def test_o1_step_kernel_matches_twin(rng, rect_fm, absorb, H, G, d, dv, m, ns, w
     for kern in (_core, reference):
         s = {n: a.copy() for n, a in st.items()}
         out = np.empty((H, dv), np.float32)
-        kern.o1_step(q, kn, vn, s["sink_k"], s["sink_v"], s["win_k"], s["win_v"], win, slot,
-                     absorb, s["k_tilde"], s["q_tilde"], s["mu"], s["t_hat"], s["z_hat"],
-                     s["m_max"], m > 0, rect_fm, scale, out,
-                     np.zeros((H, ns + win + 3 * m), np.float32), 2)
+        kern.o1_step(O1State(**s, scale=scale, fm=rect_fm),
+                     O1Step(q, kn, vn, win, slot, absorb, m > 0, out,
+                            np.zeros((H, ns + win + 3 * m), np.float32), 2))
         outs.append((out, s))
     (a, sa), (b, sb) = outs
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
@@ -887,10 +887,11 @@ def test_one_step_rebuilt_from_views_alone_matches_o1_step(rng, rect):
     t_hat, z_hat, m_max = hstack("t_hat"), hstack("z_hat"), hstack("m_max")
     x = views[0]
     out = np.empty((H, d), np.float32)
-    _core.o1_step(q[p], k[p], v[p], stack(lambda x: x.sink_k), stack(lambda x: x.sink_v), win_k,
-                  win_v, x.win_len, x.win_head, True, stack(lambda x: x.k_tilde), hstack("q_tilde"),
-                  hstack("mu"), t_hat, z_hat, m_max, True, heads[0].rect_fm, x.scale, out,
-                  np.zeros((H, x.sink_len + x.win_len + 3 * x.m_eff), np.float32), 1)
+    _core.o1_step(O1State(stack(lambda x: x.sink_k), stack(lambda x: x.sink_v), win_k, win_v,
+                          stack(lambda x: x.k_tilde), hstack("q_tilde"), hstack("mu"), t_hat,
+                          z_hat, m_max, x.scale, heads[0].rect_fm),
+                  O1Step(q[p], k[p], v[p], x.win_len, x.win_head, True, True, out,
+                         np.zeros((H, x.sink_len + x.win_len + 3 * x.m_eff), np.float32), 1))
     assert out.tobytes() == c.o1_step(q[p], k[p], v[p], H).tobytes()
     assert t_hat.tobytes() == c.o1.t_hat.tobytes()
 

@@ -26,6 +26,7 @@ from hypothesis import given, settings, strategies as st
 import kvcache as kc
 from kvcache import _core, reference as ref
 from kvcache._attention import default_scale
+from kvcache._entry import AttendCall, Rows
 from conftest import X86_BODY_FLAGS, cpu_runs
 
 MODES = [kc.KvMode.F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False),
@@ -64,20 +65,17 @@ def run(fn, layer, q2, group_q0, *, n_pos, n_back, window=0, first=0, scale=None
     hd = q2.shape[1]
     out = np.full(q2.shape, 7.0, dtype=np.float32)
     imp = np.zeros(int(rows.head_len.max()) if imp_len is None else imp_len, dtype=np.float32)
-    kw = dict(kf__hcd=rows.kf, kq__hcd=rows.kq, ks__hcg=rows.ks, vf__hcd=rows.vf,
-              vq__hcd=rows.vq, vs__hc1=rows.vs, vcol__hd=rows.vcol, head_len__h=rows.head_len,
-              q__jd=q2, group_q0=group_q0, n_pos=n_pos, n_back=n_back, window=window,
-              first=first, scale=default_scale(hd) if scale is None else scale,
-              softcap=softcap, out__jd=out, imp__l=imp, imp_mode=imp_mode,
-              quant_k=rows.quant_k, quant_v=rows.quant_v, n_threads=n_threads)
+    call = AttendCall(q=q2, group_q0=group_q0, n_pos=n_pos, n_back=n_back, window=window,
+                      first=first, scale=default_scale(hd) if scale is None else scale,
+                      softcap=softcap, out=out, imp=imp, imp_mode=imp_mode, n_threads=n_threads)
     if fn == "rows":
-        kw["probs__jl"] = np.zeros((q2.shape[0], max(1, imp.shape[0], int(rows.head_len.max()))),
-                                   dtype=np.float32)
-        _core.attend_rows(**kw)
+        call = call._replace(probs=np.zeros(
+            (q2.shape[0], max(1, imp.shape[0], int(rows.head_len.max()))), dtype=np.float32))
+        _core.attend_rows(rows, call)
     elif fn == "ref":
-        ref.attend_blocked(**kw)
+        ref.attend_blocked(rows, call)
     else:
-        _core.attend_blocked(**kw)
+        _core.attend_blocked(rows, call)
     return out, imp
 
 
@@ -373,34 +371,61 @@ def _bad_cases(layer, q2, g0):
         (dict(group_q0=np.array([0, 5, 9], dtype=np.intp)), "group_q0"),
         (dict(group_q0=np.array([1, g0[1], g0[2]], dtype=np.intp)), "group_q0"),
         (dict(group_q0=np.array([0, 30, 20], dtype=np.intp)), "group_q0"),
-        (dict(head_len__h=np.array([50, 10 ** 6], dtype=np.intp)), "head_len"),
-        (dict(head_len__h=np.array([50, -1], dtype=np.intp)), "head_len"),
-        (dict(head_len__h=np.array([50], dtype=np.intp)), "group_q0"),
-        (dict(out__jd=np.zeros((q2.shape[0], hd + 1), np.float32)), "out"),
-        (dict(out__jd=np.zeros((q2.shape[0] - 1, hd), np.float32)), "out"),
-        (dict(kf__hcd=rows.kf[:1]), "float32 K"),
-        (dict(vf__hcd=np.zeros((2, 10, hd), np.float32)), "head_len"),
+        (dict(head_len=np.array([50, 10 ** 6], dtype=np.intp)), "head_len"),
+        (dict(head_len=np.array([50, -1], dtype=np.intp)), "head_len"),
+        (dict(head_len=np.array([50], dtype=np.intp)), "group_q0"),
+        (dict(out=np.zeros((q2.shape[0], hd + 1), np.float32)), "out"),
+        (dict(out=np.zeros((q2.shape[0] - 1, hd), np.float32)), "out"),
+        (dict(kf=rows.kf[:1]), "float32 K"),
+        (dict(vf=np.zeros((2, 10, hd), np.float32)), "head_len"),
         (dict(quant_k=True), "head_len"),          # the empty int8 arrays hold no row
         (dict(quant_v=True), "head_len"),
     ]
+
+
+def _bad_call(layer, q2, g0, change, out, imp, probs=None):
+    """The layer's rows and a good call, with ``change`` applied to whichever holds each field."""
+    rows = layer._rows()
+    call = AttendCall(q=q2, group_q0=g0, n_pos=10, n_back=10, window=0, first=0, scale=0.25,
+                      softcap=0.0, out=out, imp=imp, imp_mode=2, n_threads=1, probs=probs)
+    return (rows._replace(**{k: v for k, v in change.items() if k in Rows._fields}),
+            call._replace(**{k: v for k, v in change.items() if k not in Rows._fields}))
 
 
 def test_bad_input_raises_before_any_work(rng):
     layer = filled(2, 16, kc.KvMode.F32, 50, rng)
     q2, g0 = grouped(layer, rng.standard_normal((10, 4, 16)).astype(np.float32))
     for change, match in _bad_cases(layer, q2, g0):
-        rows = layer._rows()
         out = np.full(q2.shape, 7.0, dtype=np.float32)
         imp = np.full(50, 3.0, dtype=np.float32)
-        kw = dict(kf__hcd=rows.kf, kq__hcd=rows.kq, ks__hcg=rows.ks, vf__hcd=rows.vf,
-                  vq__hcd=rows.vq, vs__hc1=rows.vs, vcol__hd=rows.vcol,
-                  head_len__h=rows.head_len, q__jd=q2, group_q0=g0, n_pos=10, n_back=10,
-                  window=0, first=0, scale=0.25, softcap=0.0, out__jd=out, imp__l=imp,
-                  imp_mode=2, quant_k=False, quant_v=False, n_threads=1)
-        kw.update(change)
+        rows, call = _bad_call(layer, q2, g0, change, out, imp)
         with pytest.raises(ValueError, match=match):
-            _core.attend_blocked(**kw)
+            _core.attend_blocked(rows, call)
         assert (out == 7.0).all() and (imp == 3.0).all(), change
+
+
+def test_decode_kernel_refuses_the_same_bad_input(rng):
+    """attend_rows runs the checks of attend_blocked (imp_mode 1 is its own), and checks its
+    probability matrix: nothing is written before they pass."""
+    layer = filled(2, 16, kc.KvMode.F32, 50, rng)
+    q2, g0 = grouped(layer, rng.standard_normal((10, 4, 16)).astype(np.float32))
+    cases = [(c, m) for c, m in _bad_cases(layer, q2, g0) if c != dict(imp_mode=1)] + [
+        (dict(imp_mode=3), "imp_mode"),
+        (dict(probs=np.zeros((q2.shape[0] + 1, 50), np.float32)), "probs"),
+        (dict(probs=np.zeros((q2.shape[0], 50), np.float64)), "probs"),
+        (dict(probs=None), "probs"),
+        (dict(q=q2.astype(np.float64)), "q"),
+        (dict(out=np.zeros((q2.shape[0], 32), np.float32)[:, ::2]), "out"),
+        (dict(kf=layer._rows().kf.astype(np.float64)), "kf"),
+    ]
+    for change, match in cases:
+        out = np.full(q2.shape, 7.0, dtype=np.float32)
+        imp = np.full(50, 3.0, dtype=np.float32)
+        probs = np.full((q2.shape[0], 50), 5.0, dtype=np.float32)
+        rows, call = _bad_call(layer, q2, g0, change, out, imp, probs)
+        with pytest.raises((ValueError, TypeError), match=match):
+            _core.attend_rows(rows, call)
+        assert (out == 7.0).all() and (imp == 3.0).all() and (probs == 5.0).all(), change
 
 
 def test_q8_storage_shapes_are_checked(rng):

@@ -9,14 +9,16 @@ public ``attend`` call and that kernel is the same for both and lives here once:
   :data:`PROBS_BUDGET` bytes, gathers each block's queries KV group by KV group (the layout the
   kernel reads: for group ``g``, positions in order, then the group's query heads), runs the
   kernel and scatters the result back to ``(n, num_heads, head_dim)``;
-- :func:`attend_rows` runs the kernel on one set of gathered queries, by keyword, with a
-  per-thread probability scratch that is kept for the next call;
+- :func:`attend_rows` runs the kernel on one set of gathered queries, with a per-thread
+  probability scratch that is kept for the next call;
 - :func:`attend_prefill` is the prompt path: the blocked kernel ``attend_blocked`` (tiles of
   queries x rows, online softmax, no probability matrix) over all ``n`` positions in one call.
 
-The kernel module is a parameter: the compiled ``kvcache._core`` in normal use, the NumPy twin
-``kvcache.reference`` when the reference runs a cache's own driver (the twins have the same
-names and arguments).  The summation orders are those of the kernel (``docs/numerics.md``).
+Both kernels take the layer's storage descriptor (:class:`kvcache._entry.Rows`) and one call
+descriptor (:class:`kvcache._entry.AttendCall`).  The kernel module is a parameter: the
+compiled ``kvcache._core`` in normal use, the NumPy twin ``kvcache.reference`` when the
+reference runs a cache's own driver (the twins have the same names and take the same
+descriptors).  The summation orders are those of the kernel (``docs/numerics.md``).
 """
 
 from __future__ import annotations
@@ -24,20 +26,20 @@ from __future__ import annotations
 import math
 import threading
 from types import ModuleType
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import numpy.typing as npt
 
+from ._entry import AttendCall, Rows
 from ._threads import threads_for
 from ._validate import FloatArrayLike, as_f32
 from .quant import CHUNK_ROWS
 
-__all__ = ["PROBS_BUDGET", "Rows", "attend_blocks", "attend_prefill", "attend_rows",
+__all__ = ["PROBS_BUDGET", "AttendCall", "Rows", "attend_blocks", "attend_prefill", "attend_rows",
            "default_scale", "grouped_queries", "prefill_work", "scratch"]
 
 F32 = npt.NDArray[np.float32]
-I8 = npt.NDArray[np.int8]
 IP = npt.NDArray[np.intp]
 
 PROBS_BUDGET = 64 << 20
@@ -74,34 +76,6 @@ def default_scale(head_dim: int) -> float:
     return float(np.float32(1.0 / math.sqrt(head_dim)))
 
 
-class Rows(NamedTuple):
-    """One layer's stored rows as ``attend_rows`` reads them: head-major ``(nkv, capacity, .)``.
-
-    A float32 component leaves its int8 arrays (and scales) with zero capacity, and the other
-    way round; ``vcol`` is the frozen V column field (ones when there is none).
-    """
-
-    kf: F32
-    kq: I8
-    ks: F32
-    vf: F32
-    vq: I8
-    vs: F32
-    vcol: F32
-    head_len: IP
-    quant_k: bool
-    quant_v: bool
-
-    @classmethod
-    def float32(cls, kf: F32, vf: F32, head_len: IP, k_groups: int) -> Rows:
-        """Float32 K and V only (``k_groups`` scale groups per row of an int8 K, unused)."""
-        nkv, _, hd = kf.shape
-        empty_q = np.zeros((nkv, 0, hd), dtype=np.int8)
-        return cls(kf, empty_q, np.zeros((nkv, 0, k_groups), dtype=np.float32), vf, empty_q,
-                   np.zeros((nkv, 0, 1), dtype=np.float32), np.ones((nkv, hd), dtype=np.float32),
-                   head_len, False, False)
-
-
 def attend_rows(kernels: ModuleType, rows: Rows, q2: F32, group_q0: IP, *, n_pos: int,
                 n_back: int, window: int, first: int, scale: float, softcap: float, out2: F32,
                 width: int, imp: F32, imp_mode: int, n_threads: int) -> F32:
@@ -114,12 +88,10 @@ def attend_rows(kernels: ModuleType, rows: Rows, q2: F32, group_q0: IP, *, n_pos
     n_threads = min(n_threads, threads_for(2 * nq * w * hd,
                                            min(nq, len(group_q0) - 1) * -(-w // CHUNK_ROWS)))
     probs = scratch("probs", q2.shape[0] * w).reshape(q2.shape[0], w)
-    kernels.attend_rows(
-        kf__hcd=rows.kf, kq__hcd=rows.kq, ks__hcg=rows.ks, vf__hcd=rows.vf, vq__hcd=rows.vq,
-        vs__hc1=rows.vs, vcol__hd=rows.vcol, head_len__h=rows.head_len, q__jd=q2,
-        group_q0=group_q0, n_pos=n_pos, n_back=n_back, window=window, first=first, scale=scale,
-        softcap=softcap, out__jd=out2, probs__jl=probs, imp__l=imp, imp_mode=imp_mode,
-        quant_k=rows.quant_k, quant_v=rows.quant_v, n_threads=n_threads)
+    kernels.attend_rows(rows, AttendCall(
+        q=q2, group_q0=group_q0, n_pos=n_pos, n_back=n_back, window=window, first=first,
+        scale=scale, softcap=softcap, out=out2, imp=imp, imp_mode=imp_mode, n_threads=n_threads,
+        probs=probs))
     return probs
 
 
@@ -186,10 +158,8 @@ def attend_prefill(kernels: ModuleType, rows: Rows, q3: F32, out3: F32, *, maxle
     group_q0 = np.arange(nkv + 1, dtype=np.intp) * (n * hpk)
     o2 = np.empty((nkv * n * hpk, hd), np.float32)
     work, tasks = prefill_work(n, maxlen, window, nh, nkv, hd)
-    kernels.attend_blocked(
-        kf__hcd=rows.kf, kq__hcd=rows.kq, ks__hcg=rows.ks, vf__hcd=rows.vf, vq__hcd=rows.vq,
-        vs__hc1=rows.vs, vcol__hd=rows.vcol, head_len__h=rows.head_len, q__jd=q2,
-        group_q0=group_q0, n_pos=n, n_back=n, window=window, first=0, scale=scale,
-        softcap=softcap, out__jd=o2, imp__l=imp, imp_mode=imp_mode, quant_k=rows.quant_k,
-        quant_v=rows.quant_v, n_threads=min(n_threads, threads_for(work, tasks)))
+    kernels.attend_blocked(rows, AttendCall(
+        q=q2, group_q0=group_q0, n_pos=n, n_back=n, window=window, first=0, scale=scale,
+        softcap=softcap, out=o2, imp=imp, imp_mode=imp_mode,
+        n_threads=min(n_threads, threads_for(work, tasks))))
     out3[...] = o2.reshape(nkv, n, hpk, hd).transpose(1, 0, 2, 3).reshape(n, nh, hd)

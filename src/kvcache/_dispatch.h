@@ -12,7 +12,8 @@
  * A unit for another CPU family holds no code and its table pointer is NULL.  Each table names
  * the body it runs; _core.pyx (compiled for the baseline) includes only this header and calls
  * through the table of the body chosen for a family (kvc_ops_of), read once per kernel call.
- * An `isa` argument that an entry still takes is not read (the unit's own body runs).
+ * An entry takes the descriptors below and its task's range (five arguments at most) and runs
+ * its unit's own body: no entry takes a body argument.
  *
  * Families (kvcache/_dispatch.py holds the bodies each one has and the rule that chooses):
  *   KVC_FAM_F32      decode attention over float32 rows, softmax, the O(1) step
@@ -35,24 +36,106 @@
 #define KVC_FAM_MLA 3
 #define KVC_N_FAMILIES 4
 
-#ifndef KVC_MLA_TASK_FN
-#define KVC_MLA_TASK_FN
-typedef void (*kvc_mla_task_fn)(const float *qT, ptrdiff_t H, ptrdiff_t Hp, const float *lat,
-                                const float *kr, ptrdiff_t r, ptrdiff_t dr, ptrdiff_t p0,
-                                ptrdiff_t p1, ptrdiff_t pf_end, float scale, float *acc,
-                                float *m, float *l, float *S);
-#endif
+/* ---------------------------------------------------------------------------------------
+ * What crosses from _core into a unit: one storage descriptor, one call descriptor and the
+ * range of the task.  _core fills them once per call, from kvcache._entry's descriptors after
+ * kvcache._entry's checks; the entries (_entry.h) unpack them into the kernels' own
+ * arguments.  Arrays are C-contiguous; a pointer is NULL where its array is empty or unused.
+ * ------------------------------------------------------------------------------------- */
 
+/* One layer's stored rows, head-major: row p of KV group g in a store of capacity `cap` rows
+ * of width `w` is at base + (g * cap + p) * w.  K is float32 (kf) or int8 (kq codes and ks
+ * scales, ks_stride per row, one per k_group channels); V likewise (vq codes, vs one scale
+ * per row, vcol the frozen column field, nkv x hd). */
+typedef struct kvc_store {
+    const float *kf;
+    const int8_t *kq;
+    const float *ks;
+    const float *vf;
+    const int8_t *vq;
+    const float *vs;
+    const float *vcol;
+    ptrdiff_t kcap, vcap;           /* rows per group of the K and V stores */
+    ptrdiff_t ks_stride, vs_stride; /* scales per row (0 for a float32 component) */
+    ptrdiff_t hd;                   /* head_dim */
+    ptrdiff_t k_group;              /* channels per K scale: 16 or 32 */
+    int quant_k, quant_v;
+} kvc_store;
+
+/* The queries of one attention call and where its results go.  Query j (row j of q) belongs
+ * to one KV group and sees that group's rows [qf[j], qe[j]). */
+typedef struct kvc_call {
+    const float *q;                 /* nq x hd */
+    const ptrdiff_t *qf, *qe;
+    const int8_t *qi;               /* int8 K: the queries' codes (KVC_I8_PAD(hd) each), */
+    const float *qsc;               /* group scales and code sums (KVC_I8_GROUPS(hd, k_group) */
+    const int32_t *qsum;            /* each); NULL for float32 K */
+    float scale, softcap;
+    float *probs;                   /* nq x L: decode probabilities (q8_rows: raw scores) */
+    ptrdiff_t L;
+    float *out;                     /* nq x hd: prompt outputs */
+    float *qm, *ql;                 /* nq each: a prompt query's final running max and sum */
+} kvc_call;
+
+/* One task of an attention call: the queries [j0, j1), all of KV group g, over the rows
+ * [p0, p1) of that group (decode tasks, q8 rows, the prompt's importance tiles; a prompt task
+ * walks its queries' own visible rows and leaves p0 = p1 = 0). */
+typedef struct kvc_task {
+    ptrdiff_t g, j0, j1, p0, p1;
+} kvc_task;
+
+/* The O(1) state of a sealed layer and one decode step over it (docs/o1.md): group-shared
+ * arrays indexed by KV group g, per-head arrays by query head h, which is in group h / hpk. */
+typedef struct kvc_o1 {
+    ptrdiff_t hpk, m, d, dv;        /* heads per group, landmarks, key and value dims */
+    float scale;
+    int fm;                         /* the FM rectifier (else aggregate) */
+    const float *q_tilde;           /* H x m x d   query landmarks */
+    const float *k_tilde;           /* G x m x d   key landmarks */
+    const float *mu;                /* H x m x m   mixing matrices */
+    float *t_hat, *z_hat, *m_max;   /* H x m x dv, H x m, H x m   far accumulators */
+    const float *sink_k, *sink_v;   /* G x ns x d, G x ns x dv */
+    ptrdiff_t ns;
+    float *win_k, *win_v;           /* G x cap x d, G x cap x dv   the window ring */
+    ptrdiff_t cap;
+    /* the step */
+    const float *q;                 /* H x d */
+    const float *k_new, *v_new;     /* G x d, G x dv */
+    ptrdiff_t win_len, slot;        /* ring rows read; the slot of the new row */
+    int absorb, use_far;            /* absorb the row leaving the ring; read the far field */
+    float *out;                     /* H x dv */
+    float *scr;                     /* H x scr_stride scratch */
+    ptrdiff_t scr_stride;
+} kvc_o1;
+
+/* One absorbed MLA call and the scratch of its current group of positions, which starts at
+ * position i0: position i of n attends the rows [0, T - n + i + 1). */
+typedef struct kvc_mla {
+    const float *qn, *qr;           /* n x H x dn, n x H x dr   query parts (no RoPE, RoPE) */
+    const float *lat, *kr;          /* T x r latents, T x dr RoPE keys */
+    const float *wuk, *wuv;         /* H x dn x r, H x dv x r   the two halves of kv_b_proj */
+    ptrdiff_t n, T, H, Hp, dn, dr, r, dv;
+    float scale;
+    float *out;                     /* n x H x dv */
+    ptrdiff_t i0, R, NT;            /* the group's first position; rows per task; tasks
+                                       per position */
+    float *qT;                      /* per position of the group: (r + dr) x Hp folded query */
+    float *qa;                      /* per (position, head): r */
+    float *acc;                     /* per task: H x r partial latent sums */
+    float *m, *l;                   /* per task: Hp running maxima and sums */
+    float *c;                       /* per (position, head): r merged latent */
+} kvc_mla;
+
+/* The entry points of one compiled body (defined in _entry.h). */
 typedef struct kvc_ops {
     const char *name;   /* the body this unit is: "portable", "avx2", ... (_dispatch.py) */
-    /* decode, float32 rows */
-    void (*task_scores)(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
-                        const float *kf, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd, float scale,
-                        float softcap, float *probs, ptrdiff_t L);
-    void (*task_values)(const float *probs, ptrdiff_t L, ptrdiff_t nq, const ptrdiff_t *qf,
-                        const ptrdiff_t *qe, const float *vf, const int8_t *vq, const float *vs,
-                        int quant_v, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd, float *acc,
+    /* decode: scores of a task's queries over its rows into c->probs (float32 keys, int8
+     * keys), their weighted values into acc ((j1 - j0) x hd); raw q8 scores (no scale) */
+    void (*task_scores)(const kvc_store *s, const kvc_call *c, const kvc_task *t);
+    void (*task_scores_i8)(const kvc_store *s, const kvc_call *c, const kvc_task *t);
+    void (*task_values)(const kvc_store *s, const kvc_call *c, const kvc_task *t, float *acc,
                         float *scratch);
+    void (*q8_rows)(const kvc_store *s, const kvc_call *c, const kvc_task *t);
     void (*axpy)(float *y, float w, const float *x, ptrdiff_t n);
     void (*softmax)(float *s, ptrdiff_t n);
     /* quantisation (plain C in every unit) */
@@ -60,47 +143,21 @@ typedef struct kvc_ops {
                       int8_t *q, float *s);
     void (*quant_query)(const float *x, ptrdiff_t hd, ptrdiff_t group, int8_t *qi, float *sq,
                         int32_t *qsum);
-    /* O(1) step */
-    void (*o1_absorb)(const float *qt, const float *k, const float *v, ptrdiff_t m, ptrdiff_t d,
-                      ptrdiff_t dv, float scale, float *t_hat, float *z_hat, float *m_max,
-                      float *l);
-    void (*o1_head)(const float *q, ptrdiff_t d, ptrdiff_t dv, float scale, const float *sink_k,
-                    const float *sink_v, ptrdiff_t ns, const float *win_k, const float *win_v,
-                    ptrdiff_t nw, ptrdiff_t slot, const float *k_new, const float *v_new,
-                    const float *k_tilde, const float *mu, const float *t_hat,
-                    const float *z_hat, const float *m_max, ptrdiff_t m, int use_far, int fm,
-                    float *out, float *scr);
-    /* q8 scoring */
-    void (*task_scores_i8)(int isa, ptrdiff_t group, const int8_t *qi, const float *sq,
-                           const int32_t *qsum, ptrdiff_t nq, const ptrdiff_t *qf,
-                           const ptrdiff_t *qe, const int8_t *kq, const float *ks,
-                           ptrdiff_t ks_stride, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd,
-                           float scale, float softcap, float *probs, ptrdiff_t L);
-    void (*i8_rows)(int isa, ptrdiff_t group, const int8_t *qi, const float *sq,
-                    const int32_t *qsum, const int8_t *k, const float *ks, ptrdiff_t ks_stride,
-                    ptrdiff_t hd, ptrdiff_t n, float *out);
-    /* prompt attention */
-    void (*pf_task)(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
-                    const float *kf, const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
-                    int quant_k, const float *vf, const int8_t *vq, const float *vs,
-                    ptrdiff_t vs_stride, int quant_v, const float *vcol, ptrdiff_t hd,
-                    float scale, float softcap, float *out, float *qm, float *ql,
-                    float *scratch, int isa, ptrdiff_t group, const int8_t *qi,
-                    const float *qsc, const int32_t *qsum);
-    void (*pf_imp_group)(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
-                         const float *qm, const float *ql, const float *kf, const int8_t *kq,
-                         const float *ks, ptrdiff_t ks_stride, int quant_k, ptrdiff_t hd,
-                         float scale, float softcap, ptrdiff_t t0, ptrdiff_t t1, float *colsum,
-                         float *scratch, int isa, ptrdiff_t group, const int8_t *qi,
-                         const float *qsc, const int32_t *qsum);
-    /* MLA decode */
-    void (*mla_fold)(const float *qn, const float *qr, const float *wuk, ptrdiff_t dn,
-                     ptrdiff_t r, ptrdiff_t dr, ptrdiff_t h, ptrdiff_t Hp, float *qa, float *qT);
-    kvc_mla_task_fn (*mla_task_for)(int body);
-    const char *(*mla_path_for)(int body);
-    void (*mla_merge_head)(const float *acc, ptrdiff_t acc_stride, const float *m,
-                           const float *l, ptrdiff_t ml_stride, ptrdiff_t nt, const float *wuv,
-                           ptrdiff_t r, ptrdiff_t dv, float *c, float *out);
+    /* prompt attention: a task's outputs, running maxima and sums; the importance of the
+     * rows [t->p0, t->p1) of group t->g added into colsum */
+    void (*pf_task)(const kvc_store *s, const kvc_call *c, const kvc_task *t, float *scratch);
+    void (*pf_imp)(const kvc_store *s, const kvc_call *c, const kvc_task *t, float *colsum,
+                   float *scratch);
+    /* O(1): absorb one key/value row into head h's far field; head h's part of a step */
+    void (*o1_absorb)(const kvc_o1 *o, ptrdiff_t h, const float *k, const float *v,
+                      float *scr);
+    void (*o1_step_head)(const kvc_o1 *o, ptrdiff_t h);
+    /* MLA decode, over the current group of positions: fold the query of (position i, head
+     * h), task = i * H + h; one task of rows, task = i * NT + c; merge (i, h) */
+    void (*mla_fold)(const kvc_mla *a, ptrdiff_t task);
+    void (*mla_task)(const kvc_mla *a, ptrdiff_t task, float *S);
+    void (*mla_merge)(const kvc_mla *a, ptrdiff_t task);
+    const char *(*mla_path)(void);
     /* the benchmark's machine probe */
     float (*fma_probe)(long iters, float x);
     /* the body this unit is (KVC_ISA_*) */

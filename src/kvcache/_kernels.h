@@ -598,22 +598,12 @@ KVC_INLINE float kvc_i8_score1(const int8_t *restrict qi, const float *restrict 
 
 #include "_i8dot.h"
 
-/* The old entry with a body argument: every unit now holds one q8 body, its own (_dispatch.h),
- * so `isa` is not read.  Kept until the entry points take one call descriptor. */
-static void kvc_i8_rows_isa(int isa, ptrdiff_t group, const int8_t *qi, const float *sq,
-                            const int32_t *qsum, const int8_t *k, const float *ks,
-                            ptrdiff_t ks_stride, ptrdiff_t hd, ptrdiff_t n, float *out)
-{
-    (void)isa;
-    kvc_i8_rows(group, qi, sq, qsum, k, ks, ks_stride, hd, n, out);
-}
-
 #define KVC_I8_BLOCK 64 /* rows scored for every query of a task before the next rows */
 
 /* Scores of one decode task (kvc_task_scores with int8 keys): queries j < nq (quantised:
  * qi + j * KVC_I8_PAD(hd), sq / qsum + j * KVC_I8_GROUPS(hd, group)) over their visible rows
  * in [p0, p1): probs[j * L + p] = raw score * scale, softcapped. */
-static void kvc_task_scores_i8(int isa, ptrdiff_t group, const int8_t *qi, const float *sq,
+static void kvc_task_scores_i8(ptrdiff_t group, const int8_t *qi, const float *sq,
                                const int32_t *qsum,
                                ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
                                const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
@@ -627,7 +617,7 @@ static void kvc_task_scores_i8(int isa, ptrdiff_t group, const int8_t *qi, const
         for (j = 0; j < nq; ++j) {
             ptrdiff_t lo = b0 > qf[j] ? b0 : qf[j], hi = b1 < qe[j] ? b1 : qe[j];
             if (lo < hi)
-                kvc_i8_rows_isa(isa, group, qi + j * hdp, sq + j * ng, qsum + j * ng, kq + lo * hd,
+                kvc_i8_rows(group, qi + j * hdp, sq + j * ng, qsum + j * ng, kq + lo * hd,
                                 ks + lo * ks_stride, ks_stride, hd, hi - lo, probs + j * L + lo);
         }
     }

@@ -291,20 +291,6 @@ static void kvc_mla_merge_head(const float *acc, ptrdiff_t acc_stride, const flo
 
 /* ---- entry points ------------------------------------------------------------------------ */
 
-/* This unit's task and its name, whatever `body` asks for.  They keep the signatures of the
- * body tables (_dispatch.h) until each unit holds one body and its table names kvc_mla_task
- * and KVC_MLA_PATH itself; they go away with that restructure. */
-static inline kvc_mla_task_fn kvc_mla_task_for(int body)
-{
-    (void)body;
-    return kvc_mla_task;
-}
-
-static inline const char *kvc_mla_path_for(int body)
-{
-    (void)body;
-    return KVC_MLA_PATH;
-}
 
 /* Machine probe for the benchmark: `iters` steps of 10 independent chains of 8-lane fused
  * multiply-adds (80 FMAs per step), enough chains to cover the FMA latency on current x86

@@ -342,7 +342,7 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
                                  const float *vf, const int8_t *vq, const float *vs,
                                  ptrdiff_t vs_stride, int quant_v, const float *vcol,
                                  ptrdiff_t hd, float scale, float softcap, float *out,
-                                 float *qm, float *ql, float *scratch, int isa,
+                                 float *qm, float *ql, float *scratch,
                                  ptrdiff_t group, const int8_t *qi, const float *qsc,
                                  const int32_t *qsum)
 {
@@ -383,7 +383,7 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
         ptrdiff_t pf_step = (KVC_PF_TILE * KVC_PF_QR + (jb - ja) - 1) / (jb - ja);
         if (quant_k) {
             for (j = ja; j < jb; ++j)
-                kvc_i8_rows_isa(isa, group, qi + j * KVC_I8_PAD(hd),
+                kvc_i8_rows(group, qi + j * KVC_I8_PAD(hd),
                                 qsc + j * KVC_I8_GROUPS(hd, group),
                                 qsum + j * KVC_I8_GROUPS(hd, group), kq + r0 * hd, ks + r0 * ks_stride,
                                 ks_stride, hd, r1 - r0, S + j * KVC_PF_TILE + (r0 - t0));
@@ -481,12 +481,12 @@ static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const
                         int quant_k, const float *vf, const int8_t *vq, const float *vs,
                         ptrdiff_t vs_stride, int quant_v, const float *vcol, ptrdiff_t hd,
                         float scale, float softcap, float *out, float *qm, float *ql,
-                        float *scratch, int isa, ptrdiff_t group, const int8_t *qi,
+                        float *scratch, ptrdiff_t group, const int8_t *qi,
                         const float *qsc, const int32_t *qsum)
 {
 #define KVC_PF_TASK(HD) kvc_pf_task_impl(q, nq, qf, qe, kf, kq, ks, ks_stride, quant_k, vf, vq, \
                                          vs, vs_stride, quant_v, vcol, HD, scale, softcap, out, \
-                                         qm, ql, scratch, isa, group, qi, qsc, qsum)
+                                         qm, ql, scratch, group, qi, qsc, qsum)
     switch (hd) {
     case 64: KVC_PF_TASK(64); break;
     case 128: KVC_PF_TASK(128); break;
@@ -506,7 +506,7 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                              const float *kf, const int8_t *kq, const float *ks,
                              ptrdiff_t ks_stride, int quant_k, ptrdiff_t hd, float scale,
                              float softcap, ptrdiff_t t0, ptrdiff_t t1, float *colsum,
-                             float *scratch, int isa, ptrdiff_t group, const int8_t *qi,
+                             float *scratch, ptrdiff_t group, const int8_t *qi,
                              const float *qsc, const int32_t *qsum)
 {
     float *Kp = scratch;
@@ -544,7 +544,7 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
             continue;
         if (quant_k) {
             for (i = 0; i < nr; ++i)
-                kvc_i8_rows_isa(isa, group, qi + (j + i) * KVC_I8_PAD(hd),
+                kvc_i8_rows(group, qi + (j + i) * KVC_I8_PAD(hd),
                                 qsc + (j + i) * KVC_I8_GROUPS(hd, group),
                                 qsum + (j + i) * KVC_I8_GROUPS(hd, group), kq + (t0 + c0) * hd,
                                 ks + (t0 + c0) * ks_stride, ks_stride, hd, c1 - c0,

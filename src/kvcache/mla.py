@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _core
+from ._entry import MlaCall
 from ._threads import threads_for
 from ._validate import FloatArrayLike, as_f32, as_f32_scalar
 
@@ -138,10 +139,10 @@ def mla_decode(q_nope: FloatArrayLike, q_rope: FloatArrayLike, latent: FloatArra
             raise ValueError(f"out: expected a writeable C-contiguous array of shape {shape}, "
                              f"got shape {out.shape}")
         res = out.reshape(n, H, dv)
-    _core.mla_attend(qn__nhk=qn, qr__nhe=qr, lat__tr=lat, kr__te=kr, wuk__hkr=wuk, wuv__hjr=wuv,
-                     scale=scale, out__nhj=res,
-                     n_threads=threads_for(n * T * H * (2 * r + dr) + n * H * (dn + dv) * r,
-                                           n * -(-T // _core.mla_task_rows(T))))
+    _core.mla_attend(MlaCall(qn=qn, qr=qr, lat=lat, kr=kr, wuk=wuk, wuv=wuv, scale=scale,
+                             out=res,
+                             n_threads=threads_for(n * T * H * (2 * r + dr) + n * H * (dn + dv) * r,
+                                                   n * -(-T // _core.mla_task_rows(T)))))
     if out is not None:
         return out
     return res[0] if single else res

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import numpy.typing as npt
 
+from ._entry import O1Absorb, O1State, O1Step
 from ._threads import threads_for
 from ._validate import readonly
 
@@ -465,19 +466,17 @@ class O1Sealed:
             far_v = np.ascontiguousarray(values[gi, idx])
             row0 = 0
         n_abs = n_far - n_kept
-        # n_threads caps the policy's count (kvcache._threads)
-        n_threads = min(n_threads, threads_for(nh * n_abs * m_eff * (d + dv), nh))
-        kernels.o1_absorb(q_tilde__hmd=st.q_tilde, keys__gnd=far_k, values__gne=far_v,
-                          row0=row0, n=n_abs, scale=st.scale, t_hat__hme=st.t_hat,
-                          z_hat__hm=st.z_hat, m_max__hm=st.m_max, scr__hm=st.scr,
-                          n_threads=n_threads)
-        st.far_len = n_abs
-        # ...and key j >= sink sits in ring slot (j - sink) % w
+        # key j >= sink sits in ring slot (j - sink) % w
         st.win_k = np.zeros((nkv, w, d), dtype=_F32)
         st.win_v = np.zeros((nkv, w, dv), dtype=_F32)
         tail = np.arange(t - w, t)
         st.win_k[:, (tail - sink) % w] = keys[:, t - w: t]
         st.win_v[:, (tail - sink) % w] = values[:, t - w: t]
+        # n_threads caps the policy's count (kvcache._threads)
+        n_threads = min(n_threads, threads_for(nh * n_abs * m_eff * (d + dv), nh))
+        kernels.o1_absorb(st._kernel_state(), O1Absorb(
+            keys=far_k, values=far_v, row0=row0, n=n_abs, scr=st.scr, n_threads=n_threads))
+        st.far_len = n_abs
         st.win_len = w
         st.win_head = (t - sink) % w
         return st
@@ -510,6 +509,12 @@ class O1Sealed:
         self.scr = np.zeros((nh, 0), dtype=_F32)
 
     # ------------------------------------------------------------------ decode
+    def _kernel_state(self) -> O1State:
+        """The state as the O(1) kernels read it (the arrays themselves, no copies)."""
+        return O1State(self.sink_k, self.sink_v, self.win_k, self.win_v, self.k_tilde,
+                       self.q_tilde, self.mu, self.t_hat, self.z_hat, self.m_max, self.scale,
+                       self.rect is O1Rect.FM)
+
     def step(self, q: F32, k_new: F32, v_new: F32, out: F32, kernels: ModuleType,
              n_threads: int) -> None:
         """One decode step; q (H, d), k_new (G, d), v_new (G, dv) float32; fills out (H, dv)."""
@@ -531,13 +536,9 @@ class O1Sealed:
         nh = self.num_heads
         n_threads = min(n_threads, threads_for(
             nh * (self.sink_len + win_len + self.m_eff) * (self.d + self.dv), nh))
-        kernels.o1_step(q__hd=q, k_new__gd=k_new, v_new__ge=v_new, sink_k__gsd=self.sink_k,
-                        sink_v__gse=self.sink_v, win_k__gcd=self.win_k, win_v__gce=self.win_v,
-                        win_len=win_len, slot=slot, absorb=absorb, k_tilde__gmd=self.k_tilde,
-                        q_tilde__hmd=self.q_tilde, mu__hmm=self.mu, t_hat__hme=self.t_hat,
-                        z_hat__hm=self.z_hat, m_max__hm=self.m_max, use_far=far_len > 0,
-                        fm=self.rect is O1Rect.FM, scale=self.scale, out__he=out, scr__hx=scr,
-                        n_threads=n_threads)
+        kernels.o1_step(self._kernel_state(), O1Step(
+            q=q, k_new=k_new, v_new=v_new, win_len=win_len, slot=slot, absorb=absorb,
+            use_far=far_len > 0, out=out, scr=scr, n_threads=n_threads))
         self.win_len = win_len
         if absorb:
             self.win_head = (self.win_head + 1) % self.w

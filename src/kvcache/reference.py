@@ -1,6 +1,7 @@
 """Pure-NumPy twins of the compiled kernels in ``kvcache._core``, name for name.
 
-They take the same arguments and write the same outputs, so the tests can run both on
+They take the same arguments (for the attention, O(1) and MLA kernels: the descriptors of
+``kvcache._entry``, which they trust) and write the same outputs, so the tests can run both on
 identical inputs (the oracle) and the benchmark can time them side by side (the baseline).
 Numerics follow the same rules (docs/numerics.md) in float32 (scores, softmax, V accumulation,
 importance), with NumPy's own summation order inside dot products and sums; results therefore
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 import numpy as np
 import numpy.typing as npt
 
+from ._entry import AttendCall, MlaCall, O1Absorb, O1State, O1Step, Rows, k_group_of
 from ._validate import FloatArrayLike
 from .quant import CHUNK_ROWS, k_group
 
@@ -119,14 +121,6 @@ def fmaf(a: F32, b: F32, c: F32) -> F32:
     return out
 
 
-def k_group_of(hd: int, n_scales: int, k_group: int = 0) -> int:
-    """The K group of a q8 call, as ``_core`` reads it: ``k_group`` when 16 or 32, else 16 when
-    the K store holds ceil(hd / 16) scales per row (and hd > 16), otherwise 32."""
-    if k_group in (16, 32):
-        return k_group
-    return 16 if hd > 16 and n_scales == -(-hd // 16) else 32
-
-
 def quantize_query(q__jd: F32, qi__jp: I8, sq__jg: F32, qsum__jg: npt.NDArray[np.int32],
                    group: int = 32) -> None:
     """Twin of ``_core.quantize_query`` (docs/numerics.md, "q8 scoring"): each query quantised
@@ -201,12 +195,18 @@ def visible_range(stored: int, n_back: int, i: int, window: int, first: int,
     return f, e
 
 
-def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: I8,
-                vs__hc1: F32, vcol__hd: F32, head_len__h: IP, q__jd: F32, group_q0: IP,
-                n_pos: int, n_back: int, window: int, first: int, scale: float, softcap: float,
-                out__jd: F32, probs__jl: F32, imp__l: F32, imp_mode: int, quant_k: bool,
-                quant_v: bool, n_threads: int = 1, k_group: int = 0) -> None:
-    """NumPy twin of ``_core.attend_rows`` (see its docstring for the contract)."""
+def attend_rows(rows: Rows, call: AttendCall) -> None:
+    """NumPy twin of ``_core.attend_rows`` (see its docstring for the contract): the same
+    descriptors, trusted (the compiled entry checks them)."""
+    kf__hcd, kq__hcd, ks__hcg, vf__hcd, vq__hcd, vs__hc1, vcol__hd, head_len__h = rows[:8]
+    quant_k, quant_v, k_group = rows.quant_k, rows.quant_v, rows.k_group
+    q__jd, group_q0, out__jd, imp__l = call.q, call.group_q0, call.out, call.imp
+    probs__jl = call.probs
+    n_pos, n_back, window, first, imp_mode = (call.n_pos, call.n_back, call.window, call.first,
+                                              call.imp_mode)
+    if probs__jl is None:
+        raise ValueError("attend_rows: expected call.probs, the (nq, L) probability matrix")
+    scale, softcap = call.scale, call.softcap
     nkv = len(head_len__h)
     L = probs__jl.shape[1]
     scale = _F32(scale)
@@ -261,16 +261,18 @@ def attend_rows(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: 
 
 
 
-def attend_blocked(kf__hcd: F32, kq__hcd: I8, ks__hcg: F32, vf__hcd: F32, vq__hcd: I8,
-                   vs__hc1: F32, vcol__hd: F32, head_len__h: IP, q__jd: F32, group_q0: IP,
-                   n_pos: int, n_back: int, window: int, first: int, scale: float,
-                   softcap: float, out__jd: F32, imp__l: F32, imp_mode: int, quant_k: bool,
-                   quant_v: bool, n_threads: int = 1, k_group: int = 0) -> None:
+def attend_blocked(rows: Rows, call: AttendCall) -> None:
     """NumPy twin of ``_core.attend_blocked``: the same visible ranges and arithmetic in one
     softmax per query (the kernel's tiles change only the rounding).  int8 keys are
     scored with the integer arithmetic of ``q8_scores`` (bit for bit), int8 values are
     dequantised as int8 value times scale, every visible row is summed (no skip rule), the
     output is (sum of exp(s - max) * v) / (sum of exp(s - max)), times the V column in q8."""
+    kf__hcd, kq__hcd, ks__hcg, vf__hcd, vq__hcd, vs__hc1, vcol__hd, head_len__h = rows[:8]
+    quant_k, quant_v, k_group = rows.quant_k, rows.quant_v, rows.k_group
+    q__jd, group_q0, out__jd, imp__l = call.q, call.group_q0, call.out, call.imp
+    n_pos, n_back, window, first, imp_mode = (call.n_pos, call.n_back, call.window, call.first,
+                                              call.imp_mode)
+    scale, softcap = call.scale, call.softcap
     nkv = len(head_len__h)
     scale = _F32(scale)
     softcap = _F32(softcap)
@@ -359,16 +361,18 @@ def static_attend(cache: StaticKvCache, layer: int, q: FloatArrayLike, *,
 # ---------------------------------------------------------------------------------------------
 # O(1) Nystrom operator (docs/o1.md: the near and far sets, landmarks, the operator).
 #
-# o1_absorb / o1_step are the twins of the compiled kernels (same arguments; they compute in the
-# dtype of the state arrays, so the same code is the float32 twin and, fed float64 arrays, the
-# float64 streaming reference).  nystrom_stream and nystrom_matrix are the operator's two
-# float64 forms, written from the definitions and independent of kvcache.o1's seal code.
+# o1_absorb / o1_step are the twins of the compiled kernels (the same O1State and O1Absorb /
+# O1Step descriptors; they compute in the dtype of the state arrays, so the same code is the
+# float32 twin and, fed float64 arrays, the float64 streaming reference).  nystrom_stream and
+# nystrom_matrix are the operator's two float64 forms, written from the definitions and
+# independent of kvcache.o1's seal code.
 
-def o1_absorb(q_tilde__hmd: FA, keys__gnd: FA, values__gne: FA, row0: int, n: int,
-              scale: float, t_hat__hme: FA, z_hat__hm: FA, m_max__hm: FA,
-              scr__hm: FA | None = None, n_threads: int = 1) -> None:
+def o1_absorb(state: O1State, rows: O1Absorb) -> None:
     """Twin of ``_core.o1_absorb``: rows [row0, row0+n) of every group enter the far field of
     each of the group's heads, in row order, with the per-landmark running max."""
+    q_tilde__hmd, t_hat__hme, z_hat__hm, m_max__hm = (state.q_tilde, state.t_hat, state.z_hat,
+                                                      state.m_max)
+    keys__gnd, values__gne, row0, n, scale = rows.keys, rows.values, rows.row0, rows.n, state.scale
     H, m = q_tilde__hmd.shape[:2]
     if H == 0 or m == 0 or n <= 0:
         return
@@ -392,15 +396,16 @@ def o1_absorb(q_tilde__hmd: FA, keys__gnd: FA, values__gne: FA, row0: int, n: in
                 T += e[:, None] * v[None, :]
 
 
-def o1_step(q__hd: FA, k_new__gd: FA, v_new__ge: FA, sink_k__gsd: FA, sink_v__gse: FA,
-            win_k__gcd: FA, win_v__gce: FA, win_len: int, slot: int, absorb: bool,
-            k_tilde__gmd: FA, q_tilde__hmd: FA, mu__hmm: FA, t_hat__hme: FA, z_hat__hm: FA,
-            m_max__hm: FA, use_far: bool, fm: bool, scale: float, out__he: FA,
-            scr__hx: FA | None = None, n_threads: int = 1) -> int:
+def o1_step(state: O1State, step: O1Step) -> int:
     """Twin of ``_core.o1_step`` (one decode step of every head; see its docstring).
 
     Returns the number of heads whose far field was dropped by the aggregate guard
     (far denominator < 0); the compiled kernel returns None."""
+    (sink_k__gsd, sink_v__gse, win_k__gcd, win_v__gce, k_tilde__gmd, q_tilde__hmd, mu__hmm,
+     t_hat__hme, z_hat__hm, m_max__hm) = state[:10]
+    q__hd, k_new__gd, v_new__ge, out__he = step.q, step.k_new, step.v_new, step.out
+    win_len, slot, absorb, use_far = step.win_len, step.slot, step.absorb, step.use_far
+    scale, fm = state.scale, state.fm
     H = q__hd.shape[0]
     G = k_new__gd.shape[0]
     hpk = H // G
@@ -408,8 +413,7 @@ def o1_step(q__hd: FA, k_new__gd: FA, v_new__ge: FA, sink_k__gsd: FA, sink_v__gs
     dt = out__he.dtype.type
     s = dt(scale)
     if absorb and m > 0:
-        o1_absorb(q_tilde__hmd, win_k__gcd, win_v__gce, slot, 1, scale, t_hat__hme, z_hat__hm,
-                  m_max__hm)
+        o1_absorb(state, O1Absorb(win_k__gcd, win_v__gce, slot, 1, None, 1))
     dropped = 0
     for h in range(H):
         g = h // hpk
@@ -544,7 +548,6 @@ def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: i
     far = [[j for j in range(sink, p - w) if j not in set(kept[g])] for g in range(G)]
     far_k = np.stack([kg[g, far[g]] for g in range(G)])                 # (G, nfar, d)
     far_v = np.stack([vg[g, far[g]] for g in range(G)])
-    o1_absorb(qt, far_k, far_v, 0, far_k.shape[1], s, t_hat, z_hat, m_max)
     sk = np.stack([np.concatenate([kg[g, :sink], kg[g, kept[g]]]) for g in range(G)])
     sv = np.stack([np.concatenate([vg[g, :sink], vg[g, kept[g]]]) for g in range(G)])
     win_k = np.zeros((G, w, d))
@@ -552,13 +555,15 @@ def nystrom_stream(q: FloatArrayLike, k: FloatArrayLike, v: FloatArrayLike, p: i
     tail = np.arange(p - w, p)
     win_k[:, (tail - sink) % w] = kg[:, p - w:p]
     win_v[:, (tail - sink) % w] = vg[:, p - w:p]
+    state = O1State(sk, sv, win_k, win_v, kt, qt, mu, t_hat, z_hat, m_max, s,
+                    str(rect).lower().endswith("fm"))
+    o1_absorb(state, O1Absorb(far_k, far_v, 0, far_k.shape[1], None, 1))
     head = (p - sink) % w
     out = np.empty((t - p, H, dv))
     dropped = 0
     for i in range(p, t):
-        dropped += o1_step(q[i], k[i], v[i], sk, sv, win_k, win_v, w, head,
-                           True, kt, qt, mu, t_hat, z_hat, m_max, True,
-                           str(rect).lower().endswith("fm"), s, out[i - p])
+        dropped += o1_step(state, O1Step(q[i], k[i], v[i], w, head, True, True, out[i - p],
+                                         None, 1))
         head = (head + 1) % w
     return (out, dropped) if return_dropped else out
 
@@ -739,10 +744,10 @@ def mla_naive(q_nope: npt.NDArray[_Fl], q_rope: npt.NDArray[_Fl], latent: npt.ND
     return out
 
 
-def mla_attend(qn__nhk: F32, qr__nhe: F32, lat__tr: F32, kr__te: F32, wuk__hkr: F32,
-               wuv__hjr: F32, scale: float, out__nhj: F32, n_threads: int = 1) -> None:
-    """Twin of ``_core.mla_attend``: the absorbed form in float32, written into out."""
-    f = [np.asarray(a, dtype=_F32) for a in (qn__nhk, qr__nhe, lat__tr, kr__te, wuk__hkr, wuv__hjr)]
+def mla_attend(call: MlaCall) -> None:
+    """Twin of ``_core.mla_attend``: the absorbed form in float32, written into call.out."""
+    f = [np.asarray(a, dtype=_F32) for a in call[:6]]
+    scale, out__nhj = call.scale, call.out
     n = f[0].shape[0]
     if n == 0 or f[0].shape[1] == 0:
         return

@@ -96,7 +96,7 @@ int main(void)
                     out(res[i]);
             }
             memset(probs, 0, sizeof probs);
-            kvc_task_scores_i8(0, group, qi, sq, qsum, NQ, qf, qe, kq, ks, 17, 2, ROWS, hd, 0.17f,
+            kvc_task_scores_i8(group, qi, sq, qsum, NQ, qf, qe, kq, ks, 17, 2, ROWS, hd, 0.17f,
                                trial % 2 ? 5.0f : 0.0f, probs, ROWS);
             for (i = 0; i < NQ * ROWS; ++i)
                 out(probs[i]);

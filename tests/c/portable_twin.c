@@ -55,7 +55,7 @@ int main(void)
                     kvc_quant_query(q + i * hd, hd, 32, qi + i * KVC_I8_PAD(hd),
                                     sq + i * KVC_I8_GROUPS(hd, 32),
                                     qsum + i * KVC_I8_GROUPS(hd, 32));
-                kvc_task_scores_i8(0, 32, qi, sq, qsum, 8,
+                kvc_task_scores_i8(32, qi, sq, qsum, 8,
                                    qf, qe, kq, ks, ng, 0, ROWS, hd, 0.3f, 2.5f, probs, 64);
             } else {
                 kvc_task_scores(q, 8, qf, qe, k, 0, ROWS, hd, 0.3f, 2.5f, probs, 64);

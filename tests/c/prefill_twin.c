@@ -71,7 +71,7 @@ int main(void)
                 float softcap = cap ? 2.5f : 0.0f;
                 ptrdiff_t t0, j;
                 kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, quant_k, v, vq, vs, 1, quant_v, vcol,
-                            hd, 0.3f, softcap, o, qm, ql, scratch, 0, 32, qi, qsc, qsum);
+                            hd, 0.3f, softcap, o, qm, ql, scratch, 32, qi, qsc, qsum);
                 for (i = 0; i < NQ * hd; ++i)
                     out(o[i]);
                 for (j = 0; j < NQ; ++j) {
@@ -84,7 +84,7 @@ int main(void)
                     t1 = t1 < 173 ? t1 : 173;
                     memset(colsum, 0, sizeof colsum);
                     kvc_pf_imp_group(q, NQ, qf, qe, qm, ql, k, kq, ks, 5, quant_k, hd, 0.3f,
-                                     softcap, a0, t1, colsum, scratch, 0, 32, qi, qsc, qsum);
+                                     softcap, a0, t1, colsum, scratch, 32, qi, qsc, qsum);
                     for (i = 0; i < t1 - a0; ++i)
                         out(colsum[i]);
                 }
@@ -96,7 +96,7 @@ int main(void)
     for (i = 0; i < 64; ++i)
         k[150 * 64 + i] = -1e30f;
     kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, 0, v, vq, vs, 1, 0, vcol, 64, 1e10f, 0.0f, o, qm,
-                ql, scratch, 0, 32, qi, qsc, qsum);
+                ql, scratch, 32, qi, qsc, qsum);
     for (i = 0; i < NQ * 64; ++i)
         out(o[i]);
     free(scratch);

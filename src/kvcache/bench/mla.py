@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _core, quant, reference
+from .._entry import MlaCall
 from ..modes import DEFAULT_SCHEME
 from .geometry import F32, MiB, layer_count
 from .tables import (
@@ -134,8 +135,8 @@ class MlaDecode:
     def _attend(self, layer: int, n_threads: int) -> None:
         lat, kr = self.views[layer]
         wuk, wuv = self.weights[layer]
-        _core.mla_attend(qn__nhk=self.qn, qr__nhe=self.qr, lat__tr=lat, kr__te=kr, wuk__hkr=wuk,
-                         wuv__hjr=wuv, scale=self.scale, out__nhj=self.out, n_threads=n_threads)
+        _core.mla_attend(MlaCall(qn=self.qn, qr=self.qr, lat=lat, kr=kr, wuk=wuk, wuv=wuv,
+                                 scale=self.scale, out=self.out, n_threads=n_threads))
 
     def step(self, n_threads: int = 1) -> None:
         """One decode step (one query position) on the next layer of the rotation."""

@@ -1,0 +1,473 @@
+"""What a kernel call hands to ``kvcache._core`` (and to its NumPy twin ``kvcache.reference``),
+and the checks that make it safe to run.
+
+Every attention kernel takes one **storage descriptor** and one **call descriptor**:
+
+- :class:`Rows` -- one layer's stored rows, head-major ``(nkv, capacity, .)``: float32 or int8
+  K and V, their scales and frozen V column, each KV group's row count, the K scale group;
+- :class:`AttendCall` -- the queries of one call (gathered per KV group), the rows each sees
+  (``n_pos``, ``n_back``, ``window``, ``first``), scale and softcap, the outputs and the
+  thread count.
+
+``attend_rows(rows, call)`` and ``attend_blocked(rows, call)`` read the same pair.  The O(1)
+kernels take an :class:`O1State` and an :class:`O1Absorb` or :class:`O1Step`; the MLA kernel
+one :class:`MlaCall`.
+
+The compiled entry points call the check of their entry here (``check_attend_rows``,
+``check_attend_blocked``, ``check_o1_absorb``, ``check_o1_step``, ``check_mla_attend``,
+``check_quantize_query``, ``check_q8_scores``) before anything else and raise nothing
+themselves: a descriptor that passes is one the ``nogil`` code can index without reading or
+writing outside its arrays.  A check raises TypeError for a wrong type or dtype and
+ValueError for a wrong shape, layout or value (the message names the field and says what was
+expected), before any array is touched.  The NumPy twins trust their descriptors.
+
+A leaf module: it imports nothing of kvcache but the leaf ``_validate``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+import numpy.typing as npt
+
+from ._validate import as_int
+
+__all__ = ["AttendCall", "MlaCall", "O1Absorb", "O1State", "O1Step", "Rows",
+           "check_attend_blocked", "check_attend_rows", "check_mla_attend", "check_o1_absorb",
+           "check_o1_step", "check_q8_scores", "check_quantize_query", "k_group_of"]
+
+F32 = npt.NDArray[np.float32]
+I8 = npt.NDArray[np.int8]
+I32 = npt.NDArray[np.int32]
+IP = npt.NDArray[np.intp]
+# the O(1) twins also run on float64 state (the streaming reference)
+FA = npt.NDArray[np.floating[Any]]
+
+COUNT_MAX = 1 << 62
+"""The largest count, length or row index a kernel accepts (sums of them fit Py_ssize_t)."""
+THREADS_MAX = (1 << 31) - 1
+
+_F32 = np.dtype(np.float32)
+_I8 = np.dtype(np.int8)
+_I32 = np.dtype(np.int32)
+_IP = np.dtype(np.intp)
+
+
+# ---------------------------------------------------------------------------------------------
+# descriptors
+
+class Rows(NamedTuple):
+    """One layer's stored rows as the attention kernels read them: head-major
+    ``(nkv, capacity, .)``, KV group ``g``'s rows ``[0, head_len[g])`` valid.
+
+    A float32 component leaves its int8 arrays (and scales) with zero capacity, and the other
+    way round; ``vcol`` is the frozen V column field (ones when there is none).  ``k_group``:
+    channels per K scale (16 or 32), or 0 to read it from the scales per row
+    (:func:`k_group_of`).
+    """
+
+    kf: F32          # (nkv, capacity, hd) float32 K
+    kq: I8           # (nkv, capacity, hd) int8 K codes
+    ks: F32          # (nkv, capacity, ceil(hd / k_group)) their scales
+    vf: F32          # (nkv, capacity, hd) float32 V
+    vq: I8           # (nkv, capacity, hd) int8 V codes
+    vs: F32          # (nkv, capacity, 1) their scales
+    vcol: F32        # (nkv, hd) the frozen V column
+    head_len: IP     # (nkv,) rows stored per KV group
+    quant_k: bool
+    quant_v: bool
+    k_group: int = 0
+
+    @classmethod
+    def float32(cls, kf: F32, vf: F32, head_len: IP, k_groups: int) -> Rows:
+        """Float32 K and V only (``k_groups`` scale groups per row of an int8 K, unused)."""
+        nkv, _, hd = kf.shape
+        empty_q = np.zeros((nkv, 0, hd), dtype=np.int8)
+        return cls(kf, empty_q, np.zeros((nkv, 0, k_groups), dtype=np.float32), vf, empty_q,
+                   np.zeros((nkv, 0, 1), dtype=np.float32), np.ones((nkv, hd), dtype=np.float32),
+                   head_len, False, False)
+
+
+class AttendCall(NamedTuple):
+    """One attention call over a :class:`Rows`.
+
+    The queries of KV group ``g`` are rows ``[group_q0[g], group_q0[g + 1])`` of ``q``,
+    position-major (``n_pos`` positions, each with the group's query heads; in int8-K mode
+    already multiplied by the frozen K column).  Query position ``i`` of a group holding
+    ``stored`` rows sees the rows ``[first_i, end_i)``: ``end_i = stored - n_back + i + 1``
+    clamped to ``[0, stored]``, ``first_i = max(end_i - window, 0)`` when ``window > 0``, then
+    ``first_i = min(max(first_i, first), end_i - 1)`` (``reference.visible_range``).
+
+    ``imp_mode`` 0 leaves ``imp`` alone; 1 adds each query's probabilities in order
+    (attend_rows only); 2 adds the call's summed mass once.  ``probs`` is attend_rows'
+    probability matrix (``attend_blocked`` has none).
+    """
+
+    q: F32           # (nq, hd)
+    group_q0: IP     # (nkv + 1,) offsets from 0 to nq
+    n_pos: int
+    n_back: int
+    window: int
+    first: int
+    scale: float
+    softcap: float
+    out: F32         # (nq, hd), written
+    imp: F32         # (m,), added into
+    imp_mode: int
+    n_threads: int
+    probs: Optional[F32] = None   # (nq, L), written: attend_rows' probabilities
+
+
+class O1State(NamedTuple):
+    """A sealed layer's O(1) arrays (docs/o1.md): group-shared ones stacked over the G KV
+    groups, per-head ones over the H query heads (head h is in group h // (H // G))."""
+
+    sink_k: FA       # (G, s, d)
+    sink_v: FA       # (G, s, dv)
+    win_k: FA        # (G, c, d) the window ring, written by a step
+    win_v: FA        # (G, c, dv)
+    k_tilde: FA      # (G, m, d) key landmarks
+    q_tilde: FA      # (H, m, d) query landmarks
+    mu: FA           # (H, m, m) mixing matrices
+    t_hat: FA        # (H, m, dv) far accumulators, updated
+    z_hat: FA        # (H, m)
+    m_max: FA        # (H, m)
+    scale: float
+    fm: bool         # the FM rectifier (else aggregate)
+
+
+class O1Absorb(NamedTuple):
+    """Rows ``[row0, row0 + n)`` of every group's ``keys`` / ``values`` to absorb, in row
+    order, into the far field of each of the group's heads."""
+
+    keys: FA         # (G, rows, d)
+    values: FA       # (G, rows, dv)
+    row0: int
+    n: int
+    scr: Optional[FA]   # (H, >= m) scratch (the twin needs none)
+    n_threads: int
+
+
+class O1Step(NamedTuple):
+    """One decode step of every head.  When ``absorb``, each head first absorbs ring row
+    ``slot`` of its group into its far field; the output reads the sinks, then ring rows
+    ``[0, win_len)`` in slot order with row ``slot`` taken from ``(k_new, v_new)`` (counted
+    in ``win_len``), plus the far field when ``use_far``; the new rows then go into the ring
+    at ``slot``."""
+
+    q: FA            # (H, d)
+    k_new: FA        # (G, d)
+    v_new: FA        # (G, dv)
+    win_len: int
+    slot: int
+    absorb: bool
+    use_far: bool
+    out: FA          # (H, dv), written
+    scr: Optional[FA]   # (H, >= s + win_len + 3 m) scratch (the twin needs none)
+    n_threads: int
+
+
+class MlaCall(NamedTuple):
+    """Absorbed MLA attention of ``n`` query positions over the first ``T`` cached rows:
+    position ``i`` attends the rows ``[0, T - n + i + 1)``."""
+
+    qn: F32          # (n, H, dn) query, no-RoPE part
+    qr: F32          # (n, H, dr) query, RoPE part
+    lat: F32         # (T, r) cached latents
+    kr: F32          # (T, dr) cached RoPE keys
+    wuk: F32         # (H, dn, r) W_UK
+    wuv: F32         # (H, dv, r) W_UV
+    scale: float
+    out: F32         # (n, H, dv), written
+    n_threads: int
+
+
+# ---------------------------------------------------------------------------------------------
+# small checks
+
+def _array(name: str, a: object, dtype: np.dtype[Any], ndim: int, *,
+           writable: bool = False) -> npt.NDArray[Any]:
+    """``a`` as the kernel binds it: an ndarray of ``dtype`` with ``ndim`` dimensions,
+    C-contiguous, and writable when the kernel writes it."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy array, got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {a.dtype}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {a.strides}")
+    if writable and not a.flags.writeable:
+        raise ValueError(f"{name}: expected a writable array, got a read-only one")
+    return a
+
+
+def _count(name: str, value: object, lo: int, hi: int = COUNT_MAX) -> int:
+    """An integer in [lo, hi] (anything with ``__index__``, bools excluded)."""
+    v = as_int(name, value)
+    if not lo <= v <= hi:
+        raise ValueError(f"{name}: expected {lo} <= {name} <= {_bound(hi)}, got {v}")
+    return v
+
+
+def _real(name: str, value: object) -> None:
+    """A real number (the kernel takes it as float32; NaN and inf are values, not errors)."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
+
+
+def _bound(hi: int) -> str:
+    return {COUNT_MAX: "2**62", THREADS_MAX: "2**31 - 1"}.get(hi, str(hi))
+
+
+def _threads(value: object) -> int:
+    return _count("n_threads", value, 1, THREADS_MAX)
+
+
+def k_group_of(hd: int, n_scales: int, k_group: int = 0) -> int:
+    """The K group of a q8 call: ``k_group`` when 16 or 32, else 16 when the K store holds
+    ceil(hd / 16) scales per row (and hd > 16), otherwise 32 (the two agree for head dims
+    <= 16, where one partial group covers the row either way).  ValueError for another
+    ``k_group``."""
+    if k_group in (16, 32):
+        return k_group
+    if k_group != 0:
+        raise ValueError(f"k_group: expected 16, 32 or 0 (from the scale count), got {k_group}")
+    return 16 if hd > 16 and n_scales == -(-hd // 16) else 32
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+def _check_attend(rows: Rows, call: AttendCall, imp_modes: tuple[int, ...]) -> int:
+    """The checks attend_rows and attend_blocked share; returns the K group."""
+    _threads(call.n_threads)
+    imp_mode = _count("imp_mode", call.imp_mode, 0, 2)
+    if imp_mode not in imp_modes:
+        raise ValueError(f"imp_mode: expected {' or '.join(map(str, imp_modes))}, got {imp_mode}")
+    q = _array("q", call.q, _F32, 2)
+    nq, hd = q.shape
+    if hd < 1:
+        raise ValueError(f"q: expected head_dim >= 1, got {hd}")
+    n_pos = _count("n_pos", call.n_pos, 1)
+    try:
+        for name in ("n_back", "window", "first"):
+            _count(name, getattr(call, name), 0)
+    except ValueError:
+        raise ValueError(f"n_back, window, first: expected each in [0, 2**62], got "
+                         f"{call.n_back}, {call.window}, {call.first}") from None
+    _real("scale", call.scale)
+    _real("softcap", call.softcap)
+    head_len = _array("head_len", rows.head_len, _IP, 1)
+    nkv = head_len.shape[0]
+    g0 = _array("group_q0", call.group_q0, _IP, 1).tolist()
+    if len(g0) != nkv + 1 or g0[0] != 0 or g0[nkv] != nq:
+        raise ValueError(f"group_q0: expected {nkv + 1} offsets from 0 to {nq}")
+    for g in range(nkv):
+        cnt = g0[g + 1] - g0[g]
+        if cnt < 0 or cnt % n_pos:
+            raise ValueError(f"group_q0: group {g} has {cnt} queries, expected a multiple "
+                             f"of n_pos={n_pos}")
+    out = _array("out", call.out, _F32, 2, writable=True)
+    if out.shape != (nq, hd):
+        raise ValueError(f"out: expected shape ({nq}, {hd}), got {out.shape}")
+    _array("imp", call.imp, _F32, 1, writable=True)
+
+    kf = _array("kf", rows.kf, _F32, 3)
+    kq = _array("kq", rows.kq, _I8, 3)
+    ks = _array("ks", rows.ks, _F32, 3)
+    vf = _array("vf", rows.vf, _F32, 3)
+    vq = _array("vq", rows.vq, _I8, 3)
+    vs = _array("vs", rows.vs, _F32, 3)
+    vcol = _array("vcol", rows.vcol, _F32, 2)
+    k_group = _count("k_group", rows.k_group, 0, 32)
+    if rows.quant_k:
+        kcap = kq.shape[1]
+        k_group = k_group_of(hd, ks.shape[2], k_group)
+        if kq.shape[0] < nkv or kq.shape[2] != hd or ks.shape[0] < nkv \
+                or ks.shape[1] != kcap or ks.shape[2] < -(-hd // k_group):
+            raise ValueError("int8 K: expected kq (nkv, capacity, head_dim) and ks "
+                             "(nkv, capacity, ceil(head_dim/k_group))")
+    else:
+        kcap = kf.shape[1]
+        k_group = 32
+        if kf.shape[0] < nkv or kf.shape[2] != hd:
+            raise ValueError("float32 K: expected kf (nkv, capacity, head_dim)")
+    if rows.quant_v:
+        vcap = vq.shape[1]
+        if vq.shape[0] < nkv or vq.shape[2] != hd or vs.shape[0] < nkv \
+                or vs.shape[1] != vcap or vs.shape[2] != 1 or vcol.shape[0] < nkv \
+                or vcol.shape[1] != hd:
+            raise ValueError("int8 V: expected vq (nkv, capacity, head_dim), vs "
+                             "(nkv, capacity, 1) and vcol (nkv, head_dim)")
+    else:
+        vcap = vf.shape[1]
+        if vf.shape[0] < nkv or vf.shape[2] != hd:
+            raise ValueError("float32 V: expected vf (nkv, capacity, head_dim)")
+    cap = min(kcap, vcap)
+    for g, n in enumerate(head_len.tolist()):
+        if not 0 <= n <= cap:
+            raise ValueError(f"head_len: group {g} has {n} rows, expected 0..{cap} (the "
+                             f"storage capacity)")
+    return k_group
+
+
+def check_attend_rows(rows: Rows, call: AttendCall) -> int:
+    """The checks of ``_core.attend_rows``: everything its ``nogil`` code indexes (shapes,
+    dtypes, layouts, the query offsets, the rows each group holds, the ranges of the counts);
+    returns the call's K group (16 or 32; 32 for float32 K)."""
+    k_group = _check_attend(rows, call, (0, 1, 2))
+    probs = _array("probs", call.probs, _F32, 2, writable=True)
+    nq = call.q.shape[0]
+    if probs.shape[0] != nq:
+        raise ValueError(f"probs: expected shape ({nq}, L), got {probs.shape}")
+    return k_group
+
+
+def check_attend_blocked(rows: Rows, call: AttendCall) -> int:
+    """The checks of ``_core.attend_blocked`` (those of :func:`check_attend_rows` without the
+    probability matrix, importance mode 0 or 2); returns the K group."""
+    return _check_attend(rows, call, (0, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# O(1) step
+
+def _o1_ok(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"O(1) kernel: inconsistent state or arguments, expected {what}")
+
+
+def _o1_arrays(state: O1State) -> list[npt.NDArray[Any]]:
+    names = ("sink_k", "sink_v", "win_k", "win_v", "k_tilde", "q_tilde", "mu", "t_hat",
+             "z_hat", "m_max")
+    written = ("win_k", "win_v", "t_hat", "z_hat", "m_max")
+    arrs = [_array(n, getattr(state, n), _F32, 2 if n in ("z_hat", "m_max") else 3,
+                   writable=n in written) for n in names]
+    _real("scale", state.scale)
+    return arrs
+
+
+def check_o1_absorb(state: O1State, rows: O1Absorb) -> None:
+    """The checks of ``_core.o1_absorb``: the far field of every head (``q_tilde``, ``t_hat``,
+    ``z_hat``, ``m_max``) against the rows absorbed and the scratch."""
+    _, _, _, _, _, q_tilde, _, t_hat, z_hat, m_max = _o1_arrays(state)
+    keys = _array("keys", rows.keys, _F32, 3)
+    values = _array("values", rows.values, _F32, 3)
+    scr = _array("scr", rows.scr, _F32, 2, writable=True)
+    row0 = _count("row0", rows.row0, -COUNT_MAX)
+    n = _count("n", rows.n, -COUNT_MAX)
+    _threads(rows.n_threads)
+    H, m, d = q_tilde.shape
+    if H == 0 or m == 0 or n <= 0:
+        return                                   # nothing to absorb: the kernel returns
+    G, nrows, dv = keys.shape[0], keys.shape[1], values.shape[2]
+    _o1_ok(G > 0 and H % G == 0, "H a positive multiple of G")
+    _o1_ok(keys.shape[2] == d and values.shape[:2] == (G, nrows),
+           "keys (G, n, d) and values (G, n, dv)")
+    _o1_ok(t_hat.shape == (H, m, dv) and z_hat.shape == (H, m) and m_max.shape == (H, m),
+           "far accumulators (H, m, .)")
+    _o1_ok(scr.shape[0] == H and scr.shape[1] >= m, "scratch (H, >= m)")
+    _o1_ok(0 <= row0 and row0 + n <= nrows, "rows [row0, row0 + n) inside keys")
+
+
+def check_o1_step(state: O1State, step: O1Step) -> None:
+    """The checks of ``_core.o1_step``: the state's arrays against each other and against the
+    step's queries, new rows, ring position, output and scratch."""
+    sink_k, sink_v, win_k, win_v, k_tilde, q_tilde, mu, t_hat, z_hat, m_max = _o1_arrays(state)
+    q = _array("q", step.q, _F32, 2)
+    k_new = _array("k_new", step.k_new, _F32, 2)
+    v_new = _array("v_new", step.v_new, _F32, 2)
+    out = _array("out", step.out, _F32, 2, writable=True)
+    scr = _array("scr", step.scr, _F32, 2, writable=True)
+    win_len = _count("win_len", step.win_len, -COUNT_MAX)
+    slot = _count("slot", step.slot, -COUNT_MAX)
+    _threads(step.n_threads)
+    H, d = q.shape
+    G, dv = k_new.shape[0], v_new.shape[1]
+    ns, cap, m = sink_k.shape[1], win_k.shape[1], q_tilde.shape[1]
+    _o1_ok(H > 0 and G > 0 and H % G == 0, "H a positive multiple of G")
+    _o1_ok(k_new.shape[1] == d and v_new.shape[0] == G, "k_new (G, d), v_new (G, dv)")
+    _o1_ok(sink_k.shape[0] == G and sink_k.shape[2] == d and sink_v.shape == (G, ns, dv),
+           "sinks (G, s, d) and (G, s, dv)")
+    _o1_ok(win_k.shape[0] == G and win_k.shape[2] == d and win_v.shape == (G, cap, dv),
+           "window (G, c, d) and (G, c, dv)")
+    _o1_ok(1 <= win_len <= cap and 0 <= slot < win_len, "0 <= slot < win_len <= capacity")
+    _o1_ok(k_tilde.shape == (G, m, d) and q_tilde.shape[0] == H and q_tilde.shape[2] == d
+           and mu.shape == (H, m, m) and t_hat.shape == (H, m, dv) and z_hat.shape == (H, m)
+           and m_max.shape == (H, m), "landmark state (G|H, m, .)")
+    _o1_ok(out.shape == (H, dv), "out (H, dv)")
+    _o1_ok(scr.shape[0] == H and scr.shape[1] >= ns + win_len + 3 * m,
+           "scratch (H, >= sinks + win_len + 3 m)")
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA decode
+
+def check_mla_attend(call: MlaCall) -> None:
+    """The checks of ``_core.mla_attend``: the shapes of the queries, the cache, the weights
+    and the output against each other, and at least as many cached rows as positions."""
+    qn = _array("qn", call.qn, _F32, 3)
+    qr = _array("qr", call.qr, _F32, 3)
+    lat = _array("lat", call.lat, _F32, 2)
+    kr = _array("kr", call.kr, _F32, 2)
+    wuk = _array("wuk", call.wuk, _F32, 3)
+    wuv = _array("wuv", call.wuv, _F32, 3)
+    out = _array("out", call.out, _F32, 3, writable=True)
+    _real("scale", call.scale)
+    _threads(call.n_threads)
+    n, H, dn = qn.shape
+    if n == 0 or H == 0:
+        return                                   # nothing to compute: the kernel returns
+    T, r = lat.shape
+    dr, dv = kr.shape[1], wuv.shape[1]
+    if qr.shape[:2] != (n, H):
+        raise ValueError("MLA kernel: q_rope must be (n, H, d_rope) like q_nope")
+    if not (kr.shape[0] == T and r > 0 and dr == qr.shape[2]):
+        raise ValueError("MLA kernel: k_rope must be (T, d_rope) with the rows of latent")
+    if wuk.shape != (H, dn, r):
+        raise ValueError("MLA kernel: w_uk must be (H, d_nope, r)")
+    if not (wuv.shape[0] == H and wuv.shape[2] == r and dv > 0):
+        raise ValueError("MLA kernel: w_uv must be (H, d_v, r)")
+    if out.shape != (n, H, dv):
+        raise ValueError("MLA kernel: out must be (n, H, d_v)")
+    if T < n:
+        raise ValueError(f"MLA kernel: {n} query positions need at least {n} cached rows, got {T}")
+
+
+# ---------------------------------------------------------------------------------------------
+# q8 scoring, exposed for tests
+
+def check_quantize_query(q: F32, qi: I8, sq: F32, qsum: I32, group: int) -> None:
+    """The checks of ``_core.quantize_query``."""
+    if group not in (16, 32):
+        raise ValueError(f"group: expected 16 or 32, got {group}")
+    q = _array("q", q, _F32, 2)
+    qi = _array("qi", qi, _I8, 2, writable=True)
+    sq = _array("sq", sq, _F32, 2, writable=True)
+    qsum = _array("qsum", qsum, _I32, 2, writable=True)
+    nq, hd = q.shape
+    ng = -(-hd // group)
+    if hd < 1 or qi.shape != (nq, -(-hd // 32) * 32) or sq.shape != (nq, ng) \
+            or qsum.shape != (nq, ng):
+        raise ValueError("quantize_query: expected qi (nq, ceil(hd/32)*32), sq and qsum "
+                         "(nq, ceil(hd/group))")
+
+
+def check_q8_scores(q: F32, kq: I8, ks: F32, out: F32, k_group: int) -> int:
+    """The checks of ``_core.q8_scores``; returns the K group."""
+    q = _array("q", q, _F32, 2)
+    kq = _array("kq", kq, _I8, 2)
+    ks = _array("ks", ks, _F32, 2)
+    out = _array("out", out, _F32, 2, writable=True)
+    nq, hd = q.shape
+    n = kq.shape[0]
+    if hd < 1:
+        raise ValueError("q8_scores: expected head_dim >= 1")
+    group = k_group_of(hd, ks.shape[1], _count("k_group", k_group, 0, 32))
+    if kq.shape[1] != hd or ks.shape[0] != n or ks.shape[1] < -(-hd // group) \
+            or out.shape != (nq, n):
+        raise ValueError("q8_scores: expected kq (n, hd), ks (n, >= ceil(hd/group)), out (nq, n)")
+    return group
