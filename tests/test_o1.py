@@ -958,3 +958,39 @@ def test_kernel_matches_stream_over_random_geometry(G, hpk, d, m, w, sink, p, st
     ref = reference.nystrom_stream(q, k, v, p, m, w, sink, rect=rect.value)
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-4)
     assert c.seq_len == p + steps and c.head_len(0) == 0
+
+
+def test_o1_step_checks_a_changed_state_again(rng):
+    """check_o1_step skips re-checking a state made of the very arrays it last passed; any
+    other array in the state -- a new one of the wrong dtype or shape, or a read-only output --
+    is checked and refused, changing nothing."""
+    H, G, d, dv, m, ns, win = 4, 2, 16, 16, 4, 2, 12
+    st = random_state(rng, H, G, d, dv, m, ns, win + 3)
+    q = rng.standard_normal((H, d)).astype(np.float32)
+    kn = rng.standard_normal((G, d)).astype(np.float32)
+    vn = rng.standard_normal((G, dv)).astype(np.float32)
+
+    def step(s):
+        out = np.zeros((H, dv), np.float32)
+        _core.o1_step(O1State(**s, scale=0.25, fm=False),
+                      O1Step(q, kn, vn, win, 3, True, True, out,
+                             np.zeros((H, ns + win + 3 * m), np.float32), 1))
+        return out
+
+    step(st)
+    step(st)                                                 # the same arrays: passes again
+    before = {n: a.copy() for n, a in st.items()}
+    bad_t = st["t_hat"].astype(np.float64)
+    with pytest.raises(TypeError, match="t_hat"):
+        step(dict(st, t_hat=bad_t))
+    with pytest.raises(ValueError, match="landmark state"):
+        step(dict(st, mu=np.zeros((H, m + 1, m + 1), np.float32)))
+    ro = st["z_hat"].copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="z_hat"):
+        step(dict(st, z_hat=ro))
+    st["m_max"].flags.writeable = False                      # one of the very arrays it passed
+    with pytest.raises(ValueError, match="m_max"):
+        step(st)
+    for n, a in before.items():
+        assert np.array_equal(st[n], a), n
