@@ -21,13 +21,6 @@
 
 #define KVC_LANES 16
 
-/* Transitional names for the headers not yet on the layer (x86 only). */
-#if KVC_VEC_X86
-KVC_INLINE float kvc_fold(__m256 lo, __m256 hi) { return kvc_f8_fold16(lo, hi); }
-KVC_INLINE float kvc_fold8(__m256 a) { return kvc_f8_fold(a); }
-KVC_INLINE __m256 kvc_expf8(__m256 x) { return kvc_f8_exp(x); }
-#endif
-
 /* ---------------------------------------------------------------------------------------
  * float32 dot products (K scores) use 8 lanes: lane l accumulates, with fused multiply-add,
  * the products of elements i with i % 8 == l over the full 8-blocks; the lanes fold as
