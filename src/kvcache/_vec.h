@@ -366,9 +366,19 @@ KVC_INLINE float kvc_f8_fold16(kvc_f8 lo, kvc_f8 hi) { return kvc_f8_fold(kvc_f8
 /* exp on 8 lanes: kvc_expf's steps lane by lane (the same bits) */
 KVC_INLINE kvc_f8 kvc_f8_exp(kvc_f8 x)
 {
+    /* xc = x clamped to [-87, 88], NaN -> -87: maxps(x, -87) answers -87 for a NaN x and
+     * NEON's fmaxnm the number, so one max and one min are kvc_expf's two selects */
+#if KVC_VEC_X86
+    kvc_f8 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+#elif KVC_VEC_NEON
+    float32x4_t lo = vdupq_n_f32(-87.0f), hi = vdupq_n_f32(88.0f);
+    kvc_f8 xc = { { vminnmq_f32(vmaxnmq_f32(x.val[0], lo), hi),
+                    vminnmq_f32(vmaxnmq_f32(x.val[1], lo), hi) } };
+#else
     kvc_f8 xc = kvc_f8_sel(kvc_f8_gt(x, kvc_f8_set1(88.0f)), kvc_f8_set1(88.0f), x);
     xc = kvc_f8_sel(kvc_m8_or(kvc_f8_lt(xc, kvc_f8_set1(-87.0f)), kvc_f8_isnan(xc)),
                     kvc_f8_set1(-87.0f), xc);
+#endif
     kvc_f8 sh = kvc_f8_set1(KVC_EXP_SHIFT);
     kvc_f8 n = kvc_f8_sub(kvc_f8_fma(xc, kvc_f8_set1(KVC_EXP_LOG2E), sh), sh);
     kvc_f8 r = kvc_f8_fnma(n, kvc_f8_set1(KVC_EXP_LN2HI), xc);
@@ -400,7 +410,11 @@ KVC_INLINE kvc_f8 kvc_f8_max_num(kvc_f8 acc, kvc_f8 v)
 /* e, with 0 in the lanes where s is -inf (where e = exp(s - m) must be exactly 0) */
 KVC_INLINE kvc_f8 kvc_f8_zero_neginf(kvc_f8 s, kvc_f8 e)
 {
+#if KVC_VEC_X86
+    return _mm256_andnot_ps(_mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), e);
+#else
     return kvc_f8_sel(kvc_f8_eq(s, kvc_f8_set1(-INFINITY)), kvc_f8_zero(), e);
+#endif
 }
 
 /* ---------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ static void end(const kvc_ops *t, const char *call, ptrdiff_t hd, int variant)
 
 #define NQ 5
 #define ROWS 37
-#define L 40
+#define NL 40
 #define HDMAX 136
 #define NG KVC_I8_GROUPS(HDMAX, 16) /* K scale groups per row at most (the stride of ks) */
 
@@ -70,7 +70,7 @@ static int8_t kq[ROWS * HDMAX], vq[ROWS * HDMAX];
 
 static void run_table(const kvc_ops *t)
 {
-    static float probs[NQ * L], acc[NQ * HDMAX], out[ROWS];
+    static float probs[NQ * NL], acc[NQ * HDMAX];
     static float scratch[5 * KVC_VROWS];   /* KVC_SCRATCH_FLOATS(hd), a constant */
     static int8_t qi[NQ * KVC_I8_PAD(HDMAX)];
     static float sq[NQ * NG];
@@ -79,25 +79,51 @@ static void run_table(const kvc_ops *t)
     const ptrdiff_t qf[NQ] = {0, 3, 0, 9, 36}, qe[NQ] = {37, 37, 30, 20, 37};
     size_t h;
     int cap, quant, group;
+    /* one group of rows, all queries in one task, through the table's descriptors */
+    kvc_store st;
+    kvc_call c;
+    kvc_task all = {0, 0, NQ, 0, ROWS};
     for (h = 0; h < sizeof hds / sizeof hds[0]; ++h) {
         ptrdiff_t hd = hds[h], j;
+        memset(&st, 0, sizeof st);
+        memset(&c, 0, sizeof c);
+        st.kf = k;
+        st.vf = v;
+        st.kq = kq;
+        st.vq = vq;
+        st.vs = vs;
+        st.ks = ks;
+        st.kcap = st.vcap = ROWS;
+        st.vs_stride = 1;
+        st.ks_stride = NG;
+        st.hd = hd;
+        c.q = q;
+        c.qf = qf;
+        c.qe = qe;
+        c.scale = 0.3f;
+        c.probs = probs;
+        c.L = NL;
         for (cap = 0; cap < 2; ++cap) {
             float softcap = cap ? 2.5f : 0.0f;
+            c.softcap = softcap;
             /* float32 keys: scores, then the softmax of each query's visible range, then the
              * values (float32 and int8 rows) */
             for (quant = 0; quant < 2; ++quant) {
                 memset(probs, 0, sizeof probs);
                 begin();
-                t->task_scores(q, NQ, qf, qe, k, 0, ROWS, hd, 0.3f, softcap, probs, L);
-                floats(probs, NQ * L);
+                st.quant_k = 0;
+                c.scale = 0.3f;
+                t->task_scores(&st, &c, &all);
+                floats(probs, NQ * NL);
                 end(t, "task_scores", hd, cap);
                 begin();
                 for (j = 0; j < NQ; ++j)
-                    t->softmax(probs + j * L + qf[j], qe[j] - qf[j]);
-                floats(probs, NQ * L);
+                    t->softmax(probs + j * NL + qf[j], qe[j] - qf[j]);
+                floats(probs, NQ * NL);
                 end(t, "softmax", hd, cap);
                 begin();
-                t->task_values(probs, L, NQ, qf, qe, v, vq, vs, quant, 0, ROWS, hd, acc, scratch);
+                st.quant_v = quant;
+                t->task_values(&st, &c, &all, acc, scratch);
                 floats(acc, NQ * hd);
                 end(t, "task_values", hd, 2 * cap + quant);
             }
@@ -114,17 +140,24 @@ static void run_table(const kvc_ops *t)
                 bits(qsum, (size_t)(NQ * ng) * sizeof(int32_t));
                 end(t, "quant_query", hd, group);
                 begin();
+                st.quant_k = 1;
+                st.k_group = group;
+                c.qi = qi;
+                c.qsc = sq;
+                c.qsum = qsum;
                 for (n = 1; n <= ROWS; n += 6) {
-                    t->i8_rows(0, group, qi + (n % NQ) * hdp, sq + (n % NQ) * ng,
-                               qsum + (n % NQ) * ng, kq, ks, NG, hd, n, out);
-                    floats(out, n);
+                    /* raw scores of query n % NQ against rows [0, n) */
+                    kvc_task one = {0, n % NQ, n % NQ + 1, 0, n};
+                    memset(probs, 0, sizeof probs);
+                    t->q8_rows(&st, &c, &one);
+                    floats(probs + (n % NQ) * NL, n);
                 }
-                end(t, "i8_rows", hd, group);
+                end(t, "q8_rows", hd, group);
                 memset(probs, 0, sizeof probs);
                 begin();
-                t->task_scores_i8(0, group, qi, sq, qsum, NQ, qf, qe, kq, ks, NG, 2, ROWS, hd,
-                                  0.17f, softcap, probs, L);
-                floats(probs, NQ * L);
+                c.scale = 0.17f;
+                t->task_scores_i8(&st, &c, &all);
+                floats(probs, NQ * NL);
                 end(t, "task_scores_i8", hd, 2 * cap + group / 32);
             }
         }
