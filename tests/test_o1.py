@@ -960,10 +960,10 @@ def test_kernel_matches_stream_over_random_geometry(G, hpk, d, m, w, sink, p, st
     assert c.seq_len == p + steps and c.head_len(0) == 0
 
 
-def test_o1_step_checks_a_changed_state_again(rng):
-    """check_o1_step skips re-checking a state made of the very arrays it last passed; any
-    other array in the state -- a new one of the wrong dtype or shape, or a read-only output --
-    is checked and refused, changing nothing."""
+def test_o1_step_checks_every_unbound_state(rng):
+    """An unbound state is checked in full at every step: an array of the wrong dtype or
+    shape, or a read-only output -- also one that was fine at the step before -- is refused,
+    changing nothing."""
     H, G, d, dv, m, ns, win = 4, 2, 16, 16, 4, 2, 12
     st = random_state(rng, H, G, d, dv, m, ns, win + 3)
     q = rng.standard_normal((H, d)).astype(np.float32)
@@ -994,3 +994,43 @@ def test_o1_step_checks_a_changed_state_again(rng):
         step(st)
     for n, a in before.items():
         assert np.array_equal(st[n], a), n
+
+
+def test_bound_o1_state_is_checked_once_and_steps_by_its_views(rng):
+    """bind_o1 checks the whole state (refusing a bad one with the checks' errors); steps on
+    the binding check only their own arguments, give the unbound step's bits, and keep
+    reading the arrays as they were checked even when one is reshaped in place."""
+    H, G, d, dv, m, ns, win = 4, 2, 16, 16, 4, 2, 12
+    st = random_state(rng, H, G, d, dv, m, ns, win + 3)
+    with pytest.raises(ValueError, match="landmark state"):
+        _core.bind_o1(O1State(**dict(st, mu=np.zeros((H, m + 1, m + 1), np.float32)),
+                              scale=0.25, fm=False))
+    q = rng.standard_normal((H, d)).astype(np.float32)
+    kn = rng.standard_normal((G, d)).astype(np.float32)
+    vn = rng.standard_normal((G, dv)).astype(np.float32)
+    scr = np.zeros((H, ns + win + 3 * m), np.float32)
+    twin = {n: a.copy() for n, a in st.items()}
+    bound = _core.bind_o1(O1State(**st, scale=0.25, fm=False))
+    outs = []
+    for s, state in ((st, bound), (twin, O1State(**twin, scale=0.25, fm=False))):
+        out = np.zeros((H, dv), np.float32)
+        _core.o1_step(state, O1Step(q, kn, vn, win, 3, True, True, out, scr.copy(), 1))
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+    for n in st:
+        assert np.array_equal(st[n], twin[n]), n
+    with pytest.raises(ValueError, match="q"):
+        _core.o1_step(bound, O1Step(q[:, :8].copy(), kn, vn, win, 3, True, True,
+                                    np.zeros((H, dv), np.float32), scr, 1))
+    with pytest.raises(ValueError, match="slot"):
+        _core.o1_step(bound, O1Step(q, kn, vn, win + 4, 3, True, True,
+                                    np.zeros((H, dv), np.float32), scr, 1))
+    st["mu"].shape = (H * m * m,)                            # in place: the binding keeps (H, m, m)
+    twin["mu"].shape = (H * m * m,)
+    out = np.zeros((H, dv), np.float32)
+    _core.o1_step(bound, O1Step(q, kn, vn, win, 4, True, True, out, scr, 1))
+    twin["mu"].shape = (H, m, m)
+    ref = np.zeros((H, dv), np.float32)
+    _core.o1_step(O1State(**twin, scale=0.25, fm=False),
+                  O1Step(q, kn, vn, win, 4, True, True, ref, scr.copy(), 1))
+    assert np.array_equal(out, ref)

@@ -428,6 +428,61 @@ def test_decode_kernel_refuses_the_same_bad_input(rng):
         assert (out == 7.0).all() and (imp == 3.0).all() and (probs == 5.0).all(), change
 
 
+def test_a_bound_storage_checks_each_call_against_it(rng):
+    """bind_rows checks the storage once (a bad one is refused at binding); each call on the
+    binding is checked against it -- the bad calls above, the rows each group holds now -- and
+    gives the unbound call's bits, also after an array of the storage is reshaped in place."""
+    layer = filled(2, 16, kc.KvMode.F32, 50, rng)
+    q2, g0 = grouped(layer, rng.standard_normal((10, 4, 16)).astype(np.float32))
+    rows = layer._rows()
+    with pytest.raises(ValueError, match="float32 K"):
+        _core.bind_rows(rows._replace(kf=rows.kf[:1]))
+    bound = _core.bind_rows(rows)
+    for change, match in _bad_cases(layer, q2, g0):
+        if any(k in Rows._fields and k != "head_len" for k in change) or \
+                change.get("head_len", rows.head_len).shape != rows.head_len.shape:
+            continue                                  # a storage change: not this binding's
+        out = np.full(q2.shape, 7.0, dtype=np.float32)
+        imp = np.full(50, 3.0, dtype=np.float32)
+        _, call = _bad_call(layer, q2, g0, change, out, imp)
+        saved = rows.head_len.copy()
+        if "head_len" in change:
+            rows.head_len[:] = change["head_len"]     # the bound array itself, changed in place
+        try:
+            with pytest.raises(ValueError, match=match):
+                _core.attend_blocked(bound, call)
+        finally:
+            rows.head_len[:] = saved
+        assert (out == 7.0).all() and (imp == 3.0).all(), change
+    outs = []
+    for storage in (bound, rows):
+        out = np.zeros(q2.shape, dtype=np.float32)
+        _, call = _bad_call(layer, q2, g0, {}, out, np.zeros(50, np.float32))
+        _core.attend_blocked(storage, call)
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+    rows.kf.shape = (rows.kf.shape[0], rows.kf.shape[1] * 2, rows.kf.shape[2] // 2)
+    out = np.zeros(q2.shape, dtype=np.float32)
+    _, call = _bad_call(layer, q2, g0, {}, out, np.zeros(50, np.float32))
+    _core.attend_blocked(bound, call)                 # the binding reads (nkv, cap, 16)
+    assert np.array_equal(out, outs[0])
+
+
+def test_a_layer_that_attended_copies_and_pickles_without_its_binding(rng):
+    """The layer keeps its storage's binding; a copy or a pickled layer binds its own arrays
+    and attends with the original's bits."""
+    import copy
+    import pickle
+    layer = filled(2, 16, kc.KvMode.Q8(), 50, rng)
+    q = rng.standard_normal((4, 16)).astype(np.float32)
+    want = layer.attend_all_heads(q)
+    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert np.array_equal(other.attend_all_heads(q), want)
+        other.append(np.ones((1, 2, 16), np.float32), np.ones((1, 2, 16), np.float32))
+        assert not np.array_equal(other.attend_all_heads(q), want)
+    assert np.array_equal(layer.attend_all_heads(q), want)
+
+
 def test_q8_storage_shapes_are_checked(rng):
     layer = filled(2, 40, kc.KvMode.Q8(), 80, rng)
     q2, g0 = grouped(layer, rng.standard_normal((4, 2, 40)).astype(np.float32))

@@ -14,8 +14,10 @@ public ``attend`` call and that kernel is the same for both and lives here once:
 - :func:`attend_prefill` is the prompt path: the blocked kernel ``attend_blocked`` (tiles of
   queries x rows, online softmax, no probability matrix) over all ``n`` positions in one call.
 
-Both kernels take the layer's storage descriptor (:class:`kvcache._entry.Rows`) and one call
-descriptor (:class:`kvcache._entry.AttendCall`).  The kernel module is a parameter: the
+Both kernels take the layer's storage descriptor (:class:`kvcache._entry.Rows`, or the binding
+of it that the layer keeps: ``kernels.bind_rows`` checks a storage once, and each call is then
+checked against the binding alone) and one call descriptor
+(:class:`kvcache._entry.AttendCall`).  The kernel module is a parameter: the
 compiled ``kvcache._core`` in normal use, the NumPy twin ``kvcache.reference`` when the
 reference runs a cache's own driver (the twins have the same names and take the same
 descriptors).  The summation orders are those of the kernel (``docs/numerics.md``).
@@ -31,13 +33,13 @@ from typing import Callable, Optional
 import numpy as np
 import numpy.typing as npt
 
-from ._entry import AttendCall, Rows
+from ._entry import AttendCall, Rows, RowsBinding
 from ._threads import threads_for
 from ._validate import FloatArrayLike, as_f32
 from .quant import CHUNK_ROWS
 
-__all__ = ["PROBS_BUDGET", "AttendCall", "Rows", "attend_blocks", "attend_prefill", "attend_rows",
-           "default_scale", "grouped_queries", "prefill_work", "scratch"]
+__all__ = ["PROBS_BUDGET", "AttendCall", "Rows", "RowsBinding", "attend_blocks", "attend_prefill",
+           "attend_rows", "default_scale", "grouped_queries", "prefill_work", "scratch"]
 
 F32 = npt.NDArray[np.float32]
 IP = npt.NDArray[np.intp]
@@ -76,7 +78,7 @@ def default_scale(head_dim: int) -> float:
     return float(np.float32(1.0 / math.sqrt(head_dim)))
 
 
-def attend_rows(kernels: ModuleType, rows: Rows, q2: F32, group_q0: IP, *, n_pos: int,
+def attend_rows(kernels: ModuleType, rows: RowsBinding, q2: F32, group_q0: IP, *, n_pos: int,
                 n_back: int, window: int, first: int, scale: float, softcap: float, out2: F32,
                 width: int, imp: F32, imp_mode: int, n_threads: int) -> F32:
     """Run ``kernels.attend_rows`` on queries ``q2`` (gathered per KV group, ``group_q0``
@@ -95,7 +97,7 @@ def attend_rows(kernels: ModuleType, rows: Rows, q2: F32, group_q0: IP, *, n_pos
     return probs
 
 
-def attend_blocks(kernels: ModuleType, rows: Rows, q3: F32, out3: F32, *, maxlen: int,
+def attend_blocks(kernels: ModuleType, rows: RowsBinding, q3: F32, out3: F32, *, maxlen: int,
                   window: int, scale: float, softcap: float, imp: F32, imp_mode: int,
                   n_threads: int, fold: Optional[Callable[[F32], F32]] = None) -> None:
     """Causal GQA attention of the newest ``n`` positions ``q3`` (n, num_heads, hd) into
@@ -142,7 +144,7 @@ def prefill_work(n: int, maxlen: int, window: int, num_heads: int, num_kv_heads:
             num_kv_heads * -(-n // per_task))
 
 
-def attend_prefill(kernels: ModuleType, rows: Rows, q3: F32, out3: F32, *, maxlen: int,
+def attend_prefill(kernels: ModuleType, rows: RowsBinding, q3: F32, out3: F32, *, maxlen: int,
                    window: int, scale: float, softcap: float, imp: F32, imp_mode: int,
                    n_threads: int, fold: Optional[Callable[[F32], F32]] = None) -> None:
     """:func:`attend_blocks`' contract on the blocked kernel: causal GQA attention of the

@@ -624,9 +624,15 @@ cdef inline kvc_task _task(Py_ssize_t g, Py_ssize_t j0, Py_ssize_t j1, Py_ssize_
 
 
 cdef class _Store:
-    """One layer's storage (a checked kvcache._entry.Rows) as typed views, and the kvc_store
-    of pointers the C entries read: only the arrays of the stored representation (float32 or
-    int8, per component), NULL where empty."""
+    """One layer's storage bound for the attention kernels (``bind_rows``): a
+    kvcache._entry.Rows that passed ``check_rows``, as typed views, and the kvc_store of
+    pointers the C entries read (only the arrays of the stored representation, float32 or
+    int8 per component, NULL where empty).  The views hold the arrays' buffers, so their
+    memory and shapes stay what was checked while the binding lives; ``rows`` and ``shape``
+    are what each call is checked against (``check_call``)."""
+    cdef readonly object rows
+    cdef readonly object shape
+    cdef readonly object head_len
     cdef const float[:, :, ::1] kf__hcd
     cdef const int8_t[:, :, ::1] kq__hcd
     cdef const float[:, :, ::1] ks__hcg
@@ -638,7 +644,11 @@ cdef class _Store:
     cdef Py_ssize_t nkv
     cdef kvc_store s
 
-    def __init__(self, rows, Py_ssize_t k_group):
+    def __init__(self, rows):
+        self.shape = _entry.check_rows(rows)
+        self.rows = rows
+        self.head_len = rows.head_len
+        cdef Py_ssize_t k_group = self.shape.k_group
         self.kf__hcd = rows.kf
         self.kq__hcd = rows.kq
         self.ks__hcg = rows.ks
@@ -748,12 +758,21 @@ cdef class _Plan:
             free(self._owned[i])
 
 
+def bind_rows(rows):
+    """A kvcache._entry.Rows checked (kvcache._entry.check_rows: TypeError, ValueError) and
+    bound for ``attend_rows`` and ``attend_blocked``, which then check only each call against
+    it.  The binding reads the arrays it was made from: bind again when an owner replaces
+    one (a layer does when its storage grows or is restored); values written into them, the
+    rows each group holds included, need no new binding."""
+    return _Store(rows)
+
+
 cdef _Plan _attention(rows, call, bint blocked):
-    """An attention call's descriptors checked (kvcache._entry: check_attend_blocked or
-    check_attend_rows), then bound and planned; None when the call has no query."""
-    cdef Py_ssize_t k_group = (_entry.check_attend_blocked(rows, call) if blocked
-                               else _entry.check_attend_rows(rows, call))
-    cdef _Store st = _Store(rows, k_group)
+    """An attention call's storage bound (``rows`` a binding of bind_rows, else bound now),
+    its call checked against it (kvcache._entry.check_call), then planned; None when the call
+    has no query."""
+    cdef _Store st = rows if type(rows) is _Store else _Store(rows)
+    _entry.check_call(st.rows, st.shape, call, blocked)
     cdef _Call ca = _Call(call, not blocked)
     if ca.nq == 0:
         return None
@@ -892,8 +911,8 @@ def attend_rows(rows, call):
     """Grouped attention of nq queries over the head-major storage of one layer, with the
     probability matrix.
 
-    ``rows``: a kvcache._entry.Rows; ``call``: a kvcache._entry.AttendCall with ``probs``
-    (nq, L).  Query j of KV group g sees the rows [first_j, end_j) of AttendCall's rule, end_j
+    ``rows``: a kvcache._entry.Rows or its binding (``bind_rows``); ``call``: a
+    kvcache._entry.AttendCall with ``probs`` (nq, L).  Query j of KV group g sees the rows [first_j, end_j) of AttendCall's rule, end_j
     also capped at L.  In q8-K mode the queries are already multiplied by the frozen key
     columns; q8 scores use K groups of ``rows.k_group`` channels (16 or 32; 0: from ks,
     ceil(head_dim/16) scales per row meaning 16).
@@ -902,8 +921,8 @@ def attend_rows(rows, call):
     rows).  imp_mode 0: importance untouched; 1: imp[p] += probs[j, p] for each query j in
     order (attend_group); 2: imp[p] += (sum over queries in order of probs[j, p])
     (attend_all_heads: a fresh buffer added once).  Rows p >= head_len of a query's group and
-    p >= len(imp) are never touched.  Checked by kvcache._entry.check_attend_rows (ValueError,
-    TypeError) before any work.
+    p >= len(imp) are never touched.  Checked by kvcache._entry (check_rows when not bound,
+    check_call; ValueError, TypeError) before any work.
     """
     cdef _Plan pl = _attention(rows, call, False)
     if pl is None:
@@ -1038,8 +1057,8 @@ def attend_blocked(rows, call):
     multiples (orders in _prefill.h, docs/numerics.md), so a query's bits depend only on its
     own visible rows.  imp_mode 0: importance untouched; 2: every row p < len(imp) gets, once,
     the sum over KV groups in order and their queries in order of the query's final
-    probability of row p (a second pass of scores).  Checked by
-    kvcache._entry.check_attend_blocked (ValueError, TypeError) before any work.
+    probability of row p (a second pass of scores).  Checked by kvcache._entry (check_rows
+    when not bound, check_call; ValueError, TypeError) before any work.
     """
     cdef _Plan pl = _attention(rows, call, True)
     if pl is None:
@@ -1104,8 +1123,13 @@ def attend_blocked(rows, call):
 # result is the same for any thread count.
 
 cdef class _O1:
-    """An O(1) state (a checked kvcache._entry.O1State) as typed views, and the kvc_o1 the C
-    entries read; ``step`` adds the views of one decode step (a checked O1Step)."""
+    """An O(1) state (a kvcache._entry.O1State) as typed views, and the kvc_o1 the C entries
+    read; ``step`` adds the views of one decode step (a checked O1Step).  Made by ``bind_o1``
+    (``shape`` the state's kvcache._entry.O1Shape) or by o1_absorb after its own check
+    (``shape`` None).  The views hold the arrays' buffers, so their memory and shapes stay
+    what was checked while the binding lives."""
+    cdef readonly object state
+    cdef readonly object shape
     cdef const float[:, :, ::1] sink_k__gsd
     cdef const float[:, :, ::1] sink_v__gse
     cdef float[:, :, ::1] win_k__gcd
@@ -1123,7 +1147,9 @@ cdef class _O1:
     cdef float[:, ::1] scr__hx
     cdef kvc_o1 o
 
-    def __init__(self, state):
+    def __init__(self, state, shape):
+        self.state = state
+        self.shape = shape
         self.sink_k__gsd = state.sink_k
         self.sink_v__gse = state.sink_v
         self.win_k__gcd = state.win_k
@@ -1174,15 +1200,26 @@ cdef class _O1:
         self.o.scr_stride = self.scr__hx.shape[1]
 
 
+def bind_o1(state):
+    """An O(1) state checked in full (kvcache._entry.check_o1_state: TypeError, ValueError)
+    and bound for ``o1_step``, which then checks only each step against it.  Bind again when
+    an owner replaces one of the state's arrays (values written into them need no new
+    binding)."""
+    return _O1(state, _entry.check_o1_state(state))
+
+
 def o1_absorb(state, rows):
     """Far-field insertion of rows [row0, row0 + n) of every group, in row order.
 
     ``state``: a kvcache._entry.O1State (its q_tilde, t_hat, z_hat and m_max are read);
     ``rows``: a kvcache._entry.O1Absorb.  Head h (group g = h // (H // G)) absorbs keys[g, i] /
     values[g, i] into t_hat[h], z_hat[h], m_max[h] with the per-landmark running max; scr
-    (H, >= m) is scratch.  Checked by kvcache._entry.check_o1_absorb."""
+    (H, >= m) is scratch.  Checked by kvcache._entry.check_o1_absorb.  A binding of ``bind_o1``
+    may stand for its state."""
+    if type(state) is _O1:
+        state = (<_O1> state).state
     _entry.check_o1_absorb(state, rows)
-    cdef _O1 st = _O1(state)
+    cdef _O1 st = _O1(state, None)
     cdef const float[:, :, ::1] keys__gnd = rows.keys
     cdef const float[:, :, ::1] values__gne = rows.values
     cdef float[:, ::1] scr__hm = rows.scr
@@ -1216,9 +1253,11 @@ def o1_step(state, step):
     [0, win_len) in slot order, row ``slot`` taken from (k_new, v_new) -- the caller counts
     the new row in win_len -- plus the far field when ``use_far``.  Finally the new rows are
     written into the ring at ``slot``.  scr: (H, >= sink_len + win_len + 3 m) scratch.
-    Checked by kvcache._entry.check_o1_step."""
-    _entry.check_o1_step(state, step)
-    cdef _O1 st = _O1(state)
+    ``state`` may be its binding (``bind_o1``): a decode loop binds once and each step is
+    then checked against the binding alone.  Checked by kvcache._entry (check_o1_state when
+    not bound, check_o1_call)."""
+    cdef _O1 st = state if type(state) is _O1 else bind_o1(state)
+    _entry.check_o1_call(st.shape, step)
     st.step(step)
     cdef const kvc_o1 *o = &st.o
     cdef Py_ssize_t H = st.q__hd.shape[0], G = st.k_new__gd.shape[0], h, g

@@ -27,17 +27,18 @@ A leaf module: it imports nothing of kvcache but the leaf ``_validate``.
 from __future__ import annotations
 
 import numbers
-import weakref
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from ._validate import as_int
 
-__all__ = ["AttendCall", "MlaCall", "O1Absorb", "O1State", "O1Step", "Rows",
-           "check_attend_blocked", "check_attend_rows", "check_mla_attend", "check_o1_absorb",
-           "check_o1_step", "check_q8_scores", "check_quantize_query", "k_group_of"]
+__all__ = ["AttendCall", "MlaCall", "O1Absorb", "O1Shape", "O1State", "O1Step", "Rows",
+           "RowsBinding", "RowsShape", "check_attend_blocked", "check_attend_rows", "check_call",
+           "check_mla_attend", "check_o1_absorb", "check_o1_call", "check_o1_state",
+           "check_o1_step", "check_q8_scores", "check_quantize_query", "check_rows",
+           "k_group_of"]
 
 F32 = npt.NDArray[np.float32]
 I8 = npt.NDArray[np.int8]
@@ -89,6 +90,14 @@ class Rows(NamedTuple):
         return cls(kf, empty_q, np.zeros((nkv, 0, k_groups), dtype=np.float32), vf, empty_q,
                    np.zeros((nkv, 0, 1), dtype=np.float32), np.ones((nkv, hd), dtype=np.float32),
                    head_len, False, False)
+
+
+class RowsBinding(Protocol):
+    """What a kernel module's ``bind_rows`` returns for a :class:`Rows` (``_core``: a checked
+    binding; the NumPy twins: the Rows itself); the attention kernels take either."""
+
+    @property
+    def head_len(self) -> IP: ...
 
 
 class AttendCall(NamedTuple):
@@ -246,40 +255,26 @@ def k_group_of(hd: int, n_scales: int, k_group: int = 0) -> int:
 # ---------------------------------------------------------------------------------------------
 # attention
 
-def _check_attend(rows: Rows, call: AttendCall, imp_modes: tuple[int, ...]) -> int:
-    """The checks attend_rows and attend_blocked share; returns the K group."""
-    _threads(call.n_threads)
-    imp_mode = _count("imp_mode", call.imp_mode, 0, 2)
-    if imp_mode not in imp_modes:
-        raise ValueError(f"imp_mode: expected {' or '.join(map(str, imp_modes))}, got {imp_mode}")
-    q = _array("q", call.q, _F32, 2)
-    nq, hd = q.shape
-    if hd < 1:
-        raise ValueError(f"q: expected head_dim >= 1, got {hd}")
-    n_pos = _count("n_pos", call.n_pos, 1)
-    try:
-        for name in ("n_back", "window", "first"):
-            _count(name, getattr(call, name), 0)
-    except ValueError:
-        raise ValueError(f"n_back, window, first: expected each in [0, 2**62], got "
-                         f"{call.n_back}, {call.window}, {call.first}") from None
-    _real("scale", call.scale)
-    _real("softcap", call.softcap)
+class RowsShape(NamedTuple):
+    """What :func:`check_rows` found in a :class:`Rows`: its KV groups, head_dim, the rows
+    its storage holds per group and the K scale group."""
+
+    nkv: int
+    hd: int
+    capacity: int
+    k_group: int
+
+
+def check_rows(rows: Rows) -> RowsShape:
+    """The storage half of the attention checks: the arrays of ``rows`` (dtypes, dimensions,
+    layouts, shapes against each other) and ``head_len``'s type and length, not its values
+    (a layer changes them in place between calls; :func:`check_call` reads them).
+
+    The compiled kernels check a storage once, when it is bound (``_core.bind_rows``), and
+    each call against it: an ndarray's dtype, dimensions and memory cannot change while a
+    binding holds its buffer (the binding keeps its own copy of the shape)."""
     head_len = _array("head_len", rows.head_len, _IP, 1)
     nkv = head_len.shape[0]
-    g0 = _array("group_q0", call.group_q0, _IP, 1).tolist()
-    if len(g0) != nkv + 1 or g0[0] != 0 or g0[nkv] != nq:
-        raise ValueError(f"group_q0: expected {nkv + 1} offsets from 0 to {nq}")
-    for g in range(nkv):
-        cnt = g0[g + 1] - g0[g]
-        if cnt < 0 or cnt % n_pos:
-            raise ValueError(f"group_q0: group {g} has {cnt} queries, expected a multiple "
-                             f"of n_pos={n_pos}")
-    out = _array("out", call.out, _F32, 2, writable=True)
-    if out.shape != (nq, hd):
-        raise ValueError(f"out: expected shape ({nq}, {hd}), got {out.shape}")
-    _array("imp", call.imp, _F32, 1, writable=True)
-
     kf = _array("kf", rows.kf, _F32, 3)
     kq = _array("kq", rows.kq, _I8, 3)
     ks = _array("ks", rows.ks, _F32, 3)
@@ -289,17 +284,19 @@ def _check_attend(rows: Rows, call: AttendCall, imp_modes: tuple[int, ...]) -> i
     vcol = _array("vcol", rows.vcol, _F32, 2)
     k_group = _count("k_group", rows.k_group, 0, 32)
     if rows.quant_k:
-        kcap = kq.shape[1]
+        kcap, hd = kq.shape[1], kq.shape[2]
         k_group = k_group_of(hd, ks.shape[2], k_group)
-        if kq.shape[0] < nkv or kq.shape[2] != hd or ks.shape[0] < nkv \
-                or ks.shape[1] != kcap or ks.shape[2] < -(-hd // k_group):
+        if kq.shape[0] < nkv or ks.shape[0] < nkv or ks.shape[1] != kcap \
+                or ks.shape[2] < -(-hd // k_group):
             raise ValueError("int8 K: expected kq (nkv, capacity, head_dim) and ks "
                              "(nkv, capacity, ceil(head_dim/k_group))")
     else:
-        kcap = kf.shape[1]
+        kcap, hd = kf.shape[1], kf.shape[2]
         k_group = 32
-        if kf.shape[0] < nkv or kf.shape[2] != hd:
+        if kf.shape[0] < nkv:
             raise ValueError("float32 K: expected kf (nkv, capacity, head_dim)")
+    if hd < 1:
+        raise ValueError(f"K: expected head_dim >= 1, got {hd}")
     if rows.quant_v:
         vcap = vq.shape[1]
         if vq.shape[0] < nkv or vq.shape[2] != hd or vs.shape[0] < nkv \
@@ -311,30 +308,113 @@ def _check_attend(rows: Rows, call: AttendCall, imp_modes: tuple[int, ...]) -> i
         vcap = vf.shape[1]
         if vf.shape[0] < nkv or vf.shape[2] != hd:
             raise ValueError("float32 V: expected vf (nkv, capacity, head_dim)")
-    cap = min(kcap, vcap)
-    for g, n in enumerate(head_len.tolist()):
+    return RowsShape(nkv, hd, min(kcap, vcap), k_group)
+
+
+def _arrays_fast(call: AttendCall, hd: int, nq: int, blocked: bool) -> bool:
+    """The common case of :func:`check_call`'s array checks, in one expression (no
+    messages): every array an ndarray of its dtype, dimensions and layout, the written ones
+    writable, ``q`` and ``out`` (nq, hd), ``probs`` (nq, .)."""
+    q, out, imp, g0, probs = call.q, call.out, call.imp, call.group_q0, call.probs
+    nd = np.ndarray
+    return (type(q) is nd and type(out) is nd and type(imp) is nd and type(g0) is nd
+            and q.dtype is _F32 and out.dtype is _F32 and imp.dtype is _F32
+            and g0.dtype is _IP and q.ndim == 2 and imp.ndim == 1 and g0.ndim == 1
+            and q.shape[1] == hd and out.shape == (nq, hd) and q.flags.c_contiguous
+            and out.flags.c_contiguous and out.flags.writeable and imp.flags.c_contiguous and imp.flags.writeable
+            and g0.flags.c_contiguous
+            and (blocked or (type(probs) is nd and probs.dtype is _F32 and probs.ndim == 2
+                             and probs.shape[0] == nq and probs.flags.c_contiguous
+                             and probs.flags.writeable)))
+
+
+def _counts_fast(call: AttendCall) -> bool:
+    """The common case of :func:`check_call`'s number checks: plain ints in range."""
+    n_pos, n_back, window, first = call.n_pos, call.n_back, call.window, call.first
+    return (type(n_pos) is int and type(n_back) is int and type(window) is int
+            and type(first) is int and type(call.n_threads) is int
+            and type(call.imp_mode) is int and 0 <= call.imp_mode <= 2
+            and 1 <= n_pos <= COUNT_MAX and 0 <= n_back <= COUNT_MAX and 0 <= window <= COUNT_MAX
+            and 0 <= first <= COUNT_MAX and 1 <= call.n_threads <= THREADS_MAX
+            and type(call.scale) is float and type(call.softcap) is float)
+
+
+def check_call(rows: Rows, shape: RowsShape, call: AttendCall, blocked: bool) -> None:
+    """The call half of the attention checks: ``call`` against a storage that passed
+    :func:`check_rows` with ``shape`` (its queries, outputs and counts; the rows each KV
+    group holds now, ``rows.head_len``, against the capacity).  ``blocked``: the checks of
+    ``attend_blocked`` (no probability matrix, importance mode 0 or 2), else those of
+    ``attend_rows``."""
+    nkv, hd = shape.nkv, shape.hd
+    q = call.q
+    nq = q.shape[0] if type(q) is np.ndarray and q.ndim == 2 else -1
+    if not (nq >= 0 and _arrays_fast(call, hd, nq, blocked) and _counts_fast(call)):
+        _call_full(call, hd, blocked)     # raises naming what is wrong; passes numbers of
+                                          # other types (numpy integers, float32 scales)
+    imp_mode = call.imp_mode
+    if imp_mode not in ((0, 2) if blocked else (0, 1, 2)):
+        raise ValueError(f"imp_mode: expected {'0 or 2' if blocked else '0, 1 or 2'}, got "
+                         f"{imp_mode}")
+    n_pos = call.n_pos
+    g0 = call.group_q0.tolist()
+    if len(g0) != nkv + 1 or g0[0] != 0 or g0[nkv] != nq:
+        raise ValueError(f"group_q0: expected {nkv + 1} offsets from 0 to {nq}")
+    for g in range(nkv):
+        cnt = g0[g + 1] - g0[g]
+        if cnt < 0 or cnt % n_pos:
+            raise ValueError(f"group_q0: group {g} has {cnt} queries, expected a multiple "
+                             f"of n_pos={n_pos}")
+    cap = shape.capacity
+    for g, n in enumerate(rows.head_len.tolist()):
         if not 0 <= n <= cap:
             raise ValueError(f"head_len: group {g} has {n} rows, expected 0..{cap} (the "
                              f"storage capacity)")
-    return k_group
+
+
+def _call_full(call: AttendCall, hd: int, blocked: bool) -> None:
+    """:func:`check_call`'s array and number checks one by one, raising the error of the first
+    that ``call`` fails (the path taken when the common case's expression is False)."""
+    _threads(call.n_threads)
+    imp_mode = _count("imp_mode", call.imp_mode, 0, 2)
+    q = _array("q", call.q, _F32, 2)
+    nq = q.shape[0]
+    if q.shape[1] != hd:
+        raise ValueError(f"q: expected head_dim {hd} (the storage's), got {q.shape[1]}")
+    _count("n_pos", call.n_pos, 1)
+    try:
+        for name in ("n_back", "window", "first"):
+            _count(name, getattr(call, name), 0)
+    except ValueError:
+        raise ValueError(f"n_back, window, first: expected each in [0, 2**62], got "
+                         f"{call.n_back}, {call.window}, {call.first}") from None
+    _real("scale", call.scale)
+    _real("softcap", call.softcap)
+    _array("group_q0", call.group_q0, _IP, 1)
+    out = _array("out", call.out, _F32, 2, writable=True)
+    if out.shape != (nq, hd):
+        raise ValueError(f"out: expected shape ({nq}, {hd}), got {out.shape}")
+    _array("imp", call.imp, _F32, 1, writable=True)
+    if not blocked:
+        probs = _array("probs", call.probs, _F32, 2, writable=True)
+        if probs.shape[0] != nq:
+            raise ValueError(f"probs: expected shape ({nq}, L), got {probs.shape}")
 
 
 def check_attend_rows(rows: Rows, call: AttendCall) -> int:
-    """The checks of ``_core.attend_rows``: everything its ``nogil`` code indexes (shapes,
-    dtypes, layouts, the query offsets, the rows each group holds, the ranges of the counts);
-    returns the call's K group (16 or 32; 32 for float32 K)."""
-    k_group = _check_attend(rows, call, (0, 1, 2))
-    probs = _array("probs", call.probs, _F32, 2, writable=True)
-    nq = call.q.shape[0]
-    if probs.shape[0] != nq:
-        raise ValueError(f"probs: expected shape ({nq}, L), got {probs.shape}")
-    return k_group
+    """The checks of ``_core.attend_rows`` on an unbound storage: :func:`check_rows` then
+    :func:`check_call`; returns the call's K group (16 or 32; 32 for float32 K)."""
+    shape = check_rows(rows)
+    check_call(rows, shape, call, False)
+    return shape.k_group
 
 
 def check_attend_blocked(rows: Rows, call: AttendCall) -> int:
-    """The checks of ``_core.attend_blocked`` (those of :func:`check_attend_rows` without the
-    probability matrix, importance mode 0 or 2); returns the K group."""
-    return _check_attend(rows, call, (0, 2))
+    """The checks of ``_core.attend_blocked`` on an unbound storage (those of
+    :func:`check_attend_rows` without the probability matrix, importance mode 0 or 2);
+    returns the K group."""
+    shape = check_rows(rows)
+    check_call(rows, shape, call, True)
+    return shape.k_group
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,26 +458,42 @@ def check_o1_absorb(state: O1State, rows: O1Absorb) -> None:
     _o1_ok(0 <= row0 and row0 + n <= nrows, "rows [row0, row0 + n) inside keys")
 
 
-# Weak references to the arrays of the last O(1) state check_o1_step passed: a decode loop
-# hands the same arrays every step, and an array's dtype, dimensions, layout and shape do not
-# change while it lives (the state owns its arrays and never reshapes them in place), so a
-# state made of the very same live arrays is not checked again (its writable outputs are).
-_o1_checked: list[Any] = []
+class O1Shape(NamedTuple):
+    """What :func:`check_o1_state` found in an :class:`O1State`: H query heads, G groups,
+    m landmarks, key and value widths d and dv, ns sink rows and a ring of cap rows."""
+
+    H: int
+    G: int
+    m: int
+    d: int
+    dv: int
+    ns: int
+    cap: int
 
 
-def check_o1_step(state: O1State, step: O1Step) -> None:
-    """The checks of ``_core.o1_step``: the state's arrays against each other and against the
-    step's queries, new rows, ring position, output and scratch."""
-    arrays = state[:10]
-    if len(_o1_checked) == 10 and all(r() is a for r, a in zip(_o1_checked, arrays)) \
-            and all(a.flags.writeable for a in (state.win_k, state.win_v, state.t_hat,
-                                                 state.z_hat, state.m_max)):
-        sink_k, sink_v, win_k, win_v, k_tilde, q_tilde, mu, t_hat, z_hat, m_max = arrays
-        _real("scale", state.scale)
-    else:
-        _o1_checked.clear()
-        sink_k, sink_v, win_k, win_v, k_tilde, q_tilde, mu, t_hat, z_hat, m_max = \
-            _o1_arrays(state)
+def check_o1_state(state: O1State) -> O1Shape:
+    """The state half of the O(1) step checks: every array of ``state`` (dtype, dimensions,
+    layout, writable where a step writes) and their shapes against each other.
+
+    The compiled kernel checks a state once, when it is bound (``_core.bind_o1``), and each
+    step against it (:func:`check_o1_call`)."""
+    sink_k, sink_v, win_k, win_v, k_tilde, q_tilde, mu, t_hat, z_hat, m_max = _o1_arrays(state)
+    G, ns, d = sink_k.shape
+    H, m = q_tilde.shape[0], q_tilde.shape[1]
+    dv, cap = sink_v.shape[2], win_k.shape[1]
+    _o1_ok(H > 0 and G > 0 and H % G == 0, "H a positive multiple of G")
+    _o1_ok(sink_v.shape[:2] == (G, ns), "sinks (G, s, d) and (G, s, dv)")
+    _o1_ok(win_k.shape[0] == G and win_k.shape[2] == d and win_v.shape == (G, cap, dv),
+           "window (G, c, d) and (G, c, dv)")
+    _o1_ok(k_tilde.shape == (G, m, d) and q_tilde.shape[2] == d and mu.shape == (H, m, m)
+           and t_hat.shape == (H, m, dv) and z_hat.shape == (H, m) and m_max.shape == (H, m),
+           "landmark state (G|H, m, .)")
+    return O1Shape(H, G, m, d, dv, ns, cap)
+
+
+def check_o1_call(shape: O1Shape, step: O1Step) -> None:
+    """The step half of the O(1) step checks: ``step``'s queries, new rows, ring position,
+    output and scratch against a state that passed :func:`check_o1_state` with ``shape``."""
     q = _array("q", step.q, _F32, 2)
     k_new = _array("k_new", step.k_new, _F32, 2)
     v_new = _array("v_new", step.v_new, _F32, 2)
@@ -406,24 +502,19 @@ def check_o1_step(state: O1State, step: O1Step) -> None:
     win_len = _count("win_len", step.win_len, -COUNT_MAX)
     slot = _count("slot", step.slot, -COUNT_MAX)
     _threads(step.n_threads)
-    H, d = q.shape
-    G, dv = k_new.shape[0], v_new.shape[1]
-    ns, cap, m = sink_k.shape[1], win_k.shape[1], q_tilde.shape[1]
-    _o1_ok(H > 0 and G > 0 and H % G == 0, "H a positive multiple of G")
-    _o1_ok(k_new.shape[1] == d and v_new.shape[0] == G, "k_new (G, d), v_new (G, dv)")
-    _o1_ok(sink_k.shape[0] == G and sink_k.shape[2] == d and sink_v.shape == (G, ns, dv),
-           "sinks (G, s, d) and (G, s, dv)")
-    _o1_ok(win_k.shape[0] == G and win_k.shape[2] == d and win_v.shape == (G, cap, dv),
-           "window (G, c, d) and (G, c, dv)")
+    H, G, m, d, dv, ns, cap = shape
+    _o1_ok(q.shape == (H, d), "q (H, d)")
+    _o1_ok(k_new.shape == (G, d) and v_new.shape == (G, dv), "k_new (G, d), v_new (G, dv)")
     _o1_ok(1 <= win_len <= cap and 0 <= slot < win_len, "0 <= slot < win_len <= capacity")
-    _o1_ok(k_tilde.shape == (G, m, d) and q_tilde.shape[0] == H and q_tilde.shape[2] == d
-           and mu.shape == (H, m, m) and t_hat.shape == (H, m, dv) and z_hat.shape == (H, m)
-           and m_max.shape == (H, m), "landmark state (G|H, m, .)")
     _o1_ok(out.shape == (H, dv), "out (H, dv)")
     _o1_ok(scr.shape[0] == H and scr.shape[1] >= ns + win_len + 3 * m,
            "scratch (H, >= sinks + win_len + 3 m)")
-    if not _o1_checked:
-        _o1_checked.extend(weakref.ref(a) for a in arrays)
+
+
+def check_o1_step(state: O1State, step: O1Step) -> None:
+    """The checks of ``_core.o1_step`` on an unbound state: :func:`check_o1_state` then
+    :func:`check_o1_call`."""
+    check_o1_call(check_o1_state(state), step)
 
 
 # ---------------------------------------------------------------------------------------------

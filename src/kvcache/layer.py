@@ -31,8 +31,8 @@ from . import quant, wire
 from ._state import LayerState, scheme_conflict
 from ._validate import (FloatArrayLike, IntArrayLike, as_f32, as_f32_scalar, as_index, as_int,
                         out_f32, readonly)
-from ._attention import (Rows, attend_blocks, attend_prefill, attend_rows, default_scale,
-                         grouped_queries)
+from ._attention import (Rows, RowsBinding, attend_blocks, attend_prefill, attend_rows,
+                         default_scale, grouped_queries)
 from .eviction import EvictionPolicy, born_rows
 from .modes import DEFAULT_SCHEME, KvMode
 from ._generation import Generation
@@ -115,6 +115,7 @@ class LayerKvCache:
     _linear_state: F32
     _linear_scratch: F32
     _evicted: bool
+    _binding: Optional[tuple[ModuleType, RowsBinding, Rows]]
 
     def __init__(self, num_kv_heads: int, head_dim: int,
                  mode: Union[KvMode, str, None] = None) -> None:
@@ -133,10 +134,16 @@ class LayerKvCache:
         self._gen = Generation()
         self._reset_storage()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the kernels' binding behind (a copy binds its own
+        arrays)."""
+        return dict(self.__dict__, _binding=None)
+
     # ------------------------------------------------------------------ storage basics
     def _reset_storage(self) -> None:
         """Empty rows, columns and importance (mode, geometry, linear and O(1) state stay)."""
         nkv, hd = self._nkv, self._hd
+        self._binding = None
         self._seq_len = 0
         self._cap = 0
         self._len = np.zeros(nkv, dtype=np.intp)
@@ -190,6 +197,7 @@ class LayerKvCache:
                 arr: npt.NDArray[Any] = np.empty((self._nkv, cap, width), dtype=dtype)
                 arr[:, :used] = getattr(self, name)[:, :used]
                 fresh[name] = arr
+            self._binding = None
             for name, arr in fresh.items():
                 setattr(self, name, arr)
             self._cap = cap
@@ -468,6 +476,23 @@ class LayerKvCache:
         return Rows(self._kf, self._kq, self._ks, self._vf, self._vq, self._vs, self._vcol,
                     self._len, self._mode.quant_k, self._mode.quant_v)
 
+    def _bound_rows(self, kernels: ModuleType) -> RowsBinding:
+        """The stored rows bound by ``kernels.bind_rows``: checked once and kept while the
+        layer holds the very arrays bound (rows written in place need no new binding).  The
+        methods that replace arrays (``_reset_storage``, ``_reserve``, ``_install_state``)
+        also drop the binding, so that it never keeps replaced storage alive."""
+        b = self._binding
+        if b is not None and b[0] is kernels:
+            r = b[2]
+            if (r.kf is self._kf and r.kq is self._kq and r.ks is self._ks and r.vf is self._vf
+                    and r.vq is self._vq and r.vs is self._vs and r.vcol is self._vcol
+                    and r.head_len is self._len and r.quant_k == self._mode.quant_k
+                    and r.quant_v == self._mode.quant_v):
+                return b[1]
+        rows = self._rows()
+        self._binding = (kernels, kernels.bind_rows(rows), rows)
+        return self._binding[1]
+
     def attend(self, q: FloatArrayLike, kv_head: int) -> tuple[F32, F32]:
         """Attention of one query head over KV head ``kv_head``'s stored rows.
 
@@ -491,7 +516,7 @@ class LayerKvCache:
         if stored == 0:
             return out.reshape(hd), np.zeros(0, dtype=_F32)
         q2, group_q0 = self._one_group(h, qa.reshape(1, hd))
-        probs = attend_rows(kernels, self._rows(), q2, group_q0, n_pos=1, n_back=1, window=0,
+        probs = attend_rows(kernels, self._bound_rows(kernels), q2, group_q0, n_pos=1, n_back=1, window=0,
                             first=0, scale=default_scale(hd), softcap=0.0, out2=out,
                             width=stored, imp=np.zeros(0, dtype=_F32), imp_mode=0,
                             n_threads=_core.max_threads())
@@ -545,7 +570,7 @@ class LayerKvCache:
             out.fill(0.0)
             return None
         q2, group_q0 = self._one_group(h, qa.reshape(nq, hd))
-        attend_rows(kernels, self._rows(), q2, group_q0, n_pos=1, n_back=1, window=0,
+        attend_rows(kernels, self._bound_rows(kernels), q2, group_q0, n_pos=1, n_back=1, window=0,
                     first=first, scale=scale, softcap=softcap, out2=out.reshape(nq, hd),
                     width=stored, imp=imp_acc, imp_mode=1, n_threads=_core.max_threads())
 
@@ -620,7 +645,7 @@ class LayerKvCache:
             return out
         blocked = n > 1 if prefill is None else bool(prefill)
         run = attend_prefill if blocked else attend_blocks
-        run(kernels, self._rows(), q3, out.reshape(n, nh, hd), maxlen=int(self._len.max()),
+        run(kernels, self._bound_rows(kernels), q3, out.reshape(n, nh, hd), maxlen=int(self._len.max()),
             window=window, scale=scale, softcap=softcap, imp=self._imp[: self._imp_len],
             imp_mode=2, n_threads=_core.max_threads(), fold=self._queries)
         return out
@@ -782,6 +807,7 @@ class LayerKvCache:
             state = state.owned_copy()
         empty_ks = np.zeros((self._nkv, 0, _k_scales(self._hd, state.mode)), dtype=_F32)
         # commit: assignments only
+        self._binding = None
         self._mode = state.mode
         self._seq_len = int(state.seq_len)
         self._cap = state.capacity

@@ -387,8 +387,23 @@ class O1Sealed:
     m_max: F32
     scr: F32
 
+    # what the kernels' binding of the state reads (assigning any of them drops the binding)
+    _BOUND = frozenset(("sink_k", "sink_v", "win_k", "win_v", "k_tilde", "q_tilde", "mu",
+                        "t_hat", "z_hat", "m_max", "scale", "rect"))
+    _binding: Optional[tuple[ModuleType, Any]]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in O1Sealed._BOUND:
+            object.__setattr__(self, "_binding", None)
+        object.__setattr__(self, name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the binding behind (a copy binds its own arrays)."""
+        return dict(self.__dict__, _binding=None)
+
     def __init__(self, *, num_heads: int, num_kv_heads: int, d: int, dv: int, m: int, w: int,
                  sink: int, rect: O1Rect, exact_only: bool, keep: int = 0) -> None:
+        self._binding = None
         self.keep = keep        # kept far keys (stored after the sinks, counted in sink)
         self.error: Optional[O1Error] = None      # the seal's estimate (None: not estimated)
         self.num_heads = num_heads
@@ -515,6 +530,15 @@ class O1Sealed:
                        self.q_tilde, self.mu, self.t_hat, self.z_hat, self.m_max, self.scale,
                        self.rect is O1Rect.FM)
 
+    def _bound_state(self, kernels: ModuleType) -> Any:
+        """The state bound by ``kernels.bind_o1``: checked in full once, and bound again only
+        after one of its arrays is replaced (a seal, a grown exact window, a stored state read
+        back); a step's writes into the arrays need no new binding."""
+        b = self._binding
+        if b is None or b[0] is not kernels:
+            b = self._binding = (kernels, kernels.bind_o1(self._kernel_state()))
+        return b[1]
+
     def step(self, q: F32, k_new: F32, v_new: F32, out: F32, kernels: ModuleType,
              n_threads: int) -> None:
         """One decode step; q (H, d), k_new (G, d), v_new (G, dv) float32; fills out (H, dv)."""
@@ -536,7 +560,7 @@ class O1Sealed:
         nh = self.num_heads
         n_threads = min(n_threads, threads_for(
             nh * (self.sink_len + win_len + self.m_eff) * (self.d + self.dv), nh))
-        kernels.o1_step(self._kernel_state(), O1Step(
+        kernels.o1_step(self._bound_state(kernels), O1Step(
             q=q, k_new=k_new, v_new=v_new, win_len=win_len, slot=slot, absorb=absorb,
             use_far=far_len > 0, out=out, scr=scr, n_threads=n_threads))
         self.win_len = win_len

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from .static import StaticKvCache
 
 __all__ = ["CHUNK_ROWS", "openmp_built", "max_threads", "round_half_away", "quantize_rows",
-           "store_rows_f32", "store_rows_q8", "stream_read", "fmaf", "k_group_of", "quantize_query", "q8_scores", "visible_range", "attend_rows",
-           "attend_blocked",
+           "store_rows_f32", "store_rows_q8", "stream_read", "fmaf", "k_group_of", "quantize_query",
+           "q8_scores", "visible_range", "bind_rows", "attend_rows", "attend_blocked", "bind_o1",
            "attend_all_heads", "attend", "attend_group", "o1_seal", "o1_step_layer",
            "static_attend", "o1_absorb", "o1_step", "nystrom_stream", "nystrom_matrix",
            "kept_keys", "o1_error_estimate",
@@ -193,6 +193,12 @@ def visible_range(stored: int, n_back: int, i: int, window: int, first: int,
     f = max(e - window, 0) if window > 0 else 0
     f = max(min(max(f, first), e - 1), 0)
     return f, e
+
+
+def bind_rows(rows: Rows) -> Rows:
+    """Twin of ``_core.bind_rows``: the twins trust their descriptors, so the binding is the
+    :class:`Rows` itself."""
+    return rows
 
 
 def attend_rows(rows: Rows, call: AttendCall) -> None:
@@ -394,6 +400,11 @@ def o1_absorb(state: O1State, rows: O1Absorb) -> None:
                 e = np.exp(l - M).astype(dt)                             # (m,)
                 Z += e
                 T += e[:, None] * v[None, :]
+
+
+def bind_o1(state: O1State) -> O1State:
+    """Twin of ``_core.bind_o1``: the state itself (the twins trust their descriptors)."""
+    return state
 
 
 def o1_step(state: O1State, step: O1Step) -> int:
