@@ -1305,6 +1305,10 @@ def mla_path():
 def mla_task_rows(Py_ssize_t T):
     """Rows per task for a cache of T rows: 256 * ceil(T / 8192), so at most ~32 tasks per
     position.  A function of T only, which keeps results independent of the thread count."""
+    return _mla_task_rows(T)
+
+
+cdef inline Py_ssize_t _mla_task_rows(Py_ssize_t T) noexcept:
     if T <= 0:
         return 256
     return 256 * ((T + 8191) // 8192)
@@ -1331,26 +1335,29 @@ def mla_attend(call):
     cdef Py_ssize_t n = qn__nhk.shape[0], H = qn__nhk.shape[1], dn = qn__nhk.shape[2]
     cdef Py_ssize_t T = lat__tr.shape[0], r = lat__tr.shape[1], dr = kr__te.shape[1]
     cdef Py_ssize_t dv = wuv__hjr.shape[1]
-    cdef Py_ssize_t Hp, R, NT, G, g0, ng, task, tid
+    cdef Py_ssize_t Hp, R, NT, G, g0, ng, task, tid, x, n_qT, n_qa, n_acc, n_ml, n_s
     cdef kvc_mla a
     cdef const kvc_mla *ap = &a
+    cdef float *scratch
+    cdef float *sbuf
     if n == 0 or H == 0:
         return
     Hp = (H + 7) // 8 * 8
-    R = mla_task_rows(T)
+    R = _mla_task_rows(T)
     NT = (T + R - 1) // R
     G = max(1, min(n, _MLA_PART_BYTES // max(1, NT * H * r * 4)))
-    qT_arr = np.zeros((G, r + dr, Hp), dtype=np.float32)
-    qa_arr = np.empty((G * H, r), dtype=np.float32)
-    acc_arr = np.empty((G * NT, H, r), dtype=np.float32)
-    ml_arr = np.empty((2, G * NT, Hp), dtype=np.float32)
-    s_arr = np.empty((n_threads, KVC_MLA_BLOCK * Hp), dtype=np.float32)
-    cdef float[:, :, ::1] qT = qT_arr
-    cdef float[:, ::1] qa = qa_arr
-    cdef float[:, :, ::1] acc = acc_arr
-    cdef float[:, :, ::1] ml = ml_arr
-    cdef float[:, ::1] sbuf = s_arr
-    cdef float[:, ::1] cbuf = np.empty((G * H, r), dtype=np.float32)
+    # the call's scratch, one C block: per position of a group its folded query qT, per
+    # (position, head) qa and the merged latent c, per task the partials acc, m and l, per
+    # thread a block of scores
+    n_qT = G * (r + dr) * Hp
+    n_qa = G * H * r
+    n_acc = G * NT * H * r
+    n_ml = G * NT * Hp
+    n_s = KVC_MLA_BLOCK * Hp
+    scratch = <float *> malloc((n_qT + 2 * n_qa + n_acc + 2 * n_ml + n_threads * n_s)
+                               * sizeof(float))
+    if scratch == NULL:
+        raise MemoryError()
     cdef bint par_scores = T * H * (r + dr) > _PAR_WORK
     cdef bint par_heads = H > 1 and H * (dn + dv) * r > _PAR_WORK
     cdef const kvc_ops *mla = _ops(KVC_FAM_MLA)            # the family's body, once per call
@@ -1372,24 +1379,33 @@ def mla_attend(call):
     a.out = &out__nhj[0, 0, 0]
     a.R = R
     a.NT = NT
-    a.qT = &qT[0, 0, 0]
-    a.qa = &qa[0, 0]
-    a.acc = &acc[0, 0, 0]
-    a.m = &ml[0, 0, 0]
-    a.l = &ml[1, 0, 0]
-    a.c = &cbuf[0, 0]
-    for g0 in range(0, n, G):
-        a.i0 = g0
-        ng = min(n, g0 + G) - g0
-        for task in prange(ng * H, nogil=True, num_threads=n_threads, schedule="static",
-                           use_threads_if=par_heads):
-            mla.mla_fold(ap, task)
-        # static: each thread takes a contiguous run of tasks, so the rows it prefetches at
-        # the end of one task are the start of its next
-        for task in prange(ng * NT, nogil=True, num_threads=n_threads, schedule="static",
-                           use_threads_if=par_scores):
-            tid = omp_get_thread_num()
-            mla.mla_task(ap, task, &sbuf[tid, 0])
-        for task in prange(ng * H, nogil=True, num_threads=n_threads, schedule="static",
-                           use_threads_if=par_heads):
-            mla.mla_merge(ap, task)
+    a.qT = scratch
+    a.qa = a.qT + n_qT
+    a.c = a.qa + n_qa
+    a.acc = a.c + n_qa
+    a.m = a.acc + n_acc
+    a.l = a.m + n_ml
+    sbuf = a.l + n_ml
+    if Hp > H:      # the padding columns of qT are 0 (the fold writes the others)
+        for x in range(G * (r + dr)):
+            memset(a.qT + x * Hp + H, 0, (Hp - H) * sizeof(float))
+    g0 = 0
+    try:
+        while g0 < n:
+            a.i0 = g0
+            ng = min(n, g0 + G) - g0
+            for task in prange(ng * H, nogil=True, num_threads=n_threads, schedule="static",
+                               use_threads_if=par_heads):
+                mla.mla_fold(ap, task)
+            # static: each thread takes a contiguous run of tasks, so the rows it prefetches
+            # at the end of one task are the start of its next
+            for task in prange(ng * NT, nogil=True, num_threads=n_threads, schedule="static",
+                               use_threads_if=par_scores):
+                tid = omp_get_thread_num()
+                mla.mla_task(ap, task, sbuf + tid * n_s)
+            for task in prange(ng * H, nogil=True, num_threads=n_threads, schedule="static",
+                               use_threads_if=par_heads):
+                mla.mla_merge(ap, task)
+            g0 += G
+    finally:
+        free(scratch)

@@ -228,7 +228,7 @@ def _count(name: str, value: object, lo: int, hi: int = COUNT_MAX) -> int:
 
 def _real(name: str, value: object) -> None:
     """A real number (the kernel takes it as float32; NaN and inf are values, not errors)."""
-    if not isinstance(value, numbers.Real):
+    if type(value) is not float and not isinstance(value, numbers.Real):   # float: fast
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
 
 
@@ -237,6 +237,8 @@ def _bound(hi: int) -> str:
 
 
 def _threads(value: object) -> int:
+    if type(value) is int and 1 <= value <= THREADS_MAX:   # the common case, fast
+        return value
     return _count("n_threads", value, 1, THREADS_MAX)
 
 

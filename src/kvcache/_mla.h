@@ -210,11 +210,16 @@ typedef void (*kvc_mla_task_fn)(const float *qT, ptrdiff_t H, ptrdiff_t Hp, cons
 
 /* One task: rows [p0, p1) of one position, on this unit's width.  acc (H x r), m and l (Hp
  * each) are the task's partial state; S is KVC_MLA_BLOCK x Hp scratch.  Rows up to pf_end
- * (>= p1) may be prefetched, never read. */
-static void kvc_mla_task(const float *restrict qT, ptrdiff_t H, ptrdiff_t Hp, const float *lat,
-                         const float *kr, ptrdiff_t r, ptrdiff_t dr, ptrdiff_t p0, ptrdiff_t p1,
-                         ptrdiff_t pf_end, float scale, float *restrict acc,
-                         float *restrict m, float *restrict l, float *restrict S)
+ * (>= p1) may be prefetched, never read.
+ * A function of its own, not inlined into its entry point (kvc_entry_mla_task, _entry.h):
+ * there, with the entry's descriptor arithmetic live around it, GCC ran out of general
+ * registers in the score tiles and kept their loop counter, bound and stride on the stack
+ * (25 instructions instead of 23 per element of the hottest loop, AVX2). */
+KVC_NOINLINE void kvc_mla_task(const float *restrict qT, ptrdiff_t H, ptrdiff_t Hp,
+                               const float *lat, const float *kr, ptrdiff_t r, ptrdiff_t dr,
+                               ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t pf_end, float scale,
+                               float *restrict acc, float *restrict m, float *restrict l,
+                               float *restrict S)
 {
     ptrdiff_t b0, t, h, x;
     for (h = 0; h < Hp; ++h) {

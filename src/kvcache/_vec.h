@@ -32,8 +32,10 @@
 
 #if defined(__GNUC__)
 #define KVC_INLINE static inline __attribute__((always_inline))
+#define KVC_NOINLINE static __attribute__((noinline))
 #else
 #define KVC_INLINE static inline
+#define KVC_NOINLINE static
 #endif
 
 #if defined(KVC_NO_SIMD)
@@ -463,6 +465,40 @@ KVC_INLINE kvc_f16 kvc_f16_mul(kvc_f16 a, kvc_f16 b) { return kvc_f16_pair(kvc_f
 
 #endif
 
+#if KVC_VEC_AVX512
+/* exp on 16 lanes: kvc_f8_exp's x86 steps on one __m512 (the same bits), its selects as
+ * mask moves.  Not two kvc_f8_exp on the halves: their compares into vector masks and their
+ * blendv are VEX-only instructions, which reach only the low 16 of the 32 registers, so the
+ * compiler copied values in and out around them (about 20 more instructions per vector). */
+KVC_INLINE kvc_f16 kvc_f16_exp(kvc_f16 x)
+{
+    __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 sh = _mm512_set1_ps(KVC_EXP_SHIFT);
+    __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(KVC_EXP_LOG2E), sh), sh);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(KVC_EXP_LN2HI), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(KVC_EXP_LN2LO), r);
+    __m512 p = _mm512_set1_ps(KVC_EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KVC_EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KVC_EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KVC_EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KVC_EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KVC_EXP_P5));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n),
+                                                   _mm512_set1_epi32(127)), 23);
+    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(KVC_EXP_LO), _CMP_LT_OQ),
+                           _mm512_setzero_ps());
+    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(KVC_EXP_HI), _CMP_GT_OQ),
+                           _mm512_set1_ps(INFINITY));
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+KVC_INLINE kvc_f16 kvc_f16_zero_neginf(kvc_f16 s, kvc_f16 e)
+{
+    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                              _mm512_setzero_ps());
+}
+#else
 KVC_INLINE kvc_f16 kvc_f16_exp(kvc_f16 a)
 {
     return kvc_f16_pair(kvc_f8_exp(kvc_f16_lo(a)), kvc_f8_exp(kvc_f16_hi(a)));
@@ -472,6 +508,7 @@ KVC_INLINE kvc_f16 kvc_f16_zero_neginf(kvc_f16 s, kvc_f16 e)
     return kvc_f16_pair(kvc_f8_zero_neginf(kvc_f16_lo(s), kvc_f16_lo(e)),
                         kvc_f8_zero_neginf(kvc_f16_hi(s), kvc_f16_hi(e)));
 }
+#endif
 KVC_INLINE float kvc_f16_fold(kvc_f16 a) { return kvc_f8_fold16(kvc_f16_lo(a), kvc_f16_hi(a)); }
 
 /* ---------------------------------------------------------------------------------------
