@@ -495,7 +495,27 @@ def check_o1_state(state: O1State) -> O1Shape:
 
 def check_o1_call(shape: O1Shape, step: O1Step) -> None:
     """The step half of the O(1) step checks: ``step``'s queries, new rows, ring position,
-    output and scratch against a state that passed :func:`check_o1_state` with ``shape``."""
+    output and scratch against a state that passed :func:`check_o1_state` with ``shape``.
+
+    The common case is one expression (a step runs every token, often with the interpreter's
+    own data out of cache: each separate check there costs cache misses); anything it does
+    not accept goes through the checks one by one, which raise naming what is wrong."""
+    H, G, m, d, dv, ns, cap = shape
+    q, k_new, v_new, out, scr = step.q, step.k_new, step.v_new, step.out, step.scr
+    win_len, slot, nd = step.win_len, step.slot, np.ndarray
+    if (type(q) is nd and type(k_new) is nd and type(v_new) is nd and type(out) is nd
+            and type(scr) is nd and type(win_len) is int and type(slot) is int
+            and type(step.n_threads) is int and 1 <= step.n_threads <= THREADS_MAX
+            and q.dtype is _F32 and k_new.dtype is _F32 and v_new.dtype is _F32
+            and out.dtype is _F32 and scr.dtype is _F32
+            and q.shape == (H, d) and k_new.shape == (G, d) and v_new.shape == (G, dv)
+            and out.shape == (H, dv) and scr.ndim == 2 and scr.shape[0] == H
+            and 1 <= win_len <= cap and 0 <= slot < win_len
+            and scr.shape[1] >= ns + win_len + 3 * m
+            and q.flags.c_contiguous and k_new.flags.c_contiguous
+            and v_new.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable
+            and scr.flags.c_contiguous and scr.flags.writeable):
+        return
     q = _array("q", step.q, _F32, 2)
     k_new = _array("k_new", step.k_new, _F32, 2)
     v_new = _array("v_new", step.v_new, _F32, 2)

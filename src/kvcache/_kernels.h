@@ -665,13 +665,13 @@ static void kvc_o1_absorb(const float *restrict qt, const float *restrict k,
  * is read from (k_new, v_new) instead of the ring (slot < 0: none).  The far field (k_tilde
  * m x d of the group; mu m x m, t_hat m x dv, z_hat, m_max of the head) is used when use_far.
  * scr: ns + nw + 2 m floats. */
-static void kvc_o1_head(const float *restrict q, ptrdiff_t d, ptrdiff_t dv, float scale,
-                        const float *sink_k, const float *sink_v, ptrdiff_t ns,
-                        const float *win_k, const float *win_v, ptrdiff_t nw, ptrdiff_t slot,
-                        const float *k_new, const float *v_new,
-                        const float *k_tilde, const float *mu, const float *t_hat,
-                        const float *z_hat, const float *m_max, ptrdiff_t m, int use_far,
-                        int fm, float *restrict out, float *restrict scr)
+KVC_NOINLINE void kvc_o1_head(const float *restrict q, ptrdiff_t d, ptrdiff_t dv,
+                              float scale, const float *sink_k, const float *sink_v,
+                              ptrdiff_t ns, const float *win_k, const float *win_v, ptrdiff_t nw,
+                              ptrdiff_t slot, const float *k_new, const float *v_new,
+                              const float *k_tilde, const float *mu, const float *t_hat,
+                              const float *z_hat, const float *m_max, ptrdiff_t m, int use_far,
+                              int fm, float *restrict out, float *restrict scr)
 {
     ptrdiff_t n = ns + nw, j, a, b;
     float *restrict s = scr, *restrict fh = scr + n, *restrict u = scr + n + m;
