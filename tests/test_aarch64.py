@@ -363,7 +363,8 @@ SMULL = r"smlal2?\s|smull2?\s"
 F32_KERNELS = (("kvc_entry_task_scores",), ("kvc_entry_task_values",), ("kvc_softmax",),
                ("kvc_axpy_f32",), ("kvc_entry_pf_task", "kvc_pf_task"),
                ("kvc_entry_pf_imp", "kvc_pf_imp_group"), ("kvc_entry_mla_task", "kvc_mla_task"),
-               ("kvc_entry_mla_fold",), ("kvc_entry_o1_absorb",), ("kvc_entry_o1_step_head",),
+               ("kvc_entry_mla_fold",), ("kvc_entry_o1_absorb",),
+               ("kvc_entry_o1_step_head", "kvc_o1_head"),
                ("kvc_fma_probe",))
 # the q8 scoring, wherever the compiler left it: kvc_i8_rows (GCC clones it), the entries of
 # q8 rows and of the decode score task (where it is inlined)
