@@ -214,7 +214,8 @@ def main() -> None:
     ap.add_argument("--check", action="store_true",
                     help="also run the block attention path with no quantisation (should give ~0)")
     ap.add_argument("--extras", action="store_true",
-                    help="also run ablations: rotated K and sink together, V unrotated, B=8")
+                    help="also run ablations: rotated K and sink together, V unrotated, B=8, "
+                         "the chosen schemes (x6, x7) and x6 at B=32")
     args = ap.parse_args()
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
@@ -327,6 +328,7 @@ def main() -> None:
         run(k8v4.with_(label="x5 k8v4, V not rotated", v_rot=False))
         run(both.with_(label="x6 = x2, V not rotated", f16=True, v_rot=False))
         run(k8v4.with_(label="x7 = x5, V scales/mins float16", f16=True, v_rot=False))
+        run(both.with_(label="x8 = x6 at B=32", f16=True, v_rot=False, block=32))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(tokens=args.tokens, text=source, f32_ppl=float(np.exp(nll0)),
