@@ -13,11 +13,14 @@ Every attention kernel takes one **storage descriptor** and one **call descripto
 kernels take an :class:`O1State` and an :class:`O1Absorb` or :class:`O1Step`; the MLA kernel
 one :class:`MlaCall`.
 
-The compiled entry points call the check of their entry here (``check_attend_rows``,
-``check_attend_blocked``, ``check_o1_absorb``, ``check_o1_step``, ``check_mla_attend``,
-``check_quantize_query``, ``check_q8_scores``) before anything else and raise nothing
-themselves: a descriptor that passes is one the ``nogil`` code can index without reading or
-writing outside its arrays.  A check raises TypeError for a wrong type or dtype and
+The compiled entry points call the checks of their entry here before anything else and raise
+nothing themselves.  Attention and the O(1) step check in two halves: the storage or state
+once, when it is bound (``check_rows`` in ``_core.bind_rows``, ``check_o1_state`` in
+``_core.bind_o1``; an unbound descriptor is bound, so checked, at each call), and each call
+against the binding (``check_call``, ``check_o1_call``).  The others check whole calls
+(``check_o1_absorb``, ``check_mla_attend``, ``check_quantize_query``, ``check_q8_scores``).
+A descriptor that passes is one the ``nogil`` code can index without reading or writing
+outside its arrays.  A check raises TypeError for a wrong type or dtype and
 ValueError for a wrong shape, layout or value (the message names the field and says what was
 expected), before any array is touched.  The NumPy twins trust their descriptors.
 
@@ -35,10 +38,9 @@ import numpy.typing as npt
 from ._validate import as_int
 
 __all__ = ["AttendCall", "MlaCall", "O1Absorb", "O1Shape", "O1State", "O1Step", "Rows",
-           "RowsBinding", "RowsShape", "check_attend_blocked", "check_attend_rows", "check_call",
-           "check_mla_attend", "check_o1_absorb", "check_o1_call", "check_o1_state",
-           "check_o1_step", "check_q8_scores", "check_quantize_query", "check_rows",
-           "k_group_of"]
+           "RowsBinding", "RowsShape", "check_call", "check_mla_attend", "check_o1_absorb",
+           "check_o1_call", "check_o1_state", "check_q8_scores", "check_quantize_query",
+           "check_rows", "k_group_of"]
 
 F32 = npt.NDArray[np.float32]
 I8 = npt.NDArray[np.int8]
@@ -402,23 +404,6 @@ def _call_full(call: AttendCall, hd: int, blocked: bool) -> None:
             raise ValueError(f"probs: expected shape ({nq}, L), got {probs.shape}")
 
 
-def check_attend_rows(rows: Rows, call: AttendCall) -> int:
-    """The checks of ``_core.attend_rows`` on an unbound storage: :func:`check_rows` then
-    :func:`check_call`; returns the call's K group (16 or 32; 32 for float32 K)."""
-    shape = check_rows(rows)
-    check_call(rows, shape, call, False)
-    return shape.k_group
-
-
-def check_attend_blocked(rows: Rows, call: AttendCall) -> int:
-    """The checks of ``_core.attend_blocked`` on an unbound storage (those of
-    :func:`check_attend_rows` without the probability matrix, importance mode 0 or 2);
-    returns the K group."""
-    shape = check_rows(rows)
-    check_call(rows, shape, call, True)
-    return shape.k_group
-
-
 # ---------------------------------------------------------------------------------------------
 # O(1) step
 
@@ -531,12 +516,6 @@ def check_o1_call(shape: O1Shape, step: O1Step) -> None:
     _o1_ok(out.shape == (H, dv), "out (H, dv)")
     _o1_ok(scr.shape[0] == H and scr.shape[1] >= ns + win_len + 3 * m,
            "scratch (H, >= sinks + win_len + 3 m)")
-
-
-def check_o1_step(state: O1State, step: O1Step) -> None:
-    """The checks of ``_core.o1_step`` on an unbound state: :func:`check_o1_state` then
-    :func:`check_o1_call`."""
-    check_o1_call(check_o1_state(state), step)
 
 
 # ---------------------------------------------------------------------------------------------
