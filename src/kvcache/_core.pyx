@@ -580,6 +580,19 @@ cdef inline const int8_t *_ci8(const int8_t[:, :, ::1] a) noexcept nogil:
 cdef inline float *_f3(float[:, :, ::1] a) noexcept nogil:
     return &a[0, 0, 0] if a.shape[0] * a.shape[1] * a.shape[2] > 0 else NULL
 
+# what the fast acceptance of a call (``_O1.accept``, ``_accept_call``) compares against:
+# kvcache._entry's own dtypes and limits, so that it accepts nothing the checks there refuse
+cdef object _ND = np.ndarray
+cdef object _DT_F32 = _entry._F32
+cdef object _DT_IP = _entry._IP
+cdef object _THREADS_MAX = _entry.THREADS_MAX
+cdef object _COUNT_MAX = _entry.COUNT_MAX
+
+
+cdef inline bint _is_f32(object a) except -1:
+    return type(a) is _ND and a.dtype is _DT_F32
+
+
 cdef inline const float *_cf2(const float[:, ::1] a) noexcept nogil:
     return &a[0, 0] if a.shape[0] * a.shape[1] > 0 else NULL
 
@@ -641,11 +654,13 @@ cdef class _Store:
     cdef const float[:, :, ::1] vs__hc1
     cdef const float[:, ::1] vcol__hd
     cdef const Py_ssize_t[::1] head_len__h
-    cdef Py_ssize_t nkv
+    cdef Py_ssize_t nkv, hd, cap          # the checked shape's KV groups, head_dim, capacity
     cdef kvc_store s
 
     def __init__(self, rows):
         self.shape = _entry.check_rows(rows)
+        self.hd = self.shape.hd
+        self.cap = self.shape.capacity
         self.rows = rows
         self.head_len = rows.head_len
         cdef Py_ssize_t k_group = self.shape.k_group
@@ -767,13 +782,55 @@ def bind_rows(rows):
     return _Store(rows)
 
 
+cdef _Call _accept_call(_Store st, call, bint blocked):
+    """``call`` bound, when kvcache._entry.check_call accepts it against the storage ``st``,
+    answered without running Python code for the common case: every array an ndarray of its
+    dtype that the typed views take (dimensions, C order, writability), the counts plain ints
+    in range, the shapes, query groups and each group's stored rows as the check requires.
+    None for anything else, even a call the check would pass: the caller then asks the check
+    itself, which raises naming what is wrong.  So this accepts a subset of what the check
+    accepts and never raises an error of its own (tests/test_entry_accept.py compares the
+    two on malformed calls)."""
+    q, out, imp, g0, probs = call.q, call.out, call.imp, call.group_q0, call.probs
+    n_pos, n_back, window, first = call.n_pos, call.n_back, call.window, call.first
+    nt, im = call.n_threads, call.imp_mode
+    if not (_is_f32(q) and _is_f32(out) and _is_f32(imp) and type(g0) is _ND
+            and g0.dtype is _DT_IP and (blocked or _is_f32(probs))
+            and type(n_pos) is int and type(n_back) is int and type(window) is int
+            and type(first) is int and type(nt) is int and type(im) is int
+            and type(call.scale) is float and type(call.softcap) is float):
+        return None
+    if not (1 <= n_pos <= _COUNT_MAX and 0 <= n_back <= _COUNT_MAX
+            and 0 <= window <= _COUNT_MAX and 0 <= first <= _COUNT_MAX
+            and 1 <= nt <= _THREADS_MAX and (im == 0 or im == 2 or (im == 1 and not blocked))):
+        return None
+    cdef _Call ca
+    try:
+        ca = _Call(call, not blocked)
+    except (TypeError, ValueError, BufferError):
+        return None
+    cdef Py_ssize_t nq = ca.nq, nkv = st.nkv, g, cnt
+    if not (ca.q__jd.shape[1] == st.hd and ca.out__jd.shape[0] == nq
+            and ca.out__jd.shape[1] == st.hd and (blocked or ca.probs__jl.shape[0] == nq)
+            and ca.group_q0.shape[0] == nkv + 1 and ca.group_q0[0] == 0
+            and ca.group_q0[nkv] == nq):
+        return None
+    for g in range(nkv):
+        cnt = ca.group_q0[g + 1] - ca.group_q0[g]
+        if cnt < 0 or cnt % ca.n_pos != 0 or not 0 <= st.head_len__h[g] <= st.cap:
+            return None
+    return ca
+
+
 cdef _Plan _attention(rows, call, bint blocked):
     """An attention call's storage bound (``rows`` a binding of bind_rows, else bound now),
     its call checked against it (kvcache._entry.check_call), then planned; None when the call
     has no query."""
     cdef _Store st = rows if type(rows) is _Store else _Store(rows)
-    _entry.check_call(st.rows, st.shape, call, blocked)
-    cdef _Call ca = _Call(call, not blocked)
+    cdef _Call ca = _accept_call(st, call, blocked)
+    if ca is None:
+        _entry.check_call(st.rows, st.shape, call, blocked)
+        ca = _Call(call, not blocked)
     if ca.nq == 0:
         return None
     return _plan(st, ca, blocked)
@@ -1146,10 +1203,15 @@ cdef class _O1:
     cdef float[:, ::1] out__he
     cdef float[:, ::1] scr__hx
     cdef kvc_o1 o
+    cdef Py_ssize_t H, G, m, d, dv, ns, cap     # the checked shape (bound: bind_o1)
+    cdef bint bound
 
     def __init__(self, state, shape):
         self.state = state
         self.shape = shape
+        if shape is not None:
+            self.H, self.G, self.m, self.d, self.dv, self.ns, self.cap = shape
+            self.bound = True
         self.sink_k__gsd = state.sink_k
         self.sink_v__gse = state.sink_v
         self.win_k__gcd = state.win_k
@@ -1178,6 +1240,34 @@ cdef class _O1:
         self.o.win_k = _f3(self.win_k__gcd)
         self.o.win_v = _f3(self.win_v__gce)
         self.o.cap = self.win_k__gcd.shape[1]
+
+    cdef bint accept(self, step) except -1:
+        """Whether kvcache._entry.check_o1_call accepts ``step`` against the bound shape,
+        answered without running Python code for the common case: True when every array is a
+        float32 ndarray that the typed views take (their dimensions, C order and writability)
+        with the shapes, counts and ring position the check requires; the step is then set
+        (:meth:`step`).  False for anything else, even a step the check would pass: the caller
+        then asks the check itself, which raises naming what is wrong.  So this accepts a
+        subset of what the check accepts and never raises an error of its own
+        (tests/test_entry_accept.py compares the two on malformed steps)."""
+        q, k, v, out, scr = step.q, step.k_new, step.v_new, step.out, step.scr
+        win_len, slot, nt = step.win_len, step.slot, step.n_threads
+        if not (self.bound and _is_f32(q) and _is_f32(k) and _is_f32(v) and _is_f32(out)
+                and _is_f32(scr) and type(win_len) is int and type(slot) is int
+                and type(nt) is int):
+            return False
+        if not (1 <= win_len <= self.cap and 0 <= slot < win_len and 1 <= nt <= _THREADS_MAX):
+            return False
+        try:
+            self.step(step)
+        except (TypeError, ValueError, BufferError):
+            return False
+        return (self.q__hd.shape[0] == self.H and self.q__hd.shape[1] == self.d
+                and self.k_new__gd.shape[0] == self.G and self.k_new__gd.shape[1] == self.d
+                and self.v_new__ge.shape[0] == self.G and self.v_new__ge.shape[1] == self.dv
+                and self.out__he.shape[0] == self.H and self.out__he.shape[1] == self.dv
+                and self.scr__hx.shape[0] == self.H
+                and self.scr__hx.shape[1] >= self.ns + self.o.win_len + 3 * self.m)
 
     cdef step(self, step):
         self.q__hd = step.q
@@ -1257,8 +1347,9 @@ def o1_step(state, step):
     then checked against the binding alone.  Checked by kvcache._entry (check_o1_state when
     not bound, check_o1_call)."""
     cdef _O1 st = state if type(state) is _O1 else bind_o1(state)
-    _entry.check_o1_call(st.shape, step)
-    st.step(step)
+    if not st.accept(step):
+        _entry.check_o1_call(st.shape, step)
+        st.step(step)
     cdef const kvc_o1 *o = &st.o
     cdef Py_ssize_t H = st.q__hd.shape[0], G = st.k_new__gd.shape[0], h, g
     cdef Py_ssize_t d = o.d, dv = o.dv, cap = o.cap, slot = o.slot

@@ -17,7 +17,9 @@ The compiled entry points call the checks of their entry here before anything el
 nothing themselves.  Attention and the O(1) step check in two halves: the storage or state
 once, when it is bound (``check_rows`` in ``_core.bind_rows``, ``check_o1_state`` in
 ``_core.bind_o1``; an unbound descriptor is bound, so checked, at each call), and each call
-against the binding (``check_call``, ``check_o1_call``).  The others check whole calls
+against the binding (``check_call``, ``check_o1_call``; the compiled entries answer the
+common call of that half in C and send every other call here, so these functions decide what
+passes and what each error says).  The others check whole calls
 (``check_o1_absorb``, ``check_mla_attend``, ``check_quantize_query``, ``check_q8_scores``).
 A descriptor that passes is one the ``nogil`` code can index without reading or writing
 outside its arrays.  A check raises TypeError for a wrong type or dtype and

@@ -387,15 +387,11 @@ class O1Sealed:
     m_max: F32
     scr: F32
 
-    # what the kernels' binding of the state reads (assigning any of them drops the binding)
-    _BOUND = frozenset(("sink_k", "sink_v", "win_k", "win_v", "k_tilde", "q_tilde", "mu",
-                        "t_hat", "z_hat", "m_max", "scale", "rect"))
+    # The kernels' binding of the arrays above, scale and rect (``_bound_state``).  A method
+    # that replaces one of them on a state that may have stepped sets it to None (a step's
+    # writes into the arrays need no new binding); the arrays are replaced only while a state
+    # is built (seal, a stored state read back) and when an exact-only window grows.
     _binding: Optional[tuple[ModuleType, Any]]
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in O1Sealed._BOUND:
-            object.__setattr__(self, "_binding", None)
-        object.__setattr__(self, name, value)
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the binding behind (a copy binds its own arrays)."""
@@ -510,6 +506,7 @@ class O1Sealed:
         self.win_k[:, :n] = keys[:, :n]
         self.win_v[:, :n] = values[:, :n]
         self.win_len = n
+        self._binding = None
 
     def _empty_parts(self) -> None:
         nkv, nh, d, dv = self.num_kv_heads, self.num_heads, self.d, self.dv
@@ -522,6 +519,7 @@ class O1Sealed:
         self.z_hat = np.zeros((nh, 0), dtype=_F32)
         self.m_max = np.zeros((nh, 0), dtype=_F32)
         self.scr = np.zeros((nh, 0), dtype=_F32)
+        self._binding = None
 
     # ------------------------------------------------------------------ decode
     def _kernel_state(self) -> O1State:
@@ -576,6 +574,7 @@ class O1Sealed:
             grown = np.zeros((old.shape[0], new_cap, old.shape[2]), dtype=_F32)
             grown[:, :n] = old[:, :n]
             setattr(self, name, grown)
+        self._binding = None
 
     # ------------------------------------------------------------------ accounting, views
     def memory_bytes(self) -> int:
