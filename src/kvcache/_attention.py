@@ -90,10 +90,9 @@ def attend_rows(kernels: ModuleType, rows: RowsBinding, q2: F32, group_q0: IP, *
     n_threads = min(n_threads, threads_for(2 * nq * w * hd,
                                            min(nq, len(group_q0) - 1) * -(-w // CHUNK_ROWS)))
     probs = scratch("probs", q2.shape[0] * w).reshape(q2.shape[0], w)
-    kernels.attend_rows(rows, AttendCall(
-        q=q2, group_q0=group_q0, n_pos=n_pos, n_back=n_back, window=window, first=first,
-        scale=scale, softcap=softcap, out=out2, imp=imp, imp_mode=imp_mode, n_threads=n_threads,
-        probs=probs))
+    # positional (the field order of AttendCall): keywords would build a dict every call
+    kernels.attend_rows(rows, AttendCall(q2, group_q0, n_pos, n_back, window, first, scale,
+                                         softcap, out2, imp, imp_mode, n_threads, probs))
     return probs
 
 

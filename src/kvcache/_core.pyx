@@ -593,6 +593,27 @@ cdef inline bint _is_f32(object a) except -1:
     return type(a) is _ND and a.dtype is _DT_F32
 
 
+# The call descriptors' fields in their NamedTuple order (kvcache._entry): read by position from
+# a descriptor of that very type (no attribute lookups per call), by name from anything else.
+_ATTEND_FIELDS = ("q", "group_q0", "n_pos", "n_back", "window", "first", "scale", "softcap",
+                  "out", "imp", "imp_mode", "n_threads", "probs")
+_STEP_FIELDS = ("q", "k_new", "v_new", "win_len", "slot", "absorb", "use_far", "out", "scr",
+                "n_threads")
+if _entry.AttendCall._fields != _ATTEND_FIELDS or _entry.O1Step._fields != _STEP_FIELDS:
+    raise ImportError("kvcache._core was built for other call descriptors than kvcache._entry "
+                      "defines; rebuild the extension (pip install -e .)")
+cdef object _ATTEND = _entry.AttendCall
+cdef object _STEP = _entry.O1Step
+
+
+cdef tuple _fields(obj, cls, tuple names):
+    """``obj``'s fields in ``names`` order: ``obj`` itself when it is a ``cls`` (a NamedTuple
+    of those fields), else its attributes (None where missing: the checks ran before)."""
+    if type(obj) is cls:
+        return <tuple> obj
+    return tuple([getattr(obj, n, None) for n in names])
+
+
 cdef inline const float *_cf2(const float[:, ::1] a) noexcept nogil:
     return &a[0, 0] if a.shape[0] * a.shape[1] > 0 else NULL
 
@@ -710,26 +731,29 @@ cdef class _Call:
     cdef int imp_mode, n_threads
     cdef kvc_call c
 
-    def __init__(self, call, bint with_probs):
-        self.q__jd = call.q
-        self.group_q0 = call.group_q0
-        self.out__jd = call.out
-        self.imp__l = call.imp
+    def __init__(self, fields, bint with_probs):
+        """``fields``: the call's fields in AttendCall order (``_fields``)."""
+        q, g0, n_pos, n_back, window, first, scale, softcap, out, imp, imp_mode, nt, probs = \
+            fields
+        self.q__jd = q
+        self.group_q0 = g0
+        self.out__jd = out
+        self.imp__l = imp
         self.nq = self.q__jd.shape[0]
-        self.n_pos = call.n_pos
-        self.n_back = call.n_back
-        self.window = call.window
-        self.first = call.first
-        self.imp_mode = call.imp_mode
-        self.n_threads = call.n_threads
+        self.n_pos = n_pos
+        self.n_back = n_back
+        self.window = window
+        self.first = first
+        self.imp_mode = imp_mode
+        self.n_threads = nt
         memset(&self.c, 0, sizeof(kvc_call))
-        self.c.scale = call.scale
-        self.c.softcap = call.softcap
+        self.c.scale = scale
+        self.c.softcap = softcap
         if self.nq > 0:
             self.c.q = &self.q__jd[0, 0]
             self.c.out = &self.out__jd[0, 0]
         if with_probs:
-            self.probs__jl = call.probs
+            self.probs__jl = probs
             self.c.L = self.probs__jl.shape[1]
             if self.nq > 0 and self.c.L > 0:
                 self.c.probs = &self.probs__jl[0, 0]
@@ -791,14 +815,15 @@ cdef _Call _accept_call(_Store st, call, bint blocked):
     itself, which raises naming what is wrong.  So this accepts a subset of what the check
     accepts and never raises an error of its own (tests/test_entry_accept.py compares the
     two on malformed calls)."""
-    q, out, imp, g0, probs = call.q, call.out, call.imp, call.group_q0, call.probs
-    n_pos, n_back, window, first = call.n_pos, call.n_back, call.window, call.first
-    nt, im = call.n_threads, call.imp_mode
+    if type(call) is not _ATTEND:
+        return None
+    cdef tuple fields = <tuple> call
+    q, g0, n_pos, n_back, window, first, scale, softcap, out, imp, im, nt, probs = fields
     if not (_is_f32(q) and _is_f32(out) and _is_f32(imp) and type(g0) is _ND
             and g0.dtype is _DT_IP and (blocked or _is_f32(probs))
             and type(n_pos) is int and type(n_back) is int and type(window) is int
             and type(first) is int and type(nt) is int and type(im) is int
-            and type(call.scale) is float and type(call.softcap) is float):
+            and type(scale) is float and type(softcap) is float):
         return None
     if not (1 <= n_pos <= _COUNT_MAX and 0 <= n_back <= _COUNT_MAX
             and 0 <= window <= _COUNT_MAX and 0 <= first <= _COUNT_MAX
@@ -806,7 +831,7 @@ cdef _Call _accept_call(_Store st, call, bint blocked):
         return None
     cdef _Call ca
     try:
-        ca = _Call(call, not blocked)
+        ca = _Call(fields, not blocked)
     except (TypeError, ValueError, BufferError):
         return None
     cdef Py_ssize_t nq = ca.nq, nkv = st.nkv, g, cnt
@@ -830,7 +855,7 @@ cdef _Plan _attention(rows, call, bint blocked):
     cdef _Call ca = _accept_call(st, call, blocked)
     if ca is None:
         _entry.check_call(st.rows, st.shape, call, blocked)
-        ca = _Call(call, not blocked)
+        ca = _Call(_fields(call, _ATTEND, _ATTEND_FIELDS), not blocked)
     if ca.nq == 0:
         return None
     return _plan(st, ca, blocked)
@@ -1203,6 +1228,7 @@ cdef class _O1:
     cdef float[:, ::1] out__he
     cdef float[:, ::1] scr__hx
     cdef kvc_o1 o
+    cdef int n_threads                          # the step's
     cdef Py_ssize_t H, G, m, d, dv, ns, cap     # the checked shape (bound: bind_o1)
     cdef bint bound
 
@@ -1250,16 +1276,17 @@ cdef class _O1:
         then asks the check itself, which raises naming what is wrong.  So this accepts a
         subset of what the check accepts and never raises an error of its own
         (tests/test_entry_accept.py compares the two on malformed steps)."""
-        q, k, v, out, scr = step.q, step.k_new, step.v_new, step.out, step.scr
-        win_len, slot, nt = step.win_len, step.slot, step.n_threads
-        if not (self.bound and _is_f32(q) and _is_f32(k) and _is_f32(v) and _is_f32(out)
-                and _is_f32(scr) and type(win_len) is int and type(slot) is int
-                and type(nt) is int):
+        if type(step) is not _STEP or not self.bound:
+            return False
+        cdef tuple fields = <tuple> step
+        q, k, v, win_len, slot, absorb, use_far, out, scr, nt = fields
+        if not (_is_f32(q) and _is_f32(k) and _is_f32(v) and _is_f32(out) and _is_f32(scr)
+                and type(win_len) is int and type(slot) is int and type(nt) is int):
             return False
         if not (1 <= win_len <= self.cap and 0 <= slot < win_len and 1 <= nt <= _THREADS_MAX):
             return False
         try:
-            self.step(step)
+            self.step(fields)
         except (TypeError, ValueError, BufferError):
             return False
         return (self.q__hd.shape[0] == self.H and self.q__hd.shape[1] == self.d
@@ -1269,25 +1296,28 @@ cdef class _O1:
                 and self.scr__hx.shape[0] == self.H
                 and self.scr__hx.shape[1] >= self.ns + self.o.win_len + 3 * self.m)
 
-    cdef step(self, step):
-        self.q__hd = step.q
-        self.k_new__gd = step.k_new
-        self.v_new__ge = step.v_new
-        self.out__he = step.out
-        self.scr__hx = step.scr
+    cdef step(self, tuple fields):
+        """Set one step (``fields`` in O1Step order, ``_fields``): its views and numbers."""
+        q, k, v, win_len, slot, absorb, use_far, out, scr, nt = fields
+        self.q__hd = q
+        self.k_new__gd = k
+        self.v_new__ge = v
+        self.out__he = out
+        self.scr__hx = scr
         self.o.d = self.q__hd.shape[1]
         self.o.dv = self.v_new__ge.shape[1]
         self.o.hpk = self.q__hd.shape[0] // self.k_new__gd.shape[0]
         self.o.q = _cf2(self.q__hd)
         self.o.k_new = _cf2(self.k_new__gd)
         self.o.v_new = _cf2(self.v_new__ge)
-        self.o.win_len = step.win_len
-        self.o.slot = step.slot
-        self.o.absorb = 1 if step.absorb else 0
-        self.o.use_far = 1 if step.use_far else 0
+        self.o.win_len = win_len
+        self.o.slot = slot
+        self.o.absorb = 1 if absorb else 0
+        self.o.use_far = 1 if use_far else 0
         self.o.out = _f2(self.out__he)
         self.o.scr = _f2(self.scr__hx)
         self.o.scr_stride = self.scr__hx.shape[1]
+        self.n_threads = nt
 
 
 def bind_o1(state):
@@ -1349,11 +1379,11 @@ def o1_step(state, step):
     cdef _O1 st = state if type(state) is _O1 else bind_o1(state)
     if not st.accept(step):
         _entry.check_o1_call(st.shape, step)
-        st.step(step)
+        st.step(_fields(step, _STEP, _STEP_FIELDS))
     cdef const kvc_o1 *o = &st.o
     cdef Py_ssize_t H = st.q__hd.shape[0], G = st.k_new__gd.shape[0], h, g
     cdef Py_ssize_t d = o.d, dv = o.dv, cap = o.cap, slot = o.slot
-    cdef int n_threads = step.n_threads
+    cdef int n_threads = st.n_threads
     cdef const kvc_ops *f32 = _ops(KVC_FAM_F32)
     for h in prange(H, nogil=True, num_threads=n_threads, schedule="static",
                     use_threads_if=H > 1 and H * (o.ns + o.win_len + o.m) * (d + dv) > _PAR_WORK):

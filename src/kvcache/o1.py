@@ -558,9 +558,9 @@ class O1Sealed:
         nh = self.num_heads
         n_threads = min(n_threads, threads_for(
             nh * (self.sink_len + win_len + self.m_eff) * (self.d + self.dv), nh))
+        # positional (the field order of O1Step): keywords would build a dict every step
         kernels.o1_step(self._bound_state(kernels), O1Step(
-            q=q, k_new=k_new, v_new=v_new, win_len=win_len, slot=slot, absorb=absorb,
-            use_far=far_len > 0, out=out, scr=scr, n_threads=n_threads))
+            q, k_new, v_new, win_len, slot, absorb, far_len > 0, out, scr, n_threads))
         self.win_len = win_len
         if absorb:
             self.win_head = (self.win_head + 1) % self.w

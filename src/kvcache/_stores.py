@@ -1,0 +1,200 @@
+"""Row stores: how one component (K or V) of a :class:`kvcache.LayerKvCache` keeps its rows.
+
+A layer holds two stores, one for K and one for V, each of one storage kind:
+
+* :class:`F32Rows` -- float32 rows ``f`` (nkv, cap, hd);
+* :class:`Q8Rows` -- int8 rows ``q`` (nkv, cap, hd) and float32 scales ``s`` (nkv, cap, ng),
+  ``ng = ceil(hd / group)``: K in groups of 16 channels (scheme "rows") or 32 ("cmf"), V one
+  scale per row (group = hd).  In the scheme "cmf" the store also freezes its column field
+  once (:func:`kvcache.quant.freeze_columns`); rows are quantised against it from then on.
+
+Every store has a column field ``col`` (nkv, hd) float32 and ``col_on`` (nkv,) uint8: ones
+and zeros unless a "cmf" store froze them, so that the kernels' descriptor and the layer's
+state read the same fields whatever the kind.  Storage is head-major: a head's rows are one
+contiguous block, ``cap`` rows per head of which the layer's ``lengths[h]`` hold data.
+
+What the layer calls (one protocol for every kind; a new kind is one class here plus its
+kernels): :meth:`RowStore.grown` (a new store with room for ``cap`` rows, allocated before the
+layer changes anything), :meth:`~RowStore.write` (append rows at each head's length),
+:meth:`~RowStore.shift` (compact a head's rows), :meth:`~RowStore.freeze`,
+:meth:`~RowStore.floats` / :meth:`~RowStore.int8` (read-only access to a head's rows),
+:meth:`~RowStore.parts` (the arrays the attention kernels read, and the layer state's),
+:func:`from_state` (stores holding a state's arrays), ``row_bytes`` (sized by
+:mod:`kvcache.quant`, the one place row sizes are computed).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, ClassVar, Optional, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from . import _core, quant
+from ._state import LayerState
+from .modes import KvMode
+
+__all__ = ["F32Rows", "Q8Rows", "RowStore", "from_state", "stores_for"]
+
+F32 = npt.NDArray[np.float32]
+I8 = npt.NDArray[np.int8]
+U8 = npt.NDArray[np.uint8]
+IP = npt.NDArray[np.intp]
+S = TypeVar("S", bound="RowStore")
+
+_F32 = np.dtype(np.float32)
+
+
+class RowStore:
+    """One component's rows (see the module docstring); the base of the storage kinds."""
+
+    quantised: ClassVar[bool] = False
+    _names: ClassVar[tuple[str, ...]] = ()    # the (nkv, cap, width) arrays, in state order
+
+    def __init__(self, nkv: int, hd: int, row_bytes: int) -> None:
+        self.nkv, self.hd = nkv, hd
+        self.row_bytes = row_bytes
+        self.col: F32 = np.ones((nkv, hd), dtype=_F32)
+        self.col_on: U8 = np.zeros(nkv, dtype=np.uint8)
+
+    @property
+    def capacity(self) -> int:
+        """Rows per head the arrays hold."""
+        return int(getattr(self, self._names[0]).shape[1])
+
+    @property
+    def freezes(self) -> bool:
+        """Whether this store freezes a column field (int8 in the scheme "cmf")."""
+        return False
+
+    def grown(self: S, cap: int, used: int) -> S:
+        """A store like this one with room for ``cap`` rows per head, rows ``[0, used)``
+        copied, the column field shared.  Everything is allocated before the caller commits,
+        so a MemoryError leaves the layer as it was."""
+        new = copy.copy(self)
+        for name in self._names:
+            old: npt.NDArray[Any] = getattr(self, name)
+            arr: npt.NDArray[Any] = np.empty((self.nkv, cap) + old.shape[2:], dtype=old.dtype)
+            arr[:, :used] = old[:, :used]
+            setattr(new, name, arr)
+        return new
+
+    def write(self, x3: F32, live: U8, lengths: IP) -> None:
+        """Store rows ``x3`` (n, nkv, hd) after each live head's ``lengths[h]`` rows (the
+        caller made room and advances the lengths)."""
+        raise NotImplementedError
+
+    def shift(self, h: int, n: int, keep_idx: Optional[IP] = None, drop: int = 0) -> None:
+        """Compact head h's ``n`` rows: keep rows ``keep_idx`` (sorted) or drop the first
+        ``drop``."""
+        for name in self._names:
+            arr: npt.NDArray[Any] = getattr(self, name)
+            if keep_idx is None:
+                arr[h, : n - drop] = arr[h, drop:n].copy()
+            else:
+                arr[h, : keep_idx.size] = arr[h, keep_idx]
+
+    def freeze(self, lengths: IP) -> None:
+        """Freeze the column field of every head holding rows (only a "cmf" store does)."""
+
+    def frozen_col(self) -> Optional[F32]:
+        """The column field when some head froze one (the queries are folded with it)."""
+        return self.col if self.col_on.any() else None
+
+    def floats(self, h: int, n: int) -> Optional[F32]:
+        """Head h's first ``n`` rows as float32, when stored as such (else None)."""
+        return None
+
+    def int8(self, h: int, n: int) -> Optional[tuple[I8, F32]]:
+        """Head h's first ``n`` int8 rows and their scales, when stored as such (else None)."""
+        return None
+
+    def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
+        """The arrays the attention kernels read: (float32 rows, int8 rows, scales), None
+        where this kind stores none (:class:`kvcache._entry.Rows`)."""
+        raise NotImplementedError
+
+
+class F32Rows(RowStore):
+    """float32 rows ``f`` (nkv, cap, hd)."""
+
+    _names = ("f",)
+
+    def __init__(self, nkv: int, hd: int, row_bytes: int) -> None:
+        super().__init__(nkv, hd, row_bytes)
+        self.f: F32 = np.zeros((nkv, 0, hd), dtype=_F32)
+
+    def write(self, x3: F32, live: U8, lengths: IP) -> None:
+        _core.store_rows_f32(x__nhd=x3, alive__h=live, head_len__h=lengths, store__hcd=self.f)
+
+    def frozen_col(self) -> Optional[F32]:
+        return None
+
+    def floats(self, h: int, n: int) -> Optional[F32]:
+        return self.f[h, :n]
+
+    def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
+        return self.f, None, None
+
+
+class Q8Rows(RowStore):
+    """int8 rows ``q`` (nkv, cap, hd), one float32 scale per ``group`` channels in ``s``
+    (nkv, cap, ceil(hd / group)); ``cmf``: the store freezes its column field."""
+
+    quantised = True
+    _names = ("q", "s")
+
+    def __init__(self, nkv: int, hd: int, row_bytes: int, group: int, cmf: bool) -> None:
+        super().__init__(nkv, hd, row_bytes)
+        self.group, self.cmf = group, cmf
+        self.q: I8 = np.zeros((nkv, 0, hd), dtype=np.int8)
+        self.s: F32 = np.zeros((nkv, 0, quant.n_groups(hd, group)), dtype=_F32)
+
+    @property
+    def freezes(self) -> bool:
+        return self.cmf
+
+    def write(self, x3: F32, live: U8, lengths: IP) -> None:
+        _core.store_rows_q8(x__nhd=x3, alive__h=live, head_len__h=lengths, col__hd=self.col,
+                            col_on__h=self.col_on, group=self.group, q__hcd=self.q,
+                            s__hcg=self.s)
+
+    def freeze(self, lengths: IP) -> None:
+        if self.cmf:
+            quant.freeze_columns(self.q, self.s, lengths, self.group, self.col, self.col_on,
+                                 _core)
+
+    def int8(self, h: int, n: int) -> Optional[tuple[I8, F32]]:
+        return self.q[h, :n], self.s[h, :n]
+
+    def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
+        return None, self.q, self.s
+
+
+def _store(c: str, mode: KvMode, nkv: int, hd: int) -> RowStore:
+    """An empty store of component ``c`` ("k" or "v") in ``mode``."""
+    if c == "k" and mode.quant_k:
+        return Q8Rows(nkv, hd, quant.k_row_bytes(hd, scheme=mode.scheme),
+                      quant.k_group(mode.scheme), mode.freezes_columns)
+    if c == "v" and mode.quant_v:
+        return Q8Rows(nkv, hd, quant.v_row_bytes(hd), hd, mode.freezes_columns)
+    return F32Rows(nkv, hd, quant.v_row_bytes(hd, False))
+
+
+def stores_for(mode: KvMode, nkv: int, hd: int) -> tuple[RowStore, RowStore]:
+    """Empty (K, V) stores of a layer of ``nkv`` x ``hd`` in ``mode``."""
+    return _store("k", mode, nkv, hd), _store("v", mode, nkv, hd)
+
+
+def from_state(state: LayerState) -> tuple[RowStore, RowStore]:
+    """The (K, V) stores holding a checked state's own arrays (no copies)."""
+    out = []
+    for c in ("k", "v"):
+        st = _store(c, state.mode, state.num_kv_heads, state.head_dim)
+        for name in st._names:
+            setattr(st, name, getattr(state, c + name))
+        st.col = getattr(state, c + "col")
+        st.col_on = getattr(state, c + "col_on")
+        out.append(st)
+    return out[0], out[1]

@@ -1,0 +1,97 @@
+"""The row stores a LayerKvCache holds for K and for V (kvcache._stores): one protocol for every
+storage kind, each kind storing what the layer stored before it had them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcache as kc
+from kvcache import _stores, quant
+from kvcache._stores import F32Rows, Q8Rows
+
+MODES = ["f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "q8v:cmf"]
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_a_layer_holds_the_kind_of_its_mode(name):
+    mode = kc.KvMode.parse(name)
+    layer = kc.LayerKvCache(2, 40, mode=mode)
+    for store, quantised in ((layer._k, mode.quant_k), (layer._v, mode.quant_v)):
+        assert isinstance(store, Q8Rows if quantised else F32Rows)
+        assert store.quantised == quantised
+        assert store.freezes == (quantised and mode.freezes_columns)
+    assert layer._k.row_bytes == quant.k_row_bytes(40, mode.quant_k,
+                                                   scheme=mode.scheme or "rows")
+    assert layer._v.row_bytes == quant.v_row_bytes(40, mode.quant_v)
+    if mode.quant_k:
+        assert layer._k.group == quant.k_group(mode.scheme)
+        assert layer._k.s.shape[2] == quant.k_scale_count(40, mode.scheme)
+    if mode.quant_v:
+        assert layer._v.group == 40 and layer._v.s.shape[2] == 1
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8"])
+def test_grown_copies_the_used_rows_and_leaves_the_store_as_it_was(rng, kind):
+    nkv, hd = 3, 16
+    st = F32Rows(nkv, hd, 4 * hd) if kind == "f32" else Q8Rows(nkv, hd, hd + 4, 16, False)
+    st = st.grown(8, 0)
+    lengths = np.zeros(nkv, dtype=np.intp)
+    x = rng.standard_normal((5, nkv, hd)).astype(np.float32)
+    st.write(x, np.ones(nkv, np.uint8), lengths)
+    before = {n: getattr(st, n).copy() for n in st._names}
+    big = st.grown(32, 5)
+    assert big.capacity == 32 and st.capacity == 8
+    for n in st._names:
+        assert np.array_equal(getattr(big, n)[:, :5], before[n][:, :5]), n
+        assert np.array_equal(getattr(st, n), before[n]), n          # the old store unchanged
+    assert big.col is st.col and big.col_on is st.col_on
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8"])
+def test_shift_keeps_or_drops_a_heads_rows(rng, kind):
+    nkv, hd = 2, 8
+    st = F32Rows(nkv, hd, 4 * hd) if kind == "f32" else Q8Rows(nkv, hd, hd + 4, hd, False)
+    st = st.grown(16, 0)
+    st.write(rng.standard_normal((10, nkv, hd)).astype(np.float32), np.ones(nkv, np.uint8),
+             np.zeros(nkv, dtype=np.intp))
+    rows = {n: getattr(st, n)[1, :10].copy() for n in st._names}
+    st.shift(1, 10, keep_idx=np.array([0, 3, 7], dtype=np.intp))
+    for n in st._names:
+        assert np.array_equal(getattr(st, n)[1, :3], rows[n][[0, 3, 7]]), n
+    head0 = {n: getattr(st, n)[0, :10].copy() for n in st._names}
+    st.shift(0, 10, drop=4)
+    for n in st._names:
+        assert np.array_equal(getattr(st, n)[0, :6], head0[n][4:]), n
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_export_and_from_state_round_trip(rng, name):
+    layer = kc.LayerKvCache(2, 16, mode=name)
+    for _ in range(3):
+        layer.append(rng.standard_normal((40, 2, 16)).astype(np.float32),
+                     rng.standard_normal((40, 2, 16)).astype(np.float32))
+    state = layer._export_state().owned_copy()
+    k, v = _stores.from_state(state)
+    for mine, theirs in ((layer._k, k), (layer._v, v)):
+        assert type(mine) is type(theirs) and mine.row_bytes == theirs.row_bytes
+        for n in mine._names:               # every byte (rows past a head's length included)
+            assert getattr(mine, n).tobytes() == getattr(theirs, n).tobytes(), n
+        assert np.array_equal(mine.col, theirs.col)
+        assert np.array_equal(mine.col_on, theirs.col_on)
+    frozen = kc.KvMode.parse(name).freezes_columns
+    assert bool(layer._k.col_on.any() or layer._v.col_on.any()) == frozen
+
+
+def test_float_and_int8_access_by_kind(rng):
+    f = F32Rows(1, 4, 16).grown(4, 0)
+    q = Q8Rows(1, 4, 8, 4, False).grown(4, 0)
+    x = rng.standard_normal((2, 1, 4)).astype(np.float32)
+    for st in (f, q):
+        st.write(x, np.ones(1, np.uint8), np.zeros(1, dtype=np.intp))
+    assert np.array_equal(f.floats(0, 2), x[:, 0]) and f.int8(0, 2) is None
+    assert q.floats(0, 2) is None
+    codes, scales = q.int8(0, 2)
+    assert codes.shape == (2, 4) and scales.shape == (2, 1)
+    assert f.parts()[1:] == (None, None) and q.parts()[0] is None
+    assert f.frozen_col() is None and q.frozen_col() is None
