@@ -206,7 +206,7 @@ def test_legacy_refuses_o1_state_and_frozen_columns():
     with pytest.raises(kc.WireError, match="Nyström"):
         sealed().export_wire()
     c = filled(F32, n=10)
-    c._kcol_on[1] = 1                     # (an F32 cache never freezes columns by itself)
+    c._k.col_on[1] = 1                    # (an F32 cache never freezes columns by itself)
     with pytest.raises(kc.WireError, match="frozen columns"):
         c.export_wire()
 

@@ -1,16 +1,12 @@
 """LayerKvCache: one layer's K/V rows, head-major, in float32 or int8 (docs/architecture.md).
 
-Storage.  Every store is one C-contiguous array ``(num_kv_heads, capacity, trailing)``, so a
-head's rows are one contiguous block (head-major).  ``capacity`` grows geometrically (x2), so an
-append is amortised O(1): the whole cache is copied only when the capacity doubles.  Each head
-has its own stored length; dead heads (``alive[h] == False``) store nothing while ``seq_len``
-and importance still advance.  Stores per mode:
-
-* K: float32 rows ``_kf`` or int8 rows ``_kq`` with one scale per K group ``_ks`` (16
-  channels in the "rows" scheme, 32 in "cmf": :func:`kvcache.quant.k_group`);
-* V: float32 rows ``_vf`` or int8 rows ``_vq`` with one scale per row ``_vs``;
-* frozen column fields ``_kcol``/``_vcol`` (rows of ones where not frozen; only the int8
-  scheme "cmf" freezes them, see :class:`KvMode`).
+Storage.  K and V are each one row store of the mode's kind (:mod:`kvcache._stores`: float32
+rows, or int8 rows with their scales and, in the scheme "cmf", a frozen column field), whose
+arrays are C-contiguous ``(num_kv_heads, capacity, trailing)``, so a head's rows are one
+contiguous block (head-major).  ``capacity`` grows geometrically (x2), so an append is
+amortised O(1): the whole cache is copied only when the capacity doubles.  Each head has its
+own stored length; dead heads (``alive[h] == False``) store nothing while ``seq_len`` and
+importance still advance.
 
 Views handed out (``head_keys`` and friends, ``importance``) are read-only and show the
 storage as it is; a later append, truncation or eviction may change or re-allocate what they
@@ -22,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +31,7 @@ from ._attention import (Rows, RowsBinding, attend_blocks, attend_prefill, atten
                          default_scale, grouped_queries)
 from .eviction import EvictionPolicy, born_rows
 from .modes import DEFAULT_SCHEME, KvMode
+from ._stores import RowStore, from_state, stores_for
 from ._generation import Generation
 from ._threads import BlasGovernor
 from .o1 import (O1Collecting, O1DeviceView, O1Error, O1Rect, O1Sealed, O1Snapshot,
@@ -70,6 +67,13 @@ def _k_scales(hd: int, mode: KvMode) -> int:
     return quant.k_scale_count(hd, mode.scheme or DEFAULT_SCHEME)
 
 
+A = TypeVar("A", bound=npt.NDArray[Any])
+
+
+def _readonly(a: Optional[A]) -> Optional[A]:
+    return None if a is None else readonly(a)
+
+
 class LayerKvCache:
     """KV cache of one attention layer, head-major, float32 or int8 rows.
 
@@ -94,17 +98,11 @@ class LayerKvCache:
     (4, 4)
     """
 
-    # the storage (head-major (nkv, capacity, .) stores; see _reset_storage)
-    _kf: F32
-    _vf: F32
-    _kq: I8
-    _vq: I8
-    _ks: F32
-    _vs: F32
-    _kcol: F32
-    _vcol: F32
-    _kcol_on: U8
-    _vcol_on: U8
+    # the storage: one row store for K and one for V (kvcache._stores), the rows each head
+    # holds, and the empty arrays the kernels' descriptor takes for what a kind does not store
+    _k: RowStore
+    _v: RowStore
+    _empty_ks: F32
     _len: IP
     _imp: F32
     _imp_len: int
@@ -115,7 +113,7 @@ class LayerKvCache:
     _linear_state: F32
     _linear_scratch: F32
     _evicted: bool
-    _binding: Optional[tuple[ModuleType, RowsBinding, Rows]]
+    _binding: Optional[tuple[ModuleType, RowsBinding, RowStore, RowStore, IP]]
 
     def __init__(self, num_kv_heads: int, head_dim: int,
                  mode: Union[KvMode, str, None] = None) -> None:
@@ -147,16 +145,8 @@ class LayerKvCache:
         self._seq_len = 0
         self._cap = 0
         self._len = np.zeros(nkv, dtype=np.intp)
-        self._kf = self._empty_f
-        self._vf = self._empty_f
-        self._kq = self._empty_q
-        self._vq = self._empty_q
-        self._ks = np.zeros((nkv, 0, self._ngk), dtype=_F32)
-        self._vs = self._empty_s
-        self._kcol = np.ones((nkv, hd), dtype=_F32)
-        self._vcol = np.ones((nkv, hd), dtype=_F32)
-        self._kcol_on = np.zeros(nkv, dtype=np.uint8)
-        self._vcol_on = np.zeros(nkv, dtype=np.uint8)
+        self._k, self._v = stores_for(self._mode, nkv, hd)
+        self._empty_ks = np.zeros((nkv, 0, self._ngk), dtype=_F32)
         self._imp = np.zeros(0, dtype=_F32)
         self._imp_len = 0
         self._evicted = False
@@ -165,22 +155,6 @@ class LayerKvCache:
     def _ngk(self) -> int:
         """K scales per int8 row of this layer's scheme."""
         return _k_scales(self._hd, self._mode)
-
-    @property
-    def _k_group(self) -> int:
-        """Channels per K scale group of this layer's int8 scheme (16 rows, 32 cmf)."""
-        return quant.k_group(self._mode.scheme)
-
-    def _stores(self) -> list[str]:
-        """Names of the (nkv, cap, .) stores this mode uses."""
-        names = ["_kq", "_ks"] if self._mode.quant_k else ["_kf"]
-        names += ["_vq", "_vs"] if self._mode.quant_v else ["_vf"]
-        return names
-
-    def _trailing(self, name: str) -> tuple[int, type]:
-        """(width, dtype) of the rows of store ``name``."""
-        return {"_kf": (self._hd, _F32), "_vf": (self._hd, _F32), "_kq": (self._hd, np.int8),
-                "_vq": (self._hd, np.int8), "_ks": (self._ngk, _F32), "_vs": (1, _F32)}[name]
 
     def _reserve(self, n: int) -> None:
         """Make room for ``n`` more rows on every head and ``n`` more importance entries.
@@ -191,15 +165,9 @@ class LayerKvCache:
         if need > self._cap:
             cap = max(need, 2 * self._cap, _MIN_CAPACITY)
             used = int(self._len.max(initial=0))
-            fresh: dict[str, npt.NDArray[Any]] = {}
-            for name in self._stores():
-                width, dtype = self._trailing(name)
-                arr: npt.NDArray[Any] = np.empty((self._nkv, cap, width), dtype=dtype)
-                arr[:, :used] = getattr(self, name)[:, :used]
-                fresh[name] = arr
+            k, v = self._k.grown(cap, used), self._v.grown(cap, used)
             self._binding = None
-            for name, arr in fresh.items():
-                setattr(self, name, arr)
+            self._k, self._v = k, v
             self._cap = cap
         need = self._imp_len + n
         if need > self._imp.shape[0]:
@@ -354,7 +322,7 @@ class LayerKvCache:
         if n == 0:
             return
         self._reserve(n)
-        if not self._mode.freezes_columns:     # f32, or q8 in scheme "rows": rows only
+        if not (self._k.freezes or self._v.freezes):   # f32, or q8 in scheme "rows"
             self._store(k3, v3, live)
             return
         # q8 in scheme "cmf": the column freeze fires at the start of the first single append that finds
@@ -369,34 +337,18 @@ class LayerKvCache:
             i = j
 
     def _any_col_frozen(self) -> bool:
-        return bool(self._kcol_on.any() or self._vcol_on.any())
+        return bool(self._k.col_on.any() or self._v.col_on.any())
 
     def _freeze_columns(self) -> None:
         if self._len.any():                  # requantises every stored row (heads with rows)
             self._gen.diverge()
-        if self._mode.quant_k:
-            quant.freeze_columns(self._kq, self._ks, self._len, self._k_group, self._kcol,
-                                 self._kcol_on, _core)
-        if self._mode.quant_v:
-            quant.freeze_columns(self._vq, self._vs, self._len, self._hd, self._vcol,
-                                 self._vcol_on, _core)
+        self._k.freeze(self._len)
+        self._v.freeze(self._len)
 
     def _store(self, k3: F32, v3: F32, live: U8) -> None:
         n = k3.shape[0]
-        if self._mode.quant_k:
-            _core.store_rows_q8(x__nhd=k3, alive__h=live, head_len__h=self._len,
-                                col__hd=self._kcol, col_on__h=self._kcol_on, group=self._k_group,
-                                q__hcd=self._kq, s__hcg=self._ks)
-        else:
-            _core.store_rows_f32(x__nhd=k3, alive__h=live, head_len__h=self._len,
-                                 store__hcd=self._kf)
-        if self._mode.quant_v:
-            _core.store_rows_q8(x__nhd=v3, alive__h=live, head_len__h=self._len,
-                                col__hd=self._vcol, col_on__h=self._vcol_on, group=self._hd,
-                                q__hcd=self._vq, s__hcg=self._vs)
-        else:
-            _core.store_rows_f32(x__nhd=v3, alive__h=live, head_len__h=self._len,
-                                 store__hcd=self._vf)
+        self._k.write(k3, live, self._len)
+        self._v.write(v3, live, self._len)
         self._len += live.astype(np.intp) * n
         self._imp[self._imp_len: self._imp_len + n] = 0.0
         self._imp_len += n
@@ -412,18 +364,16 @@ class LayerKvCache:
 
         Empty (0, head_dim) when K is stored as int8."""
         h = as_index("kv_head", h, self._nkv)
-        if self._mode.quant_k:
-            return readonly(np.zeros((0, self._hd), dtype=_F32))
-        return readonly(self._kf[h, : self._len[h]])
+        rows = self._k.floats(h, int(self._len[h]))
+        return readonly(np.zeros((0, self._hd), dtype=_F32) if rows is None else rows)
 
     def head_values(self, h: int) -> F32:
         """Read-only float32 view (head_len(h), head_dim) of head h's values.
 
         Empty (0, head_dim) when V is stored as int8."""
         h = as_index("kv_head", h, self._nkv)
-        if self._mode.quant_v:
-            return readonly(np.zeros((0, self._hd), dtype=_F32))
-        return readonly(self._vf[h, : self._len[h]])
+        rows = self._v.floats(h, int(self._len[h]))
+        return readonly(np.zeros((0, self._hd), dtype=_F32) if rows is None else rows)
 
     def k_heads(self) -> list[F32]:
         """List of :meth:`head_keys` views, one per KV head."""
@@ -439,17 +389,16 @@ class LayerKvCache:
         kq (head_len, head_dim) int8, ks (head_len, ceil(head_dim/group)) float32 (group 16 or 32),
         vq (head_len, head_dim) int8, vs (head_len,) float32."""
         h = as_index("kv_head", h, self._nkv)
-        n = self._len[h]
-        k = self._mode.quant_k
-        v = self._mode.quant_v
-        return (readonly(self._kq[h, :n]) if k else None, readonly(self._ks[h, :n]) if k else None,
-                readonly(self._vq[h, :n]) if v else None, readonly(self._vs[h, :n, 0]) if v else None)
+        n = int(self._len[h])
+        k, v = self._k.int8(h, n), self._v.int8(h, n)
+        return (None if k is None else readonly(k[0]), None if k is None else readonly(k[1]),
+                None if v is None else readonly(v[0]), None if v is None else readonly(v[1][:, 0]))
 
     def columns(self, h: int) -> tuple[Optional[F32], Optional[F32]]:
         """Frozen column fields of head h: (kcol, vcol), each a read-only (head_dim,) view or None."""
         h = as_index("kv_head", h, self._nkv)
-        return (readonly(self._kcol[h]) if self._kcol_on[h] else None,
-                readonly(self._vcol[h]) if self._vcol_on[h] else None)
+        return (readonly(self._k.col[h]) if self._k.col_on[h] else None,
+                readonly(self._v.col[h]) if self._v.col_on[h] else None)
 
     # ------------------------------------------------------------------ attention
     def _check_exact(self, what: str) -> None:
@@ -459,39 +408,44 @@ class LayerKvCache:
 
     def _queries(self, qk: F32) -> F32:
         """Fold the frozen key columns into queries (nkv, m, hd) when K is int8."""
-        if self._mode.quant_k and self._kcol_on.any():
-            return np.ascontiguousarray(qk * self._kcol[:, None, :])
+        col = self._k.frozen_col()
+        if col is not None:
+            return np.ascontiguousarray(qk * col[:, None, :])
         return np.ascontiguousarray(qk)
 
     def _one_group(self, h: int, q2d: F32) -> tuple[F32, IP]:
         """Queries (nq, hd) of KV head h alone: the column-folded queries and group offsets."""
-        if self._mode.quant_k and self._kcol_on.any():
-            q2d = q2d * self._kcol[h]
+        col = self._k.frozen_col()
+        if col is not None:
+            q2d = q2d * col[h]
         group_q0 = np.zeros(self._nkv + 1, dtype=np.intp)
         group_q0[h + 1:] = q2d.shape[0]
         return np.ascontiguousarray(q2d), group_q0
 
     def _rows(self) -> Rows:
-        """The stored rows as the attention kernel reads them."""
-        return Rows(self._kf, self._kq, self._ks, self._vf, self._vq, self._vs, self._vcol,
-                    self._len, self._mode.quant_k, self._mode.quant_v)
+        """The stored rows as the attention kernel reads them (empty arrays where the kind
+        stores none)."""
+        kf, kq, ks = self._k.parts()
+        vf, vq, vs = self._v.parts()
+        ef, eq = self._empty_f, self._empty_q
+        return Rows(ef if kf is None else kf, eq if kq is None else kq,
+                    self._empty_ks if ks is None else ks, ef if vf is None else vf,
+                    eq if vq is None else vq, self._empty_s if vs is None else vs, self._v.col,
+                    self._len, self._k.quantised, self._v.quantised)
 
     def _bound_rows(self, kernels: ModuleType) -> RowsBinding:
         """The stored rows bound by ``kernels.bind_rows``: checked once and kept while the
-        layer holds the very arrays bound (rows written in place need no new binding).  The
-        methods that replace arrays (``_reset_storage``, ``_reserve``, ``_install_state``)
-        also drop the binding, so that it never keeps replaced storage alive."""
+        layer holds the very stores bound (rows written in place need no new binding; a store
+        that grows is a new store).  The methods that replace stores (``_reset_storage``,
+        ``_reserve``, ``_install_state``) also drop the binding, so that it never keeps
+        replaced storage alive."""
         b = self._binding
-        if b is not None and b[0] is kernels:
-            r = b[2]
-            if (r.kf is self._kf and r.kq is self._kq and r.ks is self._ks and r.vf is self._vf
-                    and r.vq is self._vq and r.vs is self._vs and r.vcol is self._vcol
-                    and r.head_len is self._len and r.quant_k == self._mode.quant_k
-                    and r.quant_v == self._mode.quant_v):
-                return b[1]
-        rows = self._rows()
-        self._binding = (kernels, kernels.bind_rows(rows), rows)
-        return self._binding[1]
+        if (b is not None and b[0] is kernels and b[2] is self._k and b[3] is self._v
+                and b[4] is self._len):
+            return b[1]
+        bound: RowsBinding = kernels.bind_rows(self._rows())
+        self._binding = (kernels, bound, self._k, self._v, self._len)
+        return bound
 
     def attend(self, q: FloatArrayLike, kv_head: int) -> tuple[F32, F32]:
         """Attention of one query head over KV head ``kv_head``'s stored rows.
@@ -693,12 +647,8 @@ class LayerKvCache:
     def _shift_rows(self, h: int, keep_idx: Optional[IP] = None, drop: int = 0) -> None:
         """Compact head h's rows: keep rows ``keep_idx`` (sorted) or drop the first ``drop``."""
         n = int(self._len[h])
-        for name in self._stores():
-            arr = getattr(self, name)
-            if keep_idx is None:
-                arr[h, : n - drop] = arr[h, drop:n].copy()
-            else:
-                arr[h, : keep_idx.size] = arr[h, keep_idx]
+        self._k.shift(h, n, keep_idx, drop)
+        self._v.shift(h, n, keep_idx, drop)
         self._len[h] = n - drop if keep_idx is None else keep_idx.size
 
     @property
@@ -757,11 +707,8 @@ class LayerKvCache:
 
         Counts lengths, not capacities; excludes importance and the linear scratch."""
         rows = int(self._len.sum())
-        hd = self._hd
-        total = 0
-        total += rows * quant.k_row_bytes(hd, self._mode.quant_k, scheme=self._mode.scheme)
-        total += rows * quant.v_row_bytes(hd, self._mode.quant_v)
-        total += 4 * hd * int(self._kcol_on.sum() + self._vcol_on.sum())
+        total = rows * (self._k.row_bytes + self._v.row_bytes)
+        total += 4 * self._hd * int(self._k.col_on.sum() + self._v.col_on.sum())
         total += 4 * self._linear_state.size
         total += self.o1_memory_bytes()
         return total
@@ -773,16 +720,14 @@ class LayerKvCache:
         The one way other modules (kvcache.wire, the device mirrors) read a layer: see
         :mod:`kvcache._state`.  The views show the storage as it is; read them before the
         layer changes again."""
-        qk, qv = self._mode.quant_k, self._mode.quant_v
+        kf, kq, ks = self._k.parts()
+        vf, vq, vs = self._v.parts()
         return LayerState(
             mode=self._mode, num_kv_heads=self._nkv, head_dim=self._hd, seq_len=self._seq_len,
-            lengths=readonly(self._len),
-            kf=None if qk else readonly(self._kf), kq=readonly(self._kq) if qk else None,
-            ks=readonly(self._ks) if qk else None,
-            vf=None if qv else readonly(self._vf), vq=readonly(self._vq) if qv else None,
-            vs=readonly(self._vs) if qv else None,
-            kcol=readonly(self._kcol), vcol=readonly(self._vcol),
-            kcol_on=readonly(self._kcol_on), vcol_on=readonly(self._vcol_on),
+            lengths=readonly(self._len), kf=_readonly(kf), kq=_readonly(kq), ks=_readonly(ks),
+            vf=_readonly(vf), vq=_readonly(vq), vs=_readonly(vs),
+            kcol=readonly(self._k.col), vcol=readonly(self._v.col),
+            kcol_on=readonly(self._k.col_on), vcol_on=readonly(self._v.col_on),
             importance=readonly(self._imp[: self._imp_len]),
             linear_state=readonly(self._linear_state),
             linear_scratch=readonly(self._linear_scratch), o1=self._o1)
@@ -806,20 +751,15 @@ class LayerKvCache:
         if not state.owned:
             state = state.owned_copy()
         empty_ks = np.zeros((self._nkv, 0, _k_scales(self._hd, state.mode)), dtype=_F32)
+        k, v = from_state(state)
         # commit: assignments only
         self._binding = None
         self._mode = state.mode
         self._seq_len = int(state.seq_len)
         self._cap = state.capacity
         self._len = state.lengths
-        self._kf = self._empty_f if state.kf is None else state.kf
-        self._kq = self._empty_q if state.kq is None else state.kq
-        self._ks = empty_ks if state.ks is None else state.ks
-        self._vf = self._empty_f if state.vf is None else state.vf
-        self._vq = self._empty_q if state.vq is None else state.vq
-        self._vs = self._empty_s if state.vs is None else state.vs
-        self._kcol, self._vcol = state.kcol, state.vcol
-        self._kcol_on, self._vcol_on = state.kcol_on, state.vcol_on
+        self._k, self._v = k, v
+        self._empty_ks = empty_ks
         self._imp = state.importance
         self._imp_len = int(state.importance.shape[0])
         self._evicted = False
@@ -992,17 +932,19 @@ class LayerKvCache:
             _log.warning("kvcache O(1): seal refused, the layer stays exact: %s", reason)
             return False
         t, hd = self._seq_len, self._hd
+        keys, values = self._k.parts()[0], self._v.parts()[0]
+        assert keys is not None and values is not None     # check_seal: an F32 layer
         try:
             trace = coll.trace.reshape(t, nh, hd)
             # the seal's float64 products and solves on one BLAS thread: their bits would
             # depend on BLAS's count (docs/threads.md, "BLAS"), so the state does not depend
             # on the machine's cores or load
             with BlasGovernor(1) as blas, blas.pinned():
-                state = O1Sealed.seal(trace, self._kf, self._vf,
+                state = O1Sealed.seal(trace, keys, values,
                                       t=t, m=coll.m, w=coll.w, sink=coll.sink, rect=coll.rect,
                                       kernels=kernels, n_threads=_core.max_threads(),
                                       keep=coll.keep, ridge=coll.ridge)
-                state.error = estimate_error(state, trace, self._kf, self._vf, t)
+                state.error = estimate_error(state, trace, keys, values, t)
         except BaseException:
             self._o1 = coll          # e.g. MemoryError: nothing changed, still collecting
             raise
