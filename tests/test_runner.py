@@ -290,6 +290,18 @@ def test_bad_input_is_refused(saved, tmp_path):
         kr.load_safetensors(tmp_path)
 
 
+def test_a_missing_checkpoint_is_named_as_given(tmp_path):
+    """A mistyped file name is reported as itself, not as a missing x.gguf/config.json."""
+    for missing in (tmp_path / "model.gguf", tmp_path / "folder"):
+        with pytest.raises(FileNotFoundError) as info:
+            kr.Runner.from_pretrained(missing)
+        assert info.value.filename == str(missing)
+        assert "GGUF file" in str(info.value)
+        with pytest.raises(FileNotFoundError) as info:
+            kr.load_checkpoint(missing)
+        assert info.value.filename == str(missing)
+
+
 def test_parse_layers():
     assert kr.parse_layers("all", 4) == (0, 1, 2, 3)
     assert kr.parse_layers("deep2", 4) == (2, 3)

@@ -221,9 +221,7 @@ def evaluate(model: Any, ids: Sequence[int] | npt.NDArray[Any], configs: Sequenc
         f32 first, then the others in the given order.  A configuration the runner refuses
         (its error message) is reported with ``error`` set; the others still run.
     """
-    from .runner import ModelConfig, Runner
-    from .runner.weights import load_safetensors
-    from .runner.config import read_config
+    from .runner import ModelConfig, Runner, load_checkpoint
 
     parsed = [parse_config(c) for c in configs]
     names = [c.name for c in parsed]
@@ -244,11 +242,8 @@ def evaluate(model: Any, ids: Sequence[int] | npt.NDArray[Any], configs: Sequenc
     arr = arr[: n_prompt + n_tokens]
     if isinstance(model, ModelConfig):
         cfg, w = model, weights
-    elif os.path.isfile(os.fspath(model)):
-        from .runner.gguf import load_gguf
-        cfg, w = load_gguf(model)
     else:
-        cfg, w = read_config(model), load_safetensors(model)
+        cfg, w = load_checkpoint(model)
     targets = arr[n_prompt:]
     base_lp = np.empty((n_tokens, cfg.vocab_size), dtype=np.float32)
     base_top = np.empty(n_tokens, dtype=np.int64)

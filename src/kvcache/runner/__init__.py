@@ -41,7 +41,8 @@ The package, one job per module:
 - :mod:`~kvcache.runner.weights`: reading safetensors, the fused per-layer products,
   random checkpoints;
 - :mod:`~kvcache.runner.gguf`: GGUF files (weights, config, tokenizer, chat template);
-- :mod:`~kvcache.runner.model`: :class:`Runner`, the forward pass and decoding;
+- :mod:`~kvcache.runner.model`: :class:`Runner`, the forward pass and decoding, and
+  :func:`load_checkpoint` (a GGUF file or a folder, as ``Runner.from_pretrained`` reads it);
 - :mod:`~kvcache.runner.sampling`: greedy and top-p sampling (:func:`sample`);
 - :mod:`~kvcache.runner.cli`: ``python -m kvcache generate`` (:func:`main`).
 
@@ -55,9 +56,10 @@ from __future__ import annotations
 from .cli import build_parser, main
 from .config import FAMILIES, ModelConfig, parse_layers, read_config
 from .gguf import load_gguf, load_tokenizer
-from .model import Runner
+from .model import Runner, load_checkpoint
 from .sampling import sample
 from .weights import load_safetensors, random_weights
 
-__all__ = ["FAMILIES", "ModelConfig", "Runner", "build_parser", "load_gguf", "load_safetensors",
-           "load_tokenizer", "main", "parse_layers", "random_weights", "read_config", "sample"]
+__all__ = ["FAMILIES", "ModelConfig", "Runner", "build_parser", "load_checkpoint", "load_gguf",
+           "load_safetensors", "load_tokenizer", "main", "parse_layers", "random_weights",
+           "read_config", "sample"]

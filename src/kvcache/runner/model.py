@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
     from ..store import PrefixStore
 
 __all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_PREFILL_STEP", "O1_AUTO_MAX_ERROR",
-           "O1_AUTO_PARAMS", "Runner"]
+           "O1_AUTO_PARAMS", "Runner", "load_checkpoint"]
 
 #: The error bound of ``o1_layers="auto"`` when ``o1_max_error`` is not given: a layer seals
 #: only when the seal's own estimate of its relative error (``LayerKvCache.o1_error``, see
@@ -141,6 +142,21 @@ def _rope_inv_freq(cfg: ModelConfig) -> Array:
         inv = np.where(medium, smoothed, scaled).astype(_F32)
     return as_f32(inv)
 
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Array]]:
+    """The config and float32 weights of a checkpoint: a GGUF file
+    (:func:`kvcache.runner.gguf.load_gguf`) or a folder of ``config.json`` and safetensors.
+    FileNotFoundError naming ``path`` itself when it is neither (a mistyped file name is not
+    reported as a missing ``x.gguf/config.json``)."""
+    where = os.fspath(path)
+    if os.path.isfile(where):
+        from .gguf import load_gguf
+        return load_gguf(path)
+    if not os.path.isdir(where):
+        raise FileNotFoundError(errno.ENOENT, "no checkpoint there (expected a GGUF file, or a "
+                                "folder with config.json and *.safetensors)", where)
+    return read_config(path), load_safetensors(path)
 
 class Runner:
     """A decoder-only model in NumPy whose attention runs on kvcache (see the module docstring).
@@ -305,11 +321,8 @@ class Runner:
         """Load a checkpoint: a folder (``config.json`` and its safetensors) or a GGUF file
         (weights dequantised to float32, config from its metadata: :mod:`kvcache.runner.gguf`).
         See the class for ``kwargs``."""
-        if os.path.isfile(os.fspath(path)):
-            from .gguf import load_gguf
-            config, weights = load_gguf(path)
-            return cls(config, weights, **kwargs)
-        return cls(read_config(path), load_safetensors(path), **kwargs)
+        config, weights = load_checkpoint(path)
+        return cls(config, weights, **kwargs)
 
     @classmethod
     def random(cls, config: ModelConfig | None = None, seed: int = 0, **kwargs: Any) -> Runner:
