@@ -159,6 +159,25 @@ def test_attention_kernels_decide_rows_held_as_the_check(rng):
         rows.head_len[:] = saved
 
 
+def test_wild_query_offsets_are_refused_not_run(rng):
+    """Offsets whose differences wrap around in 64 bits (two huge counts that add up to nq)
+    are refused with the check's message; the C acceptance compares offsets before it
+    subtracts them."""
+    layer, rows = layer_rows(kc.KvMode.F32, rng, nkv=3)
+    bound = _core.bind_rows(rows)
+    q2 = rng.standard_normal((1, 16)).astype(np.float32)
+    for g0 in ([0, 2 ** 63 - 1, -2, 1], [0, -5, 6, 1], [0, 2, 0, 1]):
+        call = AttendCall(q=q2, group_q0=np.array(g0, np.intp), n_pos=1, n_back=1, window=0,
+                          first=0, scale=0.25, softcap=0.0, out=np.zeros((1, 16), np.float32),
+                          imp=np.zeros(50, np.float32), imp_mode=2, n_threads=1,
+                          probs=np.zeros((1, 50), np.float32))
+        want = outcome(lambda: _entry.check_call(rows, bound.shape, call, False))
+        assert want is not None and want[0] is ValueError, g0
+        assert outcome(lambda: _core.attend_rows(bound, call)) == want, g0
+        assert outcome(lambda: _core.attend_blocked(bound, call._replace(probs=None))) == \
+            outcome(lambda: _entry.check_call(rows, bound.shape, call, True)), g0
+
+
 def o1_state(rng, H, G, d, dv, m, ns, cap):
     f = lambda *s: rng.standard_normal(s).astype(np.float32)
     return dict(sink_k=f(G, ns, d), sink_v=f(G, ns, dv), win_k=f(G, cap, d), win_v=f(G, cap, dv),
@@ -179,6 +198,9 @@ def test_o1_step_decides_as_the_check(rng):
         ("q read-only", dict(q=readonly(q))), ("q subclass", dict(q=q.copy().view(Sub))),
         ("q list", dict(q=q.tolist())), ("q 1-D", dict(q=q.reshape(-1))),
         ("k_new groups", dict(k_new=np.zeros((G + 1, d), np.float32))),
+        ("k_new no row", dict(k_new=np.zeros((0, d), np.float32))),
+        ("q no head", dict(q=np.zeros((0, d), np.float32))),
+        ("v_new no row", dict(v_new=np.zeros((0, dv), np.float32))),
         ("k_new width", dict(k_new=np.zeros((G, d + 1), np.float32))),
         ("v_new width", dict(v_new=np.zeros((G, d), np.float32))),
         ("v_new float64", dict(v_new=vn.astype(np.float64))),

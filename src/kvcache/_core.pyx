@@ -4,9 +4,11 @@
 # object inside `nogil`, never raise.  Conversion, allocation and thread-count resolution happen
 # in the Python layer (layer.py, _attention.py, o1.py, mla.py), once per call.  An entry point
 # takes one storage descriptor and one call descriptor (kvcache._entry: Rows and AttendCall,
-# O1State and O1Absorb / O1Step, MlaCall) and first runs its check there -- the one place its
-# arguments are checked; a kernel entry raises nothing itself but MemoryError (the body choice,
-# set_bodies / set_isa, refuses unknown names).  Every kernel here has a NumPy twin of the same
+# O1State and O1Absorb / O1Step, MlaCall) and runs its check there before any array is touched
+# -- the one place the rules and messages are; for the common bound call, attention and the O(1)
+# step first try a C acceptance that accepts only calls the check accepts and hands every other
+# call to it (_accept_call, _O1.accept).  A kernel entry raises nothing itself but MemoryError
+# (the body choice, set_bodies / set_isa, refuses unknown names).  Every kernel here has a NumPy twin of the same
 # name in kvcache/reference.py.
 #
 # Summation orders (documented, thread-count independent; the code is in _kernels.h):
@@ -841,8 +843,12 @@ cdef _Call _accept_call(_Store st, call, bint blocked):
             and ca.group_q0[nkv] == nq):
         return None
     for g in range(nkv):
+        # offsets compared before any difference is taken: 0 = g0[0] <= ... <= g0[nkv] = nq
+        # bounds every count by nq (a difference of wild offsets could wrap around)
+        if ca.group_q0[g + 1] < ca.group_q0[g]:
+            return None
         cnt = ca.group_q0[g + 1] - ca.group_q0[g]
-        if cnt < 0 or cnt % ca.n_pos != 0 or not 0 <= st.head_len__h[g] <= st.cap:
+        if cnt % ca.n_pos != 0 or not 0 <= st.head_len__h[g] <= st.cap:
             return None
     return ca
 
@@ -1275,7 +1281,9 @@ cdef class _O1:
         (:meth:`step`).  False for anything else, even a step the check would pass: the caller
         then asks the check itself, which raises naming what is wrong.  So this accepts a
         subset of what the check accepts and never raises an error of its own
-        (tests/test_entry_accept.py compares the two on malformed steps)."""
+        (tests/test_entry_accept.py compares the two on malformed steps).  Nothing is
+        computed from the step's shapes before they are compared (k_new with no row must not
+        reach the heads-per-group division)."""
         if type(step) is not _STEP or not self.bound:
             return False
         cdef tuple fields = <tuple> step
@@ -1286,24 +1294,37 @@ cdef class _O1:
         if not (1 <= win_len <= self.cap and 0 <= slot < win_len and 1 <= nt <= _THREADS_MAX):
             return False
         try:
-            self.step(fields)
+            self.views(fields)
         except (TypeError, ValueError, BufferError):
             return False
-        return (self.q__hd.shape[0] == self.H and self.q__hd.shape[1] == self.d
+        if not (self.q__hd.shape[0] == self.H and self.q__hd.shape[1] == self.d
                 and self.k_new__gd.shape[0] == self.G and self.k_new__gd.shape[1] == self.d
                 and self.v_new__ge.shape[0] == self.G and self.v_new__ge.shape[1] == self.dv
                 and self.out__he.shape[0] == self.H and self.out__he.shape[1] == self.dv
                 and self.scr__hx.shape[0] == self.H
-                and self.scr__hx.shape[1] >= self.ns + self.o.win_len + 3 * self.m)
+                and self.scr__hx.shape[1] >= self.ns + <Py_ssize_t> win_len + 3 * self.m):
+            return False
+        self.numbers(fields)
+        return True
 
     cdef step(self, tuple fields):
-        """Set one step (``fields`` in O1Step order, ``_fields``): its views and numbers."""
+        """Set one checked step (``fields`` in O1Step order, ``_fields``)."""
+        self.views(fields)
+        self.numbers(fields)
+
+    cdef views(self, tuple fields):
+        """Take the typed views of a step's arrays (their dtype, dimensions, order and
+        writability are checked by the views themselves)."""
         q, k, v, win_len, slot, absorb, use_far, out, scr, nt = fields
         self.q__hd = q
         self.k_new__gd = k
         self.v_new__ge = v
         self.out__he = out
         self.scr__hx = scr
+
+    cdef numbers(self, tuple fields):
+        """The kvc_o1 fields of a step whose views are taken and whose shapes passed."""
+        q, k, v, win_len, slot, absorb, use_far, out, scr, nt = fields
         self.o.d = self.q__hd.shape[1]
         self.o.dv = self.v_new__ge.shape[1]
         self.o.hpk = self.q__hd.shape[0] // self.k_new__gd.shape[0]

@@ -13,8 +13,8 @@ Every attention kernel takes one **storage descriptor** and one **call descripto
 kernels take an :class:`O1State` and an :class:`O1Absorb` or :class:`O1Step`; the MLA kernel
 one :class:`MlaCall`.
 
-The compiled entry points call the checks of their entry here before anything else and raise
-nothing themselves.  Attention and the O(1) step check in two halves: the storage or state
+The compiled entry points call the checks of their entry here before any array is touched and
+raise nothing themselves.  Attention and the O(1) step check in two halves: the storage or state
 once, when it is bound (``check_rows`` in ``_core.bind_rows``, ``check_o1_state`` in
 ``_core.bind_o1``; an unbound descriptor is bound, so checked, at each call), and each call
 against the binding (``check_call``, ``check_o1_call``; the compiled entries answer the
