@@ -1034,3 +1034,23 @@ def test_bound_o1_state_is_checked_once_and_steps_by_its_views(rng):
     _core.o1_step(O1State(**twin, scale=0.25, fm=False),
                   O1Step(q, kn, vn, win, 4, True, True, ref, scr.copy(), 1))
     assert np.array_equal(out, ref)
+
+
+def test_assigning_a_state_array_drops_the_binding(rng):
+    """``layer.o1`` is public: an array assigned to it is what the next step reads (the
+    kernels' binding of the old arrays is dropped), as in a copy that never bound them."""
+    import copy
+    H, G, d, m = 4, 2, 16, 8
+    q, k, v = clustered(rng, 400, 300, H, G, d, m)
+    a = sealed_layer(q, k, v, 300, m, 32, 4)
+    a.o1_step(q[300], k[300], v[300], H)                  # bound now
+    b = copy.deepcopy(a)                                  # binds its own arrays at its step
+    for c in (a, b):
+        c.o1.mu = np.zeros_like(c.o1.mu)                  # no far field contribution
+        c.o1.t_hat = np.ascontiguousarray(c.o1.t_hat * np.float32(2))
+    outs = [c.o1_step(q[301], k[301], v[301], H) for c in (a, b)]
+    assert np.array_equal(outs[0], outs[1])
+    c = copy.deepcopy(b)
+    c.o1.mu = np.ones_like(c.o1.mu)
+    assert not np.array_equal(c.o1_step(q[302], k[302], v[302], H),
+                              b.o1_step(q[302], k[302], v[302], H))

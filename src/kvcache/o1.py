@@ -387,11 +387,18 @@ class O1Sealed:
     m_max: F32
     scr: F32
 
-    # The kernels' binding of the arrays above, scale and rect (``_bound_state``).  A method
-    # that replaces one of them on a state that may have stepped sets it to None (a step's
-    # writes into the arrays need no new binding); the arrays are replaced only while a state
-    # is built (seal, a stored state read back) and when an exact-only window grows.
+    # The kernels' binding of the arrays above, scale and rect (``_bound_state``): assigning
+    # any of them, here or from outside (``layer.o1`` is public), drops it; a step's writes
+    # into the arrays need no new binding.  ``step`` writes its three counters, which are not
+    # bound, straight into ``__dict__``: it runs every token, and this hook is Python.
+    _BOUND = frozenset(("sink_k", "sink_v", "win_k", "win_v", "k_tilde", "q_tilde", "mu",
+                        "t_hat", "z_hat", "m_max", "scale", "rect"))
     _binding: Optional[tuple[ModuleType, Any]]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in O1Sealed._BOUND:
+            object.__setattr__(self, "_binding", None)
+        object.__setattr__(self, name, value)
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the binding behind (a copy binds its own arrays)."""
@@ -506,7 +513,6 @@ class O1Sealed:
         self.win_k[:, :n] = keys[:, :n]
         self.win_v[:, :n] = values[:, :n]
         self.win_len = n
-        self._binding = None
 
     def _empty_parts(self) -> None:
         nkv, nh, d, dv = self.num_kv_heads, self.num_heads, self.d, self.dv
@@ -519,7 +525,6 @@ class O1Sealed:
         self.z_hat = np.zeros((nh, 0), dtype=_F32)
         self.m_max = np.zeros((nh, 0), dtype=_F32)
         self.scr = np.zeros((nh, 0), dtype=_F32)
-        self._binding = None
 
     # ------------------------------------------------------------------ decode
     def _kernel_state(self) -> O1State:
@@ -561,10 +566,11 @@ class O1Sealed:
         # positional (the field order of O1Step): keywords would build a dict every step
         kernels.o1_step(self._bound_state(kernels), O1Step(
             q, k_new, v_new, win_len, slot, absorb, far_len > 0, out, scr, n_threads))
-        self.win_len = win_len
+        counters = self.__dict__                 # past __setattr__ (see _BOUND)
+        counters["win_len"] = win_len
         if absorb:
-            self.win_head = (self.win_head + 1) % self.w
-        self.far_len = far_len
+            counters["win_head"] = (self.win_head + 1) % self.w
+        counters["far_len"] = far_len
 
     def _grow_exact(self) -> None:
         n, cap = self.win_len, self.win_k.shape[1]
@@ -574,7 +580,6 @@ class O1Sealed:
             grown = np.zeros((old.shape[0], new_cap, old.shape[2]), dtype=_F32)
             grown[:, :n] = old[:, :n]
             setattr(self, name, grown)
-        self._binding = None
 
     # ------------------------------------------------------------------ accounting, views
     def memory_bytes(self) -> int:
