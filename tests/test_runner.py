@@ -290,6 +290,15 @@ def test_bad_input_is_refused(saved, tmp_path):
         kr.load_safetensors(tmp_path)
 
 
+def test_checkpoint_tokenizer_of_a_folder(tmp_path):
+    """A folder without tokenizer.json has none; an unreadable one is a ValueError naming it."""
+    assert kr.load_checkpoint_tokenizer(tmp_path) is None
+    assert kr.load_checkpoint_tokenizer(None) is None
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json: not a readable tokenizer"):
+        kr.load_checkpoint_tokenizer(tmp_path)
+
+
 def test_a_missing_checkpoint_is_named_as_given(tmp_path):
     """A mistyped file name is reported as itself, not as a missing x.gguf/config.json."""
     for missing in (tmp_path / "model.gguf", tmp_path / "folder"):
@@ -297,9 +306,10 @@ def test_a_missing_checkpoint_is_named_as_given(tmp_path):
             kr.Runner.from_pretrained(missing)
         assert info.value.filename == str(missing)
         assert "GGUF file" in str(info.value)
-        with pytest.raises(FileNotFoundError) as info:
-            kr.load_checkpoint(missing)
-        assert info.value.filename == str(missing)
+        for load in (kr.load_checkpoint, kr.load_checkpoint_tokenizer):
+            with pytest.raises(FileNotFoundError) as info:
+                load(missing)
+            assert info.value.filename == str(missing)
 
 
 def test_parse_layers():

@@ -326,8 +326,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _encode_text(model: str, path: str) -> list[int]:
-    from .runner.cli import _load_tokenizer
-    tokenizer = _load_tokenizer(model)
+    from .runner import load_checkpoint_tokenizer
+    tokenizer = load_checkpoint_tokenizer(model)
     if tokenizer is None:
         raise ValueError(f"{model}: no tokenizer (tokenizer.json in the folder, or a GGUF "
                          f"file's tokenizer.* metadata) to encode the text")

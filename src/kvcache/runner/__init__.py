@@ -42,7 +42,8 @@ The package, one job per module:
   random checkpoints;
 - :mod:`~kvcache.runner.gguf`: GGUF files (weights, config, tokenizer, chat template);
 - :mod:`~kvcache.runner.model`: :class:`Runner`, the forward pass and decoding, and
-  :func:`load_checkpoint` (a GGUF file or a folder, as ``Runner.from_pretrained`` reads it);
+  :func:`load_checkpoint` and :func:`load_checkpoint_tokenizer` (a GGUF file or a folder, as
+  ``Runner.from_pretrained`` reads it);
 - :mod:`~kvcache.runner.sampling`: greedy and top-p sampling (:func:`sample`);
 - :mod:`~kvcache.runner.cli`: ``python -m kvcache generate`` (:func:`main`).
 
@@ -56,10 +57,10 @@ from __future__ import annotations
 from .cli import build_parser, main
 from .config import FAMILIES, ModelConfig, parse_layers, read_config
 from .gguf import load_gguf, load_tokenizer
-from .model import Runner, load_checkpoint
+from .model import Runner, load_checkpoint, load_checkpoint_tokenizer
 from .sampling import sample
 from .weights import load_safetensors, random_weights
 
-__all__ = ["FAMILIES", "ModelConfig", "Runner", "build_parser", "load_checkpoint", "load_gguf",
-           "load_safetensors", "load_tokenizer", "main", "parse_layers", "random_weights",
-           "read_config", "sample"]
+__all__ = ["FAMILIES", "ModelConfig", "Runner", "build_parser", "load_checkpoint",
+           "load_checkpoint_tokenizer", "load_gguf", "load_safetensors", "load_tokenizer", "main",
+           "parse_layers", "random_weights", "read_config", "sample"]

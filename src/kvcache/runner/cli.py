@@ -12,7 +12,6 @@ two prefill steps) and prints the output with prefill / decode rates and the cac
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -21,29 +20,9 @@ from typing import IO, Any
 from .._progress import ProgressBar, progress_bar
 from ..modes import KvMode
 from .config import ModelConfig
-from .model import Runner
+from .model import Runner, load_checkpoint_tokenizer
 
 __all__ = ["build_parser", "main"]
-
-
-def _load_tokenizer(path: str | None) -> Any:
-    """The ``tokenizers`` Tokenizer of a GGUF file (built from its metadata) or of
-    ``path/tokenizer.json``; None without one."""
-    if path and os.path.isfile(path):
-        from .gguf import load_tokenizer
-        return load_tokenizer(path)
-    tok_file = os.path.join(path, "tokenizer.json") if path else None
-    if not tok_file or not os.path.exists(tok_file):
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ImportError(f"{tok_file} needs the tokenizers package to encode text: pip install "
-                          f"tokenizers (or pass --ids)") from None
-    try:
-        return Tokenizer.from_file(tok_file)
-    except Exception as exc:              # tokenizers raises a bare Exception for a bad file
-        raise ValueError(f"{tok_file}: not a readable tokenizer ({exc})") from None
 
 
 def _chat_ids(path: str, tokenizer: Any, cfg: ModelConfig, text: str) -> list[int]:
@@ -196,7 +175,7 @@ def main(argv: Sequence[str] | None = None, file: IO[str] | None = None) -> int:
             print(f"warning: --o1 {args.o1!r} selects no global layer of this "
                   f"{runner.config.num_layers}-layer model; decoding exactly", file=sys.stderr)
         try:
-            tokenizer = _load_tokenizer(args.model)
+            tokenizer = load_checkpoint_tokenizer(args.model)
         except (ImportError, ValueError) as exc:
             if args.prompt is not None:
                 raise

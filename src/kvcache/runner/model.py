@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from ..store import PrefixStore
 
 __all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_PREFILL_STEP", "O1_AUTO_MAX_ERROR",
-           "O1_AUTO_PARAMS", "Runner", "load_checkpoint"]
+           "O1_AUTO_PARAMS", "Runner", "load_checkpoint", "load_checkpoint_tokenizer"]
 
 #: The error bound of ``o1_layers="auto"`` when ``o1_max_error`` is not given: a layer seals
 #: only when the seal's own estimate of its relative error (``LayerKvCache.o1_error``, see
@@ -144,6 +144,10 @@ def _rope_inv_freq(cfg: ModelConfig) -> Array:
 
 
 
+_NO_CHECKPOINT = "no checkpoint there (expected a GGUF file, or a folder with config.json and " \
+                 "*.safetensors)"
+
+
 def load_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Array]]:
     """The config and float32 weights of a checkpoint: a GGUF file
     (:func:`kvcache.runner.gguf.load_gguf`) or a folder of ``config.json`` and safetensors.
@@ -154,9 +158,35 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str
         from .gguf import load_gguf
         return load_gguf(path)
     if not os.path.isdir(where):
-        raise FileNotFoundError(errno.ENOENT, "no checkpoint there (expected a GGUF file, or a "
-                                "folder with config.json and *.safetensors)", where)
+        raise FileNotFoundError(errno.ENOENT, _NO_CHECKPOINT, where)
     return read_config(path), load_safetensors(path)
+
+
+def load_checkpoint_tokenizer(path: str | os.PathLike[str] | None) -> Any:
+    """The ``tokenizers`` Tokenizer of a checkpoint as :func:`load_checkpoint` reads it: built
+    from a GGUF file's metadata, or ``path/tokenizer.json`` of a folder; None without one
+    (or without ``path``).  FileNotFoundError when ``path`` is neither a file nor a folder,
+    as for :func:`load_checkpoint`; ImportError without the tokenizers package, ValueError
+    for a file it cannot read."""
+    where = os.fspath(path) if path else None
+    if where and os.path.isfile(where):
+        from .gguf import load_tokenizer
+        return load_tokenizer(where)
+    if where and not os.path.isdir(where):
+        raise FileNotFoundError(errno.ENOENT, _NO_CHECKPOINT, where)
+    tok_file = os.path.join(where, "tokenizer.json") if where else None
+    if not tok_file or not os.path.exists(tok_file):
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError(f"{tok_file} needs the tokenizers package to encode text: pip install "
+                          f"tokenizers (or pass --ids)") from None
+    try:
+        return Tokenizer.from_file(tok_file)
+    except Exception as exc:              # tokenizers raises a bare Exception for a bad file
+        raise ValueError(f"{tok_file}: not a readable tokenizer ({exc})") from None
+
 
 class Runner:
     """A decoder-only model in NumPy whose attention runs on kvcache (see the module docstring).
