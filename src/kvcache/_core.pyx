@@ -677,12 +677,11 @@ cdef class _Store:
     cdef const float[:, :, ::1] vs__hc1
     cdef const float[:, ::1] vcol__hd
     cdef const Py_ssize_t[::1] head_len__h
-    cdef Py_ssize_t nkv, hd, cap          # the checked shape's KV groups, head_dim, capacity
+    cdef Py_ssize_t nkv, cap              # the checked shape's KV groups and capacity
     cdef kvc_store s
 
     def __init__(self, rows):
         self.shape = _entry.check_rows(rows)
-        self.hd = self.shape.hd
         self.cap = self.shape.capacity
         self.rows = rows
         self.head_len = rows.head_len
@@ -837,8 +836,8 @@ cdef _Call _accept_call(_Store st, call, bint blocked):
     except (TypeError, ValueError, BufferError):
         return None
     cdef Py_ssize_t nq = ca.nq, nkv = st.nkv, g, cnt
-    if not (ca.q__jd.shape[1] == st.hd and ca.out__jd.shape[0] == nq
-            and ca.out__jd.shape[1] == st.hd and (blocked or ca.probs__jl.shape[0] == nq)
+    if not (ca.q__jd.shape[1] == st.s.hd and ca.out__jd.shape[0] == nq
+            and ca.out__jd.shape[1] == st.s.hd and (blocked or ca.probs__jl.shape[0] == nq)
             and ca.group_q0.shape[0] == nkv + 1 and ca.group_q0[0] == 0
             and ca.group_q0[nkv] == nq):
         return None

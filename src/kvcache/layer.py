@@ -60,11 +60,12 @@ _O1_MAX = (1 << 31) - 1      # bound of the O(1) parameters (they travel as u32)
 _log = logging.getLogger("kvcache")
 
 
-def _k_scales(hd: int, mode: KvMode) -> int:
-    """Width of a layer's K scale store: the scale count of the mode's scheme.  A mode with
-    float32 K keeps that store empty and never reads it; it takes the default scheme's width
-    (>= ceil(hd / 32), what the kernels' shape checks accept for an unused store)."""
-    return quant.k_scale_count(hd, mode.scheme or DEFAULT_SCHEME)
+def _empty_k_scales(nkv: int, hd: int, mode: KvMode) -> F32:
+    """The K scale store the kernels' descriptor takes when K has no int8 rows: no rows, as
+    wide as the mode's scheme's scale count (a mode with float32 K takes the default scheme's,
+    >= ceil(hd / 32), what the kernels' shape checks accept for an unused store)."""
+    return np.zeros((nkv, 0, quant.k_scale_count(hd, mode.scheme or DEFAULT_SCHEME)),
+                    dtype=_F32)
 
 
 A = TypeVar("A", bound=npt.NDArray[Any])
@@ -146,15 +147,10 @@ class LayerKvCache:
         self._cap = 0
         self._len = np.zeros(nkv, dtype=np.intp)
         self._k, self._v = stores_for(self._mode, nkv, hd)
-        self._empty_ks = np.zeros((nkv, 0, self._ngk), dtype=_F32)
+        self._empty_ks = _empty_k_scales(nkv, hd, self._mode)
         self._imp = np.zeros(0, dtype=_F32)
         self._imp_len = 0
         self._evicted = False
-
-    @property
-    def _ngk(self) -> int:
-        """K scales per int8 row of this layer's scheme."""
-        return _k_scales(self._hd, self._mode)
 
     def _reserve(self, n: int) -> None:
         """Make room for ``n`` more rows on every head and ``n`` more importance entries.
@@ -750,7 +746,7 @@ class LayerKvCache:
             raise ValueError(f"state: {problem}")
         if not state.owned:
             state = state.owned_copy()
-        empty_ks = np.zeros((self._nkv, 0, _k_scales(self._hd, state.mode)), dtype=_F32)
+        empty_ks = _empty_k_scales(self._nkv, self._hd, state.mode)
         k, v = from_state(state)
         # commit: assignments only
         self._binding = None
