@@ -22,7 +22,8 @@ from kvcache._generation import LOG_LIMIT
 
 F32, Q8KV, Q8K = kc.KvMode.F32, kc.KvMode.Q8(True, True), kc.KvMode.Q8(True, False)
 Q8CMF = kc.KvMode.Q8(True, True, scheme="cmf")     # the legacy scheme: the column freeze
-MODES = [F32, Q8KV, Q8K, kc.KvMode.Q8(False, True), Q8CMF]
+MODES = [F32, Q8KV, Q8K, kc.KvMode.Q8(False, True), Q8CMF, kc.KvMode.parse("k8v4"),
+         kc.KvMode.parse("q4v")]
 
 
 def _torch_or_skip():
@@ -47,8 +48,8 @@ def assert_layer_mirrored(m, c):
     assert m.seq_len == c.seq_len and m.mode == c.mode and m.o1_sealed() == c.o1_sealed()
     for h in range(c.num_kv_heads):
         assert m.head_len(h) == c.head_len(h)
-        host = (c.head_keys(h), c.head_values(h)) + c.q8_rows(h) + c.columns(h)
-        dev = (m.head_keys(h), m.head_values(h)) + m.q8_rows(h) + m.columns(h)
+        host = (c.head_keys(h), c.head_values(h)) + c.q8_rows(h) + c.v4_rows(h) + c.columns(h)
+        dev = (m.head_keys(h), m.head_values(h)) + m.q8_rows(h) + m.v4_rows(h) + m.columns(h)
         for a, b in zip(host, dev):
             if a is None:
                 assert b is None
@@ -91,8 +92,9 @@ def assert_slots_mirrored(m, c):
 
 def row_bytes(c):
     """Bytes of one stored row of one head, every store of the mode together."""
-    return (quant.k_row_bytes(c.head_dim, c.mode.quant_k, scheme=c.mode.scheme)
-            + quant.v_row_bytes(c.head_dim, c.mode.quant_v))
+    v = (quant.v4_row_bytes(c.head_dim) if c.mode.v4
+         else quant.v_row_bytes(c.head_dim, c.mode.quant_v))
+    return quant.k_row_bytes(c.head_dim, c.mode.quant_k, scheme=c.mode.scheme or "rows") + v
 
 
 # ------------------------------------------------------------------------------ generation
@@ -570,6 +572,7 @@ def _parity_cases(rng):
     for layer in kv:
         layer.append(rows(rng, 4, 2, 8), rows(rng, 4, 2, 8))
     calls = {"head_len": (1,), "head_keys": (1,), "head_values": (1,), "q8_rows": (1,),
+             "v4_rows": (1,),
              "columns": (1,), "valid_view": (2, 1), "slot_shape": (1,), "__getitem__": (1,)}
     return [c, s, lc, sc, kv], calls
 
@@ -611,7 +614,7 @@ def test_every_mirror_exposes_the_names_signatures_and_shapes_of_its_cache(rng, 
                 hv, dv = getattr(c, name), getattr(m, name)
             assert _shapes(hv) == _shapes(dv), (type(c).__name__, name)
     # and the list is complete: every public LayerKvCache accessor of stored data is there
-    readers = {"head_len", "head_keys", "head_values", "k_heads", "v_heads", "q8_rows",
+    readers = {"head_len", "head_keys", "head_values", "k_heads", "v_heads", "q8_rows", "v4_rows",
                "columns", "o1_views", "o1_sealed", "seq_len", "mode", "generation"}
     assert readers <= set(kd.LayerMirror.MIRRORED)
     assert {"valid_view", "cached_len", "alloc_id", "generation"} <= set(kd.LatentMirror.MIRRORED)

@@ -19,10 +19,11 @@ from kvcache import reference as _reference  # noqa: F401  (kc.reference for sco
 from kvcache._attention import default_scale
 
 F32 = kc.KvMode.F32
-ALL_MODES = [F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False), kc.KvMode.Q8(k=False, v=True)]
-MODE_IDS = ["f32", "q8", "q8k", "q8v"]
-Q8_MODES = ALL_MODES[1:]
-Q8_IDS = MODE_IDS[1:]
+ALL_MODES = [F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False), kc.KvMode.Q8(k=False, v=True),
+             kc.KvMode.of(8, 4), kc.KvMode.of(32, 4)]
+MODE_IDS = ["f32", "q8", "q8k", "q8v", "k8v4", "q4v"]
+Q8_MODES = ALL_MODES[1:4]
+Q8_IDS = MODE_IDS[1:4]
 # the spec's scheme (column freeze after 64 rows): KvMode's legacy int8 scheme "cmf"
 CMF_MODES = [kc.KvMode.Q8(scheme="cmf"), kc.KvMode.Q8(True, False, scheme="cmf"),
              kc.KvMode.Q8(False, True, scheme="cmf")]
@@ -86,7 +87,11 @@ def scored_queries(layer, q):
 
 
 def stored_values(layer, h):
-    """Head h's values as float64 rows: the f32 store, or int8 * row scale * value column."""
+    """Head h's values as float64 rows: the f32 store, int8 * row scale * value column, or the
+    4-bit rows' values fmaf(code, step, minimum) (docs/kv4.md)."""
+    if layer.mode.v4:
+        c, p = layer.v4_rows(h)
+        return kc.reference.dequantize_v4(c, p.view(np.uint16), layer.head_dim).astype(np.float64)
     if not layer.mode.quant_v:
         return layer.head_values(h).astype(np.float64)
     _, _, vq, vs = layer.q8_rows(h)
@@ -146,14 +151,14 @@ def test_append_tracks_seq_len_and_layout(rng):
 
 @pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
 def test_dead_head_stores_nothing(rng, make_kv, mode):
-    nkv, hd, rows = 2, 4, 2
+    nkv, hd, rows = 2, 8 if mode.v4 else 4, 2
     k, v = make_kv(rng, rows, nkv, hd)
     layer = filled(mode, k, v, alive=[True, False])
     assert layer.head_len(0) == rows and layer.head_len(1) == 0
     assert layer.seq_len == rows
     assert layer.importance.shape == (rows,)
     k_bytes = hd + 4 * math.ceil(hd / K_GROUP[mode.scheme]) if mode.quant_k else 4 * hd
-    v_bytes = hd + 4 if mode.quant_v else 4 * hd
+    v_bytes = hd + 4 if mode.quant_v else hd // 2 + 4 if mode.v4 else 4 * hd
     assert layer.memory_bytes() == rows * (k_bytes + v_bytes)      # only head 0's rows
     if mode == F32:
         assert layer.memory_bytes() == 64                          # the spec's number
@@ -899,7 +904,7 @@ def _rollback_case(draw):
     else:
         m = draw(st.integers(0, 110))
     nkv = draw(st.integers(1, 3))
-    hd = draw(st.sampled_from([1, 5, 32, 40]))
+    hd = draw(st.sampled_from([32, 40] if mode.v4 else [1, 5, 32, 40]))
     seed = draw(st.integers(0, 2 ** 32 - 1))
     block = draw(st.booleans())
     return mode, m, n, nkv, hd, seed, block

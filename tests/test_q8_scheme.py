@@ -114,14 +114,15 @@ def test_names_parse_and_read_from_the_environment(name, mode, monkeypatch):
 
 
 def test_every_documented_name_round_trips_through_mode_name():
-    assert MODE_NAMES == ("f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "q8v:cmf")
+    assert MODE_NAMES == ("f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "q8v:cmf", "k8v4",
+                          "k8v4:cmf", "q4v")
     for name in MODE_NAMES:
         assert kc.KvMode.parse(name).name == name
 
 
 @pytest.mark.parametrize("bad", ["q8:", "q8:legacy", "f32:cmf", "cmf", "q8:cmf:cmf", "q8k:q8"])
 def test_bad_names_list_every_name(bad, monkeypatch):
-    listed = "'f32', 'q8', 'q8k', 'q8v', 'q8:cmf', 'q8k:cmf', 'q8v:cmf'"
+    listed = "'f32', 'q8', 'q8k', 'q8v', 'q8:cmf', 'q8k:cmf', 'q8v:cmf', 'k8v4', 'k8v4:cmf', 'q4v'"
     with pytest.raises(ValueError, match=f"kv: expected one of {listed} \\(or a KvMode\\), got"):
         kc.KvMode.parse(bad, "kv")
     monkeypatch.setenv("KVCACHE_KV", bad)
@@ -307,7 +308,7 @@ def test_the_versioned_format_records_the_scheme(rng):
         layer = kc.LayerKvCache(2, 40, mode=mode)
         layer.append(k, v)
         buf = layer.to_bytes()
-        assert struct.unpack_from("<H", buf, 8)[0] == wire.VERSION == 2
+        assert struct.unpack_from("<H", buf, 8)[0] == wire.VERSION == 3
         assert buf[32 + 12] == code                  # the layer body's scheme byte
         back = kc.LayerKvCache(2, 40, mode=mode)
         back.from_bytes(buf)
@@ -420,12 +421,12 @@ def test_version_1_layer_buffers_read_back_as_written(case):
     layer.from_bytes(buf, fingerprint=f"fixture {case}")
     f16 = case.endswith("f16")
     _assert_state(layer, case, f16)
-    # written again, the buffer is version 2 with scheme byte 2 ("cmf"; 0 for F32), and
+    # written again, the buffer is version 3 with scheme byte 2 ("cmf"; 0 for F32), and
     # otherwise the same bytes
     again = bytearray(layer.to_bytes(f16=f16, fingerprint=f"fixture {case}"))
     fp_len = struct.unpack_from("<I", buf, 24)[0]
     body = 28 + fp_len + (-(28 + fp_len) % 8)
-    assert again[8:10] == b"\x02\x00" and again[body + 12] == (2 if quantised else 0)
+    assert again[8:10] == b"\x03\x00" and again[body + 12] == (2 if quantised else 0)
     again[8:10], again[body + 12] = b"\x01\x00", 0
     again[11] = wire.ALG_CRC32
     again[-8:] = struct.pack("<Q", zlib.crc32(bytes(again[:-8])))

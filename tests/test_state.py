@@ -150,7 +150,7 @@ def _bad_states():
         ("store-capacity", lambda s: r(s, vq=s.vq[:, :-1]), ValueError, "vq"),
         ("col-not-ones", col_not_ones, ValueError, "all ones"),
         ("col-flag", flag_two, ValueError, "0 or 1"),
-        ("frozen-on-f32", f32_frozen, ValueError, "float32"),
+        ("frozen-on-f32", f32_frozen, ValueError, "not stored as int8"),
         ("frozen-in-rows", lambda s: r(s, mode=kc.KvMode.Q8()), ValueError,
          "scheme 'rows', which never freezes"),
         ("importance-long", lambda s: r(s, importance=np.zeros(s.seq_len + 1, np.float32)),

@@ -27,7 +27,7 @@ from kvcache.store.backend import ScatterBackend
 from kvcache.store.keys import Geometry, as_ids, block_keys
 
 L, G, D = 3, 2, 40           # D = 40: two key scale groups, rows not a multiple of 8 bytes in int8
-MODES = ["f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf"]
+MODES = ["f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "k8v4", "q4v"]
 MAXPOS = 600
 
 
@@ -250,6 +250,8 @@ def test_keys_differ_by_fingerprint_mode_geometry_history_and_block():
         block_keys(ids, b"fp2", base),
         block_keys(ids, b"fp", Geometry(L, G, D, kc.KvMode.Q8(), 16)),
         block_keys(ids, b"fp", Geometry(L, G, D, kc.KvMode.Q8(k=True, v=False), 16)),
+        block_keys(ids, b"fp", Geometry(L, G, D, kc.KvMode.parse("q4v"), 16)),
+        block_keys(ids, b"fp", Geometry(L, G, D, kc.KvMode.parse("k8v4"), 16)),
         block_keys(ids, b"fp", Geometry(L + 1, G, D, kc.KvMode.F32, 16)),
         block_keys(ids, b"fp", Geometry(L, G + 1, D, kc.KvMode.F32, 16)),
         block_keys(ids, b"fp", Geometry(L, G, D + 1, kc.KvMode.F32, 16)),
@@ -287,6 +289,9 @@ def test_store_misses_for_another_fingerprint_mode_or_geometry():
         ids, kc.KvCache(L, G, D, mode="q8")) == 160
     assert PrefixStore(backend, fingerprint="a", block=80).longest_prefix(
         ids, kc.KvCache(L, G, D, mode="q8v")) == 0
+    for mode in ("q4v", "k8v4"):        # 4-bit V: another mode than float32 V or int8 V
+        assert PrefixStore(backend, fingerprint="a", block=80).longest_prefix(
+            ids, kc.KvCache(L, G, D, mode=mode)) == 0
     assert PrefixStore(backend, fingerprint="a", block=80).longest_prefix(
         ids, kc.KvCache(L - 1, G, D, mode="f32")) == 0
     assert PrefixStore(backend, fingerprint="a", block=40).longest_prefix(ids, probe) == 0

@@ -293,12 +293,19 @@ def test_golden_bytes_versioned(monkeypatch):
     body += struct.pack("<f", 0.5) + bytes(4)                             # linear_state, pad
     body += struct.pack("<2f", 1, 2) + struct.pack("<2f", 3, 4)           # head 0 keys, values
     fp = b"llama-3-8b@rev1"
-    head = wire.MAGIC + struct.pack("<HBBIQI", 2, 1, wire.ALG_XXH3, 0, 48 + len(body) + 8, len(fp))
+    head = wire.MAGIC + struct.pack("<HBBIQI", 3, 1, wire.ALG_XXH3, 0, 48 + len(body) + 8, len(fp))
     head += fp + bytes(5)                                                 # 28 + 15 -> 48
     expect = head + body
     expect += struct.pack("<Q", xxhash.xxh3_64_intdigest(expect))
     assert c.to_bytes(fingerprint=fp) == expect
-    assert len(expect) == 168 and expect[-8:].hex() == "ce225e9dd847ed0f"
+    assert len(expect) == 168 and expect[-8:].hex() == "adfe46415bf1cf62"
+    # the same body under a version-2 header (what kvcache wrote before 4-bit V) still reads
+    v2 = expect[:8] + struct.pack("<H", 2) + expect[10:-8]
+    v2 += struct.pack("<Q", xxhash.xxh3_64_intdigest(v2))
+    assert v2[-8:].hex() == "ce225e9dd847ed0f"
+    d = kc.LayerKvCache(1, 2, mode=F32)
+    d.from_bytes(v2, fingerprint=fp)
+    assert d.head_keys(0).tolist() == [[1.0, 2.0]] and d.head_values(0).tolist() == [[3.0, 4.0]]
     monkeypatch.setattr(wire, "_xxhash", lambda: None)                   # the zlib fallback
     crc = c.to_bytes(fingerprint=fp)
     assert crc[11] == wire.ALG_CRC32
@@ -368,7 +375,7 @@ def test_version_kind_flags_and_magic_are_checked(snapshot, assert_same_state):
     target = filled(F32, n=6, seed=4)
     before = snapshot(target)
     cases = [
-        (reseal(buf, lambda b: b.__setitem__(slice(8, 10), struct.pack("<H", 3))), "version 3"),
+        (reseal(buf, lambda b: b.__setitem__(slice(8, 10), struct.pack("<H", 4))), "version 4"),
         (reseal(buf, lambda b: b.__setitem__(slice(8, 10), struct.pack("<H", 0))), "version 0"),
         (reseal(buf, lambda b: b.__setitem__(10, 2)), "whole KvCache"),
         (reseal(buf, lambda b: b.__setitem__(10, 7)), "kind 7"),
@@ -391,7 +398,7 @@ def test_version_kind_flags_and_magic_are_checked(snapshot, assert_same_state):
     (lambda b, o: b.__setitem__(o + 10, 2), "sealed O\\(1\\) layer|truncated|inconsistent"),
     (lambda b, o: b.__setitem__(slice(o + 32, o + 40), struct.pack("<Q", 2**40)), "truncated"),
     (lambda b, o: b.__setitem__(slice(o + 48, o + 56), struct.pack("<Q", 2**62)), "more rows"),
-    (lambda b, o: b.__setitem__(o + 64, 1), "frozen columns on a component stored as float32"),
+    (lambda b, o: b.__setitem__(o + 64, 1), "frozen columns on a component not stored as int8"),
     (lambda b, o: b.__setitem__(o + 12, 1), "invalid int8 scheme byte 1"),     # f32 says "rows"
     (lambda b, o: b.__setitem__(o + 13, 1), "invalid layer flags"),            # reserved
     (lambda b, o: b.__setitem__(o + 15, 1), "invalid layer flags"),            # reserved
@@ -797,8 +804,21 @@ def golden_buffers(tmp_path):
     return out
 
 
+def as_version_2(buf):
+    """A version-3 buffer as version 2 wrote it: the version field 2, the digest recomputed
+    (XXH3); nothing else differs where no 4-bit component is stored."""
+    b = bytearray(buf)
+    b[8:10] = struct.pack("<H", 2)
+    b[-8:] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(b[:-8])))
+    return bytes(b)
+
+
 def test_golden_digests_of_every_section(tmp_path):
-    got = {k: hashlib.sha256(v).hexdigest() for k, v in golden_buffers(tmp_path).items()}
+    """Version 3 writes what version 2 wrote (the digests it pinned) but for the version
+    field: 4-bit V only added a value of the quant_v bytes."""
+    bufs = golden_buffers(tmp_path)
+    assert all(struct.unpack_from("<H", b, 8)[0] == 3 for b in bufs.values())
+    got = {k: hashlib.sha256(as_version_2(v)).hexdigest() for k, v in bufs.items()}
     assert got == GOLDEN_PINNED
 
 
@@ -828,7 +848,8 @@ def test_version_2_is_version_1_plus_the_scheme_byte(tmp_path):
     buffer is in scheme "cmf", which is what version 1 stored; the q8k model holds 12 rows,
     where the two schemes store the same bytes)."""
     bufs = golden_buffers(tmp_path)
-    got = {k: hashlib.sha256(as_version_1(bufs[k])).hexdigest() for k in GOLDEN_PINNED_V1}
+    got = {k: hashlib.sha256(as_version_1(as_version_2(bufs[k]))).hexdigest()
+           for k in GOLDEN_PINNED_V1}
     assert got == GOLDEN_PINNED_V1
     for name, want in (("q8", 2), ("q8_rows", 1), ("collecting", 0)):
         assert bufs[name][32 + 12] == want, name           # header 28 (+ "g") padded to 32

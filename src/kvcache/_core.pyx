@@ -29,7 +29,7 @@
 
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy, memset
-from libc.stdint cimport int8_t, int32_t
+from libc.stdint cimport int8_t, int32_t, uint8_t, uint16_t
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.buffer cimport PyBuffer_FillInfo
 from cython.parallel cimport prange
@@ -47,6 +47,8 @@ cdef extern from "_dispatch.h" nogil:
         const float *vf
         const int8_t *vq
         const float *vs
+        const uint8_t *vc4
+        const uint16_t *vp
         const float *vcol
         Py_ssize_t kcap, vcap, ks_stride, vs_stride, hd, k_group
         int quant_k, quant_v
@@ -146,6 +148,8 @@ cdef extern from "_dispatch.h" nogil:
     unsigned kvc_cpu_features()
     unsigned kvc_body_needs(int body)
     Py_ssize_t KVC_SCRATCH_FLOATS(Py_ssize_t hd)
+    int KVC_V_Q8
+    int KVC_V_Q4
     Py_ssize_t KVC_I8_PAD(Py_ssize_t hd)
     Py_ssize_t KVC_I8_GROUPS(Py_ssize_t hd, Py_ssize_t group)
     Py_ssize_t KVC_MLA_BLOCK
@@ -509,6 +513,41 @@ def store_rows_q8(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive_
                                   hd, group, &q__hcd[h, r, 0], &s__hcg[h, r, 0])
 
 
+cdef extern from "_q4.h" nogil:
+    void kvc_v4_quant_row(const float *x, Py_ssize_t hd, uint8_t *codes, uint16_t *par)
+
+
+def store_rows_v4(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive__h,
+                  const Py_ssize_t[::1] head_len__h, uint8_t[:, :, ::1] c__hcb,
+                  uint16_t[:, :, ::1] p__hcp):
+    """Quantise x[i, h] to 4 bits (docs/kv4.md, ``_q4.h``) into c/p at row head_len[h] + i of
+    every alive head h (the caller checked the shapes and made room)."""
+    cdef Py_ssize_t n = x__nhd.shape[0], nkv = x__nhd.shape[1], hd = x__nhd.shape[2]
+    cdef Py_ssize_t h, i, r
+    with nogil:
+        for h in range(nkv):
+            if alive__h[h]:
+                for i in range(n):
+                    r = head_len__h[h] + i
+                    kvc_v4_quant_row(&x__nhd[i, h, 0], hd, &c__hcb[h, r, 0], &p__hcp[h, r, 0])
+
+
+def quantize_v4(const float[:, ::1] x__nd, uint8_t[:, ::1] c__nb, uint16_t[:, ::1] p__np):
+    """4-bit quantisation (docs/kv4.md) of the rows x (n, hd), hd a multiple of 8, into codes
+    (n, hd / 2) and float16 parameters (n, 2 * ceil(hd / 16)) as uint16 bits; ValueError for
+    other shapes."""
+    cdef Py_ssize_t n = x__nd.shape[0], hd = x__nd.shape[1], i
+    if hd % 8 or c__nb.shape[0] != n or p__np.shape[0] != n or c__nb.shape[1] != hd // 2 \
+            or p__np.shape[1] != 2 * ((hd + 15) // 16):
+        raise ValueError(f"quantize_v4: expected x (n, hd) with hd % 8 == 0, codes (n, hd / 2) "
+                         f"and params (n, 2 * ceil(hd / 16)), got ({n}, {hd}), "
+                         f"({c__nb.shape[0]}, {c__nb.shape[1]}), ({p__np.shape[0]}, "
+                         f"{p__np.shape[1]})")
+    with nogil:
+        for i in range(n):
+            kvc_v4_quant_row(&x__nd[i, 0], hd, &c__nb[i, 0], &p__np[i, 0])
+
+
 def quantize_rows(const float[:, ::1] x__nd, const float[::1] col__d, Py_ssize_t group,
                   int8_t[:, ::1] q__nd, float[:, ::1] s__ng, int n_threads):
     """Row quantisation (docs/numerics.md) of x (n, hd) into q (n, hd) and s (n, ceil(hd/group)).
@@ -675,6 +714,8 @@ cdef class _Store:
     cdef const float[:, :, ::1] vf__hcd
     cdef const int8_t[:, :, ::1] vq__hcd
     cdef const float[:, :, ::1] vs__hc1
+    cdef const uint8_t[:, :, ::1] vc4__hcb
+    cdef const uint16_t[:, :, ::1] vp__hcp
     cdef const float[:, ::1] vcol__hd
     cdef const Py_ssize_t[::1] head_len__h
     cdef Py_ssize_t nkv, cap              # the checked shape's KV groups and capacity
@@ -709,7 +750,14 @@ cdef class _Store:
             self.s.kf = _cf3(self.kf__hcd)
             self.s.kcap = self.kf__hcd.shape[1]
             self.s.hd = self.kf__hcd.shape[2]
-        if self.s.quant_v:
+        if rows.v4:
+            self.vc4__hcb = rows.vc4
+            self.vp__hcp = rows.vp
+            self.s.quant_v = KVC_V_Q4
+            self.s.vc4 = &self.vc4__hcb[0, 0, 0] if self.vc4__hcb.size > 0 else NULL
+            self.s.vp = &self.vp__hcp[0, 0, 0] if self.vp__hcp.size > 0 else NULL
+            self.s.vcap = self.vc4__hcb.shape[1]
+        elif self.s.quant_v:
             self.s.vq = _ci8(self.vq__hcd)
             self.s.vs = _cf3(self.vs__hc1)
             self.s.vcol = &self.vcol__hd[0, 0] if self.vcol__hd.shape[0] > 0 else NULL
@@ -1032,7 +1080,7 @@ def attend_rows(rows, call):
     cdef Py_ssize_t n_imp = ca.imp__l.shape[0], nscr = KVC_SCRATCH_FLOATS(hd)
     cdef Py_ssize_t g, j, t, e, p, ga, gb, t0, t1, j0, j1, hi
     cdef int n_threads = ca.n_threads, imp_mode = ca.imp_mode
-    cdef bint quant_k = s.quant_k, quant_v = s.quant_v, par = pl.work > _PAR_WORK
+    cdef bint quant_k = s.quant_k, quant_v = s.quant_v == KVC_V_Q8, par = pl.work > _PAR_WORK
     cdef float *imp = &ca.imp__l[0] if n_imp > 0 else NULL
     cdef float *imp_tmp = NULL
     cdef float *dst

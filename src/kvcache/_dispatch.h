@@ -45,8 +45,10 @@
 
 /* One layer's stored rows, head-major: row p of KV group g in a store of capacity `cap` rows
  * of width `w` is at base + (g * cap + p) * w.  K is float32 (kf) or int8 (kq codes and ks
- * scales, ks_stride per row, one per k_group channels); V likewise (vq codes, vs one scale
- * per row, vcol the frozen column field, nkv x hd). */
+ * scales, ks_stride per row, one per k_group channels); V is float32 (vf), int8 (vq codes, vs
+ * one scale per row, vcol the frozen column field, nkv x hd) or 4-bit (vc4 codes, hd / 2
+ * bytes per row, and vp, 2 * ceil(hd / 16) float16 parameters per row: _q4.h); quant_v is
+ * KVC_V_F32, KVC_V_Q8 or KVC_V_Q4. */
 typedef struct kvc_store {
     const float *kf;
     const int8_t *kq;
@@ -54,6 +56,8 @@ typedef struct kvc_store {
     const float *vf;
     const int8_t *vq;
     const float *vs;
+    const uint8_t *vc4;
+    const uint16_t *vp;
     const float *vcol;
     ptrdiff_t kcap, vcap;           /* rows per group of the K and V stores */
     ptrdiff_t ks_stride, vs_stride; /* scales per row (0 for a float32 component) */

@@ -39,6 +39,13 @@ static void kvc_entry_task_values(const kvc_store *s, const kvc_call *c, const k
                                   float *acc, float *scratch)
 {
     const ptrdiff_t hd = s->hd, j0 = t->j0, g = t->g;
+    if (s->quant_v == KVC_V_Q4) {
+        kvc_task_values_v4(c->probs + j0 * c->L, c->L, t->j1 - j0, c->qf + j0, c->qe + j0,
+                           s->vc4 + g * s->vcap * (hd / 2),
+                           s->vp + g * s->vcap * 2 * KVC_V4_NG(hd), t->p0, t->p1, hd, acc,
+                           scratch);
+        return;
+    }
     kvc_task_values(c->probs + j0 * c->L, c->L, t->j1 - j0, c->qf + j0, c->qe + j0,
                     s->quant_v ? NULL : s->vf + g * s->vcap * hd,
                     s->quant_v ? s->vq + g * s->vcap * hd : NULL,
@@ -72,7 +79,8 @@ static void kvc_entry_pf_task(const kvc_store *s, const kvc_call *c, const kvc_t
                 KVC_AT(s->ks, g * s->kcap * s->ks_stride), s->ks_stride, s->quant_k,
                 KVC_AT(s->vf, g * s->vcap * hd), KVC_AT(s->vq, g * s->vcap * hd),
                 KVC_AT(s->vs, g * s->vcap * s->vs_stride), s->vs_stride, s->quant_v,
-                KVC_AT(s->vcol, g * hd), hd, c->scale, c->softcap, c->out + j0 * hd,
+                KVC_AT(s->vc4, g * s->vcap * (hd / 2)),
+                KVC_AT(s->vp, g * s->vcap * 2 * KVC_V4_NG(hd)), KVC_AT(s->vcol, g * hd), hd, c->scale, c->softcap, c->out + j0 * hd,
                 c->qm + j0, c->ql + j0, scratch, s->k_group,
                 KVC_AT(c->qi, j0 * KVC_I8_PAD(hd)), KVC_AT(c->qsc, j0 * ng),
                 KVC_AT(c->qsum, j0 * ng));

@@ -46,6 +46,8 @@ __all__ = ["AttendCall", "MlaCall", "O1Absorb", "O1Shape", "O1State", "O1Step", 
 
 F32 = npt.NDArray[np.float32]
 I8 = npt.NDArray[np.int8]
+U8 = npt.NDArray[np.uint8]
+U16 = npt.NDArray[np.uint16]
 I32 = npt.NDArray[np.int32]
 IP = npt.NDArray[np.intp]
 # the O(1) twins also run on float64 state (the streaming reference)
@@ -57,6 +59,8 @@ THREADS_MAX = (1 << 31) - 1
 
 _F32 = np.dtype(np.float32)
 _I8 = np.dtype(np.int8)
+_U8 = np.dtype(np.uint8)
+_U16 = np.dtype(np.uint16)
 _I32 = np.dtype(np.int32)
 _IP = np.dtype(np.intp)
 
@@ -71,7 +75,8 @@ class Rows(NamedTuple):
     A float32 component leaves its int8 arrays (and scales) with zero capacity, and the other
     way round; ``vcol`` is the frozen V column field (ones when there is none).  ``k_group``:
     channels per K scale (16 or 32), or 0 to read it from the scales per row
-    (:func:`k_group_of`).
+    (:func:`k_group_of`).  4-bit V (``v4``) is read from ``vc4`` and ``vp`` (float16 as
+    uint16 bits; the layout is ``_q4.h``'s); ``vf``, ``vq`` and ``vs`` are then unused.
     """
 
     kf: F32          # (nkv, capacity, hd) float32 K
@@ -85,6 +90,9 @@ class Rows(NamedTuple):
     quant_k: bool
     quant_v: bool
     k_group: int = 0
+    vc4: Optional[U8] = None    # (nkv, capacity, hd / 2) 4-bit V codes (docs/kv4.md)
+    vp: Optional[U16] = None    # (nkv, capacity, 2 * ceil(hd / 16)) their float16 parameters
+    v4: bool = False            # V is 4-bit (vc4, vp); quant_v is then False
 
     @classmethod
     def float32(cls, kf: F32, vf: F32, head_len: IP, k_groups: int) -> Rows:
@@ -303,7 +311,22 @@ def check_rows(rows: Rows) -> RowsShape:
             raise ValueError("float32 K: expected kf (nkv, capacity, head_dim)")
     if hd < 1:
         raise ValueError(f"K: expected head_dim >= 1, got {hd}")
-    if rows.quant_v:
+    v4 = rows.v4
+    if type(v4) is not bool:
+        raise TypeError(f"v4: expected a bool, got {type(v4).__name__}")
+    if v4:
+        if rows.quant_v:
+            raise ValueError("v4: 4-bit V and quant_v (int8 V) are exclusive")
+        vc4 = _array("vc4", rows.vc4, _U8, 3)
+        vp = _array("vp", rows.vp, _U16, 3)
+        vcap = vc4.shape[1]
+        if hd % 8:
+            raise ValueError(f"4-bit V: head_dim must be a multiple of 8, got {hd}")
+        if vc4.shape[0] < nkv or vc4.shape[2] != hd // 2 or vp.shape[0] < nkv \
+                or vp.shape[1] != vcap or vp.shape[2] != 2 * -(-hd // 16):
+            raise ValueError("4-bit V: expected vc4 (nkv, capacity, head_dim / 2) and vp "
+                             "(nkv, capacity, 2 * ceil(head_dim / 16))")
+    elif rows.quant_v:
         vcap = vq.shape[1]
         if vq.shape[0] < nkv or vq.shape[2] != hd or vs.shape[0] < nkv \
                 or vs.shape[1] != vcap or vs.shape[2] != 1 or vcol.shape[0] < nkv \

@@ -18,6 +18,7 @@
 
 #include "_vec.h"
 #include "_sizes.h"
+#include "_q4.h"
 
 #define KVC_LANES 16
 
@@ -287,22 +288,32 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
     kvc_scale_scores(nq, qf, qe, p0, p1, scale, softcap, probs, L);
 }
 
-/* The value pass scheduled the other way round, for int8 V rows (whose four 32-channel
- * blocks share two cache lines, so re-walking a chunk per block costs no extra memory
+/* The value pass scheduled the other way round, for int8 and 4-bit V rows (whose 32-channel
+ * blocks share one or two cache lines, so re-walking a chunk per block costs no extra memory
  * traffic): per quad of queries and block of 32 channels, the quad's accumulators stay in
  * registers while the chunk's rows stream past, each row widened once for the quad.  Same
- * per-element chain as kvc_task_values_impl. */
+ * per-element chain as kvc_task_values_impl:
+ *   int8   w_p = prob * row scale, v = (float)code
+ *   4-bit  w_p = prob, v = fmaf((float)code, s_g, m_g) (docs/kv4.md; each row's float16
+ *          parameters converted once per chunk)
+ * then acc = fma(w_p, v, acc) over the visible rows whose |w_p| >= 1e-12, in order.  `kind`
+ * (KVC_V_Q8 or KVC_V_Q4) is a constant at every call, so each kind compiles to its own loop.
+ * scratch: KVC_SCRATCH_FLOATS(hd). */
 #define KVC_VBLOCK 32
 
-
-KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq,
-                                   const ptrdiff_t *qf, const ptrdiff_t *qe, const int8_t *vq,
-                                   const float *vs, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd,
-                                   float *acc, float *scratch)
+KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t nq,
+                                     const ptrdiff_t *qf, const ptrdiff_t *qe, const int kind,
+                                     const int8_t *vq, const float *vs, const uint8_t *v4,
+                                     const uint16_t *vp, ptrdiff_t p0, ptrdiff_t p1,
+                                     ptrdiff_t hd, float *acc, float *scratch)
 {
-    /* scratch: KVC_VROWS * 4 weights and KVC_VROWS use-masks (as floats) */
+    const int q4 = kind == KVC_V_Q4;
+    const ptrdiff_t np = 2 * KVC_V4_NG(hd), rb = q4 ? hd / 2 : hd;   /* params, row bytes */
+    const void *base = q4 ? (const void *)v4 : (const void *)vq;
     float *wq = scratch;
     int32_t *use = (int32_t *)(scratch + KVC_VROWS * 4);
+    float *pf = scratch + KVC_VROWS * 5;     /* 4-bit: the chunk's parameters as float32 */
+    float vrow[KVC_VBLOCK];
     ptrdiff_t j0, p, d0, d;
     memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
     for (j0 = 0; j0 < nq; j0 += 4) {
@@ -317,13 +328,16 @@ KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq
                     float w = 0.0f;
                     if (jj < nj && p >= qf[j0 + jj] && p < qe[j0 + jj]) {
                         w = probs[(j0 + jj) * L + p];
-                        w = w * vs[p];
+                        if (!q4)
+                            w = w * vs[p];
                         if (!(fabsf(w) < 1e-12f))
                             mask |= 1 << jj;
                     }
                     wq[(p - c0) * 4 + jj] = w;
                 }
                 use[p - c0] = mask;
+                if (q4 && mask)
+                    kvc_v4_params(vp + p * np, hd, pf + (p - c0) * np);
             }
             for (d0 = 0; d0 < hd; d0 += KVC_VBLOCK) {
                 ptrdiff_t dn = hd - d0 < KVC_VBLOCK ? hd - d0 : KVC_VBLOCK;
@@ -337,13 +351,27 @@ KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq
 #undef KVC_LD
                     for (p = c0; p < c1; ++p) {
                         int32_t m = use[p - c0];
+                        kvc_f8 v0, v1, v2, v3;
                         if (d0 == 0 && p + KVC_PREFETCH_ROWS < c1)
-                            kvc_prefetch_rows(vq, p + KVC_PREFETCH_ROWS, 1, hd);
+                            kvc_prefetch_rows(base, p + KVC_PREFETCH_ROWS, 1, rb);
                         if (!m)
                             continue;
-                        const int8_t *src = vq + p * hd + d0;
-                        kvc_f8 v0 = kvc_f8_from_s8(src), v1 = kvc_f8_from_s8(src + 8);
-                        kvc_f8 v2 = kvc_f8_from_s8(src + 16), v3 = kvc_f8_from_s8(src + 24);
+                        if (q4) {
+                            const uint8_t *src = v4 + p * rb + d0 / 2;
+                            const float *par = pf + (p - c0) * np + 2 * (d0 / 16);
+                            kvc_f8 s0 = kvc_f8_set1(par[0]), m0 = kvc_f8_set1(par[1]);
+                            kvc_f8 s1 = kvc_f8_set1(par[2]), m1 = kvc_f8_set1(par[3]);
+                            v0 = kvc_f8_fma(kvc_f8_from_u4(src, 0), s0, m0);
+                            v1 = kvc_f8_fma(kvc_f8_from_u4(src + 8, 0), s0, m0);
+                            v2 = kvc_f8_fma(kvc_f8_from_u4(src, 4), s1, m1);
+                            v3 = kvc_f8_fma(kvc_f8_from_u4(src + 8, 4), s1, m1);
+                        } else {
+                            const int8_t *src = vq + p * hd + d0;
+                            v0 = kvc_f8_from_s8(src);
+                            v1 = kvc_f8_from_s8(src + 8);
+                            v2 = kvc_f8_from_s8(src + 16);
+                            v3 = kvc_f8_from_s8(src + 24);
+                        }
                         const float *w = wq + (p - c0) * 4;
 #define KVC_UPD(J) if (m >> J & 1) { kvc_f8 wb = kvc_f8_bcast(w + J); \
                             a##J##0 = kvc_f8_fma(wb, v0, a##J##0); a##J##1 = kvc_f8_fma(wb, v1, a##J##1); \
@@ -358,16 +386,34 @@ KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq
 #undef KVC_ST
                     continue;
                 }
+                /* a last block of fewer than 32 channels: the same values and chain,
+                 * element by element */
                 for (p = c0; p < c1; ++p) {
                     int32_t m = use[p - c0];
                     const float *w = wq + (p - c0) * 4;
+                    if (!m)
+                        continue;
+                    if (q4) {
+                        const uint8_t *src = v4 + p * rb + d0 / 2;
+                        const float *par = pf + (p - c0) * np;
+                        for (d = 0; d < dn / 2; ++d) {
+                            ptrdiff_t dl = d0 + d, dh = d0 + dn / 2 + d;
+                            vrow[d] = fmaf((float)(src[d] & 15), par[2 * (dl >> 4)],
+                                           par[2 * (dl >> 4) + 1]);
+                            vrow[dn / 2 + d] = fmaf((float)(src[d] >> 4), par[2 * (dh >> 4)],
+                                                    par[2 * (dh >> 4) + 1]);
+                        }
+                    } else {
+                        for (d = 0; d < dn; ++d)
+                            vrow[d] = (float)vq[p * hd + d0 + d];
+                    }
                     for (jj = 0; jj < nj; ++jj) {
                         float *y;
                         if (!(m >> jj & 1))
                             continue;
                         y = acc + (j0 + jj) * hd + d0;
                         for (d = 0; d < dn; ++d)
-                            y[d] = fmaf(w[jj], (float)vq[p * hd + d0 + d], y[d]);
+                            y[d] = fmaf(w[jj], vrow[d], y[d]);
                     }
                 }
             }
@@ -379,7 +425,7 @@ KVC_INLINE void kvc_task_values_q8(const float *probs, ptrdiff_t L, ptrdiff_t nq
  * acc[j][d] = fma(w_p, v_p[d], acc[j][d]) over the visible, non-skipped rows p in order
  * (w_p = prob, times the row scale in q8; rows with |w_p| < 1e-12 are skipped).  float32 rows
  * stream past in prefetched blocks of four, each query's accumulator loaded and stored once
- * per block (kvc_axpy4_f32); int8 rows go through kvc_task_values_q8. */
+ * per block (kvc_axpy4_f32); int8 and 4-bit rows go through kvc_task_values_quad. */
 KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t nq,
                                    const ptrdiff_t *qf, const ptrdiff_t *qe, const float *vf,
                                    const int8_t *vq, const float *vs, int quant_v, ptrdiff_t p0,
@@ -388,7 +434,8 @@ KVC_INLINE void kvc_task_values_impl(const float *probs, ptrdiff_t L, ptrdiff_t 
     ptrdiff_t p, j, r;
     const float *rows[4] = {0, 0, 0, 0};
     if (quant_v) {
-        kvc_task_values_q8(probs, L, nq, qf, qe, vq, vs, p0, p1, hd, acc, scratch);
+        kvc_task_values_quad(probs, L, nq, qf, qe, KVC_V_Q8, vq, vs, NULL, NULL, p0, p1, hd, acc,
+                             scratch);
         return;
     }
     memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
@@ -481,6 +528,16 @@ static void kvc_task_values(const float *probs, ptrdiff_t L, ptrdiff_t nq, const
                                             acc, scratch)
     KVC_BY_HEAD_DIM(hd, KVC_VALUES);
 #undef KVC_VALUES
+}
+
+/* The value pass of one task over 4-bit V rows (docs/kv4.md): kvc_task_values_quad. */
+static void kvc_task_values_v4(const float *probs, ptrdiff_t L, ptrdiff_t nq, const ptrdiff_t *qf,
+                               const ptrdiff_t *qe, const uint8_t *v4, const uint16_t *vp,
+                               ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd, float *acc,
+                               float *scratch)
+{
+    kvc_task_values_quad(probs, L, nq, qf, qe, KVC_V_Q4, NULL, NULL, v4, vp, p0, p1, hd, acc,
+                         scratch);
 }
 
 /* Quantise one row (x / col when col != NULL) in groups of `group` channels:

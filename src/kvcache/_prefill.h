@@ -105,10 +105,34 @@ KVC_INLINE void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks
 }
 
 KVC_INLINE void kvc_pf_load_v(const float *vf, const int8_t *vq, const float *vs,
-                          ptrdiff_t vs_stride, int quant_v, ptrdiff_t t0, ptrdiff_t r0,
+                          ptrdiff_t vs_stride, int quant_v, const uint8_t *vc4,
+                          const uint16_t *vp, ptrdiff_t t0, ptrdiff_t r0,
                           ptrdiff_t r1, ptrdiff_t hd, float *restrict Vp)
 {
     ptrdiff_t p, d;
+    if (quant_v == KVC_V_Q4) {
+        /* 4-bit rows: v = fmaf(code, s_g, m_g), the decode pass's values (_q4.h) */
+        const ptrdiff_t np = 2 * KVC_V4_NG(hd);
+        for (p = r0; p < r1; ++p) {
+            float *dst = Vp + (p - t0) * 16;
+            const uint8_t *c = vc4 + p * (hd / 2);
+            for (d = 0; d < hd; d += KVC_V4_GROUP) {
+                float sg = kvc_f16_to_f32(vp[p * np + 2 * (d / 16)]);
+                float mg = kvc_f16_to_f32(vp[p * np + 2 * (d / 16) + 1]);
+                ptrdiff_t e, e1 = hd - d < KVC_V4_GROUP ? hd : d + KVC_V4_GROUP;
+                for (e = d; e < e1; ++e) {
+                    ptrdiff_t byte;
+                    int shift;
+                    kvc_v4_place(hd, e, &byte, &shift);
+                    dst[(e / 16) * KVC_PF_TILE * 16 + (e % 16)] =
+                        fmaf((float)((c[byte] >> shift) & 15), sg, mg);
+                }
+            }
+            for (d = hd; d < KVC_PF_PAD16(hd); ++d)
+                dst[(d / 16) * KVC_PF_TILE * 16 + (d % 16)] = 0.0f;
+        }
+        return;
+    }
     for (p = r0; p < r1; ++p) {
         float *dst = Vp + (p - t0) * 16;
         float s = quant_v ? vs[p * vs_stride] : 1.0f;
@@ -340,7 +364,8 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
                                  const ptrdiff_t *qe, const float *kf, const int8_t *kq,
                                  const float *ks, ptrdiff_t ks_stride, int quant_k,
                                  const float *vf, const int8_t *vq, const float *vs,
-                                 ptrdiff_t vs_stride, int quant_v, const float *vcol,
+                                 ptrdiff_t vs_stride, int quant_v, const uint8_t *vc4,
+                                 const uint16_t *vp, const float *vcol,
                                  ptrdiff_t hd, float scale, float softcap, float *out,
                                  float *qm, float *ql, float *scratch,
                                  ptrdiff_t group, const int8_t *qi, const float *qsc,
@@ -376,7 +401,7 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
             continue;
         if (!quant_k)
             kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
-        kvc_pf_load_v(vf, vq, vs, vs_stride, quant_v, t0, r0, r1, hd, Vp);
+        kvc_pf_load_v(vf, vq, vs, vs_stride, quant_v, vc4, vp, t0, r0, r1, hd, Vp);
         /* the next tile's rows go to L2 while this one is computed, a few rows per block
          * of queries (a burst of prefetches would stall on the miss buffers) */
         ptrdiff_t pf_next = t1, pf_end = hi < t1 + KVC_PF_TILE ? hi : t1 + KVC_PF_TILE;
@@ -413,7 +438,10 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
                 } else {
                     kvc_pf_prefetch(kf, pf_next, p1, hd * 4);
                 }
-                if (quant_v) {
+                if (quant_v == KVC_V_Q4) {
+                    kvc_pf_prefetch(vc4, pf_next, p1, hd / 2);
+                    kvc_pf_prefetch(vp, pf_next, p1, 4 * KVC_V4_NG(hd));
+                } else if (quant_v) {
                     kvc_pf_prefetch(vq, pf_next, p1, hd);
                     kvc_pf_prefetch(vs, pf_next, p1, vs_stride * 4);
                 } else {
@@ -468,7 +496,7 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
         float lj = ql[j];
         for (d = 0; d < hd; ++d)
             o[d] = src[d] / lj;
-        if (quant_v)
+        if (quant_v == KVC_V_Q8)
             for (d = 0; d < hd; ++d)
                 o[d] = o[d] * vcol[d];
     }
@@ -479,13 +507,15 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
 static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
                         const float *kf, const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
                         int quant_k, const float *vf, const int8_t *vq, const float *vs,
-                        ptrdiff_t vs_stride, int quant_v, const float *vcol, ptrdiff_t hd,
+                        ptrdiff_t vs_stride, int quant_v, const uint8_t *vc4,
+                        const uint16_t *vp, const float *vcol, ptrdiff_t hd,
                         float scale, float softcap, float *out, float *qm, float *ql,
                         float *scratch, ptrdiff_t group, const int8_t *qi,
                         const float *qsc, const int32_t *qsum)
 {
 #define KVC_PF_TASK(HD) kvc_pf_task_impl(q, nq, qf, qe, kf, kq, ks, ks_stride, quant_k, vf, vq, \
-                                         vs, vs_stride, quant_v, vcol, HD, scale, softcap, out, \
+                                         vs, vs_stride, quant_v, vc4, vp, vcol, HD, scale, \
+                                         softcap, out, \
                                          qm, ql, scratch, group, qi, qsc, qsum)
     switch (hd) {
     case 64: KVC_PF_TASK(64); break;

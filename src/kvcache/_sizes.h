@@ -7,9 +7,15 @@
 /* the decode value pass (_kernels.h) */
 #define KVC_VROWS 256 /* rows of one task at most: the chunk size of _core.pyx */
 
-/* Per-thread scratch floats a task needs: the int8 value pass's KVC_VROWS x 4 weights and
- * KVC_VROWS masks (the other passes read the rows in place). */
-#define KVC_SCRATCH_FLOATS(hd) ((void)(hd), 5 * KVC_VROWS)
+/* Per-thread scratch floats a task needs: the int8 and 4-bit value passes' KVC_VROWS x 4
+ * weights and KVC_VROWS masks, and the 4-bit pass's parameters of KVC_VROWS rows (two per
+ * 16 channels; the other passes read the rows in place). */
+#define KVC_SCRATCH_FLOATS(hd) (5 * KVC_VROWS + KVC_VROWS * 2 * (((hd) + 15) / 16))
+
+/* the V kinds a kvc_store's quant_v holds: float32, int8, 4-bit */
+#define KVC_V_F32 0
+#define KVC_V_Q8 1
+#define KVC_V_Q4 2
 
 /* q8 scoring (_kernels.h) */
 #define KVC_I8_PAD(hd) (((hd) + 31) / 32 * 32) /* int8 codes per quantised query */

@@ -12,7 +12,8 @@ Storage (as the layer keeps it: head-major, ``cap`` rows per head of which the f
   ``ks`` (G, cap, ceil(D / group)), the group of the mode's scheme
   (:func:`kvcache.quant.k_group`: 16 "rows", 32 "cmf"); the other pair is None;
 * V: float32 rows ``vf`` (G, cap, D), or int8 rows ``vq`` (G, cap, D) with scales
-  ``vs`` (G, cap, 1);
+  ``vs`` (G, cap, 1), or 4-bit rows ``vc`` (G, cap, D / 2) uint8 with their float16 steps
+  and minimums ``vp`` (G, cap, 2 * ceil(D / 16)) as uint16 bits (docs/kv4.md);
 * the column fields ``kcol``/``vcol`` (G, D), rows of ones where ``kcol_on``/``vcol_on``
   (G,) uint8 is 0 (always 0 unless the mode's int8 scheme is "cmf");
 * ``importance`` (n,) float32 for the first n <= seq_len positions;
@@ -47,6 +48,7 @@ O1State = Union[O1Collecting, O1Sealed, None]
 F32 = np.dtype(np.float32)
 I8 = np.dtype(np.int8)
 U8 = np.dtype(np.uint8)
+U16 = np.dtype(np.uint16)
 INTP = np.dtype(np.intp)
 
 
@@ -74,13 +76,15 @@ class LayerState:
     linear_scratch: Optional[npt.NDArray[np.float32]]
     o1: O1State
     owned: bool = False
+    vc: Optional[npt.NDArray[np.uint8]] = None
+    vp: Optional[npt.NDArray[np.uint16]] = None
 
     # ---------------------------------------------------------------- derived
     def stores(self) -> dict[str, npt.NDArray[Any]]:
         """The (G, cap, width) row stores this mode uses, by name (``kf`` or ``kq``, ``ks``;
         ``vf`` or ``vq``, ``vs``), in that order."""
         names: tuple[str, ...] = ("kq", "ks") if self.mode.quant_k else ("kf",)
-        names += ("vq", "vs") if self.mode.quant_v else ("vf",)
+        names += ("vq", "vs") if self.mode.quant_v else ("vc", "vp") if self.mode.v4 else ("vf",)
         out: dict[str, npt.NDArray[Any]] = {}
         for name in names:
             arr = getattr(self, name)
@@ -119,9 +123,12 @@ class LayerState:
             raise ValueError(f"state.lengths: expected 0 <= lengths <= seq_len={seq_len}, got "
                              f"{self.lengths.tolist()}")
         ngk = quant.k_scale_count(hd, self.mode.scheme) if self.mode.quant_k else 0
+        if self.mode.v4:
+            quant.check_v4_head_dim(hd)
         widths: dict[str, tuple[int, np.dtype[Any]]] = {
             "kf": (hd, F32), "kq": (hd, I8), "ks": (ngk, F32),
-            "vf": (hd, F32), "vq": (hd, I8), "vs": (1, F32)}
+            "vf": (hd, F32), "vq": (hd, I8), "vs": (1, F32),
+            "vc": (hd // 2, U8), "vp": (2 * quant.n_groups(hd, quant.V4_GROUP), U16)}
         stores = self.stores()
         for name in widths:
             if name not in stores and getattr(self, name) is not None:
@@ -141,8 +148,8 @@ class LayerState:
             if (on > 1).any():
                 raise ValueError(f"state.{name}_on: expected 0 or 1 per head")
             if on.any() and not quantised:
-                raise ValueError(f"state.{name}_on: frozen columns on a component stored as "
-                                 f"float32")
+                raise ValueError(f"state.{name}_on: frozen columns on a component not stored "
+                                 f"as int8")
             if on.any() and not self.mode.freezes_columns:
                 raise ValueError(f"state.{name}_on: frozen columns in int8 scheme "
                                  f"{self.mode.scheme!r}, which never freezes one")
@@ -187,7 +194,7 @@ class LayerState:
 def scheme_conflict(have: KvMode, got: KvMode) -> Optional[str]:
     """Why a layer in mode ``have`` cannot take a state in mode ``got`` (both store int8 rows,
     in different schemes), or None when it can."""
-    if have.is_f32 or got.is_f32 or have.scheme == got.scheme:
+    if not have.scheme or not got.scheme or have.scheme == got.scheme:
         return None
     return (f"int8 scheme {got.scheme!r} ({got!r}), this layer stores int8 rows in scheme "
             f"{have.scheme!r} ({have!r}); a layer keeps its scheme (use a layer made in "

@@ -3,6 +3,8 @@
 A layer holds two stores, one for K and one for V, each of one storage kind:
 
 * :class:`F32Rows` -- float32 rows ``f`` (nkv, cap, hd);
+* :class:`V4Rows` -- 4-bit V rows ``c`` (nkv, cap, hd / 2) and their float16 parameters ``p``
+  (docs/kv4.md);
 * :class:`Q8Rows` -- int8 rows ``q`` (nkv, cap, hd) and float32 scales ``s`` (nkv, cap, ng),
   ``ng = ceil(hd / group)``: K in groups of 16 channels (scheme "rows") or 32 ("cmf"), V one
   scale per row (group = hd).  In the scheme "cmf" the store also freezes its column field
@@ -35,11 +37,12 @@ from . import _core, quant
 from ._state import LayerState
 from .modes import KvMode
 
-__all__ = ["F32Rows", "Q8Rows", "RowStore", "from_state", "stores_for"]
+__all__ = ["F32Rows", "Q8Rows", "RowStore", "V4Rows", "from_state", "stores_for"]
 
 F32 = npt.NDArray[np.float32]
 I8 = npt.NDArray[np.int8]
 U8 = npt.NDArray[np.uint8]
+U16 = npt.NDArray[np.uint16]
 IP = npt.NDArray[np.intp]
 S = TypeVar("S", bound="RowStore")
 
@@ -115,6 +118,10 @@ class RowStore:
         where this kind stores none (:class:`kvcache._entry.Rows`)."""
         raise NotImplementedError
 
+    def packed(self) -> tuple[Optional[U8], Optional[U16]]:
+        """The 4-bit arrays (codes, float16 parameters as uint16), or (None, None)."""
+        return None, None
+
 
 class F32Rows(RowStore):
     """float32 rows ``f`` (nkv, cap, hd)."""
@@ -172,6 +179,35 @@ class Q8Rows(RowStore):
         return None, self.q, self.s
 
 
+class V4Rows(RowStore):
+    """4-bit V rows (docs/kv4.md): codes ``c`` (nkv, cap, hd / 2) uint8, two per byte, and
+    per 16 channels a float16 step and minimum in ``p`` (nkv, cap, 2 * ceil(hd / 16)), kept as
+    their uint16 bits.  A row's bytes depend only on its own values."""
+
+    quantised = True
+    _names = ("c", "p")
+
+    def __init__(self, nkv: int, hd: int, row_bytes: int) -> None:
+        quant.check_v4_head_dim(hd)
+        super().__init__(nkv, hd, row_bytes)
+        self.c: U8 = np.zeros((nkv, 0, hd // 2), dtype=np.uint8)
+        self.p: U16 = np.zeros((nkv, 0, 2 * quant.n_groups(hd, quant.V4_GROUP)),
+                               dtype=np.uint16)
+
+    def write(self, x3: F32, live: U8, lengths: IP) -> None:
+        _core.store_rows_v4(x__nhd=x3, alive__h=live, head_len__h=lengths, c__hcb=self.c,
+                            p__hcp=self.p)
+
+    def frozen_col(self) -> Optional[F32]:
+        return None
+
+    def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
+        return None, None, None
+
+    def packed(self) -> tuple[Optional[U8], Optional[U16]]:
+        return self.c, self.p
+
+
 def _store(c: str, mode: KvMode, nkv: int, hd: int) -> RowStore:
     """An empty store of component ``c`` ("k" or "v") in ``mode``."""
     if c == "k" and mode.quant_k:
@@ -179,6 +215,8 @@ def _store(c: str, mode: KvMode, nkv: int, hd: int) -> RowStore:
                       quant.k_group(mode.scheme), mode.freezes_columns)
     if c == "v" and mode.quant_v:
         return Q8Rows(nkv, hd, quant.v_row_bytes(hd), hd, mode.freezes_columns)
+    if c == "v" and mode.v4:
+        return V4Rows(nkv, hd, quant.v4_row_bytes(hd))
     return F32Rows(nkv, hd, quant.v_row_bytes(hd, False))
 
 

@@ -184,6 +184,13 @@ KVC_INLINE kvc_f8 kvc_f8_from_s8(const int8_t *p)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+/* The low (shift 0) or high (shift 4) nibbles of the 8 bytes at p, as floats 0..15. */
+KVC_INLINE kvc_f8 kvc_f8_from_u4(const uint8_t *p, int shift)
+{
+    __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(15)));
+}
+
 KVC_INLINE float kvc_f8_fold(kvc_f8 a)
 {
     __m256 h = _mm256_hadd_ps(a, a);
@@ -278,6 +285,13 @@ KVC_INLINE kvc_f8 kvc_f8_from_s8(const int8_t *p)
     kvc_f8 r = { { vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))) } };
     return r;
 }
+KVC_INLINE kvc_f8 kvc_f8_from_u4(const uint8_t *p, int shift)
+{
+    uint8x8_t b = vld1_u8(p);
+    uint16x8_t w = vmovl_u8(shift ? vshr_n_u8(b, 4) : vand_u8(b, vdup_n_u8(15)));
+    kvc_f8 r = { { vcvtq_f32_u32(vmovl_u16(vget_low_u16(w))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(w))) } };
+    return r;
+}
 #undef KVC_N2
 
 /* vpaddq_f32(x, y) = {x0+x1, x2+x3, y0+y1, y2+y3}: the fold's pairs exactly */
@@ -346,6 +360,7 @@ KVC_INLINE kvc_i8x kvc_i8x_set1(int32_t x) KVC_P8(kvc_i8x, x)
 KVC_INLINE kvc_i8x kvc_i8x_add(kvc_i8x a, kvc_i8x b) KVC_P8(kvc_i8x, a.v[l_] + b.v[l_])
 KVC_INLINE kvc_i8x kvc_i8x_sub(kvc_i8x a, kvc_i8x b) KVC_P8(kvc_i8x, a.v[l_] - b.v[l_])
 KVC_INLINE kvc_f8 kvc_f8_from_s8(const int8_t *p) KVC_P8(kvc_f8, (float)p[l_])
+KVC_INLINE kvc_f8 kvc_f8_from_u4(const uint8_t *p, int shift) KVC_P8(kvc_f8, (float)((p[l_] >> shift) & 15))
 #undef KVC_P8
 
 KVC_INLINE float kvc_f8_fold(kvc_f8 a) { return kvc_hsum8(a.v); }

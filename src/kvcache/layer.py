@@ -390,6 +390,22 @@ class LayerKvCache:
         return (None if k is None else readonly(k[0]), None if k is None else readonly(k[1]),
                 None if v is None else readonly(v[0]), None if v is None else readonly(v[1][:, 0]))
 
+    def v4_rows(self, h: int) -> tuple[Optional[npt.NDArray[np.uint8]],
+                                       Optional[npt.NDArray[np.float16]]]:
+        """Read-only views of head h's 4-bit V rows (docs/kv4.md): (codes, params), or
+        (None, None) when V is not 4-bit.
+
+        codes (head_len, head_dim / 2) uint8, two channels per byte in the layout of
+        docs/kv4.md; params (head_len, 2 * ceil(head_dim / 16)) float16, the step then the
+        minimum of each group of 16 channels: channel d's value is
+        ``fmaf(code_d, params[2 * (d // 16)], params[2 * (d // 16) + 1])``."""
+        h = as_index("kv_head", h, self._nkv)
+        n = int(self._len[h])
+        c, p = self._v.packed()
+        if c is None or p is None:
+            return None, None
+        return readonly(c[h, :n]), readonly(p[h, :n].view(np.float16))
+
     def columns(self, h: int) -> tuple[Optional[F32], Optional[F32]]:
         """Frozen column fields of head h: (kcol, vcol), each a read-only (head_dim,) view or None."""
         h = as_index("kv_head", h, self._nkv)
@@ -423,11 +439,12 @@ class LayerKvCache:
         stores none)."""
         kf, kq, ks = self._k.parts()
         vf, vq, vs = self._v.parts()
+        vc, vp = self._v.packed()
         ef, eq = self._empty_f, self._empty_q
         return Rows(ef if kf is None else kf, eq if kq is None else kq,
                     self._empty_ks if ks is None else ks, ef if vf is None else vf,
                     eq if vq is None else vq, self._empty_s if vs is None else vs, self._v.col,
-                    self._len, self._k.quantised, self._v.quantised)
+                    self._len, self._k.quantised, self._mode.quant_v, 0, vc, vp, vc is not None)
 
     def _bound_rows(self, kernels: ModuleType) -> RowsBinding:
         """The stored rows bound by ``kernels.bind_rows``: checked once and kept while the
@@ -718,6 +735,7 @@ class LayerKvCache:
         layer changes again."""
         kf, kq, ks = self._k.parts()
         vf, vq, vs = self._v.parts()
+        vc, vp = self._v.packed()
         return LayerState(
             mode=self._mode, num_kv_heads=self._nkv, head_dim=self._hd, seq_len=self._seq_len,
             lengths=readonly(self._len), kf=_readonly(kf), kq=_readonly(kq), ks=_readonly(ks),
@@ -726,7 +744,8 @@ class LayerKvCache:
             kcol_on=readonly(self._k.col_on), vcol_on=readonly(self._v.col_on),
             importance=readonly(self._imp[: self._imp_len]),
             linear_state=readonly(self._linear_state),
-            linear_scratch=readonly(self._linear_scratch), o1=self._o1)
+            linear_scratch=readonly(self._linear_scratch), o1=self._o1, vc=_readonly(vc),
+            vp=_readonly(vp))
 
     def _install_state(self, state: LayerState, any_scheme: bool = False) -> None:
         """Replace everything the layer holds with ``state``, atomically.

@@ -42,7 +42,8 @@ import numpy.typing as npt
 
 __all__ = ["COL_WARMUP", "K_GROUPS", "k_group", "COL_FLOOR", "CHUNK_ROWS",
            "COPY_CHUNK_BYTES", "n_groups", "k_scale_count", "k_row_bytes", "v_row_bytes",
-           "q8_row_bytes", "dequantize", "column_field", "freeze_columns"]
+           "q8_row_bytes", "v4_row_bytes", "check_v4_head_dim", "V4_GROUP", "dequantize",
+           "column_field", "freeze_columns"]
 
 COL_WARMUP = 64
 K_GROUPS: dict[str, int] = {"rows": 16, "cmf": 32}
@@ -50,6 +51,10 @@ K_GROUPS: dict[str, int] = {"rows": 16, "cmf": 32}
 COL_FLOOR = np.float32(1e-6)
 CHUNK_ROWS = 256                 # rows per V-accumulation chunk of the attention kernels
 COPY_CHUNK_BYTES = 256 << 10     # bytes copied, then hashed while still in L2, per step
+
+
+V4_GROUP = 16
+"""Channels per (step, minimum) pair of a 4-bit V row."""
 
 
 def n_groups(head_dim: int, group: int) -> int:
@@ -83,6 +88,19 @@ def k_row_bytes(head_dim: int, q8: bool = True, *, scheme: str) -> int:
 def v_row_bytes(head_dim: int, q8: bool = True) -> int:
     """Bytes of one stored V row: int8 values and one scale, or float32 values."""
     return head_dim + 4 if q8 else 4 * head_dim
+
+
+def v4_row_bytes(head_dim: int) -> int:
+    """Bytes of one stored 4-bit V row (docs/kv4.md): head_dim / 2 bytes of codes and a
+    float16 step and minimum per 16 channels."""
+    return head_dim // 2 + 4 * n_groups(head_dim, V4_GROUP)
+
+
+def check_v4_head_dim(head_dim: int) -> None:
+    """ValueError unless 4-bit V can store rows of ``head_dim`` channels (a multiple of 8)."""
+    if head_dim % 8:
+        raise ValueError(f"4-bit V needs head_dim to be a multiple of 8, got head_dim="
+                         f"{head_dim}")
 
 
 def q8_row_bytes(head_dim: int, scheme: str) -> int:

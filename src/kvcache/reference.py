@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from .static import StaticKvCache
 
 __all__ = ["CHUNK_ROWS", "openmp_built", "max_threads", "round_half_away", "quantize_rows",
-           "store_rows_f32", "store_rows_q8", "stream_read", "fmaf", "k_group_of", "quantize_query",
+           "store_rows_f32", "store_rows_q8", "store_rows_v4", "quantize_v4", "dequantize_v4",
+           "stream_read", "fmaf", "k_group_of", "quantize_query",
            "q8_scores", "visible_range", "bind_rows", "attend_rows", "attend_blocked", "bind_o1",
            "attend_all_heads", "attend", "attend_group", "o1_seal", "o1_step_layer",
            "static_attend", "o1_absorb", "o1_step", "nystrom_stream", "nystrom_matrix",
@@ -51,6 +52,7 @@ F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
 I8 = npt.NDArray[np.int8]
 U8 = npt.NDArray[np.uint8]
+U16 = npt.NDArray[np.uint16]
 IP = npt.NDArray[np.intp]
 # The O(1) twins compute in the dtype of their state arrays: float32 (the kernel's twin) or
 # float64 (the streaming reference).
@@ -181,6 +183,66 @@ def store_rows_q8(x__nhd: F32, alive__h: U8, head_len__h: IP, col__hd: F32, col_
                           group, q__hcd[h, L:L + n], s__hcg[h, L:L + n])
 
 
+def _v4_order(hd: int) -> npt.NDArray[np.intp]:
+    """The channel order of a 4-bit row's nibbles (``_q4.h``): entry 2 * b is the channel in
+    byte b's low nibble, 2 * b + 1 the one in its high nibble."""
+    order = np.zeros(hd, dtype=np.intp)
+    for c0 in range(0, hd, 32):
+        n = min(32, hd - c0)
+        for i in range(n // 2):
+            order[c0 + 2 * i] = c0 + i
+            order[c0 + 2 * i + 1] = c0 + n // 2 + i
+    return order
+
+
+def quantize_v4(x__nd: F32, c__nb: U8, p__np: U16) -> None:
+    """Twin of ``_core.quantize_v4``, bit for bit (docs/kv4.md): per group of 16 channels
+    m = float16(min), s = float16((max - min) / 15), codes floor((x - m) / s + 0.5) clamped to
+    0..15 (0 when s is 0); a group with a non-finite value, m or s is stored as NaN, codes 0."""
+    x = np.asarray(x__nd, dtype=_F32)
+    n, hd = x.shape
+    codes = np.zeros((n, hd), dtype=np.uint8)
+    par = np.zeros((n, 2 * -(-hd // 16)), dtype=np.float16)
+    for g, d0 in enumerate(range(0, hd, 16)):
+        xg = x[:, d0:d0 + 16]                                            # (n, glen)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            lo = xg.min(axis=1)
+            step = ((xg.max(axis=1) - lo) / _F32(15)).astype(_F32)
+            m16, s16 = lo.astype(np.float16), step.astype(np.float16)
+            bad = ~np.isfinite(xg).all(axis=1) | ~np.isfinite(m16) | ~np.isfinite(s16)
+            m, sc = m16.astype(_F32), s16.astype(_F32)
+            t = np.floor((xg - m[:, None]) / sc[:, None] + _F32(0.5))
+        t = np.where((sc > 0)[:, None] & ~bad[:, None], np.nan_to_num(t), 0)
+        codes[:, d0:d0 + 16] = np.clip(t, 0, 15).astype(np.uint8)
+        par[:, 2 * g] = np.where(bad, np.float16(np.nan), s16)
+        par[:, 2 * g + 1] = np.where(bad, np.float16(np.nan), m16)
+    packed = codes[:, _v4_order(hd)].reshape(n, hd // 2, 2)
+    c__nb[:] = packed[:, :, 0] | (packed[:, :, 1] << 4)
+    p__np[:] = par.view(np.uint16)
+
+
+def dequantize_v4(c__nb: U8, p__np: U16, hd: int) -> F32:
+    """The float32 values of 4-bit rows (n, hd): fmaf(code, s, m) per channel, as the kernels
+    read them."""
+    c = np.asarray(c__nb, dtype=np.uint8)
+    n = c.shape[0]
+    nib = np.stack([c & 15, c >> 4], axis=-1).reshape(n, hd)            # in nibble order
+    codes = np.empty((n, hd), dtype=_F32)
+    codes[:, _v4_order(hd)] = nib
+    par = np.asarray(p__np, dtype=np.uint16).view(np.float16).astype(_F32)
+    g = np.arange(hd) // 16
+    return fmaf(codes, par[:, 2 * g], par[:, 2 * g + 1])
+
+
+def store_rows_v4(x__nhd: F32, alive__h: U8, head_len__h: IP, c__hcb: U8, p__hcp: U16) -> None:
+    """Quantise x[i, h] to 4 bits into c/p at row head_len[h] + i of alive heads."""
+    n = x__nhd.shape[0]
+    for h in range(x__nhd.shape[1]):
+        if alive__h[h]:
+            L = head_len__h[h]
+            quantize_v4(np.ascontiguousarray(x__nhd[:, h]), c__hcb[h, L:L + n], p__hcp[h, L:L + n])
+
+
 def stream_read(buf: F32, n_threads: int = 1) -> float:
     """Sum of a buffer (the read-bandwidth probe), NumPy's single-threaded sum."""
     return float(np.sum(buf, dtype=np.float64))
@@ -206,6 +268,8 @@ def attend_rows(rows: Rows, call: AttendCall) -> None:
     descriptors, trusted (the compiled entry checks them)."""
     kf__hcd, kq__hcd, ks__hcg, vf__hcd, vq__hcd, vs__hc1, vcol__hd, head_len__h = rows[:8]
     quant_k, quant_v, k_group = rows.quant_k, rows.quant_v, rows.k_group
+    hd_ = call.q.shape[1]
+    vc4, vp = (rows.vc4, rows.vp) if rows.v4 else (None, None)
     q__jd, group_q0, out__jd, imp__l = call.q, call.group_q0, call.out, call.imp
     probs__jl = call.probs
     n_pos, n_back, window, first, imp_mode = (call.n_pos, call.n_back, call.window, call.first,
@@ -251,9 +315,12 @@ def attend_rows(rows: Rows, call: AttendCall) -> None:
             probs__jl[j, f:e] = p
             w = p * vs__hc1[g, f:e, 0] if quant_v else p               # (r,)
             keep = ~(np.abs(w) < 1e-12)                                # skip rule; NaN kept
-            rows = vq__hcd[g, f:e][keep].astype(_F32) if quant_v else vf__hcd[g, f:e][keep]
+            if vc4 is not None and vp is not None:
+                vrows = dequantize_v4(vc4[g, f:e][keep], vp[g, f:e][keep], hd_)
+            else:
+                vrows = vq__hcd[g, f:e][keep].astype(_F32) if quant_v else vf__hcd[g, f:e][keep]
             with np.errstate(invalid="ignore", over="ignore"):
-                o = (w[keep] @ rows).astype(_F32)                      # (hd,)
+                o = (w[keep] @ vrows).astype(_F32)                      # (hd,)
             if quant_v:
                 o = o * vcol__hd[g]
             out__jd[j] = o
@@ -290,8 +357,12 @@ def attend_blocked(rows: Rows, call: AttendCall) -> None:
         per = cnt // n_pos
         stored = int(head_len__h[g])
         keys = None if quant_k else kf__hcd[g, :stored]                        # (T, hd)
-        vals = (vq__hcd[g, :stored].astype(_F32) * vs__hc1[g, :stored, :1] if quant_v
-                else vf__hcd[g, :stored])                                      # (T, hd)
+        if rows.v4 and rows.vc4 is not None and rows.vp is not None:
+            vals = dequantize_v4(rows.vc4[g, :stored], rows.vp[g, :stored],
+                                 q__jd.shape[1])                               # (T, hd)
+        else:
+            vals = (vq__hcd[g, :stored].astype(_F32) * vs__hc1[g, :stored, :1] if quant_v
+                    else vf__hcd[g, :stored])                                  # (T, hd)
         for jl in range(cnt):
             j = int(group_q0[g]) + jl
             f, e = visible_range(stored, n_back, jl // per, window, first, stored)

@@ -64,7 +64,8 @@ is set, in which case the float K/V rows (only those) are binary16.
 Layer body (kind 1; also each layer of a model body)::
 
     u32 num_kv_heads G, u32 head_dim D
-    u8  quant_k, u8 quant_v          (1: that component is stored as int8)
+    u8  quant_k, u8 quant_v          (1: that component is stored as int8; quant_v 2: V is
+                                      4-bit, version 3 only)
     u8  o1 state                     (0 none, 1 collecting, 2 sealed)
     u8  f16                          (1: float K/V rows are binary16)
     u8  scheme                       (int8 scheme: 0 none (F32), 1 "rows", 2 "cmf")
@@ -82,6 +83,9 @@ Layer body (kind 1; also each layer of a model body)::
                               (g: the K group of the scheme, 16 "rows", 32 "cmf")
                 values float: f32|f16 x head_len*D, pad8
                        int8:  i8 x head_len*D, pad8, f32 x head_len scales, pad8
+                       4-bit: u8 x head_len*D/2 codes, pad8, u16 x head_len*2*ceil(D/16)
+                              float16 steps and minimums (as their bits), pad8
+                              (docs/kv4.md; D a multiple of 8)
     o1 collecting:  u32 m, u32 w, u32 sink, u32 rect (0 aggregate, 1 fm), u64 trace floats T,
                     f32 x T trace, pad8 (only with the seal's default keep=0 and ridge; a
                     layer collecting with other values is refused: seal it first)
@@ -95,17 +99,19 @@ Layer body (kind 1; also each layer of a model body)::
 Model body (kind 2)::
 
     u32 n_layers, u32 num_kv_heads, u32 head_dim
-    u8  quant_k, u8 quant_v          (the KvCache's mode for new layers)
+    u8  quant_k, u8 quant_v          (the KvCache's mode for new layers; quant_v as in a layer)
     u8  policy (0 recent, 1 born), u8 scheme (as in a layer body)
     u64 policy sink (kept for both kinds), u64 max_seq_len
     per layer: u64 body length, then the layer body (its length is a multiple of 8)
 
-Versions.  Version 2 records the int8 scheme (:attr:`KvMode.scheme`) in the scheme bytes
+Versions.  Version 3 (written since 4-bit V exists) is version 2 with one more value of the
+quant_v bytes: 2, 4-bit V rows, stored as above.  Version 2 records the int8 scheme (:attr:`KvMode.scheme`) in the scheme bytes
 above; a layer without an int8 component writes 0 there, one with int8 rows 1 ("rows") or 2
 ("cmf"), and any other combination is refused.  Version 1 (kvcache before the scheme existed)
 had zeros in those bytes (a u32 reserved field in the layer body, a u8 reserved field in the
 model body) and knew only the column-freeze scheme: a reader takes a version-1 buffer as it
-was written, its int8 rows in scheme "cmf".  A writer always writes version 2.  The scheme
+was written, its int8 rows in scheme "cmf".  A writer always writes version 3; version 2 and
+1 buffers are still read (they cannot hold 4-bit rows).  The scheme
 byte also decides how many K scales a stored int8 row has (``ceil(D / 16)`` for "rows",
 ``ceil(D / 32)`` for "cmf" and every version-1 buffer).
 
@@ -145,8 +151,8 @@ __all__ = ["WireError", "MAGIC", "VERSION", "READ_VERSIONS", "KIND_LAYER", "KIND
            "default_algorithm", "digest", "BufferLike", "Fingerprint"]
 
 MAGIC = b"\x89KVCACHE"
-VERSION = 2
-READ_VERSIONS = (1, 2)           # versions a reader takes (module docstring, "Versions")
+VERSION = 3
+READ_VERSIONS = (1, 2, 3)           # versions a reader takes (module docstring, "Versions")
 KIND_LAYER = 1
 KIND_MODEL = 2
 ALG_XXH3 = 1
@@ -162,6 +168,8 @@ _ALLOC_SLACK = 16 << 20          # many times its own size (plus this), e.g. thr
 _F32 = np.dtype("<f4")
 _F16 = np.dtype("<f2")
 _I8 = np.dtype("i1")
+_U8 = np.dtype("u1")
+_U16 = np.dtype("<u2")
 
 
 BufferLike = Union[bytes, bytearray, memoryview, npt.NDArray[Any]]
@@ -538,7 +546,7 @@ def state_plan(st: LayerState, f16: bool = False) -> _Plan:
     lens = st.lengths
     scratch = st.linear_scratch if st.linear_scratch is not None else np.zeros(0, np.float32)
     plan = _Plan()
-    plan.pack("IIBBBBBBH", nkv, hd, int(mode.quant_k), int(mode.quant_v), o1_kind, int(f16),
+    plan.pack("IIBBBBBBH", nkv, hd, int(mode.quant_k), v_code(mode), o1_kind, int(f16),
               scheme_code(mode), 0, 0)
     plan.pack("QQQQ", st.seq_len, st.importance.size, st.linear_state.size, scratch.size)
     plan.pack(f"{nkv}Q", *[int(x) for x in lens])
@@ -561,6 +569,9 @@ def state_plan(st: LayerState, f16: bool = False) -> _Plan:
         if mode.quant_v:
             plan.array(stores["vq"][h, :n], _I8)
             plan.array(stores["vs"][h, :n, 0], _F32)
+        elif mode.v4:
+            plan.array(stores["vc"][h, :n], _U8)
+            plan.array(stores["vp"][h, :n], _U16)
         else:
             plan.array(stores["vf"][h, :n], rows_dtype)
     if isinstance(o1, O1Collecting):
@@ -593,14 +604,28 @@ _SCHEME_NAMES = {code: name for name, code in SCHEME_CODES.items()}
 
 
 def scheme_code(mode: KvMode) -> int:
-    """The scheme byte a version-2 body writes for ``mode``."""
+    """The scheme byte a version-2 or -3 body writes for ``mode``."""
     return SCHEME_CODES[mode.scheme]
+
+
+def v_code(mode: KvMode) -> int:
+    """The quant_v byte a body writes for ``mode``: 0 float32, 1 int8, 2 4-bit (version 3)."""
+    return 2 if mode.v4 else int(mode.quant_v)
 
 
 def _mode(qk: int, qv: int, code: int, version: int) -> KvMode:
     """The KvMode of a body's quant_k / quant_v flags and scheme byte (``code``; always 0 in
     version 1, whose int8 rows are in scheme "cmf"); WireError for a scheme byte that does not
-    fit the flags."""
+    fit the flags.  ``qv`` 2 (4-bit V, version 3 only) was checked by the caller."""
+    if qv == 2:
+        name = _SCHEME_NAMES.get(code)
+        if name is None or bool(name) != bool(qk):
+            raise WireError(f"invalid int8 scheme byte {code} for quant_k={qk} quant_v={qv} "
+                            f"(expected {'1 (rows) or 2 (cmf)' if qk else '0'})")
+        try:
+            return KvMode.of(8 if qk else 32, 4, name or "rows")
+        except ValueError as exc:
+            raise WireError(str(exc)) from None
     quantised = bool(qk or qv)
     if version == 1:
         if code:
@@ -638,10 +663,15 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
                         f"(num_kv_heads×head_dim), this layer is {num_kv_heads}×{head_dim}")
     if nkv < 1 or hd < 1 or nkv > 1 << 20 or hd > 1 << 20:
         raise WireError(f"impossible geometry num_kv_heads={nkv}, head_dim={hd}")
-    if qk > 1 or qv > 1 or o1_kind > 2 or f16 > 1 or reserved:
+    max_qv = 2 if rd.version >= 3 else 1
+    if qk > 1 or qv > max_qv or o1_kind > 2 or f16 > 1 or reserved:
         raise WireError(f"invalid layer flags quant_k={qk} quant_v={qv} o1={o1_kind} f16={f16} "
                         f"reserved={reserved}")
+    if qv == 2 and hd % 8:
+        raise WireError(f"4-bit values need head_dim to be a multiple of 8, got {hd}")
     mode = _mode(qk, qv, code, rd.version)
+    v4 = mode.v4
+    nvp = 2 * quant.n_groups(hd, quant.V4_GROUP)
     budget = _ALLOC_FACTOR * (rd.end - rd.pos) + _ALLOC_SLACK
     seq_len, imp_len, n_lin, n_scr = rd.unpack("QQQQ", "layer lengths")
     if seq_len > MAX_POSITIONS:
@@ -654,8 +684,8 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     kcol_on, vcol_on = cols[:nkv].copy(), cols[nkv:].copy()
     if (cols > 1).any():
         raise WireError("invalid column flags (expected 0 or 1)")
-    if (kcol_on.any() and not qk) or (vcol_on.any() and not qv):
-        raise WireError("frozen columns on a component stored as float32")
+    if (kcol_on.any() and not qk) or (vcol_on.any() and qv != 1):
+        raise WireError("frozen columns on a component not stored as int8")
     if cols.any() and not mode.freezes_columns:
         raise WireError(f"frozen columns in int8 scheme {mode.scheme!r}, which never freezes one")
     if o1_kind == 2:
@@ -678,24 +708,32 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     need = 0
     for n in (int(x) for x in lens):
         need += _rows_bytes(n, hd, bool(qk), 4 * ngk, rows_dtype.itemsize)
-        need += _rows_bytes(n, hd, bool(qv), 4, rows_dtype.itemsize)
+        if v4:
+            need += n * hd // 2 + _pad(n * hd // 2) + 2 * n * nvp + _pad(2 * n * nvp)
+        else:
+            need += _rows_bytes(n, hd, bool(qv), 4, rows_dtype.itemsize)
     if need > rd.end - rd.pos:
         raise WireError(f"{rd.what}: truncated: the head lengths {lens.tolist()} need {need} bytes "
                         f"of rows, {rd.end - rd.pos} left")
     cap = int(lens.max(initial=0))
     store_bytes = nkv * cap * (quant.k_row_bytes(hd, bool(qk), scheme=mode.scheme)
-                               + quant.v_row_bytes(hd, bool(qv)))
+                               + (quant.v4_row_bytes(hd) if v4 else quant.v_row_bytes(hd, bool(qv))))
     if store_bytes > budget:
         raise WireError(f"{rd.what}: {nkv} heads of up to {cap} rows would need {store_bytes} bytes "
                         f"of storage, more than {_ALLOC_FACTOR}x the buffer; refused")
     kf = vf = ks = vs = None
     kq = vq = None
+    vc: Optional[npt.NDArray[np.uint8]] = None
+    vp: Optional[npt.NDArray[np.uint16]] = None
     if qk:
         kq = np.zeros((nkv, cap, hd), np.int8)
         ks = np.zeros((nkv, cap, ngk), np.float32)
     else:
         kf = np.zeros((nkv, cap, hd), np.float32)
-    if qv:
+    if v4:
+        vc = np.zeros((nkv, cap, hd // 2), np.uint8)
+        vp = np.zeros((nkv, cap, nvp), np.uint16)
+    elif qv:
         vq = np.zeros((nkv, cap, hd), np.int8)
         vs = np.zeros((nkv, cap, 1), np.float32)
     else:
@@ -710,6 +748,9 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
         if vq is not None and vs is not None:
             vq[h, :n] = rd.array(_I8, n * hd, f"head {h} int8 values").reshape(n, hd)
             vs[h, :n, 0] = rd.array(_F32, n, f"head {h} value scales")
+        elif vc is not None and vp is not None:
+            vc[h, :n] = rd.array(_U8, n * hd // 2, f"head {h} 4-bit values").reshape(n, hd // 2)
+            vp[h, :n] = rd.array(_U16, n * nvp, f"head {h} value parameters").reshape(n, nvp)
         elif vf is not None:
             vf[h, :n] = rd.array(rows_dtype, n * hd, f"head {h} values").reshape(n, hd)
     o1: Union[O1Collecting, O1Sealed, None] = None
@@ -724,7 +765,7 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     return LayerState(mode=mode, num_kv_heads=nkv, head_dim=hd, seq_len=int(seq_len),
                       lengths=lens, kf=kf, kq=kq, ks=ks, vf=vf, vq=vq, vs=vs, kcol=kcol,
                       vcol=vcol, kcol_on=kcol_on, vcol_on=vcol_on, importance=imp,
-                      linear_state=lin, linear_scratch=scr, o1=o1, owned=True)
+                      linear_state=lin, linear_scratch=scr, o1=o1, owned=True, vc=vc, vp=vp)
 
 
 def _parse_sealed(rd: _Reader, nkv: int, hd: int, seq_len: int, budget: int) -> O1Sealed:
@@ -772,9 +813,11 @@ def export_wire(layer: LayerKvCache, f16: bool = False) -> bytes:
     cannot describe."""
     st = layer._export_state()
     if not st.mode.is_f32:
+        what = ", ".join(([f"int8 scheme {st.mode.scheme!r}"] if st.mode.scheme else [])
+                         + (["4-bit values"] if st.mode.v4 else []))
         raise WireError(f"export_wire: the legacy layout describes F32 caches only; this layer is "
-                        f"{st.mode!r}, int8 scheme {st.mode.scheme!r} (use to_bytes, which "
-                        f"carries int8 storage in either scheme)")
+                        f"{st.mode!r}, {what} (use to_bytes, which carries int8 storage in either "
+                        f"scheme and 4-bit storage)")
     if st.o1 is not None:
         raise WireError("export_wire: a Nyström overlay (O(1) state) is not part of this format "
                         "(use to_bytes)")
@@ -895,7 +938,7 @@ def model_plan(model: KvCache, f16: bool = False) -> _Plan:
             raise WireError(f"save: layer {i} is {layer.num_kv_heads}×{layer.head_dim}, the cache "
                             f"is {model.num_kv_heads}×{model.head_dim}; nothing was written")
     plan.pack("IIIBBBBQQ", len(model.layers), model.num_kv_heads, model.head_dim,
-              int(mode.quant_k), int(mode.quant_v), 1 if pol.kind == "born" else 0,
+              int(mode.quant_k), v_code(mode), 1 if pol.kind == "born" else 0,
               scheme_code(mode), pol.sink, model.max_seq_len)
     for layer in model.layers:
         lp = layer_plan(layer, f16)
@@ -944,7 +987,8 @@ def model_from_bytes(cls: type[_Model], buf: _Buffer,
     rd = _open(buf, KIND_MODEL, fingerprint)
     rd.what = "model body"
     n_layers, nkv, hd, qk, qv, pol, code, sink, max_seq = rd.unpack("IIIBBBBQQ", "model header")
-    if qk > 1 or qv > 1 or pol > 1 or nkv < 1 or hd < 1 or max_seq < 1:
+    if qk > 1 or qv > (2 if rd.version >= 3 else 1) or pol > 1 or nkv < 1 or hd < 1 \
+            or max_seq < 1 or (qv == 2 and hd % 8):
         raise WireError(f"invalid model header: num_kv_heads={nkv} head_dim={hd} quant=({qk},{qv}) "
                         f"policy={pol} max_seq_len={max_seq}")
     mode = _mode(qk, qv, code, rd.version)

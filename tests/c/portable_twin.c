@@ -26,6 +26,9 @@ int main(void)
     static float q[8 * HDMAX], k[ROWS * HDMAX], v[ROWS * HDMAX], ks[ROWS * 8], vs[ROWS];
     static float probs[8 * 64], acc[8 * HDMAX], scratch[4096], res[16];
     static int8_t kq[ROWS * HDMAX], vq[ROWS * HDMAX];
+    static uint8_t vc4[ROWS * HDMAX / 2];
+    static uint16_t vp[ROWS * 2 * KVC_V4_NG(HDMAX)];
+    static float v4scr[KVC_SCRATCH_FLOATS(HDMAX)];
     ptrdiff_t hds[] = {1, 7, 8, 31, 32, 40, 64, 72, 128, 136};
     ptrdiff_t qf[8] = {0, 1, 0, 3, 0, 0, 5, 0}, qe[8] = {37, 37, 30, 37, 37, 36, 37, 21};
     int i, h;
@@ -65,6 +68,17 @@ int main(void)
             for (i = 0; i < 8 * 64; ++i) out(probs[i]);
             kvc_task_values(probs, 64, 8, qf, qe, v, vq, vs, quant, 0, ROWS, hd, acc, scratch);
             for (i = 0; i < 8 * hd; ++i) out(acc[i]);
+            if (hd % 8 == 0) {   /* the 4-bit V pass over these probabilities (_q4.h) */
+                for (i = 0; i < ROWS; ++i)
+                    kvc_v4_quant_row(v + i * hd, hd, vc4 + i * (hd / 2),
+                                     vp + i * 2 * KVC_V4_NG(hd));
+                for (i = 0; i < ROWS * (hd / 2); ++i) out((float)vc4[i]);
+                for (i = 0; i < ROWS * 2 * KVC_V4_NG(hd); ++i) out((float)vp[i]);
+                kvc_task_values_v4(probs, 64, 8, qf, qe, vc4, vp, 0, ROWS, hd, acc, v4scr);
+                for (i = 0; i < 8 * hd; ++i) out(acc[i]);
+                kvc_task_values_v4(probs, 64, 3, qf + 2, qe + 2, vc4, vp, 5, 29, hd, acc, v4scr);
+                for (i = 0; i < 3 * hd; ++i) out(acc[i]);
+            }
         }
         {   /* O(1): six far insertions into one head, then its output for both rectifiers */
             static float t_hat[8 * HDMAX], z_hat[8], m_max[8], l[8], o1scr[64];

@@ -36,8 +36,10 @@ class Geometry:
         """Bytes of K and V rows (and q8 scales) one decode step reads at ``context`` rows."""
         mode = make_mode(mode_name)
         hd = self.head_dim
-        return self.num_kv_heads * context * (quant.k_row_bytes(hd, mode.quant_k, scheme=mode.scheme)
-                                              + quant.v_row_bytes(hd, mode.quant_v))
+        v_bytes = quant.v4_row_bytes(hd) if mode.v4 else quant.v_row_bytes(hd, mode.quant_v)
+        return self.num_kv_heads * context * (quant.k_row_bytes(hd, mode.quant_k,
+                                                                scheme=mode.scheme or "rows")
+                                              + v_bytes)
 
 
 GEOMETRIES = {g.key: g for g in (Geometry("llama3-8b", "Llama-3-8B", 32, 8, 128),
@@ -51,10 +53,9 @@ def make_mode(mode_name: str) -> KvMode:
 
 
 def mode_name(mode: KvMode) -> str:
-    """The short name of a mode: "f32", "q8", "q8k" or "q8v"."""
-    if mode.is_f32:
-        return "f32"
-    return "q8" if mode.quant_k and mode.quant_v else ("q8k" if mode.quant_k else "q8v")
+    """The short name of a mode: "f32", "q8", "q8k", "q8v", "k8v4" or "q4v" (the scheme
+    left out)."""
+    return mode.name.partition(":")[0]
 
 
 def random_kv(geom: Geometry, context: int, seed: int = 0) -> tuple[F32, F32]:

@@ -204,8 +204,8 @@ class LayerMirror(Mirror):
     """
 
     MIRRORED = ("seq_len", "num_kv_heads", "head_dim", "mode", "generation", "__len__", "head_len",
-                "head_keys", "head_values", "k_heads", "v_heads", "q8_rows", "columns",
-                "o1_sealed", "o1_views")
+                "head_keys", "head_values", "k_heads", "v_heads", "q8_rows", "v4_rows",
+                "columns", "o1_sealed", "o1_views")
 
     _CACHE = LayerKvCache
     _O1_CONST = ("sink_k", "sink_v", "k_tilde", "q_tilde", "mu")
@@ -242,6 +242,8 @@ class LayerMirror(Mirror):
             keep = np.minimum(self._lens, prefix)
         lens = st.lengths.copy()
         hosts = st.stores()
+        if "vp" in hosts:        # 4-bit V parameters travel as the float16 values they are
+            hosts["vp"] = hosts["vp"].view(np.float16)
         need = int(lens.max(initial=0))
         moved = 0
         same_fields = set(hosts) == set(self._rows)
@@ -382,6 +384,15 @@ class LayerMirror(Mirror):
         k = (r["kq"][h, :n], r["ks"][h, :n]) if "kq" in r else (None, None)
         v = (r["vq"][h, :n], r["vs"][h, :n, 0]) if "vq" in r else (None, None)
         return k + v
+
+    def v4_rows(self, h: int) -> tuple[Any, Any]:
+        """Device (codes, params) of head h's 4-bit V rows as :meth:`LayerKvCache.v4_rows`
+        (codes uint8 (n, head_dim / 2), params float16 (n, 2 * ceil(head_dim / 16))), or
+        (None, None) when V is not 4-bit."""
+        h = as_index("kv_head", h, self._nkv)
+        n = int(self._lens[h])
+        r = self._rows
+        return (r["vc"][h, :n], r["vp"][h, :n]) if "vc" in r else (None, None)
 
     def columns(self, h: int) -> tuple[Any, Any]:
         """Device frozen column fields of head h: (kcol, vcol), each (head_dim,) or None."""

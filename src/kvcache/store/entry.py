@@ -22,7 +22,7 @@ Header (96 bytes)::
     68     4    u32 num_kv_heads G
     72     4    u32 head_dim D
     76     1    u8  quant_k (1: keys stored as int8)
-    77     1    u8  quant_v (1: values stored as int8)
+    77     1    u8  quant_v (1: values stored as int8, 2: as 4-bit codes, docs/kv4.md)
     78     1    u8  int8 scheme: 0 = F32 or "cmf" (what entries held before the scheme
                     existed), 1 = "rows"
     79     1    u8  reserved (0)
@@ -40,6 +40,7 @@ Payload, per layer l = 0 .. n_layers-1, each array pad8::
                   16 "rows", 32 "cmf")
     values  f32: f32 x G*B*D
             int8: i8 x G*B*D, then f32 x G*B scales
+            4-bit: u8 x G*B*D/2 codes, then u16 x G*B*2*ceil(D/16) float16 steps and minimums
     f32 x B  importance of the block's positions
 
 Trailer: u64 digest of bytes [0, total-8).
@@ -81,6 +82,7 @@ DIGEST_SIZE = _DIGEST.size
 
 _U8 = np.dtype("u1")
 _I8 = np.dtype("i1")
+_U16 = np.dtype("<u2")
 _F32 = np.dtype("<f4")
 
 
@@ -127,6 +129,9 @@ def layer_fields(geom: Geometry) -> tuple[tuple[Field, ...], int]:
         specs += [("kf", _F32, (g, b, d))]
     if geom.mode.quant_v:
         specs += [("vq", _I8, (g, b, d)), ("vs", _F32, (g, b, 1))]
+    elif geom.mode.v4:
+        specs += [("vc", _U8, (g, b, d // 2)),
+                  ("vp", _U16, (g, b, 2 * quant.n_groups(d, quant.V4_GROUP)))]
     else:
         specs += [("vf", _F32, (g, b, d))]
     specs.append(("importance", _F32, (b,)))
@@ -147,7 +152,7 @@ def entry_size(geom: Geometry) -> int:
 def _header(geom: Geometry, index: int, key: bytes, fp_digest: bytes, alg: int) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, alg, 0, HEADER_SIZE, entry_size(geom), key, geom.block,
                         index, geom.n_layers, geom.num_kv_heads, geom.head_dim,
-                        int(geom.mode.quant_k), int(geom.mode.quant_v), _scheme_byte(geom), 0,
+                        int(geom.mode.quant_k), wire.v_code(geom.mode), _scheme_byte(geom), 0,
                         fp_digest)
 
 
@@ -226,8 +231,8 @@ def check_header(head: Any, n: int, geom: Geometry, index: int, key: bytes,
     if (e_layers, e_nkv, e_hd) != (geom.n_layers, geom.num_kv_heads, geom.head_dim):
         raise EntryError(f"geometry {e_layers}x{e_nkv}x{e_hd}, expected "
                          f"{geom.n_layers}x{geom.num_kv_heads}x{geom.head_dim}")
-    if ((bool(e_qk), bool(e_qv)) != (geom.mode.quant_k, geom.mode.quant_v) or e_qk > 1
-            or e_qv > 1 or e_scheme != _scheme_byte(geom)):
+    if ((e_qk, e_qv) != (int(geom.mode.quant_k), wire.v_code(geom.mode))
+            or e_scheme != _scheme_byte(geom)):
         raise EntryError("another KV mode")
     if (e_block, e_index) != (geom.block, index):
         raise EntryError(f"block {e_index} of size {e_block}, expected block {index} of size "

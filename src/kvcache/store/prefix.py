@@ -485,7 +485,7 @@ class PrefixStore:
                 kcol=kcol, vcol=vcol, kcol_on=kon, vcol_on=von,
                 importance=np.array(d["importance"][:n]),
                 linear_state=np.zeros(0, dtype=np.float32), linear_scratch=None, o1=None,
-                owned=True))
+                owned=True, vc=d.get("vc"), vp=d.get("vp")))
         return out, good * b
 
     def _bad(self, name: str, key: bytes, exc: _entry.EntryError) -> None:

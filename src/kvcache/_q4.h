@@ -1,0 +1,159 @@
+/* 4-bit V rows (docs/kv4.md): the quantiser, the dequantiser and float16 conversion.
+ *
+ * A row of hd channels (hd % 8 == 0) is stored as
+ *   codes  hd / 2 bytes: channels in chunks of 32 (the last chunk n = hd % 32 channels when
+ *          that is not 0); in a chunk of n channels starting at c0, byte c0 / 2 + i
+ *          (i < n / 2) holds channel c0 + i in its low nibble and c0 + n / 2 + i in its high
+ *          nibble, so one load and two nibble masks give a chunk's channels in order;
+ *   par    2 * ceil(hd / 16) float16 values (IEEE binary16 bits): per group of 16 channels
+ *          (the last one 8 when hd % 16 == 8) its step s then its minimum m.
+ *
+ * Quantiser, per group (fixed arithmetic, no contraction; the NumPy twin is
+ * kvcache.reference.quantize_v4):
+ *   lo = min, hi = max of the group;   step = (hi - lo) / 15           (float32)
+ *   m = f16(lo), s = f16(step)          (round to nearest, ties to even, as IEEE and NumPy)
+ *   code = s > 0 ? clamp(floor((x - m) / s + 0.5), 0, 15) : 0   (m, s read back as float32)
+ * A group holding a NaN or an infinity, or whose m or s is not finite in float16 (|lo| or the
+ * step beyond 65504), is stored as m = s = NaN with codes 0, so that every output that weighs
+ * the row shows NaN, as a float32 row with that value would.
+ * Dequantiser: v = fmaf((float)code, s, m), one rounding.
+ */
+#ifndef KVCACHE_Q4_H
+#define KVCACHE_Q4_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef KVC_Q4_INLINE
+#if defined(__GNUC__)
+#define KVC_Q4_INLINE static inline __attribute__((always_inline))
+#else
+#define KVC_Q4_INLINE static inline
+#endif
+#endif
+
+#define KVC_V4_GROUP 16
+#define KVC_V4_NG(hd) (((hd) + KVC_V4_GROUP - 1) / KVC_V4_GROUP)
+#define KVC_V4_NAN16 0x7e00u
+
+/* float32 -> float16 bits, round to nearest, ties to even (overflow to infinity, NaN kept). */
+KVC_Q4_INLINE uint16_t kvc_f32_to_f16(float f)
+{
+    uint32_t u, sign, a;
+    memcpy(&u, &f, 4);
+    sign = (u >> 16) & 0x8000u;
+    a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u)                     /* infinity or NaN */
+        return (uint16_t)(sign | (a > 0x7f800000u ? KVC_V4_NAN16 : 0x7c00u));
+    if (a >= 0x477ff000u)                     /* >= 65520: rounds to infinity */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) {                    /* below 2^-14: a float16 subnormal (or 0) */
+        float x;
+        volatile float big = 8388608.0f;      /* 2^23: the add rounds to an integer, ties even */
+        memcpy(&x, &a, 4);
+        x = x * 16777216.0f;                  /* exact: times 2^24, < 2^10 */
+        x = (x + big) - big;
+        return (uint16_t)(sign | (uint32_t)x);
+    }
+    a -= 0x38000000u;                         /* rebias the exponent from 127 to 15 */
+    a += 0x0fffu + ((a >> 13) & 1u);          /* round the 13 dropped bits, ties to even */
+    return (uint16_t)(sign | (a >> 13));
+}
+
+/* float16 bits -> float32 (exact). */
+KVC_Q4_INLINE float kvc_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = ((uint32_t)h & 0x8000u) << 16, e = ((uint32_t)h >> 10) & 0x1fu;
+    uint32_t m = (uint32_t)h & 0x3ffu, u;
+    float f;
+    if (e == 0) {                             /* zero or subnormal: m * 2^-24 */
+        f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    if (e == 31)
+        u = sign | 0x7f800000u | (m << 13);
+    else
+        u = sign | ((e + 112u) << 23) | (m << 13);
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The byte and nibble shift holding channel d of a row of hd channels (layout above). */
+KVC_Q4_INLINE void kvc_v4_place(ptrdiff_t hd, ptrdiff_t d, ptrdiff_t *byte, int *shift)
+{
+    ptrdiff_t c0 = d & ~(ptrdiff_t)31, n = hd - c0 < 32 ? hd - c0 : 32, i = d - c0;
+    *byte = c0 / 2 + (i < n / 2 ? i : i - n / 2);
+    *shift = i < n / 2 ? 0 : 4;
+}
+
+/* Quantise one row x (hd floats) into codes (hd / 2 bytes) and par (2 * KVC_V4_NG(hd)). */
+static inline void kvc_v4_quant_row(const float *restrict x, ptrdiff_t hd, uint8_t *restrict codes,
+                             uint16_t *restrict par)
+{
+    ptrdiff_t g, d;
+    memset(codes, 0, (size_t)(hd / 2));
+    for (g = 0; g * KVC_V4_GROUP < hd; ++g) {
+        ptrdiff_t d0 = g * KVC_V4_GROUP, d1 = d0 + KVC_V4_GROUP < hd ? d0 + KVC_V4_GROUP : hd;
+        float lo = x[d0], hi = x[d0], m, s;
+        int bad = 0;
+        uint16_t m16, s16;
+        for (d = d0; d < d1; ++d) {
+            float v = x[d];
+            if (!isfinite(v))
+                bad = 1;
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        if (!bad) {
+            m16 = kvc_f32_to_f16(lo);
+            s16 = kvc_f32_to_f16((hi - lo) / 15.0f);
+            bad = (m16 & 0x7c00u) == 0x7c00u || (s16 & 0x7c00u) == 0x7c00u;
+        }
+        if (bad) {
+            par[2 * g] = par[2 * g + 1] = KVC_V4_NAN16;
+            continue;
+        }
+        par[2 * g] = s16;
+        par[2 * g + 1] = m16;
+        s = kvc_f16_to_f32(s16);
+        m = kvc_f16_to_f32(m16);
+        if (!(s > 0.0f))
+            continue;                         /* a constant group (or a step below float16) */
+        for (d = d0; d < d1; ++d) {
+            float t = floorf((x[d] - m) / s + 0.5f);
+            int c = t < 0.0f ? 0 : t > 15.0f ? 15 : (int)t;
+            ptrdiff_t byte;
+            int shift;
+            kvc_v4_place(hd, d, &byte, &shift);
+            codes[byte] = (uint8_t)(codes[byte] | (c << shift));
+        }
+    }
+}
+
+/* A row's 2 * KVC_V4_NG(hd) parameters as float32 (step, minimum per group). */
+KVC_Q4_INLINE void kvc_v4_params(const uint16_t *restrict par, ptrdiff_t hd, float *restrict out)
+{
+    ptrdiff_t i;
+    for (i = 0; i < 2 * KVC_V4_NG(hd); ++i)
+        out[i] = kvc_f16_to_f32(par[i]);
+}
+
+/* Dequantise one row: out[d] = fmaf(code_d, s_g, m_g); pf: the row's kvc_v4_params. */
+KVC_Q4_INLINE void kvc_v4_dequant_row(const uint8_t *restrict codes, const float *restrict pf,
+                                      ptrdiff_t hd, float *restrict out)
+{
+    ptrdiff_t c0, i;
+    for (c0 = 0; c0 < hd; c0 += 32) {
+        ptrdiff_t n = hd - c0 < 32 ? hd - c0 : 32, h = n / 2;
+        const uint8_t *b = codes + c0 / 2;
+        for (i = 0; i < h; ++i) {
+            ptrdiff_t dl = c0 + i, dh = c0 + h + i;
+            out[dl] = fmaf((float)(b[i] & 15), pf[2 * (dl >> 4)], pf[2 * (dl >> 4) + 1]);
+            out[dh] = fmaf((float)(b[i] >> 4), pf[2 * (dh >> 4)], pf[2 * (dh >> 4) + 1]);
+        }
+    }
+}
+
+#endif
