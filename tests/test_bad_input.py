@@ -273,7 +273,7 @@ def test_attend_all_heads_on_empty_layer_is_refused():
 @pytest.mark.parametrize("args, exc", [
     ((0, HD), ValueError), ((-1, HD), ValueError), ((NKV, 0), ValueError), ((NKV, -8), ValueError),
     ((2.0, HD), TypeError), (("2", HD), TypeError), ((NKV, None), TypeError),
-    ((NKV, HD, "q4"), ValueError), ((NKV, HD, 1), TypeError), ((NKV, HD, kc.EvictionPolicy.RECENT), TypeError),
+    ((NKV, HD, "q2"), ValueError), ((NKV, HD, 1), TypeError), ((NKV, HD, kc.EvictionPolicy.RECENT), TypeError),
 ])
 def test_layer_constructor_rejects_bad_geometry(args, exc):
     with pytest.raises(exc):
@@ -423,7 +423,7 @@ def test_kvcache_truncate_refused_by_one_layer_touches_none(model, snapshot, ass
     (dict(max_seq_len=0), ValueError), (dict(max_seq_len=-5), ValueError),
     (dict(max_seq_len=1.5), TypeError),
     (dict(policy="born"), TypeError), (dict(policy=kc.KvMode.F32), TypeError),
-    (dict(mode="q4"), ValueError), (dict(mode=kc.EvictionPolicy.RECENT), TypeError),
+    (dict(mode="q2"), ValueError), (dict(mode=kc.EvictionPolicy.RECENT), TypeError),
 ])
 def test_kvcache_constructor_rejects_bad_arguments(kwargs, exc):
     args = dict(n_layers=2, num_kv_heads=NKV, head_dim=HD, mode=F32)

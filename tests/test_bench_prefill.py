@@ -113,10 +113,11 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bp, "QUICK_TTFT_CONTEXTS", (256,))
     path = tmp_path / "prefill.json"
     argv = ["--sections", "prefill", "--quick", "--geometries", "qwen", "--no-progress",
-            "--json", str(path)]
+            "--json", str(path), "--modes", "f32", "q8", "q4", "k8v4"]
     assert bench.main(argv) == 0
     text = capsys.readouterr().out
     assert "prefill: prompt attention" in text and "WARNING" not in text
+    assert "4-bit KV" in text and " q4 " in text and " k8v4 " in text
     data = json.loads(path.read_text())["prefill"]
     assert data["settings"]["contexts"] == [256, 384] and data["settings"]["repeats"] == 1
     assert data["settings"]["geometries"] == ["qwen2.5-0.5b"] and data["peak_gflops"] > 0
@@ -128,6 +129,9 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
         assert r["f32"]["matches"] and r["q8"]["matches"]
         assert r["f32"]["max_abs_diff"] < r["q8"]["max_abs_diff"]
         assert r["q8_vs_f32"] > 0
+        for name in ("q4", "k8v4"):          # the 4-bit modes asked for with --modes
+            assert not r[name]["skipped"] and r[name]["matches"] and r[f"{name}_vs_f32"] > 0
+            assert r[name]["max_abs_diff"] > r["f32"]["max_abs_diff"]
     (row,) = data["ttft"]
     assert row["context"] == 256 and row["max_abs_logit_diff"] < 1e-3
     for name in ("f32", "q8"):

@@ -293,8 +293,10 @@ def test_modes_and_layer_types():
     assert kh.parse_mode("q8v") == kc.KvMode.Q8(False, True)
     assert kh.parse_mode("f32") == kc.KvMode.F32
     assert kh.parse_mode(kc.KvMode.F32) == kc.KvMode.F32
+    assert kh.parse_mode("q4") == kc.KvMode.of(4, 4)
+    assert kh.parse_mode("k8v4") == kc.KvMode.of(8, 4)
     with pytest.raises(ValueError, match="expected one of 'f32'"):
-        kh.parse_mode("q4")
+        kh.parse_mode("q2")
     with pytest.raises(TypeError):
         kh.parse_mode(8)
     cfg = transformers.Gemma2Config(**_COMMON, num_hidden_layers=4, sliding_window=8)

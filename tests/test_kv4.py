@@ -1,7 +1,7 @@
-"""4-bit V rows (docs/kv4.md): the quantiser against its NumPy twin and its definition, the
-modes that store them ("k8v4", "q4v"), the attention kernels over them against the twin and
-across instruction-set bodies and thread counts, rollback, eviction, byte formats and bad
-input."""
+"""4-bit K and V (docs/kv4.md): the quantisers and the 4-bit K scorer against their NumPy twins
+and their definitions, the modes that store them ("q4", "k8v4", "q4v", "q4k", "k4v8"), the
+attention kernels over them against the twin and across instruction-set bodies and thread
+counts, block boundaries, rollback and replay, eviction, byte formats and bad input."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from kvcache._stores import V4Rows
 
 HEAD_DIMS = [64, 128, 72, 40, 256]
 V4_MODES = ["k8v4", "q4v"]
+K4_MODES = ["q4", "q4k", "k4v8"]
+MODES4 = ["q4", "k8v4", "q4v", "q4k", "k4v8"]
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -113,12 +115,15 @@ def test_quantize_v4_refuses_bad_shapes():
 
 # -- modes --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, kb, vb, scheme", [
+    ("q4", 4, 4, ""), ("k4v4", 4, 4, ""), ("q4k", 4, 32, ""), ("k4v8", 4, 8, "rows"),
+    ("k4v8:cmf", 4, 8, "cmf"),
     ("k8v4", 8, 4, "rows"), ("k8v4:cmf", 8, 4, "cmf"), ("q4v", 32, 4, ""),
     ("K8V4", 8, 4, "rows"), ("k32v4", 32, 4, ""), ("k8v8", 8, 8, "rows"), ("k32v32", 32, 32, "")])
 def test_mode_names(name, kb, vb, scheme):
     mode = kc.KvMode.parse(name)
     assert (mode.k_bits, mode.v_bits, mode.scheme) == (kb, vb, scheme)
     assert mode.v4 == (vb == 4) and mode.quant_v == (vb == 8) and mode.quant_k == (kb == 8)
+    assert mode.k4 == (kb == 4)
     assert kc.KvMode.parse(mode.name) == mode
     assert pickle.loads(pickle.dumps(mode)) == mode and hash(mode) == hash(kc.KvMode.parse(name))
     assert eval(repr(mode), {"KvMode": kc.KvMode}) == mode
@@ -133,7 +138,7 @@ def test_new_modes_keep_the_old_modes_equal_and_hashed_as_before():
 
 
 @pytest.mark.parametrize("bad, exc, match", [
-    ((4, 4), ValueError, "k_bits: expected one of \\(32, 8\\), got 4"),
+    ((2, 4), ValueError, "k_bits: expected one of \\(32, 8, 4\\), got 2"),
     ((8, 2), ValueError, "v_bits: expected one of \\(32, 8, 4\\), got 2"),
     ((8.0, 4), TypeError, "k_bits"), ((True, 4), TypeError, "k_bits")])
 def test_kvmode_of_refuses_other_precisions(bad, exc, match):
@@ -141,13 +146,13 @@ def test_kvmode_of_refuses_other_precisions(bad, exc, match):
         kc.KvMode.of(*bad)
 
 
-@pytest.mark.parametrize("bad", ["q4", "k4v4", "k8v2", "k8v4:x", "v4"])
+@pytest.mark.parametrize("bad", ["q2", "k4v2", "k8v2", "k8v4:x", "v4", "q4:x"])
 def test_unknown_4bit_names_are_refused_listing_the_names(bad):
-    with pytest.raises(ValueError, match="'k8v4', 'k8v4:cmf', 'q4v'"):
+    with pytest.raises(ValueError, match="'q4', 'k8v4', 'k8v4:cmf', 'q4v', 'q4k'"):
         kc.KvMode.parse(bad)
 
 
-@pytest.mark.parametrize("mode", V4_MODES)
+@pytest.mark.parametrize("mode", MODES4)
 @pytest.mark.parametrize("hd", [36, 12, 100, 1])
 def test_an_unsupported_head_dim_is_one_line_naming_it(mode, hd):
     with pytest.raises(ValueError) as info:
@@ -181,7 +186,7 @@ def test_a_layer_stores_v_as_4bit_rows(mode):
     assert layer.head_values(0).shape == (0, 72)          # not stored as float32
 
 
-@pytest.mark.parametrize("mode", V4_MODES)
+@pytest.mark.parametrize("mode", MODES4)
 @pytest.mark.parametrize("hd", HEAD_DIMS)
 def test_decode_and_prompt_attention_match_the_twin(mode, hd):
     rng = np.random.default_rng(hd)
@@ -212,7 +217,7 @@ def test_4bit_values_are_what_attention_reads(mode):
     assert np.allclose(out, probs @ images, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", V4_MODES)
+@pytest.mark.parametrize("mode", MODES4)
 @pytest.mark.parametrize("hd", [40, 64, 72, 128])
 def test_bits_do_not_depend_on_body_or_threads(mode, hd, each_level):
     from threadpoolctl import threadpool_limits
@@ -232,7 +237,7 @@ def test_bits_do_not_depend_on_body_or_threads(mode, hd, each_level):
         assert np.array_equal(_bits(pre), _bits(results[0][3])), (level, threads)
 
 
-@pytest.mark.parametrize("mode", V4_MODES)
+@pytest.mark.parametrize("mode", MODES4)
 def test_gqa_groups_dead_heads_and_attend_group(mode):
     rng = np.random.default_rng(5)
     hd, nkv = 64, 3
@@ -251,7 +256,7 @@ def test_gqa_groups_dead_heads_and_attend_group(mode):
     assert layer.head_len(1) == 20 and abs(float(imp[:20].sum()) - 4.0) < 1e-4
 
 
-@pytest.mark.parametrize("mode", V4_MODES)
+@pytest.mark.parametrize("mode", MODES4)
 @pytest.mark.parametrize("n_back", [1, 5, 16, 17, 40])
 def test_rollback_and_replay_give_identical_bits(mode, n_back):
     rng = np.random.default_rng(n_back)
@@ -264,11 +269,12 @@ def test_rollback_and_replay_give_identical_bits(mode, n_back):
     assert len(layer) == 60 - n_back
     layer.append(k[60 - n_back:], v[60 - n_back:])
     after = layer._export_state()
-    for name in ("kf", "kq", "ks", "vc", "vp"):
+    for name, rows in (("kf", 60), ("kq", 60), ("ks", 60), ("vc", 60), ("vp", 60), ("kc", 48),
+                       ("kp", 3), ("kr", 48)):
         a, b = getattr(before, name), getattr(after, name)
         assert (a is None) == (b is None), name
         if a is not None:
-            assert a[:, :60].tobytes() == b[:, :60].tobytes(), name
+            assert a[:, :rows].tobytes() == b[:, :rows].tobytes(), name
     assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(out_before))
 
 
@@ -287,7 +293,7 @@ def test_eviction_moves_rows_without_changing_their_bytes(mode):
 
 
 # -- bytes --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", V4_MODES + ["k8v4:cmf"])
+@pytest.mark.parametrize("mode", MODES4 + ["k8v4:cmf", "k4v8:cmf"])
 def test_byte_format_round_trip_and_version(mode, tmp_path):
     rng = np.random.default_rng(2)
     layer, _, _ = _pair(rng, mode, 40, 33)
@@ -298,18 +304,21 @@ def test_byte_format_round_trip_and_version(mode, tmp_path):
     other.from_bytes(buf, fingerprint="m")
     a, b = layer._export_state(), other._export_state()
     assert b.mode == a.mode and b.lengths.tolist() == [31, 31]
-    for name in ("vc", "vp", "kq", "ks", "kf"):
+    for name, rows in (("vc", 31), ("vp", 31), ("kq", 31), ("ks", 31), ("kf", 31), ("kc", 16),
+                       ("kp", 1), ("kr", 31)):          # the ring: slots 0..30 hold rows 0..30
         x, y = getattr(a, name), getattr(b, name)
         if x is not None:
-            assert x[:, :31].tobytes() == y[:, :31].tobytes(), name
+            assert x[:, :rows].tobytes() == y[:, :rows].tobytes(), name
     q = rng.standard_normal((2, 40)).astype(np.float32)
     assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(other.attend_all_heads(q)))
     kv = kc.KvCache(2, 2, 40, mode=mode)
     kv.layers[1] = layer
     kv.save(tmp_path / "m.kvc")
     back = kc.KvCache.load(tmp_path / "m.kvc")
-    assert back.mode == kv.mode and back.layers[1]._export_state().vc.shape[1] >= 31
-    with pytest.raises(kc.WireError, match="4-bit values"):
+    assert back.mode == kv.mode and len(back.layers[1]) == 31
+    assert np.array_equal(_bits(back.layers[1].attend_all_heads(q)),
+                          _bits(layer.attend_all_heads(q)))
+    with pytest.raises(kc.WireError, match="F32 caches only"):
         layer.export_wire()
 
 
@@ -344,3 +353,173 @@ def test_a_subprocess_with_kvcache_kv_k8v4_builds_4bit_layers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**__import__("os").environ, "KVCACHE_KV": "k8v4"}, check=True)
     assert out.stdout.split() == ["k8v4", "V4Rows"]
+
+
+# -- 4-bit K ------------------------------------------------------------------------------------
+def _k4_layer(rng, hd, n, nkv=1, mode="q4", scale=1.0):
+    layer = kc.LayerKvCache(nkv, hd, mode=mode)
+    k = (rng.standard_normal((n, nkv, hd)) * scale).astype(np.float32)
+    k[:, :, 3] *= 20.0                          # an outlier channel, as real keys have
+    v = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+    if n:
+        layer.append(k, v)
+    return layer, k, v
+
+
+@pytest.mark.parametrize("hd", HEAD_DIMS + [8])
+@pytest.mark.parametrize("n", [15, 16, 17, 47, 48, 49, 100])
+def test_k4_scores_match_the_twin_bit_for_bit_on_every_body(hd, n, each_level):
+    rng = np.random.default_rng(hd * 1000 + n)
+    layer, _, _ = _k4_layer(rng, hd, n)
+    st = layer._export_state()
+    q = rng.standard_normal((5, hd)).astype(np.float32) * np.float32(3)
+    want = np.zeros((5, n), np.float32)
+    R.k4_scores(q, st.kc[0], st.kp[0], st.kr[0], n, want)
+    for level in each_level:
+        _core.set_isa(level)
+        got = np.zeros((5, n), np.float32)
+        _core.k4_scores(q, st.kc[0], st.kp[0], st.kr[0], n, got)
+        assert np.array_equal(_bits(got), _bits(want)), level
+
+
+def test_k4_blocks_are_the_documented_quantiser():
+    rng = np.random.default_rng(4)
+    hd = 40
+    layer, k, _ = _k4_layer(rng, hd, 35)
+    st = layer._export_state()
+    for b in range(2):                                 # two closed blocks, 3 rows open
+        x = k[16 * b:16 * (b + 1), 0]
+        pf = st.kp[0, b].view(np.float16).astype(np.float32)
+        assert (pf[:hd] == np.float16((x.max(0) - x.min(0)) / np.float32(15))).all()
+        assert (pf[hd:] == np.float16(x.min(0))).all()
+        c, p = R.quantize_k4_block(x)
+        assert c.tobytes() == st.kc[0, 16 * b:16 * (b + 1)].tobytes()
+        assert p.tobytes() == st.kp[0, b].tobytes()
+    vals = quant.k4_values(st.kc[0], st.kp[0], 35)
+    assert (vals[32:] == 0).all()                      # the open block is not codes
+    step = np.repeat(st.kp[0, :2].view(np.float16).astype(np.float32)[:, :hd], 16, axis=0)
+    assert (np.abs(vals[:32] - k[:32, 0]) <= step / 2 * 1.001 + 0.02).all()
+    for i in range(35 - 48, 35):                       # the ring: the last 48 rows as given
+        if i >= 0:
+            assert st.kr[0, i % 48].tobytes() == k[i, 0].tobytes()
+    assert layer.head_keys(0).shape == (0, hd)         # not stored as float32
+    kb = 32 * (hd // 2) + 2 * 4 * hd + 35 * 4 * hd      # codes, parameters, ring rows
+    assert layer.memory_bytes() == kb + 35 * quant.v4_row_bytes(hd)
+
+
+@pytest.mark.parametrize("mode", K4_MODES)
+def test_k4_does_not_depend_on_how_rows_arrived(mode):
+    rng = np.random.default_rng(8)
+    hd = 72
+    whole, k, v = _k4_layer(rng, hd, 70, nkv=2, mode=mode)
+    parts = kc.LayerKvCache(2, hd, mode=mode)
+    for a, b in ((0, 1), (1, 15), (15, 16), (16, 33), (33, 34), (34, 70)):
+        parts.append(k[a:b], v[a:b])
+    sa, sb = whole._export_state(), parts._export_state()
+    for name in ("kc", "kr"):
+        assert getattr(sa, name)[:, :64].tobytes() == getattr(sb, name)[:, :64].tobytes()
+    assert sa.kp[:, :4].tobytes() == sb.kp[:, :4].tobytes()
+    q = rng.standard_normal((3, 8, hd)).astype(np.float32)
+    assert np.array_equal(_bits(whole.attend_all_heads(q)), _bits(parts.attend_all_heads(q)))
+
+
+@pytest.mark.parametrize("length", [40, 47, 48, 63, 64, 65, 80])
+def test_k4_rollback_of_up_to_32_rows_is_exact_at_every_phase(length):
+    rng = np.random.default_rng(length)
+    hd = 40
+    layer, k, v = _k4_layer(rng, hd, length, nkv=2)
+    q = rng.standard_normal((4, hd)).astype(np.float32)
+    ref = layer.attend_all_heads(q)
+    st0 = layer._export_state().owned_copy()
+    for n_back in (1, 2, length % 16 or 16, 17, 31, 32):
+        layer.truncate_last(n_back)
+        short, _, _ = _k4_layer(rng, hd, 0, nkv=2)      # a cold layer of the kept rows
+        short.append(k[:length - n_back], v[:length - n_back])
+        assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(short.attend_all_heads(q)))
+        layer.append(k[length - n_back:], v[length - n_back:])
+        st = layer._export_state()
+        nb = length // 16
+        assert st.kc[:, :16 * nb].tobytes() == st0.kc[:, :16 * nb].tobytes(), n_back
+        assert st.kp[:, :nb].tobytes() == st0.kp[:, :nb].tobytes(), n_back
+        assert st.kr.tobytes() == st0.kr.tobytes(), n_back
+        assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(ref)), n_back
+
+
+def test_k4_a_deeper_rollback_reopens_blocks_from_their_4bit_values():
+    """Past the ring (48 rows), a reopened block's rows are the codes' values: what the
+    layer then holds is those values, deterministically (docs/kv4.md)."""
+    rng = np.random.default_rng(12)
+    hd = 64
+    layer, k, v = _k4_layer(rng, hd, 100)
+    vals = quant.k4_values(layer._export_state().kc[0], layer._export_state().kp[0], 100)
+    layer.truncate_last(70)                             # 30 rows: block 1 reopens, rows 16..29
+    st = layer._export_state()
+    for i in range(16, 30):
+        assert st.kr[0, i % 48].tobytes() == vals[i].tobytes()
+    again = kc.LayerKvCache(1, hd, mode="q4")
+    again.append(k[:16], v[:16])
+    again.append(vals[16:30, None, :], v[16:30])        # the same rows as the layer holds
+    q = rng.standard_normal((2, hd)).astype(np.float32)
+    assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(again.attend_all_heads(q)))
+
+
+@pytest.mark.parametrize("mode", K4_MODES)
+def test_k4_eviction_rebuilds_the_kept_rows_from_their_stored_values(mode):
+    rng = np.random.default_rng(21)
+    hd = 64
+    layer, k, v = _k4_layer(rng, hd, 90, nkv=2, mode=mode)
+    st = layer._export_state()
+    kept_vals = [layer._k.values(h, 90) for h in range(2)]
+    layer.evict(50)
+    assert len(layer) == 50
+    rebuilt = kc.LayerKvCache(2, hd, mode=mode)
+    kk = np.stack([kept_vals[h][40:] for h in range(2)], axis=1)
+    rebuilt.append(kk, v[40:])
+    q = rng.standard_normal((4, hd)).astype(np.float32)
+    assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(rebuilt.attend_all_heads(q)))
+    assert st.kc.shape[2] == hd // 2
+
+
+def test_k4_quality_beats_per_row_4bit_keys_on_channel_offsets():
+    """Per-channel blocks follow a channel's own range: keys whose channels sit at their own
+    offsets (as real keys do) are scored with far less error than per-row 4-bit keys (16-channel
+    groups) would give: the reason for the scheme (docs/kv4-scheme-study.md)."""
+    rng = np.random.default_rng(31)
+    hd, n = 64, 256
+    offset = (rng.standard_normal(hd) * 4).astype(np.float32)
+    k = (rng.standard_normal((n, 1, hd)) + offset).astype(np.float32)
+    layer = kc.LayerKvCache(1, hd, mode="q4")
+    layer.append(k, k)
+    st = layer._export_state()
+    q = rng.standard_normal((8, hd)).astype(np.float32)
+    exact = q @ k[:, 0].T
+    got = np.zeros((8, n), np.float32)
+    R.k4_scores(q, st.kc[0], st.kp[0], st.kr[0], n, got)
+    c, p = _quantised(k[:, 0])                           # per-row 16-channel groups
+    per_row = q @ R.dequantize_v4(c, p, hd).T
+    assert np.abs(got - exact).mean() < 0.4 * np.abs(per_row - exact).mean()
+
+
+def test_k4_head_dims_and_bad_input():
+    for hd in (8, 40, 72, 256):
+        kc.LayerKvCache(1, hd, mode="q4")
+    with pytest.raises(ValueError, match="4-bit K needs head_dim to be a multiple of 8"):
+        kc.LayerKvCache(1, 20, mode="q4k")
+    out = np.zeros((1, 5), np.float32)
+    good = (np.zeros((1, 16), np.float32), np.zeros((16, 8), np.uint8),
+            np.zeros((1, 32), np.uint16), np.zeros((48, 16), np.float32))
+    with pytest.raises(ValueError, match="k4_scores"):
+        _core.k4_scores(*good, 17, np.zeros((1, 17), np.float32))      # n past the codes
+    with pytest.raises(TypeError, match="kp"):
+        _core.k4_scores(good[0], good[1], good[2].astype(np.int16), good[3], 5, out)
+    with pytest.raises(ValueError, match="k4_scores"):
+        _core.k4_scores(good[0], good[1], good[2], good[3][:47], 5, out)
+    _core.k4_scores(*good, 5, out)
+    assert not out.any()
+
+
+def test_k4_prefix_store_needs_whole_blocks():
+    from kvcache.store import PrefixStore
+    cache = kc.KvCache(1, 1, 16, mode="q4")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        PrefixStore("memory", fingerprint="m", block=40).put(np.arange(80), cache)

@@ -19,6 +19,8 @@ from kvcache import reference as _reference  # noqa: F401  (kc.reference for sco
 from kvcache._attention import default_scale
 
 F32 = kc.KvMode.F32
+# (4-bit K scores through a per-block integer query, which a float64 reference over its stored
+# values does not model: tests/test_kv4.py checks it against its NumPy twin bit for bit)
 ALL_MODES = [F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False), kc.KvMode.Q8(k=False, v=True),
              kc.KvMode.of(8, 4), kc.KvMode.of(32, 4)]
 MODE_IDS = ["f32", "q8", "q8k", "q8v", "k8v4", "q4v"]

@@ -49,7 +49,7 @@ def test_from_env(monkeypatch, value, expected):
     assert (m.quant_k, m.quant_v) == expected
 
 
-@pytest.mark.parametrize("garbage", ["q4", "fp16", "Q8 please", "q8kv", "1"])
+@pytest.mark.parametrize("garbage", ["q2", "fp16", "Q8 please", "q8kv", "1"])
 def test_from_env_garbage_is_refused(monkeypatch, garbage):
     monkeypatch.setenv("KVCACHE_KV", garbage)
     with pytest.raises(ValueError):
@@ -126,7 +126,7 @@ def test_parse_reads_the_same_names_as_the_environment(monkeypatch):
     assert kc.KvMode.parse(mode) is mode
     with pytest.raises(ValueError, match="kv: expected one of 'f32', 'q8', 'q8k', 'q8v', "
                                          "'q8:cmf', 'q8k:cmf', 'q8v:cmf'"):
-        kc.KvMode.parse("q4", "kv")
+        kc.KvMode.parse("q2", "kv")
     with pytest.raises(ValueError, match="expected one of 'f32'"):
         kc.KvMode.parse("")                       # empty means f32 only in the environment
     with pytest.raises(TypeError, match="mode: expected a KvMode"):
@@ -143,6 +143,6 @@ def test_every_cache_takes_a_mode_name(name, mode):
 
 def test_a_bad_mode_name_names_the_parameter():
     with pytest.raises(ValueError, match="mode: expected one of 'f32'"):
-        kc.LayerKvCache(2, 4, mode="q4")
+        kc.LayerKvCache(2, 4, mode="q2")
     with pytest.raises(TypeError, match="mode: expected a KvMode"):
         kc.KvCache(2, 2, 4, 16, mode=8)

@@ -114,15 +114,16 @@ def test_names_parse_and_read_from_the_environment(name, mode, monkeypatch):
 
 
 def test_every_documented_name_round_trips_through_mode_name():
-    assert MODE_NAMES == ("f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "q8v:cmf", "k8v4",
-                          "k8v4:cmf", "q4v")
+    assert MODE_NAMES == ("f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "q8v:cmf", "q4",
+                          "k8v4", "k8v4:cmf", "q4v", "q4k", "k4v8", "k4v8:cmf")
     for name in MODE_NAMES:
         assert kc.KvMode.parse(name).name == name
 
 
 @pytest.mark.parametrize("bad", ["q8:", "q8:legacy", "f32:cmf", "cmf", "q8:cmf:cmf", "q8k:q8"])
 def test_bad_names_list_every_name(bad, monkeypatch):
-    listed = "'f32', 'q8', 'q8k', 'q8v', 'q8:cmf', 'q8k:cmf', 'q8v:cmf', 'k8v4', 'k8v4:cmf', 'q4v'"
+    listed = ("'f32', 'q8', 'q8k', 'q8v', 'q8:cmf', 'q8k:cmf', 'q8v:cmf', 'q4', 'k8v4', "
+              "'k8v4:cmf', 'q4v', 'q4k', 'k4v8', 'k4v8:cmf'")
     with pytest.raises(ValueError, match=f"kv: expected one of {listed} \\(or a KvMode\\), got"):
         kc.KvMode.parse(bad, "kv")
     monkeypatch.setenv("KVCACHE_KV", bad)

@@ -394,7 +394,7 @@ def test_version_kind_flags_and_magic_are_checked(snapshot, assert_same_state):
 @pytest.mark.parametrize("edit,match", [
     (lambda b, o: b.__setitem__(slice(o + 16, o + 24), struct.pack("<Q", 3)), "head holds more rows|importance"),
     (lambda b, o: b.__setitem__(slice(o + 24, o + 32), struct.pack("<Q", 5)), "importance covers"),
-    (lambda b, o: b.__setitem__(o + 8, 2), "invalid layer flags"),
+    (lambda b, o: b.__setitem__(o + 8, 3), "invalid layer flags"),
     (lambda b, o: b.__setitem__(o + 10, 2), "sealed O\\(1\\) layer|truncated|inconsistent"),
     (lambda b, o: b.__setitem__(slice(o + 32, o + 40), struct.pack("<Q", 2**40)), "truncated"),
     (lambda b, o: b.__setitem__(slice(o + 48, o + 56), struct.pack("<Q", 2**62)), "more rows"),

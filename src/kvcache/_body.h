@@ -11,7 +11,8 @@
 
 const kvc_ops KVC_BODY_TABLE = {
     KVC_BODY_NAME,
-    kvc_entry_task_scores, kvc_entry_task_scores_i8, kvc_entry_task_values, kvc_entry_q8_rows,
+    kvc_entry_task_scores, kvc_entry_task_scores_i8, kvc_entry_task_scores_k4,
+    kvc_entry_task_values, kvc_entry_q8_rows,
     kvc_axpy_f32, kvc_softmax,
     kvc_quant_row, kvc_quant_query,
     kvc_entry_pf_task, kvc_entry_pf_imp,

@@ -49,6 +49,10 @@ cdef extern from "_dispatch.h" nogil:
         const float *vs
         const uint8_t *vc4
         const uint16_t *vp
+        const uint8_t *kc4
+        const uint16_t *kp
+        const float *kr
+        const Py_ssize_t *head_len
         const float *vcol
         Py_ssize_t kcap, vcap, ks_stride, vs_stride, hd, k_group
         int quant_k, quant_v
@@ -113,6 +117,8 @@ cdef extern from "_dispatch.h" nogil:
         void (*task_scores)(const kvc_store *s, const kvc_call *c, const kvc_task *t) noexcept nogil
         void (*task_scores_i8)(const kvc_store *s, const kvc_call *c,
                                const kvc_task *t) noexcept nogil
+        void (*task_scores_k4)(const kvc_store *s, const kvc_call *c, const kvc_task *t,
+                               float *scratch) noexcept nogil
         void (*task_values)(const kvc_store *s, const kvc_call *c, const kvc_task *t,
                             float *acc, float *scratch) noexcept nogil
         void (*q8_rows)(const kvc_store *s, const kvc_call *c, const kvc_task *t) noexcept nogil
@@ -150,6 +156,8 @@ cdef extern from "_dispatch.h" nogil:
     Py_ssize_t KVC_SCRATCH_FLOATS(Py_ssize_t hd)
     int KVC_V_Q8
     int KVC_V_Q4
+    int KVC_K_Q8
+    int KVC_K_Q4
     Py_ssize_t KVC_I8_PAD(Py_ssize_t hd)
     Py_ssize_t KVC_I8_GROUPS(Py_ssize_t hd, Py_ssize_t group)
     Py_ssize_t KVC_MLA_BLOCK
@@ -444,6 +452,53 @@ def q8_scores(q__jd, kq__rd, ks__rg, out__jr, k_group=0):
             q8.q8_rows(&st, &c, &t)
 
 
+def k4_scores(q__jd, kc__cb, kp__bq, kr__rd, n, out__jr):
+    """Raw scores (before the softmax scale) of every query q (nq, hd) against the first ``n``
+    rows of one KV group's 4-bit K (docs/kv4.md: codes kc (cap, hd / 2), block parameters kp
+    (ceil(cap / 16), 2 * hd) as uint16, the ring kr (48, hd)) into out (nq, n), with the
+    4-bit scorer of the q8 body in use: the arithmetic of attend_rows' and attend_blocked's
+    4-bit K scores, exposed for tests.  Checked by kvcache._entry.check_k4_scores."""
+    cdef Py_ssize_t rows = _entry.check_k4_scores(q__jd, kc__cb, kp__bq, kr__rd, n, out__jr)
+    q_arr, kc_arr, kp_arr, kr_arr, out_arr = q__jd, kc__cb, kp__bq, kr__rd, out__jr
+    cdef Py_ssize_t nq = q_arr.shape[0], hd = q_arr.shape[1]
+    cdef const float[:, ::1] q = q_arr
+    cdef const uint8_t[:, ::1] kc = kc_arr
+    cdef const uint16_t[:, ::1] kp = kp_arr
+    cdef const float[:, ::1] kr = kr_arr
+    cdef float[:, ::1] out = out_arr
+    cdef Py_ssize_t[::1] hl = np.full(1, rows, dtype=np.intp)
+    qf_arr, qe_arr = np.zeros(max(nq, 1), dtype=np.intp), np.full(max(nq, 1), rows, np.intp)
+    cdef Py_ssize_t[::1] qf = qf_arr
+    cdef Py_ssize_t[::1] qe = qe_arr
+    scr_arr = np.zeros(KVC_SCRATCH_FLOATS(hd), dtype=np.float32)
+    cdef float[::1] scr = scr_arr
+    cdef const kvc_ops *q8 = _ops(KVC_FAM_Q8)
+    cdef kvc_store st
+    cdef kvc_call c
+    cdef kvc_task t
+    if nq == 0 or rows == 0:
+        return
+    memset(&st, 0, sizeof(st))
+    memset(&c, 0, sizeof(c))
+    st.kc4 = &kc[0, 0] if kc.shape[0] > 0 else NULL
+    st.kp = &kp[0, 0] if kp.shape[0] > 0 else NULL
+    st.kr = &kr[0, 0]
+    st.head_len = &hl[0]
+    st.kcap = kc.shape[0]
+    st.hd = hd
+    st.quant_k = KVC_K_Q4
+    c.q = &q[0, 0]
+    c.qf = &qf[0]
+    c.qe = &qe[0]
+    c.scale = 1.0
+    c.softcap = 0.0
+    c.probs = &out[0, 0]
+    c.L = rows
+    t = _task(0, 0, nq, 0, rows)
+    with nogil:
+        q8.task_scores_k4(&st, &c, &t, &scr[0])
+
+
 def simd_built():
     """True when a SIMD unit of this CPU family (x86-64 AVX2, aarch64 NEON) was compiled in."""
     return any(b in built_bodies()["f32"] for b in ("avx2", "neon"))
@@ -515,6 +570,37 @@ def store_rows_q8(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive_
 
 cdef extern from "_q4.h" nogil:
     void kvc_v4_quant_row(const float *x, Py_ssize_t hd, uint8_t *codes, uint16_t *par)
+    void kvc_k4_quant_block(const float *ring, Py_ssize_t p0, Py_ssize_t hd, uint8_t *codes,
+                            uint16_t *par)
+    Py_ssize_t KVC_K4_BLOCK
+    Py_ssize_t KVC_K4_RING
+
+K4_BLOCK = KVC_K4_BLOCK
+K4_RING = KVC_K4_RING
+if (_entry.K4_BLOCK, _entry.K4_RING) != (K4_BLOCK, K4_RING):
+    raise ImportError("kvcache._core: 4-bit K's block and ring sizes differ from "
+                      "kvcache._entry's (a stale build?)")
+
+
+def store_rows_k4(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive__h,
+                  const Py_ssize_t[::1] head_len__h, uint8_t[:, :, ::1] c__hcb,
+                  uint16_t[:, :, ::1] p__hbq, float[:, :, ::1] r__hrd):
+    """Append x[i, h] to every alive head h's 4-bit K (docs/kv4.md): row p = head_len[h] + i
+    goes to ring slot p % K4_RING; a row that completes a block of K4_BLOCK rows quantises the
+    block from the ring into codes c (rows) and parameters p (blocks).  The caller checked the
+    shapes and made room."""
+    cdef Py_ssize_t n = x__nhd.shape[0], nkv = x__nhd.shape[1], hd = x__nhd.shape[2]
+    cdef Py_ssize_t h, i, p
+    with nogil:
+        for h in range(nkv):
+            if alive__h[h]:
+                for i in range(n):
+                    p = head_len__h[h] + i
+                    memcpy(&r__hrd[h, p % KVC_K4_RING, 0], &x__nhd[i, h, 0], hd * sizeof(float))
+                    if p % KVC_K4_BLOCK == KVC_K4_BLOCK - 1:
+                        kvc_k4_quant_block(&r__hrd[h, 0, 0], p + 1 - KVC_K4_BLOCK, hd,
+                                           &c__hcb[h, p + 1 - KVC_K4_BLOCK, 0],
+                                           &p__hbq[h, p // KVC_K4_BLOCK, 0])
 
 
 def store_rows_v4(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive__h,
@@ -716,6 +802,9 @@ cdef class _Store:
     cdef const float[:, :, ::1] vs__hc1
     cdef const uint8_t[:, :, ::1] vc4__hcb
     cdef const uint16_t[:, :, ::1] vp__hcp
+    cdef const uint8_t[:, :, ::1] kc4__hcb
+    cdef const uint16_t[:, :, ::1] kp__hbq
+    cdef const float[:, :, ::1] kr__hrd
     cdef const float[:, ::1] vcol__hd
     cdef const Py_ssize_t[::1] head_len__h
     cdef Py_ssize_t nkv, cap              # the checked shape's KV groups and capacity
@@ -740,7 +829,18 @@ cdef class _Store:
         self.s.quant_k = 1 if rows.quant_k else 0
         self.s.quant_v = 1 if rows.quant_v else 0
         self.s.k_group = k_group
-        if self.s.quant_k:
+        self.s.head_len = &self.head_len__h[0] if self.nkv > 0 else NULL
+        if rows.k4:
+            self.kc4__hcb = rows.kc4
+            self.kp__hbq = rows.kp
+            self.kr__hrd = rows.kr
+            self.s.quant_k = KVC_K_Q4
+            self.s.kc4 = &self.kc4__hcb[0, 0, 0] if self.kc4__hcb.size > 0 else NULL
+            self.s.kp = &self.kp__hbq[0, 0, 0] if self.kp__hbq.size > 0 else NULL
+            self.s.kr = &self.kr__hrd[0, 0, 0] if self.kr__hrd.size > 0 else NULL
+            self.s.kcap = self.kc4__hcb.shape[1]
+            self.s.hd = self.kr__hrd.shape[2]
+        elif self.s.quant_k:
             self.s.kq = _ci8(self.kq__hcd)
             self.s.ks = _cf3(self.ks__hcg)
             self.s.kcap = self.kq__hcd.shape[1]
@@ -1080,7 +1180,8 @@ def attend_rows(rows, call):
     cdef Py_ssize_t n_imp = ca.imp__l.shape[0], nscr = KVC_SCRATCH_FLOATS(hd)
     cdef Py_ssize_t g, j, t, e, p, ga, gb, t0, t1, j0, j1, hi
     cdef int n_threads = ca.n_threads, imp_mode = ca.imp_mode
-    cdef bint quant_k = s.quant_k, quant_v = s.quant_v == KVC_V_Q8, par = pl.work > _PAR_WORK
+    cdef bint quant_k = s.quant_k == KVC_K_Q8, quant_v = s.quant_v == KVC_V_Q8
+    cdef bint k4 = s.quant_k == KVC_K_Q4, par = pl.work > _PAR_WORK
     cdef float *imp = &ca.imp__l[0] if n_imp > 0 else NULL
     cdef float *imp_tmp = NULL
     cdef float *dst
@@ -1114,6 +1215,8 @@ def attend_rows(rows, call):
                         use_threads_if=par):
             if quant_k:
                 q8.task_scores_i8(s, c, tasks + t)
+            elif k4:
+                q8.task_scores_k4(s, c, tasks + t, scratch + omp_get_thread_num() * nscr)
             else:
                 f32.task_scores(s, c, tasks + t)
 
@@ -1219,7 +1322,7 @@ def attend_blocked(rows, call):
     scr = _aligned64(<float *> pl.alloc((n_threads * nscr + 16) * sizeof(float)))
     c.qm = <float *> pl.alloc(nq * sizeof(float))
     c.ql = <float *> pl.alloc(nq * sizeof(float))
-    if s.quant_k:
+    if s.quant_k == KVC_K_Q8:
         _query_codes(pl, ca, s, par and nq * hd > _PAR_WORK)
 
     # ---- 1. outputs, running max and sum: one task per (group, block of positions) --------

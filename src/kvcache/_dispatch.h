@@ -48,7 +48,7 @@
  * scales, ks_stride per row, one per k_group channels); V is float32 (vf), int8 (vq codes, vs
  * one scale per row, vcol the frozen column field, nkv x hd) or 4-bit (vc4 codes, hd / 2
  * bytes per row, and vp, 2 * ceil(hd / 16) float16 parameters per row: _q4.h); quant_v is
- * KVC_V_F32, KVC_V_Q8 or KVC_V_Q4. */
+ * KVC_V_F32, KVC_V_Q8 or KVC_V_Q4, quant_k KVC_K_F32, KVC_K_Q8 or KVC_K_Q4. */
 typedef struct kvc_store {
     const float *kf;
     const int8_t *kq;
@@ -58,6 +58,10 @@ typedef struct kvc_store {
     const float *vs;
     const uint8_t *vc4;
     const uint16_t *vp;
+    const uint8_t *kc4;             /* 4-bit K (quant_k KVC_K_Q4, docs/kv4.md): codes, hd / 2 */
+    const uint16_t *kp;             /* bytes per row; per block of 16 rows 2 x hd float16; */
+    const float *kr;                /* the float32 ring, KVC_K4_RING rows per group */
+    const ptrdiff_t *head_len;      /* rows per group (4-bit K: its closed blocks) */
     const float *vcol;
     ptrdiff_t kcap, vcap;           /* rows per group of the K and V stores */
     ptrdiff_t ks_stride, vs_stride; /* scales per row (0 for a float32 component) */
@@ -137,6 +141,8 @@ typedef struct kvc_ops {
      * keys), their weighted values into acc ((j1 - j0) x hd); raw q8 scores (no scale) */
     void (*task_scores)(const kvc_store *s, const kvc_call *c, const kvc_task *t);
     void (*task_scores_i8)(const kvc_store *s, const kvc_call *c, const kvc_task *t);
+    void (*task_scores_k4)(const kvc_store *s, const kvc_call *c, const kvc_task *t,
+                           float *scratch);
     void (*task_values)(const kvc_store *s, const kvc_call *c, const kvc_task *t, float *acc,
                         float *scratch);
     void (*q8_rows)(const kvc_store *s, const kvc_call *c, const kvc_task *t);

@@ -35,6 +35,27 @@ static void kvc_entry_task_scores_i8(const kvc_store *s, const kvc_call *c, cons
                        c->probs + j0 * c->L, c->L);
 }
 
+/* Group g's 4-bit K as the scorer reads it. */
+KVC_INLINE kvc_k4 kvc_entry_k4(const kvc_store *s, ptrdiff_t g)
+{
+    kvc_k4 k;
+    const ptrdiff_t hd = s->hd;
+    k.codes = s->kc4 ? s->kc4 + g * s->kcap * (hd / 2) : NULL;
+    k.par = s->kp ? s->kp + g * ((s->kcap + KVC_K4_BLOCK - 1) / KVC_K4_BLOCK) * 2 * hd : NULL;
+    k.ring = s->kr ? s->kr + g * KVC_K4_RING * hd : NULL;
+    k.qlen = s->head_len ? s->head_len[g] / KVC_K4_BLOCK * KVC_K4_BLOCK : 0;
+    return k;
+}
+
+static void kvc_entry_task_scores_k4(const kvc_store *s, const kvc_call *c, const kvc_task *t,
+                                     float *scratch)
+{
+    const ptrdiff_t hd = s->hd, j0 = t->j0;
+    kvc_k4 k = kvc_entry_k4(s, t->g);
+    kvc_task_scores_k4(&k, c->q + j0 * hd, t->j1 - j0, c->qf + j0, c->qe + j0, t->p0, t->p1,
+                       hd, c->scale, c->softcap, c->probs + j0 * c->L, c->L, scratch);
+}
+
 static void kvc_entry_task_values(const kvc_store *s, const kvc_call *c, const kvc_task *t,
                                   float *acc, float *scratch)
 {
@@ -74,9 +95,10 @@ static void kvc_entry_pf_task(const kvc_store *s, const kvc_call *c, const kvc_t
                               float *scratch)
 {
     const ptrdiff_t hd = s->hd, j0 = t->j0, g = t->g, ng = KVC_I8_GROUPS(hd, s->k_group);
+    kvc_k4 k4 = kvc_entry_k4(s, g);
     kvc_pf_task(c->q + j0 * hd, t->j1 - j0, c->qf + j0, c->qe + j0,
                 KVC_AT(s->kf, g * s->kcap * hd), KVC_AT(s->kq, g * s->kcap * hd),
-                KVC_AT(s->ks, g * s->kcap * s->ks_stride), s->ks_stride, s->quant_k,
+                KVC_AT(s->ks, g * s->kcap * s->ks_stride), s->ks_stride, s->quant_k, &k4,
                 KVC_AT(s->vf, g * s->vcap * hd), KVC_AT(s->vq, g * s->vcap * hd),
                 KVC_AT(s->vs, g * s->vcap * s->vs_stride), s->vs_stride, s->quant_v,
                 KVC_AT(s->vc4, g * s->vcap * (hd / 2)),
@@ -90,10 +112,11 @@ static void kvc_entry_pf_imp(const kvc_store *s, const kvc_call *c, const kvc_ta
                              float *colsum, float *scratch)
 {
     const ptrdiff_t hd = s->hd, j0 = t->j0, g = t->g, ng = KVC_I8_GROUPS(hd, s->k_group);
+    kvc_k4 k4 = kvc_entry_k4(s, g);
     kvc_pf_imp_group(c->q + j0 * hd, t->j1 - j0, c->qf + j0, c->qe + j0, c->qm + j0,
                      c->ql + j0, KVC_AT(s->kf, g * s->kcap * hd),
                      KVC_AT(s->kq, g * s->kcap * hd), KVC_AT(s->ks, g * s->kcap * s->ks_stride),
-                     s->ks_stride, s->quant_k, hd, c->scale, c->softcap, t->p0, t->p1, colsum,
+                     s->ks_stride, s->quant_k, &k4, hd, c->scale, c->softcap, t->p0, t->p1, colsum,
                      scratch, s->k_group, KVC_AT(c->qi, j0 * KVC_I8_PAD(hd)),
                      KVC_AT(c->qsc, j0 * ng), KVC_AT(c->qsum, j0 * ng));
 }

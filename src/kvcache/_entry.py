@@ -41,7 +41,8 @@ from ._validate import as_int
 
 __all__ = ["AttendCall", "MlaCall", "O1Absorb", "O1Shape", "O1State", "O1Step", "Rows",
            "RowsBinding", "RowsShape", "check_call", "check_mla_attend", "check_o1_absorb",
-           "check_o1_call", "check_o1_state", "check_q8_scores", "check_quantize_query",
+           "check_k4_scores", "check_o1_call", "check_o1_state", "check_q8_scores",
+           "check_quantize_query",
            "check_rows", "k_group_of"]
 
 F32 = npt.NDArray[np.float32]
@@ -52,6 +53,11 @@ I32 = npt.NDArray[np.int32]
 IP = npt.NDArray[np.intp]
 # the O(1) twins also run on float64 state (the streaming reference)
 FA = npt.NDArray[np.floating[Any]]
+
+K4_BLOCK = 16
+"""Rows per block of 4-bit K (docs/kv4.md; ``_q4.h``'s KVC_K4_BLOCK, checked by ``_core``)."""
+K4_RING = 48
+"""Float32 rows per KV head in 4-bit K's ring (``_q4.h``'s KVC_K4_RING, checked by ``_core``)."""
 
 COUNT_MAX = 1 << 62
 """The largest count, length or row index a kernel accepts (sums of them fit Py_ssize_t)."""
@@ -77,6 +83,7 @@ class Rows(NamedTuple):
     channels per K scale (16 or 32), or 0 to read it from the scales per row
     (:func:`k_group_of`).  4-bit V (``v4``) is read from ``vc4`` and ``vp`` (float16 as
     uint16 bits; the layout is ``_q4.h``'s); ``vf``, ``vq`` and ``vs`` are then unused.
+    4-bit K (``k4``) likewise from ``kc4``, ``kp`` and ``kr`` (docs/kv4.md).
     """
 
     kf: F32          # (nkv, capacity, hd) float32 K
@@ -93,6 +100,10 @@ class Rows(NamedTuple):
     vc4: Optional[U8] = None    # (nkv, capacity, hd / 2) 4-bit V codes (docs/kv4.md)
     vp: Optional[U16] = None    # (nkv, capacity, 2 * ceil(hd / 16)) their float16 parameters
     v4: bool = False            # V is 4-bit (vc4, vp); quant_v is then False
+    kc4: Optional[U8] = None    # (nkv, capacity, hd / 2) 4-bit K codes of the closed blocks
+    kp: Optional[U16] = None    # (nkv, ceil(capacity / 16), 2 * hd) their float16 parameters
+    kr: Optional[F32] = None    # (nkv, 48, hd) the float32 ring of the last rows
+    k4: bool = False            # K is 4-bit (kc4, kp, kr); quant_k is then False
 
     @classmethod
     def float32(cls, kf: F32, vf: F32, head_len: IP, k_groups: int) -> Rows:
@@ -297,7 +308,26 @@ def check_rows(rows: Rows) -> RowsShape:
     vs = _array("vs", rows.vs, _F32, 3)
     vcol = _array("vcol", rows.vcol, _F32, 2)
     k_group = _count("k_group", rows.k_group, 0, 32)
-    if rows.quant_k:
+    k4 = rows.k4
+    if type(k4) is not bool:
+        raise TypeError(f"k4: expected a bool, got {type(k4).__name__}")
+    if k4:
+        if rows.quant_k:
+            raise ValueError("k4: 4-bit K and quant_k (int8 K) are exclusive")
+        kc4 = _array("kc4", rows.kc4, _U8, 3)
+        kp = _array("kp", rows.kp, _U16, 3)
+        kr = _array("kr", rows.kr, _F32, 3)
+        kcap, hd = kc4.shape[1], kr.shape[2]
+        k_group = 16
+        if hd % 8 or hd < 1:
+            raise ValueError(f"4-bit K: head_dim must be a multiple of 8, got {hd}")
+        if kc4.shape[0] < nkv or kc4.shape[2] != hd // 2 or kp.shape[0] < nkv \
+                or kp.shape[1] != -(-kcap // K4_BLOCK) or kp.shape[2] != 2 * hd \
+                or kr.shape[0] < nkv or kr.shape[1] != K4_RING:
+            raise ValueError(f"4-bit K: expected kc4 (nkv, capacity, head_dim / 2), kp (nkv, "
+                             f"ceil(capacity / {K4_BLOCK}), 2 * head_dim) and kr (nkv, "
+                             f"{K4_RING}, head_dim)")
+    elif rows.quant_k:
         kcap, hd = kq.shape[1], kq.shape[2]
         k_group = k_group_of(hd, ks.shape[2], k_group)
         if kq.shape[0] < nkv or ks.shape[0] < nkv or ks.shape[1] != kcap \
@@ -594,6 +624,28 @@ def check_quantize_query(q: F32, qi: I8, sq: F32, qsum: I32, group: int) -> None
             or qsum.shape != (nq, ng):
         raise ValueError("quantize_query: expected qi (nq, ceil(hd/32)*32), sq and qsum "
                          "(nq, ceil(hd/group))")
+
+
+def check_k4_scores(q: object, kc: object, kp: object, kr: object, n: object,
+                    out: object) -> int:
+    """The checks of ``_core.k4_scores``: q (nq, hd) float32 with hd a multiple of 8, kc
+    (cap, hd / 2) uint8, kp (ceil(cap / 16), 2 * hd) uint16, kr (K4_RING, hd) float32,
+    0 <= n <= cap, out (nq, n) float32 writable.  Returns n."""
+    qa = _array("q", q, _F32, 2)
+    kca = _array("kc", kc, _U8, 2)
+    kpa = _array("kp", kp, _U16, 2)
+    kra = _array("kr", kr, _F32, 2)
+    outa = _array("out", out, _F32, 2, writable=True)
+    rows = _count("n", n, 0)
+    nq, hd = qa.shape
+    if hd < 8 or hd % 8 or kca.shape[1] != hd // 2 or kpa.shape[1] != 2 * hd \
+            or kra.shape != (K4_RING, hd) or rows > kca.shape[0] \
+            or kpa.shape[0] != -(-kca.shape[0] // K4_BLOCK) or outa.shape != (nq, rows):
+        raise ValueError(f"k4_scores: expected q (nq, hd) with hd a multiple of 8, kc (cap, "
+                         f"hd / 2), kp (ceil(cap / {K4_BLOCK}), 2 * hd), kr ({K4_RING}, hd), "
+                         f"n <= cap and out (nq, n); got q {qa.shape}, kc {kca.shape}, kp "
+                         f"{kpa.shape}, kr {kra.shape}, n {rows}, out {outa.shape}")
+    return rows
 
 
 def check_q8_scores(q: F32, kq: I8, ks: F32, out: F32, k_group: int) -> int:

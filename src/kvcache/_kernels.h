@@ -675,6 +675,161 @@ static void kvc_task_scores_i8(ptrdiff_t group, const int8_t *qi, const float *s
 }
 
 /* ---------------------------------------------------------------------------------------
+ * 4-bit K scoring (docs/kv4.md, "4-bit K"): integer dot products per block.
+ *
+ *   block query  for a closed block b (rows 16 b .. 16 b + 15) with per-channel steps s and
+ *                minimums m (float16, read as float32): w[d] = q[d] * s[d] (one rounding),
+ *                bias = kvc_dot_f32(q, m, hd), and w quantised like a q8 query in groups of
+ *                16 channels (kvc_quant_query: codes wi, scales sw, NaN scale for a group
+ *                with a non-finite w);
+ *   row score    raw = the q8 raw score of wi against the row's codes (0..15) with every row
+ *                scale 1: acc = 0, acc = fmaf((float)isum_g, sw_g * 1, acc) over the groups in
+ *                order (_i8dot.h, kvc_i8_score1's bits); s = raw + bias;
+ *   open rows    rows at or past qlen = 16 * floor(head_len / 16) are float32 in the ring
+ *                (row p at slot p % KVC_K4_RING): s = kvc_dot_f32(q, row);
+ * then, as for every kind, s * scale and the softcap (kvc_scale_scores).
+ * ------------------------------------------------------------------------------------- */
+
+/* gcc 12 warns, in the portable unit only, that kvc_dot_f32's tail loop inlined below could
+ * run 2^62 times (-Waggressive-loop-optimizations): it cannot see that hd is a head dim.  The
+ * warning is off for the 4-bit K scorer alone. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Waggressive-loop-optimizations"
+#endif
+
+/* One KV group's 4-bit K: codes (rows of hd / 2 bytes), block parameters (2 * hd float16 per
+ * block: steps, then minimums), the float32 ring (KVC_K4_RING x hd), and qlen, the rows held
+ * as codes (a multiple of KVC_K4_BLOCK). */
+typedef struct kvc_k4 {
+    const uint8_t *codes;
+    const uint16_t *par;
+    const float *ring;
+    ptrdiff_t qlen;
+} kvc_k4;
+
+/* Rows [0, n) of a block, unpacked to one int8 code (0..15) per channel: dst[r * hd + d]. */
+KVC_INLINE void kvc_k4_unpack(const uint8_t *restrict codes, ptrdiff_t n, ptrdiff_t hd,
+                              int8_t *restrict dst)
+{
+    ptrdiff_t r, c0, i;
+    for (r = 0; r < n; ++r) {
+        const uint8_t *b = codes + r * (hd / 2);
+        int8_t *o = dst + r * hd;
+        for (c0 = 0; c0 < hd; c0 += 32) {
+            ptrdiff_t h = (hd - c0 < 32 ? hd - c0 : 32) / 2;
+            for (i = 0; i < h; ++i) {
+                o[c0 + i] = (int8_t)(b[c0 / 2 + i] & 15);
+                o[c0 + h + i] = (int8_t)(b[c0 / 2 + i] >> 4);
+            }
+        }
+    }
+}
+
+/* Block b's parameters as float32: pf[d] the step, pf[hd + d] the minimum of channel d. */
+KVC_INLINE void kvc_k4_params(const uint16_t *restrict par, ptrdiff_t hd, float *restrict pf)
+{
+    ptrdiff_t d;
+    for (d = 0; d < 2 * hd; ++d)
+        pf[d] = kvc_f16_to_f32(par[d]);
+}
+
+/* The scratch of one block scorer, carved from `scratch` (KVC_K4_SCRATCH(hd) floats). */
+typedef struct kvc_k4_scratch {
+    int8_t *unp;      /* KVC_K4_BLOCK x hd unpacked codes */
+    float *pf;        /* 2 x hd parameters */
+    float *w;         /* hd: the query times the steps */
+    int8_t *qi;       /* KVC_I8_PAD(hd) codes of w */
+    float *sq, *ones; /* KVC_I8_GROUPS(hd, 16) each */
+    int32_t *qsum;
+} kvc_k4_scratch;
+
+KVC_INLINE kvc_k4_scratch kvc_k4_carve(float *scratch, ptrdiff_t hd)
+{
+    kvc_k4_scratch k;
+    const ptrdiff_t ng = KVC_I8_GROUPS(hd, 16);
+    ptrdiff_t g;
+    k.unp = (int8_t *)scratch;
+    k.pf = scratch + 4 * hd;
+    k.w = k.pf + 2 * hd;
+    k.qi = (int8_t *)(k.w + hd);
+    k.sq = k.w + hd + KVC_I8_PAD(hd) / 4;
+    k.ones = k.sq + ng;
+    k.qsum = (int32_t *)(k.ones + ng);
+    for (g = 0; g < ng; ++g)
+        k.ones[g] = 1.0f;
+    return k;
+}
+
+/* Load closed block b (its rows unpacked, its parameters as float32) into k. */
+KVC_INLINE void kvc_k4_load_block(const kvc_k4 *K, ptrdiff_t b, ptrdiff_t hd, kvc_k4_scratch *k)
+{
+    kvc_k4_unpack(K->codes + b * KVC_K4_BLOCK * (hd / 2), KVC_K4_BLOCK, hd, k->unp);
+    kvc_k4_params(K->par + b * 2 * hd, hd, k->pf);
+}
+
+/* out[i] = the raw score (no scale) of query q against row r0 + i of the block loaded in k,
+ * i < n, r0 + n <= KVC_K4_BLOCK. */
+KVC_INLINE void kvc_k4_block_raw(const float *restrict q, ptrdiff_t hd, const kvc_k4_scratch *k,
+                                 ptrdiff_t r0, ptrdiff_t n, float *out)
+{
+    ptrdiff_t d, i;
+    float bias;
+    for (d = 0; d < hd; ++d)
+        k->w[d] = q[d] * k->pf[d];
+    kvc_quant_query(k->w, hd, 16, k->qi, k->sq, k->qsum);
+    bias = kvc_dot_f32(q, k->pf + hd, hd);
+    kvc_i8_rows(16, k->qi, k->sq, k->qsum, k->unp + r0 * hd, k->ones, 0, hd, n, out);
+    for (i = 0; i < n; ++i)
+        out[i] = out[i] + bias;
+}
+
+/* Raw scores (no scale) of queries [0, nq) (rows of q, stride hd) over the rows of [p0, p1)
+ * each sees ([qf[j], qe[j])): out[j * ldo + p - base]. */
+static void kvc_k4_raw(const kvc_k4 *K, const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
+                       const ptrdiff_t *qe, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd,
+                       float *out, ptrdiff_t ldo, ptrdiff_t base, float *scratch)
+{
+    kvc_k4_scratch k = kvc_k4_carve(scratch, hd);
+    ptrdiff_t b0, j, p;
+    for (b0 = p0 / KVC_K4_BLOCK * KVC_K4_BLOCK; b0 < p1 && b0 < K->qlen; b0 += KVC_K4_BLOCK) {
+        ptrdiff_t lo = b0 > p0 ? b0 : p0, hi = b0 + KVC_K4_BLOCK < p1 ? b0 + KVC_K4_BLOCK : p1;
+        int loaded = 0;
+        for (j = 0; j < nq; ++j) {
+            ptrdiff_t a = lo > qf[j] ? lo : qf[j], e = hi < qe[j] ? hi : qe[j];
+            if (a >= e)
+                continue;
+            if (!loaded) {
+                kvc_k4_load_block(K, b0 / KVC_K4_BLOCK, hd, &k);
+                loaded = 1;
+            }
+            kvc_k4_block_raw(q + j * hd, hd, &k, a - b0, e - a, out + j * ldo + a - base);
+        }
+    }
+    for (p = p0 > K->qlen ? p0 : K->qlen; p < p1; ++p) {
+        const float *row = K->ring + (p % KVC_K4_RING) * hd;
+        for (j = 0; j < nq; ++j)
+            if (p >= qf[j] && p < qe[j])
+                out[j * ldo + p - base] = kvc_dot_f32(q + j * hd, row, hd);
+    }
+}
+
+/* Scores of one decode task with 4-bit keys: probs[j * L + p] = score * scale, softcapped,
+ * for the rows of [p0, p1) query j sees. */
+static void kvc_task_scores_k4(const kvc_k4 *K, const float *q, ptrdiff_t nq,
+                               const ptrdiff_t *qf, const ptrdiff_t *qe, ptrdiff_t p0,
+                               ptrdiff_t p1, ptrdiff_t hd, float scale, float softcap,
+                               float *probs, ptrdiff_t L, float *scratch)
+{
+    kvc_k4_raw(K, q, nq, qf, qe, p0, p1, hd, probs, L, 0, scratch);
+    kvc_scale_scores(nq, qf, qe, p0, p1, scale, softcap, probs, L);
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+/* ---------------------------------------------------------------------------------------
  * O(1) Nystrom decode (docs/o1.md).  Per head; every reduction in a fixed
  * order, so a head's result does not depend on the thread count or on which other heads
  * share the call (a group's output is bit-identical to independent single-head states).

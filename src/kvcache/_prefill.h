@@ -363,6 +363,7 @@ KVC_INLINE void kvc_pf_pv(const float *P, int nr, const float *Vp, ptrdiff_t hdp
 KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                                  const ptrdiff_t *qe, const float *kf, const int8_t *kq,
                                  const float *ks, ptrdiff_t ks_stride, int quant_k,
+                                 const kvc_k4 *k4,
                                  const float *vf, const int8_t *vq, const float *vs,
                                  ptrdiff_t vs_stride, int quant_v, const uint8_t *vc4,
                                  const uint16_t *vp, const float *vcol,
@@ -406,7 +407,10 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
          * of queries (a burst of prefetches would stall on the miss buffers) */
         ptrdiff_t pf_next = t1, pf_end = hi < t1 + KVC_PF_TILE ? hi : t1 + KVC_PF_TILE;
         ptrdiff_t pf_step = (KVC_PF_TILE * KVC_PF_QR + (jb - ja) - 1) / (jb - ja);
-        if (quant_k) {
+        if (quant_k == KVC_K_Q4) {
+            kvc_k4_raw(k4, q + ja * hd, jb - ja, qf + ja, qe + ja, r0, r1, hd,
+                       S + ja * KVC_PF_TILE, KVC_PF_TILE, t0, Kp);
+        } else if (quant_k) {
             for (j = ja; j < jb; ++j)
                 kvc_i8_rows(group, qi + j * KVC_I8_PAD(hd),
                                 qsc + j * KVC_I8_GROUPS(hd, group),
@@ -432,7 +436,11 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
             int nr = jb - j < KVC_PF_QR ? (int)(jb - j) : KVC_PF_QR, i;
             if (pf_next < pf_end) {
                 ptrdiff_t p1 = pf_end - pf_next < pf_step ? pf_end : pf_next + pf_step;
-                if (quant_k) {
+                if (quant_k == KVC_K_Q4) {
+                    ptrdiff_t pq = p1 < k4->qlen ? p1 : k4->qlen;
+                    if (pf_next < pq)
+                        kvc_pf_prefetch(k4->codes, pf_next, pq, hd / 2);
+                } else if (quant_k) {
                     kvc_pf_prefetch(kq, pf_next, p1, hd);
                     kvc_pf_prefetch(ks, pf_next, p1, ks_stride * 4);
                 } else {
@@ -506,14 +514,14 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
  * address the inner loops; the arithmetic, and so every bit, is the same). */
 static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
                         const float *kf, const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
-                        int quant_k, const float *vf, const int8_t *vq, const float *vs,
+                        int quant_k, const kvc_k4 *k4, const float *vf, const int8_t *vq, const float *vs,
                         ptrdiff_t vs_stride, int quant_v, const uint8_t *vc4,
                         const uint16_t *vp, const float *vcol, ptrdiff_t hd,
                         float scale, float softcap, float *out, float *qm, float *ql,
                         float *scratch, ptrdiff_t group, const int8_t *qi,
                         const float *qsc, const int32_t *qsum)
 {
-#define KVC_PF_TASK(HD) kvc_pf_task_impl(q, nq, qf, qe, kf, kq, ks, ks_stride, quant_k, vf, vq, \
+#define KVC_PF_TASK(HD) kvc_pf_task_impl(q, nq, qf, qe, kf, kq, ks, ks_stride, quant_k, k4, vf, vq, \
                                          vs, vs_stride, quant_v, vc4, vp, vcol, HD, scale, \
                                          softcap, out, \
                                          qm, ql, scratch, group, qi, qsc, qsum)
@@ -534,7 +542,8 @@ static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const
 static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                              const ptrdiff_t *qe, const float *qm, const float *ql,
                              const float *kf, const int8_t *kq, const float *ks,
-                             ptrdiff_t ks_stride, int quant_k, ptrdiff_t hd, float scale,
+                             ptrdiff_t ks_stride, int quant_k, const kvc_k4 *k4,
+                             ptrdiff_t hd, float scale,
                              float softcap, ptrdiff_t t0, ptrdiff_t t1, float *colsum,
                              float *scratch, ptrdiff_t group, const int8_t *qi,
                              const float *qsc, const int32_t *qsum)
@@ -572,7 +581,10 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
         }
         if (c0 >= c1)
             continue;
-        if (quant_k) {
+        if (quant_k == KVC_K_Q4) {
+            kvc_k4_raw(k4, q + j * hd, nr, qf + j, qe + j, t0 + c0, t0 + c1, hd, S,
+                       KVC_PF_IMP_ROWS, t0, Kp);
+        } else if (quant_k) {
             for (i = 0; i < nr; ++i)
                 kvc_i8_rows(group, qi + (j + i) * KVC_I8_PAD(hd),
                                 qsc + (j + i) * KVC_I8_GROUPS(hd, group),

@@ -88,6 +88,27 @@ KVC_Q4_INLINE void kvc_v4_place(ptrdiff_t hd, ptrdiff_t d, ptrdiff_t *byte, int 
     *shift = i < n / 2 ? 0 : 4;
 }
 
+/* A group's float16 step and minimum from its extremes lo, hi (bad: it holds a non-finite
+ * value), or NaN for both when the group cannot be stored; returns whether it can. */
+KVC_Q4_INLINE int kvc_q4_params_of(float lo, float hi, int bad, uint16_t *s16, uint16_t *m16)
+{
+    if (!bad) {
+        *m16 = kvc_f32_to_f16(lo);
+        *s16 = kvc_f32_to_f16((hi - lo) / 15.0f);
+        bad = (*m16 & 0x7c00u) == 0x7c00u || (*s16 & 0x7c00u) == 0x7c00u;
+    }
+    if (bad)
+        *s16 = *m16 = KVC_V4_NAN16;
+    return !bad;
+}
+
+/* The code of x in a group with minimum m and step s > 0 (read back from float16). */
+KVC_Q4_INLINE int kvc_q4_code(float x, float m, float s)
+{
+    float t = floorf((x - m) / s + 0.5f);
+    return t < 0.0f ? 0 : t > 15.0f ? 15 : (int)t;
+}
+
 /* Quantise one row x (hd floats) into codes (hd / 2 bytes) and par (2 * KVC_V4_NG(hd)). */
 static inline void kvc_v4_quant_row(const float *restrict x, ptrdiff_t hd, uint8_t *restrict codes,
                              uint16_t *restrict par)
@@ -106,28 +127,66 @@ static inline void kvc_v4_quant_row(const float *restrict x, ptrdiff_t hd, uint8
             lo = v < lo ? v : lo;
             hi = v > hi ? v : hi;
         }
-        if (!bad) {
-            m16 = kvc_f32_to_f16(lo);
-            s16 = kvc_f32_to_f16((hi - lo) / 15.0f);
-            bad = (m16 & 0x7c00u) == 0x7c00u || (s16 & 0x7c00u) == 0x7c00u;
-        }
-        if (bad) {
-            par[2 * g] = par[2 * g + 1] = KVC_V4_NAN16;
-            continue;
-        }
+        int ok = kvc_q4_params_of(lo, hi, bad, &s16, &m16);
         par[2 * g] = s16;
         par[2 * g + 1] = m16;
         s = kvc_f16_to_f32(s16);
         m = kvc_f16_to_f32(m16);
-        if (!(s > 0.0f))
+        if (!ok || !(s > 0.0f))
             continue;                         /* a constant group (or a step below float16) */
         for (d = d0; d < d1; ++d) {
-            float t = floorf((x[d] - m) / s + 0.5f);
-            int c = t < 0.0f ? 0 : t > 15.0f ? 15 : (int)t;
             ptrdiff_t byte;
             int shift;
             kvc_v4_place(hd, d, &byte, &shift);
-            codes[byte] = (uint8_t)(codes[byte] | (c << shift));
+            codes[byte] = (uint8_t)(codes[byte] | (kvc_q4_code(x[d], m, s) << shift));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * 4-bit K (docs/kv4.md): per channel over blocks of KVC_K4_BLOCK rows.  A KV head keeps
+ * its last KVC_K4_RING rows as float32 in a ring (row p at slot p % KVC_K4_RING); when row p
+ * completes a block (p % KVC_K4_BLOCK == KVC_K4_BLOCK - 1) the block is quantised from the
+ * ring: per channel c over the block's rows, lo = min, hi = max, m = f16(lo),
+ * s = f16((hi - lo) / 15), code = clamp(floor((x - m) / s + 0.5), 0, 15) (0 when s is 0), a
+ * channel with a non-finite value or m, s beyond float16 stored as m = s = NaN (codes 0).
+ * Codes: one row of the block per row of the store, in the V row layout (kvc_v4_place);
+ * parameters: per block 2 * hd float16, the hd steps then the hd minimums.
+ * ------------------------------------------------------------------------------------- */
+#define KVC_K4_BLOCK 16
+#define KVC_K4_RING 48
+
+/* Quantise the block of rows [p0, p0 + KVC_K4_BLOCK) held in ring (KVC_K4_RING x hd) into
+ * codes (KVC_K4_BLOCK rows of hd / 2 bytes) and par (2 * hd). */
+static inline void kvc_k4_quant_block(const float *restrict ring, ptrdiff_t p0, ptrdiff_t hd,
+                                      uint8_t *restrict codes, uint16_t *restrict par)
+{
+    ptrdiff_t c, r;
+    memset(codes, 0, (size_t)(KVC_K4_BLOCK * (hd / 2)));
+    for (c = 0; c < hd; ++c) {
+        float lo = ring[(p0 % KVC_K4_RING) * hd + c], hi = lo, m, s;
+        int bad = 0;
+        uint16_t m16, s16;
+        ptrdiff_t byte;
+        int shift;
+        for (r = 0; r < KVC_K4_BLOCK; ++r) {
+            float v = ring[((p0 + r) % KVC_K4_RING) * hd + c];
+            if (!isfinite(v))
+                bad = 1;
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        int ok = kvc_q4_params_of(lo, hi, bad, &s16, &m16);
+        par[c] = s16;
+        par[hd + c] = m16;
+        s = kvc_f16_to_f32(s16);
+        m = kvc_f16_to_f32(m16);
+        if (!ok || !(s > 0.0f))
+            continue;
+        kvc_v4_place(hd, c, &byte, &shift);
+        for (r = 0; r < KVC_K4_BLOCK; ++r) {
+            int code = kvc_q4_code(ring[((p0 + r) % KVC_K4_RING) * hd + c], m, s);
+            codes[r * (hd / 2) + byte] = (uint8_t)(codes[r * (hd / 2) + byte] | (code << shift));
         }
     }
 }

@@ -12,6 +12,17 @@
  * 16 channels; the other passes read the rows in place). */
 #define KVC_SCRATCH_FLOATS(hd) (5 * KVC_VROWS + KVC_VROWS * 2 * (((hd) + 15) / 16))
 
+/* Floats of scratch the 4-bit K scorer needs (_kernels.h, kvc_k4_carve): a block's unpacked
+ * codes (16 x hd bytes), its parameters (2 hd), the query times the steps (hd), its codes,
+ * scales, ones and code sums.  Less than KVC_SCRATCH_FLOATS(hd) and than the prompt kernel's
+ * K tile (64 x hd), which hold it in the decode and prompt passes. */
+#define KVC_K4_SCRATCH(hd) (7 * (hd) + KVC_I8_PAD(hd) / 4 + 3 * KVC_I8_GROUPS(hd, 16) + 8)
+
+/* the K kinds a kvc_store's quant_k holds: float32, int8, 4-bit */
+#define KVC_K_F32 0
+#define KVC_K_Q8 1
+#define KVC_K_Q4 2
+
 /* the V kinds a kvc_store's quant_v holds: float32, int8, 4-bit */
 #define KVC_V_F32 0
 #define KVC_V_Q8 1

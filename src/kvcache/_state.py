@@ -14,6 +14,9 @@ Storage (as the layer keeps it: head-major, ``cap`` rows per head of which the f
 * V: float32 rows ``vf`` (G, cap, D), or int8 rows ``vq`` (G, cap, D) with scales
   ``vs`` (G, cap, 1), or 4-bit rows ``vc`` (G, cap, D / 2) uint8 with their float16 steps
   and minimums ``vp`` (G, cap, 2 * ceil(D / 16)) as uint16 bits (docs/kv4.md);
+* 4-bit K (docs/kv4.md): codes ``kc`` (G, cap, D / 2) uint8 of the closed blocks, their
+  parameters ``kp`` (G, ceil(cap / 16), 2 * D) uint16 (float16 bits), the float32 ring ``kr``
+  (G, 48, D) of each head's last 48 rows (row i at slot i % 48);
 * the column fields ``kcol``/``vcol`` (G, D), rows of ones where ``kcol_on``/``vcol_on``
   (G,) uint8 is 0 (always 0 unless the mode's int8 scheme is "cmf");
 * ``importance`` (n,) float32 for the first n <= seq_len positions;
@@ -38,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import quant
+from ._entry import K4_BLOCK, K4_RING
 from .modes import KvMode
 from .o1 import O1Collecting, O1Sealed
 
@@ -78,12 +82,16 @@ class LayerState:
     owned: bool = False
     vc: Optional[npt.NDArray[np.uint8]] = None
     vp: Optional[npt.NDArray[np.uint16]] = None
+    kc: Optional[npt.NDArray[np.uint8]] = None
+    kp: Optional[npt.NDArray[np.uint16]] = None
+    kr: Optional[npt.NDArray[np.float32]] = None
 
     # ---------------------------------------------------------------- derived
     def stores(self) -> dict[str, npt.NDArray[Any]]:
         """The (G, cap, width) row stores this mode uses, by name (``kf`` or ``kq``, ``ks``;
         ``vf`` or ``vq``, ``vs``), in that order."""
-        names: tuple[str, ...] = ("kq", "ks") if self.mode.quant_k else ("kf",)
+        names: tuple[str, ...] = (("kq", "ks") if self.mode.quant_k
+                                  else ("kc", "kp", "kr") if self.mode.k4 else ("kf",))
         names += ("vq", "vs") if self.mode.quant_v else ("vc", "vp") if self.mode.v4 else ("vf",)
         out: dict[str, npt.NDArray[Any]] = {}
         for name in names:
@@ -125,18 +133,22 @@ class LayerState:
         ngk = quant.k_scale_count(hd, self.mode.scheme) if self.mode.quant_k else 0
         if self.mode.v4:
             quant.check_v4_head_dim(hd)
+        if self.mode.k4:
+            quant.check_k4_head_dim(hd)
         widths: dict[str, tuple[int, np.dtype[Any]]] = {
             "kf": (hd, F32), "kq": (hd, I8), "ks": (ngk, F32),
             "vf": (hd, F32), "vq": (hd, I8), "vs": (1, F32),
-            "vc": (hd // 2, U8), "vp": (2 * quant.n_groups(hd, quant.V4_GROUP), U16)}
+            "vc": (hd // 2, U8), "vp": (2 * quant.n_groups(hd, quant.V4_GROUP), U16),
+            "kc": (hd // 2, U8), "kp": (2 * hd, U16), "kr": (hd, F32)}
         stores = self.stores()
         for name in widths:
             if name not in stores and getattr(self, name) is not None:
                 raise ValueError(f"state.{name}: {self.mode!r} does not store it; expected None")
         cap = self.capacity
+        rows = {"kp": -(-cap // K4_BLOCK), "kr": K4_RING}     # 4-bit K: blocks, the ring
         for name, arr in stores.items():
             width, dtype = widths[name]
-            _check(name, arr, dtype, (nkv, cap, width), self.owned)
+            _check(name, arr, dtype, (nkv, rows.get(name, cap), width), self.owned)
         if int(self.lengths.max(initial=0)) > cap:
             raise ValueError(f"state.lengths: a head holds {int(self.lengths.max())} rows, the "
                              f"stores hold {cap}")

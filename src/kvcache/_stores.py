@@ -3,6 +3,8 @@
 A layer holds two stores, one for K and one for V, each of one storage kind:
 
 * :class:`F32Rows` -- float32 rows ``f`` (nkv, cap, hd);
+* :class:`K4Rows` -- 4-bit K per channel over blocks of 16 rows, codes ``c``, block parameters
+  ``p`` and a float32 ring ``r`` of the last 48 rows (docs/kv4.md);
 * :class:`V4Rows` -- 4-bit V rows ``c`` (nkv, cap, hd / 2) and their float16 parameters ``p``
   (docs/kv4.md);
 * :class:`Q8Rows` -- int8 rows ``q`` (nkv, cap, hd) and float32 scales ``s`` (nkv, cap, ng),
@@ -35,9 +37,10 @@ import numpy.typing as npt
 
 from . import _core, quant
 from ._state import LayerState
+from ._entry import K4_BLOCK, K4_RING
 from .modes import KvMode
 
-__all__ = ["F32Rows", "Q8Rows", "RowStore", "V4Rows", "from_state", "stores_for"]
+__all__ = ["F32Rows", "K4Rows", "Q8Rows", "RowStore", "V4Rows", "from_state", "stores_for"]
 
 F32 = npt.NDArray[np.float32]
 I8 = npt.NDArray[np.int8]
@@ -119,8 +122,20 @@ class RowStore:
         raise NotImplementedError
 
     def packed(self) -> tuple[Optional[U8], Optional[U16]]:
-        """The 4-bit arrays (codes, float16 parameters as uint16), or (None, None)."""
+        """The 4-bit V arrays (codes, float16 parameters as uint16), or (None, None)."""
         return None, None
+
+    def k4(self) -> Optional[tuple[U8, U16, F32]]:
+        """The 4-bit K arrays (codes, block parameters, ring), or None."""
+        return None
+
+    def bytes_held(self, lengths: IP) -> int:
+        """Bytes of the rows the heads hold (``lengths[h]`` each): what ``memory_bytes``
+        counts."""
+        return int(lengths.sum()) * self.row_bytes
+
+    def truncated(self, old: IP, new: IP) -> None:
+        """The layer dropped each head's rows past ``new[h]`` (it held ``old[h]``)."""
 
 
 class F32Rows(RowStore):
@@ -208,8 +223,86 @@ class V4Rows(RowStore):
         return self.c, self.p
 
 
+class K4Rows(RowStore):
+    """4-bit K (docs/kv4.md): per channel over blocks of ``K4_BLOCK`` (16) rows.  Codes ``c``
+    (nkv, cap, hd / 2) uint8 of the closed blocks; their parameters ``p`` (nkv,
+    ceil(cap / 16), 2 * hd) float16 as uint16 bits (per block the hd steps, then the hd
+    minimums); the float32 ring ``r`` (nkv, K4_RING, hd) of each head's last 48 rows (row
+    ``i`` at slot ``i % 48``), which holds the open block and lets a rollback of up to 32 rows
+    reopen blocks from their original values.  Head h's rows below ``16 * (len // 16)`` are
+    read as codes, the others from the ring."""
+
+    quantised = True
+    _names = ("c", "p", "r")
+
+    def __init__(self, nkv: int, hd: int, row_bytes: int) -> None:
+        quant.check_k4_head_dim(hd)
+        super().__init__(nkv, hd, row_bytes)
+        self.c: U8 = np.zeros((nkv, 0, hd // 2), dtype=np.uint8)
+        self.p: U16 = np.zeros((nkv, 0, 2 * hd), dtype=np.uint16)
+        self.r: F32 = np.zeros((nkv, K4_RING, hd), dtype=_F32)
+
+    def grown(self, cap: int, used: int) -> K4Rows:
+        new = copy.copy(self)
+        nb, used_b = -(-cap // K4_BLOCK), used // K4_BLOCK
+        new.c = np.empty((self.nkv, cap, self.hd // 2), dtype=np.uint8)
+        new.c[:, :used] = self.c[:, :used]
+        new.p = np.empty((self.nkv, nb, 2 * self.hd), dtype=np.uint16)
+        new.p[:, :used_b] = self.p[:, :used_b]
+        new.r = self.r.copy()
+        return new
+
+    def write(self, x3: F32, live: U8, lengths: IP) -> None:
+        _core.store_rows_k4(x__nhd=x3, alive__h=live, head_len__h=lengths, c__hcb=self.c,
+                            p__hbq=self.p, r__hrd=self.r)
+
+    def values(self, h: int, n: int) -> F32:
+        """Head h's first ``n`` rows as float32: the ring's rows (the last 48, originals unless
+        a deep rollback or a load left images there), the codes' values before them."""
+        out = quant.k4_values(self.c[h], self.p[h], n)
+        lo = max(0, n - K4_RING)
+        for i in range(lo, n):
+            out[i] = self.r[h, i % K4_RING]
+        return out
+
+    def truncated(self, old: IP, new: IP) -> None:
+        for h in range(self.nkv):
+            o, n = int(old[h]), int(new[h])
+            lo, hi = max(0, n - K4_RING), min(n, o - K4_RING)
+            if hi > lo:            # slots overwritten since: the rows' values from the codes
+                # (rows below o - 48 are in blocks that were closed, so whole blocks up to hi)
+                vals = quant.k4_values(self.c[h], self.p[h], -(-hi // K4_BLOCK) * K4_BLOCK)
+                for i in range(lo, hi):
+                    self.r[h, i % K4_RING] = vals[i]
+
+    def shift(self, h: int, n: int, keep_idx: Optional[IP] = None, drop: int = 0) -> None:
+        rows = self.values(h, n)
+        rows = rows[drop:n] if keep_idx is None else rows[keep_idx]
+        x3 = np.zeros((rows.shape[0], self.nkv, self.hd), dtype=_F32)
+        x3[:, h] = rows
+        live = np.zeros(self.nkv, dtype=np.uint8)
+        live[h] = 1
+        self.write(x3, live, np.zeros(self.nkv, dtype=np.intp))
+
+    def frozen_col(self) -> Optional[F32]:
+        return None
+
+    def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
+        return None, None, None
+
+    def k4(self) -> Optional[tuple[U8, U16, F32]]:
+        return self.c, self.p, self.r
+
+    def bytes_held(self, lengths: IP) -> int:
+        q = (lengths // K4_BLOCK) * K4_BLOCK
+        return int((q * (self.hd // 2) + q // K4_BLOCK * 4 * self.hd
+                    + np.minimum(lengths, K4_RING) * 4 * self.hd).sum())
+
+
 def _store(c: str, mode: KvMode, nkv: int, hd: int) -> RowStore:
     """An empty store of component ``c`` ("k" or "v") in ``mode``."""
+    if c == "k" and mode.k4:
+        return K4Rows(nkv, hd, quant.k4_row_bytes(hd))
     if c == "k" and mode.quant_k:
         return Q8Rows(nkv, hd, quant.k_row_bytes(hd, scheme=mode.scheme),
                       quant.k_group(mode.scheme), mode.freezes_columns)

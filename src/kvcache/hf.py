@@ -165,7 +165,9 @@ def parse_mode(mode: KvMode | str | None) -> KvMode:
         ``None`` reads ``KVCACHE_KV`` (:meth:`KvMode.from_env`, float32 when unset); strings
         are ``"f32"``, ``"q8"`` (int8 K and V), ``"q8k"`` (int8 K only) or ``"q8v"`` (int8 V
         only), in the default int8 scheme "rows", or the same with ``":cmf"`` (e.g.
-        ``"q8:cmf"``) for the legacy column-freeze scheme; case-insensitive.
+        ``"q8:cmf"``) for the legacy column-freeze scheme, the 4-bit modes ``"q4"``,
+        ``"k8v4"``, ``"q4v"``, ``"q4k"``, ``"k4v8"`` (docs/kv4.md) and anything else
+        :meth:`KvMode.parse` takes; case-insensitive.
 
     Returns
     -------

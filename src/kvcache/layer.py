@@ -390,6 +390,23 @@ class LayerKvCache:
         return (None if k is None else readonly(k[0]), None if k is None else readonly(k[1]),
                 None if v is None else readonly(v[0]), None if v is None else readonly(v[1][:, 0]))
 
+    def k4_rows(self, h: int) -> tuple[Optional[npt.NDArray[np.uint8]],
+                                       Optional[npt.NDArray[np.float16]], Optional[F32]]:
+        """Read-only views of head h's 4-bit K (docs/kv4.md): (codes, params, ring), or
+        (None, None, None) when K is not 4-bit.
+
+        codes (q, head_dim / 2) uint8 of the q = 16 * (head_len // 16) rows in closed blocks,
+        in the layout of docs/kv4.md; params (q / 16, 2 * head_dim) float16, per block the
+        head_dim steps then the head_dim minimums; ring (48, head_dim) float32, row i of the
+        last 48 at slot i % 48 (the rows from q on are read from it)."""
+        h = as_index("kv_head", h, self._nkv)
+        q = int(self._len[h]) // 16 * 16
+        k4 = self._k.k4()
+        if k4 is None:
+            return None, None, None
+        c, p, r = k4
+        return readonly(c[h, :q]), readonly(p[h, : q // 16].view(np.float16)), readonly(r[h])
+
     def v4_rows(self, h: int) -> tuple[Optional[npt.NDArray[np.uint8]],
                                        Optional[npt.NDArray[np.float16]]]:
         """Read-only views of head h's 4-bit V rows (docs/kv4.md): (codes, params), or
@@ -440,11 +457,14 @@ class LayerKvCache:
         kf, kq, ks = self._k.parts()
         vf, vq, vs = self._v.parts()
         vc, vp = self._v.packed()
+        k4 = self._k.k4()
+        kc, kp, kr = k4 if k4 is not None else (None, None, None)
         ef, eq = self._empty_f, self._empty_q
         return Rows(ef if kf is None else kf, eq if kq is None else kq,
                     self._empty_ks if ks is None else ks, ef if vf is None else vf,
                     eq if vq is None else vq, self._empty_s if vs is None else vs, self._v.col,
-                    self._len, self._k.quantised, self._mode.quant_v, 0, vc, vp, vc is not None)
+                    self._len, self._mode.quant_k, self._mode.quant_v, 0, vc, vp, vc is not None,
+                    kc, kp, kr, k4 is not None)
 
     def _bound_rows(self, kernels: ModuleType) -> RowsBinding:
         """The stored rows bound by ``kernels.bind_rows``: checked once and kept while the
@@ -641,7 +661,10 @@ class LayerKvCache:
         d = min(n, self._seq_len)
         if d == 0:
             return
+        old = self._len.copy()
         np.maximum(self._len - d, 0, out=self._len)
+        self._k.truncated(old, self._len)
+        self._v.truncated(old, self._len)
         self._imp_len = max(self._imp_len - d, 0)
         self._seq_len -= d
         self._gen.shrink(self._len)
@@ -716,11 +739,12 @@ class LayerKvCache:
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> int:
         """Bytes held by the rows, scales, frozen columns and linear state (row sizes:
-        :func:`kvcache.quant.k_row_bytes` and :func:`kvcache.quant.v_row_bytes`).
+        :func:`kvcache.quant.k_row_bytes`, :func:`kvcache.quant.v_row_bytes`,
+        :func:`kvcache.quant.v4_row_bytes`; 4-bit K: its codes and block parameters and its
+        float32 ring of up to 48 rows per head, docs/kv4.md).
 
         Counts lengths, not capacities; excludes importance and the linear scratch."""
-        rows = int(self._len.sum())
-        total = rows * (self._k.row_bytes + self._v.row_bytes)
+        total = self._k.bytes_held(self._len) + self._v.bytes_held(self._len)
         total += 4 * self._hd * int(self._k.col_on.sum() + self._v.col_on.sum())
         total += 4 * self._linear_state.size
         total += self.o1_memory_bytes()
@@ -736,6 +760,8 @@ class LayerKvCache:
         kf, kq, ks = self._k.parts()
         vf, vq, vs = self._v.parts()
         vc, vp = self._v.packed()
+        k4 = self._k.k4()
+        kc, kp, kr = k4 if k4 is not None else (None, None, None)
         return LayerState(
             mode=self._mode, num_kv_heads=self._nkv, head_dim=self._hd, seq_len=self._seq_len,
             lengths=readonly(self._len), kf=_readonly(kf), kq=_readonly(kq), ks=_readonly(ks),
@@ -745,7 +771,7 @@ class LayerKvCache:
             importance=readonly(self._imp[: self._imp_len]),
             linear_state=readonly(self._linear_state),
             linear_scratch=readonly(self._linear_scratch), o1=self._o1, vc=_readonly(vc),
-            vp=_readonly(vp))
+            vp=_readonly(vp), kc=_readonly(kc), kp=_readonly(kp), kr=_readonly(kr))
 
     def _install_state(self, state: LayerState, any_scheme: bool = False) -> None:
         """Replace everything the layer holds with ``state``, atomically.

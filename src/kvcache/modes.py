@@ -1,7 +1,7 @@
 """KvMode: the storage precision of a layer's K and V rows (``docs/numerics.md``, int8 storage;
 ``docs/kv4.md``, 4-bit storage).
 
-K and V are each stored in float32, int8 or (V only, for now) 4 bits, chosen independently.
+K and V are each stored in float32, int8 or 4 bits, chosen independently.
 
 Two int8 schemes (:data:`SCHEMES`):
 
@@ -14,12 +14,13 @@ Two int8 schemes (:data:`SCHEMES`):
 
 4-bit V (``docs/kv4.md``): each row in groups of 16 channels, asymmetric (a float16 minimum
 and step per group), codes 0..15 packed two per byte; a row's bytes depend only on its own
-values, like the int8 "rows" scheme.
+values, like the int8 "rows" scheme.  4-bit K: per channel over blocks of 16 rows, the open
+block (and the last 48 rows) kept in float32.
 
 Names (``parse``, ``from_env``, the CLI): "f32" ("float32"), "q8", "q8k", "q8v" (scheme
 "rows") and "q8:cmf", "q8k:cmf", "q8v:cmf" (scheme "cmf"); "q8:rows" and friends also parse;
-"k8v4" (int8 K in scheme "rows", 4-bit V; "k8v4:cmf" in scheme "cmf") and "q4v" (float32 K,
-4-bit V).  The general form "k<bits>v<bits>" with bits 32 (float32), 8 or 4 names the same
+"k8v4" (int8 K in scheme "rows", 4-bit V; "k8v4:cmf" in scheme "cmf"), "q4v" (float32 K,
+4-bit V), "q4" (4-bit K and V), "q4k" (4-bit K, float32 V) and "k4v8" (4-bit K, int8 V).  The general form "k<bits>v<bits>" with bits 32 (float32), 8 or 4 names the same
 modes ("k32v32" is "f32", "k8v8" is "q8").
 """
 
@@ -35,22 +36,23 @@ _ENV = "KVCACHE_KV"
 SCHEMES = ("rows", "cmf")
 """The int8 storage schemes, the default first."""
 DEFAULT_SCHEME = "rows"
-MODE_NAMES = ("f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "q8v:cmf", "k8v4", "k8v4:cmf",
-              "q4v")
+MODE_NAMES = ("f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "q8v:cmf", "q4", "k8v4",
+              "k8v4:cmf", "q4v", "q4k", "k4v8", "k4v8:cmf")
 """The names :meth:`KvMode.parse` documents (it also takes "float32", "<name>:rows" and the
 general "k<bits>v<bits>")."""
-K_BITS = (32, 8)
-"""The precisions K can be stored in: float32 (32) or int8 (8)."""
+K_BITS = (32, 8, 4)
+"""The precisions K can be stored in: float32 (32), int8 (8) or 4 bits (4)."""
 V_BITS = (32, 8, 4)
 """The precisions V can be stored in: float32 (32), int8 (8) or 4 bits (4)."""
 _NAMES_TEXT = ", ".join(repr(n) for n in MODE_NAMES)
 # name -> (K bits, V bits)
-_COMPONENTS = {"q8": (8, 8), "q8_2f": (8, 8), "q8k": (8, 32), "q8v": (32, 8), "q4v": (32, 4)}
+_COMPONENTS = {"q8": (8, 8), "q8_2f": (8, 8), "q8k": (8, 32), "q8v": (32, 8), "q4v": (32, 4),
+               "q4": (4, 4), "q4k": (4, 32)}
 _BITS_NAME = re.compile(r"k(32|8|4)v(32|8|4)")
 
 
 class KvMode:
-    """Storage precision of a cache: float32, int8 or (V) 4-bit rows for K and V.
+    """Storage precision of a cache: float32, int8 or 4-bit rows for K and V.
 
     Use the constructors, not the class: ``KvMode.F32``, ``KvMode.Q8(k=True, v=True)``,
     ``KvMode.of(k_bits=8, v_bits=4)``, ``KvMode.parse("k8v4")``, ``KvMode.from_env()``.  Modes
@@ -59,7 +61,7 @@ class KvMode:
     Attributes
     ----------
     k_bits, v_bits : int
-        32 (float32), 8 (int8) or, for V, 4 (4-bit codes).
+        32 (float32), 8 (int8) or 4 (4-bit codes).
     quant_k, quant_v : bool
         Whether K (resp. V) rows are stored as **int8** (``k_bits == 8``).
     scheme : str
@@ -75,13 +77,17 @@ class KvMode:
     F32: KvMode  # set below
 
     def __init__(self, quant_k: bool = False, quant_v: bool = False,
-                 scheme: str = DEFAULT_SCHEME, v_bits: int | None = None) -> None:
+                 scheme: str = DEFAULT_SCHEME, v_bits: int | None = None,
+                 k_bits: int | None = None) -> None:
         scheme = _check_scheme(scheme)
-        kb = 8 if quant_k else 32
+        kb = (8 if quant_k else 32) if k_bits is None else k_bits
         vb = (8 if quant_v else 32) if v_bits is None else v_bits
         if vb not in V_BITS or (quant_v and vb != 8):
             raise ValueError(f"v_bits: expected one of {V_BITS} (8 exactly when quant_v), got "
                              f"{v_bits!r}")
+        if kb not in K_BITS or (quant_k and kb != 8):
+            raise ValueError(f"k_bits: expected one of {K_BITS} (8 exactly when quant_k), got "
+                             f"{k_bits!r}")
         object.__setattr__(self, "_k_bits", kb)
         object.__setattr__(self, "_v_bits", vb)
         object.__setattr__(self, "_scheme", scheme if 8 in (kb, vb) else "")
@@ -108,7 +114,7 @@ class KvMode:
                 raise TypeError(f"{name}: expected one of {allowed}, got {type(val).__name__}")
             if val not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {val}")
-        return cls(k_bits == 8, v_bits == 8, scheme, v_bits)
+        return cls(k_bits == 8, v_bits == 8, scheme, v_bits, k_bits)
 
     @classmethod
     def from_env(cls) -> KvMode:
@@ -125,7 +131,8 @@ class KvMode:
         """``value`` itself when it is a KvMode, else the mode a name stands for: "f32"
         ("float32"), "q8" (int8 K and V), "q8k" (int8 K), "q8v" (int8 V), each in scheme
         "rows"; with the suffix ":cmf" (e.g. "q8:cmf") in the legacy scheme "cmf" (":rows" is
-        also accepted); "k8v4" (int8 K, 4-bit V), "q4v" (4-bit V); the general
+        also accepted); "q4" (4-bit K and V), "k8v4" (int8 K, 4-bit V), "q4v" (4-bit V),
+        "q4k" (4-bit K), "k4v8" (4-bit K, int8 V); the general
         "k<bits>v<bits>" (bits 32, 8, 4 as :meth:`of` takes them); case-insensitive.
 
         ValueError for another name, TypeError for another type, both naming ``name``."""
@@ -153,14 +160,19 @@ class KvMode:
             m = _BITS_NAME.fullmatch(base)
             bits = (int(m.group(1)), int(m.group(2))) if m else None
         scheme = scheme.strip() if sep else DEFAULT_SCHEME
-        if bits is None or scheme not in SCHEMES or bits[0] not in K_BITS:
+        if bits is None or scheme not in SCHEMES:
             return None
         return cls.of(bits[0], bits[1], scheme)
 
     @property
     def k_bits(self) -> int:
-        """K's precision: 32 (float32) or 8 (int8)."""
+        """K's precision: 32 (float32), 8 (int8) or 4 (4-bit codes)."""
         return self._k_bits
+
+    @property
+    def k4(self) -> bool:
+        """Whether K rows are 4-bit codes."""
+        return self._k_bits == 4
 
     @property
     def v_bits(self) -> int:
@@ -169,7 +181,7 @@ class KvMode:
 
     @property
     def quant_k(self) -> bool:
-        """Whether K rows are int8."""
+        """Whether K rows are int8 (4-bit K is :attr:`k4`)."""
         return self._k_bits == 8
 
     @property
@@ -200,13 +212,13 @@ class KvMode:
 
     @property
     def name(self) -> str:
-        """The name :meth:`parse` maps to this mode: "f32", "q8", "q8k", "q8v", "k8v4", "q4v",
-        or one of those with ":cmf"."""
+        """The name :meth:`parse` maps to this mode: "f32", "q8", "q8k", "q8v", "q4", "k8v4",
+        "q4v", "q4k", "k4v8", or one of those with ":cmf"."""
         kb, vb = self._k_bits, self._v_bits
         if self.is_f32:
             return "f32"
         base = {(8, 8): "q8", (8, 32): "q8k", (32, 8): "q8v", (8, 4): "k8v4",
-                (32, 4): "q4v"}[(kb, vb)]
+                (32, 4): "q4v", (4, 4): "q4", (4, 32): "q4k", (4, 8): "k4v8"}[(kb, vb)]
         return base if self._scheme in ("", DEFAULT_SCHEME) else f"{base}:{self._scheme}"
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -219,7 +231,7 @@ class KvMode:
                 == (other._k_bits, other._v_bits, other._scheme))
 
     def __hash__(self) -> int:
-        if self._v_bits != 4:     # the hash of the int8/float32 modes as it always was
+        if 4 not in (self._k_bits, self._v_bits):   # int8/float32 modes: as it always was
             return hash(("KvMode", self.quant_k, self.quant_v, self._scheme))
         return hash(("KvMode", self._k_bits, self._v_bits, self._scheme))
 
@@ -227,13 +239,15 @@ class KvMode:
         if self.is_f32:
             return "KvMode.F32"
         extra = "" if self._scheme in ("", DEFAULT_SCHEME) else f", scheme={self._scheme!r}"
-        if self._v_bits == 4:
-            return f"KvMode.of(k_bits={self._k_bits}, v_bits=4{extra})"
+        if 4 in (self._k_bits, self._v_bits):
+            return f"KvMode.of(k_bits={self._k_bits}, v_bits={self._v_bits}{extra})"
         return f"KvMode.Q8(k={self.quant_k}, v={self.quant_v}{extra})"
 
     def __reduce__(self) -> tuple[type[KvMode], tuple[Any, ...]]:
         args: tuple[Any, ...] = (self.quant_k, self.quant_v, self._scheme or DEFAULT_SCHEME)
-        return (KvMode, args if self._v_bits != 4 else args + (4,))
+        if 4 in (self._k_bits, self._v_bits):
+            args += (self._v_bits, self._k_bits)
+        return (KvMode, args)
 
 
 def _check_scheme(scheme: object) -> str:

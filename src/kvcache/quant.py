@@ -42,7 +42,8 @@ import numpy.typing as npt
 
 __all__ = ["COL_WARMUP", "K_GROUPS", "k_group", "COL_FLOOR", "CHUNK_ROWS",
            "COPY_CHUNK_BYTES", "n_groups", "k_scale_count", "k_row_bytes", "v_row_bytes",
-           "q8_row_bytes", "v4_row_bytes", "check_v4_head_dim", "V4_GROUP", "dequantize",
+           "q8_row_bytes", "v4_row_bytes", "check_v4_head_dim", "V4_GROUP", "k4_row_bytes",
+           "check_k4_head_dim", "k4_values", "unpack_codes", "dequantize",
            "column_field", "freeze_columns"]
 
 COL_WARMUP = 64
@@ -94,6 +95,51 @@ def v4_row_bytes(head_dim: int) -> int:
     """Bytes of one stored 4-bit V row (docs/kv4.md): head_dim / 2 bytes of codes and a
     float16 step and minimum per 16 channels."""
     return head_dim // 2 + 4 * n_groups(head_dim, V4_GROUP)
+
+
+def k4_row_bytes(head_dim: int) -> int:
+    """Bytes per stored 4-bit K row (docs/kv4.md), the block parameters shared out: head_dim
+    / 2 bytes of codes and a float16 step and minimum per channel per 16 rows (head_dim / 4).
+    The float32 ring of the last 48 rows per head comes on top (``memory_bytes`` counts it)."""
+    return head_dim // 2 + head_dim // 4
+
+
+def check_k4_head_dim(head_dim: int) -> None:
+    """ValueError unless 4-bit K can store rows of ``head_dim`` channels (a multiple of 8)."""
+    if head_dim % 8:
+        raise ValueError(f"4-bit K needs head_dim to be a multiple of 8, got head_dim="
+                         f"{head_dim}")
+
+
+def k4_values(codes: npt.NDArray[np.uint8], par: npt.NDArray[np.uint16],
+              n: int) -> npt.NDArray[np.float32]:
+    """The float32 values fmaf(code, step, minimum) of one head's first ``n`` rows of 4-bit K
+    codes (cap, hd / 2) with block parameters (blocks, 2 * hd) (docs/kv4.md); rows past the
+    closed blocks (``16 * (n // 16)``) are left 0."""
+    hd = codes.shape[1] * 2
+    out = np.zeros((n, hd), dtype=np.float32)
+    q = n // 16 * 16
+    if q:
+        c = unpack_codes(codes[:q], hd).astype(np.float32)                  # (q, hd)
+        pf = par[: q // 16].view(np.float16).astype(np.float32)              # (q/16, 2 hd)
+        step = np.repeat(pf[:, :hd], 16, axis=0)
+        low = np.repeat(pf[:, hd:], 16, axis=0)
+        with np.errstate(invalid="ignore"):
+            out[:q] = c * step + low      # code * step is exact in float32: this is fmaf
+    return out
+
+
+def unpack_codes(codes: npt.NDArray[np.uint8], hd: int) -> npt.NDArray[np.uint8]:
+    """4-bit codes (n, hd / 2), two per byte in the layout of docs/kv4.md, as one uint8 per
+    channel (n, hd)."""
+    n = codes.shape[0]
+    out = np.empty((n, hd), dtype=np.uint8)
+    for c0 in range(0, hd, 32):
+        h = min(32, hd - c0) // 2
+        b = codes[:, c0 // 2: c0 // 2 + h]
+        out[:, c0: c0 + h] = b & 15
+        out[:, c0 + h: c0 + 2 * h] = b >> 4
+    return out
 
 
 def check_v4_head_dim(head_dim: int) -> None:

@@ -30,7 +30,8 @@ import numpy.typing as npt
 
 from ._entry import AttendCall, MlaCall, O1Absorb, O1State, O1Step, Rows, k_group_of
 from ._validate import FloatArrayLike
-from .quant import CHUNK_ROWS, k_group
+from ._entry import K4_BLOCK, K4_RING
+from .quant import CHUNK_ROWS, k_group, unpack_codes
 
 if TYPE_CHECKING:
     from .layer import LayerKvCache
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CHUNK_ROWS", "openmp_built", "max_threads", "round_half_away", "quantize_rows",
            "store_rows_f32", "store_rows_q8", "store_rows_v4", "quantize_v4", "dequantize_v4",
+           "store_rows_k4", "quantize_k4_block", "k4_scores", "dot_f32",
            "stream_read", "fmaf", "k_group_of", "quantize_query",
            "q8_scores", "visible_range", "bind_rows", "attend_rows", "attend_blocked", "bind_o1",
            "attend_all_heads", "attend", "attend_group", "o1_seal", "o1_step_layer",
@@ -243,6 +245,100 @@ def store_rows_v4(x__nhd: F32, alive__h: U8, head_len__h: IP, c__hcb: U8, p__hcp
             quantize_v4(np.ascontiguousarray(x__nhd[:, h]), c__hcb[h, L:L + n], p__hcp[h, L:L + n])
 
 
+def dot_f32(a: F32, b: F32) -> F32:
+    """``kvc_dot_f32`` of the rows of ``a`` (m, n) with ``b`` (n,) or (m, n), bit for bit
+    (docs/numerics.md): 8 lanes of fmaf over the whole 8-blocks (lane l: elements i % 8 == l),
+    folded (0+1, 2+3, 4+5, 6+7) then ((b0+b1) + (b2+b3)), plus the tail chained with fmaf."""
+    a = np.atleast_2d(np.asarray(a, dtype=_F32))
+    b = np.broadcast_to(np.asarray(b, dtype=_F32), a.shape)
+    m, n = a.shape
+    full = n // 8 * 8
+    lanes = np.zeros((m, 8), dtype=_F32)
+    for i in range(0, full, 8):
+        lanes = fmaf(a[:, i:i + 8], b[:, i:i + 8], lanes)
+    with np.errstate(invalid="ignore", over="ignore"):
+        pair = lanes[:, 0::2] + lanes[:, 1::2]                             # (m, 4)
+        fold = (pair[:, 0] + pair[:, 1]) + (pair[:, 2] + pair[:, 3])
+        tail = np.zeros(m, dtype=_F32)
+        for i in range(full, n):
+            tail = fmaf(a[:, i], b[:, i], tail)
+        out: F32 = (fold + tail).astype(_F32)
+    return out
+
+
+def _pack_codes(codes: npt.NDArray[np.uint8]) -> U8:
+    """One code per channel (n, hd) packed two per byte in the layout of docs/kv4.md."""
+    n, hd = codes.shape
+    packed = codes[:, _v4_order(hd)].reshape(n, hd // 2, 2)
+    out: U8 = (packed[:, :, 0] | (packed[:, :, 1] << 4)).astype(np.uint8)
+    return out
+
+
+def quantize_k4_block(x__rd: F32) -> tuple[U8, U16]:
+    """One block of 4-bit K (docs/kv4.md), bit for bit ``_q4.h``'s kvc_k4_quant_block: the
+    16 rows x (16, hd) quantised per channel (the V quantiser's arithmetic along the rows).
+    Returns the codes (16, hd / 2) and the parameters (2 * hd,): the steps, then the minimums."""
+    x = np.asarray(x__rd, dtype=_F32)
+    r, hd = x.shape
+    ct = np.zeros((hd, r // 2), dtype=np.uint8)
+    pt = np.zeros((hd, 2), dtype=np.uint16)
+    quantize_v4(np.ascontiguousarray(x.T), ct, pt)        # each channel a "row" of r values
+    codes = unpack_codes(ct, r).T                          # (r, hd) one code per channel
+    return _pack_codes(np.ascontiguousarray(codes)), np.concatenate([pt[:, 0], pt[:, 1]])
+
+
+def store_rows_k4(x__nhd: F32, alive__h: U8, head_len__h: IP, c__hcb: U8, p__hbq: U16,
+                  r__hrd: F32) -> None:
+    """Twin of ``_core.store_rows_k4``: rows into the ring, each completed block quantised."""
+    n = x__nhd.shape[0]
+    for h in range(x__nhd.shape[1]):
+        if not alive__h[h]:
+            continue
+        for i in range(n):
+            p = int(head_len__h[h]) + i
+            r__hrd[h, p % K4_RING] = x__nhd[i, h]
+            if p % K4_BLOCK == K4_BLOCK - 1:
+                p0 = p + 1 - K4_BLOCK
+                rows = r__hrd[h, [(p0 + j) % K4_RING for j in range(K4_BLOCK)]]
+                c__hcb[h, p0:p + 1], p__hbq[h, p0 // K4_BLOCK] = quantize_k4_block(rows)
+
+
+def k4_scores(q__jd: F32, kc__cb: U8, kp__bq: U16, kr__rd: F32, n: int,
+              out__jr: F32) -> None:
+    """Twin of ``_core.k4_scores``: into out (nq, n) the raw scores (no scale) of queries q
+    (nq, hd) against one KV group's first ``n`` rows of 4-bit K (codes, block parameters,
+    ring), bit for bit the kernels' (docs/kv4.md): per
+    closed block w = q * step, bias = dot_f32(q, minimum), w's q8 score against the codes with
+    row scales 1 (``q8_scores``) plus the bias; rows past the closed blocks from the ring with
+    dot_f32."""
+    q = np.atleast_2d(np.asarray(q__jd, dtype=_F32))
+    nq, hd = q.shape
+    out = np.zeros((nq, n), dtype=_F32)
+    qlen = n // K4_BLOCK * K4_BLOCK
+    codes = unpack_codes(kc__cb[:qlen], hd).astype(np.int8)
+    ones = np.ones((K4_BLOCK, -(-hd // 16)), dtype=_F32)
+    for b in range(qlen // K4_BLOCK):
+        pf = kp__bq[b].view(np.float16).astype(_F32)
+        step, low = pf[:hd], pf[hd:]
+        rows = codes[b * K4_BLOCK:(b + 1) * K4_BLOCK]
+        with np.errstate(invalid="ignore", over="ignore"):
+            w = (q * step).astype(_F32)                                  # (nq, hd)
+        raw = np.zeros((nq, K4_BLOCK), dtype=_F32)
+        q8_scores(w, rows, ones, raw, 16)
+        bias = dot_f32(q, low)                                          # (nq,)
+        with np.errstate(invalid="ignore", over="ignore"):
+            out[:, b * K4_BLOCK:(b + 1) * K4_BLOCK] = raw + bias[:, None]
+    for p in range(qlen, n):
+        out[:, p] = dot_f32(q, kr__rd[p % K4_RING])
+    out__jr[:] = out
+
+
+def _k4_raw(q: F32, kc: U8, kp: U16, kr: F32, n: int) -> F32:
+    out = np.zeros((q.shape[0], n), dtype=_F32)
+    k4_scores(q, kc, kp, kr, n, out)
+    return out
+
+
 def stream_read(buf: F32, n_threads: int = 1) -> float:
     """Sum of a buffer (the read-bandwidth probe), NumPy's single-threaded sum."""
     return float(np.sum(buf, dtype=np.float64))
@@ -270,6 +366,8 @@ def attend_rows(rows: Rows, call: AttendCall) -> None:
     quant_k, quant_v, k_group = rows.quant_k, rows.quant_v, rows.k_group
     hd_ = call.q.shape[1]
     vc4, vp = (rows.vc4, rows.vp) if rows.v4 else (None, None)
+    rows_k4 = ((rows.kc4, rows.kp, rows.kr) if rows.k4 and rows.kc4 is not None
+               and rows.kp is not None and rows.kr is not None else None)
     q__jd, group_q0, out__jd, imp__l = call.q, call.group_q0, call.out, call.imp
     probs__jl = call.probs
     n_pos, n_back, window, first, imp_mode = (call.n_pos, call.n_back, call.window, call.first,
@@ -289,6 +387,9 @@ def attend_rows(rows: Rows, call: AttendCall) -> None:
             continue
         per = cnt // n_pos
         stored = int(head_len__h[g])
+        k4_raw = None if rows_k4 is None else _k4_raw(
+            q__jd[int(group_q0[g]):int(group_q0[g + 1])], rows_k4[0][g], rows_k4[1][g],
+            rows_k4[2][g], stored)                                     # (cnt, stored)
         for jl in range(cnt):
             j = int(group_q0[g]) + jl
             f, e = visible_range(stored, n_back, jl // per, window, first, L)
@@ -296,7 +397,10 @@ def attend_rows(rows: Rows, call: AttendCall) -> None:
             if e <= f:
                 continue
             qj = q__jd[j]                                              # (hd,)
-            if quant_k:
+            if k4_raw is not None:
+                with np.errstate(invalid="ignore", over="ignore"):
+                    sc = k4_raw[jl, f:e] * scale
+            elif quant_k:
                 raw = np.zeros((1, e - f), dtype=_F32)                 # (1, r)
                 q8_scores(qj[None, :], kq__hcd[g, f:e], ks__hcg[g, f:e], raw, k_group)
                 with np.errstate(invalid="ignore", over="ignore"):
@@ -356,7 +460,11 @@ def attend_blocked(rows: Rows, call: AttendCall) -> None:
             continue
         per = cnt // n_pos
         stored = int(head_len__h[g])
-        keys = None if quant_k else kf__hcd[g, :stored]                        # (T, hd)
+        keys = None if (quant_k or rows.k4) else kf__hcd[g, :stored]           # (T, hd)
+        k4_raw = None
+        if rows.k4 and rows.kc4 is not None and rows.kp is not None and rows.kr is not None:
+            k4_raw = _k4_raw(q__jd[int(group_q0[g]):int(group_q0[g + 1])], rows.kc4[g],
+                               rows.kp[g], rows.kr[g], stored)               # (cnt, stored)
         if rows.v4 and rows.vc4 is not None and rows.vp is not None:
             vals = dequantize_v4(rows.vc4[g, :stored], rows.vp[g, :stored],
                                  q__jd.shape[1])                               # (T, hd)
@@ -370,7 +478,9 @@ def attend_blocked(rows: Rows, call: AttendCall) -> None:
             if e <= f:
                 continue
             with np.errstate(invalid="ignore", over="ignore"):
-                if keys is None:                                                # q8 scoring
+                if k4_raw is not None:                                          # 4-bit K
+                    sc = k4_raw[jl, f:e] * scale
+                elif keys is None:                                              # q8 scoring
                     raw = np.zeros((1, e - f), dtype=_F32)
                     q8_scores(q__jd[j][None, :], kq__hcd[g, f:e], ks__hcg[g, f:e], raw, k_group)
                     sc = raw[0] * scale                                         # (r,)

@@ -64,8 +64,8 @@ is set, in which case the float K/V rows (only those) are binary16.
 Layer body (kind 1; also each layer of a model body)::
 
     u32 num_kv_heads G, u32 head_dim D
-    u8  quant_k, u8 quant_v          (1: that component is stored as int8; quant_v 2: V is
-                                      4-bit, version 3 only)
+    u8  quant_k, u8 quant_v          (1: that component is stored as int8; 2: 4-bit,
+                                      version 3 only)
     u8  o1 state                     (0 none, 1 collecting, 2 sealed)
     u8  f16                          (1: float K/V rows are binary16)
     u8  scheme                       (int8 scheme: 0 none (F32), 1 "rows", 2 "cmf")
@@ -79,6 +79,10 @@ Layer body (kind 1; also each layer of a model body)::
     f32 x n_linear_state, pad8
     f32 x n_linear_scratch, pad8
     per head h: keys   float: f32|f16 x head_len*D, pad8
+                       4-bit: u8 x Q*D/2 codes, pad8, u16 x (Q/16)*2*D block parameters,
+                              pad8, f32 x R*D the ring's rows [head_len - R, head_len) in
+                              order, pad8 (Q = 16 * floor(head_len / 16),
+                              R = min(head_len, 48); docs/kv4.md)
                        int8:  i8 x head_len*D, pad8, f32 x head_len*ceil(D/g) scales, pad8
                               (g: the K group of the scheme, 16 "rows", 32 "cmf")
                 values float: f32|f16 x head_len*D, pad8
@@ -104,8 +108,8 @@ Model body (kind 2)::
     u64 policy sink (kept for both kinds), u64 max_seq_len
     per layer: u64 body length, then the layer body (its length is a multiple of 8)
 
-Versions.  Version 3 (written since 4-bit V exists) is version 2 with one more value of the
-quant_v bytes: 2, 4-bit V rows, stored as above.  Version 2 records the int8 scheme (:attr:`KvMode.scheme`) in the scheme bytes
+Versions.  Version 3 (written since 4-bit storage exists) is version 2 with one more value of
+the quant_k and quant_v bytes: 2, 4-bit rows, stored as above.  Version 2 records the int8 scheme (:attr:`KvMode.scheme`) in the scheme bytes
 above; a layer without an int8 component writes 0 there, one with int8 rows 1 ("rows") or 2
 ("cmf"), and any other combination is refused.  Version 1 (kvcache before the scheme existed)
 had zeros in those bytes (a u32 reserved field in the layer body, a u8 reserved field in the
@@ -139,6 +143,7 @@ import numpy.typing as npt
 
 from . import _core, quant
 from ._state import LayerState, scheme_conflict
+from ._entry import K4_BLOCK, K4_RING
 from .eviction import EvictionPolicy
 from .modes import KvMode
 from .o1 import EXACT_EXTRA, RIDGE, O1Collecting, O1Rect, O1Sealed
@@ -546,7 +551,7 @@ def state_plan(st: LayerState, f16: bool = False) -> _Plan:
     lens = st.lengths
     scratch = st.linear_scratch if st.linear_scratch is not None else np.zeros(0, np.float32)
     plan = _Plan()
-    plan.pack("IIBBBBBBH", nkv, hd, int(mode.quant_k), v_code(mode), o1_kind, int(f16),
+    plan.pack("IIBBBBBBH", nkv, hd, k_code(mode), v_code(mode), o1_kind, int(f16),
               scheme_code(mode), 0, 0)
     plan.pack("QQQQ", st.seq_len, st.importance.size, st.linear_state.size, scratch.size)
     plan.pack(f"{nkv}Q", *[int(x) for x in lens])
@@ -564,6 +569,12 @@ def state_plan(st: LayerState, f16: bool = False) -> _Plan:
         if mode.quant_k:
             plan.array(stores["kq"][h, :n], _I8)
             plan.array(stores["ks"][h, :n], _F32)
+        elif mode.k4:
+            q = n // K4_BLOCK * K4_BLOCK
+            plan.array(stores["kc"][h, :q], _U8)
+            plan.array(stores["kp"][h, : q // K4_BLOCK], _U16)
+            plan.array(stores["kr"][h, [i % K4_RING for i in range(max(0, n - K4_RING), n)]],
+                       _F32)
         else:
             plan.array(stores["kf"][h, :n], rows_dtype)
         if mode.quant_v:
@@ -613,17 +624,24 @@ def v_code(mode: KvMode) -> int:
     return 2 if mode.v4 else int(mode.quant_v)
 
 
+def k_code(mode: KvMode) -> int:
+    """The quant_k byte a body writes for ``mode``: 0 float32, 1 int8, 2 4-bit (version 3)."""
+    return 2 if mode.k4 else int(mode.quant_k)
+
+
 def _mode(qk: int, qv: int, code: int, version: int) -> KvMode:
     """The KvMode of a body's quant_k / quant_v flags and scheme byte (``code``; always 0 in
     version 1, whose int8 rows are in scheme "cmf"); WireError for a scheme byte that does not
-    fit the flags.  ``qv`` 2 (4-bit V, version 3 only) was checked by the caller."""
-    if qv == 2:
+    fit the flags.  A byte 2 (4-bit, version 3 only) was checked by the caller."""
+    if qv == 2 or qk == 2:
+        int8 = qk == 1 or qv == 1
         name = _SCHEME_NAMES.get(code)
-        if name is None or bool(name) != bool(qk):
+        if name is None or bool(name) != int8:
             raise WireError(f"invalid int8 scheme byte {code} for quant_k={qk} quant_v={qv} "
-                            f"(expected {'1 (rows) or 2 (cmf)' if qk else '0'})")
+                            f"(expected {'1 (rows) or 2 (cmf)' if int8 else '0'})")
+        bits = {0: 32, 1: 8, 2: 4}
         try:
-            return KvMode.of(8 if qk else 32, 4, name or "rows")
+            return KvMode.of(bits[qk], bits[qv], name or "rows")
         except ValueError as exc:
             raise WireError(str(exc)) from None
     quantised = bool(qk or qv)
@@ -663,14 +681,14 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
                         f"(num_kv_heads×head_dim), this layer is {num_kv_heads}×{head_dim}")
     if nkv < 1 or hd < 1 or nkv > 1 << 20 or hd > 1 << 20:
         raise WireError(f"impossible geometry num_kv_heads={nkv}, head_dim={hd}")
-    max_qv = 2 if rd.version >= 3 else 1
-    if qk > 1 or qv > max_qv or o1_kind > 2 or f16 > 1 or reserved:
+    max_q = 2 if rd.version >= 3 else 1
+    if qk > max_q or qv > max_q or o1_kind > 2 or f16 > 1 or reserved:
         raise WireError(f"invalid layer flags quant_k={qk} quant_v={qv} o1={o1_kind} f16={f16} "
                         f"reserved={reserved}")
-    if qv == 2 and hd % 8:
-        raise WireError(f"4-bit values need head_dim to be a multiple of 8, got {hd}")
+    if 2 in (qk, qv) and hd % 8:
+        raise WireError(f"4-bit rows need head_dim to be a multiple of 8, got {hd}")
     mode = _mode(qk, qv, code, rd.version)
-    v4 = mode.v4
+    v4, k4 = mode.v4, mode.k4
     nvp = 2 * quant.n_groups(hd, quant.V4_GROUP)
     budget = _ALLOC_FACTOR * (rd.end - rd.pos) + _ALLOC_SLACK
     seq_len, imp_len, n_lin, n_scr = rd.unpack("QQQQ", "layer lengths")
@@ -684,12 +702,12 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     kcol_on, vcol_on = cols[:nkv].copy(), cols[nkv:].copy()
     if (cols > 1).any():
         raise WireError("invalid column flags (expected 0 or 1)")
-    if (kcol_on.any() and not qk) or (vcol_on.any() and qv != 1):
+    if (kcol_on.any() and qk != 1) or (vcol_on.any() and qv != 1):
         raise WireError("frozen columns on a component not stored as int8")
     if cols.any() and not mode.freezes_columns:
         raise WireError(f"frozen columns in int8 scheme {mode.scheme!r}, which never freezes one")
     if o1_kind == 2:
-        if imp_len != 0 or lens.any() or qk or qv:
+        if imp_len != 0 or lens.any() or qk or qv:   # (any 4-bit component too)
             raise WireError("a sealed O(1) layer holds no KV rows and no importance, in F32 mode")
     elif imp_len > seq_len:
         raise WireError(f"importance covers {imp_len} positions, more than seq_len={seq_len}")
@@ -702,12 +720,17 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     lin = _f32(rd.array(_F32, n_lin, "linear_state"), (n_lin,))
     scr = _f32(rd.array(_F32, n_scr, "linear_scratch"), (n_scr,))
     rows_dtype = _F16 if f16 else _F32
-    ngk = quant.k_scale_count(hd, mode.scheme) if qk else 0   # the scheme byte decides
+    ngk = quant.k_scale_count(hd, mode.scheme) if qk == 1 else 0   # the scheme byte decides
     # the rows must be present before storage for them is allocated (a crafted header must
     # not make us allocate what the buffer does not hold)
     need = 0
     for n in (int(x) for x in lens):
-        need += _rows_bytes(n, hd, bool(qk), 4 * ngk, rows_dtype.itemsize)
+        if k4:
+            q = n // K4_BLOCK * K4_BLOCK
+            nr = min(n, K4_RING) * 4 * hd
+            need += q * hd // 2 + _pad(q * hd // 2) + q // K4_BLOCK * 4 * hd + nr
+        else:
+            need += _rows_bytes(n, hd, bool(qk), 4 * ngk, rows_dtype.itemsize)
         if v4:
             need += n * hd // 2 + _pad(n * hd // 2) + 2 * n * nvp + _pad(2 * n * nvp)
         else:
@@ -716,7 +739,8 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
         raise WireError(f"{rd.what}: truncated: the head lengths {lens.tolist()} need {need} bytes "
                         f"of rows, {rd.end - rd.pos} left")
     cap = int(lens.max(initial=0))
-    store_bytes = nkv * cap * (quant.k_row_bytes(hd, bool(qk), scheme=mode.scheme)
+    store_bytes = nkv * cap * ((quant.k4_row_bytes(hd) if k4 else
+                                quant.k_row_bytes(hd, bool(qk), scheme=mode.scheme or "rows"))
                                + (quant.v4_row_bytes(hd) if v4 else quant.v_row_bytes(hd, bool(qv))))
     if store_bytes > budget:
         raise WireError(f"{rd.what}: {nkv} heads of up to {cap} rows would need {store_bytes} bytes "
@@ -725,7 +749,14 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     kq = vq = None
     vc: Optional[npt.NDArray[np.uint8]] = None
     vp: Optional[npt.NDArray[np.uint16]] = None
-    if qk:
+    kc: Optional[npt.NDArray[np.uint8]] = None
+    kp: Optional[npt.NDArray[np.uint16]] = None
+    kr: Optional[npt.NDArray[np.float32]] = None
+    if k4:
+        kc = np.zeros((nkv, cap, hd // 2), np.uint8)
+        kp = np.zeros((nkv, -(-cap // K4_BLOCK), 2 * hd), np.uint16)
+        kr = np.zeros((nkv, K4_RING, hd), np.float32)
+    elif qk:
         kq = np.zeros((nkv, cap, hd), np.int8)
         ks = np.zeros((nkv, cap, ngk), np.float32)
     else:
@@ -740,7 +771,16 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
         vf = np.zeros((nkv, cap, hd), np.float32)
     for h in range(nkv):
         n = int(lens[h])
-        if kq is not None and ks is not None:
+        if kc is not None and kp is not None and kr is not None:
+            q = n // K4_BLOCK * K4_BLOCK
+            kc[h, :q] = rd.array(_U8, q * hd // 2, f"head {h} 4-bit keys").reshape(q, hd // 2)
+            kp[h, : q // K4_BLOCK] = rd.array(_U16, q // K4_BLOCK * 2 * hd,
+                                              f"head {h} key parameters").reshape(-1, 2 * hd)
+            lo = max(0, n - K4_RING)
+            ring = _f32(rd.array(_F32, (n - lo) * hd, f"head {h} key ring"), (n - lo, hd))
+            for i in range(lo, n):
+                kr[h, i % K4_RING] = ring[i - lo]
+        elif kq is not None and ks is not None:
             kq[h, :n] = rd.array(_I8, n * hd, f"head {h} int8 keys").reshape(n, hd)
             ks[h, :n] = rd.array(_F32, n * ngk, f"head {h} key scales").reshape(n, ngk)
         elif kf is not None:
@@ -765,7 +805,8 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     return LayerState(mode=mode, num_kv_heads=nkv, head_dim=hd, seq_len=int(seq_len),
                       lengths=lens, kf=kf, kq=kq, ks=ks, vf=vf, vq=vq, vs=vs, kcol=kcol,
                       vcol=vcol, kcol_on=kcol_on, vcol_on=vcol_on, importance=imp,
-                      linear_state=lin, linear_scratch=scr, o1=o1, owned=True, vc=vc, vp=vp)
+                      linear_state=lin, linear_scratch=scr, o1=o1, owned=True, vc=vc, vp=vp,
+                      kc=kc, kp=kp, kr=kr)
 
 
 def _parse_sealed(rd: _Reader, nkv: int, hd: int, seq_len: int, budget: int) -> O1Sealed:
@@ -938,7 +979,7 @@ def model_plan(model: KvCache, f16: bool = False) -> _Plan:
             raise WireError(f"save: layer {i} is {layer.num_kv_heads}×{layer.head_dim}, the cache "
                             f"is {model.num_kv_heads}×{model.head_dim}; nothing was written")
     plan.pack("IIIBBBBQQ", len(model.layers), model.num_kv_heads, model.head_dim,
-              int(mode.quant_k), v_code(mode), 1 if pol.kind == "born" else 0,
+              k_code(mode), v_code(mode), 1 if pol.kind == "born" else 0,
               scheme_code(mode), pol.sink, model.max_seq_len)
     for layer in model.layers:
         lp = layer_plan(layer, f16)
@@ -987,8 +1028,9 @@ def model_from_bytes(cls: type[_Model], buf: _Buffer,
     rd = _open(buf, KIND_MODEL, fingerprint)
     rd.what = "model body"
     n_layers, nkv, hd, qk, qv, pol, code, sink, max_seq = rd.unpack("IIIBBBBQQ", "model header")
-    if qk > 1 or qv > (2 if rd.version >= 3 else 1) or pol > 1 or nkv < 1 or hd < 1 \
-            or max_seq < 1 or (qv == 2 and hd % 8):
+    max_q = 2 if rd.version >= 3 else 1
+    if qk > max_q or qv > max_q or pol > 1 or nkv < 1 or hd < 1 \
+            or max_seq < 1 or (2 in (qk, qv) and hd % 8):
         raise WireError(f"invalid model header: num_kv_heads={nkv} head_dim={hd} quant=({qk},{qv}) "
                         f"policy={pol} max_seq_len={max_seq}")
     mode = _mode(qk, qv, code, rd.version)

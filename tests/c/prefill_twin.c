@@ -1,5 +1,5 @@
 /* Runs the blocked prompt kernel of _prefill.h (tasks and the importance pass, float32 and q8
- * keys; float32, int8 and 4-bit values) on fixed pseudo-random inputs and prints every result as raw bits.  The body is the one
+ * and 4-bit keys; float32, int8 and 4-bit values) on fixed pseudo-random inputs and prints every result as raw bits.  The body is the one
  * the compile flags select (_vec.h); tests/test_prefill.py builds it once per x86 body (and the
  * VNNI q8 code emulated, -DKVC_EMULATE_VNNI), tests/test_aarch64.py once per aarch64 body, and
  * both require the -DKVC_NO_SIMD build's output. */
@@ -33,8 +33,10 @@ int main(void)
     static float q[NQ * HDMAX], k[ROWS * HDMAX], v[ROWS * HDMAX], ks[ROWS * 5], vs[ROWS];
     static float vcol[HDMAX], o[NQ * HDMAX], qm[NQ], ql[NQ], colsum[KVC_PF_IMP_ROWS];
     static int8_t kq[ROWS * HDMAX], vq[ROWS * HDMAX];
-    static uint8_t vc4[ROWS * HDMAX / 2];
-    static uint16_t vp[ROWS * 2 * KVC_V4_NG(HDMAX)];
+    static uint8_t vc4[ROWS * HDMAX / 2], kc4[ROWS * HDMAX / 2];
+    static uint16_t vp[ROWS * 2 * KVC_V4_NG(HDMAX)], kp4[(ROWS / 16 + 1) * 2 * HDMAX];
+    static float kr4[KVC_K4_RING * HDMAX];
+    kvc_k4 k4;
     size_t nscr = KVC_PF_SCRATCH_FLOATS(HDMAX, NQ) > KVC_PF_IMP_SCRATCH(HDMAX)
                       ? KVC_PF_SCRATCH_FLOATS(HDMAX, NQ) : KVC_PF_IMP_SCRATCH(HDMAX);
     float *scratch = malloc(sizeof(float) * nscr);
@@ -67,15 +69,29 @@ int main(void)
         for (i = 0; i < NQ; ++i)
             kvc_quant_query(q + i * hd, hd, 32, qi + i * KVC_I8_PAD(hd),
                             qsc + i * KVC_I8_GROUPS(hd, 32), qsum + i * KVC_I8_GROUPS(hd, 32));
-        if (hd % 8 == 0)    /* the 4-bit V rows of this head dim (_q4.h) */
+        if (hd % 8 == 0) {  /* the 4-bit V rows and 4-bit K of this head dim (_q4.h) */
             for (i = 0; i < ROWS; ++i)
                 kvc_v4_quant_row(v + i * hd, hd, vc4 + i * (hd / 2), vp + i * 2 * KVC_V4_NG(hd));
-        for (mode = 0; mode < (hd % 8 ? 4 : 6); ++mode)
+            for (i = 0; i < 173; ++i) {   /* a head of 173 rows: 10 blocks, 13 in the ring */
+                memcpy(kr4 + (i % KVC_K4_RING) * hd, k + i * hd, (size_t)hd * sizeof(float));
+                if (i % 16 == 15)
+                    kvc_k4_quant_block(kr4, i - 15, hd, kc4 + (i - 15) * (hd / 2),
+                                       kp4 + (i / 16) * 2 * hd);
+            }
+            k4.codes = kc4;
+            k4.par = kp4;
+            k4.ring = kr4;
+            k4.qlen = 160;
+        }
+        /* modes: quant_k = mode % 3 (float32, int8, 4-bit), quant_v = mode / 3 */
+        for (mode = 0; mode < 9; ++mode)
             for (cap = 0; cap < 2; ++cap) {
-                int quant_k = mode & 1, quant_v = mode >> 1;
+                int quant_k = mode % 3, quant_v = mode / 3;
+                if (hd % 8 && (quant_k == 2 || quant_v == 2))
+                    continue;
                 float softcap = cap ? 2.5f : 0.0f;
                 ptrdiff_t t0, j;
-                kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, quant_k, v, vq, vs, 1, quant_v, vc4, vp,
+                kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, quant_k, &k4, v, vq, vs, 1, quant_v, vc4, vp,
                             vcol, hd, 0.3f, softcap, o, qm, ql, scratch, 32, qi, qsc, qsum);
                 for (i = 0; i < NQ * hd; ++i)
                     out(o[i]);
@@ -88,7 +104,7 @@ int main(void)
                     ptrdiff_t a0 = t0 < 173 ? t0 : 0, t1 = t0 < 173 ? t0 + 64 : 173;
                     t1 = t1 < 173 ? t1 : 173;
                     memset(colsum, 0, sizeof colsum);
-                    kvc_pf_imp_group(q, NQ, qf, qe, qm, ql, k, kq, ks, 5, quant_k, hd, 0.3f,
+                    kvc_pf_imp_group(q, NQ, qf, qe, qm, ql, k, kq, ks, 5, quant_k, &k4, hd, 0.3f,
                                      softcap, a0, t1, colsum, scratch, 32, qi, qsc, qsum);
                     for (i = 0; i < t1 - a0; ++i)
                         out(colsum[i]);
@@ -100,7 +116,7 @@ int main(void)
     v[7 * 64 + 2] = INFINITY;
     for (i = 0; i < 64; ++i)
         k[150 * 64 + i] = -1e30f;
-    kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, 0, v, vq, vs, 1, 0, vc4, vp, vcol, 64, 1e10f, 0.0f,
+    kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, 0, &k4, v, vq, vs, 1, 0, vc4, vp, vcol, 64, 1e10f, 0.0f,
                 o, qm, ql, scratch, 32, qi, qsc, qsum);
     for (i = 0; i < NQ * 64; ++i)
         out(o[i]);

@@ -37,9 +37,9 @@ class Geometry:
         mode = make_mode(mode_name)
         hd = self.head_dim
         v_bytes = quant.v4_row_bytes(hd) if mode.v4 else quant.v_row_bytes(hd, mode.quant_v)
-        return self.num_kv_heads * context * (quant.k_row_bytes(hd, mode.quant_k,
-                                                                scheme=mode.scheme or "rows")
-                                              + v_bytes)
+        k_bytes = (quant.k4_row_bytes(hd) if mode.k4
+                   else quant.k_row_bytes(hd, mode.quant_k, scheme=mode.scheme or "rows"))
+        return self.num_kv_heads * context * (k_bytes + v_bytes)
 
 
 GEOMETRIES = {g.key: g for g in (Geometry("llama3-8b", "Llama-3-8B", 32, 8, 128),

@@ -56,6 +56,8 @@ TTFT_CONTEXTS, QUICK_TTFT_CONTEXTS = (512, 2048, 4096), (256,)
 PREFILL_REPEATS, QUICK_PREFILL_REPEATS = 3, 1
 TTFT_REPEATS, QUICK_TTFT_REPEATS = 3, 1
 PREFILL_MODES = ("f32", "q8")
+#: The 4-bit modes timed in part (a) too (docs/kv4.md), each against f32.
+PREFILL_4BIT = ("q4", "k8v4")
 #: A cell stops repeating once its calls have taken this long (the first call always runs).
 PREFILL_CELL_S = 20.0
 #: A cell whose first call is estimated to take longer is skipped (and reported as such).
@@ -63,7 +65,7 @@ PREFILL_MAX_CALL_S = 120.0
 #: A time-to-first-token prompt length stops taking new prompts once they took this long.
 TTFT_CELL_S = 90.0
 #: Largest |kvcache - SDPA| of an output element accepted per KV mode (q8 stores int8 rows).
-PREFILL_TOL = {"f32": 1e-4, "q8": 0.1}
+PREFILL_TOL = {"f32": 1e-4, "q8": 0.1, "q4": 0.5, "k8v4": 0.25}
 #: The issue's target: runner time to first token <= 0.8 x transformers' at 2k and more.
 TTFT_TARGET = 0.8
 TTFT_TARGET_FROM = 2048
@@ -86,16 +88,18 @@ class PrefillSettings:
     max_call_s: float = PREFILL_MAX_CALL_S
     fma_iters: int = FMA_ITERS
     ttft_cell_s: float = TTFT_CELL_S
+    four_bit: Sequence[str] = ()       # the 4-bit modes of --modes, timed in part (a)
 
 
 def settings_of(opts: Options) -> PrefillSettings:
     """The section's sizes for a run: the geometries of ``--geometries`` (both by default,
     Llama-3-8B alone with ``--quick``), the full or the ``--quick`` lengths and repeats."""
+    four = tuple(m for m in PREFILL_4BIT if m in opts.modes)
     if opts.prefill_quick:
         return PrefillSettings(list(opts.geometries), QUICK_PREFILL_CONTEXTS,
                                QUICK_PREFILL_REPEATS, QUICK_TTFT_CONTEXTS, QUICK_TTFT_REPEATS,
-                               fma_iters=QUICK_FMA_ITERS)
-    return PrefillSettings(list(opts.geometries))
+                               fma_iters=QUICK_FMA_ITERS, four_bit=four)
+    return PrefillSettings(list(opts.geometries), four_bit=four)
 
 
 def attention_flops(geom: Geometry, context: int) -> float:
@@ -210,7 +214,8 @@ def attention_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar,
             rec: Row = {"geometry": geom.key, "context": context, "flops": flops,
                         "threads": threads}
             outs: dict[str, F32] = {}
-            names = [*PREFILL_MODES, "f32_noimp", *(["sdpa"] if torch is not None else [])]
+            names = [*PREFILL_MODES, *cfg.four_bit, "f32_noimp",
+                     *(["sdpa"] if torch is not None else [])]
             for name in names:
                 est = flops / rate[geom.key, name] if (geom.key, name) in rate else None
                 if est is not None and est > cfg.max_call_s:
@@ -231,13 +236,15 @@ def attention_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar,
                 rec["f32_noimp"]["same_as_f32"] = bool(np.array_equal(outs["f32"],
                                                                       outs["f32_noimp"]))
             if "sdpa" in outs:
-                for mode in PREFILL_MODES:
+                for mode in (*PREFILL_MODES, *cfg.four_bit):
                     if mode in outs:
                         diff = float(np.abs(outs[mode] - outs["sdpa"]).max())
                         rec[mode]["max_abs_diff"] = diff
                         rec[mode]["matches"] = diff <= PREFILL_TOL[mode]
             rec["vs_sdpa"] = {m: _ratio(rec, "sdpa", m) for m in (*PREFILL_MODES, "f32_noimp")}
             rec["q8_vs_f32"] = _ratio(rec, "f32", "q8")
+            for mode in cfg.four_bit:
+                rec[f"{mode}_vs_f32"] = _ratio(rec, "f32", mode)
             rows.append(rec)
             del data, outs
             gc.collect()
@@ -375,6 +382,22 @@ def attention_table(rows: Sequence[Row]) -> str:
                          "no-imp/SDPA", "matches SDPA"], body)
 
 
+def four_bit_table(rows: Sequence[Row]) -> str:
+    """The 4-bit modes' prompt attention (``--modes`` with q4 / k8v4), each against f32: one
+    row per geometry, length and mode."""
+    body = []
+    for r in rows:
+        for mode in PREFILL_4BIT:
+            c = r.get(mode)
+            if not c:
+                continue
+            body.append([GEOMETRIES[r["geometry"]].label, context_label(r["context"]), mode,
+                         *_cell_text(c), fmt_ratio(r.get(f"{mode}_vs_f32")),
+                         "-" if "matches" not in c else ("yes" if c["matches"] else "NO")])
+    return render_table(["geometry", "prompt", "mode", "s", "GFLOP/s", "%peak", "vs f32",
+                         "matches SDPA"], body) if body else ""
+
+
 def ttft_table(rows: Sequence[Row]) -> str:
     """Time to first token: one row per prompt length."""
     def met(v: bool | None) -> str:
@@ -435,6 +458,11 @@ def print_prefill(result: Mapping[str, Any]) -> None:
     print("prefill: prompt attention (attend_all_heads over all positions) vs torch SDPA, "
           "and time to first token of kvcache.runner vs transformers:")
     print(attention_table(result["attention"]))
+    four = four_bit_table(result["attention"])
+    if four:
+        print("")
+        print("4-bit KV (docs/kv4.md), the same prompts:")
+        print(four)
     if result["ttft"]:
         print("")
         print(ttft_table(result["ttft"]))

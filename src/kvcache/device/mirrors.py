@@ -204,7 +204,7 @@ class LayerMirror(Mirror):
     """
 
     MIRRORED = ("seq_len", "num_kv_heads", "head_dim", "mode", "generation", "__len__", "head_len",
-                "head_keys", "head_values", "k_heads", "v_heads", "q8_rows", "v4_rows",
+                "head_keys", "head_values", "k_heads", "v_heads", "q8_rows", "k4_rows", "v4_rows",
                 "columns", "o1_sealed", "o1_views")
 
     _CACHE = LayerKvCache
@@ -242,11 +242,14 @@ class LayerMirror(Mirror):
             keep = np.minimum(self._lens, prefix)
         lens = st.lengths.copy()
         hosts = st.stores()
-        if "vp" in hosts:        # 4-bit V parameters travel as the float16 values they are
-            hosts["vp"] = hosts["vp"].view(np.float16)
+        for name in ("vp", "kp"):    # 4-bit parameters travel as the float16 values they are
+            if name in hosts:
+                hosts[name] = hosts[name].view(np.float16)
+        # 4-bit K's block parameters and ring are not indexed by row: copied whole each sync
+        whole = {name: hosts.pop(name) for name in ("kp", "kr") if name in hosts}
         need = int(lens.max(initial=0))
         moved = 0
-        same_fields = set(hosts) == set(self._rows)
+        same_fields = set(hosts) | set(whole) == set(self._rows)
         if same_fields and need <= self._cap:
             rows, cap = dict(self._rows), self._cap
         else:
@@ -262,17 +265,25 @@ class LayerMirror(Mirror):
         nbytes = 0
         same = bool((keep == keep[0]).all() and (lens == lens[0]).all())
         for name, host in hosts.items():
+            blk = 16 if name == "kc" else 1    # 4-bit K codes change when their block closes
             if same:
-                a, b = int(keep[0]), int(lens[0])
+                a, b = int(keep[0]) // blk * blk, int(lens[0])
                 if b > a:
                     self._be.upload(rows[name][:, a:b], host[:, a:b])
                     nbytes += host[:, a:b].nbytes
             else:
                 for h in range(self._nkv):
-                    a, b = int(keep[h]), int(lens[h])
+                    a, b = int(keep[h]) // blk * blk, int(lens[h])
                     if b > a:
                         self._be.upload(rows[name][h, a:b], host[h, a:b])
                         nbytes += host[h, a:b].nbytes
+        for name, host in whole.items():
+            dev = self._rows.get(name)
+            if dev is None or tuple(dev.shape) != host.shape:
+                dev = self._be.empty(host.shape, host.dtype)
+            self._be.upload(dev, np.ascontiguousarray(host))
+            nbytes += host.nbytes
+            rows[name] = dev
         uploaded = int(np.maximum(lens - keep, 0).sum())
         cols = self._cols
         if full:                         # column fields change only at a divergence
@@ -384,6 +395,18 @@ class LayerMirror(Mirror):
         k = (r["kq"][h, :n], r["ks"][h, :n]) if "kq" in r else (None, None)
         v = (r["vq"][h, :n], r["vs"][h, :n, 0]) if "vq" in r else (None, None)
         return k + v
+
+    def k4_rows(self, h: int) -> tuple[Any, Any, Any]:
+        """Device (codes, params, ring) of head h's 4-bit K as :meth:`LayerKvCache.k4_rows`
+        (codes uint8 (q, head_dim / 2) of the q = 16 * (head_len // 16) rows in closed
+        blocks, params float16 (q / 16, 2 * head_dim), the float32 ring (48, head_dim)), or
+        (None, None, None) when K is not 4-bit."""
+        h = as_index("kv_head", h, self._nkv)
+        q = int(self._lens[h]) // 16 * 16
+        r = self._rows
+        if "kc" not in r:
+            return None, None, None
+        return r["kc"][h, :q], r["kp"][h, : q // 16], r["kr"][h]
 
     def v4_rows(self, h: int) -> tuple[Any, Any]:
         """Device (codes, params) of head h's 4-bit V rows as :meth:`LayerKvCache.v4_rows`

@@ -21,7 +21,7 @@ Header (96 bytes)::
     64     4    u32 n_layers
     68     4    u32 num_kv_heads G
     72     4    u32 head_dim D
-    76     1    u8  quant_k (1: keys stored as int8)
+    76     1    u8  quant_k (1: keys stored as int8, 2: as 4-bit codes, docs/kv4.md)
     77     1    u8  quant_v (1: values stored as int8, 2: as 4-bit codes, docs/kv4.md)
     78     1    u8  int8 scheme: 0 = F32 or "cmf" (what entries held before the scheme
                     existed), 1 = "rows"
@@ -36,6 +36,8 @@ Payload, per layer l = 0 .. n_layers-1, each array pad8::
         f32 x G*D    kcol (ones where not frozen)
         f32 x G*D    vcol
     keys    f32: f32 x G*B*D  (head-major: head h's B rows, then head h+1's)
+            4-bit: u8 x G*B*D/2 codes, then u16 x G*(B/16)*2*D block parameters (B a
+                  multiple of 16)
             int8: i8 x G*B*D, then f32 x G*B*ceil(D/g) scales (g: the scheme's K group,
                   16 "rows", 32 "cmf")
     values  f32: f32 x G*B*D
@@ -66,6 +68,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import quant, wire
+from .._entry import K4_BLOCK
 from .._state import LayerState
 from .keys import Geometry
 
@@ -105,6 +108,7 @@ class Field:
     dtype: np.dtype[Any]
     shape: tuple[int, ...]
     offset: int
+    per: int = 1        # positions per element of axis 1 (4-bit K's block parameters: 16)
 
     @property
     def nbytes(self) -> int:
@@ -120,10 +124,13 @@ def layer_fields(geom: Geometry) -> tuple[tuple[Field, ...], int]:
     """The arrays of one layer's section, in order, and the section's size in bytes."""
     g, d, b = geom.num_kv_heads, geom.head_dim, geom.block
     specs: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = []
+    per = {"kp": K4_BLOCK}
     if not geom.mode.is_f32:
         specs += [("kcol_on", _U8, (g,)), ("vcol_on", _U8, (g,)), ("kcol", _F32, (g, d)),
                   ("vcol", _F32, (g, d))]
-    if geom.mode.quant_k:
+    if geom.mode.k4:
+        specs += [("kc", _U8, (g, b, d // 2)), ("kp", _U16, (g, b // K4_BLOCK, 2 * d))]
+    elif geom.mode.quant_k:
         specs += [("kq", _I8, (g, b, d)), ("ks", _F32, (g, b, quant.k_scale_count(d, geom.mode.scheme)))]
     else:
         specs += [("kf", _F32, (g, b, d))]
@@ -138,7 +145,7 @@ def layer_fields(geom: Geometry) -> tuple[tuple[Field, ...], int]:
     out: list[Field] = []
     off = 0
     for name, dtype, shape in specs:
-        f = Field(name, dtype, shape, off)
+        f = Field(name, dtype, shape, off, per.get(name, 1))
         out.append(f)
         off += _pad8(f.nbytes)
     return tuple(out), off
@@ -152,7 +159,7 @@ def entry_size(geom: Geometry) -> int:
 def _header(geom: Geometry, index: int, key: bytes, fp_digest: bytes, alg: int) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, alg, 0, HEADER_SIZE, entry_size(geom), key, geom.block,
                         index, geom.n_layers, geom.num_kv_heads, geom.head_dim,
-                        int(geom.mode.quant_k), wire.v_code(geom.mode), _scheme_byte(geom), 0,
+                        wire.k_code(geom.mode), wire.v_code(geom.mode), _scheme_byte(geom), 0,
                         fp_digest)
 
 
@@ -182,7 +189,7 @@ def encode_parts(geom: Geometry, index: int, key: bytes, fp_digest: bytes,
                 arrs = [st.importance[start:stop]]
             elif len(f.shape) == 3:
                 src: npt.NDArray[Any] = getattr(st, f.name)
-                arrs = [src[h, start:stop] for h in range(geom.num_kv_heads)]
+                arrs = [src[h, start // f.per: stop // f.per] for h in range(geom.num_kv_heads)]
             else:
                 arrs = [getattr(st, f.name)]
             for a in arrs:
@@ -231,7 +238,7 @@ def check_header(head: Any, n: int, geom: Geometry, index: int, key: bytes,
     if (e_layers, e_nkv, e_hd) != (geom.n_layers, geom.num_kv_heads, geom.head_dim):
         raise EntryError(f"geometry {e_layers}x{e_nkv}x{e_hd}, expected "
                          f"{geom.n_layers}x{geom.num_kv_heads}x{geom.head_dim}")
-    if ((e_qk, e_qv) != (int(geom.mode.quant_k), wire.v_code(geom.mode))
+    if ((e_qk, e_qv) != (wire.k_code(geom.mode), wire.v_code(geom.mode))
             or e_scheme != _scheme_byte(geom)):
         raise EntryError("another KV mode")
     if (e_block, e_index) != (geom.block, index):

@@ -6,7 +6,7 @@ A prompt is cut into blocks of ``block`` token ids.  Block i's key is
     h(i)  = BLAKE2b-256(person="kvcache-prefix1", h(i-1) || ids of block i as little-endian i64)
 
 where the root record packs the store format version, the fingerprint (its length, then its
-bytes), the KV mode (quant_k, quant_v: 0 float32, 1 int8, 2 4-bit), the geometry (n_layers, num_kv_heads, head_dim) and
+bytes), the KV mode (quant_k, quant_v: 0 float32, 1 int8, 2 4-bit each), the geometry (n_layers, num_kv_heads, head_dim) and
 the block size, followed, for a mode in the int8 scheme "rows", by the 8 bytes ``b"scheme=r"``
 (a mode in the legacy scheme "cmf" or F32 adds nothing, so keys written before the scheme
 existed -- which were all "cmf" -- still match).  A key therefore depends on every id before the end of its block and on
@@ -105,7 +105,8 @@ def _root(fp: bytes, geom: Geometry) -> bytes:
     h.update(_ROOT.pack(b"root", _VERSION, len(fp)))
     h.update(fp)
     v_code = 2 if geom.mode.v4 else int(geom.mode.quant_v)       # kvcache.wire.v_code
-    h.update(_SHAPE.pack(int(geom.mode.quant_k), v_code, geom.n_layers,
+    k_code = 2 if geom.mode.k4 else int(geom.mode.quant_k)       # kvcache.wire.k_code
+    h.update(_SHAPE.pack(k_code, v_code, geom.n_layers,
                          geom.num_kv_heads, geom.head_dim, geom.block))
     if geom.mode.scheme == "rows":
         h.update(_ROWS)

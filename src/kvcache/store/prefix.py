@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import quant
+from .._entry import K4_BLOCK, K4_RING
 from .._state import LayerState
 from ..layer import LayerKvCache
 from ..model import KvCache
@@ -348,6 +349,10 @@ class PrefixStore:
             raise ValueError(f"block={self._block}: a {mode!r} cache needs block > "
                              f"{quant.COL_WARMUP} (its column fields freeze after "
                              f"{quant.COL_WARMUP} positions and requantise every row)")
+        if mode.k4 and self._block % K4_BLOCK:
+            raise ValueError(f"block={self._block}: a {mode!r} cache needs a block that is a "
+                             f"multiple of {K4_BLOCK} (its K is quantised {K4_BLOCK} rows at a "
+                             f"time)")
         return Geometry(len(layers), cache.num_kv_heads, cache.head_dim, mode, self._block)
 
     def _read(self, geom: Geometry, states: list[LayerState], first: int, raw: list[bytes],
@@ -366,9 +371,9 @@ class PrefixStore:
             d: dict[str, npt.NDArray[Any]] = {}
             old = st.stores()
             for f in rows:
-                arr: npt.NDArray[Any] = np.empty((g, cap, f.shape[2]), dtype=f.dtype)
+                arr: npt.NDArray[Any] = np.empty((g, cap // f.per, f.shape[2]), dtype=f.dtype)
                 if m:
-                    arr[:, :m] = old[f.name][:, :m]
+                    arr[:, : m // f.per] = old[f.name][:, : m // f.per]
                 d[f.name] = arr
             imp: npt.NDArray[np.float32] = np.empty(cap, dtype=np.float32)
             imp[:m] = st.importance[:m]
@@ -410,7 +415,8 @@ class PrefixStore:
                 for d, tmp in zip(dest, col_tmp):
                     for f in fields:
                         if len(f.shape) == 3:
-                            parts += [d[f.name][h, at: at + b].data.cast("B") for h in range(g)]
+                            parts += [d[f.name][h, at // f.per: (at + b) // f.per].data.cast("B")
+                                      for h in range(g)]
                         elif f.name == "importance":
                             parts.append(d["importance"][at: at + b].data.cast("B"))
                         else:
@@ -460,7 +466,7 @@ class PrefixStore:
                     at = m + idx * b
                     for d, arrays in zip(dest, layers):
                         for f in rows:
-                            d[f.name][:, at: at + b] = arrays[f.name]
+                            d[f.name][:, at // f.per: (at + b) // f.per] = arrays[f.name]
                         d["importance"][at: at + b] = arrays["importance"]
                     good += 1
                 if stop:
@@ -477,6 +483,14 @@ class PrefixStore:
                 src = col_arrays[i]
                 kcol, vcol = np.array(src["kcol"]), np.array(src["vcol"])
                 kon, von = np.array(src["kcol_on"]), np.array(src["vcol_on"])
+            kr = None
+            if geom.mode.k4:       # the ring: the cache's own rows, the loaded rows' values
+                kr = np.zeros((g, K4_RING, geom.head_dim), dtype=np.float32)
+                for h in range(g):
+                    vals = quant.k4_values(d["kc"][h], d["kp"][h], n)
+                    for i in range(max(0, n - K4_RING), n):
+                        kr[h, i % K4_RING] = (st.kr[h, i % K4_RING] if i < m and st.kr is not None
+                                              else vals[i])
             out.append(LayerState(
                 mode=geom.mode, num_kv_heads=g, head_dim=geom.head_dim, seq_len=n,
                 lengths=np.full(g, n, dtype=np.intp),
@@ -485,7 +499,8 @@ class PrefixStore:
                 kcol=kcol, vcol=vcol, kcol_on=kon, vcol_on=von,
                 importance=np.array(d["importance"][:n]),
                 linear_state=np.zeros(0, dtype=np.float32), linear_scratch=None, o1=None,
-                owned=True, vc=d.get("vc"), vp=d.get("vp")))
+                owned=True, vc=d.get("vc"), vp=d.get("vp"), kc=d.get("kc"), kp=d.get("kp"),
+                kr=kr))
         return out, good * b
 
     def _bad(self, name: str, key: bytes, exc: _entry.EntryError) -> None:
