@@ -575,9 +575,7 @@ static inline void kvc_quant_row(const float *restrict x, const float *restrict 
             kvc_f8 v = kvc_f8_round(kvc_f8_div(r, scv));
             v = kvc_f8_sel(kvc_f8_gt(v, hi), hi, v);
             v = kvc_f8_sel(kvc_f8_lt(v, lo), lo, v);
-            kvc_f8_store(r8, v);
-            for (l = 0; l < 8; ++l)
-                q[d + l] = (r8[l] == r8[l]) ? (int8_t)r8[l] : (int8_t)0;
+            kvc_f8_store_i8(q + d, v);        /* NaN -> 0 */
         }
         for (; d < g1; ++d) {
             float r = col ? x[d] / col[d] : x[d];
@@ -716,8 +714,10 @@ KVC_INLINE void kvc_k4_unpack(const uint8_t *restrict codes, ptrdiff_t n, ptrdif
     for (r = 0; r < n; ++r) {
         const uint8_t *b = codes + r * (hd / 2);
         int8_t *o = dst + r * hd;
-        for (c0 = 0; c0 < hd; c0 += 32) {
-            ptrdiff_t h = (hd - c0 < 32 ? hd - c0 : 32) / 2;
+        for (c0 = 0; c0 + 32 <= hd; c0 += 32)
+            kvc_u4_unpack32(b + c0 / 2, o + c0);
+        if (c0 < hd) {                         /* a last chunk of hd % 32 channels */
+            ptrdiff_t h = (hd - c0) / 2;
             for (i = 0; i < h; ++i) {
                 o[c0 + i] = (int8_t)(b[c0 / 2 + i] & 15);
                 o[c0 + h + i] = (int8_t)(b[c0 / 2 + i] >> 4);
@@ -729,9 +729,7 @@ KVC_INLINE void kvc_k4_unpack(const uint8_t *restrict codes, ptrdiff_t n, ptrdif
 /* Block b's parameters as float32: pf[d] the step, pf[hd + d] the minimum of channel d. */
 KVC_INLINE void kvc_k4_params(const uint16_t *restrict par, ptrdiff_t hd, float *restrict pf)
 {
-    ptrdiff_t d;
-    for (d = 0; d < 2 * hd; ++d)
-        pf[d] = kvc_f16_to_f32(par[d]);
+    kvc_f16_row(par, 2 * hd, pf);
 }
 
 /* The scratch of one block scorer, carved from `scratch` (KVC_K4_SCRATCH(hd) floats). */
@@ -773,11 +771,26 @@ KVC_INLINE void kvc_k4_load_block(const kvc_k4 *K, ptrdiff_t b, ptrdiff_t hd, kv
 KVC_INLINE void kvc_k4_block_raw(const float *restrict q, ptrdiff_t hd, const kvc_k4_scratch *k,
                                  ptrdiff_t r0, ptrdiff_t n, float *out)
 {
-    ptrdiff_t d, i;
+    ptrdiff_t d, i, g;
     float bias;
-    for (d = 0; d < hd; ++d)
-        k->w[d] = q[d] * k->pf[d];
-    kvc_quant_query(k->w, hd, 16, k->qi, k->sq, k->qsum);
+    for (d = 0; d + 8 <= hd; d += 8)        /* hd is a multiple of 8 */
+        kvc_f8_store(k->w + d, kvc_f8_mul(kvc_f8_load(q + d), kvc_f8_load(k->pf + d)));
+    /* kvc_quant_query(w, hd, 16, ...), its sums and finite checks eight lanes at a time */
+    kvc_quant_row(k->w, NULL, hd, 16, k->qi, k->sq);
+    for (d = hd; d < KVC_I8_PAD(hd); ++d)
+        k->qi[d] = 0;
+    for (g = 0; g * 16 < hd; ++g) {
+        ptrdiff_t g1 = hd - 16 * g < 16 ? hd : 16 * g + 16;
+        int32_t sum = 0;
+        kvc_f8 z = kvc_f8_zero();                 /* x * 0 is NaN exactly for x not finite */
+        for (d = 16 * g; d < g1; ++d)
+            sum += k->qi[d];
+        for (d = 16 * g; d < g1; d += 8)
+            z = kvc_f8_add(z, kvc_f8_mul(kvc_f8_load(k->w + d), kvc_f8_zero()));
+        k->qsum[g] = sum;
+        if (kvc_f8_fold(z) != 0.0f)
+            k->sq[g] = NAN;
+    }
     bias = kvc_dot_f32(q, k->pf + hd, hd);
     kvc_i8_rows(16, k->qi, k->sq, k->qsum, k->unp + r0 * hd, k->ones, 0, hd, n, out);
     for (i = 0; i < n; ++i)

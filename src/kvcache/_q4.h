@@ -21,10 +21,7 @@
 #ifndef KVCACHE_Q4_H
 #define KVCACHE_Q4_H
 
-#include <math.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <string.h>
+#include "_vec.h"        /* kvc_f16_to_f32 */
 
 #ifndef KVC_Q4_INLINE
 #if defined(__GNUC__)
@@ -60,24 +57,6 @@ KVC_Q4_INLINE uint16_t kvc_f32_to_f16(float f)
     a -= 0x38000000u;                         /* rebias the exponent from 127 to 15 */
     a += 0x0fffu + ((a >> 13) & 1u);          /* round the 13 dropped bits, ties to even */
     return (uint16_t)(sign | (a >> 13));
-}
-
-/* float16 bits -> float32 (exact). */
-KVC_Q4_INLINE float kvc_f16_to_f32(uint16_t h)
-{
-    uint32_t sign = ((uint32_t)h & 0x8000u) << 16, e = ((uint32_t)h >> 10) & 0x1fu;
-    uint32_t m = (uint32_t)h & 0x3ffu, u;
-    float f;
-    if (e == 0) {                             /* zero or subnormal: m * 2^-24 */
-        f = (float)m * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    if (e == 31)
-        u = sign | 0x7f800000u | (m << 13);
-    else
-        u = sign | ((e + 112u) << 23) | (m << 13);
-    memcpy(&f, &u, 4);
-    return f;
 }
 
 /* The byte and nibble shift holding channel d of a row of hd channels (layout above). */
@@ -191,12 +170,20 @@ static inline void kvc_k4_quant_block(const float *restrict ring, ptrdiff_t p0, 
     }
 }
 
+/* n float16 parameters as float32 (kvc_f8_from_f16 eight at a time: exact either way). */
+KVC_Q4_INLINE void kvc_f16_row(const uint16_t *restrict par, ptrdiff_t n, float *restrict out)
+{
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        kvc_f8_store(out + i, kvc_f8_from_f16(par + i));
+    for (; i < n; ++i)
+        out[i] = kvc_f16_to_f32(par[i]);
+}
+
 /* A row's 2 * KVC_V4_NG(hd) parameters as float32 (step, minimum per group). */
 KVC_Q4_INLINE void kvc_v4_params(const uint16_t *restrict par, ptrdiff_t hd, float *restrict out)
 {
-    ptrdiff_t i;
-    for (i = 0; i < 2 * KVC_V4_NG(hd); ++i)
-        out[i] = kvc_f16_to_f32(par[i]);
+    kvc_f16_row(par, 2 * KVC_V4_NG(hd), out);
 }
 
 /* Dequantise one row: out[d] = fmaf(code_d, s_g, m_g); pf: the row's kvc_v4_params. */

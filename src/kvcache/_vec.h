@@ -123,6 +123,27 @@ static inline float kvc_expf(float x)
     return x != x ? x : y;
 }
 
+/* IEEE binary16 bits -> float32, exactly (4-bit KV parameters, docs/kv4.md): the scalar twin
+ * of kvc_f8_from_f16.  A finite value is the bits shifted into float32 position times 2^112
+ * (exact for normal and subnormal halves); exponent 31 is an infinity or a NaN. */
+static inline float kvc_f16_to_f32(uint16_t h)
+{
+    uint32_t em = (uint32_t)h & 0x7fffu, u;
+    float f;
+    if (em >= 0x7c00u) {
+        u = 0x7f800000u | ((em & 0x3ffu) << 13);
+        memcpy(&f, &u, 4);
+    } else {
+        u = em << 13;
+        memcpy(&f, &u, 4);
+        f = f * 5.192296858534828e+33f;     /* 2^112 */
+    }
+    memcpy(&u, &f, 4);
+    u |= ((uint32_t)h & 0x8000u) << 16;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 KVC_INLINE float kvc_hsum8(const float *a)
 {
     float b0 = a[0] + a[1], b1 = a[2] + a[3], b2 = a[4] + a[5], b3 = a[6] + a[7];
@@ -189,6 +210,38 @@ KVC_INLINE kvc_f8 kvc_f8_from_u4(const uint8_t *p, int shift)
 {
     __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(15)));
+}
+
+/* Eight float16 values at p as float32, exactly (lane by lane kvc_f16_to_f32). */
+KVC_INLINE kvc_f8 kvc_f8_from_f16(const uint16_t *p)
+{
+    __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m256i em = _mm256_and_si256(h, _mm256_set1_epi32(0x7fff));
+    __m256 fin = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(em, 13)),
+                               _mm256_set1_ps(5.192296858534828e+33f));
+    __m256i spec = _mm256_or_si256(_mm256_set1_epi32(0x7f800000),
+                                   _mm256_slli_epi32(_mm256_and_si256(em, _mm256_set1_epi32(0x3ff)), 13));
+    __m256i big = _mm256_cmpgt_epi32(em, _mm256_set1_epi32(0x7bff));
+    __m256i bits = _mm256_blendv_epi8(_mm256_castps_si256(fin), spec, big);
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)), 16);
+    return _mm256_castsi256_ps(_mm256_or_si256(bits, sign));
+}
+
+/* Lanes holding integers in [-127, 127] (or NaN, stored as 0) as 8 int8 at dst. */
+KVC_INLINE void kvc_f8_store_i8(int8_t *dst, kvc_f8 v)
+{
+    __m256i i = _mm256_cvttps_epi32(_mm256_blendv_ps(v, _mm256_setzero_ps(),
+                                                     _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64((__m128i *)dst, _mm_packs_epi16(w, w));
+}
+
+/* The 16 bytes at p as 32 codes: dst[i] = p[i] & 15, dst[16 + i] = p[i] >> 4. */
+KVC_INLINE void kvc_u4_unpack32(const uint8_t *p, int8_t *dst)
+{
+    __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)dst, _mm_and_si128(b, m));
+    _mm_storeu_si128((__m128i *)(dst + 16), _mm_and_si128(_mm_srli_epi16(b, 4), m));
 }
 
 KVC_INLINE float kvc_f8_fold(kvc_f8 a)
@@ -285,6 +338,37 @@ KVC_INLINE kvc_f8 kvc_f8_from_s8(const int8_t *p)
     kvc_f8 r = { { vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))) } };
     return r;
 }
+KVC_INLINE kvc_f8 kvc_f8_from_f16(const uint16_t *p)
+{
+    uint16x8_t h16 = vld1q_u16(p);
+    kvc_f8 r;
+    int k;
+    for (k = 0; k < 2; ++k) {
+        uint32x4_t h = vmovl_u16(k ? vget_high_u16(h16) : vget_low_u16(h16));
+        uint32x4_t em = vandq_u32(h, vdupq_n_u32(0x7fff));
+        float32x4_t fin = vmulq_f32(vreinterpretq_f32_u32(vshlq_n_u32(em, 13)),
+                                    vdupq_n_f32(5.192296858534828e+33f));
+        uint32x4_t spec = vorrq_u32(vdupq_n_u32(0x7f800000),
+                                    vshlq_n_u32(vandq_u32(em, vdupq_n_u32(0x3ff)), 13));
+        uint32x4_t big = vcgtq_u32(em, vdupq_n_u32(0x7bff));
+        uint32x4_t bits = vbslq_u32(big, spec, vreinterpretq_u32_f32(fin));
+        uint32x4_t sign = vshlq_n_u32(vandq_u32(h, vdupq_n_u32(0x8000)), 16);
+        r.val[k] = vreinterpretq_f32_u32(vorrq_u32(bits, sign));
+    }
+    return r;
+}
+KVC_INLINE void kvc_f8_store_i8(int8_t *dst, kvc_f8 v)
+{
+    /* NaN converts to 0 (fcvtzs); the values are integers in [-127, 127] */
+    int16x8_t w = vcombine_s16(vmovn_s32(vcvtq_s32_f32(v.val[0])), vmovn_s32(vcvtq_s32_f32(v.val[1])));
+    vst1_s8(dst, vmovn_s16(w));
+}
+KVC_INLINE void kvc_u4_unpack32(const uint8_t *p, int8_t *dst)
+{
+    uint8x16_t b = vld1q_u8(p);
+    vst1q_s8(dst, vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(15))));
+    vst1q_s8(dst + 16, vreinterpretq_s8_u8(vshrq_n_u8(b, 4)));
+}
 KVC_INLINE kvc_f8 kvc_f8_from_u4(const uint8_t *p, int shift)
 {
     uint8x8_t b = vld1_u8(p);
@@ -361,6 +445,21 @@ KVC_INLINE kvc_i8x kvc_i8x_add(kvc_i8x a, kvc_i8x b) KVC_P8(kvc_i8x, a.v[l_] + b
 KVC_INLINE kvc_i8x kvc_i8x_sub(kvc_i8x a, kvc_i8x b) KVC_P8(kvc_i8x, a.v[l_] - b.v[l_])
 KVC_INLINE kvc_f8 kvc_f8_from_s8(const int8_t *p) KVC_P8(kvc_f8, (float)p[l_])
 KVC_INLINE kvc_f8 kvc_f8_from_u4(const uint8_t *p, int shift) KVC_P8(kvc_f8, (float)((p[l_] >> shift) & 15))
+KVC_INLINE kvc_f8 kvc_f8_from_f16(const uint16_t *p) KVC_P8(kvc_f8, kvc_f16_to_f32(p[l_]))
+KVC_INLINE void kvc_f8_store_i8(int8_t *dst, kvc_f8 v)
+{
+    int l;
+    for (l = 0; l < 8; ++l)
+        dst[l] = v.v[l] == v.v[l] ? (int8_t)v.v[l] : (int8_t)0;
+}
+KVC_INLINE void kvc_u4_unpack32(const uint8_t *p, int8_t *dst)
+{
+    int i;
+    for (i = 0; i < 16; ++i) {
+        dst[i] = (int8_t)(p[i] & 15);
+        dst[16 + i] = (int8_t)(p[i] >> 4);
+    }
+}
 #undef KVC_P8
 
 KVC_INLINE float kvc_f8_fold(kvc_f8 a) { return kvc_hsum8(a.v); }
