@@ -518,6 +518,41 @@ def test_k4_head_dims_and_bad_input():
     assert not out.any()
 
 
+def test_the_4bit_row_writers_refuse_shapes_that_do_not_fit():
+    x = np.zeros((2, 1, 16), np.float32)
+    one, zero = np.ones(1, np.uint8), np.zeros(1, np.intp)
+    c, p = np.zeros((1, 4, 8), np.uint8), np.zeros((1, 4, 2), np.uint16)
+    ring = np.zeros((1, 48, 16), np.float32)
+    kp = np.zeros((1, 1, 32), np.uint16)
+    with pytest.raises(ValueError, match="capacity"):
+        _core.store_rows_v4(x, one, np.full(1, 3, np.intp), c, p)       # rows 3, 4 past 4
+    with pytest.raises(ValueError, match="heads"):
+        _core.store_rows_v4(np.zeros((2, 3, 16), np.float32), np.ones(3, np.uint8),
+                            np.zeros(3, np.intp), c, p)
+    with pytest.raises(ValueError, match="ring"):
+        _core.store_rows_k4(x, one, zero, c, kp, ring[:, :1])
+    with pytest.raises(ValueError, match="capacity"):
+        _core.store_rows_k4(x, one, np.full(1, 10**9, np.intp), c, kp, ring)
+    _core.store_rows_k4(x, one, zero, c, kp, ring)
+    _core.store_rows_v4(x, one, zero, c, p)
+
+
+def test_k4_truncate_decodes_only_the_blocks_it_reopens(monkeypatch):
+    rng = np.random.default_rng(3)
+    layer, _, _ = _k4_layer(rng, 64, 640)
+    seen = []
+    real = quant.k4_values
+
+    def spy(codes, par, n, lo=0):
+        seen.append(n - lo)
+        return real(codes, par, n, lo)
+
+    monkeypatch.setattr(quant, "k4_values", spy)
+    layer.truncate_last(1)
+    layer.truncate_last(40)
+    assert seen and max(seen) <= 48                # never the whole history
+
+
 def test_k4_prefix_store_needs_whole_blocks():
     from kvcache.store import PrefixStore
     cache = kc.KvCache(1, 1, 16, mode="q4")

@@ -591,6 +591,14 @@ def store_rows_k4(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive_
     shapes and made room."""
     cdef Py_ssize_t n = x__nhd.shape[0], nkv = x__nhd.shape[1], hd = x__nhd.shape[2]
     cdef Py_ssize_t h, i, p
+    _check_store(x__nhd, alive__h, head_len__h, c__hcb, "store_rows_k4")
+    if (hd % 8 or c__hcb.shape[2] != hd // 2 or p__hbq.shape[0] < nkv or r__hrd.shape[0] < nkv
+            or p__hbq.shape[1] != (c__hcb.shape[1] + KVC_K4_BLOCK - 1) // KVC_K4_BLOCK
+            or p__hbq.shape[2] != 2 * hd or r__hrd.shape[1] != KVC_K4_RING
+            or r__hrd.shape[2] != hd):
+        raise ValueError("store_rows_k4: expected x (n, nkv, hd), hd a multiple of 8, codes "
+                         "(nkv, cap, hd / 2), params (nkv, ceil(cap / 16), 2 * hd) and a ring "
+                         f"(nkv, {KVC_K4_RING}, hd)")
     with nogil:
         for h in range(nkv):
             if alive__h[h]:
@@ -603,6 +611,18 @@ def store_rows_k4(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive_
                                            &p__hbq[h, p // KVC_K4_BLOCK, 0])
 
 
+def _check_store(x, alive, head_len, codes, str what):
+    """The checks the 4-bit row writers share: one alive flag and one length per head of x,
+    each head's rows fitting the codes' capacity (ValueError otherwise)."""
+    nkv, cap = x.shape[1], codes.shape[1]
+    if alive.shape[0] != nkv or head_len.shape[0] != nkv or codes.shape[0] < nkv:
+        raise ValueError(f"{what}: expected alive, head_len ({nkv},) and codes for {nkv} heads")
+    for h in range(nkv):
+        if head_len[h] < 0 or head_len[h] > cap - x.shape[0]:
+            raise ValueError(f"{what}: head {h} holds {head_len[h]} rows; {x.shape[0]} more do "
+                             f"not fit a capacity of {cap}")
+
+
 def store_rows_v4(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive__h,
                   const Py_ssize_t[::1] head_len__h, uint8_t[:, :, ::1] c__hcb,
                   uint16_t[:, :, ::1] p__hcp):
@@ -610,6 +630,11 @@ def store_rows_v4(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive_
     every alive head h (the caller checked the shapes and made room)."""
     cdef Py_ssize_t n = x__nhd.shape[0], nkv = x__nhd.shape[1], hd = x__nhd.shape[2]
     cdef Py_ssize_t h, i, r
+    _check_store(x__nhd, alive__h, head_len__h, c__hcb, "store_rows_v4")
+    if (hd % 8 or c__hcb.shape[2] != hd // 2 or p__hcp.shape[0] < nkv
+            or p__hcp.shape[1] != c__hcb.shape[1] or p__hcp.shape[2] != 2 * ((hd + 15) // 16)):
+        raise ValueError("store_rows_v4: expected x (n, nkv, hd), hd a multiple of 8, codes "
+                         "(nkv, cap, hd / 2) and params (nkv, cap, 2 * ceil(hd / 16))")
     with nogil:
         for h in range(nkv):
             if alive__h[h]:

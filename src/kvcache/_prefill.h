@@ -11,7 +11,8 @@
  *                multiples; a query takes the tiles that meet [f, e) in increasing order, and
  *                in each only its visible rows.
  *   scores       s = dot * scale, where dot = fma(q[d], k[d], dot) over the channels d in
- *                increasing order from 0 (one chain, no lanes) for float32 keys, and for int8
+ *                increasing order from 0 (one chain, no lanes) for float32 keys and for 4-bit
+ *                keys, read as their values fmaf(code, s, m) (docs/kv4.md), and for int8
  *                keys the raw q8 score of _kernels.h (the query quantised per K group of 16
  *                or 32 channels, exact int32 group sums, groups combined with fmaf in order: the bits
  *                the decode kernel gives).  Softcap (> 0): s = cap * tanhf(s / cap) for
@@ -101,6 +102,41 @@ KVC_INLINE void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks
         for (; d < hd; ++d)
             for (i = 0; i < 8; ++i)
                 dst[d * 16 + i] = kvc_pf_kval(kf, kq, ks, ks_stride, quant_k, src[i], hd, d);
+    }
+}
+
+/* 4-bit K (docs/kv4.md) into the packed K tile, in kvc_pf_load_k's layout and row range: a
+ * row of a closed block as its values fmaf(code, s, m) (the block's parameters converted once),
+ * a row of the open block as the ring holds it.  tmp: 3 * hd floats. */
+KVC_INLINE void kvc_pf_load_k4(const kvc_k4 *K, ptrdiff_t t0, ptrdiff_t r0, ptrdiff_t r1,
+                               ptrdiff_t hd, float *restrict Kp, float *restrict tmp)
+{
+    float *pf = tmp, *row = tmp + 2 * hd;
+    ptrdiff_t g, d, blk = -1;
+    for (g = (r0 - t0) / 8 * 8; g < (r1 - t0 + 7) / 8 * 8; ++g) {
+        ptrdiff_t p = t0 + g < r1 ? t0 + g : r1 - 1;
+        const float *src = row;
+        float *dst = Kp + (g / 16) * hd * 16 + (g % 16);
+        if (p < K->qlen) {
+            const uint8_t *c = K->codes + p * (hd / 2);
+            ptrdiff_t c0, i;
+            if (p / KVC_K4_BLOCK != blk) {
+                blk = p / KVC_K4_BLOCK;
+                kvc_k4_params(K->par + blk * 2 * hd, hd, pf);
+            }
+            for (c0 = 0; c0 < hd; c0 += 32) {
+                ptrdiff_t h = (hd - c0 < 32 ? hd - c0 : 32) / 2;
+                for (i = 0; i < h; ++i) {
+                    row[c0 + i] = fmaf((float)(c[c0 / 2 + i] & 15), pf[c0 + i], pf[hd + c0 + i]);
+                    row[c0 + h + i] = fmaf((float)(c[c0 / 2 + i] >> 4), pf[c0 + h + i],
+                                           pf[hd + c0 + h + i]);
+                }
+            }
+        } else {
+            src = K->ring + (p % KVC_K4_RING) * hd;
+        }
+        for (d = 0; d < hd; ++d)
+            dst[d * 16] = src[d];
     }
 }
 
@@ -400,17 +436,16 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
             }
         if (ja < 0)
             continue;
-        if (!quant_k)
+        if (quant_k == KVC_K_Q4)
+            kvc_pf_load_k4(k4, t0, r0, r1, hd, Kp, alpha + nq + 16);
+        else if (!quant_k)
             kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
         kvc_pf_load_v(vf, vq, vs, vs_stride, quant_v, vc4, vp, t0, r0, r1, hd, Vp);
         /* the next tile's rows go to L2 while this one is computed, a few rows per block
          * of queries (a burst of prefetches would stall on the miss buffers) */
         ptrdiff_t pf_next = t1, pf_end = hi < t1 + KVC_PF_TILE ? hi : t1 + KVC_PF_TILE;
         ptrdiff_t pf_step = (KVC_PF_TILE * KVC_PF_QR + (jb - ja) - 1) / (jb - ja);
-        if (quant_k == KVC_K_Q4) {
-            kvc_k4_raw(k4, q + ja * hd, jb - ja, qf + ja, qe + ja, r0, r1, hd,
-                       S + ja * KVC_PF_TILE, KVC_PF_TILE, t0, Kp);
-        } else if (quant_k) {
+        if (quant_k == KVC_K_Q8) {
             for (j = ja; j < jb; ++j)
                 kvc_i8_rows(group, qi + j * KVC_I8_PAD(hd),
                                 qsc + j * KVC_I8_GROUPS(hd, group),
@@ -563,7 +598,9 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
     r1 = r1 < t1 ? r1 : t1;
     if (ja < 0)
         return;
-    if (!quant_k)
+    if (quant_k == KVC_K_Q4)
+        kvc_pf_load_k4(k4, t0, r0, r1, hd, Kp, S + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS);
+    else if (!quant_k)
         kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
     for (j = ja; j < jb; j += KVC_PF_IMP_QUERIES) {
         ptrdiff_t nr = jb - j < KVC_PF_IMP_QUERIES ? jb - j : KVC_PF_IMP_QUERIES, i;
@@ -581,10 +618,7 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
         }
         if (c0 >= c1)
             continue;
-        if (quant_k == KVC_K_Q4) {
-            kvc_k4_raw(k4, q + j * hd, nr, qf + j, qe + j, t0 + c0, t0 + c1, hd, S,
-                       KVC_PF_IMP_ROWS, t0, Kp);
-        } else if (quant_k) {
+        if (quant_k == KVC_K_Q8) {
             for (i = 0; i < nr; ++i)
                 kvc_i8_rows(group, qi + (j + i) * KVC_I8_PAD(hd),
                                 qsc + (j + i) * KVC_I8_GROUPS(hd, group),

@@ -42,11 +42,12 @@
  * probabilities (nq x 64), the partial outputs (nq x padded hd), alpha (nq), and slack. */
 #define KVC_PF_SCRATCH_FLOATS(hd, nq) \
     (KVC_PF_TILE * (hd) + KVC_PF_TILE * KVC_PF_PAD16(hd) + (nq) * KVC_PF_TILE \
-     + (nq) * KVC_PF_PAD16(hd) + (nq) + 64)
+     + (nq) * KVC_PF_PAD16(hd) + (nq) + 64 + 3 * (hd))
 
 #define KVC_PF_IMP_ROWS 256
 #define KVC_PF_IMP_QUERIES 48 /* queries scored together: each K strip is read once for them */
-#define KVC_PF_IMP_SCRATCH(hd) (KVC_PF_IMP_ROWS * (hd) + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS + 64)
+#define KVC_PF_IMP_SCRATCH(hd) (KVC_PF_IMP_ROWS * (hd) + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS + 64 \
+                                + 3 * (hd))
 
 /* MLA decode (_mla.h) */
 #define KVC_MLA_BLOCK 64          /* rows per online-softmax block (~147 KiB at r=512) */

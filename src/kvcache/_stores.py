@@ -270,10 +270,10 @@ class K4Rows(RowStore):
             o, n = int(old[h]), int(new[h])
             lo, hi = max(0, n - K4_RING), min(n, o - K4_RING)
             if hi > lo:            # slots overwritten since: the rows' values from the codes
-                # (rows below o - 48 are in blocks that were closed, so whole blocks up to hi)
-                vals = quant.k4_values(self.c[h], self.p[h], -(-hi // K4_BLOCK) * K4_BLOCK)
+                # (rows below o - 48 are in blocks that were closed: whole blocks up to hi)
+                vals = quant.k4_values(self.c[h], self.p[h], -(-hi // K4_BLOCK) * K4_BLOCK, lo)
                 for i in range(lo, hi):
-                    self.r[h, i % K4_RING] = vals[i]
+                    self.r[h, i % K4_RING] = vals[i - lo]
 
     def shift(self, h: int, n: int, keep_idx: Optional[IP] = None, drop: int = 0) -> None:
         rows = self.values(h, n)

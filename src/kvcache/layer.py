@@ -661,10 +661,10 @@ class LayerKvCache:
         d = min(n, self._seq_len)
         if d == 0:
             return
-        old = self._len.copy()
-        np.maximum(self._len - d, 0, out=self._len)
-        self._k.truncated(old, self._len)
-        self._v.truncated(old, self._len)
+        new = np.maximum(self._len - d, 0)
+        self._k.truncated(self._len, new)       # (4-bit K refills its ring; may allocate)
+        self._v.truncated(self._len, new)
+        self._len[:] = new
         self._imp_len = max(self._imp_len - d, 0)
         self._seq_len -= d
         self._gen.shrink(self._len)

@@ -721,7 +721,8 @@ def check_seal(layer: LayerKvCache, coll: O1Collecting, num_heads: int) -> Optio
     if t <= 0:
         return "nothing to seal (seq_len == 0)"
     if not layer.mode.is_f32:
-        return f"the layer stores int8 rows ({layer.mode!r}); the O(1) seal needs F32 KV rows"
+        return (f"the layer stores quantised rows ({layer.mode.name}); the O(1) seal needs F32 "
+                f"KV rows")
     if coll._len != t * num_heads * hd:
         return (f"the query trace holds {coll._len} floats, expected seq_len * num_heads * "
                 f"head_dim = {t} * {num_heads} * {hd} = {t * num_heads * hd} (a full trace)")

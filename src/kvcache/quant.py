@@ -112,20 +112,23 @@ def check_k4_head_dim(head_dim: int) -> None:
 
 
 def k4_values(codes: npt.NDArray[np.uint8], par: npt.NDArray[np.uint16],
-              n: int) -> npt.NDArray[np.float32]:
-    """The float32 values fmaf(code, step, minimum) of one head's first ``n`` rows of 4-bit K
-    codes (cap, hd / 2) with block parameters (blocks, 2 * hd) (docs/kv4.md); rows past the
-    closed blocks (``16 * (n // 16)``) are left 0."""
+              n: int, lo: int = 0) -> npt.NDArray[np.float32]:
+    """The float32 values fmaf(code, step, minimum) of rows [lo, n) of one head's 4-bit K
+    codes (cap, hd / 2) with block parameters (blocks, 2 * hd) (docs/kv4.md), as an (n - lo,
+    hd) array; rows past the closed blocks (``16 * (n // 16)``) are left 0.  Only the blocks
+    holding those rows are decoded."""
     hd = codes.shape[1] * 2
-    out = np.zeros((n, hd), dtype=np.float32)
+    out = np.zeros((n - lo, hd), dtype=np.float32)
     q = n // 16 * 16
-    if q:
-        c = unpack_codes(codes[:q], hd).astype(np.float32)                  # (q, hd)
-        pf = par[: q // 16].view(np.float16).astype(np.float32)              # (q/16, 2 hd)
+    b0 = lo // 16
+    if q > lo:
+        c = unpack_codes(codes[16 * b0:q], hd).astype(np.float32)          # (q - 16 b0, hd)
+        pf = par[b0: q // 16].view(np.float16).astype(np.float32)
         step = np.repeat(pf[:, :hd], 16, axis=0)
         low = np.repeat(pf[:, hd:], 16, axis=0)
         with np.errstate(invalid="ignore"):
-            out[:q] = c * step + low      # code * step is exact in float32: this is fmaf
+            vals = c * step + low         # code * step is exact in float32: this is fmaf
+        out[: q - lo] = vals[lo - 16 * b0:]
     return out
 
 

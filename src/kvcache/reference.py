@@ -31,7 +31,7 @@ import numpy.typing as npt
 from ._entry import AttendCall, MlaCall, O1Absorb, O1State, O1Step, Rows, k_group_of
 from ._validate import FloatArrayLike
 from ._entry import K4_BLOCK, K4_RING
-from .quant import CHUNK_ROWS, k_group, unpack_codes
+from .quant import CHUNK_ROWS, k4_values, k_group, unpack_codes
 
 if TYPE_CHECKING:
     from .layer import LayerKvCache
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CHUNK_ROWS", "openmp_built", "max_threads", "round_half_away", "quantize_rows",
            "store_rows_f32", "store_rows_q8", "store_rows_v4", "quantize_v4", "dequantize_v4",
-           "store_rows_k4", "quantize_k4_block", "k4_scores", "dot_f32",
+           "store_rows_k4", "quantize_k4_block", "k4_scores", "k4_keys", "dot_f32",
            "stream_read", "fmaf", "k_group_of", "quantize_query",
            "q8_scores", "visible_range", "bind_rows", "attend_rows", "attend_blocked", "bind_o1",
            "attend_all_heads", "attend", "attend_group", "o1_seal", "o1_step_layer",
@@ -333,6 +333,15 @@ def k4_scores(q__jd: F32, kc__cb: U8, kp__bq: U16, kr__rd: F32, n: int,
     out__jr[:] = out
 
 
+def k4_keys(kc__cb: U8, kp__bq: U16, kr__rd: F32, n: int) -> F32:
+    """One KV group's first ``n`` 4-bit K rows as the prompt kernel reads them (docs/kv4.md):
+    a closed block's rows as fmaf(code, step, minimum), the open block's from the ring."""
+    out = k4_values(kc__cb, kp__bq, n)
+    for p in range(n // K4_BLOCK * K4_BLOCK, n):
+        out[p] = kr__rd[p % K4_RING]
+    return out
+
+
 def _k4_raw(q: F32, kc: U8, kp: U16, kr: F32, n: int) -> F32:
     out = np.zeros((q.shape[0], n), dtype=_F32)
     k4_scores(q, kc, kp, kr, n, out)
@@ -460,11 +469,9 @@ def attend_blocked(rows: Rows, call: AttendCall) -> None:
             continue
         per = cnt // n_pos
         stored = int(head_len__h[g])
-        keys = None if (quant_k or rows.k4) else kf__hcd[g, :stored]           # (T, hd)
-        k4_raw = None
+        keys = None if quant_k else kf__hcd[g, :stored]                        # (T, hd)
         if rows.k4 and rows.kc4 is not None and rows.kp is not None and rows.kr is not None:
-            k4_raw = _k4_raw(q__jd[int(group_q0[g]):int(group_q0[g + 1])], rows.kc4[g],
-                               rows.kp[g], rows.kr[g], stored)               # (cnt, stored)
+            keys = k4_keys(rows.kc4[g], rows.kp[g], rows.kr[g], stored)      # their values
         if rows.v4 and rows.vc4 is not None and rows.vp is not None:
             vals = dequantize_v4(rows.vc4[g, :stored], rows.vp[g, :stored],
                                  q__jd.shape[1])                               # (T, hd)
@@ -478,9 +485,7 @@ def attend_blocked(rows: Rows, call: AttendCall) -> None:
             if e <= f:
                 continue
             with np.errstate(invalid="ignore", over="ignore"):
-                if k4_raw is not None:                                          # 4-bit K
-                    sc = k4_raw[jl, f:e] * scale
-                elif keys is None:                                              # q8 scoring
+                if keys is None:                                                # q8 scoring
                     raw = np.zeros((1, e - f), dtype=_F32)
                     q8_scores(q__jd[j][None, :], kq__hcd[g, f:e], ks__hcg[g, f:e], raw, k_group)
                     sc = raw[0] * scale                                         # (r,)

@@ -855,6 +855,7 @@ def export_wire(layer: LayerKvCache, f16: bool = False) -> bytes:
     st = layer._export_state()
     if not st.mode.is_f32:
         what = ", ".join(([f"int8 scheme {st.mode.scheme!r}"] if st.mode.scheme else [])
+                         + (["4-bit keys"] if st.mode.k4 else [])
                          + (["4-bit values"] if st.mode.v4 else []))
         raise WireError(f"export_wire: the legacy layout describes F32 caches only; this layer is "
                         f"{st.mode!r}, {what} (use to_bytes, which carries int8 storage in either "

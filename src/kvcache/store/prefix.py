@@ -486,11 +486,12 @@ class PrefixStore:
             kr = None
             if geom.mode.k4:       # the ring: the cache's own rows, the loaded rows' values
                 kr = np.zeros((g, K4_RING, geom.head_dim), dtype=np.float32)
+                lo = max(0, n - K4_RING)
                 for h in range(g):
-                    vals = quant.k4_values(d["kc"][h], d["kp"][h], n)
-                    for i in range(max(0, n - K4_RING), n):
+                    vals = quant.k4_values(d["kc"][h], d["kp"][h], n, lo)
+                    for i in range(lo, n):
                         kr[h, i % K4_RING] = (st.kr[h, i % K4_RING] if i < m and st.kr is not None
-                                              else vals[i])
+                                              else vals[i - lo])
             out.append(LayerState(
                 mode=geom.mode, num_kv_heads=g, head_dim=geom.head_dim, seq_len=n,
                 lengths=np.full(g, n, dtype=np.intp),
