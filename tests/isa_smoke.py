@@ -8,8 +8,8 @@ bodies chosen: .ci/run runs this natively and under user-mode QEMU on CPUs witho
 suite runs it in-process for every body this CPU runs (tests/test_isa_smoke.py).
 
 Small shapes (under QEMU the interpreter is emulated), but every family's SIMD paths are
-reached: head dims 64 and 72 (whole and partial vector blocks), K groups of 16 and 32, enough
-rows for several tiles and tasks.
+reached: head dims 64 and 72 (whole and partial vector blocks), K groups of 16 and 32, 4-bit K
+and V (closed blocks and the ring's open block), enough rows for several tiles and tasks.
 """
 
 from __future__ import annotations
@@ -123,6 +123,44 @@ def _quant(core, rng) -> list[np.ndarray]:
     return res
 
 
+def _four_bit(core, rng, blocked: bool, hd: int) -> list[np.ndarray]:
+    """4-bit K and V (docs/kv4.md): rows written by the compiled quantisers, then decode or
+    prompt attention over them, and the raw 4-bit K scores."""
+    nkv, hpk, T, n_pos = 2, 3, 203, 5 if not blocked else 40
+    x = (rng.standard_normal((T, nkv, hd)) * 2).astype(np.float32)
+    y = rng.standard_normal((T, nkv, hd)).astype(np.float32)
+    kc = np.zeros((nkv, T, hd // 2), np.uint8)
+    kp = np.zeros((nkv, -(-T // 16), 2 * hd), np.uint16)
+    kr = np.zeros((nkv, 48, hd), np.float32)
+    vc = np.zeros((nkv, T, hd // 2), np.uint8)
+    vp = np.zeros((nkv, T, 2 * -(-hd // 16)), np.uint16)
+    live, zero = np.ones(nkv, np.uint8), np.zeros(nkv, np.intp)
+    core.store_rows_k4(x, live, zero, kc, kp, kr)
+    core.store_rows_v4(y, live, zero, vc, vp)
+    z8 = np.zeros((nkv, 0, hd), np.int8)
+    zf = np.zeros((nkv, 0, hd), np.float32)
+    rows = Rows(kf=zf, kq=z8, ks=np.zeros((nkv, 0, 4), np.float32), vf=zf, vq=z8,
+                vs=np.zeros((nkv, 0, 1), np.float32), vcol=np.ones((nkv, hd), np.float32),
+                head_len=np.array([T, T - 9], np.intp), quant_k=False, quant_v=False,
+                vc4=vc, vp=vp, v4=True, kc4=kc, kp=kp, kr=kr, k4=True)
+    nq = nkv * hpk * n_pos
+    q = rng.standard_normal((nq, hd)).astype(np.float32)
+    g0 = np.arange(nkv + 1, dtype=np.intp) * hpk * n_pos
+    out = np.zeros((nq, hd), np.float32)
+    imp = np.zeros(T, np.float32)
+    call = AttendCall(q=q, group_q0=g0, n_pos=n_pos, n_back=n_pos, window=0, first=0,
+                      scale=0.125, softcap=0.0, out=out, imp=imp, imp_mode=2 if blocked else 1,
+                      n_threads=2)
+    raw = np.zeros((4, T), np.float32)
+    core.k4_scores(q[:4].copy(), kc[0], kp[0], kr[0], T, raw)
+    if blocked:
+        core.attend_blocked(rows, call)
+        return [kc, kp, vc, vp, raw, out, imp]
+    probs = np.zeros((nq, T), np.float32)
+    core.attend_rows(rows, call._replace(probs=probs))
+    return [kc, kp, vc, vp, raw, out, probs, imp]
+
+
 def run_all() -> dict[str, str]:
     """Family -> digest of its outputs (fixed seeds, so the same on every machine)."""
     from kvcache import _core
@@ -136,6 +174,9 @@ def run_all() -> dict[str, str]:
         out[f"f32 prefill hd={hd}"] = _digest(*_attention(_core, rng, True, False, hd, group))
         out[f"q8 prefill hd={hd} group={group}"] = _digest(*_attention(_core, rng, True, True,
                                                                         hd, group))
+    for hd in (64, 72):
+        out[f"4-bit decode hd={hd}"] = _digest(*_four_bit(_core, rng, False, hd))
+        out[f"4-bit prefill hd={hd}"] = _digest(*_four_bit(_core, rng, True, hd))
     out["o1 step"] = _digest(*_o1(_core, rng))
     out["mla"] = _digest(*_mla(_core, rng))
     out["quantise"] = _digest(*_quant(_core, rng))
