@@ -106,37 +106,63 @@ KVC_INLINE void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks
 }
 
 /* 4-bit K (docs/kv4.md) into the packed K tile, in kvc_pf_load_k's layout and row range: a
- * row of a closed block as its values fmaf(code, s, m) (the block's parameters converted once),
- * a row of the open block as the ring holds it.  tmp: 3 * hd floats. */
+ * row of a closed block as its values fmaf(code, s, m) (the block's parameters converted once,
+ * 32 channels of a row dequantised in registers), a row of the open block as the ring holds
+ * it; eight rows at a time, transposed into place as kvc_pf_load_k does.
+ * tmp: KVC_PF_K4_TMP(hd) floats. */
 KVC_INLINE void kvc_pf_load_k4(const kvc_k4 *K, ptrdiff_t t0, ptrdiff_t r0, ptrdiff_t r1,
                                ptrdiff_t hd, float *restrict Kp, float *restrict tmp)
 {
-    float *pf = tmp, *row = tmp + 2 * hd;
-    ptrdiff_t g, d, blk = -1;
-    for (g = (r0 - t0) / 8 * 8; g < (r1 - t0 + 7) / 8 * 8; ++g) {
-        ptrdiff_t p = t0 + g < r1 ? t0 + g : r1 - 1;
-        const float *src = row;
+    float *pf = tmp, *rows = tmp + 2 * hd;          /* 8 rows of hd */
+    ptrdiff_t g, d, i, blk = -1;
+    for (g = (r0 - t0) / 8 * 8; g < r1 - t0; g += 8) {
         float *dst = Kp + (g / 16) * hd * 16 + (g % 16);
-        if (p < K->qlen) {
+        const float *src[8];
+        for (i = 0; i < 8; ++i) {
+            ptrdiff_t p = t0 + g + i < r1 ? t0 + g + i : r1 - 1;
+            float *row = rows + i * hd;
+            if (p >= K->qlen) {
+                src[i] = K->ring + (p % KVC_K4_RING) * hd;
+                continue;
+            }
             const uint8_t *c = K->codes + p * (hd / 2);
-            ptrdiff_t c0, i;
+            ptrdiff_t c0;
             if (p / KVC_K4_BLOCK != blk) {
                 blk = p / KVC_K4_BLOCK;
                 kvc_k4_params(K->par + blk * 2 * hd, hd, pf);
             }
-            for (c0 = 0; c0 < hd; c0 += 32) {
-                ptrdiff_t h = (hd - c0 < 32 ? hd - c0 : 32) / 2;
-                for (i = 0; i < h; ++i) {
-                    row[c0 + i] = fmaf((float)(c[c0 / 2 + i] & 15), pf[c0 + i], pf[hd + c0 + i]);
-                    row[c0 + h + i] = fmaf((float)(c[c0 / 2 + i] >> 4), pf[c0 + h + i],
-                                           pf[hd + c0 + h + i]);
+            for (c0 = 0; c0 + 32 <= hd; c0 += 32) {
+                const uint8_t *b = c + c0 / 2;
+                const float *st = pf + c0, *mn = pf + hd + c0;
+                kvc_f8_store(row + c0, kvc_f8_fma(kvc_f8_from_u4(b, 0), kvc_f8_load(st),
+                                                  kvc_f8_load(mn)));
+                kvc_f8_store(row + c0 + 8, kvc_f8_fma(kvc_f8_from_u4(b + 8, 0),
+                                                      kvc_f8_load(st + 8), kvc_f8_load(mn + 8)));
+                kvc_f8_store(row + c0 + 16, kvc_f8_fma(kvc_f8_from_u4(b, 4),
+                                                       kvc_f8_load(st + 16), kvc_f8_load(mn + 16)));
+                kvc_f8_store(row + c0 + 24, kvc_f8_fma(kvc_f8_from_u4(b + 8, 4),
+                                                       kvc_f8_load(st + 24), kvc_f8_load(mn + 24)));
+            }
+            if (c0 < hd) {                         /* a last chunk of hd % 32 channels */
+                ptrdiff_t h = (hd - c0) / 2, j;
+                for (j = 0; j < h; ++j) {
+                    row[c0 + j] = fmaf((float)(c[c0 / 2 + j] & 15), pf[c0 + j], pf[hd + c0 + j]);
+                    row[c0 + h + j] = fmaf((float)(c[c0 / 2 + j] >> 4), pf[c0 + h + j],
+                                           pf[hd + c0 + h + j]);
                 }
             }
-        } else {
-            src = K->ring + (p % KVC_K4_RING) * hd;
+            src[i] = row;
         }
-        for (d = 0; d < hd; ++d)
-            dst[d * 16] = src[d];
+        for (d = 0; d + 8 <= hd; d += 8) {         /* hd is a multiple of 8 */
+            kvc_f8 a[8];
+#pragma GCC unroll 8
+            for (i = 0; i < 8; ++i)
+                a[i] = kvc_f8_load(src[i] + d);
+            kvc_f8_transpose8(a);
+#pragma GCC unroll 8
+            for (i = 0; i < 8; ++i)
+                kvc_f8_store(dst + (d + i) * 16, a[i]);
+        }
     }
 }
 
@@ -437,7 +463,7 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
         if (ja < 0)
             continue;
         if (quant_k == KVC_K_Q4)
-            kvc_pf_load_k4(k4, t0, r0, r1, hd, Kp, alpha + nq + 16);
+            kvc_pf_load_k4(k4, t0, r0, r1, hd, Kp, alpha + nq + 16);   /* KVC_PF_K4_TMP */
         else if (!quant_k)
             kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
         kvc_pf_load_v(vf, vq, vs, vs_stride, quant_v, vc4, vp, t0, r0, r1, hd, Vp);

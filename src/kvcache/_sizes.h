@@ -33,6 +33,7 @@
 #define KVC_I8_GROUPS(hd, group) (((hd) + (group) - 1) / (group))
 
 /* the prompt kernel (_prefill.h) */
+#define KVC_PF_K4_TMP(hd) (10 * (hd)) /* 4-bit K tile loader: a block's parameters, 8 rows */
 #define KVC_PF_TILE 64 /* rows per key/value tile, at absolute row multiples */
 #define KVC_PF_QR 6    /* queries per register block (scores and values) */
 #define KVC_PF_PAD16(hd) (((hd) + 15) / 16 * 16)
@@ -42,12 +43,12 @@
  * probabilities (nq x 64), the partial outputs (nq x padded hd), alpha (nq), and slack. */
 #define KVC_PF_SCRATCH_FLOATS(hd, nq) \
     (KVC_PF_TILE * (hd) + KVC_PF_TILE * KVC_PF_PAD16(hd) + (nq) * KVC_PF_TILE \
-     + (nq) * KVC_PF_PAD16(hd) + (nq) + 64 + 3 * (hd))
+     + (nq) * KVC_PF_PAD16(hd) + (nq) + 64 + KVC_PF_K4_TMP(hd))
 
 #define KVC_PF_IMP_ROWS 256
 #define KVC_PF_IMP_QUERIES 48 /* queries scored together: each K strip is read once for them */
 #define KVC_PF_IMP_SCRATCH(hd) (KVC_PF_IMP_ROWS * (hd) + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS + 64 \
-                                + 3 * (hd))
+                                + KVC_PF_K4_TMP(hd))
 
 /* MLA decode (_mla.h) */
 #define KVC_MLA_BLOCK 64          /* rows per online-softmax block (~147 KiB at r=512) */
