@@ -459,13 +459,12 @@ def k4_scores(q__jd, kc__cb, kp__bq, kr__rd, n, out__jr):
     4-bit scorer of the q8 body in use: the arithmetic of attend_rows' and attend_blocked's
     4-bit K scores, exposed for tests.  Checked by kvcache._entry.check_k4_scores."""
     cdef Py_ssize_t rows = _entry.check_k4_scores(q__jd, kc__cb, kp__bq, kr__rd, n, out__jr)
-    q_arr, kc_arr, kp_arr, kr_arr, out_arr = q__jd, kc__cb, kp__bq, kr__rd, out__jr
-    cdef Py_ssize_t nq = q_arr.shape[0], hd = q_arr.shape[1]
-    cdef const float[:, ::1] q = q_arr
-    cdef const uint8_t[:, ::1] kc = kc_arr
-    cdef const uint16_t[:, ::1] kp = kp_arr
-    cdef const float[:, ::1] kr = kr_arr
-    cdef float[:, ::1] out = out_arr
+    cdef const float[:, ::1] q = q__jd
+    cdef const uint8_t[:, ::1] kc = kc__cb
+    cdef const uint16_t[:, ::1] kp = kp__bq
+    cdef const float[:, ::1] kr = kr__rd
+    cdef float[:, ::1] out = out__jr
+    cdef Py_ssize_t nq = q.shape[0], hd = q.shape[1]
     cdef Py_ssize_t[::1] hl = np.full(1, rows, dtype=np.intp)
     qf_arr, qe_arr = np.zeros(max(nq, 1), dtype=np.intp), np.full(max(nq, 1), rows, np.intp)
     cdef Py_ssize_t[::1] qf = qf_arr

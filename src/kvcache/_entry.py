@@ -39,7 +39,7 @@ import numpy.typing as npt
 
 from ._validate import as_int
 
-__all__ = ["AttendCall", "MlaCall", "O1Absorb", "O1Shape", "O1State", "O1Step", "Rows",
+__all__ = ["K4_BLOCK", "K4_RING", "ring_slots", "AttendCall", "MlaCall", "O1Absorb", "O1Shape", "O1State", "O1Step", "Rows",
            "RowsBinding", "RowsShape", "check_call", "check_mla_attend", "check_o1_absorb",
            "check_k4_scores", "check_o1_call", "check_o1_state", "check_q8_scores",
            "check_quantize_query",
@@ -58,6 +58,12 @@ K4_BLOCK = 16
 """Rows per block of 4-bit K (docs/kv4.md; ``_q4.h``'s KVC_K4_BLOCK, checked by ``_core``)."""
 K4_RING = 48
 """Float32 rows per KV head in 4-bit K's ring (``_q4.h``'s KVC_K4_RING, checked by ``_core``)."""
+
+
+def ring_slots(lo: int, hi: int) -> IP:
+    """The ring slots of 4-bit K rows [lo, hi) (row i at slot i % K4_RING), in row order."""
+    out: IP = np.arange(lo, hi, dtype=np.intp) % K4_RING
+    return out
 
 COUNT_MAX = 1 << 62
 """The largest count, length or row index a kernel accepts (sums of them fit Py_ssize_t)."""
@@ -290,6 +296,16 @@ class RowsShape(NamedTuple):
     k_group: int
 
 
+def _four_bit(name: str, flag: object, int8: object, component: str) -> bool:
+    """A descriptor's 4-bit flag for ``component``: a bool, and not set with its int8 flag."""
+    if type(flag) is not bool:
+        raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    if flag and int8:
+        raise ValueError(f"{name}: 4-bit {component} and quant_{component.lower()} (int8 "
+                         f"{component}) are exclusive")
+    return flag
+
+
 def check_rows(rows: Rows) -> RowsShape:
     """The storage half of the attention checks: the arrays of ``rows`` (dtypes, dimensions,
     layouts, shapes against each other) and ``head_len``'s type and length, not its values
@@ -308,12 +324,7 @@ def check_rows(rows: Rows) -> RowsShape:
     vs = _array("vs", rows.vs, _F32, 3)
     vcol = _array("vcol", rows.vcol, _F32, 2)
     k_group = _count("k_group", rows.k_group, 0, 32)
-    k4 = rows.k4
-    if type(k4) is not bool:
-        raise TypeError(f"k4: expected a bool, got {type(k4).__name__}")
-    if k4:
-        if rows.quant_k:
-            raise ValueError("k4: 4-bit K and quant_k (int8 K) are exclusive")
+    if _four_bit("k4", rows.k4, rows.quant_k, "K"):
         kc4 = _array("kc4", rows.kc4, _U8, 3)
         kp = _array("kp", rows.kp, _U16, 3)
         kr = _array("kr", rows.kr, _F32, 3)
@@ -341,12 +352,7 @@ def check_rows(rows: Rows) -> RowsShape:
             raise ValueError("float32 K: expected kf (nkv, capacity, head_dim)")
     if hd < 1:
         raise ValueError(f"K: expected head_dim >= 1, got {hd}")
-    v4 = rows.v4
-    if type(v4) is not bool:
-        raise TypeError(f"v4: expected a bool, got {type(v4).__name__}")
-    if v4:
-        if rows.quant_v:
-            raise ValueError("v4: 4-bit V and quant_v (int8 V) are exclusive")
+    if _four_bit("v4", rows.v4, rows.quant_v, "V"):
         vc4 = _array("vc4", rows.vc4, _U8, 3)
         vp = _array("vp", rows.vp, _U16, 3)
         vcap = vc4.shape[1]

@@ -617,10 +617,14 @@ static void kvc_quant_query(const float *restrict x, ptrdiff_t hd, ptrdiff_t gro
         ptrdiff_t g1 = hd - group * g < group ? hd : group * g + group;
         int32_t s = 0;
         int finite = 1;
-        for (d = group * g; d < g1; ++d) {
+        kvc_f8 z = kvc_f8_zero();            /* x * 0 is NaN exactly where x is not finite */
+        for (d = group * g; d < g1; ++d)
             s += qi[d];
+        for (d = group * g; d + 8 <= g1; d += 8)
+            z = kvc_f8_add(z, kvc_f8_mul(kvc_f8_load(x + d), kvc_f8_zero()));
+        finite = !(kvc_f8_fold(z) != 0.0f);
+        for (; d < g1; ++d)
             finite = finite && isfinite(x[d]);
-        }
         qsum[g] = s;
         if (!finite)
             sq[g] = NAN;
@@ -771,26 +775,11 @@ KVC_INLINE void kvc_k4_load_block(const kvc_k4 *K, ptrdiff_t b, ptrdiff_t hd, kv
 KVC_INLINE void kvc_k4_block_raw(const float *restrict q, ptrdiff_t hd, const kvc_k4_scratch *k,
                                  ptrdiff_t r0, ptrdiff_t n, float *out)
 {
-    ptrdiff_t d, i, g;
+    ptrdiff_t d, i;
     float bias;
     for (d = 0; d + 8 <= hd; d += 8)        /* hd is a multiple of 8 */
         kvc_f8_store(k->w + d, kvc_f8_mul(kvc_f8_load(q + d), kvc_f8_load(k->pf + d)));
-    /* kvc_quant_query(w, hd, 16, ...), its sums and finite checks eight lanes at a time */
-    kvc_quant_row(k->w, NULL, hd, 16, k->qi, k->sq);
-    for (d = hd; d < KVC_I8_PAD(hd); ++d)
-        k->qi[d] = 0;
-    for (g = 0; g * 16 < hd; ++g) {
-        ptrdiff_t g1 = hd - 16 * g < 16 ? hd : 16 * g + 16;
-        int32_t sum = 0;
-        kvc_f8 z = kvc_f8_zero();                 /* x * 0 is NaN exactly for x not finite */
-        for (d = 16 * g; d < g1; ++d)
-            sum += k->qi[d];
-        for (d = 16 * g; d < g1; d += 8)
-            z = kvc_f8_add(z, kvc_f8_mul(kvc_f8_load(k->w + d), kvc_f8_zero()));
-        k->qsum[g] = sum;
-        if (kvc_f8_fold(z) != 0.0f)
-            k->sq[g] = NAN;
-    }
+    kvc_quant_query(k->w, hd, 16, k->qi, k->sq, k->qsum);
     bias = kvc_dot_f32(q, k->pf + hd, hd);
     kvc_i8_rows(16, k->qi, k->sq, k->qsum, k->unp + r0 * hd, k->ones, 0, hd, n, out);
     for (i = 0; i < n; ++i)

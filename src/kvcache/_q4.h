@@ -186,20 +186,4 @@ KVC_Q4_INLINE void kvc_v4_params(const uint16_t *restrict par, ptrdiff_t hd, flo
     kvc_f16_row(par, 2 * KVC_V4_NG(hd), out);
 }
 
-/* Dequantise one row: out[d] = fmaf(code_d, s_g, m_g); pf: the row's kvc_v4_params. */
-KVC_Q4_INLINE void kvc_v4_dequant_row(const uint8_t *restrict codes, const float *restrict pf,
-                                      ptrdiff_t hd, float *restrict out)
-{
-    ptrdiff_t c0, i;
-    for (c0 = 0; c0 < hd; c0 += 32) {
-        ptrdiff_t n = hd - c0 < 32 ? hd - c0 : 32, h = n / 2;
-        const uint8_t *b = codes + c0 / 2;
-        for (i = 0; i < h; ++i) {
-            ptrdiff_t dl = c0 + i, dh = c0 + h + i;
-            out[dl] = fmaf((float)(b[i] & 15), pf[2 * (dl >> 4)], pf[2 * (dl >> 4) + 1]);
-            out[dh] = fmaf((float)(b[i] >> 4), pf[2 * (dh >> 4)], pf[2 * (dh >> 4) + 1]);
-        }
-    }
-}
-
 #endif

@@ -9,13 +9,15 @@
 
 /* Per-thread scratch floats a task needs: the int8 and 4-bit value passes' KVC_VROWS x 4
  * weights and KVC_VROWS masks, and the 4-bit pass's parameters of KVC_VROWS rows (two per
- * 16 channels; the other passes read the rows in place). */
-#define KVC_SCRATCH_FLOATS(hd) (5 * KVC_VROWS + KVC_VROWS * 2 * (((hd) + 15) / 16))
+ * 16 channels), or the 4-bit K scorer's (below), whichever is more; the other passes read the
+ * rows in place. */
+#define KVC_SCRATCH_FLOATS_V(hd) (5 * KVC_VROWS + KVC_VROWS * 2 * (((hd) + 15) / 16))
+#define KVC_SCRATCH_FLOATS(hd) (KVC_SCRATCH_FLOATS_V(hd) > KVC_K4_SCRATCH(hd) \
+                                ? KVC_SCRATCH_FLOATS_V(hd) : KVC_K4_SCRATCH(hd))
 
 /* Floats of scratch the 4-bit K scorer needs (_kernels.h, kvc_k4_carve): a block's unpacked
  * codes (16 x hd bytes), its parameters (2 hd), the query times the steps (hd), its codes,
- * scales, ones and code sums.  Less than KVC_SCRATCH_FLOATS(hd) and than the prompt kernel's
- * K tile (64 x hd), which hold it in the decode and prompt passes. */
+ * scales, ones and code sums.  KVC_SCRATCH_FLOATS(hd) covers it. */
 #define KVC_K4_SCRATCH(hd) (7 * (hd) + KVC_I8_PAD(hd) / 4 + 3 * KVC_I8_GROUPS(hd, 16) + 8)
 
 /* the K kinds a kvc_store's quant_k holds: float32, int8, 4-bit */

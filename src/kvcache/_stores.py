@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from . import _core, quant
 from ._state import LayerState
-from ._entry import K4_BLOCK, K4_RING
+from ._entry import K4_BLOCK, K4_RING, ring_slots
 from .modes import KvMode
 
 __all__ = ["F32Rows", "K4Rows", "Q8Rows", "RowStore", "V4Rows", "from_state", "stores_for"]
@@ -261,8 +261,7 @@ class K4Rows(RowStore):
         a deep rollback or a load left images there), the codes' values before them."""
         out = quant.k4_values(self.c[h], self.p[h], n)
         lo = max(0, n - K4_RING)
-        for i in range(lo, n):
-            out[i] = self.r[h, i % K4_RING]
+        out[lo:] = self.r[h, ring_slots(lo, n)]
         return out
 
     def truncated(self, old: IP, new: IP) -> None:
@@ -272,8 +271,7 @@ class K4Rows(RowStore):
             if hi > lo:            # slots overwritten since: the rows' values from the codes
                 # (rows below o - 48 are in blocks that were closed: whole blocks up to hi)
                 vals = quant.k4_values(self.c[h], self.p[h], -(-hi // K4_BLOCK) * K4_BLOCK, lo)
-                for i in range(lo, hi):
-                    self.r[h, i % K4_RING] = vals[i - lo]
+                self.r[h, ring_slots(lo, hi)] = vals[: hi - lo]
 
     def shift(self, h: int, n: int, keep_idx: Optional[IP] = None, drop: int = 0) -> None:
         rows = self.values(h, n)

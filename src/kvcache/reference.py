@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from ._entry import AttendCall, MlaCall, O1Absorb, O1State, O1Step, Rows, k_group_of
 from ._validate import FloatArrayLike
-from ._entry import K4_BLOCK, K4_RING
+from ._entry import K4_BLOCK, K4_RING, ring_slots
 from .quant import CHUNK_ROWS, k4_values, k_group, unpack_codes
 
 if TYPE_CHECKING:
@@ -218,19 +218,14 @@ def quantize_v4(x__nd: F32, c__nb: U8, p__np: U16) -> None:
         codes[:, d0:d0 + 16] = np.clip(t, 0, 15).astype(np.uint8)
         par[:, 2 * g] = np.where(bad, np.float16(np.nan), s16)
         par[:, 2 * g + 1] = np.where(bad, np.float16(np.nan), m16)
-    packed = codes[:, _v4_order(hd)].reshape(n, hd // 2, 2)
-    c__nb[:] = packed[:, :, 0] | (packed[:, :, 1] << 4)
+    c__nb[:] = _pack_codes(codes)
     p__np[:] = par.view(np.uint16)
 
 
 def dequantize_v4(c__nb: U8, p__np: U16, hd: int) -> F32:
     """The float32 values of 4-bit rows (n, hd): fmaf(code, s, m) per channel, as the kernels
     read them."""
-    c = np.asarray(c__nb, dtype=np.uint8)
-    n = c.shape[0]
-    nib = np.stack([c & 15, c >> 4], axis=-1).reshape(n, hd)            # in nibble order
-    codes = np.empty((n, hd), dtype=_F32)
-    codes[:, _v4_order(hd)] = nib
+    codes = unpack_codes(np.asarray(c__nb, dtype=np.uint8), hd).astype(_F32)
     par = np.asarray(p__np, dtype=np.uint16).view(np.float16).astype(_F32)
     g = np.arange(hd) // 16
     return fmaf(codes, par[:, 2 * g], par[:, 2 * g + 1])
@@ -337,8 +332,8 @@ def k4_keys(kc__cb: U8, kp__bq: U16, kr__rd: F32, n: int) -> F32:
     """One KV group's first ``n`` 4-bit K rows as the prompt kernel reads them (docs/kv4.md):
     a closed block's rows as fmaf(code, step, minimum), the open block's from the ring."""
     out = k4_values(kc__cb, kp__bq, n)
-    for p in range(n // K4_BLOCK * K4_BLOCK, n):
-        out[p] = kr__rd[p % K4_RING]
+    q = n // K4_BLOCK * K4_BLOCK
+    out[q:] = kr__rd[ring_slots(q, n)]
     return out
 
 

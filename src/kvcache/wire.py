@@ -143,7 +143,7 @@ import numpy.typing as npt
 
 from . import _core, quant
 from ._state import LayerState, scheme_conflict
-from ._entry import K4_BLOCK, K4_RING
+from ._entry import K4_BLOCK, K4_RING, ring_slots
 from .eviction import EvictionPolicy
 from .modes import KvMode
 from .o1 import EXACT_EXTRA, RIDGE, O1Collecting, O1Rect, O1Sealed
@@ -573,8 +573,7 @@ def state_plan(st: LayerState, f16: bool = False) -> _Plan:
             q = n // K4_BLOCK * K4_BLOCK
             plan.array(stores["kc"][h, :q], _U8)
             plan.array(stores["kp"][h, : q // K4_BLOCK], _U16)
-            plan.array(stores["kr"][h, [i % K4_RING for i in range(max(0, n - K4_RING), n)]],
-                       _F32)
+            plan.array(stores["kr"][h, ring_slots(max(0, n - K4_RING), n)], _F32)
         else:
             plan.array(stores["kf"][h, :n], rows_dtype)
         if mode.quant_v:
@@ -777,9 +776,8 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
             kp[h, : q // K4_BLOCK] = rd.array(_U16, q // K4_BLOCK * 2 * hd,
                                               f"head {h} key parameters").reshape(-1, 2 * hd)
             lo = max(0, n - K4_RING)
-            ring = _f32(rd.array(_F32, (n - lo) * hd, f"head {h} key ring"), (n - lo, hd))
-            for i in range(lo, n):
-                kr[h, i % K4_RING] = ring[i - lo]
+            kr[h, ring_slots(lo, n)] = _f32(rd.array(_F32, (n - lo) * hd, f"head {h} key ring"),
+                                            (n - lo, hd))
         elif kq is not None and ks is not None:
             kq[h, :n] = rd.array(_I8, n * hd, f"head {h} int8 keys").reshape(n, hd)
             ks[h, :n] = rd.array(_F32, n * ngk, f"head {h} key scales").reshape(n, ngk)

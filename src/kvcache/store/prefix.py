@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import quant
-from .._entry import K4_BLOCK, K4_RING
+from .._entry import K4_BLOCK, K4_RING, ring_slots
 from .._state import LayerState
 from ..layer import LayerKvCache
 from ..model import KvCache
@@ -487,11 +487,11 @@ class PrefixStore:
             if geom.mode.k4:       # the ring: the cache's own rows, the loaded rows' values
                 kr = np.zeros((g, K4_RING, geom.head_dim), dtype=np.float32)
                 lo = max(0, n - K4_RING)
+                slots, own = ring_slots(lo, n), ring_slots(lo, max(lo, m))   # own: rows < m
                 for h in range(g):
-                    vals = quant.k4_values(d["kc"][h], d["kp"][h], n, lo)
-                    for i in range(lo, n):
-                        kr[h, i % K4_RING] = (st.kr[h, i % K4_RING] if i < m and st.kr is not None
-                                              else vals[i - lo])
+                    kr[h, slots] = quant.k4_values(d["kc"][h], d["kp"][h], n, lo)
+                    if st.kr is not None:
+                        kr[h, own] = st.kr[h, own]
             out.append(LayerState(
                 mode=geom.mode, num_kv_heads=g, head_dim=geom.head_dim, seq_len=n,
                 lengths=np.full(g, n, dtype=np.intp),
