@@ -15,6 +15,7 @@ import pytest
 import kvcache as kc
 from kvcache import _core, quant
 from kvcache import reference as R
+from kvcache._entry import K4_BLOCK as B, K4_RING as RING
 from kvcache._stores import V4Rows
 
 HEAD_DIMS = [64, 128, 72, 40, 256]
@@ -257,20 +258,20 @@ def test_gqa_groups_dead_heads_and_attend_group(mode):
 
 
 @pytest.mark.parametrize("mode", MODES4)
-@pytest.mark.parametrize("n_back", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("n_back", [1, 5, 32, 33, 36])
 def test_rollback_and_replay_give_identical_bits(mode, n_back):
     rng = np.random.default_rng(n_back)
-    hd = 72
-    layer, k, v = _pair(rng, mode, hd, 60)
+    hd, n = 72, 100
+    layer, k, v = _pair(rng, mode, hd, n)
     before = layer._export_state().owned_copy()
     q = rng.standard_normal((4, hd)).astype(np.float32)
     out_before = layer.attend_all_heads(q)
     layer.truncate_last(n_back)
-    assert len(layer) == 60 - n_back
-    layer.append(k[60 - n_back:], v[60 - n_back:])
+    assert len(layer) == n - n_back
+    layer.append(k[n - n_back:], v[n - n_back:])
     after = layer._export_state()
-    for name, rows in (("kf", 60), ("kq", 60), ("ks", 60), ("vc", 60), ("vp", 60), ("kc", 48),
-                       ("kp", 3), ("kr", 48)):
+    for name, rows in (("kf", n), ("kq", n), ("ks", n), ("vc", n), ("vp", n), ("kc", n // B * B),
+                       ("kp", n // B), ("kr", RING)):
         a, b = getattr(before, name), getattr(after, name)
         assert (a is None) == (b is None), name
         if a is not None:
@@ -296,16 +297,17 @@ def test_eviction_moves_rows_without_changing_their_bytes(mode):
 @pytest.mark.parametrize("mode", MODES4 + ["k8v4:cmf", "k4v8:cmf"])
 def test_byte_format_round_trip_and_version(mode, tmp_path):
     rng = np.random.default_rng(2)
-    layer, _, _ = _pair(rng, mode, 40, 33)
+    layer, _, _ = _pair(rng, mode, 40, 2 * B + 6)
     layer.truncate_last(2)
     buf = layer.to_bytes(fingerprint="m")
     assert int.from_bytes(buf[8:10], "little") == 3
     other = kc.LayerKvCache(2, 40, mode=mode)
     other.from_bytes(buf, fingerprint="m")
     a, b = layer._export_state(), other._export_state()
-    assert b.mode == a.mode and b.lengths.tolist() == [31, 31]
-    for name, rows in (("vc", 31), ("vp", 31), ("kq", 31), ("ks", 31), ("kf", 31), ("kc", 16),
-                       ("kp", 1), ("kr", 31)):          # the ring: slots 0..30 hold rows 0..30
+    n = 2 * B + 4
+    assert b.mode == a.mode and b.lengths.tolist() == [n, n]
+    for name, rows in (("vc", n), ("vp", n), ("kq", n), ("ks", n), ("kf", n), ("kc", 2 * B),
+                       ("kp", 2), ("kr", RING)):        # every ring slot holds one of the rows
         x, y = getattr(a, name), getattr(b, name)
         if x is not None:
             assert x[:, :rows].tobytes() == y[:, :rows].tobytes(), name
@@ -315,7 +317,7 @@ def test_byte_format_round_trip_and_version(mode, tmp_path):
     kv.layers[1] = layer
     kv.save(tmp_path / "m.kvc")
     back = kc.KvCache.load(tmp_path / "m.kvc")
-    assert back.mode == kv.mode and len(back.layers[1]) == 31
+    assert back.mode == kv.mode and len(back.layers[1]) == n
     assert np.array_equal(_bits(back.layers[1].attend_all_heads(q)),
                           _bits(layer.attend_all_heads(q)))
     with pytest.raises(kc.WireError, match="F32 caches only"):
@@ -367,7 +369,7 @@ def _k4_layer(rng, hd, n, nkv=1, mode="q4", scale=1.0):
 
 
 @pytest.mark.parametrize("hd", HEAD_DIMS + [8])
-@pytest.mark.parametrize("n", [15, 16, 17, 47, 48, 49, 100])
+@pytest.mark.parametrize("n", [15, 31, 32, 33, 63, 64, 65, 100])
 def test_k4_scores_match_the_twin_bit_for_bit_on_every_body(hd, n, each_level):
     rng = np.random.default_rng(hd * 1000 + n)
     layer, _, _ = _k4_layer(rng, hd, n)
@@ -385,26 +387,32 @@ def test_k4_scores_match_the_twin_bit_for_bit_on_every_body(hd, n, each_level):
 def test_k4_blocks_are_the_documented_quantiser():
     rng = np.random.default_rng(4)
     hd = 40
-    layer, k, _ = _k4_layer(rng, hd, 35)
+    n = 2 * B + 11
+    layer, k, _ = _k4_layer(rng, hd, n)
     st = layer._export_state()
-    for b in range(2):                                 # two closed blocks, 3 rows open
-        x = k[16 * b:16 * (b + 1), 0]
+    for b in range(2):                                 # two closed blocks, 11 rows open
+        x = k[B * b:B * (b + 1), 0]
         pf = st.kp[0, b].view(np.float16).astype(np.float32)
         assert (pf[:hd] == np.float16((x.max(0) - x.min(0)) / np.float32(15))).all()
         assert (pf[hd:] == np.float16(x.min(0))).all()
         c, p = R.quantize_k4_block(x)
-        assert c.tobytes() == st.kc[0, 16 * b:16 * (b + 1)].tobytes()
+        assert c.tobytes() == st.kc[0, B * b:B * (b + 1)].tobytes()
         assert p.tobytes() == st.kp[0, b].tobytes()
-    vals = quant.k4_values(st.kc[0], st.kp[0], 35)
-    assert (vals[32:] == 0).all()                      # the open block is not codes
-    step = np.repeat(st.kp[0, :2].view(np.float16).astype(np.float32)[:, :hd], 16, axis=0)
-    assert (np.abs(vals[:32] - k[:32, 0]) <= step / 2 * 1.001 + 0.02).all()
-    for i in range(35 - 48, 35):                       # the ring: the last 48 rows as given
+        # the block layout: channel d of row t at byte (d // 8) * 4 B + 4 t + d % 4
+        flat = st.kc[0, B * b:B * (b + 1)].reshape(-1)
+        t, d = 5, 13
+        code = (flat[(d // 8) * 4 * B + 4 * t + d % 4] >> (4 * (d % 8 // 4))) & 15
+        assert code == quant.k4_unpack_blocks(st.kc[0, B * b:B * (b + 1)])[t, d]
+    vals = quant.k4_values(st.kc[0], st.kp[0], n)
+    assert (vals[2 * B:] == 0).all()                   # the open block is not codes
+    step = np.repeat(st.kp[0, :2].view(np.float16).astype(np.float32)[:, :hd], B, axis=0)
+    assert (np.abs(vals[:2 * B] - k[:2 * B, 0]) <= step / 2 * 1.001 + 0.02).all()
+    for i in range(n - RING, n):                       # the ring: the last RING rows as given
         if i >= 0:
-            assert st.kr[0, i % 48].tobytes() == k[i, 0].tobytes()
+            assert st.kr[0, i % RING].tobytes() == k[i, 0].tobytes()
     assert layer.head_keys(0).shape == (0, hd)         # not stored as float32
-    kb = 32 * (hd // 2) + 2 * 4 * hd + 35 * 4 * hd      # codes, parameters, ring rows
-    assert layer.memory_bytes() == kb + 35 * quant.v4_row_bytes(hd)
+    kb = 2 * B * (hd // 2) + 2 * 4 * hd + min(n, RING) * 4 * hd    # codes, parameters, ring
+    assert layer.memory_bytes() == kb + n * quant.v4_row_bytes(hd)
 
 
 @pytest.mark.parametrize("mode", K4_MODES)
@@ -413,17 +421,17 @@ def test_k4_does_not_depend_on_how_rows_arrived(mode):
     hd = 72
     whole, k, v = _k4_layer(rng, hd, 70, nkv=2, mode=mode)
     parts = kc.LayerKvCache(2, hd, mode=mode)
-    for a, b in ((0, 1), (1, 15), (15, 16), (16, 33), (33, 34), (34, 70)):
+    for a, b in ((0, 1), (1, 31), (31, 32), (32, 33), (33, 63), (63, 64), (64, 65), (65, 70)):
         parts.append(k[a:b], v[a:b])
     sa, sb = whole._export_state(), parts._export_state()
     for name in ("kc", "kr"):
         assert getattr(sa, name)[:, :64].tobytes() == getattr(sb, name)[:, :64].tobytes()
-    assert sa.kp[:, :4].tobytes() == sb.kp[:, :4].tobytes()
+    assert sa.kp[:, :2].tobytes() == sb.kp[:, :2].tobytes()
     q = rng.standard_normal((3, 8, hd)).astype(np.float32)
     assert np.array_equal(_bits(whole.attend_all_heads(q)), _bits(parts.attend_all_heads(q)))
 
 
-@pytest.mark.parametrize("length", [40, 47, 48, 63, 64, 65, 80])
+@pytest.mark.parametrize("length", [40, 63, 64, 65, 80, 95, 96, 97, 130])
 def test_k4_rollback_of_up_to_32_rows_is_exact_at_every_phase(length):
     rng = np.random.default_rng(length)
     hd = 40
@@ -431,34 +439,34 @@ def test_k4_rollback_of_up_to_32_rows_is_exact_at_every_phase(length):
     q = rng.standard_normal((4, hd)).astype(np.float32)
     ref = layer.attend_all_heads(q)
     st0 = layer._export_state().owned_copy()
-    for n_back in (1, 2, length % 16 or 16, 17, 31, 32):
+    for n_back in (1, 2, length % B or B, B // 2 + 1, 31, 32):
         layer.truncate_last(n_back)
         short, _, _ = _k4_layer(rng, hd, 0, nkv=2)      # a cold layer of the kept rows
         short.append(k[:length - n_back], v[:length - n_back])
         assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(short.attend_all_heads(q)))
         layer.append(k[length - n_back:], v[length - n_back:])
         st = layer._export_state()
-        nb = length // 16
-        assert st.kc[:, :16 * nb].tobytes() == st0.kc[:, :16 * nb].tobytes(), n_back
+        nb = length // B
+        assert st.kc[:, :B * nb].tobytes() == st0.kc[:, :B * nb].tobytes(), n_back
         assert st.kp[:, :nb].tobytes() == st0.kp[:, :nb].tobytes(), n_back
         assert st.kr.tobytes() == st0.kr.tobytes(), n_back
         assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(ref)), n_back
 
 
 def test_k4_a_deeper_rollback_reopens_blocks_from_their_4bit_values():
-    """Past the ring (48 rows), a reopened block's rows are the codes' values: what the
+    """Past the ring (64 rows), a reopened block's rows are the codes' values: what the
     layer then holds is those values, deterministically (docs/kv4.md)."""
     rng = np.random.default_rng(12)
     hd = 64
-    layer, k, v = _k4_layer(rng, hd, 100)
-    vals = quant.k4_values(layer._export_state().kc[0], layer._export_state().kp[0], 100)
-    layer.truncate_last(70)                             # 30 rows: block 1 reopens, rows 16..29
+    layer, k, v = _k4_layer(rng, hd, 150)
+    vals = quant.k4_values(layer._export_state().kc[0], layer._export_state().kp[0], 150)
+    layer.truncate_last(100)                            # 50 rows: block 1 reopens, rows 32..49
     st = layer._export_state()
-    for i in range(16, 30):
-        assert st.kr[0, i % 48].tobytes() == vals[i].tobytes()
+    for i in range(B, 50):
+        assert st.kr[0, i % RING].tobytes() == vals[i].tobytes()
     again = kc.LayerKvCache(1, hd, mode="q4")
-    again.append(k[:16], v[:16])
-    again.append(vals[16:30, None, :], v[16:30])        # the same rows as the layer holds
+    again.append(k[:B], v[:B])
+    again.append(vals[B:50, None, :], v[B:50])          # the same rows as the layer holds
     q = rng.standard_normal((2, hd)).astype(np.float32)
     assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(again.attend_all_heads(q)))
 
@@ -506,14 +514,14 @@ def test_k4_head_dims_and_bad_input():
     with pytest.raises(ValueError, match="4-bit K needs head_dim to be a multiple of 8"):
         kc.LayerKvCache(1, 20, mode="q4k")
     out = np.zeros((1, 5), np.float32)
-    good = (np.zeros((1, 16), np.float32), np.zeros((16, 8), np.uint8),
-            np.zeros((1, 32), np.uint16), np.zeros((48, 16), np.float32))
+    good = (np.zeros((1, 16), np.float32), np.zeros((B, 8), np.uint8),
+            np.zeros((1, 32), np.uint16), np.zeros((RING, 16), np.float32))
     with pytest.raises(ValueError, match="k4_scores"):
-        _core.k4_scores(*good, 17, np.zeros((1, 17), np.float32))      # n past the codes
+        _core.k4_scores(*good, B + 1, np.zeros((1, B + 1), np.float32))  # n past the codes
     with pytest.raises(TypeError, match="kp"):
         _core.k4_scores(good[0], good[1], good[2].astype(np.int16), good[3], 5, out)
     with pytest.raises(ValueError, match="k4_scores"):
-        _core.k4_scores(good[0], good[1], good[2], good[3][:47], 5, out)
+        _core.k4_scores(good[0], good[1], good[2], good[3][:RING - 1], 5, out)
     _core.k4_scores(*good, 5, out)
     assert not out.any()
 
@@ -522,7 +530,7 @@ def test_the_4bit_row_writers_refuse_shapes_that_do_not_fit():
     x = np.zeros((2, 1, 16), np.float32)
     one, zero = np.ones(1, np.uint8), np.zeros(1, np.intp)
     c, p = np.zeros((1, 4, 8), np.uint8), np.zeros((1, 4, 2), np.uint16)
-    ring = np.zeros((1, 48, 16), np.float32)
+    ring = np.zeros((1, RING, 16), np.float32)
     kp = np.zeros((1, 1, 32), np.uint16)
     with pytest.raises(ValueError, match="capacity"):
         _core.store_rows_v4(x, one, np.full(1, 3, np.intp), c, p)       # rows 3, 4 past 4
@@ -550,11 +558,11 @@ def test_k4_truncate_decodes_only_the_blocks_it_reopens(monkeypatch):
     monkeypatch.setattr(quant, "k4_values", spy)
     layer.truncate_last(1)
     layer.truncate_last(40)
-    assert seen and max(seen) <= 48                # never the whole history
+    assert seen and max(seen) <= RING              # never the whole history
 
 
 def test_k4_prefix_store_needs_whole_blocks():
     from kvcache.store import PrefixStore
     cache = kc.KvCache(1, 1, 16, mode="q4")
-    with pytest.raises(ValueError, match="multiple of 16"):
-        PrefixStore("memory", fingerprint="m", block=40).put(np.arange(80), cache)
+    with pytest.raises(ValueError, match=f"multiple of {B}"):
+        PrefixStore("memory", fingerprint="m", block=48).put(np.arange(96), cache)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import kvcache as kc
+from kvcache.quant import K4_BLOCK as B, K4_RING as RING
 from kvcache import wire
 from kvcache.store import (Backend, BackendUnavailable, DirectoryBackend, MemoryBackend,
                            PrefixStore, open_backend)
@@ -78,12 +79,12 @@ def assert_same(a, b, importance=True):
                 # 4-bit K's ring: the open block's rows are read by attention and must match;
                 # a loaded cache holds the codes' values of the older, loaded rows there
                 # (docs/kv4.md: the store keeps no float32 rows)
-                for i in range(n // 16 * 16, n):
-                    assert stores_a[name][:, i % 48].tobytes() == stores_b[name][:, i % 48].tobytes()
+                for i in range(n // B * B, n):
+                    assert stores_a[name][:, i % RING].tobytes() == stores_b[name][:, i % RING].tobytes()
                 continue
-            m = -(-n // 16) if name == "kp" else n       # 4-bit K parameters: per 16 rows
-            if name in ("kc", "kp"):
-                m = n // 16 * (16 if name == "kc" else 1)  # the closed blocks only
+            m = n
+            if name in ("kc", "kp"):                     # the closed blocks only
+                m = n // B * (B if name == "kc" else 1)
             x, y = stores_a[name][:, :m], stores_b[name][:, :m]
             assert x.tobytes() == y.tobytes(), name
         for name in ("kcol", "vcol", "kcol_on", "vcol_on"):
@@ -110,7 +111,7 @@ def ids_of(n, seed=0):
 
 
 def block_for(mode):
-    return 16 if mode == "f32" else 80
+    return 16 if mode == "f32" else 96   # int8 "cmf": past the column warm-up; 4-bit K: 3 blocks
 
 
 @pytest.fixture(params=["memory", "dir"])
@@ -290,23 +291,23 @@ def test_keys_differ_by_fingerprint_mode_geometry_history_and_block():
 
 def test_store_misses_for_another_fingerprint_mode_or_geometry():
     backend = MemoryBackend()
-    ids = ids_of(160)
-    PrefixStore(backend, fingerprint="a", block=80).put(ids, cold(ids, "f32"))
-    PrefixStore(backend, fingerprint="a", block=80).put(ids, cold(ids, "q8"))
+    ids = ids_of(192)
+    PrefixStore(backend, fingerprint="a", block=96).put(ids, cold(ids, "f32"))
+    PrefixStore(backend, fingerprint="a", block=96).put(ids, cold(ids, "q8"))
     assert len(backend) == 4
     probe = kc.KvCache(L, G, D, mode="f32")
-    assert PrefixStore(backend, fingerprint="b", block=80).longest_prefix(ids, probe) == 0
-    assert PrefixStore(backend, fingerprint="a", block=80).longest_prefix(ids, probe) == 160
-    assert PrefixStore(backend, fingerprint="a", block=80).longest_prefix(
-        ids, kc.KvCache(L, G, D, mode="q8")) == 160
-    assert PrefixStore(backend, fingerprint="a", block=80).longest_prefix(
+    assert PrefixStore(backend, fingerprint="b", block=96).longest_prefix(ids, probe) == 0
+    assert PrefixStore(backend, fingerprint="a", block=96).longest_prefix(ids, probe) == 192
+    assert PrefixStore(backend, fingerprint="a", block=96).longest_prefix(
+        ids, kc.KvCache(L, G, D, mode="q8")) == 192
+    assert PrefixStore(backend, fingerprint="a", block=96).longest_prefix(
         ids, kc.KvCache(L, G, D, mode="q8v")) == 0
     for mode in ("q4v", "k8v4", "q4", "q4k"):     # 4-bit: another mode than float32 or int8
-        assert PrefixStore(backend, fingerprint="a", block=80).longest_prefix(
+        assert PrefixStore(backend, fingerprint="a", block=96).longest_prefix(
             ids, kc.KvCache(L, G, D, mode=mode)) == 0
-    assert PrefixStore(backend, fingerprint="a", block=80).longest_prefix(
+    assert PrefixStore(backend, fingerprint="a", block=96).longest_prefix(
         ids, kc.KvCache(L - 1, G, D, mode="f32")) == 0
-    assert PrefixStore(backend, fingerprint="a", block=40).longest_prefix(ids, probe) == 0
+    assert PrefixStore(backend, fingerprint="a", block=48).longest_prefix(ids, probe) == 0
 
 
 def test_an_entry_under_the_wrong_key_is_refused():

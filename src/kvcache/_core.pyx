@@ -596,8 +596,8 @@ def store_rows_k4(const float[:, :, ::1] x__nhd, const unsigned char[::1] alive_
             or p__hbq.shape[2] != 2 * hd or r__hrd.shape[1] != KVC_K4_RING
             or r__hrd.shape[2] != hd):
         raise ValueError("store_rows_k4: expected x (n, nkv, hd), hd a multiple of 8, codes "
-                         "(nkv, cap, hd / 2), params (nkv, ceil(cap / 16), 2 * hd) and a ring "
-                         f"(nkv, {KVC_K4_RING}, hd)")
+                         f"(nkv, cap, hd / 2), params (nkv, ceil(cap / {KVC_K4_BLOCK}), 2 * hd) "
+                         f"and a ring (nkv, {KVC_K4_RING}, hd)")
     with nogil:
         for h in range(nkv):
             if alive__h[h]:

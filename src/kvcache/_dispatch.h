@@ -59,7 +59,7 @@ typedef struct kvc_store {
     const uint8_t *vc4;
     const uint16_t *vp;
     const uint8_t *kc4;             /* 4-bit K (quant_k KVC_K_Q4, docs/kv4.md): codes, hd / 2 */
-    const uint16_t *kp;             /* bytes per row; per block of 16 rows 2 x hd float16; */
+    const uint16_t *kp;             /* bytes per row; per block of 32 rows 2 x hd float16; */
     const float *kr;                /* the float32 ring, KVC_K4_RING rows per group */
     const ptrdiff_t *head_len;      /* rows per group (4-bit K: its closed blocks) */
     const float *vcol;

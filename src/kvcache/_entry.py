@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._validate import as_int
+from .quant import K4_BLOCK, K4_RING
 
 __all__ = ["K4_BLOCK", "K4_RING", "ring_slots", "AttendCall", "MlaCall", "O1Absorb", "O1Shape", "O1State", "O1Step", "Rows",
            "RowsBinding", "RowsShape", "check_call", "check_mla_attend", "check_o1_absorb",
@@ -54,10 +55,6 @@ IP = npt.NDArray[np.intp]
 # the O(1) twins also run on float64 state (the streaming reference)
 FA = npt.NDArray[np.floating[Any]]
 
-K4_BLOCK = 16
-"""Rows per block of 4-bit K (docs/kv4.md; ``_q4.h``'s KVC_K4_BLOCK, checked by ``_core``)."""
-K4_RING = 48
-"""Float32 rows per KV head in 4-bit K's ring (``_q4.h``'s KVC_K4_RING, checked by ``_core``)."""
 
 
 def ring_slots(lo: int, hi: int) -> IP:
@@ -107,8 +104,8 @@ class Rows(NamedTuple):
     vp: Optional[U16] = None    # (nkv, capacity, 2 * ceil(hd / 16)) their float16 parameters
     v4: bool = False            # V is 4-bit (vc4, vp); quant_v is then False
     kc4: Optional[U8] = None    # (nkv, capacity, hd / 2) 4-bit K codes of the closed blocks
-    kp: Optional[U16] = None    # (nkv, ceil(capacity / 16), 2 * hd) their float16 parameters
-    kr: Optional[F32] = None    # (nkv, 48, hd) the float32 ring of the last rows
+    kp: Optional[U16] = None    # (nkv, ceil(capacity / 32), 2 * hd) their float16 parameters
+    kr: Optional[F32] = None    # (nkv, 64, hd) the float32 ring of the last rows
     k4: bool = False            # K is 4-bit (kc4, kp, kr); quant_k is then False
 
     @classmethod
@@ -635,7 +632,7 @@ def check_quantize_query(q: F32, qi: I8, sq: F32, qsum: I32, group: int) -> None
 def check_k4_scores(q: object, kc: object, kp: object, kr: object, n: object,
                     out: object) -> int:
     """The checks of ``_core.k4_scores``: q (nq, hd) float32 with hd a multiple of 8, kc
-    (cap, hd / 2) uint8, kp (ceil(cap / 16), 2 * hd) uint16, kr (K4_RING, hd) float32,
+    (cap, hd / 2) uint8, kp (ceil(cap / 32), 2 * hd) uint16, kr (K4_RING, hd) float32,
     0 <= n <= cap, out (nq, n) float32 writable.  Returns n."""
     qa = _array("q", q, _F32, 2)
     kca = _array("kc", kc, _U8, 2)

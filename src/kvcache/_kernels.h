@@ -679,17 +679,23 @@ static void kvc_task_scores_i8(ptrdiff_t group, const int8_t *qi, const float *s
 /* ---------------------------------------------------------------------------------------
  * 4-bit K scoring (docs/kv4.md, "4-bit K"): integer dot products per block.
  *
- *   block query  for a closed block b (rows 16 b .. 16 b + 15) with per-channel steps s and
+ *   block query  for a closed block b (rows 32 b .. 32 b + 31) with per-channel steps s and
  *                minimums m (float16, read as float32): w[d] = q[d] * s[d] (one rounding),
- *                bias = kvc_dot_f32(q, m, hd), and w quantised like a q8 query in groups of
- *                16 channels (kvc_quant_query: codes wi, scales sw, NaN scale for a group
- *                with a non-finite w);
- *   row score    raw = the q8 raw score of wi against the row's codes (0..15) with every row
- *                scale 1: acc = 0, acc = fmaf((float)isum_g, sw_g * 1, acc) over the groups in
- *                order (_i8dot.h, kvc_i8_score1's bits); s = raw + bias;
- *   open rows    rows at or past qlen = 16 * floor(head_len / 16) are float32 in the ring
+ *                bias = kvc_dot_f32(q, m, hd); per group g of 16 channels (the last one 8
+ *                when hd % 16 == 8):
+ *                  a    = max |w[d]| over the group, a NaN counted as +inf
+ *                  sw_g = max(a / 127, 1e-12) (float32), or NaN when a is not finite
+ *                  inv  = 1 / max(a / 127, 1e-12)                  (float32; 0 when a = inf)
+ *                  wi[d] = round-half-even(w[d] * inv), NaN -> 0   (|w * inv| <= 127)
+ *   row score    isum_g = sum over the group's channels of wi[d] * code[d]     (exact int32)
+ *                raw = 0, raw = fmaf((float)isum_g, sw_g, raw) over the groups in order;
+ *                s = raw + bias;
+ *   open rows    rows at or past qlen = 32 * floor(head_len / 32) are float32 in the ring
  *                (row p at slot p % KVC_K4_RING): s = kvc_dot_f32(q, row);
- * then, as for every kind, s * scale and the softcap (kvc_scale_scores).
+ * then, as for every kind, s * scale and the softcap (kvc_scale_scores).  The scorer folds up
+ * to KVC_K4_QC queries per block and scores eight rows per vector, lanes = rows, four channel
+ * codes per lane (kvc_i8x_dp4: vpdpbusd, vpmaddubsw, sdot or C), so every target computes
+ * these bits.
  * ------------------------------------------------------------------------------------- */
 
 /* gcc 12 warns, in the portable unit only, that kvc_dot_f32's tail loop inlined below could
@@ -700,9 +706,9 @@ static void kvc_task_scores_i8(ptrdiff_t group, const int8_t *qi, const float *s
 #pragma GCC diagnostic ignored "-Waggressive-loop-optimizations"
 #endif
 
-/* One KV group's 4-bit K: codes (rows of hd / 2 bytes), block parameters (2 * hd float16 per
- * block: steps, then minimums), the float32 ring (KVC_K4_RING x hd), and qlen, the rows held
- * as codes (a multiple of KVC_K4_BLOCK). */
+/* One KV group's 4-bit K: codes (KVC_K4_BLOCK * hd / 2 bytes per block, _q4.h's layout),
+ * block parameters (2 * hd float16 per block: steps, then minimums), the float32 ring
+ * (KVC_K4_RING x hd), and qlen, the rows held as codes (a multiple of KVC_K4_BLOCK). */
 typedef struct kvc_k4 {
     const uint8_t *codes;
     const uint16_t *par;
@@ -710,102 +716,174 @@ typedef struct kvc_k4 {
     ptrdiff_t qlen;
 } kvc_k4;
 
-/* Rows [0, n) of a block, unpacked to one int8 code (0..15) per channel: dst[r * hd + d]. */
-KVC_INLINE void kvc_k4_unpack(const uint8_t *restrict codes, ptrdiff_t n, ptrdiff_t hd,
-                              int8_t *restrict dst)
-{
-    ptrdiff_t r, c0, i;
-    for (r = 0; r < n; ++r) {
-        const uint8_t *b = codes + r * (hd / 2);
-        int8_t *o = dst + r * hd;
-        for (c0 = 0; c0 + 32 <= hd; c0 += 32)
-            kvc_u4_unpack32(b + c0 / 2, o + c0);
-        if (c0 < hd) {                         /* a last chunk of hd % 32 channels */
-            ptrdiff_t h = (hd - c0) / 2;
-            for (i = 0; i < h; ++i) {
-                o[c0 + i] = (int8_t)(b[c0 / 2 + i] & 15);
-                o[c0 + h + i] = (int8_t)(b[c0 / 2 + i] >> 4);
-            }
-        }
-    }
-}
-
 /* Block b's parameters as float32: pf[d] the step, pf[hd + d] the minimum of channel d. */
 KVC_INLINE void kvc_k4_params(const uint16_t *restrict par, ptrdiff_t hd, float *restrict pf)
 {
     kvc_f16_row(par, 2 * hd, pf);
 }
 
-/* The scratch of one block scorer, carved from `scratch` (KVC_K4_SCRATCH(hd) floats). */
-typedef struct kvc_k4_scratch {
-    int8_t *unp;      /* KVC_K4_BLOCK x hd unpacked codes */
-    float *pf;        /* 2 x hd parameters */
-    float *w;         /* hd: the query times the steps */
-    int8_t *qi;       /* KVC_I8_PAD(hd) codes of w */
-    float *sq, *ones; /* KVC_I8_GROUPS(hd, 16) each */
-    int32_t *qsum;
-} kvc_k4_scratch;
+#define KVC_K4_QC 4 /* queries folded and scored together against one block */
 
-KVC_INLINE kvc_k4_scratch kvc_k4_carve(float *scratch, ptrdiff_t hd)
+#define KVC_K4_NGP(hd) ((KVC_I8_GROUPS(hd, 16) + 7) / 8 * 8) /* group slots, whole vectors */
+
+/* The block query of q against a block's parameters pf (the definition above): codes wi (hd),
+ * scales sw (KVC_I8_GROUPS(hd, 16)); returns the bias.  tmp: hd + 2 KVC_K4_NGP(hd) floats.
+ * A query whose w is finite everywhere (w * 0 is 0 in every lane) takes the vector path; any
+ * other the group-by-group one, which gives the same bits for its finite groups. */
+KVC_INLINE float kvc_k4_fold(const float *restrict q, const float *restrict pf, ptrdiff_t hd,
+                             int8_t *restrict wi, float *restrict sw, float *restrict tmp)
 {
-    kvc_k4_scratch k;
     const ptrdiff_t ng = KVC_I8_GROUPS(hd, 16);
-    ptrdiff_t g;
-    k.unp = (int8_t *)scratch;
-    k.pf = scratch + 4 * hd;
-    k.w = k.pf + 2 * hd;
-    k.qi = (int8_t *)(k.w + hd);
-    k.sq = k.w + hd + KVC_I8_PAD(hd) / 4;
-    k.ones = k.sq + ng;
-    k.qsum = (int32_t *)(k.ones + ng);
-    for (g = 0; g < ng; ++g)
-        k.ones[g] = 1.0f;
-    return k;
+    float *w = tmp, *a = tmp + hd, *inv = a + KVC_K4_NGP(hd);
+    kvc_f8 z = kvc_f8_zero();
+    ptrdiff_t g, d0;
+    for (g = 0, d0 = 0; d0 < hd; ++g, d0 += 16) {
+        kvc_f8 w0 = kvc_f8_mul(kvc_f8_load(q + d0), kvc_f8_load(pf + d0)), am = kvc_f8_abs(w0);
+        kvc_f8_store(w + d0, w0);
+        z = kvc_f8_fma(w0, kvc_f8_zero(), z);
+        if (hd - d0 >= 16) {
+            kvc_f8 w1 = kvc_f8_mul(kvc_f8_load(q + d0 + 8), kvc_f8_load(pf + d0 + 8));
+            kvc_f8_store(w + d0 + 8, w1);
+            z = kvc_f8_fma(w1, kvc_f8_zero(), z);
+            am = kvc_f8_max_num(am, kvc_f8_abs(w1));
+        }
+        a[g] = kvc_f8_fold_max(am);
+    }
+    if (kvc_f8_fold(z) == 0.0f) {                       /* every w finite */
+        for (; g < KVC_K4_NGP(hd); ++g)
+            a[g] = 0.0f;
+        for (g = 0; g < ng; g += 8) {
+            kvc_f8 sc = kvc_f8_div(kvc_f8_load(a + g), kvc_f8_set1(127.0f));
+            const kvc_f8 tiny = kvc_f8_set1(1e-12f);
+            sc = kvc_f8_sel(kvc_f8_gt(sc, tiny), sc, tiny);
+            kvc_f8_store(sw + g, sc);
+            kvc_f8_store(inv + g, kvc_f8_div(kvc_f8_set1(1.0f), sc));
+        }
+        for (g = 0, d0 = 0; d0 < hd; ++g, d0 += 8) {
+            const kvc_f8 iv = kvc_f8_bcast(inv + d0 / 16);
+            kvc_f8_store_i8_int(wi + d0, kvc_f8_round_even(kvc_f8_mul(kvc_f8_load(w + d0), iv)));
+        }
+    } else {                                            /* a NaN or an infinity somewhere */
+        const kvc_f8 infv = kvc_f8_set1(INFINITY);
+        for (g = 0, d0 = 0; d0 < hd; ++g, d0 += 16) {
+            const int two = hd - d0 >= 16;
+            kvc_f8 w0 = kvc_f8_load(w + d0), w1 = two ? kvc_f8_load(w + d0 + 8) : kvc_f8_zero();
+            kvc_f8 a0 = kvc_f8_sel(kvc_f8_isnan(w0), infv, kvc_f8_abs(w0));
+            kvc_f8 a1 = kvc_f8_sel(kvc_f8_isnan(w1), infv, kvc_f8_abs(w1));
+            float ag = kvc_f8_fold_max(kvc_f8_max_num(a0, a1));
+            float sc = ag / 127.0f;
+            sc = sc > 1e-12f ? sc : 1e-12f;
+            const kvc_f8 iv = kvc_f8_set1(1.0f / sc);        /* 0 when ag is inf */
+            sw[g] = ag <= FLT_MAX ? sc : NAN;
+            kvc_f8_store_i8(wi + d0, kvc_f8_round_even(kvc_f8_mul(w0, iv)));   /* NaN -> 0 */
+            if (two)
+                kvc_f8_store_i8(wi + d0 + 8, kvc_f8_round_even(kvc_f8_mul(w1, iv)));
+        }
+    }
+    return kvc_dot_f32(q, pf + hd, hd);
 }
 
-/* Load closed block b (its rows unpacked, its parameters as float32) into k. */
-KVC_INLINE void kvc_k4_load_block(const kvc_k4 *K, ptrdiff_t b, ptrdiff_t hd, kvc_k4_scratch *k)
+/* Raw scores of NC folded queries (codes wi + c * hd, scales sw + c * KVC_K4_NGP(hd), biases bias[c])
+ * against rows 8 tv .. 8 tv + 7 of the block whose codes start at blk: out[8 c + l]. */
+KVC_INLINE void kvc_k4_score8(const uint8_t *restrict blk, ptrdiff_t tv, ptrdiff_t hd,
+                              const ptrdiff_t NC, const int8_t *restrict wi,
+                              const float *restrict sw, const float *restrict bias,
+                              float *restrict out)
 {
-    kvc_k4_unpack(K->codes + b * KVC_K4_BLOCK * (hd / 2), KVC_K4_BLOCK, hd, k->unp);
-    kvc_k4_params(K->par + b * 2 * hd, hd, k->pf);
+    const ptrdiff_t ng = KVC_I8_GROUPS(hd, 16), ngp = KVC_K4_NGP(hd), no = hd / 8;
+    kvc_f8 f[KVC_K4_QC];
+    ptrdiff_t g, o, c;
+    for (c = 0; c < NC; ++c)
+        f[c] = kvc_f8_zero();
+    for (g = 0; g < ng; ++g) {
+        kvc_i8x sa[KVC_K4_QC], sb[KVC_K4_QC];       /* low and high nibbles: two chains */
+        for (c = 0; c < NC; ++c)
+            sa[c] = sb[c] = kvc_i8x_set1(0);
+        for (o = 2 * g; o < 2 * g + 2 && o < no; ++o) {
+            kvc_i8x u = kvc_i8x_loadb(blk + o * 4 * KVC_K4_BLOCK + tv * 32);
+            kvc_i8x lo = kvc_i8x_nib(u, 0), hi = kvc_i8x_nib(u, 4);
+            for (c = 0; c < NC; ++c) {
+                int32_t w0, w1;
+                memcpy(&w0, wi + c * hd + 8 * o, 4);
+                memcpy(&w1, wi + c * hd + 8 * o + 4, 4);
+                sa[c] = kvc_i8x_dp4(sa[c], lo, w0);
+                sb[c] = kvc_i8x_dp4(sb[c], hi, w1);
+            }
+        }
+        for (c = 0; c < NC; ++c)
+            f[c] = kvc_f8_fma(kvc_i8x_to_f8(kvc_i8x_add(sa[c], sb[c])),
+                              kvc_f8_set1(sw[c * ngp + g]), f[c]);
+    }
+    for (c = 0; c < NC; ++c)
+        kvc_f8_store(out + 8 * c, kvc_f8_add(f[c], kvc_f8_set1(bias[c])));
 }
 
-/* out[i] = the raw score (no scale) of query q against row r0 + i of the block loaded in k,
- * i < n, r0 + n <= KVC_K4_BLOCK. */
-KVC_INLINE void kvc_k4_block_raw(const float *restrict q, ptrdiff_t hd, const kvc_k4_scratch *k,
-                                 ptrdiff_t r0, ptrdiff_t n, float *out)
+/* kvc_k4_score8 for nc (1 .. KVC_K4_QC) queries, specialised for the common head dims. */
+static void kvc_k4_score8_n(const uint8_t *blk, ptrdiff_t tv, ptrdiff_t hd, ptrdiff_t nc,
+                            const int8_t *wi, const float *sw, const float *bias, float *out)
 {
-    ptrdiff_t d, i;
-    float bias;
-    for (d = 0; d + 8 <= hd; d += 8)        /* hd is a multiple of 8 */
-        kvc_f8_store(k->w + d, kvc_f8_mul(kvc_f8_load(q + d), kvc_f8_load(k->pf + d)));
-    kvc_quant_query(k->w, hd, 16, k->qi, k->sq, k->qsum);
-    bias = kvc_dot_f32(q, k->pf + hd, hd);
-    kvc_i8_rows(16, k->qi, k->sq, k->qsum, k->unp + r0 * hd, k->ones, 0, hd, n, out);
-    for (i = 0; i < n; ++i)
-        out[i] = out[i] + bias;
+#define KVC_K4_S8(HD, NC) kvc_k4_score8(blk, tv, HD, NC, wi, sw, bias, out)
+#define KVC_K4_S8_HD(NC) switch (hd) { \
+        case 64: KVC_K4_S8(64, NC); break; \
+        case 128: KVC_K4_S8(128, NC); break; \
+        default: KVC_K4_S8(hd, NC); break; }
+    switch (nc) {
+    case 4: KVC_K4_S8_HD(4); break;
+    case 3: KVC_K4_S8_HD(3); break;
+    case 2: KVC_K4_S8_HD(2); break;
+    default: KVC_K4_S8_HD(1); break;
+    }
+#undef KVC_K4_S8_HD
+#undef KVC_K4_S8
 }
 
 /* Raw scores (no scale) of queries [0, nq) (rows of q, stride hd) over the rows of [p0, p1)
- * each sees ([qf[j], qe[j])): out[j * ldo + p - base]. */
+ * each sees ([qf[j], qe[j])): out[j * ldo + p - base].  scratch: KVC_K4_SCRATCH(hd) floats. */
 static void kvc_k4_raw(const kvc_k4 *K, const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                        const ptrdiff_t *qe, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd,
                        float *out, ptrdiff_t ldo, ptrdiff_t base, float *scratch)
 {
-    kvc_k4_scratch k = kvc_k4_carve(scratch, hd);
+    const ptrdiff_t ng = KVC_K4_NGP(hd), B = KVC_K4_BLOCK;
+    float *pf = scratch, *sw = pf + 2 * hd, *bias = sw + KVC_K4_QC * ng, *tmp = bias + KVC_K4_QC;
+    float *ftmp = tmp + 8 * KVC_K4_QC;
+    int8_t *wi = (int8_t *)(ftmp + hd + 2 * ng);
     ptrdiff_t b0, j, p;
-    for (b0 = p0 / KVC_K4_BLOCK * KVC_K4_BLOCK; b0 < p1 && b0 < K->qlen; b0 += KVC_K4_BLOCK) {
-        ptrdiff_t lo = b0 > p0 ? b0 : p0, hi = b0 + KVC_K4_BLOCK < p1 ? b0 + KVC_K4_BLOCK : p1;
+    for (b0 = p0 / B * B; b0 < p1 && b0 < K->qlen; b0 += B) {
+        const ptrdiff_t lo = b0 > p0 ? b0 : p0, hi = b0 + B < p1 ? b0 + B : p1;
+        const uint8_t *blk = K->codes + b0 * (hd / 2);
+        ptrdiff_t js[KVC_K4_QC], a[KVC_K4_QC], e[KVC_K4_QC], nc = 0, c, tv, l;
         int loaded = 0;
         for (j = 0; j < nq; ++j) {
-            ptrdiff_t a = lo > qf[j] ? lo : qf[j], e = hi < qe[j] ? hi : qe[j];
-            if (a >= e)
-                continue;
-            if (!loaded) {
-                kvc_k4_load_block(K, b0 / KVC_K4_BLOCK, hd, &k);
-                loaded = 1;
+            ptrdiff_t aj = lo > qf[j] ? lo : qf[j], ej = hi < qe[j] ? hi : qe[j];
+            if (aj < ej) {
+                if (!loaded) {
+                    kvc_k4_params(K->par + b0 / B * 2 * hd, hd, pf);
+                    loaded = 1;
+                }
+                bias[nc] = kvc_k4_fold(q + j * hd, pf, hd, wi + nc * hd, sw + nc * ng, ftmp);
+                js[nc] = j, a[nc] = aj, e[nc] = ej, ++nc;
             }
-            kvc_k4_block_raw(q + j * hd, hd, &k, a - b0, e - a, out + j * ldo + a - base);
+            if (nc == KVC_K4_QC || (nc > 0 && j == nq - 1)) {
+                ptrdiff_t ua = a[0], ue = e[0];
+                for (c = 1; c < nc; ++c) {
+                    ua = a[c] < ua ? a[c] : ua;
+                    ue = e[c] > ue ? e[c] : ue;
+                }
+                for (tv = (ua - b0) / 8; tv * 8 + b0 < ue; ++tv) {
+                    const ptrdiff_t r0 = b0 + 8 * tv;
+                    kvc_k4_score8_n(blk, tv, hd, nc, wi, sw, bias, tmp);
+                    for (c = 0; c < nc; ++c) {
+                        float *o = out + js[c] * ldo - base;
+                        if (a[c] <= r0 && r0 + 8 <= e[c])
+                            kvc_f8_store(o + r0, kvc_f8_load(tmp + 8 * c));
+                        else
+                            for (l = 0; l < 8; ++l)
+                                if (r0 + l >= a[c] && r0 + l < e[c])
+                                    o[r0 + l] = tmp[8 * c + l];
+                    }
+                }
+                nc = 0;
+            }
         }
     }
     for (p = p0 > K->qlen ? p0 : K->qlen; p < p1; ++p) {

@@ -106,50 +106,55 @@ KVC_INLINE void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks
 }
 
 /* 4-bit K (docs/kv4.md) into the packed K tile, in kvc_pf_load_k's layout and row range: a
- * row of a closed block as its values fmaf(code, s, m) (the block's parameters converted once,
- * 32 channels of a row dequantised in registers), a row of the open block as the ring holds
- * it; eight rows at a time, transposed into place as kvc_pf_load_k does.
- * tmp: KVC_PF_K4_TMP(hd) floats. */
+ * row of a closed block as its values fmaf(code, s, m), a row of the open block as the ring
+ * holds it.  Eight rows of one closed block come from one 32-byte load per channel octet
+ * (the block layout puts eight rows in the lanes: no transpose); other groups of eight rows
+ * (the open block, the tile's last rows) are gathered row by row and transposed into place
+ * as kvc_pf_load_k does.  tmp: KVC_PF_K4_TMP(hd) floats. */
 KVC_INLINE void kvc_pf_load_k4(const kvc_k4 *K, ptrdiff_t t0, ptrdiff_t r0, ptrdiff_t r1,
                                ptrdiff_t hd, float *restrict Kp, float *restrict tmp)
 {
+    const ptrdiff_t B = KVC_K4_BLOCK;
     float *pf = tmp, *rows = tmp + 2 * hd;          /* 8 rows of hd */
-    ptrdiff_t g, d, i, blk = -1;
+    ptrdiff_t g, d, i, o, blk = -1;
     for (g = (r0 - t0) / 8 * 8; g < r1 - t0; g += 8) {
         float *dst = Kp + (g / 16) * hd * 16 + (g % 16);
+        const ptrdiff_t p8 = t0 + g;
         const float *src[8];
+        if (p8 + 8 <= r1 && p8 + 8 <= K->qlen) {
+            if (p8 / B != blk) {
+                blk = p8 / B;
+                kvc_k4_params(K->par + blk * 2 * hd, hd, pf);
+            }
+            const uint8_t *cb = K->codes + blk * B * (hd / 2) + (p8 % B) * 4;
+            for (o = 0; o < hd / 8; ++o) {
+                const kvc_i8x u = kvc_i8x_loadb(cb + o * 4 * B);
+#pragma GCC unroll 8
+                for (i = 0; i < 8; ++i) {
+                    d = 8 * o + i;      /* byte i % 4 of each lane, low nibble for i < 4 */
+                    kvc_f8 x = kvc_i8x_to_f8(kvc_i8x_field(u, (int)(8 * (i % 4) + 4 * (i / 4))));
+                    kvc_f8_store(dst + d * 16, kvc_f8_fma(x, kvc_f8_bcast(pf + d),
+                                                          kvc_f8_bcast(pf + hd + d)));
+                }
+            }
+            continue;
+        }
         for (i = 0; i < 8; ++i) {
-            ptrdiff_t p = t0 + g + i < r1 ? t0 + g + i : r1 - 1;
+            ptrdiff_t p = p8 + i < r1 ? p8 + i : r1 - 1;
             float *row = rows + i * hd;
+            int shift;
             if (p >= K->qlen) {
                 src[i] = K->ring + (p % KVC_K4_RING) * hd;
                 continue;
             }
-            const uint8_t *c = K->codes + p * (hd / 2);
-            ptrdiff_t c0;
-            if (p / KVC_K4_BLOCK != blk) {
-                blk = p / KVC_K4_BLOCK;
+            if (p / B != blk) {
+                blk = p / B;
                 kvc_k4_params(K->par + blk * 2 * hd, hd, pf);
             }
-            for (c0 = 0; c0 + 32 <= hd; c0 += 32) {
-                const uint8_t *b = c + c0 / 2;
-                const float *st = pf + c0, *mn = pf + hd + c0;
-                kvc_f8_store(row + c0, kvc_f8_fma(kvc_f8_from_u4(b, 0), kvc_f8_load(st),
-                                                  kvc_f8_load(mn)));
-                kvc_f8_store(row + c0 + 8, kvc_f8_fma(kvc_f8_from_u4(b + 8, 0),
-                                                      kvc_f8_load(st + 8), kvc_f8_load(mn + 8)));
-                kvc_f8_store(row + c0 + 16, kvc_f8_fma(kvc_f8_from_u4(b, 4),
-                                                       kvc_f8_load(st + 16), kvc_f8_load(mn + 16)));
-                kvc_f8_store(row + c0 + 24, kvc_f8_fma(kvc_f8_from_u4(b + 8, 4),
-                                                       kvc_f8_load(st + 24), kvc_f8_load(mn + 24)));
-            }
-            if (c0 < hd) {                         /* a last chunk of hd % 32 channels */
-                ptrdiff_t h = (hd - c0) / 2, j;
-                for (j = 0; j < h; ++j) {
-                    row[c0 + j] = fmaf((float)(c[c0 / 2 + j] & 15), pf[c0 + j], pf[hd + c0 + j]);
-                    row[c0 + h + j] = fmaf((float)(c[c0 / 2 + j] >> 4), pf[c0 + h + j],
-                                           pf[hd + c0 + h + j]);
-                }
+            const uint8_t *cb = K->codes + blk * B * (hd / 2);
+            for (d = 0; d < hd; ++d) {
+                ptrdiff_t byte = kvc_k4_byte(p % B, d, &shift);
+                row[d] = fmaf((float)((cb[byte] >> shift) & 15), pf[d], pf[hd + d]);
             }
             src[i] = row;
         }

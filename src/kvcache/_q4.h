@@ -129,14 +129,25 @@ static inline void kvc_v4_quant_row(const float *restrict x, ptrdiff_t hd, uint8
  * ring: per channel c over the block's rows, lo = min, hi = max, m = f16(lo),
  * s = f16((hi - lo) / 15), code = clamp(floor((x - m) / s + 0.5), 0, 15) (0 when s is 0), a
  * channel with a non-finite value or m, s beyond float16 stored as m = s = NaN (codes 0).
- * Codes: one row of the block per row of the store, in the V row layout (kvc_v4_place);
- * parameters: per block 2 * hd float16, the hd steps then the hd minimums.
+ * Codes: a block's KVC_K4_BLOCK * hd / 2 bytes (the store's rows of the block, taken as one
+ * run of bytes) in channel octets, each octet's rows in order, four bytes per row:
+ *   byte (c / 8) * 4 * KVC_K4_BLOCK + 4 * t + c % 4 holds channel c of row t of the block,
+ *   in its low nibble when c % 8 < 4, else in its high nibble,
+ * so one 32-byte load is eight rows x four channel pairs: the integer scorer's lanes.
+ * Parameters: per block 2 * hd float16, the hd steps then the hd minimums.
  * ------------------------------------------------------------------------------------- */
-#define KVC_K4_BLOCK 16
-#define KVC_K4_RING 48
+#define KVC_K4_BLOCK 32
+#define KVC_K4_RING 64     /* the open block and the 32 rows before it */
+
+/* The byte and nibble shift of channel c of row t in a block's codes (layout above). */
+KVC_Q4_INLINE ptrdiff_t kvc_k4_byte(ptrdiff_t t, ptrdiff_t c, int *shift)
+{
+    *shift = (int)(c % 8 / 4 * 4);
+    return c / 8 * 4 * KVC_K4_BLOCK + 4 * t + c % 4;
+}
 
 /* Quantise the block of rows [p0, p0 + KVC_K4_BLOCK) held in ring (KVC_K4_RING x hd) into
- * codes (KVC_K4_BLOCK rows of hd / 2 bytes) and par (2 * hd). */
+ * codes (KVC_K4_BLOCK * hd / 2 bytes) and par (2 * hd). */
 static inline void kvc_k4_quant_block(const float *restrict ring, ptrdiff_t p0, ptrdiff_t hd,
                                       uint8_t *restrict codes, uint16_t *restrict par)
 {
@@ -144,10 +155,8 @@ static inline void kvc_k4_quant_block(const float *restrict ring, ptrdiff_t p0, 
     memset(codes, 0, (size_t)(KVC_K4_BLOCK * (hd / 2)));
     for (c = 0; c < hd; ++c) {
         float lo = ring[(p0 % KVC_K4_RING) * hd + c], hi = lo, m, s;
-        int bad = 0;
+        int bad = 0, shift;
         uint16_t m16, s16;
-        ptrdiff_t byte;
-        int shift;
         for (r = 0; r < KVC_K4_BLOCK; ++r) {
             float v = ring[((p0 + r) % KVC_K4_RING) * hd + c];
             if (!isfinite(v))
@@ -162,10 +171,10 @@ static inline void kvc_k4_quant_block(const float *restrict ring, ptrdiff_t p0, 
         m = kvc_f16_to_f32(m16);
         if (!ok || !(s > 0.0f))
             continue;
-        kvc_v4_place(hd, c, &byte, &shift);
         for (r = 0; r < KVC_K4_BLOCK; ++r) {
             int code = kvc_q4_code(ring[((p0 + r) % KVC_K4_RING) * hd + c], m, s);
-            codes[r * (hd / 2) + byte] = (uint8_t)(codes[r * (hd / 2) + byte] | (code << shift));
+            ptrdiff_t byte = kvc_k4_byte(r, c, &shift);
+            codes[byte] = (uint8_t)(codes[byte] | (code << shift));
         }
     }
 }

@@ -15,10 +15,10 @@
 #define KVC_SCRATCH_FLOATS(hd) (KVC_SCRATCH_FLOATS_V(hd) > KVC_K4_SCRATCH(hd) \
                                 ? KVC_SCRATCH_FLOATS_V(hd) : KVC_K4_SCRATCH(hd))
 
-/* Floats of scratch the 4-bit K scorer needs (_kernels.h, kvc_k4_carve): a block's unpacked
- * codes (16 x hd bytes), its parameters (2 hd), the query times the steps (hd), its codes,
- * scales, ones and code sums.  KVC_SCRATCH_FLOATS(hd) covers it. */
-#define KVC_K4_SCRATCH(hd) (7 * (hd) + KVC_I8_PAD(hd) / 4 + 3 * KVC_I8_GROUPS(hd, 16) + 8)
+/* Floats of scratch the 4-bit K scorer needs (_kernels.h, kvc_k4_raw): a block's parameters
+ * (2 hd), the scales, biases, scores and codes of KVC_K4_QC (4) folded queries, the fold's
+ * w and per-group values.  KVC_SCRATCH_FLOATS(hd) covers it. */
+#define KVC_K4_SCRATCH(hd) (4 * (hd) + 6 * ((KVC_I8_GROUPS(hd, 16) + 7) / 8 * 8) + 40)
 
 /* the K kinds a kvc_store's quant_k holds: float32, int8, 4-bit */
 #define KVC_K_F32 0

@@ -15,8 +15,8 @@ Storage (as the layer keeps it: head-major, ``cap`` rows per head of which the f
   ``vs`` (G, cap, 1), or 4-bit rows ``vc`` (G, cap, D / 2) uint8 with their float16 steps
   and minimums ``vp`` (G, cap, 2 * ceil(D / 16)) as uint16 bits (docs/kv4.md);
 * 4-bit K (docs/kv4.md): codes ``kc`` (G, cap, D / 2) uint8 of the closed blocks, their
-  parameters ``kp`` (G, ceil(cap / 16), 2 * D) uint16 (float16 bits), the float32 ring ``kr``
-  (G, 48, D) of each head's last 48 rows (row i at slot i % 48);
+  parameters ``kp`` (G, ceil(cap / 32), 2 * D) uint16 (float16 bits), the float32 ring ``kr``
+  (G, 64, D) of each head's last 64 rows (row i at slot i % 64);
 * the column fields ``kcol``/``vcol`` (G, D), rows of ones where ``kcol_on``/``vcol_on``
   (G,) uint8 is 0 (always 0 unless the mode's int8 scheme is "cmf");
 * ``importance`` (n,) float32 for the first n <= seq_len positions;

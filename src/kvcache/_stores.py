@@ -3,8 +3,8 @@
 A layer holds two stores, one for K and one for V, each of one storage kind:
 
 * :class:`F32Rows` -- float32 rows ``f`` (nkv, cap, hd);
-* :class:`K4Rows` -- 4-bit K per channel over blocks of 16 rows, codes ``c``, block parameters
-  ``p`` and a float32 ring ``r`` of the last 48 rows (docs/kv4.md);
+* :class:`K4Rows` -- 4-bit K per channel over blocks of 32 rows, codes ``c``, block parameters
+  ``p`` and a float32 ring ``r`` of the last 64 rows (docs/kv4.md);
 * :class:`V4Rows` -- 4-bit V rows ``c`` (nkv, cap, hd / 2) and their float16 parameters ``p``
   (docs/kv4.md);
 * :class:`Q8Rows` -- int8 rows ``q`` (nkv, cap, hd) and float32 scales ``s`` (nkv, cap, ng),
@@ -224,13 +224,13 @@ class V4Rows(RowStore):
 
 
 class K4Rows(RowStore):
-    """4-bit K (docs/kv4.md): per channel over blocks of ``K4_BLOCK`` (16) rows.  Codes ``c``
-    (nkv, cap, hd / 2) uint8 of the closed blocks; their parameters ``p`` (nkv,
-    ceil(cap / 16), 2 * hd) float16 as uint16 bits (per block the hd steps, then the hd
-    minimums); the float32 ring ``r`` (nkv, K4_RING, hd) of each head's last 48 rows (row
-    ``i`` at slot ``i % 48``), which holds the open block and lets a rollback of up to 32 rows
-    reopen blocks from their original values.  Head h's rows below ``16 * (len // 16)`` are
-    read as codes, the others from the ring."""
+    """4-bit K (docs/kv4.md): per channel over blocks of ``K4_BLOCK`` (32) rows.  Codes ``c``
+    (nkv, cap, hd / 2) uint8 of the closed blocks (each block's rows of bytes in the block
+    layout); their parameters ``p`` (nkv, ceil(cap / 32), 2 * hd) float16 as uint16 bits (per
+    block the hd steps, then the hd minimums); the float32 ring ``r`` (nkv, K4_RING, hd) of
+    each head's last 64 rows (row ``i`` at slot ``i % 64``), which holds the open block and
+    lets a rollback of up to 32 rows reopen blocks from their original values.  Head h's rows
+    below ``32 * (len // 32)`` are read as codes, the others from the ring."""
 
     quantised = True
     _names = ("c", "p", "r")
@@ -257,7 +257,7 @@ class K4Rows(RowStore):
                             p__hbq=self.p, r__hrd=self.r)
 
     def values(self, h: int, n: int) -> F32:
-        """Head h's first ``n`` rows as float32: the ring's rows (the last 48, originals unless
+        """Head h's first ``n`` rows as float32: the ring's rows (the last 64, originals unless
         a deep rollback or a load left images there), the codes' values before them."""
         out = quant.k4_values(self.c[h], self.p[h], n)
         lo = max(0, n - K4_RING)
@@ -269,7 +269,7 @@ class K4Rows(RowStore):
             o, n = int(old[h]), int(new[h])
             lo, hi = max(0, n - K4_RING), min(n, o - K4_RING)
             if hi > lo:            # slots overwritten since: the rows' values from the codes
-                # (rows below o - 48 are in blocks that were closed: whole blocks up to hi)
+                # (rows below o - 64 are in blocks that were closed: whole blocks up to hi)
                 vals = quant.k4_values(self.c[h], self.p[h], -(-hi // K4_BLOCK) * K4_BLOCK, lo)
                 self.r[h, ring_slots(lo, hi)] = vals[: hi - lo]
 

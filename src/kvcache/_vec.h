@@ -25,6 +25,7 @@
 #ifndef KVCACHE_VEC_H
 #define KVCACHE_VEC_H
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -776,6 +777,102 @@ KVC_INLINE void kvc_i8_dot32x8(const int8_t *restrict q, const int8_t *restrict 
 
 #endif
 
+/* ---------------------------------------------------------------------------------------
+ * 4-bit K in blocks (docs/kv4.md, "4-bit K"): lanes = eight rows, four code bytes per lane.
+ *   kvc_i8x_loadb(p)        the 32 bytes at p as eight int32 lanes (lane l: bytes 4l..4l+3,
+ *                           byte i its bits 8i..8i+7: the targets are little-endian)
+ *   kvc_i8x_srl_and(v, s, m) per lane (v >> s) & m, a logical shift
+ *   kvc_i8x_nib(v, sh)      per lane (v >> sh) & 0x0f0f0f0f, sh 0 or 4: the four low (or
+ *                           high) nibbles of the lane's bytes, each a byte in [0, 15]
+ *   kvc_i8x_field(v, sh)    per lane (v >> sh) & 15, sh a multiple of 4 below 32
+ *   kvc_i8x_dp4(acc, u, w)  per lane acc + sum_{i < 4} byte_i(u) * sbyte_i(w): the bytes of u
+ *                           in [0, 15] (unsigned), w four int8 codes in [-127, 127] (the same w
+ *                           in every lane); exact int32, so every target gives the same values.
+ *                           VNNI: vpdpbusd; AVX2: vpmaddubsw (pair sums at most 2 * 15 * 127)
+ *                           then vpmaddwd with ones; NEON: sdot, or smull and pairwise adds.
+ * ------------------------------------------------------------------------------------- */
+#if KVC_VEC_X86
+KVC_INLINE kvc_i8x kvc_i8x_loadb(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+KVC_INLINE kvc_i8x kvc_i8x_srl_and(kvc_i8x v, int sh, uint32_t mask)
+{
+    return _mm256_and_si256(_mm256_srli_epi32(v, sh), _mm256_set1_epi32((int32_t)mask));
+}
+KVC_INLINE kvc_i8x kvc_i8x_dp4(kvc_i8x acc, kvc_i8x u, int32_t w)
+{
+#if KVC_VEC_I8 == KVC_I8_VNNI
+    return kvc_dpbusd(acc, u, _mm256_set1_epi32(w));
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(w)),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+#elif KVC_VEC_NEON
+KVC_INLINE kvc_i8x kvc_i8x_loadb(const uint8_t *p)
+{
+    kvc_i8x r = { { vreinterpretq_s32_u8(vld1q_u8(p)), vreinterpretq_s32_u8(vld1q_u8(p + 16)) } };
+    return r;
+}
+KVC_INLINE int32x4_t kvc_neon_srl_and(int32x4_t v, int sh, uint32_t mask)
+{
+    uint32x4_t u = vshlq_u32(vreinterpretq_u32_s32(v), vdupq_n_s32(-sh));
+    return vreinterpretq_s32_u32(vandq_u32(u, vdupq_n_u32(mask)));
+}
+KVC_INLINE kvc_i8x kvc_i8x_srl_and(kvc_i8x v, int sh, uint32_t mask)
+{
+    kvc_i8x r = { { kvc_neon_srl_and(v.val[0], sh, mask), kvc_neon_srl_and(v.val[1], sh, mask) } };
+    return r;
+}
+KVC_INLINE int32x4_t kvc_neon_dp4(int32x4_t acc, int32x4_t u, int8x16_t w)
+{
+#if KVC_VEC_I8 == KVC_I8_SDOT
+    return vdotq_s32(acc, vreinterpretq_s8_s32(u), w);
+#else
+    int8x16_t b = vreinterpretq_s8_s32(u);
+    int16x8_t lo = vmull_s8(vget_low_s8(b), vget_low_s8(w));
+    int16x8_t hi = vmull_s8(vget_high_s8(b), vget_high_s8(w));
+    return vaddq_s32(acc, vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi)));
+#endif
+}
+KVC_INLINE kvc_i8x kvc_i8x_dp4(kvc_i8x acc, kvc_i8x u, int32_t w)
+{
+    int8x16_t wv = vreinterpretq_s8_s32(vdupq_n_s32(w));
+    kvc_i8x r = { { kvc_neon_dp4(acc.val[0], u.val[0], wv), kvc_neon_dp4(acc.val[1], u.val[1], wv) } };
+    return r;
+}
+#else
+KVC_INLINE kvc_i8x kvc_i8x_loadb(const uint8_t *p)
+{
+    kvc_i8x r;
+    memcpy(r.v, p, sizeof r.v);
+    return r;
+}
+KVC_INLINE kvc_i8x kvc_i8x_srl_and(kvc_i8x v, int sh, uint32_t mask)
+{
+    kvc_i8x r;
+    int l;
+    for (l = 0; l < 8; ++l)
+        r.v[l] = (int32_t)(((uint32_t)v.v[l] >> sh) & mask);
+    return r;
+}
+KVC_INLINE kvc_i8x kvc_i8x_dp4(kvc_i8x acc, kvc_i8x u, int32_t w)
+{
+    uint8_t ub[32];
+    int8_t wb[4];
+    int l, i;
+    memcpy(ub, u.v, 32);
+    memcpy(wb, &w, 4);
+    for (l = 0; l < 8; ++l) {
+        int32_t s = 0;
+        for (i = 0; i < 4; ++i)
+            s += (int32_t)ub[4 * l + i] * (int32_t)wb[i];
+        acc.v[l] += s;
+    }
+    return acc;
+}
+#endif
+KVC_INLINE kvc_i8x kvc_i8x_nib(kvc_i8x v, int sh) { return kvc_i8x_srl_and(v, sh, 0x0f0f0f0fu); }
+KVC_INLINE kvc_i8x kvc_i8x_field(kvc_i8x v, int sh) { return kvc_i8x_srl_and(v, sh, 15u); }
+
 /* --- operations added for quantisation --- */
 
 /* |a| lane by lane (fabsf: clears the sign bit, NaN stays NaN) */
@@ -814,6 +911,41 @@ KVC_INLINE kvc_f8 kvc_f8_round(kvc_f8 a)
     for (l = 0; l < 8; ++l)
         r.v[l] = roundf(a.v[l]);
     return r;
+#endif
+}
+
+/* To the nearest integer, halfway cases to even, whatever the floating-point environment's
+ * rounding mode (x86 roundps with an explicit mode, NEON frintn, C from floorf: x - floor(x)
+ * is exact).  NaN stays NaN. */
+KVC_INLINE kvc_f8 kvc_f8_round_even(kvc_f8 a)
+{
+#if KVC_VEC_X86
+    return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif KVC_VEC_NEON
+    kvc_f8 r = { { vrndnq_f32(a.val[0]), vrndnq_f32(a.val[1]) } };
+    return r;
+#else
+    kvc_f8 r;
+    int l;
+    for (l = 0; l < 8; ++l) {
+        float t = floorf(a.v[l]), d = a.v[l] - t;
+        r.v[l] = d > 0.5f || (d == 0.5f && fmodf(t, 2.0f) != 0.0f) ? t + 1.0f : t;
+    }
+    return r;
+#endif
+}
+
+/* dst[l] = (int8_t)v[l] for lanes holding integers in [-128, 127] (no NaN: the callers check). */
+KVC_INLINE void kvc_f8_store_i8_int(int8_t *dst, kvc_f8 v)
+{
+#if KVC_VEC_AVX512
+    _mm_storel_epi64((__m128i *)dst, _mm256_cvtsepi32_epi8(_mm256_cvttps_epi32(v)));
+#elif KVC_VEC_X86
+    __m256i i = _mm256_cvttps_epi32(v);
+    __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64((__m128i *)dst, _mm_packs_epi16(w, w));
+#else
+    kvc_f8_store_i8(dst, v);
 #endif
 }
 

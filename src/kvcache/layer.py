@@ -32,6 +32,7 @@ from ._attention import (Rows, RowsBinding, attend_blocks, attend_prefill, atten
 from .eviction import EvictionPolicy, born_rows
 from .modes import DEFAULT_SCHEME, KvMode
 from ._stores import RowStore, from_state, stores_for
+from ._entry import K4_BLOCK
 from ._generation import Generation
 from ._threads import BlasGovernor
 from .o1 import (O1Collecting, O1DeviceView, O1Error, O1Rect, O1Sealed, O1Snapshot,
@@ -395,17 +396,19 @@ class LayerKvCache:
         """Read-only views of head h's 4-bit K (docs/kv4.md): (codes, params, ring), or
         (None, None, None) when K is not 4-bit.
 
-        codes (q, head_dim / 2) uint8 of the q = 16 * (head_len // 16) rows in closed blocks,
-        in the layout of docs/kv4.md; params (q / 16, 2 * head_dim) float16, per block the
-        head_dim steps then the head_dim minimums; ring (48, head_dim) float32, row i of the
-        last 48 at slot i % 48 (the rows from q on are read from it)."""
+        codes (q, head_dim / 2) uint8 of the q = 32 * (head_len // 32) rows in closed blocks,
+        each block's 32 rows of bytes in the block layout of docs/kv4.md; params (q / 32,
+        2 * head_dim) float16, per block the head_dim steps then the head_dim minimums; ring
+        (64, head_dim) float32, row i of the last 64 at slot i % 64 (the rows from q on are
+        read from it)."""
         h = as_index("kv_head", h, self._nkv)
-        q = int(self._len[h]) // 16 * 16
+        q = int(self._len[h]) // K4_BLOCK * K4_BLOCK
         k4 = self._k.k4()
         if k4 is None:
             return None, None, None
         c, p, r = k4
-        return readonly(c[h, :q]), readonly(p[h, : q // 16].view(np.float16)), readonly(r[h])
+        return (readonly(c[h, :q]), readonly(p[h, : q // K4_BLOCK].view(np.float16)),
+                readonly(r[h]))
 
     def v4_rows(self, h: int) -> tuple[Optional[npt.NDArray[np.uint8]],
                                        Optional[npt.NDArray[np.float16]]]:
@@ -741,7 +744,7 @@ class LayerKvCache:
         """Bytes held by the rows, scales, frozen columns and linear state (row sizes:
         :func:`kvcache.quant.k_row_bytes`, :func:`kvcache.quant.v_row_bytes`,
         :func:`kvcache.quant.v4_row_bytes`; 4-bit K: its codes and block parameters and its
-        float32 ring of up to 48 rows per head, docs/kv4.md).
+        float32 ring of up to 64 rows per head, docs/kv4.md).
 
         Counts lengths, not capacities; excludes importance and the linear scratch."""
         total = self._k.bytes_held(self._len) + self._v.bytes_held(self._len)

@@ -14,8 +14,8 @@ Two int8 schemes (:data:`SCHEMES`):
 
 4-bit V (``docs/kv4.md``): each row in groups of 16 channels, asymmetric (a float16 minimum
 and step per group), codes 0..15 packed two per byte; a row's bytes depend only on its own
-values, like the int8 "rows" scheme.  4-bit K: per channel over blocks of 16 rows, the open
-block (and the last 48 rows) kept in float32.
+values, like the int8 "rows" scheme.  4-bit K: per channel over blocks of 32 rows, the open
+block (and the last 64 rows) kept in float32.
 
 Names (``parse``, ``from_env``, the CLI): "f32" ("float32"), "q8", "q8k", "q8v" (scheme
 "rows") and "q8:cmf", "q8k:cmf", "q8v:cmf" (scheme "cmf"); "q8:rows" and friends also parse;

@@ -40,11 +40,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["COL_WARMUP", "K_GROUPS", "k_group", "COL_FLOOR", "CHUNK_ROWS",
+K4_BLOCK = 32
+"""Rows per block of 4-bit K (docs/kv4.md; ``_q4.h``'s KVC_K4_BLOCK, checked by ``_core``)."""
+K4_RING = 64
+"""Float32 rows per KV head in 4-bit K's ring (``_q4.h``'s KVC_K4_RING, checked by ``_core``):
+the open block and the 32 rows before it."""
+
+__all__ = ["K4_BLOCK", "K4_RING", "COL_WARMUP", "K_GROUPS", "k_group", "COL_FLOOR", "CHUNK_ROWS",
            "COPY_CHUNK_BYTES", "n_groups", "k_scale_count", "k_row_bytes", "v_row_bytes",
            "q8_row_bytes", "v4_row_bytes", "check_v4_head_dim", "V4_GROUP", "k4_row_bytes",
-           "check_k4_head_dim", "k4_values", "unpack_codes", "dequantize",
-           "column_field", "freeze_columns"]
+           "check_k4_head_dim", "k4_values", "k4_pack_block", "k4_unpack_blocks", "unpack_codes",
+           "dequantize", "column_field", "freeze_columns"]
 
 COL_WARMUP = 64
 K_GROUPS: dict[str, int] = {"rows": 16, "cmf": 32}
@@ -99,9 +105,9 @@ def v4_row_bytes(head_dim: int) -> int:
 
 def k4_row_bytes(head_dim: int) -> int:
     """Bytes per stored 4-bit K row (docs/kv4.md), the block parameters shared out: head_dim
-    / 2 bytes of codes and a float16 step and minimum per channel per 16 rows (head_dim / 4).
-    The float32 ring of the last 48 rows per head comes on top (``memory_bytes`` counts it)."""
-    return head_dim // 2 + head_dim // 4
+    / 2 bytes of codes and a float16 step and minimum per channel per 32 rows (head_dim / 8).
+    The float32 ring of the last 64 rows per head comes on top (``memory_bytes`` counts it)."""
+    return head_dim // 2 + 4 * head_dim // K4_BLOCK
 
 
 def check_k4_head_dim(head_dim: int) -> None:
@@ -115,26 +121,51 @@ def k4_values(codes: npt.NDArray[np.uint8], par: npt.NDArray[np.uint16],
               n: int, lo: int = 0) -> npt.NDArray[np.float32]:
     """The float32 values fmaf(code, step, minimum) of rows [lo, n) of one head's 4-bit K
     codes (cap, hd / 2) with block parameters (blocks, 2 * hd) (docs/kv4.md), as an (n - lo,
-    hd) array; rows past the closed blocks (``16 * (n // 16)``) are left 0.  Only the blocks
+    hd) array; rows past the closed blocks (``32 * (n // 32)``) are left 0.  Only the blocks
     holding those rows are decoded."""
+    B = K4_BLOCK
     hd = codes.shape[1] * 2
     out = np.zeros((n - lo, hd), dtype=np.float32)
-    q = n // 16 * 16
-    b0 = lo // 16
+    q = n // B * B
+    b0 = lo // B
     if q > lo:
-        c = unpack_codes(codes[16 * b0:q], hd).astype(np.float32)          # (q - 16 b0, hd)
-        pf = par[b0: q // 16].view(np.float16).astype(np.float32)
-        step = np.repeat(pf[:, :hd], 16, axis=0)
-        low = np.repeat(pf[:, hd:], 16, axis=0)
+        c = k4_unpack_blocks(codes[B * b0:q]).astype(np.float32)         # (q - B b0, hd)
+        pf = par[b0: q // B].view(np.float16).astype(np.float32)
+        step = np.repeat(pf[:, :hd], B, axis=0)
+        low = np.repeat(pf[:, hd:], B, axis=0)
         with np.errstate(invalid="ignore"):
             vals = c * step + low         # code * step is exact in float32: this is fmaf
-        out[: q - lo] = vals[lo - 16 * b0:]
+        out[: q - lo] = vals[lo - B * b0:]
+    return out
+
+
+def k4_pack_block(codes: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """One block's codes (K4_BLOCK, hd), one per channel, packed in the 4-bit K block layout
+    (docs/kv4.md): channel octets, each octet's rows in order, four bytes per row, byte i of a
+    row holding channel 8 o + i (low nibble) and 8 o + 4 + i (high nibble).  Returned as the
+    store's (K4_BLOCK, hd / 2) rows of the block."""
+    B, hd = codes.shape
+    c = np.asarray(codes, dtype=np.uint8).reshape(B, hd // 8, 2, 4)
+    packed = (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).astype(np.uint8)       # (t, o, i)
+    out: npt.NDArray[np.uint8] = np.ascontiguousarray(packed.transpose(1, 0, 2)).reshape(B, hd // 2)
+    return out
+
+
+def k4_unpack_blocks(codes: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """Whole blocks of 4-bit K codes (nb * K4_BLOCK, hd / 2) as one uint8 per channel (nb *
+    K4_BLOCK, hd): the inverse of ``k4_pack_block`` block by block."""
+    B = K4_BLOCK
+    rows, half = codes.shape
+    hd, nb = 2 * half, rows // B
+    x = np.asarray(codes, dtype=np.uint8).reshape(nb, hd // 8, B, 4)          # (b, o, t, i)
+    both = np.stack([x & 15, x >> 4], axis=3)                                # (b, o, t, 2, i)
+    out: npt.NDArray[np.uint8] = np.ascontiguousarray(both.transpose(0, 2, 1, 3, 4)).reshape(rows, hd)
     return out
 
 
 def unpack_codes(codes: npt.NDArray[np.uint8], hd: int) -> npt.NDArray[np.uint8]:
-    """4-bit codes (n, hd / 2), two per byte in the layout of docs/kv4.md, as one uint8 per
-    channel (n, hd)."""
+    """4-bit V codes (n, hd / 2), two per byte in the row layout of docs/kv4.md, as one uint8
+    per channel (n, hd)."""
     n = codes.shape[0]
     out = np.empty((n, hd), dtype=np.uint8)
     for c0 in range(0, hd, 32):

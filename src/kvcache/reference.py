@@ -31,7 +31,7 @@ import numpy.typing as npt
 from ._entry import AttendCall, MlaCall, O1Absorb, O1State, O1Step, Rows, k_group_of
 from ._validate import FloatArrayLike
 from ._entry import K4_BLOCK, K4_RING, ring_slots
-from .quant import CHUNK_ROWS, k4_values, k_group, unpack_codes
+from .quant import CHUNK_ROWS, k4_pack_block, k4_unpack_blocks, k4_values, k_group, unpack_codes
 
 if TYPE_CHECKING:
     from .layer import LayerKvCache
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CHUNK_ROWS", "openmp_built", "max_threads", "round_half_away", "quantize_rows",
            "store_rows_f32", "store_rows_q8", "store_rows_v4", "quantize_v4", "dequantize_v4",
-           "store_rows_k4", "quantize_k4_block", "k4_scores", "k4_keys", "dot_f32",
+           "store_rows_k4", "quantize_k4_block", "k4_fold", "k4_scores", "k4_keys", "dot_f32",
            "stream_read", "fmaf", "k_group_of", "quantize_query",
            "q8_scores", "visible_range", "bind_rows", "attend_rows", "attend_blocked", "bind_o1",
            "attend_all_heads", "attend", "attend_group", "o1_seal", "o1_step_layer",
@@ -197,6 +197,23 @@ def _v4_order(hd: int) -> npt.NDArray[np.intp]:
     return order
 
 
+def _q4_quantise(x__ng: F32) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float16],
+                                         npt.NDArray[np.float16]]:
+    """The 4-bit quantiser of ``_q4.h`` along the last axis of x (n, g): codes (n, g), the
+    float16 steps and minimums (n,) (NaN for a lane of values that cannot be stored)."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        lo = x__ng.min(axis=1)
+        step = ((x__ng.max(axis=1) - lo) / _F32(15)).astype(_F32)
+        m16, s16 = lo.astype(np.float16), step.astype(np.float16)
+        bad = ~np.isfinite(x__ng).all(axis=1) | ~np.isfinite(m16) | ~np.isfinite(s16)
+        m, sc = m16.astype(_F32), s16.astype(_F32)
+        t = np.floor((x__ng - m[:, None]) / sc[:, None] + _F32(0.5))
+    t = np.where((sc > 0)[:, None] & ~bad[:, None], np.nan_to_num(t), 0)
+    nan16 = np.float16(np.nan)
+    return (np.clip(t, 0, 15).astype(np.uint8), np.where(bad, nan16, s16),
+            np.where(bad, nan16, m16))
+
+
 def quantize_v4(x__nd: F32, c__nb: U8, p__np: U16) -> None:
     """Twin of ``_core.quantize_v4``, bit for bit (docs/kv4.md): per group of 16 channels
     m = float16(min), s = float16((max - min) / 15), codes floor((x - m) / s + 0.5) clamped to
@@ -206,18 +223,7 @@ def quantize_v4(x__nd: F32, c__nb: U8, p__np: U16) -> None:
     codes = np.zeros((n, hd), dtype=np.uint8)
     par = np.zeros((n, 2 * -(-hd // 16)), dtype=np.float16)
     for g, d0 in enumerate(range(0, hd, 16)):
-        xg = x[:, d0:d0 + 16]                                            # (n, glen)
-        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            lo = xg.min(axis=1)
-            step = ((xg.max(axis=1) - lo) / _F32(15)).astype(_F32)
-            m16, s16 = lo.astype(np.float16), step.astype(np.float16)
-            bad = ~np.isfinite(xg).all(axis=1) | ~np.isfinite(m16) | ~np.isfinite(s16)
-            m, sc = m16.astype(_F32), s16.astype(_F32)
-            t = np.floor((xg - m[:, None]) / sc[:, None] + _F32(0.5))
-        t = np.where((sc > 0)[:, None] & ~bad[:, None], np.nan_to_num(t), 0)
-        codes[:, d0:d0 + 16] = np.clip(t, 0, 15).astype(np.uint8)
-        par[:, 2 * g] = np.where(bad, np.float16(np.nan), s16)
-        par[:, 2 * g + 1] = np.where(bad, np.float16(np.nan), m16)
+        codes[:, d0:d0 + 16], par[:, 2 * g], par[:, 2 * g + 1] = _q4_quantise(x[:, d0:d0 + 16])
     c__nb[:] = _pack_codes(codes)
     p__np[:] = par.view(np.uint16)
 
@@ -271,15 +277,13 @@ def _pack_codes(codes: npt.NDArray[np.uint8]) -> U8:
 
 def quantize_k4_block(x__rd: F32) -> tuple[U8, U16]:
     """One block of 4-bit K (docs/kv4.md), bit for bit ``_q4.h``'s kvc_k4_quant_block: the
-    16 rows x (16, hd) quantised per channel (the V quantiser's arithmetic along the rows).
-    Returns the codes (16, hd / 2) and the parameters (2 * hd,): the steps, then the minimums."""
+    32 rows x (32, hd) quantised per channel (the V quantiser's arithmetic along the rows).
+    Returns the codes (32, hd / 2) in the block layout (``quant.k4_pack_block``) and the
+    parameters (2 * hd,): the steps, then the minimums."""
     x = np.asarray(x__rd, dtype=_F32)
-    r, hd = x.shape
-    ct = np.zeros((hd, r // 2), dtype=np.uint8)
-    pt = np.zeros((hd, 2), dtype=np.uint16)
-    quantize_v4(np.ascontiguousarray(x.T), ct, pt)        # each channel a "row" of r values
-    codes = unpack_codes(ct, r).T                          # (r, hd) one code per channel
-    return _pack_codes(np.ascontiguousarray(codes)), np.concatenate([pt[:, 0], pt[:, 1]])
+    codes, s16, m16 = _q4_quantise(np.ascontiguousarray(x.T))        # (hd, rows) per channel
+    par = np.concatenate([s16, m16]).view(np.uint16)
+    return k4_pack_block(np.ascontiguousarray(codes.T)), par
 
 
 def store_rows_k4(x__nhd: F32, alive__h: U8, head_len__h: IP, c__hcb: U8, p__hbq: U16,
@@ -298,31 +302,55 @@ def store_rows_k4(x__nhd: F32, alive__h: U8, head_len__h: IP, c__hcb: U8, p__hbq
                 c__hcb[h, p0:p + 1], p__hbq[h, p0 // K4_BLOCK] = quantize_k4_block(rows)
 
 
+def k4_fold(q__jd: F32, step__d: F32) -> tuple[I8, F32]:
+    """The block query of 4-bit K scoring (docs/kv4.md), bit for bit ``kvc_k4_fold``:
+    w = q * step; per group of 16 channels a = max |w| (NaN counted as +inf),
+    sw = max(a / 127, 1e-12) (NaN where a is not finite), codes w * (1 / sw) rounded to the
+    nearest integer, ties to even (NaN -> 0).  Returns the codes (nq, hd) and the scales (nq, groups)."""
+    q = np.atleast_2d(np.asarray(q__jd, dtype=_F32))
+    nq, hd = q.shape
+    ng = -(-hd // 16)
+    wi = np.zeros((nq, hd), dtype=np.int8)
+    sw = np.zeros((nq, ng), dtype=_F32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        w = (q * step__d).astype(_F32)
+        for g in range(ng):
+            wg = w[:, 16 * g:16 * g + 16]
+            a = np.where(np.isnan(wg), _F32(np.inf), np.abs(wg)).max(axis=1)
+            sc = np.maximum((a / _F32(127)).astype(_F32), _F32(1e-12))
+            inv = (_F32(1) / sc).astype(_F32)
+            sw[:, g] = np.where(np.isfinite(a), sc, _F32(np.nan))
+            c = np.rint((wg * inv[:, None]).astype(_F32))                # ties to even
+            wi[:, 16 * g:16 * g + 16] = np.nan_to_num(c, nan=0.0).astype(np.int8)
+    return wi, sw
+
+
 def k4_scores(q__jd: F32, kc__cb: U8, kp__bq: U16, kr__rd: F32, n: int,
               out__jr: F32) -> None:
     """Twin of ``_core.k4_scores``: into out (nq, n) the raw scores (no scale) of queries q
     (nq, hd) against one KV group's first ``n`` rows of 4-bit K (codes, block parameters,
-    ring), bit for bit the kernels' (docs/kv4.md): per
-    closed block w = q * step, bias = dot_f32(q, minimum), w's q8 score against the codes with
-    row scales 1 (``q8_scores``) plus the bias; rows past the closed blocks from the ring with
-    dot_f32."""
+    ring), bit for bit the kernels' (docs/kv4.md): per closed block the folded query
+    (``k4_fold``), per group the exact integer sum against the codes, chained
+    raw = fmaf(isum_g, sw_g, raw) over the groups in order, plus bias = dot_f32(q, minimum);
+    rows past the closed blocks from the ring with dot_f32."""
     q = np.atleast_2d(np.asarray(q__jd, dtype=_F32))
     nq, hd = q.shape
+    B = K4_BLOCK
     out = np.zeros((nq, n), dtype=_F32)
-    qlen = n // K4_BLOCK * K4_BLOCK
-    codes = unpack_codes(kc__cb[:qlen], hd).astype(np.int8)
-    ones = np.ones((K4_BLOCK, -(-hd // 16)), dtype=_F32)
-    for b in range(qlen // K4_BLOCK):
+    qlen = n // B * B
+    codes = k4_unpack_blocks(kc__cb[:qlen]).astype(np.int32)             # (qlen, hd)
+    for b in range(qlen // B):
         pf = kp__bq[b].view(np.float16).astype(_F32)
-        step, low = pf[:hd], pf[hd:]
-        rows = codes[b * K4_BLOCK:(b + 1) * K4_BLOCK]
+        wi, sw = k4_fold(q, pf[:hd])
+        rows = codes[b * B:(b + 1) * B]
+        raw = np.zeros((nq, B), dtype=_F32)
+        for g in range(sw.shape[1]):
+            isum = wi[:, 16 * g:16 * g + 16].astype(np.int32) @ rows[:, 16 * g:16 * g + 16].T
+            with np.errstate(invalid="ignore", over="ignore"):
+                raw = fmaf(isum.astype(_F32), np.broadcast_to(sw[:, g:g + 1], raw.shape), raw)
+        bias = dot_f32(q, pf[hd:])                                      # (nq,)
         with np.errstate(invalid="ignore", over="ignore"):
-            w = (q * step).astype(_F32)                                  # (nq, hd)
-        raw = np.zeros((nq, K4_BLOCK), dtype=_F32)
-        q8_scores(w, rows, ones, raw, 16)
-        bias = dot_f32(q, low)                                          # (nq,)
-        with np.errstate(invalid="ignore", over="ignore"):
-            out[:, b * K4_BLOCK:(b + 1) * K4_BLOCK] = raw + bias[:, None]
+            out[:, b * B:(b + 1) * B] = raw + bias[:, None]
     for p in range(qlen, n):
         out[:, p] = dot_f32(q, kr__rd[p % K4_RING])
     out__jr[:] = out

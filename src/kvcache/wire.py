@@ -79,10 +79,11 @@ Layer body (kind 1; also each layer of a model body)::
     f32 x n_linear_state, pad8
     f32 x n_linear_scratch, pad8
     per head h: keys   float: f32|f16 x head_len*D, pad8
-                       4-bit: u8 x Q*D/2 codes, pad8, u16 x (Q/16)*2*D block parameters,
-                              pad8, f32 x R*D the ring's rows [head_len - R, head_len) in
-                              order, pad8 (Q = 16 * floor(head_len / 16),
-                              R = min(head_len, 48); docs/kv4.md)
+                       4-bit: u8 x Q*D/2 codes (block layout), pad8, u16 x (Q/32)*2*D
+                              block parameters, pad8, f32 x R*D the ring's rows
+                              [head_len - R, head_len) in order, pad8
+                              (Q = 32 * floor(head_len / 32), R = min(head_len, 64);
+                              docs/kv4.md)
                        int8:  i8 x head_len*D, pad8, f32 x head_len*ceil(D/g) scales, pad8
                               (g: the K group of the scheme, 16 "rows", 32 "cmf")
                 values float: f32|f16 x head_len*D, pad8

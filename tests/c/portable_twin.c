@@ -78,7 +78,8 @@ int main(void)
                 for (i = 0; i < 8 * hd; ++i) out(acc[i]);
                 kvc_task_values_v4(probs, 64, 3, qf + 2, qe + 2, vc4, vp, 5, 29, hd, acc, v4scr);
                 for (i = 0; i < 3 * hd; ++i) out(acc[i]);
-                {   /* 4-bit K: 37 rows, two closed blocks and 5 ring rows (_kernels.h) */
+                {   /* 4-bit K: 37 rows, one closed block of 32 and 5 ring rows (_kernels.h) */
+                    const ptrdiff_t B = KVC_K4_BLOCK;
                     static uint8_t kc4[ROWS * HDMAX / 2];
                     static uint16_t kp4[3 * 2 * HDMAX];
                     static float kr4[KVC_K4_RING * HDMAX];
@@ -86,16 +87,16 @@ int main(void)
                     for (i = 0; i < ROWS; ++i) {
                         memcpy(kr4 + (i % KVC_K4_RING) * hd, k + i * hd,
                                (size_t)hd * sizeof(float));
-                        if (i % 16 == 15)
-                            kvc_k4_quant_block(kr4, i - 15, hd, kc4 + (i - 15) * (hd / 2),
-                                               kp4 + (i / 16) * 2 * hd);
+                        if (i % B == B - 1)
+                            kvc_k4_quant_block(kr4, i - (B - 1), hd, kc4 + (i - (B - 1)) * (hd / 2),
+                                               kp4 + (i / B) * 2 * hd);
                     }
-                    for (i = 0; i < 32 * (hd / 2); ++i) out((float)kc4[i]);
-                    for (i = 0; i < 2 * 2 * hd; ++i) out((float)kp4[i]);
+                    for (i = 0; i < ROWS / B * B * (hd / 2); ++i) out((float)kc4[i]);
+                    for (i = 0; i < ROWS / B * 2 * hd; ++i) out((float)kp4[i]);
                     k4.codes = kc4;
                     k4.par = kp4;
                     k4.ring = kr4;
-                    k4.qlen = 32;
+                    k4.qlen = ROWS / B * B;
                     memset(probs, 0, sizeof probs);
                     kvc_task_scores_k4(&k4, q, 8, qf, qe, 0, ROWS, hd, 0.3f, 2.5f, probs, 64,
                                        v4scr);

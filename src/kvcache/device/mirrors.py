@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Iterator, Optional, Union
 import numpy as np
 import numpy.typing as npt
 
+from .._entry import K4_BLOCK
 from .._slots import SlotCache, slot_index
 from .._validate import as_index
 from ..latent import LatentKvCache, LazyLatentCache
@@ -265,7 +266,7 @@ class LayerMirror(Mirror):
         nbytes = 0
         same = bool((keep == keep[0]).all() and (lens == lens[0]).all())
         for name, host in hosts.items():
-            blk = 16 if name == "kc" else 1    # 4-bit K codes change when their block closes
+            blk = K4_BLOCK if name == "kc" else 1    # 4-bit K codes change when a block closes
             if same:
                 a, b = int(keep[0]) // blk * blk, int(lens[0])
                 if b > a:
@@ -398,15 +399,15 @@ class LayerMirror(Mirror):
 
     def k4_rows(self, h: int) -> tuple[Any, Any, Any]:
         """Device (codes, params, ring) of head h's 4-bit K as :meth:`LayerKvCache.k4_rows`
-        (codes uint8 (q, head_dim / 2) of the q = 16 * (head_len // 16) rows in closed
-        blocks, params float16 (q / 16, 2 * head_dim), the float32 ring (48, head_dim)), or
+        (codes uint8 (q, head_dim / 2) of the q = 32 * (head_len // 32) rows in closed
+        blocks, params float16 (q / 32, 2 * head_dim), the float32 ring (64, head_dim)), or
         (None, None, None) when K is not 4-bit."""
         h = as_index("kv_head", h, self._nkv)
-        q = int(self._lens[h]) // 16 * 16
+        q = int(self._lens[h]) // K4_BLOCK * K4_BLOCK
         r = self._rows
         if "kc" not in r:
             return None, None, None
-        return r["kc"][h, :q], r["kp"][h, : q // 16], r["kr"][h]
+        return r["kc"][h, :q], r["kp"][h, : q // K4_BLOCK], r["kr"][h]
 
     def v4_rows(self, h: int) -> tuple[Any, Any]:
         """Device (codes, params) of head h's 4-bit V rows as :meth:`LayerKvCache.v4_rows`
