@@ -24,7 +24,7 @@ ALL_BUILT = {fam: dispatch.HELD[fam] for fam in dispatch.FAMILIES}
 AVX2 = {"f32": "avx2", "q8": "avx2", "prefill": "avx2", "mla": "avx2"}
 NEON = {"f32": "neon", "q8": "neon", "prefill": "neon", "mla": "neon"}
 NEONDOT = dict(NEON, q8="neondot", prefill="neondot")
-AVX512 = {"f32": "avx2", "q8": "avx512", "prefill": "avx512", "mla": "avx512"}
+AVX512 = {"f32": "avx512", "q8": "avx512", "prefill": "avx512", "mla": "avx512"}
 BASE512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}
 TABLE = {
     "intel-haswell.txt": ({"avx2", "fma"}, AVX2),

@@ -56,15 +56,16 @@ family is another unit's, e.g. the float32 kernels of ``avxvnni``, which are ``a
 listed): what ``set_bodies`` accepts."""
 
 PREFERENCE: dict[str, tuple[str, ...]] = {
-    "f32": ("avx2", "neon", "portable"),
+    "f32": ("avx512", "avx2", "neon", "portable"),
     "q8": ("avx512", "avxvnni", "avx2", "neondot", "neon", "portable"),
     "prefill": ("avx512", "avxvnni", "avx2", "neondot", "neon", "portable"),
     "mla": ("avx512", "avx2", "neon", "portable"),
 }
-"""Per family, the bodies :func:`choose` takes, best first.  The float32 decode family holds an
-``avx512`` body (the same 8-float code on EVEX registers) that is not taken by default: no
-interleaved measurement on an AVX-512 machine has shown it to pay (docs/numerics.md,
-"Dispatch"); ``set_bodies({"f32": "avx512"})`` runs it."""
+"""Per family, the bodies :func:`choose` takes, best first.  The float32 decode family's
+``avx512`` body is its 8-float code on EVEX registers: 32 of them hold the value pass's 16
+accumulators of a quad of queries where AVX2's 16 spill, which an interleaved measurement on an
+AVX-512 machine found worth 7-10% (q8) and 9-17% (4-bit modes) of a decode step, float32 rows
+unchanged (docs/numerics.md, "Dispatch")."""
 
 MOST_CAPABLE = ("avx512", "avxvnni", "avx2", "neondot", "neon", "portable")
 """Body names from the most to the least capable, for display (``_core.isa_detected``)."""

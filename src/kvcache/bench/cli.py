@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"buffer of the read-bandwidth probe, MiB (default "
                         f"{BANDWIDTH_BUFFER // MiB})")
     p.add_argument("--bodies", nargs="+", metavar="FAM=BODY",
-                   help="run kernel family FAM on body BODY for the whole run (e.g. f32=avx512 "
+                   help="run kernel family FAM on body BODY for the whole run (e.g. f32=avx2 "
                         "mla=avx2; families f32, q8, prefill, mla; bodies as in show_config), "
                         "as kvcache._core.set_bodies does; refused, before anything runs, for "
                         "a body the build does not hold or the CPU cannot run")
