@@ -290,7 +290,7 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
 
 /* The value pass scheduled the other way round, for int8 and 4-bit V rows (whose 32-channel
  * blocks share one or two cache lines, so re-walking a chunk per block costs no extra memory
- * traffic): per quad of queries and block of 32 channels, the quad's accumulators stay in
+ * traffic): per quad of queries and block of KVC_VBLOCK channels, the quad's accumulators stay in
  * registers while the chunk's rows stream past, each row widened once for the quad.  Same
  * per-element chain as kvc_task_values_impl:
  *   int8   w_p = prob * row scale, v = (float)code
@@ -299,7 +299,13 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
  * then acc = fma(w_p, v, acc) over the visible rows whose |w_p| >= 1e-12, in order.  `kind`
  * (KVC_V_Q8 or KVC_V_Q4) is a constant at every call, so each kind compiles to its own loop.
  * scratch: KVC_SCRATCH_FLOATS(hd). */
+/* Channels per block: 32 where the target has 32 vector registers (the quad's 16 accumulators
+ * fit), 16 on AVX2's 16 (8 accumulators; 32 spilled them).  The same chains either way. */
+#if KVC_VEC_AVX2
+#define KVC_VBLOCK 16
+#else
 #define KVC_VBLOCK 32
+#endif
 
 KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t nq,
                                      const ptrdiff_t *qf, const ptrdiff_t *qe, const int kind,
@@ -341,67 +347,89 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
             }
             for (d0 = 0; d0 < hd; d0 += KVC_VBLOCK) {
                 ptrdiff_t dn = hd - d0 < KVC_VBLOCK ? hd - d0 : KVC_VBLOCK;
-                if (dn == KVC_VBLOCK) {
-                    /* named registers: an array here ends up on the stack */
-#define KVC_LD(J, R) (J < nj ? kvc_f8_load(acc + (j0 + J) * hd + d0 + 8 * R) : kvc_f8_zero())
+                if (dn == KVC_VBLOCK && (!q4 || KVC_VBLOCK == 32 || hd - (d0 & ~(ptrdiff_t)31) >= 32
+                                         || hd - (d0 & ~(ptrdiff_t)31) == 16)) {
+                    /* named registers: an array here ends up on the stack.  With 16-channel
+                     * blocks the registers of vectors 2 and 3 are never touched. */
+#define KVC_W32 (KVC_VBLOCK == 32)
+#define KVC_LD(J, R) (J < nj && (R < 2 || KVC_W32) \
+                      ? kvc_f8_load(acc + (j0 + J) * hd + d0 + 8 * R) : kvc_f8_zero())
                     kvc_f8 a00 = KVC_LD(0, 0), a01 = KVC_LD(0, 1), a02 = KVC_LD(0, 2), a03 = KVC_LD(0, 3);
                     kvc_f8 a10 = KVC_LD(1, 0), a11 = KVC_LD(1, 1), a12 = KVC_LD(1, 2), a13 = KVC_LD(1, 3);
                     kvc_f8 a20 = KVC_LD(2, 0), a21 = KVC_LD(2, 1), a22 = KVC_LD(2, 2), a23 = KVC_LD(2, 3);
                     kvc_f8 a30 = KVC_LD(3, 0), a31 = KVC_LD(3, 1), a32 = KVC_LD(3, 2), a33 = KVC_LD(3, 3);
 #undef KVC_LD
+                    /* 4-bit: the 32-channel chunk ch0 holding the block, and (16-channel
+                     * blocks) where in it: chunk bytes ch0 / 2 + i hold channel ch0 + i (low
+                     * nibble) and ch0 + n / 2 + i (high), n its channels (docs/kv4.md) */
+                    const ptrdiff_t ch0 = d0 & ~(ptrdiff_t)31;
+                    const int full = hd - ch0 >= 32, hi4 = (int)(d0 - ch0) / 16 * 4;
                     for (p = c0; p < c1; ++p) {
                         int32_t m = use[p - c0];
-                        kvc_f8 v0, v1, v2, v3;
+                        kvc_f8 v0, v1, v2 = kvc_f8_zero(), v3 = kvc_f8_zero();
                         if (d0 == 0 && p + KVC_PREFETCH_ROWS < c1)
                             kvc_prefetch_rows(base, p + KVC_PREFETCH_ROWS, 1, rb);
                         if (!m)
                             continue;
                         if (q4) {
-                            const uint8_t *src = v4 + p * rb + d0 / 2;
+                            const uint8_t *src = v4 + p * rb + ch0 / 2;
                             const float *par = pf + (p - c0) * np + 2 * (d0 / 16);
                             kvc_f8 s0 = kvc_f8_set1(par[0]), m0 = kvc_f8_set1(par[1]);
-                            kvc_f8 s1 = kvc_f8_set1(par[2]), m1 = kvc_f8_set1(par[3]);
-                            v0 = kvc_f8_fma(kvc_f8_from_u4(src, 0), s0, m0);
-                            v1 = kvc_f8_fma(kvc_f8_from_u4(src + 8, 0), s0, m0);
-                            v2 = kvc_f8_fma(kvc_f8_from_u4(src, 4), s1, m1);
-                            v3 = kvc_f8_fma(kvc_f8_from_u4(src + 8, 4), s1, m1);
+                            if (KVC_W32) {
+                                kvc_f8 s1 = kvc_f8_set1(par[2]), m1 = kvc_f8_set1(par[3]);
+                                v0 = kvc_f8_fma(kvc_f8_from_u4(src, 0), s0, m0);
+                                v1 = kvc_f8_fma(kvc_f8_from_u4(src + 8, 0), s0, m0);
+                                v2 = kvc_f8_fma(kvc_f8_from_u4(src, 4), s1, m1);
+                                v3 = kvc_f8_fma(kvc_f8_from_u4(src + 8, 4), s1, m1);
+                            } else if (full) {
+                                v0 = kvc_f8_fma(kvc_f8_from_u4(src, hi4), s0, m0);
+                                v1 = kvc_f8_fma(kvc_f8_from_u4(src + 8, hi4), s0, m0);
+                            } else {                     /* a last chunk of 16 channels */
+                                v0 = kvc_f8_fma(kvc_f8_from_u4(src, 0), s0, m0);
+                                v1 = kvc_f8_fma(kvc_f8_from_u4(src, 4), s0, m0);
+                            }
                         } else {
                             const int8_t *src = vq + p * hd + d0;
                             v0 = kvc_f8_from_s8(src);
                             v1 = kvc_f8_from_s8(src + 8);
-                            v2 = kvc_f8_from_s8(src + 16);
-                            v3 = kvc_f8_from_s8(src + 24);
+                            if (KVC_W32) {
+                                v2 = kvc_f8_from_s8(src + 16);
+                                v3 = kvc_f8_from_s8(src + 24);
+                            }
                         }
                         const float *w = wq + (p - c0) * 4;
 #define KVC_UPD(J) if (m >> J & 1) { kvc_f8 wb = kvc_f8_bcast(w + J); \
                             a##J##0 = kvc_f8_fma(wb, v0, a##J##0); a##J##1 = kvc_f8_fma(wb, v1, a##J##1); \
-                            a##J##2 = kvc_f8_fma(wb, v2, a##J##2); a##J##3 = kvc_f8_fma(wb, v3, a##J##3); }
+                            if (KVC_W32) { a##J##2 = kvc_f8_fma(wb, v2, a##J##2); \
+                                           a##J##3 = kvc_f8_fma(wb, v3, a##J##3); } }
                         KVC_UPD(0) KVC_UPD(1) KVC_UPD(2) KVC_UPD(3)
 #undef KVC_UPD
                     }
 #define KVC_ST(J) if (J < nj) { float *y = acc + (j0 + J) * hd + d0; \
                         kvc_f8_store(y, a##J##0); kvc_f8_store(y + 8, a##J##1); \
-                        kvc_f8_store(y + 16, a##J##2); kvc_f8_store(y + 24, a##J##3); }
+                        if (KVC_W32) { kvc_f8_store(y + 16, a##J##2); kvc_f8_store(y + 24, a##J##3); } }
                     KVC_ST(0) KVC_ST(1) KVC_ST(2) KVC_ST(3)
 #undef KVC_ST
+#undef KVC_W32
                     continue;
                 }
-                /* a last block of fewer than 32 channels: the same values and chain,
-                 * element by element */
+                /* a last block of fewer than KVC_VBLOCK channels (or, with 16-channel
+                 * blocks, one in a last 4-bit chunk of 24 channels): the same values and
+                 * chain, element by element */
                 for (p = c0; p < c1; ++p) {
                     int32_t m = use[p - c0];
                     const float *w = wq + (p - c0) * 4;
                     if (!m)
                         continue;
                     if (q4) {
-                        const uint8_t *src = v4 + p * rb + d0 / 2;
+                        const uint8_t *src = v4 + p * rb;
                         const float *par = pf + (p - c0) * np;
-                        for (d = 0; d < dn / 2; ++d) {
-                            ptrdiff_t dl = d0 + d, dh = d0 + dn / 2 + d;
-                            vrow[d] = fmaf((float)(src[d] & 15), par[2 * (dl >> 4)],
-                                           par[2 * (dl >> 4) + 1]);
-                            vrow[dn / 2 + d] = fmaf((float)(src[d] >> 4), par[2 * (dh >> 4)],
-                                                    par[2 * (dh >> 4) + 1]);
+                        for (d = 0; d < dn; ++d) {
+                            ptrdiff_t byte, e = d0 + d;
+                            int shift;
+                            kvc_v4_place(hd, e, &byte, &shift);
+                            vrow[d] = fmaf((float)((src[byte] >> shift) & 15), par[2 * (e >> 4)],
+                                           par[2 * (e >> 4) + 1]);
                         }
                     } else {
                         for (d = 0; d < dn; ++d)

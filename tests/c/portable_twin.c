@@ -29,7 +29,7 @@ int main(void)
     static uint8_t vc4[ROWS * HDMAX / 2];
     static uint16_t vp[ROWS * 2 * KVC_V4_NG(HDMAX)];
     static float v4scr[KVC_SCRATCH_FLOATS(HDMAX)];
-    ptrdiff_t hds[] = {1, 7, 8, 31, 32, 40, 64, 72, 128, 136};
+    ptrdiff_t hds[] = {1, 7, 8, 24, 31, 32, 40, 56, 64, 72, 128, 136};
     ptrdiff_t qf[8] = {0, 1, 0, 3, 0, 0, 5, 0}, qe[8] = {37, 37, 30, 37, 37, 36, 37, 21};
     int i, h;
     for (i = 0; i < 8 * HDMAX; ++i) q[i] = rnd();
@@ -41,7 +41,7 @@ int main(void)
     }
     for (i = 0; i < ROWS * 8; ++i) ks[i] = rnd() * rnd();
     for (i = 0; i < ROWS; ++i) vs[i] = rnd() * 0.1f;
-    for (h = 0; h < 10; ++h) {
+    for (h = 0; h < (int)(sizeof hds / sizeof hds[0]); ++h) {
         ptrdiff_t hd = hds[h], ng = (hd + 31) / 32;
         int quant;
         out(kvc_dot_f32(q, k, hd));
