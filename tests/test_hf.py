@@ -109,6 +109,8 @@ def test_prompt_logits_match_default_attention(fam):
     assert cache.get_seq_length() == PROMPT
     assert all(isinstance(kv, kc.LayerKvCache) and kv.seq_len == PROMPT for kv in cache.kv_layers)
     assert cache.memory_bytes() > 0
+    # transformers never evicts: no importance work (the outputs are the same bits either way)
+    assert not any(kv.track_importance or kv.importance.any() for kv in cache.kv_layers)
 
 
 def test_generate_matches_default_attention(fam):

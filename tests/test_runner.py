@@ -119,6 +119,23 @@ def test_prompt_logits_and_greedy_decode_match_transformers(saved, case):
     print(f"{case}: prompt max |diff| {prompt_err:.2e}, decode max |diff| {step_err:.2e}")
 
 
+def test_the_runner_does_no_importance_work_and_gets_the_same_bits(saved):
+    """The runner never evicts, so its cache tracks no importance (the prompt kernel skips its
+    importance pass); tracking it would change no logit."""
+    _, path = saved("llama")
+    ids = prompt_ids(n=90)
+    r = kr.Runner.from_pretrained(path)
+    assert not r.cache.track_importance
+    got = r.prefill(ids, all_logits=True)
+    assert not any(layer.importance.any() for layer in r.cache.layers)
+    r.reset()
+    assert not r.cache.track_importance
+    r.cache.track_importance = True
+    want = r.prefill(ids, all_logits=True)
+    assert all(layer.importance.any() for layer in r.cache.layers)
+    assert got.tobytes() == want.tobytes()
+
+
 def test_windows_really_bind(saved):
     """The sliding-window cases are only evidence if the prompt outruns the window and the
     window changes the answer: without it the logits move far beyond the tolerance."""

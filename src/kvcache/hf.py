@@ -244,6 +244,7 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
         """Create the kvcache layer for keys shaped (1, num_kv_heads, n, head_dim)."""
         _check_batch(key_states)
         self.kv = LayerKvCache(int(key_states.shape[1]), int(key_states.shape[-1]), mode=self.mode)
+        self.kv.track_importance = False      # transformers never evicts: no importance work
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,

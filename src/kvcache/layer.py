@@ -116,6 +116,7 @@ class LayerKvCache:
     _linear_scratch: F32
     _evicted: bool
     _binding: Optional[tuple[ModuleType, RowsBinding, RowStore, RowStore, IP]]
+    _track_imp: bool = True         # the class default also serves pickles made before it
 
     def __init__(self, num_kv_heads: int, head_dim: int,
                  mode: Union[KvMode, str, None] = None) -> None:
@@ -132,6 +133,7 @@ class LayerKvCache:
         self._empty_q = np.zeros((nkv, 0, hd), dtype=np.int8)
         self._empty_s = np.zeros((nkv, 0, 1), dtype=_F32)
         self._gen = Generation()
+        self._track_imp = True
         self._reset_storage()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -266,6 +268,24 @@ class LayerKvCache:
     def importance(self) -> F32:
         """Accumulated attention mass per stored position, read-only float32 view."""
         return readonly(self._imp[: self._imp_len])
+
+    @property
+    def track_importance(self) -> bool:
+        """Whether :meth:`attend_all_heads` adds its attention mass into :attr:`importance`
+        (default True).  False: it does no importance work at all (the prompt kernel skips
+        its second pass of scores, docs/numerics.md), :attr:`importance` keeps its length
+        (0 for positions appended since) and Born eviction, which ranks positions by it, is
+        refused.  For callers that never evict by importance (the runner, ``kvcache.hf``).
+        :meth:`attend_group` and :meth:`accumulate_imp` add what they are given either way.
+        Not part of the byte formats (``from_bytes`` and ``import_wire`` keep the layer's own
+        setting; ``KvCache.load`` makes layers that track importance); pickles keep it."""
+        return self._track_imp
+
+    @track_importance.setter
+    def track_importance(self, on: bool) -> None:
+        if not isinstance(on, (bool, np.bool_)):
+            raise TypeError(f"track_importance: expected True or False, got {on!r}")
+        self._track_imp = bool(on)
 
     def __len__(self) -> int:
         return self._seq_len
@@ -594,7 +614,8 @@ class LayerKvCache:
         ndarray of shape (num_heads, head_dim) or (n, num_heads, head_dim), float32
 
         Every query's attention mass is added into :attr:`importance` (per row, summed over
-        KV groups in order, then positions, then heads within the group).
+        KV groups in order, then positions, then heads within the group), unless
+        :attr:`track_importance` is False.
 
         Notes
         -----
@@ -637,7 +658,8 @@ class LayerKvCache:
         run = attend_prefill if blocked else attend_blocks
         run(kernels, self._bound_rows(kernels), q3, out.reshape(n, nh, hd), maxlen=int(self._len.max()),
             window=window, scale=scale, softcap=softcap, imp=self._imp[: self._imp_len],
-            imp_mode=2, n_threads=_core.max_threads(), fold=self._queries)
+            imp_mode=2 if self._track_imp else 0, n_threads=_core.max_threads(),
+            fold=self._queries)
         return out
 
     def accumulate_imp(self, probs: FloatArrayLike) -> None:
@@ -701,12 +723,17 @@ class LayerKvCache:
         """Shrink to at most ``keep`` positions with ``policy`` (see :mod:`kvcache.eviction`).
 
         RECENT drops the oldest positions; Born keeps the policy's sink, the newest
-        ``policy.recent(keep)`` and the middle positions of highest importance.  A layer with
+        ``policy.recent(keep)`` and the middle positions of highest importance (ValueError,
+        changing nothing, when :attr:`track_importance` is False).  A layer with
         O(1) state (collecting or sealed) is left as it is, as is one already within ``keep``.
         """
         keep = as_int("keep", keep, minimum=0)
         if not isinstance(policy, EvictionPolicy):
             raise TypeError(f"policy: expected an EvictionPolicy, got {type(policy).__name__}")
+        if policy.kind == "born" and not self._track_imp:
+            raise ValueError("evict: Born eviction ranks positions by importance, which this "
+                             "layer does not track (track_importance=False); use "
+                             "EvictionPolicy.RECENT or track importance")
         if policy.kind == "recent":
             self._evict(keep)
         else:

@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterator
 from typing import Optional, Union
 
+import numpy as np
+
 from ._validate import as_int
 from .eviction import EvictionPolicy
 from .layer import LayerKvCache
@@ -60,14 +62,33 @@ class KvCache:
         is not edited by hand)."""
         return sum(layer.generation for layer in self.layers)
 
+    @property
+    def track_importance(self) -> bool:
+        """True when every layer tracks importance (:attr:`LayerKvCache.track_importance`);
+        setting it sets every layer's (a caller that never evicts by importance turns it off
+        and saves the prompt kernel's importance pass)."""
+        return all(layer.track_importance for layer in self.layers)
+
+    @track_importance.setter
+    def track_importance(self, on: bool) -> None:
+        if not isinstance(on, (bool, np.bool_)):
+            raise TypeError(f"track_importance: expected True or False, got {on!r}")
+        for layer in self.layers:
+            layer.track_importance = bool(on)
+
     def needs_eviction(self) -> bool:
         return self.seq_len >= self.max_seq_len
 
     def evict(self, keep: int) -> None:
         """Shrink every layer to at most ``keep`` positions with the cache's policy.
 
-        Layers carrying O(1) state (collecting or sealed) are skipped."""
+        Layers carrying O(1) state (collecting or sealed) are skipped.  With a Born policy,
+        a layer that does not track importance is a ValueError before any layer changes."""
         keep = as_int("keep", keep, minimum=0)
+        if self.policy.kind == "born" and not self.track_importance:
+            raise ValueError("evict: Born eviction ranks positions by importance, which a layer "
+                             "of this cache does not track (track_importance=False); use "
+                             "EvictionPolicy.RECENT or track importance")
         for layer in self.layers:
             layer.evict(keep, self.policy)
 

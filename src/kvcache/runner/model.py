@@ -340,6 +340,8 @@ class Runner:
                              mode=self.mode)
         for i in self.o1_layers:         # the seal needs f32 rows (released once it is done)
             self.cache.layers[i] = LayerKvCache(cfg.num_kv_heads, cfg.head_dim, KvMode.F32)
+        # the runner never evicts (positions past max_seq_len are refused): no importance work
+        self.cache.track_importance = False
         self.position = 0
         self.store_loaded = 0
         self.timings: dict[str, float] = {"attention_s": 0.0, "total_s": 0.0}
