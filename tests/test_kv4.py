@@ -225,6 +225,7 @@ def test_bits_do_not_depend_on_body_or_threads(mode, hd, each_level):
     rng = np.random.default_rng(hd)
     layer, _, _ = _pair(rng, mode, hd, 700, nkv=2)
     q1 = rng.standard_normal((8, hd)).astype(np.float32)
+    q7 = rng.standard_normal((14, hd)).astype(np.float32)   # 7 per group: more than one quad
     qn = rng.standard_normal((37, 8, hd)).astype(np.float32)
     results = []
     for level in each_level:
@@ -232,10 +233,14 @@ def test_bits_do_not_depend_on_body_or_threads(mode, hd, each_level):
         for threads in (1, 2, 3):
             with threadpool_limits(threads, user_api="openmp"):
                 results.append((level, threads, layer.attend_all_heads(q1),
-                                layer.attend_all_heads(qn)))
-    for level, threads, dec, pre in results[1:]:
+                                layer.attend_all_heads(qn), layer.attend_all_heads(q7)))
+    for level, threads, dec, pre, dec7 in results[1:]:
         assert np.array_equal(_bits(dec), _bits(results[0][2])), (level, threads)
         assert np.array_equal(_bits(pre), _bits(results[0][3])), (level, threads)
+        assert np.array_equal(_bits(dec7), _bits(results[0][4])), (level, threads)
+    # a query's output does not depend on the other queries of its group (one quad or two)
+    four = layer.attend_all_heads(q7[[0, 1, 2, 3, 7, 8, 9, 10]])          # 4 per group
+    assert np.array_equal(_bits(results[0][4][:4]), _bits(four[:4]))
 
 
 @pytest.mark.parametrize("mode", MODES4)
