@@ -6,8 +6,14 @@ hypothesis-driven tests can use them too (they hold no state between examples).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+
+# the runner's weight-digest file (kvcache.runner.digest) stays out of the home folder; the
+# tests of that file point it at a temporary path
+os.environ["KVCACHE_DIGEST_CACHE"] = "off"
 
 @pytest.fixture
 def rng():

@@ -61,6 +61,7 @@ from ..modes import KvMode
 from ..o1 import RIDGE, check_max_error, check_ridge
 from .config import LayerSpec, ModelConfig, parse_layers, read_config
 from .sampling import sample
+from .digest import checkpoint_source, weights_digest
 from .weights import (Array, LayerWeights, Tracked, as_f32, layers_from, load_safetensors,
                       random_weights, take)
 
@@ -346,6 +347,7 @@ class Runner:
         self.store_loaded = 0
         self.timings: dict[str, float] = {"attention_s": 0.0, "total_s": 0.0}
         self._fingerprint: str | None = None
+        self._source: str | None = None      # the checkpoint's files (from_pretrained)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -353,8 +355,12 @@ class Runner:
         """Load a checkpoint: a folder (``config.json`` and its safetensors) or a GGUF file
         (weights dequantised to float32, config from its metadata: :mod:`kvcache.runner.gguf`).
         See the class for ``kwargs``."""
+        before = checkpoint_source(path)
         config, weights = load_checkpoint(path)
-        return cls(config, weights, **kwargs)
+        runner = cls(config, weights, **kwargs)
+        # the files' key, when they did not change while being read (digest.py)
+        runner._source = before if checkpoint_source(path) == before else None
+        return runner
 
     @classmethod
     def random(cls, config: ModelConfig | None = None, seed: int = 0, **kwargs: Any) -> Runner:
@@ -723,8 +729,11 @@ class Runner:
         included), ``prefill_chunk``
         (the low bits of the rows depend on the chunking) and the prompt kernel's version
         (:data:`PROMPT_KERNEL`: rows written by another prompt kernel have other low bits).
-        Hex BLAKE2b, computed on first use (about a second per GB of weights) and kept; the
-        prefix store's key for this model."""
+        Hex BLAKE2b of those settings and of the weights' digest, computed on first use and
+        kept.  The weights' digest is computed once per checkpoint (:mod:`kvcache.runner.digest`:
+        in this process, and across processes in a small digest file, keyed by the checkpoint
+        files' paths, sizes and times), on several threads; the prefix store's key for this
+        model."""
         if self._fingerprint is None:
             h = hashlib.blake2b(digest_size=32, person=b"kvcache-runner")
             meta = {"config": dataclasses.asdict(self.config), "kv": repr(self.mode),
@@ -732,19 +741,21 @@ class Runner:
             if self.mode.scheme == "rows":     # repr() of a "rows" mode names no scheme
                 meta["kv_scheme"] = "rows"
             h.update(json.dumps(meta, sort_keys=True, default=repr).encode())
-            arrays: list[tuple[str, Array]] = [("embed", self.embed), ("norm", self.norm)]
-            if not self.config.tie_word_embeddings:       # else it is the embeddings'
-                arrays.append(("lm_head_t", self.lm_head_t))
-            for i, L in enumerate(self.layers):
-                for f in dataclasses.fields(L):
-                    a = getattr(L, f.name)
-                    if a is not None:
-                        arrays.append((f"{i}.{f.name}", a))
-            for name, a in arrays:
-                h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
-                h.update(np.ascontiguousarray(a).data)      # the buffer itself, no copy
+            h.update(weights_digest(self._named_arrays(), self._source).encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
+
+    def _named_arrays(self) -> list[tuple[str, Array]]:
+        """Every weight array the forward pass holds, named, in a fixed order."""
+        arrays: list[tuple[str, Array]] = [("embed", self.embed), ("norm", self.norm)]
+        if not self.config.tie_word_embeddings:       # else it is the embeddings'
+            arrays.append(("lm_head_t", self.lm_head_t))
+        for i, L in enumerate(self.layers):
+            for f in dataclasses.fields(L):
+                a = getattr(L, f.name)
+                if a is not None:
+                    arrays.append((f"{i}.{f.name}", a))
+        return arrays
 
     def step(self, token: int) -> Array:
         """Decode one position: the next-token logits (vocab,)."""
