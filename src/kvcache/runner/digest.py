@@ -13,9 +13,10 @@ digest is computed once and kept:
   that cannot be read or written is ignored, never an error.
 
 The source of a checkpoint names the files the loader reads (a GGUF file; a folder's
-``config.json`` and ``*.safetensors``) as they are: each file's real path, size, modification
-and status-change times in nanoseconds, inode and device, and kvcache's version (the loader's
-conversion to float32 is part of what was hashed).  Rewriting a file in place changes its
+``config.json``, ``model.safetensors.index.json`` and ``*.safetensors``) as they are: each
+file's real path, size, modification and status-change times in nanoseconds, inode and
+device, and kvcache's version (the loader's conversion to float32 is part of what was
+hashed).  Rewriting a file in place changes its
 times, so a stale digest is not reused.  A runner built from arrays (``Runner(config,
 weights)``, ``Runner.random``) has no source: its digest is computed when first needed, as
 before.
@@ -61,7 +62,8 @@ def checkpoint_source(path: str | os.PathLike[str]) -> Optional[str]:
             files = [where]
         else:
             files = sorted(os.path.join(where, f) for f in os.listdir(where)
-                           if f == "config.json" or f.endswith(".safetensors"))
+                           if f in ("config.json", "model.safetensors.index.json")
+                           or f.endswith(".safetensors"))
         parts = []
         for f in files:
             st = os.stat(f)
