@@ -55,6 +55,7 @@ def from_store(fam, store, ids, mode):
         out = kh.generate(fam.mk, ids, cache=cache, max_new_tokens=NEW, do_sample=False,
                           return_dict_in_generate=True, output_logits=True)
     assert cache.get_seq_length() == ids.shape[1] + NEW - 1
+    assert not any(kv.track_importance for kv in cache.kv_layers)   # as a cold cache's layers
     return out.sequences, torch.stack(out.logits), n, cache
 
 

@@ -81,6 +81,45 @@ def test_the_digest_file_is_optional_and_never_an_error(tmp_path, counted, monke
     assert Runner.from_pretrained(path).fingerprint == fp and len(counted) == 3
 
 
+@pytest.mark.parametrize("value", ["OFF", " off ", "0", "None", "false", "no", ""])
+def test_every_off_spelling_writes_no_file(tmp_path, counted, monkeypatch, value):
+    path = tmp_path / "ckpt" / "m.gguf"
+    path.parent.mkdir()
+    write_gguf(path)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv(digest.ENV, value)
+    Runner.from_pretrained(path).fingerprint
+    assert list(work.iterdir()) == [] and len(counted) == 1
+
+
+@pytest.mark.parametrize("content", ["[" * 200000 + "]" * 200000, "[1, 2]", '{"k": 3}',
+                                     " " * (1 << 20) + "{}"])
+def test_a_hostile_digest_file_is_ignored(tmp_path, counted, monkeypatch, content):
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    file = tmp_path / "d.json"
+    file.write_text(content)                          # too deep, not a dict, bad values, too big
+    monkeypatch.setenv(digest.ENV, str(file))
+    fp = Runner.from_pretrained(path).fingerprint
+    digest._memo.clear()
+    assert Runner.from_pretrained(path).fingerprint == fp
+    assert len(counted) == 1                          # the second read the rewritten file
+    monkeypatch.setenv(digest.ENV, str(tmp_path))     # a folder where the file should be
+    digest._memo.clear()
+    assert Runner.from_pretrained(path).fingerprint == fp and len(counted) == 2
+
+
+def test_the_source_names_the_decoder_and_its_version(tmp_path):
+    import json as js
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    key = js.loads(digest.checkpoint_source(path))
+    assert key[2] == digest.LOADER and key[3] == "gguf" and key[4] not in ("", "absent")
+    assert digest.checkpoint_source(tmp_path / "missing") is None
+
+
 def test_a_runner_from_arrays_has_no_source_and_hashes_its_own():
     a, b = Runner.random(seed=3), Runner.random(seed=3)
     assert a._source is None and a.fingerprint == b.fingerprint

@@ -817,6 +817,7 @@ def _kv_view(cache: HfKvCache, config: Any, max_seq_len: int) -> KvCache:
     nkv = int(getattr(text, "num_key_value_heads", None) or heads)
     hd = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     view = KvCache(len(cache.layers), nkv, hd, max_seq_len=max(max_seq_len, 1), mode=cache.mode)
+    view.track_importance = False            # as lazy_initialization makes them: never evicted
     for i, layer in enumerate(cache._hf_layers):
         if layer.kv is None:
             layer.kv = view.layers[i]

@@ -8,15 +8,17 @@ digest is computed once and kept:
 * in this process, under the checkpoint's *source* (below), for every later runner loaded from
   the same files;
 * in a small JSON file (``KVCACHE_DIGEST_CACHE``: its path; default
-  ``~/.cache/kvcache-runner/weight-digests.json``; ``off`` or an empty value: no file), for
-  later processes.  The file is rewritten atomically (a temporary file, then a rename); a file
-  that cannot be read or written is ignored, never an error.
+  ``~/.cache/kvcache-runner/weight-digests.json``; empty, ``off``, ``0``, ``no``, ``none`` or
+  ``false``, in any case: no file), for later processes.  The file is rewritten atomically (a
+  temporary file, then a rename); a file that cannot be read or written, is not a regular
+  file, is over 1 MiB or does not parse is ignored, never an error.
 
 The source of a checkpoint names the files the loader reads (a GGUF file; a folder's
 ``config.json``, ``model.safetensors.index.json`` and ``*.safetensors``) as they are: each
 file's real path, size, modification and status-change times in nanoseconds, inode and
-device, and kvcache's version (the loader's conversion to float32 is part of what was
-hashed).  Rewriting a file in place changes its
+device, kvcache's version and :data:`LOADER` (the loader's conversion to float32 is part of
+what was hashed), and the version of the package that decodes the file (``gguf`` for a GGUF
+file, ``safetensors`` for a folder).  Rewriting a file in place changes its
 times, so a stale digest is not reused.  A runner built from arrays (``Runner(config,
 weights)``, ``Runner.random``) has no source: its digest is computed when first needed, as
 before.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -40,12 +43,17 @@ import numpy as np
 
 from .._version import __version__
 
-__all__ = ["ENV", "SCHEME", "checkpoint_source", "weights_digest"]
+__all__ = ["ENV", "LOADER", "SCHEME", "checkpoint_source", "weights_digest"]
 
 ENV = "KVCACHE_DIGEST_CACHE"
 """The environment variable naming the digest file (``off`` or empty: none)."""
 SCHEME = "tree-blake2b-1"
 """How the weights' digest is computed; part of every cached entry's key."""
+LOADER = 1
+"""The version of the checkpoint loaders' float32 conversion (raise it when a loader changes
+what it gives for the same file); part of every cached entry's key."""
+_OFF = ("", "off", "0", "no", "none", "false")
+_MAX_FILE = 1 << 20
 _DEFAULT = os.path.join("~", ".cache", "kvcache-runner", "weight-digests.json")
 _MAX_ENTRIES = 64                 # the file keeps the newest entries only
 
@@ -70,23 +78,36 @@ def checkpoint_source(path: str | os.PathLike[str]) -> Optional[str]:
             parts.append([f, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev])
     except OSError:
         return None
-    return json.dumps([__version__, SCHEME, parts])
+    decoder = "gguf" if len(files) == 1 and files[0] == where else "safetensors"
+    return json.dumps([__version__, SCHEME, LOADER, decoder, _package_version(decoder), parts])
+
+
+def _package_version(name: str) -> str:
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
 
 
 def _cache_file() -> Optional[str]:
     value = os.environ.get(ENV)
     if value is None:
         return os.path.expanduser(_DEFAULT)
-    if value.strip() in ("", "off"):
+    value = value.strip()
+    if value.lower() in _OFF:
         return None
     return os.path.expanduser(value)
 
 
 def _read(file: str) -> dict[str, str]:
     try:
+        st = os.stat(file)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_FILE:
+            return {}
         with open(file, encoding="utf-8") as fh:
             data = json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError, MemoryError):
         return {}
     if not isinstance(data, dict):
         return {}

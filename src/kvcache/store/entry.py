@@ -36,8 +36,8 @@ Payload, per layer l = 0 .. n_layers-1, each array pad8::
         f32 x G*D    kcol (ones where not frozen)
         f32 x G*D    vcol
     keys    f32: f32 x G*B*D  (head-major: head h's B rows, then head h+1's)
-            4-bit: u8 x G*B*D/2 codes, then u16 x G*(B/16)*2*D block parameters (B a
-                  multiple of 16)
+            4-bit: u8 x G*B*D/2 codes (the block layout of docs/kv4.md), then u16 x
+                  G*(B/32)*2*D block parameters (B a multiple of 32)
             int8: i8 x G*B*D, then f32 x G*B*ceil(D/g) scales (g: the scheme's K group,
                   16 "rows", 32 "cmf")
     values  f32: f32 x G*B*D
@@ -108,7 +108,7 @@ class Field:
     dtype: np.dtype[Any]
     shape: tuple[int, ...]
     offset: int
-    per: int = 1        # positions per element of axis 1 (4-bit K's block parameters: 16)
+    per: int = 1        # positions per element of axis 1 (4-bit K's block parameters: 32)
 
     @property
     def nbytes(self) -> int:
