@@ -146,6 +146,8 @@ def write_gguf(path, family: str = "llama", qtype: Q = Q.Q4_1, seed: int = 0, *,
             continue
         if isinstance(value, float):
             writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
         elif isinstance(value, list):
             writer.add_array(key, value)
         else:
@@ -209,6 +211,32 @@ def test_gguf_gives_the_runner_of_its_dequantised_weights(tmp_path, family, qtyp
     np.testing.assert_array_equal(got, ref)
 
 
+def test_llama3_rope_freqs_give_the_llama3_frequencies(tmp_path):
+    """Llama 3.1 / 3.2 files carry their RoPE scaling as per-frequency factors: the runner
+    divides the default frequencies by them (as llama.cpp does), which gives transformers'
+    ``llama3`` frequencies up to float32 rounding, and so its logits."""
+    from dataclasses import replace
+    from kvcache.runner.model import _rope_inv_freq
+    base = config_of("llama")
+    llama3 = replace(base, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 256})
+    plain, scaled = _rope_inv_freq(base), _rope_inv_freq(llama3)
+    factors = (plain.astype(np.float64) / scaled).astype(np.float32)   # what a converter writes
+    assert (factors > 1.5).any() and (factors == 1).any()              # the scaling bites
+    path = tmp_path / "m.gguf"
+    _, expect = write_gguf(path, "llama", Q.F32, extra_tensors={"rope_freqs.weight": factors})
+    cfg, _ = load_gguf(path)
+    assert cfg.rope_scaling["rope_type"] == "freq_factors"
+    np.testing.assert_allclose(_rope_inv_freq(cfg), scaled, rtol=3e-7, atol=0)
+    ids = np.arange(40) * 7 % 260
+    got = Runner.from_pretrained(path).prefill(ids, all_logits=True)
+    want = Runner(llama3, expect).prefill(ids, all_logits=True)
+    unscaled = Runner(base, expect).prefill(ids, all_logits=True)
+    err = np.abs(got - want).max()
+    assert err <= 1e-4 and np.abs(unscaled - want).max() > 100 * max(err, 1e-6)
+
+
 def test_llama_rows_are_unpermuted_for_rotary(tmp_path):
     """Loading without undoing llama.cpp's permutation would give other logits: the test
     above is sensitive to it (the q/k rows of one head differ)."""
@@ -244,7 +272,13 @@ def test_config_comes_from_the_metadata(tmp_path):
     (dict(extra={"llama.attention.head_count_kv": [2, 4]}),
      "llama.attention.head_count_kv varies per layer"),
     (dict(extra={"llama.rope.dimension_count": 16}), "partial rotary"),
-    (dict(extra_tensors={"rope_freqs.weight": np.ones(16, np.float32)}), "'rope_freqs.weight'"),
+    (dict(extra_tensors={"rope_freqs.weight": np.ones(HD // 2 + 1, np.float32)}),
+     "'rope_freqs.weight' must hold head_dim / 2"),
+    (dict(extra_tensors={"rope_freqs.weight": -np.ones(HD // 2, np.float32)}),
+     "positive finite factors"),
+    (dict(extra={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0},
+          extra_tensors={"rope_freqs.weight": np.ones(HD // 2, np.float32)}),
+     "both 'rope_freqs.weight' and a rope.scaling.type"),
     (dict(extra_tensors={"blk.0.attn_q_norm.weight": np.ones(32, np.float32)}),
      "blk.0.attn_q_norm.weight"),
     (dict(extra_tensors={"blk.0.attn_q.bias": np.ones(256, np.int32)}),

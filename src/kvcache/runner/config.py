@@ -24,7 +24,7 @@ __all__ = ["ACTIVATIONS", "FAMILIES", "FAMILY_DEFAULTS", "ModelConfig", "parse_l
 #: The model families (``model_type``) the runner decodes.
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
 #: RoPE variants the runner computes.
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 #: MLP activations the runner computes (``hidden_act`` / Gemma's ``hidden_activation``).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
 

@@ -32,11 +32,15 @@ load:
   runner (like transformers) wants ``w``;
 - the metadata is translated to a transformers ``config.json`` dict and read by
   :meth:`ModelConfig.from_hf`, so family defaults and the sliding-window rule are the ones the
-  folder loader uses.
+  folder loader uses;
+- llama 3.1 / 3.2's RoPE scaling arrives as the tensor ``rope_freqs.weight`` (one factor per
+  frequency) instead of config keys: the runner divides each default frequency by its factor,
+  as llama.cpp does (``rope_type`` ``"freq_factors"``); its frequencies then differ from
+  transformers' ``llama3`` ones by float32 rounding only.
 
 Anything the runner does not compute (another architecture, a tensor type the ``gguf``
-package cannot dequantise, per-layer head counts, llama 3's ``rope_freqs`` tensor, a missing
-field) is refused with a one-line ValueError naming the field or tensor.
+package cannot dequantise, per-layer head counts, a missing field) is refused with a
+one-line ValueError naming the field or tensor.
 """
 
 from __future__ import annotations
@@ -242,9 +246,6 @@ def _hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str]) -> dict[str
     if m.int("{arch}.rope.dimension_count", hd) != hd:
         raise ValueError(f"GGUF: {arch}.rope.dimension_count ({m.get('{arch}.rope.dimension_count')}) "
                          f"is not the head size {hd}; partial rotary is not supported")
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError("GGUF: the tensor 'rope_freqs.weight' (per-frequency RoPE factors, "
-                         "llama 3.1's scaling) is not supported")
     vocab = m.get("{arch}.vocab_size")
     if vocab is None:
         tokens = meta.get("tokenizer.ggml.tokens")
@@ -330,6 +331,24 @@ def _dequantize(tensor: _Tensor) -> Array:
     return out
 
 
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def _freq_factors(tensor: _Tensor, hf: Mapping[str, Any]) -> dict[str, Any]:
+    """llama 3's per-frequency RoPE factors (``rope_freqs.weight``, what llama.cpp's converter
+    writes for a ``llama3`` rope_scaling) as the runner's ``freq_factors`` scaling: frequency
+    i is the default ``rope_theta ** (-2 i / head_dim)`` divided by factor i, as llama.cpp
+    computes it.  ValueError for a second scaling or factors that do not fit."""
+    if "rope_scaling" in hf:
+        raise ValueError(f"GGUF: both '{_ROPE_FREQS}' and a rope.scaling.type are given")
+    f = _dequantize(tensor).reshape(-1)
+    half = int(hf["head_dim"]) // 2
+    if f.shape != (half,) or not (np.isfinite(f).all() and (f > 0).all()):
+        raise ValueError(f"GGUF: '{_ROPE_FREQS}' must hold head_dim / 2 = {half} positive "
+                         f"finite factors, got shape {f.shape}")
+    return {"rope_type": "freq_factors", "factors": [float(x) for x in f]}
+
+
 def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Array]]:
     """The :class:`ModelConfig` and float32 weights (Hugging Face names) of GGUF file
     ``path``; ValueError naming the field or tensor for anything unsupported."""
@@ -337,13 +356,18 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Arra
     meta = reader.fields
     names = [t.name for t in reader.tensors]
     hf = _hf_config(meta, names)
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            hf["rope_scaling"] = _freq_factors(tensor, hf)
     config = ModelConfig.from_hf(hf)
-    unknown = [n for n in names if _hf_name(n, config.gemma) is None]
+    unknown = [n for n in names if n != _ROPE_FREQS and _hf_name(n, config.gemma) is None]
     if unknown:
         raise ValueError(f"GGUF: {len(unknown)} tensors are not used by the {config.family} "
                          f"runner (e.g. {', '.join(unknown[:4])})")
     weights: dict[str, Array] = {}
     for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue
         key = _hf_name(tensor.name, config.gemma)
         assert key is not None
         w = _dequantize(tensor)

@@ -141,6 +141,12 @@ def _rope_inv_freq(cfg: ModelConfig) -> Array:
         smoothed = ((1 - smooth) * scaled / _F32(factor) + smooth * scaled).astype(_F32)
         medium = ~(wl < high_wl) & ~(wl > low_wl)
         inv = np.where(medium, smoothed, scaled).astype(_F32)
+    elif kind == "freq_factors":           # llama.cpp's rope_freqs (GGUF): divided per frequency
+        f = np.asarray(rs.get("factors", ()), dtype=_F32)
+        if f.shape != inv.shape or not (np.isfinite(f).all() and (f > 0).all()):
+            raise ValueError(f"rope_scaling: 'freq_factors' needs head_dim / 2 = {inv.size} "
+                             f"positive finite factors, got {f.size}")
+        inv = (inv / f).astype(_F32)
     return as_f32(inv)
 
 
