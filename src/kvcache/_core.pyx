@@ -456,9 +456,8 @@ def k4_scores(q__jd, kc__cb, kp__bq, kr__rd, n, out__jr):
     """Raw scores (before the softmax scale) of every query q (nq, hd) against the first ``n``
     rows of one KV group's 4-bit K (docs/kv4.md: codes kc (cap, hd / 2) in the block layout,
     block parameters kp (ceil(cap / 32), 2 * hd) as uint16, the ring kr (64, hd)) into out
-    (nq, n), with the
-    4-bit scorer of the q8 body in use: the arithmetic of attend_rows' and attend_blocked's
-    4-bit K scores, exposed for tests.  Checked by kvcache._entry.check_k4_scores."""
+    (nq, n), with the 4-bit scorer of the q8 body in use: the arithmetic of attend_rows' 4-bit
+    K scores, exposed for tests.  Checked by kvcache._entry.check_k4_scores."""
     cdef Py_ssize_t rows = _entry.check_k4_scores(q__jd, kc__cb, kp__bq, kr__rd, n, out__jr)
     cdef const float[:, ::1] q = q__jd
     cdef const uint8_t[:, ::1] kc = kc__cb

@@ -347,8 +347,11 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
             }
             for (d0 = 0; d0 < hd; d0 += KVC_VBLOCK) {
                 ptrdiff_t dn = hd - d0 < KVC_VBLOCK ? hd - d0 : KVC_VBLOCK;
-                if (dn == KVC_VBLOCK && (!q4 || KVC_VBLOCK == 32 || hd - (d0 & ~(ptrdiff_t)31) >= 32
-                                         || hd - (d0 & ~(ptrdiff_t)31) == 16)) {
+                /* 4-bit: the 32-channel chunk ch0 holding the block, of cn channels; chunk
+                 * bytes ch0 / 2 + i hold channel ch0 + i (low nibble) and ch0 + cn / 2 + i
+                 * (high) (docs/kv4.md) */
+                const ptrdiff_t ch0 = d0 & ~(ptrdiff_t)31, cn = hd - ch0 < 32 ? hd - ch0 : 32;
+                if (dn == KVC_VBLOCK && (!q4 || KVC_VBLOCK == 32 || cn != 24)) {
                     /* named registers: an array here ends up on the stack.  With 16-channel
                      * blocks the registers of vectors 2 and 3 are never touched. */
 #define KVC_W32 (KVC_VBLOCK == 32)
@@ -359,11 +362,8 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
                     kvc_f8 a20 = KVC_LD(2, 0), a21 = KVC_LD(2, 1), a22 = KVC_LD(2, 2), a23 = KVC_LD(2, 3);
                     kvc_f8 a30 = KVC_LD(3, 0), a31 = KVC_LD(3, 1), a32 = KVC_LD(3, 2), a33 = KVC_LD(3, 3);
 #undef KVC_LD
-                    /* 4-bit: the 32-channel chunk ch0 holding the block, and (16-channel
-                     * blocks) where in it: chunk bytes ch0 / 2 + i hold channel ch0 + i (low
-                     * nibble) and ch0 + n / 2 + i (high), n its channels (docs/kv4.md) */
-                    const ptrdiff_t ch0 = d0 & ~(ptrdiff_t)31;
-                    const int full = hd - ch0 >= 32, hi4 = (int)(d0 - ch0) / 16 * 4;
+                    /* 16-channel blocks: the low (hi4 0) or high (4) nibbles of a full chunk */
+                    const int hi4 = (int)(d0 - ch0) / 16 * 4;
                     for (p = c0; p < c1; ++p) {
                         int32_t m = use[p - c0];
                         kvc_f8 v0, v1, v2 = kvc_f8_zero(), v3 = kvc_f8_zero();
@@ -381,7 +381,7 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
                                 v1 = kvc_f8_fma(kvc_f8_from_u4(src + 8, 0), s0, m0);
                                 v2 = kvc_f8_fma(kvc_f8_from_u4(src, 4), s1, m1);
                                 v3 = kvc_f8_fma(kvc_f8_from_u4(src + 8, 4), s1, m1);
-                            } else if (full) {
+                            } else if (cn == 32) {
                                 v0 = kvc_f8_fma(kvc_f8_from_u4(src, hi4), s0, m0);
                                 v1 = kvc_f8_fma(kvc_f8_from_u4(src + 8, hi4), s0, m0);
                             } else {                     /* a last chunk of 16 channels */
@@ -787,7 +787,7 @@ KVC_INLINE float kvc_k4_fold(const float *restrict q, const float *restrict pf, 
             kvc_f8_store(sw + g, sc);
             kvc_f8_store(inv + g, kvc_f8_div(kvc_f8_set1(1.0f), sc));
         }
-        for (g = 0, d0 = 0; d0 < hd; ++g, d0 += 8) {
+        for (d0 = 0; d0 < hd; d0 += 8) {
             const kvc_f8 iv = kvc_f8_bcast(inv + d0 / 16);
             kvc_f8_store_i8_int(wi + d0, kvc_f8_round_even(kvc_f8_mul(kvc_f8_load(w + d0), iv)));
         }

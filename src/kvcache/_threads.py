@@ -34,7 +34,7 @@ from . import _core
 
 __all__ = ["BLAS_SAMPLE_TTL", "BlasGovernor", "HOLD", "MIN_WORK_PER_THREAD", "SAMPLE_TTL",
            "Sampler", "ThreadSettings", "choose", "sampler", "thread_settings", "threads",
-           "threads_for"]
+           "threads_for", "usable_cpus"]
 
 MIN_WORK_PER_THREAD = 1 << 18
 """Multiply-adds a thread must get (about 30-60 us on one core) before it is worth waking."""
@@ -46,6 +46,15 @@ HOLD = 0.02
 """Seconds the count stays down after two samples in a row saw competition: a competitor that pauses
 for a moment (another process between two calls, a thread between two products) does not
 bring back a team that it would stall when it resumes."""
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (``os.sched_getaffinity``; the host's count where the
+    platform does not say)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def choose(work: int, tasks: int, limit: int, free: Optional[int] = None) -> int:
@@ -134,10 +143,7 @@ class Sampler:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.host = os.cpu_count() or 1
-        try:
-            self.usable = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            self.usable = self.host
+        self.usable = usable_cpus()
         self._team = _TeamTids()
         self._cached = _Cached()
         self.last: Optional[int] = None

@@ -237,13 +237,6 @@ KVC_INLINE void kvc_f8_store_i8(int8_t *dst, kvc_f8 v)
     _mm_storel_epi64((__m128i *)dst, _mm_packs_epi16(w, w));
 }
 
-/* The 16 bytes at p as 32 codes: dst[i] = p[i] & 15, dst[16 + i] = p[i] >> 4. */
-KVC_INLINE void kvc_u4_unpack32(const uint8_t *p, int8_t *dst)
-{
-    __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
-    _mm_storeu_si128((__m128i *)dst, _mm_and_si128(b, m));
-    _mm_storeu_si128((__m128i *)(dst + 16), _mm_and_si128(_mm_srli_epi16(b, 4), m));
-}
 
 KVC_INLINE float kvc_f8_fold(kvc_f8 a)
 {
@@ -364,12 +357,6 @@ KVC_INLINE void kvc_f8_store_i8(int8_t *dst, kvc_f8 v)
     int16x8_t w = vcombine_s16(vmovn_s32(vcvtq_s32_f32(v.val[0])), vmovn_s32(vcvtq_s32_f32(v.val[1])));
     vst1_s8(dst, vmovn_s16(w));
 }
-KVC_INLINE void kvc_u4_unpack32(const uint8_t *p, int8_t *dst)
-{
-    uint8x16_t b = vld1q_u8(p);
-    vst1q_s8(dst, vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(15))));
-    vst1q_s8(dst + 16, vreinterpretq_s8_u8(vshrq_n_u8(b, 4)));
-}
 KVC_INLINE kvc_f8 kvc_f8_from_u4(const uint8_t *p, int shift)
 {
     uint8x8_t b = vld1_u8(p);
@@ -452,14 +439,6 @@ KVC_INLINE void kvc_f8_store_i8(int8_t *dst, kvc_f8 v)
     int l;
     for (l = 0; l < 8; ++l)
         dst[l] = v.v[l] == v.v[l] ? (int8_t)v.v[l] : (int8_t)0;
-}
-KVC_INLINE void kvc_u4_unpack32(const uint8_t *p, int8_t *dst)
-{
-    int i;
-    for (i = 0; i < 16; ++i) {
-        dst[i] = (int8_t)(p[i] & 15);
-        dst[16 + i] = (int8_t)(p[i] >> 4);
-    }
 }
 #undef KVC_P8
 

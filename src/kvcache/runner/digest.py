@@ -41,6 +41,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from .._threads import usable_cpus
 from .._version import __version__
 
 __all__ = ["ENV", "LOADER", "SCHEME", "checkpoint_source", "weights_digest"]
@@ -144,8 +145,7 @@ def _array_digest(item: tuple[str, np.ndarray]) -> bytes:
 
 
 def _compute(arrays: list[tuple[str, np.ndarray]]) -> str:
-    workers = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                         else (os.cpu_count() or 1)))
+    workers = min(8, usable_cpus())
     if workers == 1 or len(arrays) < 2:
         parts = [_array_digest(x) for x in arrays]
     else:
