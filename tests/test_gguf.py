@@ -47,20 +47,25 @@ def gpt2_vocab() -> tuple[list[str], list[str], list[int]]:
 
 
 def config_of(family: str) -> ModelConfig:
-    fam = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma2": "gemma2"}[family]
+    fam = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+           "gemma2": "gemma2", "gemma3": "gemma3_text"}[family]
     tokens = gpt2_vocab()[0]
     cfg = {"model_type": fam, "num_hidden_layers": LAYERS, "hidden_size": H,
            "intermediate_size": IM, "num_attention_heads": NH, "num_key_value_heads": NKV,
            "head_dim": HD, "vocab_size": len(tokens), "rms_norm_eps": float(np.float32(1e-5)),
-           "rope_theta": 50000.0, "tie_word_embeddings": family == "gemma2",
+           "rope_theta": 50000.0, "tie_word_embeddings": family.startswith("gemma"),
            "bos_token_id": 256 + 5, "eos_token_id": len(tokens) - 1}
     if family == "mistral":
         cfg["sliding_window"] = 16
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
     if family == "gemma2":
         cfg.update(sliding_window=16, query_pre_attn_scalar=HD, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh")
+    if family == "gemma3":              # llama.cpp's fixed local base and period
+        cfg.update(sliding_window=16, query_pre_attn_scalar=HD, rope_local_base_freq=10000.0,
+                   sliding_window_pattern=6, final_logit_softcapping=None,
+                   hidden_activation="gelu_pytorch_tanh")
     return ModelConfig.from_hf(cfg)
 
 
@@ -85,6 +90,7 @@ def gguf_name(hf: str, gemma: bool) -> str:
     _, _, i, rest = hf.split(".", 3)
     base, kind = rest.rsplit(".", 1)
     names = dict(GGUF_NAMES)
+    names.update({"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})
     if gemma:
         names.update({"post_attention_layernorm": "post_attention_norm",
                       "pre_feedforward_layernorm": "ffn_norm",
@@ -120,7 +126,7 @@ def write_gguf(path, family: str = "llama", qtype: Q = Q.Q4_1, seed: int = 0, *,
     """A random checkpoint of ``family`` written as a GGUF file; returns (config, the float32
     Hugging Face-named weights the loader must give back)."""
     cfg = config_of(family)
-    gemma = family == "gemma2"
+    gemma = family.startswith("gemma")
     rng = np.random.default_rng(seed)
     hf = random_weights(cfg, seed)
     for k in hf:                        # norms with content (random_weights makes them flat)
@@ -136,10 +142,12 @@ def write_gguf(path, family: str = "llama", qtype: Q = Q.Q4_1, seed: int = 0, *,
         kv[f"{a}.rope.dimension_count"] = HD
     if family == "mistral":
         kv[f"{a}.attention.sliding_window"] = 16
+    if gemma or family == "qwen3":
+        kv.update({f"{a}.attention.key_length": HD, f"{a}.attention.value_length": HD})
     if gemma:
-        kv.update({f"{a}.attention.key_length": HD, f"{a}.attention.value_length": HD,
-                   f"{a}.attention.sliding_window": 16,
-                   f"{a}.attn_logit_softcapping": 50.0, f"{a}.final_logit_softcapping": 30.0})
+        kv[f"{a}.attention.sliding_window"] = 16
+    if family == "gemma2":
+        kv.update({f"{a}.attn_logit_softcapping": 50.0, f"{a}.final_logit_softcapping": 30.0})
     kv.update(extra or {})
     for key, value in kv.items():
         if key in drop:
@@ -193,7 +201,8 @@ def write_gguf(path, family: str = "llama", qtype: Q = Q.Q4_1, seed: int = 0, *,
 
 CASES = [("llama", Q.Q4_1), ("llama", Q.Q8_0), ("llama", Q.F16), ("llama", Q.BF16),
          ("llama", Q.Q4_K), ("llama", Q.F32), ("mistral", Q.Q4_0), ("qwen2", Q.Q6_K),
-         ("qwen2", Q.Q8_0), ("gemma2", Q.Q4_1), ("gemma2", Q.F16)]
+         ("qwen2", Q.Q8_0), ("qwen3", Q.Q8_0), ("qwen3", Q.F32), ("gemma2", Q.Q4_1),
+         ("gemma2", Q.F16), ("gemma3", Q.Q4_1), ("gemma3", Q.F16)]
 
 
 @pytest.mark.parametrize("family,qtype", CASES, ids=[f"{f}-{q.name}" for f, q in CASES])
@@ -221,14 +230,16 @@ def test_llama3_rope_freqs_give_the_llama3_frequencies(tmp_path):
     llama3 = replace(base, rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 256})
-    plain, scaled = _rope_inv_freq(base), _rope_inv_freq(llama3)
+    def inv_freq(c):
+        return _rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+    plain, scaled = inv_freq(base), inv_freq(llama3)
     factors = (plain.astype(np.float64) / scaled).astype(np.float32)   # what a converter writes
     assert (factors > 1.5).any() and (factors == 1).any()              # the scaling bites
     path = tmp_path / "m.gguf"
     _, expect = write_gguf(path, "llama", Q.F32, extra_tensors={"rope_freqs.weight": factors})
     cfg, _ = load_gguf(path)
     assert cfg.rope_scaling["rope_type"] == "freq_factors"
-    np.testing.assert_allclose(_rope_inv_freq(cfg), scaled, rtol=3e-7, atol=0)
+    np.testing.assert_allclose(inv_freq(cfg), scaled, rtol=3e-7, atol=0)
     ids = np.arange(40) * 7 % 260
     got = Runner.from_pretrained(path).prefill(ids, all_logits=True)
     want = Runner(llama3, expect).prefill(ids, all_logits=True)
@@ -261,6 +272,44 @@ def test_config_comes_from_the_metadata(tmp_path):
     write_gguf(path2, "mistral", Q.F32)
     assert load_gguf(path2)[0].layer_windows == (16, 16)
     assert is_gguf(path) and not is_gguf(tmp_path)
+
+
+def test_gemma3_and_qwen3_metadata():
+    """Gemma 3 as llama.cpp reads it: sliding layers five in six (or the file's pattern, as a
+    period or per-layer flags), local RoPE base 10,000 (or rope.freq_base_swa), the global
+    base and a linear scaling on the global layers, the 27B rule for the query scale; Qwen3's
+    head size apart from hidden / heads."""
+    from kvcache.runner.gguf import _hf_config
+    g = {"general.architecture": "gemma3", "gemma3.block_count": 62,
+         "gemma3.embedding_length": 5376, "gemma3.feed_forward_length": 64,
+         "gemma3.attention.head_count": 32, "gemma3.attention.head_count_kv": 16,
+         "gemma3.attention.key_length": 128, "gemma3.attention.value_length": 128,
+         "gemma3.attention.layer_norm_rms_epsilon": 1e-6, "gemma3.rope.freq_base": 1e6,
+         "gemma3.attention.sliding_window": 1024, "gemma3.vocab_size": 300,
+         "gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}
+    cfg = ModelConfig.from_hf(_hf_config(g, ["token_embd.weight"]))
+    assert cfg.family == "gemma3_text" and cfg.qk_norm and cfg.gemma
+    assert cfg.scale == (5376 // 32) ** -0.5                    # 27B: hidden / heads
+    assert cfg.layer_windows == tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(62))
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert cfg.local_rope == {"rope_theta": 10000.0, "rope_type": "default"}
+    assert cfg.attn_softcap is None and cfg.final_softcap is None and cfg.tie_word_embeddings
+    small = dict(g, **{"gemma3.block_count": 4, "gemma3.rope.freq_base_swa": 500.0,
+                       "gemma3.attention.sliding_window_pattern": 2})
+    cfg = ModelConfig.from_hf(_hf_config(small, ["output.weight"]))
+    assert cfg.scale == 128 ** -0.5 and cfg.layer_windows == (1024, None, 1024, None)
+    assert cfg.local_rope["rope_theta"] == 500.0 and not cfg.tie_word_embeddings
+    flags = dict(small, **{"gemma3.attention.sliding_window_pattern": [True, True, False, True]})
+    assert ModelConfig.from_hf(_hf_config(flags, [])).layer_windows == (1024, 1024, None, 1024)
+    for bad in ([True], 0, "6"):
+        with pytest.raises(ValueError, match="sliding_window_pattern"):
+            _hf_config(dict(small, **{"gemma3.attention.sliding_window_pattern": bad}), [])
+    q = {k.replace("gemma3", "qwen3"): v for k, v in g.items() if "sliding" not in k
+         and "scaling" not in k}
+    q["general.architecture"] = "qwen3"
+    cfg = ModelConfig.from_hf(_hf_config(q, ["output.weight"]))
+    assert cfg.family == "qwen3" and cfg.head_dim == 128 and cfg.qk_norm and not cfg.gemma
+    assert cfg.layer_windows == (None,) * 62 and not cfg.qkv_bias and cfg.local_rope is None
 
 
 @pytest.mark.parametrize("kwargs,message", [

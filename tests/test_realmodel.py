@@ -45,15 +45,20 @@ def runner(loaded):
     return Runner(cfg, weights)
 
 
-@pytest.fixture(scope="module")
-def hf_model(gguf_file):
+def load_hf_gguf(path):
+    """The float32 transformers model of GGUF file ``path``, by transformers' own loader."""
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_file),
-                                                 gguf_file=os.path.basename(gguf_file),
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                 gguf_file=os.path.basename(path),
                                                  dtype=torch.float32)
     model.train(False)
     return model
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_file):
+    return load_hf_gguf(gguf_file)
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,15 @@ CASES = {
                        dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
                             attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
                             attn_implementation="eager")),
+    # q/k norms, head_dim apart from hidden / heads, no biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1e6)),
+    # q/k norms, sliding layers in a pattern, a local RoPE base of its own, linear scaling on
+    # the global layers only, query_pre_attn_scalar, a final softcap
+    "gemma3-window8": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                       dict(head_dim=16, sliding_window=8, sliding_window_pattern=2,
+                            query_pre_attn_scalar=24, rope_local_base_freq=100.0,
+                            rope_scaling={"rope_type": "linear", "factor": 4.0},
+                            final_logit_softcapping=3.0)),
 }
 
 
@@ -394,6 +403,14 @@ VARIANTS = {
                     dict(head_dim=16, attention_bias=True, attn_implementation="eager")),
     "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM",
                      dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+    "qwen3-bias-window": ("Qwen3Config", "Qwen3ForCausalLM",
+                          dict(head_dim=8, attention_bias=True, use_sliding_window=True,
+                               sliding_window=6, max_window_layers=1)),
+    # a window longer than the prompt: the sliding layers still take the local RoPE base
+    "gemma3-wide-window": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                         dict(head_dim=16, sliding_window=64, sliding_window_pattern=3,
+                              rope_local_base_freq=50.0, attention_bias=True,
+                              tie_word_embeddings=False)),
 }
 
 
@@ -442,6 +459,38 @@ def test_missing_keys_take_the_family_defaults(saved):
         rope_scaling={"type": "linear", "factor": c["rope_parameters"]["factor"]}))
     assert cfg.rope_scaling["rope_type"] == "linear"
     assert np.abs(kr.Runner(cfg, w).prefill(ids, all_logits=True) - want).max() <= TOL
+
+
+def test_gemma3_config_in_the_4x_layout(saved):
+    """Gemma 3 files from transformers 4.x: rope_theta / rope_scaling for the global layers,
+    rope_local_base_freq for the sliding ones, sliding_window_pattern instead of layer_types."""
+    def old(c):
+        rope = c["rope_parameters"]
+        full, local = dict(rope["full_attention"]), rope["sliding_attention"]
+        out = {k: v for k, v in c.items() if k not in ("rope_parameters", "layer_types")}
+        out.update(rope_theta=full.pop("rope_theta"), rope_scaling=full,
+                   rope_local_base_freq=local["rope_theta"], sliding_window_pattern=2)
+        return out
+    want, cfg, w, ids = _config_case(saved, "gemma3-window8", old)
+    assert cfg == _config_case(saved, "gemma3-window8", lambda c: c)[1]
+    assert cfg.layer_windows == (8, None, 8) and cfg.local_rope_layers == (0, 2)
+    assert np.abs(kr.Runner(cfg, w).prefill(ids, all_logits=True) - want).max() <= TOL
+    # transformers' defaults for keys a file leaves out: bases 1e6 / 1e4, pattern 6
+    bare = kr.ModelConfig.from_hf(dict(model_type="gemma3_text", num_hidden_layers=7,
+                                       num_attention_heads=4, hidden_size=64, vocab_size=128,
+                                       intermediate_size=128))
+    assert bare.rope_theta == 1e6 and bare.local_rope == {"rope_theta": 1e4,
+                                                          "rope_type": "default"}
+    assert bare.layer_windows == (4096,) * 5 + (None, 4096)
+    assert bare.local_rope_layers == (0, 1, 2, 3, 4, 6)
+    assert bare.head_dim == 256 and bare.scale == 256 ** -0.5 and bare.attn_softcap is None
+    assert bare.final_softcap is None and bare.tie_word_embeddings and bare.qk_norm
+    for bad, message in ((dict(model_type="gemma3"), "multimodal Gemma 3"),
+                         (dict(use_bidirectional_attention=True), "causal models only")):
+        with pytest.raises(ValueError, match=message):
+            kr.ModelConfig.from_hf({**dict(model_type="gemma3_text", num_hidden_layers=2,
+                                           num_attention_heads=4, hidden_size=64,
+                                           vocab_size=128, intermediate_size=128), **bad})
 
 
 def test_a_tensor_the_runner_would_not_use_is_refused(saved):

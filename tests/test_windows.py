@@ -61,6 +61,13 @@ def test_rule_on_config_dicts():
     assert layer_windows(dict(n4, model_type="gemma3_text", sliding_window=8,
                               layer_types=ALT[::-1])) == (None, 8, None, 8)
     assert layer_windows(dict(n4, model_type="gemma2", sliding_window=None)) == (None,) * 4
+    # Gemma 3 without layer_types: every layer but each pattern-th (6 by default) slides
+    n8 = {"num_hidden_layers": 8, "model_type": "gemma3_text", "sliding_window": 8}
+    assert layer_windows(n8) == (8,) * 5 + (None,) + (8,) * 2
+    assert layer_windows(dict(n8, sliding_window_pattern=2)) == (8, None) * 4
+    assert layer_windows(dict(n8, sliding_window_pattern=1)) == (None,) * 8
+    with pytest.raises(ValueError, match="sliding_window_pattern must be >= 1"):
+        layer_windows(dict(n8, sliding_window_pattern=0))
     assert layer_windows({"model_type": "mistral", "sliding_window": 3}, 2) == (3, 3)
     with pytest.raises(ValueError, match="layer_types has 2 entries for 4 layers"):
         layer_windows(dict(n4, model_type="gemma2", sliding_window=8, layer_types=ALT[:2]))

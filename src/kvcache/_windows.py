@@ -16,7 +16,9 @@ The rule, read from transformers 5.24's config classes and modeling code:
   ``max_window_layers`` layers attend fully.
 - Otherwise ``layer_types`` decides: ``"sliding_attention"`` layers get the window, every
   other type none.  Without ``layer_types``, Gemma-2 slides on its even layers (0, 2, ...,
-  Gemma2Config's default) and any other family on every layer.
+  Gemma2Config's default), Gemma 3 on every layer but each ``sliding_window_pattern``-th
+  (layer i slides unless ``(i + 1) % pattern == 0``; 6 when the key is missing, as in
+  Gemma3TextConfig) and any other family on every layer.
 
 A layer typed ``"sliding_attention"`` whose config has no window (``sliding_window`` null, or
 Qwen's ``use_sliding_window`` false) gets none.
@@ -35,6 +37,8 @@ EVERY_LAYER_FAMILIES = frozenset({"mistral", "mixtral", "ministral3", "phi3", "s
                                   "olmoe"})
 #: Qwen2Config's ``max_window_layers`` when a config leaves it out.
 QWEN_MAX_WINDOW_LAYERS = 28
+#: Gemma3TextConfig's ``sliding_window_pattern`` when a config leaves it out.
+GEMMA3_PATTERN = 6
 
 _MISSING = object()
 
@@ -105,4 +109,11 @@ def layer_windows(config: Mapping[str, object] | object, n_layers: int | None = 
         return tuple(window if i >= first else None for i in range(n_layers))
     if family == "gemma2":
         return tuple(window if i % 2 == 0 else None for i in range(n_layers))
+    if family in ("gemma3_text", "gemma3"):
+        pattern = _get(config, "sliding_window_pattern")
+        pattern = GEMMA3_PATTERN if pattern is None else _as_count("sliding_window_pattern",
+                                                                   pattern)
+        if pattern < 1:
+            raise ValueError(f"config: sliding_window_pattern must be >= 1, got {pattern}")
+        return tuple(window if (i + 1) % pattern else None for i in range(n_layers))
     return (window,) * n_layers

@@ -22,7 +22,12 @@ __all__ = ["ACTIVATIONS", "FAMILIES", "FAMILY_DEFAULTS", "ModelConfig", "parse_l
            "read_config"]
 
 #: The model families (``model_type``) the runner decodes.
-FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+#: The Gemma families: ``1 + w`` norms, sandwich norms, embeddings scaled by sqrt(hidden),
+#: ``query_pre_attn_scalar``.
+GEMMA_FAMILIES = ("gemma2", "gemma3_text")
+#: Families with a per-head RMSNorm of q and k before RoPE (``q_norm`` / ``k_norm``).
+QK_NORM_FAMILIES = ("qwen3", "gemma3_text")
 #: RoPE variants the runner computes.
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 #: MLP activations the runner computes (``hidden_act`` / Gemma's ``hidden_activation``).
@@ -35,10 +40,17 @@ FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
     "mistral": {"hidden_act": "silu", "sliding_window": 4096, "tie_word_embeddings": False},
     "qwen2": {"hidden_act": "silu", "sliding_window": 4096, "use_sliding_window": False,
               "max_window_layers": 28, "tie_word_embeddings": False},
+    "qwen3": {"hidden_act": "silu", "attention_bias": False, "head_dim": 128,
+              "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 28,
+              "tie_word_embeddings": False},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
                "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
                "tie_word_embeddings": True},
+    "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+                    "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "final_logit_softcapping": None, "rope_theta": 1_000_000.0,
+                    "rope_local_base_freq": 10_000.0, "tie_word_embeddings": True},
 }
 
 
@@ -58,8 +70,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] = field(default_factory=dict)   # {"rope_type": ..., parameters}
     hidden_act: str = "silu"
-    qkv_bias: bool = False          # q/k/v projection biases (Qwen2 always; Llama, Gemma-2 opt.)
-    o_bias: bool = False            # o_proj bias (Llama / Gemma-2 attention_bias)
+    qkv_bias: bool = False          # q/k/v projection biases (Qwen2 always; others' attention_bias)
+    o_bias: bool = False            # o_proj bias (attention_bias of Llama, Qwen3 and the Gemmas)
     mlp_bias: bool = False          # gate/up/down biases (Llama mlp_bias)
     layer_windows: tuple[int | None, ...] = ()    # per layer: sliding window or None
     attn_softcap: float | None = None
@@ -68,11 +80,21 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    #: the RoPE of the layers typed ``sliding_attention`` when it differs from the global one
+    #: (Gemma 3's local base): ``{"rope_theta": ..., "rope_type": ..., parameters}``
+    local_rope: dict[str, Any] | None = None
+    #: the layers that use ``local_rope`` (Gemma 3's sliding-attention layers, window or not)
+    local_rope_layers: tuple[int, ...] = ()
 
     @property
     def gemma(self) -> bool:
-        """True for the Gemma-2 family (``1 + w`` norms, sandwich norms, scaled embeddings)."""
-        return self.family == "gemma2"
+        """True for the Gemma families (``1 + w`` norms, sandwich norms, scaled embeddings)."""
+        return self.family in GEMMA_FAMILIES
+
+    @property
+    def qk_norm(self) -> bool:
+        """True when q and k get a per-head RMSNorm before RoPE (Qwen3, Gemma 3)."""
+        return self.family in QK_NORM_FAMILIES
 
     @property
     def scale(self) -> float:
@@ -88,12 +110,20 @@ class ModelConfig:
 
         A key the file leaves out takes the family's default from transformers' config class
         (Gemma-2: head_dim 256, softcaps 50 / 30, query_pre_attn_scalar 256, window 4096, tied
-        embeddings; Mistral: window 4096; Qwen2: q/k/v biases, windows off, ...); an explicit
-        null means none, as it does there."""
+        embeddings; Mistral: window 4096; Qwen2: q/k/v biases, windows off; Qwen3: head_dim
+        128; Gemma 3: RoPE bases 1e6 global and 1e4 local, sliding layers five in six, ...);
+        an explicit null means none, as it does there."""
         mt = cfg.get("model_type")
+        if mt == "gemma3":
+            raise ValueError("config.json: model_type 'gemma3' is the multimodal Gemma 3 "
+                             "checkpoint; the runner reads text-only ones (gemma3_text, or a "
+                             "GGUF file of the text model)")
         if mt not in FAMILIES:
             raise ValueError(f"config.json: model_type {mt!r} is not supported; expected one of "
                              f"{', '.join(FAMILIES)}")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("config.json: use_bidirectional_attention is true; the runner "
+                             "decodes causal models only")
         cfg = dict(FAMILY_DEFAULTS[mt], **cfg)
         try:
             n_layers = int(cfg["num_hidden_layers"])
@@ -105,14 +135,14 @@ class ModelConfig:
             raise ValueError(f"config.json: the key {exc.args[0]!r} is missing") from None
         hd = int(cfg.get("head_dim") or hidden // nh)
         nkv = int(cfg.get("num_key_value_heads") or nh)
-        rope = _rope_parameters(cfg)
+        rope, local_rope = _rope_parameters(cfg, mt)
         try:
             windows = layer_windows(cfg, n_layers, mt)
         except ValueError as exc:
             raise ValueError(f"config.json: {str(exc).removeprefix('config: ')}") from None
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        gemma = mt == "gemma2"
+        gemma = mt in GEMMA_FAMILIES
         act = cfg.get("hidden_activation") if gemma else cfg.get("hidden_act")
         if act not in ACTIVATIONS:
             raise ValueError(f"config.json: activation {act!r} is not supported; expected one of "
@@ -124,22 +154,63 @@ class ModelConfig:
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.pop("rope_theta")), rope_scaling=rope, hidden_act=act,
             qkv_bias=True if mt == "qwen2" else (attn_bias and mt != "mistral"),
-            o_bias=attn_bias and mt in ("llama", "gemma2"),
+            o_bias=attn_bias and mt in ("llama", "qwen3") + GEMMA_FAMILIES,
             mlp_bias=bool(cfg.get("mlp_bias")) and mt == "llama",
             layer_windows=windows,
-            attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            # Gemma 3's attention never passes its softcap on (transformers ignores the key)
+            attn_softcap=cfg.get("attn_logit_softcapping") if mt == "gemma2" else None,
             final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos)
+            bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos,
+            local_rope=(None if local_rope is None else
+                        dict(local_rope, rope_theta=float(local_rope["rope_theta"]))),
+            local_rope_layers=() if local_rope is None else _sliding_typed(cfg, n_layers, mt))
 
 
-def _rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """``rope_parameters`` (5.x) merged with the 4.x ``rope_theta`` / ``rope_scaling`` keys,
-    the type under ``rope_type``; ValueError for a variant the runner does not compute."""
-    rope = dict(cfg.get("rope_parameters") or {})
+_PER_TYPE = ("full_attention", "sliding_attention")
+
+
+def _sliding_typed(cfg: Mapping[str, Any], n_layers: int, family: str) -> tuple[int, ...]:
+    """The layers of type ``sliding_attention``, whether the config gives them a window or not
+    (the layer rule asked with a stand-in window)."""
+    typed = layer_windows(dict(cfg, sliding_window=1), n_layers, family)
+    return tuple(i for i, w in enumerate(typed) if w is not None)
+
+
+def _rope_parameters(cfg: Mapping[str, Any],
+                     family: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The global RoPE (theta under ``rope_theta``, type under ``rope_type``) and, for Gemma 3,
+    the sliding layers' own; ValueError for a variant the runner does not compute.
+
+    ``rope_parameters`` (5.x) is merged with the 4.x ``rope_theta`` / ``rope_scaling`` keys;
+    Gemma 3's 5.x layout gives one dict per layer type, its 4.x layout ``rope_theta`` and
+    ``rope_scaling`` for global layers and ``rope_local_base_freq`` for sliding ones."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if family != "gemma3_text":
+        if any(k in params for k in _PER_TYPE):
+            raise ValueError(f"config.json: per-layer-type rope_parameters are not supported "
+                             f"for {family}")
+        return _one_rope(params, cfg, cfg.get("rope_theta", 10000.0)), None
+    if any(k in params for k in _PER_TYPE):
+        glob = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+        glob.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+        return _one_rope(glob, {}, None), _one_rope(local, {}, None)
+    local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    return (_one_rope(params, cfg, cfg.get("rope_theta", 1_000_000.0)),
+            _one_rope(local, {}, None))
+
+
+def _one_rope(rope: dict[str, Any], cfg: Mapping[str, Any], theta: Any) -> dict[str, Any]:
+    """One RoPE description: ``rope`` (a ``rope_parameters`` dict) completed from the 4.x keys
+    of ``cfg`` (``rope_scaling``) and the default ``theta``, checked."""
+    rope = dict(rope)
     if "rope_theta" not in rope:
-        rope["rope_theta"] = cfg.get("rope_theta", 10000.0)
+        rope["rope_theta"] = theta
+    if rope["rope_theta"] is None:
+        raise ValueError("config.json: rope_theta is null")
     legacy = dict(cfg.get("rope_scaling") or {})
     if "type" in legacy and "rope_type" not in legacy:
         legacy["rope_type"] = legacy.pop("type")          # transformers 4.x's older key

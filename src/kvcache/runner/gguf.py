@@ -22,14 +22,18 @@ and their dequantisation from the ``gguf`` package (``pip install gguf``, or the
 
 Families (``general.architecture``): ``llama`` (Mistral's files use it too; like llama.cpp,
 the runner decodes them without a sliding window unless ``llama.attention.sliding_window`` is
-set), ``qwen2`` and ``gemma2``.  Three differences from the safetensors layout are undone at
-load:
+set), ``qwen2``, ``qwen3``, ``gemma2`` and ``gemma3`` (the text model: llama.cpp converts
+Gemma 3's language model alone; its sliding layers are five in six, their RoPE base 10,000
+unless ``gemma3.rope.freq_base_swa`` says otherwise, ``gemma3.rope.freq_base`` and a linear
+scaling apply to the global layers, as in llama.cpp's loader; a
+``gemma3.attention.sliding_window_pattern`` is read as a period or as one flag per layer).
+Three differences from the safetensors layout are undone at load:
 
 - llama.cpp stores a Llama checkpoint's q and k projections with the rows of every head
   permuted (its rotary pairs dimension ``2j`` with ``2j+1``, transformers pairs ``j`` with
   ``j + head_dim/2``); :func:`_unpermute` puts them back, as transformers' GGUF loader does;
-- Gemma stores its RMSNorm gains as ``1 + w``; llama.cpp stores them with the 1 added, the
-  runner (like transformers) wants ``w``;
+- Gemma stores its RMSNorm gains as ``1 + w``; llama.cpp stores them (Gemma 3's q/k norms
+  included) with the 1 added, the runner (like transformers) wants ``w``;
 - the metadata is translated to a transformers ``config.json`` dict and read by
   :meth:`ModelConfig.from_hf`, so family defaults and the sliding-window rule are the ones the
   folder loader uses;
@@ -60,18 +64,20 @@ __all__ = ["ARCHITECTURES", "chat_template", "gguf_metadata", "is_gguf", "load_g
            "load_tokenizer", "render_chat"]
 
 #: ``general.architecture`` values the runner decodes, and the family each one maps to.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma2": "gemma2"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                 "gemma3": "gemma3_text"}
 
 #: llama.cpp tensor names (after ``blk.{i}.``) -> Hugging Face names (after
-#: ``model.layers.{i}.``); Gemma-2's extra norms in :data:`_GEMMA2_NORMS`.
+#: ``model.layers.{i}.``); the Gemmas' extra norms in :data:`_GEMMA_NORMS`.
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-_GEMMA2_NORMS = {"ffn_norm": "pre_feedforward_layernorm",
+_GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm",
                  "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
@@ -279,30 +285,57 @@ def _hf_config(meta: Mapping[str, Any], tensor_names: Sequence[str]) -> dict[str
         cfg["attention_bias"] = any(n.endswith("attn_q.bias") for n in tensor_names)
         if window:                              # a Mistral file that says it slides
             cfg["model_type"], cfg["sliding_window"] = "mistral", int(window)
-    elif arch == "qwen2":
+    elif arch in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
-    elif arch == "gemma2":
+    elif arch in ("gemma2", "gemma3"):
         cfg["hidden_activation"] = "gelu_pytorch_tanh"
         cfg["sliding_window"] = int(m.need("{arch}.attention.sliding_window"))
-        cfg["attn_logit_softcapping"] = m.get("{arch}.attn_logit_softcapping")
         cfg["final_logit_softcapping"] = m.get("{arch}.final_logit_softcapping")
-        # llama.cpp's rule: the 27B model (46 layers) scales by hidden / heads, the others by
-        # the head size; transformers' configs say the same through query_pre_attn_scalar
-        cfg["query_pre_attn_scalar"] = (hidden // nh if cfg["num_hidden_layers"] == 46 else hd)
+        # llama.cpp's rule: the 27B models (Gemma-2: 46 layers, Gemma 3: 62) scale by hidden /
+        # heads, the others by the head size; transformers' configs say the same through
+        # query_pre_attn_scalar
+        big = 46 if arch == "gemma2" else 62
+        cfg["query_pre_attn_scalar"] = (hidden // nh if cfg["num_hidden_layers"] == big else hd)
+        if arch == "gemma2":
+            cfg["attn_logit_softcapping"] = m.get("{arch}.attn_logit_softcapping")
+        else:
+            cfg["rope_local_base_freq"] = float(m.get("{arch}.rope.freq_base_swa", 10000.0))
+            _gemma3_pattern(m, cfg)
     return cfg
 
 
-def _hf_name(name: str, gemma: bool) -> str | None:
-    """The Hugging Face name of llama.cpp tensor ``name`` (None for one the runner does not
-    know)."""
+def _gemma3_pattern(m: _Meta, cfg: dict[str, Any]) -> None:
+    """Gemma 3's sliding layers: ``{arch}.attention.sliding_window_pattern`` as a period (layer
+    i slides unless ``(i + 1) % period == 0``) or one flag per layer (true: sliding); llama.cpp's
+    period 6 when the field is missing."""
+    key = "{arch}.attention.sliding_window_pattern"
+    pattern = m.get(key)
+    n = int(cfg["num_hidden_layers"])
+    if pattern is None:
+        cfg["sliding_window_pattern"] = 6
+    elif isinstance(pattern, list):
+        if len(pattern) != n:
+            raise ValueError(f"GGUF: {key.replace('{arch}', m.arch)} has {len(pattern)} entries "
+                             f"for {n} layers")
+        cfg["layer_types"] = ["sliding_attention" if f else "full_attention" for f in pattern]
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+        cfg["sliding_window_pattern"] = pattern
+    else:
+        raise ValueError(f"GGUF: {key.replace('{arch}', m.arch)} must be a period >= 1 or one "
+                         f"flag per layer, got {pattern!r}")
+
+
+def _hf_name(name: str, config: ModelConfig) -> str | None:
+    """The Hugging Face name of llama.cpp tensor ``name`` in a checkpoint of ``config`` (None
+    for one the runner does not know: q/k norms outside Qwen3 and Gemma 3 included)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".")
     if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit():
         return None
     _, i, base, kind = parts
-    table = dict(_LAYER_NAMES, **_GEMMA2_NORMS) if gemma else _LAYER_NAMES
-    if base not in table:
+    table = dict(_LAYER_NAMES, **_GEMMA_NORMS) if config.gemma else _LAYER_NAMES
+    if base not in table or (base in ("attn_q_norm", "attn_k_norm") and not config.qk_norm):
         return None
     return f"model.layers.{i}.{table[base]}.{kind}"
 
@@ -360,7 +393,7 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Arra
         if tensor.name == _ROPE_FREQS:
             hf["rope_scaling"] = _freq_factors(tensor, hf)
     config = ModelConfig.from_hf(hf)
-    unknown = [n for n in names if n != _ROPE_FREQS and _hf_name(n, config.gemma) is None]
+    unknown = [n for n in names if n != _ROPE_FREQS and _hf_name(n, config) is None]
     if unknown:
         raise ValueError(f"GGUF: {len(unknown)} tensors are not used by the {config.family} "
                          f"runner (e.g. {', '.join(unknown[:4])})")
@@ -368,7 +401,7 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Arra
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
-        key = _hf_name(tensor.name, config.gemma)
+        key = _hf_name(tensor.name, config)
         assert key is not None
         w = _dequantize(tensor)
         if meta["general.architecture"] == "llama":       # q/k rows permuted by llama.cpp

@@ -121,12 +121,11 @@ _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "silu": _silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_tanh": _gelu_tanh}
 
 
-def _rope_inv_freq(cfg: ModelConfig) -> Array:
-    """float32 inverse frequencies, computed as transformers does (float32 power)."""
-    hd = cfg.head_dim
+def _rope_inv_freq(hd: int, theta: float, rs: Mapping[str, Any]) -> Array:
+    """float32 inverse frequencies of head size ``hd``, base ``theta`` and scaling ``rs``
+    (``{"rope_type": ..., parameters}``), computed as transformers does (float32 power)."""
     exps = np.arange(0, hd, 2, dtype=np.int64).astype(_F32) / _F32(hd)
-    inv = (_F32(1.0) / (_F32(cfg.rope_theta) ** exps)).astype(_F32)
-    rs = cfg.rope_scaling
+    inv = (_F32(1.0) / (_F32(theta) ** exps)).astype(_F32)
     kind = rs.get("rope_type", "default")
     if kind == "linear":
         inv = (inv / _F32(rs["factor"])).astype(_F32)
@@ -340,7 +339,13 @@ class Runner:
                 raise ValueError(f"o1_layers: layer {i} has a sliding window of "
                                  f"{cfg.layer_windows[i]}; the O(1) override is for global "
                                  f"layers (a window is already constant-size)")
-        self._inv_freq = _rope_inv_freq(cfg)
+        glob_freq = _rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        local = cfg.local_rope
+        local_freq = (glob_freq if local is None else
+                      _rope_inv_freq(cfg.head_dim, float(local["rope_theta"]), local))
+        #: per layer: RoPE inverse frequencies (Gemma 3's sliding layers have their own base)
+        self._inv_freq: list[Array] = [local_freq if i in cfg.local_rope_layers else glob_freq
+                                       for i in range(cfg.num_layers)]
         self._embed_scale = _F32(math.sqrt(cfg.hidden_size)) if cfg.gemma else None
         self.cache = KvCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                              max_seq_len=self.max_seq_len, policy=EvictionPolicy.born(),
@@ -385,9 +390,10 @@ class Runner:
         gain = (_F32(1.0) + w) if self.config.gemma else w
         return as_f32(y * gain)
 
-    def _rope(self, x: Array, positions: npt.NDArray[np.int64]) -> Array:
-        """Rotate-half RoPE of x (n, heads, hd) at ``positions`` (n,), as transformers does."""
-        ang = positions.astype(_F32)[:, None] * self._inv_freq[None, :]       # (n, hd/2)
+    def _rope(self, x: Array, positions: npt.NDArray[np.int64], inv_freq: Array) -> Array:
+        """Rotate-half RoPE of x (n, heads, hd) at ``positions`` (n,) with frequencies
+        ``inv_freq`` (hd/2,), as transformers does."""
+        ang = positions.astype(_F32)[:, None] * inv_freq[None, :]             # (n, hd/2)
         cos = np.cos(ang)[:, None, :]
         sin = np.sin(ang)[:, None, :]
         half = x.shape[-1] // 2
@@ -404,6 +410,8 @@ class Runner:
         cfg, L = self.config, self.layers[i]
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         nq, nk = nh * hd, nkv * hd
+        inv_freq = self._inv_freq[i]
+
         def qkv_of(item: tuple[Array, npt.NDArray[np.int64]]) -> tuple[Array, Array, Array]:
             x, pos = item
             n = x.shape[0]
@@ -411,8 +419,11 @@ class Runner:
             qkv = h @ L.qkv
             if L.bqkv is not None:
                 qkv = qkv + L.bqkv
-            return (self._rope(qkv[:, :nq].reshape(n, nh, hd), pos),
-                    self._rope(qkv[:, nq: nq + nk].reshape(n, nkv, hd), pos),
+            q = qkv[:, :nq].reshape(n, nh, hd)
+            k = qkv[:, nq: nq + nk].reshape(n, nkv, hd)
+            if L.q_norm is not None and L.k_norm is not None:    # Qwen3 / Gemma 3, per head
+                q, k = self._rms(q, L.q_norm), self._rms(k, L.k_norm)
+            return (self._rope(q, pos, inv_freq), self._rope(k, pos, inv_freq),
                     np.ascontiguousarray(qkv[:, nq + nk:]).reshape(n, nkv, hd))
 
         rows = [x.shape[0] for x in xs]

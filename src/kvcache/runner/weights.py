@@ -96,8 +96,10 @@ class LayerWeights:
     b_down: Array | None
     norm_attn_in: Array
     norm_mlp_in: Array
-    norm_attn_out: Array | None = None     # Gemma-2 sandwich norms
+    norm_attn_out: Array | None = None     # the Gemmas' sandwich norms
     norm_mlp_out: Array | None = None
+    q_norm: Array | None = None            # per-head RMSNorm gains of q and k (head_dim,):
+    k_norm: Array | None = None            # Qwen3, Gemma 3
 
 
 def take(weights: Tracked, key: str, shape: tuple[int, ...]) -> Array:
@@ -143,6 +145,9 @@ def layers_from(weights: Tracked, cfg: ModelConfig) -> list[LayerWeights]:
         if cfg.gemma:
             layer.norm_attn_out = take(weights, p + "post_attention_layernorm.weight", (H,))
             layer.norm_mlp_out = take(weights, p + "post_feedforward_layernorm.weight", (H,))
+        if cfg.qk_norm:
+            layer.q_norm = take(weights, a + "q_norm.weight", (hd,))
+            layer.k_norm = take(weights, a + "k_norm.weight", (hd,))
         layers.append(layer)
     return layers
 
@@ -157,8 +162,8 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, Array]:
     def mat(*shape: int) -> Array:
         return as_f32((rng.standard_normal(shape, dtype=_F32) * _F32(0.02)).astype(_F32))
 
-    def norm() -> Array:                  # Gemma stores norm weights as w - 1
-        return np.full(H, 0.0 if cfg.gemma else 1.0, dtype=_F32)
+    def norm(size: int = H) -> Array:     # Gemma stores norm weights as w - 1
+        return np.full(size, 0.0 if cfg.gemma else 1.0, dtype=_F32)
 
     w = {"model.embed_tokens.weight": mat(cfg.vocab_size, H), "model.norm.weight": norm()}
     if not cfg.tie_word_embeddings:
@@ -184,4 +189,7 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, Array]:
         if cfg.gemma:
             w[p + "pre_feedforward_layernorm.weight"] = norm()
             w[p + "post_feedforward_layernorm.weight"] = norm()
+        if cfg.qk_norm:
+            w[p + "self_attn.q_norm.weight"] = norm(hd)
+            w[p + "self_attn.k_norm.weight"] = norm(hd)
     return w
