@@ -305,13 +305,85 @@ def test_cache_with_another_attention_raises(llama):
         llama.set_attn_implementation("kvcache")
 
 
-def test_training_mode_raises(llama):
+def test_training_mode_runs_until_a_gradient_or_dropout_is_needed(llama):
+    """A model left in training mode (built from a config, never put in eval()) decodes: only
+    attention dropout, which kvcache does not compute, and a backward pass through kvcache
+    attention raise, each naming its reason."""
+    ids = torch.randint(3, 128, (1, 8))
+    want = _forward(llama, ids)
     llama.train()
     try:
-        with pytest.raises(RuntimeError, match="inference-only"):
-            llama(torch.randint(3, 128, (1, 4)))
+        got = _forward(llama, ids, kh.HfKvCache(llama.config))          # under no_grad
+        assert torch.equal(got, want)
+        logits = llama(ids).logits                                       # gradients on
+        assert torch.equal(logits.detach(), want) and logits.requires_grad
+        with pytest.raises(RuntimeError, match="computes no gradients"):
+            logits.sum().backward()
+        llama.config.attention_dropout = 0.1
+        for layer in llama.model.layers:
+            layer.self_attn.attention_dropout = 0.1
+        with pytest.raises(RuntimeError, match="attention dropout"), torch.no_grad():
+            llama(ids)
     finally:
+        llama.config.attention_dropout = 0.0
+        for layer in llama.model.layers:
+            layer.self_attn.attention_dropout = 0.0
         llama.eval()
+        llama.zero_grad(set_to_none=True)
+    _forward(llama, ids)                                  # eval mode ignores the dropout rate
+
+
+@pytest.mark.parametrize("implementation", ["static", "sliding_window"])
+def test_static_caches_are_refused_with_their_reason(llama, implementation):
+    ids = torch.randint(3, 128, (1, 6))
+    with pytest.raises(NotImplementedError, match="static") as info, torch.no_grad():
+        llama.generate(ids, max_new_tokens=3, do_sample=False,
+                       cache_implementation=implementation, pad_token_id=0)
+    assert "HfKvCache" in str(info.value) and "overlay" not in str(info.value)
+    # a StaticCache whose length fits the prompt exactly passes the prompt; its first decode
+    # step is refused by the mask, with the same reason
+    static = transformers.StaticCache(config=llama.config, max_cache_len=6)
+    with pytest.raises(NotImplementedError, match="static"), torch.no_grad():
+        llama.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                       **_cache(static))
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8", "q4", "k8v4"])
+def test_keys_values_and_indexing(llama, mode):
+    """Layers expose their rows as transformers' do: (1, kv_heads, seq, head_dim) float32,
+    exactly transformers' own keys for float32 storage, their dequantised values otherwise;
+    the cache indexes and iterates as (keys, values) pairs."""
+    ids = torch.randint(3, 128, (1, 40))
+    ref = transformers.DynamicCache(config=llama.config)     # the same model's own rows
+    _forward(llama, ids, ref)
+    cache = kh.HfKvCache(llama.config, mode=mode)
+    assert cache[0] == (None, None) and cache.layers[1].keys is None
+    _forward(llama, ids, cache)
+    assert len(list(cache)) == len(cache.layers) == 2
+    # layer 0's rows are the same inputs quantised: int8 within half a step of absmax / 127,
+    # 4-bit within half a step of range / 15 (later layers also see the quantised attention)
+    bound = {"f32": (0.0, 0.0), "q8": (0.5 / 127, 0.5 / 127), "q4": (1 / 15, 1 / 15),
+             "k8v4": (0.5 / 127, 1 / 15)}[mode]
+    for i, (k, v) in enumerate(cache):
+        want_k, want_v = ref.layers[i].keys, ref.layers[i].values
+        assert k.shape == v.shape == want_k.shape == (1, 2, 40, 16)
+        assert k.dtype == v.dtype == torch.float32
+        assert torch.equal(cache[i - 2][0], k)                        # negative indices
+        if i == 0 or mode == "f32":
+            for got, want, b in ((k, want_k, bound[0]), (v, want_v, bound[1])):
+                err = (got - want).abs().max().item()
+                assert err <= b * 2 * want.abs().max().item(), (i, err)
+    if mode == "f32":                       # a view of the storage, no copy
+        kv = cache.kv_layers[0]
+        assert cache[0][0][0, 1].numpy().ctypes.data == kv.head_keys(1).ctypes.data
+    else:                                   # the values the kernels read: int8 / 4-bit exact
+        assert not torch.equal(cache[0][0], ref.layers[0].keys)
+    with pytest.raises(IndexError):
+        cache[2]
+    with pytest.raises(AttributeError, match="read-only"):
+        cache.layers[0].keys = torch.zeros(1)
+    cache.crop(-10)
+    assert cache[1][1].shape == (1, 2, 30, 16)
 
 
 def test_low_precision_model_runs(llama):

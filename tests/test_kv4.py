@@ -482,7 +482,7 @@ def test_k4_eviction_rebuilds_the_kept_rows_from_their_stored_values(mode):
     hd = 64
     layer, k, v = _k4_layer(rng, hd, 90, nkv=2, mode=mode)
     st = layer._export_state()
-    kept_vals = [layer._k.values(h, 90) for h in range(2)]
+    kept_vals = [layer._k.nearest(h, 90) for h in range(2)]
     layer.evict(50)
     assert len(layer) == 50
     rebuilt = kc.LayerKvCache(2, hd, mode=mode)
@@ -571,3 +571,53 @@ def test_k4_prefix_store_needs_whole_blocks():
     cache = kc.KvCache(1, 1, 16, mode="q4")
     with pytest.raises(ValueError, match=f"multiple of {B}"):
         PrefixStore("memory", fingerprint="m", block=48).put(np.arange(96), cache)
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8", "q8:cmf", "q4", "k8v4", "q4k", "q4v", "q8v"])
+def test_head_rows_are_the_values_the_kernels_read(mode):
+    """LayerKvCache.head_rows: float32 parts are read-only views of the storage; int8 parts
+    are rows times scales (times the frozen column field); 4-bit K is the twin's k4_keys
+    (codes in closed blocks, the ring's rows in the open one), 4-bit V its dequantize_v4."""
+    rng = np.random.default_rng(5)
+    hd, n = 64, 100                                  # past the q8 column freeze at 64 rows
+    layer = kc.LayerKvCache(2, hd, mode=mode)
+    k = rng.standard_normal((n, 2, hd)).astype(np.float32)
+    v = rng.standard_normal((n, 2, hd)).astype(np.float32)
+    layer.append(k, v)
+    m = layer.mode
+    for h in range(2):
+        keys, values = layer.head_rows(h)
+        assert keys.shape == values.shape == (n, hd) and keys.dtype == values.dtype == np.float32
+        assert not keys.flags.writeable and not values.flags.writeable
+        kq, ks, vq, vs = layer.q8_rows(h)
+        kcol, vcol = layer.columns(h)
+        if m.k_bits == 32:
+            assert np.array_equal(keys, k[:, h])
+            assert np.shares_memory(keys, layer.head_keys(h))
+        elif m.k_bits == 8:
+            want = quant.dequantize(kq, ks, quant.k_group(m.scheme))
+            assert np.array_equal(keys, want if kcol is None else want * kcol)
+        else:
+            c, p, r = layer.k4_rows(h)
+            full_c = np.zeros((-(-n // B) * B, hd // 2), np.uint8)
+            full_c[: c.shape[0]] = c
+            full_p = np.zeros((-(-n // B), 2 * hd), np.uint16)
+            full_p[: p.shape[0]] = p.view(np.uint16)
+            assert np.array_equal(keys, R.k4_keys(full_c, full_p, r, n))
+        if m.v_bits == 32:
+            assert np.array_equal(values, v[:, h])
+        elif m.v_bits == 8:
+            want = vq.astype(np.float32) * vs[:, None]
+            assert np.array_equal(values, want if vcol is None else want * vcol)
+        else:
+            c, p = layer.v4_rows(h)
+            assert np.array_equal(values, R.dequantize_v4(c, p.view(np.uint16), hd))
+    if m.k_bits == 32:                    # float32 scores: attention over them is the kernel's
+        q = rng.standard_normal((2, hd)).astype(np.float32)
+        out = layer.attend_all_heads(q.copy())
+        keys, values = layer.head_rows(1)
+        s = keys.astype(np.float64) @ q[1] / np.sqrt(hd)
+        p = np.exp(s - s.max())
+        np.testing.assert_allclose(p / p.sum() @ values, out[1], rtol=0, atol=1e-6)
+    with pytest.raises(IndexError):
+        layer.head_rows(2)

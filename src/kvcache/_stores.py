@@ -116,6 +116,11 @@ class RowStore:
         """Head h's first ``n`` int8 rows and their scales, when stored as such (else None)."""
         return None
 
+    def values(self, h: int, n: int) -> F32:
+        """Head h's first ``n`` rows as the float32 values the kernels read: a view of the
+        store for float32 rows, a new array of the dequantised values otherwise."""
+        raise NotImplementedError
+
     def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
         """The arrays the attention kernels read: (float32 rows, int8 rows, scales), None
         where this kind stores none (:class:`kvcache._entry.Rows`)."""
@@ -156,6 +161,9 @@ class F32Rows(RowStore):
     def floats(self, h: int, n: int) -> Optional[F32]:
         return self.f[h, :n]
 
+    def values(self, h: int, n: int) -> F32:
+        return self.f[h, :n]
+
     def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
         return self.f, None, None
 
@@ -190,6 +198,13 @@ class Q8Rows(RowStore):
     def int8(self, h: int, n: int) -> Optional[tuple[I8, F32]]:
         return self.q[h, :n], self.s[h, :n]
 
+    def values(self, h: int, n: int) -> F32:
+        out = quant.dequantize(self.q[h, :n], self.s[h, :n], self.group)
+        if self.col_on[h]:                  # rows quantised over the frozen column field
+            with np.errstate(invalid="ignore", over="ignore"):
+                out *= self.col[h]
+        return out
+
     def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
         return None, self.q, self.s
 
@@ -221,6 +236,9 @@ class V4Rows(RowStore):
 
     def packed(self) -> tuple[Optional[U8], Optional[U16]]:
         return self.c, self.p
+
+    def values(self, h: int, n: int) -> F32:
+        return quant.v4_values(self.c[h, :n], self.p[h, :n], self.hd)
 
 
 class K4Rows(RowStore):
@@ -257,8 +275,17 @@ class K4Rows(RowStore):
                             p__hbq=self.p, r__hrd=self.r)
 
     def values(self, h: int, n: int) -> F32:
-        """Head h's first ``n`` rows as float32: the ring's rows (the last 64, originals unless
-        a deep rollback or a load left images there), the codes' values before them."""
+        """Head h's first ``n`` rows as the kernels read them: the codes' values in closed
+        blocks, the ring's rows of the open block."""
+        q = n // K4_BLOCK * K4_BLOCK
+        out = quant.k4_values(self.c[h], self.p[h], n)
+        out[q:] = self.r[h, ring_slots(q, n)]
+        return out
+
+    def nearest(self, h: int, n: int) -> F32:
+        """Head h's first ``n`` rows as near the originals as the store holds them: the ring's
+        rows (the last 64, originals unless a deep rollback or a load left images there), the
+        codes' values before them (what eviction requantises from)."""
         out = quant.k4_values(self.c[h], self.p[h], n)
         lo = max(0, n - K4_RING)
         out[lo:] = self.r[h, ring_slots(lo, n)]
@@ -274,7 +301,7 @@ class K4Rows(RowStore):
                 self.r[h, ring_slots(lo, hi)] = vals[: hi - lo]
 
     def shift(self, h: int, n: int, keep_idx: Optional[IP] = None, drop: int = 0) -> None:
-        rows = self.values(h, n)
+        rows = self.nearest(h, n)
         rows = rows[drop:n] if keep_idx is None else rows[keep_idx]
         x3 = np.zeros((rows.shape[0], self.nkv, self.hd), dtype=_F32)
         x3[:, h] = rows

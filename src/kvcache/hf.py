@@ -88,10 +88,26 @@ attention or bidirectional attention are refused with an error.
 
 Limitations
 -----------
-* Batch size 1 (one sequence per cache); beam search and batched generation raise.
-* CPU tensors only; inference only (no gradients flow through kvcache attention, and a module
-  in training mode raises).  float16/bfloat16 models work, converting to float32 at the
-  boundary.
+* One sequence per :class:`HfKvCache` (batch size 1): with one, batched generation,
+  ``num_return_sequences > 1`` and beam search raise ValueError (``reorder_cache``: beam
+  search).  With transformers' default ``DynamicCache`` instead they run, through the per-row
+  path above (correct, and equal to transformers' own tokens, but it copies every row of the
+  history into a temporary layer at each step); padded batches raise there too.
+* Static (preallocated) caches: ``generate(cache_implementation="static" /
+  "sliding_window")`` and ``StaticCache`` raise NotImplementedError saying so (their buffers
+  hold rows past the queries that only a mask tensor describes); kvcache keeps its own
+  growing storage, so pass an :class:`HfKvCache`.
+* ``output_attentions=True`` is refused by transformers itself (its message: the attention
+  implementation does not return weights); kvcache never materialises the probabilities.
+* CPU tensors only; inference only.  A model in training mode runs as long as nothing needs
+  what kvcache does not compute: attention dropout above 0 raises RuntimeError at the call,
+  and with gradients enabled the output carries a backward that raises RuntimeError (so
+  ``loss.backward()`` through kvcache attention fails loudly instead of returning partial
+  gradients).  float16/bfloat16 models work, converting to float32 at the boundary.
+* Reading the rows: :attr:`HfKvLayer.keys` / :attr:`HfKvLayer.values` are (1, num_kv_heads,
+  seq_len, head_dim) float32 tensors, over kvcache's storage for float32 parts (do not write
+  to them) and dequantised copies for int8 / 4-bit parts; ``cache[i]`` is layer i's ``(keys,
+  values)``, and iterating a cache yields those pairs.
 * Sliding-window layers keep every row (the window is applied in the kernel), so memory grows
   like a full layer; in exchange :meth:`HfKvCache.crop` rolls back any layer kind exactly.
 """
@@ -99,6 +115,8 @@ Limitations
 from __future__ import annotations
 
 import inspect
+import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -239,6 +257,39 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
         window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
         return f"HfKvLayer(mode={self.mode!r}, seq_len={self.get_seq_length()}{window})"
 
+    # ------------------------------------------------------------------ reading K/V
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The stored keys, (1, num_kv_heads, seq_len, head_dim) float32, as transformers'
+        layers expose them; None before the first :meth:`update`.
+
+        Float32 storage (``f32``, ``q8v``, ...): a tensor over kvcache's own rows, no copy.
+        PyTorch cannot mark it read-only: do not write to it (``.clone()`` gives a copy you
+        may change); it shows the rows held when it was taken (a later ``update`` may move
+        the storage).  Quantised storage (int8, 4-bit): a new float32 tensor of the values the
+        kernels read (:meth:`kvcache.LayerKvCache.head_rows`: int8 rows times their scales,
+        4-bit codes times step plus minimum)."""
+        return self._states(0)
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        _read_only_states("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The stored values, as :attr:`keys`."""
+        return self._states(1)
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        _read_only_states("values", value)
+
+    def _states(self, part: int) -> torch.Tensor | None:
+        if self.kv is None:
+            return None
+        parts = [self.kv.head_rows(h)[part] for h in range(self.kv.num_kv_heads)]
+        return _heads_tensor(parts)
+
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Create the kvcache layer for keys shaped (1, num_kv_heads, n, head_dim)."""
@@ -337,6 +388,42 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
         _refuse_batch_op("batch_select_indices", indices)
 
 
+def _read_only_states(name: str, value: torch.Tensor | None) -> None:
+    """The setter of HfKvLayer.keys / .values: transformers' base layer assigns None at
+    construction; any tensor is refused (kvcache owns the rows: ``update`` appends them)."""
+    if value is not None:
+        raise AttributeError(f"HfKvLayer.{name} is read-only: the rows live in kvcache storage "
+                             f"(append with update(), roll back with crop())")
+
+
+def _root(a: npt.NDArray[Any]) -> Any:
+    """The object owning ``a``'s memory (following views' ``base`` and memoryviews' ``obj``)."""
+    obj: Any = a
+    while True:
+        nxt = obj.base if isinstance(obj, np.ndarray) else getattr(obj, "obj", None) \
+            if isinstance(obj, memoryview) else None
+        if nxt is None:
+            return obj
+        obj = nxt
+
+
+def _heads_tensor(parts: list[npt.NDArray[np.float32]]) -> torch.Tensor:
+    """(1, heads, n, head_dim) float32 over per-head (n, head_dim) arrays: a view when they lie
+    in one buffer at one stride (float32 storage, heads ``cap`` rows apart), else a copy."""
+    a0 = parts[0]
+    step = parts[1].ctypes.data - a0.ctypes.data if len(parts) > 1 else 0
+    view = all(_root(p) is _root(a0) and p.shape == a0.shape and p.strides == a0.strides
+               and p.ctypes.data - a0.ctypes.data == h * step for h, p in enumerate(parts))
+    if view and (step > 0 or len(parts) == 1) and a0.size:
+        arr = np.lib.stride_tricks.as_strided(a0, shape=(1, len(parts)) + a0.shape,
+                                              strides=(0, step) + a0.strides, writeable=False)
+    else:
+        arr = np.stack(parts)[None]
+    with warnings.catch_warnings():               # a read-only view: documented, not copied
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(arr)
+
+
 def _check_batch(states: torch.Tensor) -> None:
     if states.ndim != 4:
         raise ValueError(f"key_states: expected shape (batch, num_kv_heads, seq, head_dim), got "
@@ -428,6 +515,18 @@ class HfKvCache(Cache):
         """``layers``, typed as what this cache puts there (transformers types it as any
         cache layer)."""
         return cast("list[HfKvLayer]", self.layers)
+
+    def __getitem__(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(keys, values)`` of decoder layer ``layer_idx`` (negative counts from the end), as
+        :attr:`HfKvLayer.keys` / :attr:`HfKvLayer.values` give them: the legacy tuple form
+        code written for transformers 4.x caches reads.  IndexError past the layers."""
+        layer = self._hf_layers[layer_idx]
+        return layer.keys, layer.values
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """``(keys, values)`` of every decoder layer, in order."""
+        for i in range(len(self.layers)):
+            yield self[i]
 
     def memory_bytes(self) -> int:
         """Bytes of K/V storage held, summed over layers (see LayerKvCache.memory_bytes)."""
@@ -533,9 +632,10 @@ def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     layer = getattr(key, _TAG, None)
     if layer is not None:
         layer._handoff.pending = None           # consumed, whatever happens next
-    if getattr(module, "training", False) or (dropout or 0.0) > 0.0:
-        raise RuntimeError("kvcache attention is inference-only (no dropout, no gradients); "
-                           "call model.eval()")
+    if (dropout or 0.0) > 0.0:
+        raise RuntimeError(f"kvcache attention has no attention dropout (the model asked for "
+                           f"{dropout}, as a module in training mode does): call model.eval(), "
+                           f"or set the config's attention_dropout to 0")
     if attention_mask is not None:
         raise ValueError(
             "attention_mask: kvcache attention applies the causal and sliding-window patterns "
@@ -548,6 +648,8 @@ def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError("kvcache attention does not support attention sinks (s_aux)")
     _check_cpu("query", query)
     batch, num_heads, n, head_dim = query.shape
+    if layer is None:
+        _refuse_preallocated(key, n, kwargs.get("position_ids"))
     window = _window(module, layer, sliding_window)
     cap = float(softcap) if softcap else 0.0
     scale = None if scaling is None else float(scaling)
@@ -572,7 +674,46 @@ def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             _attend(tmp, q[b], scale, window, cap, out[b].numpy())
     if query.dtype != torch.float32:
         out = out.to(query.dtype)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                    or value.requires_grad):
+        out = _NoGradient.apply(out, query, key, value)  # type: ignore[no-untyped-call]
     return out, None
+
+
+class _NoGradient(torch.autograd.Function):
+    """Marks kvcache attention's output as part of the graph with a backward that raises: a
+    forward pass with gradients enabled (a model in training mode, or outside ``no_grad``)
+    runs, and only a ``backward()`` through it, which kvcache cannot compute, is refused."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        raise RuntimeError("kvcache attention computes no gradients (inference only): run the "
+                           "backward pass with another attn_implementation (e.g. 'sdpa')")
+
+
+def _refuse_preallocated(key: torch.Tensor, n: int, position_ids: Any) -> None:
+    """Refuse a key tensor holding rows past the last query (a static, preallocated cache's
+    buffer: ``generate(cache_implementation="static" / "sliding_window")`` or a StaticCache),
+    which only a mask tensor could describe; ``position_ids`` (1, n) tell where the queries
+    are."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2 \
+            or position_ids.shape[0] != 1 or position_ids.shape[1] != n or n == 0:
+        return
+    last = int(position_ids[0, -1])
+    if key.shape[2] > last + 1:
+        raise NotImplementedError(_STATIC_REFUSAL.format(rows=key.shape[2], last=last))
+
+
+_STATIC_REFUSAL = (
+    "kvcache attention cannot attend over a static (preallocated) cache: the key holds {rows} "
+    "rows for queries ending at position {last} (generate(cache_implementation='static' or "
+    "'sliding_window') or a StaticCache); kvcache keeps K/V in its own growing storage: pass "
+    "cache=kvcache.hf.HfKvCache(model.config) (kvcache.hf.generate does), or leave the default "
+    "dynamic cache")
 
 
 def _attend(kv: LayerKvCache, q: npt.NDArray[np.float32], scale: float | None,
@@ -615,6 +756,15 @@ def kvcache_mask(batch_size: int | None = None, q_length: int | None = None,
     causal -- overlays, packed sequences, bidirectional or chunked attention
     (NotImplementedError).
     """
+    if not allow_is_causal_skip and not use_vmap and q_length == 1 \
+            and "allow_is_bidirectional_skip" not in kwargs:
+        # transformers builds a one-query mask it cannot skip for a compileable cache alone
+        raise NotImplementedError(
+            "kvcache attention cannot decode with a static (compileable) cache "
+            "(generate(cache_implementation='static' or 'sliding_window'), StaticCache): "
+            "kvcache keeps K/V in its own growing storage; pass "
+            "cache=kvcache.hf.HfKvCache(model.config) (kvcache.hf.generate does), or leave the "
+            "default dynamic cache")
     if use_vmap or not allow_is_causal_skip or "allow_is_bidirectional_skip" in kwargs:
         raise NotImplementedError(
             "kvcache attention is causal (optionally sliding-window) over one unpadded sequence; "

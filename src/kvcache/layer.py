@@ -400,6 +400,15 @@ class LayerKvCache:
         """List of :meth:`head_values` views, one per KV head."""
         return [self.head_values(h) for h in range(self._nkv)]
 
+    def head_rows(self, h: int) -> tuple[F32, F32]:
+        """Head h's keys and values, each (head_len(h), head_dim) float32, as the kernels read
+        them: read-only views of the storage for a part stored as float32 (valid until the
+        layer next changes), read-only new arrays of the dequantised values for int8 (rows
+        times scales, times the frozen column field) and 4-bit parts (docs/kv4.md)."""
+        h = as_index("kv_head", h, self._nkv)
+        n = int(self._len[h])
+        return readonly(self._k.values(h, n)), readonly(self._v.values(h, n))
+
     def q8_rows(self, h: int) -> tuple[Optional[I8], Optional[F32], Optional[I8], Optional[F32]]:
         """Read-only views of head h's int8 storage: (kq, ks, vq, vs), None for f32 parts.
 

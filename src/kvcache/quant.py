@@ -176,6 +176,18 @@ def unpack_codes(codes: npt.NDArray[np.uint8], hd: int) -> npt.NDArray[np.uint8]
     return out
 
 
+def v4_values(codes: npt.NDArray[np.uint8], par: npt.NDArray[np.uint16],
+              hd: int) -> npt.NDArray[np.float32]:
+    """The float32 values fmaf(code, step, minimum) of 4-bit V rows: codes (n, hd / 2) in the
+    row layout of docs/kv4.md, parameters (n, 2 * ceil(hd / 16)) as float16 bits."""
+    c = unpack_codes(np.asarray(codes, dtype=np.uint8), hd).astype(np.float32)
+    pf = np.asarray(par, dtype=np.uint16).view(np.float16).astype(np.float32)
+    g = np.arange(hd) // V4_GROUP
+    with np.errstate(invalid="ignore"):
+        out: npt.NDArray[np.float32] = c * pf[:, 2 * g] + pf[:, 2 * g + 1]  # exact product: fmaf
+    return out
+
+
 def check_v4_head_dim(head_dim: int) -> None:
     """ValueError unless 4-bit V can store rows of ``head_dim`` channels (a multiple of 8)."""
     if head_dim % 8:
