@@ -13,6 +13,7 @@ The measured figures are printed with the prefix ``[hf]`` (``pytest -s``).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import subprocess
 import sys
@@ -283,16 +284,78 @@ def test_batch_and_beam_search_raise(llama):
     assert cache.get_seq_length() == 6
 
 
-def test_padding_and_explicit_masks_raise(llama):
+def test_right_padding_holes_and_explicit_masks_raise(llama):
     ids = torch.randint(3, 128, (1, 6))
     mask = torch.ones(1, 6, dtype=torch.long)
     _forward(llama, ids, kh.HfKvCache(llama.config), attention_mask=mask)   # all ones: fine
-    mask[0, 0] = 0
-    with pytest.raises(ValueError, match="padding"):
-        _forward(llama, ids, kh.HfKvCache(llama.config), attention_mask=mask)
+    for zero in (5, 2):                                   # right padding, a hole
+        bad = mask.clone()
+        bad[0, zero] = 0
+        with pytest.raises(ValueError, match="left padding only"):
+            _forward(llama, ids, kh.HfKvCache(llama.config), attention_mask=bad)
     mask4 = torch.zeros(1, 1, 6, 6)
     with pytest.raises(ValueError, match="4-D mask"):
         _forward(llama, ids, kh.HfKvCache(llama.config), attention_mask=mask4)
+
+
+def _reference_twin(llama):
+    """The same weights under transformers' own attention (a config of its own: the
+    attention implementation is a config field)."""
+    ref = transformers.LlamaForCausalLM(copy.deepcopy(llama.config)).eval()
+    ref.load_state_dict(llama.state_dict())
+    ref.set_attn_implementation("sdpa")
+    return ref
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+def test_left_padding_is_left_out(llama, mode):
+    """A left-padded prompt at batch size 1 generates what the unpadded prompt generates: the
+    padding positions are never stored (the cache still counts them, as transformers does),
+    their queries' outputs are zeros nobody reads; prompt-lookup decoding and rollback keep
+    working."""
+    ids = torch.randint(3, 128, (1, 12))
+    pad = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
+    mask = (torch.arange(17) >= 5).long()[None]
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = llama.generate(ids, **kw, **_cache(kh.HfKvCache(llama.config, mode=mode)))
+        cache = kh.HfKvCache(llama.config, mode=mode)
+        got = llama.generate(pad, attention_mask=mask, **kw, **_cache(cache))
+        assert torch.equal(got[:, 5:], want)
+        assert cache.get_seq_length() == 17 + 15 and cache.kv_layers[0].seq_len == 12 + 15
+        assert all(layer.pads == 5 for layer in cache.layers)
+        lookup = llama.generate(pad, attention_mask=mask, prompt_lookup_num_tokens=3, **kw,
+                                **_cache(kh.HfKvCache(llama.config, mode=mode)))
+        assert torch.equal(lookup, got)
+        ref = _reference_twin(llama).generate(pad, attention_mask=mask, **kw)
+        if mode == "f32":
+            assert torch.equal(got, ref)
+    cache.crop(-(cache.get_seq_length() - 3))       # into the padding: no row is left
+    assert cache.get_seq_length() == 3 and cache.kv_layers[0].seq_len == 0
+    cache.reset()
+    assert cache.layers[0].pads == 0
+
+
+def test_padding_that_moves_is_refused(llama):
+    ids = torch.randint(3, 128, (1, 6))
+    cache = kh.HfKvCache(llama.config)
+    _forward(llama, ids, cache, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1]]))
+    more = torch.randint(3, 128, (1, 2))
+    with pytest.raises(ValueError, match="padding must stay the sequence's leading"):
+        _forward(llama, more, cache, attention_mask=torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]))
+
+
+def test_padded_batches_run_with_the_default_cache(llama):
+    """Without an HfKvCache (transformers' DynamicCache) a left-padded batch runs through the
+    per-row path, token for token what transformers' own attention generates."""
+    a, b = torch.randint(3, 128, (1, 9)), torch.randint(3, 128, (1, 13))
+    batch = torch.cat([torch.cat([torch.zeros(1, 4, dtype=torch.long), a], 1), b])
+    mask = torch.ones_like(batch)
+    mask[0, :4] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = llama.generate(batch, **kw)
+        assert torch.equal(got, _reference_twin(llama).generate(batch, **kw))
 
 
 def test_cache_with_another_attention_raises(llama):

@@ -115,3 +115,10 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="holds 97 positions"):
         kh.store_cache(store, cache, np.arange(50))
     assert kh.store_cache(store, cache, np.arange(3, 100)) == 1
+    padded = kh.HfKvCache(model.config)            # left padding is not stored: refused
+    mask = (torch.arange(97) >= 2).long()[None]
+    with torch.no_grad():
+        model(torch.arange(3, 100).reshape(1, -1), attention_mask=mask, use_cache=True,
+              **_cache(padded))
+    with pytest.raises(ValueError, match="starts with 2 padding positions"):
+        kh.store_cache(store, padded, np.arange(3, 100))

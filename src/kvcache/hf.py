@@ -30,9 +30,13 @@ Tensors cross to NumPy without copies where their layout allows (``Tensor.numpy(
 
 Masks.  kvcache attention is causal by construction, with the sliding window applied in the
 kernel, so no mask tensor is ever built: the mask function registered under the same name
-returns None.  It raises instead of silently ignoring what it cannot express: padding (a 2-D
-``attention_mask`` with zeros) and mask overlays (image-token or packed-sequence masks,
-bidirectional attention).  An explicit 4-D mask passed by the caller is refused by the
+returns None.  Left padding (a 2-D ``attention_mask`` whose rows have zeros before their first
+one) is left out instead: the mask function returns a marker carrying each row's count of
+leading zeros, an :class:`HfKvCache` never stores those positions (it still counts them in
+``get_seq_length``, as transformers does), the per-row path below skips them, and the padding
+queries' outputs are zeros nobody reads.  It raises instead of silently ignoring what it cannot
+express: other zeros (right padding, holes) and mask overlays (image-token or packed-sequence
+masks, bidirectional attention).  An explicit 4-D mask passed by the caller is refused by the
 attention function.  transformers' sliding mask (``kv_idx > q_idx - window`` and
 ``kv_idx <= q_idx``) is exactly kvcache's ``window=w``: the last ``w`` rows up to and including
 the query's own.
@@ -70,7 +74,8 @@ bit, unlike :class:`kvcache.runner.Runner`) and greedy tokens normally match.
 Without an :class:`HfKvCache` (``use_cache=False``, or ``generate`` with its default
 ``DynamicCache``) the attention function still computes through kvcache's kernels: it copies
 the keys and values it is given into a temporary float32 layer per batch row.  That is correct
-(batch rows without padding) but not the fast path; pass an :class:`HfKvCache` for decoding.
+(left padding left out per row) but not the fast path; pass an :class:`HfKvCache` for
+decoding.
 
 Supported versions
 ------------------
@@ -91,8 +96,8 @@ Limitations
 * One sequence per :class:`HfKvCache` (batch size 1): with one, batched generation,
   ``num_return_sequences > 1`` and beam search raise ValueError (``reorder_cache``: beam
   search).  With transformers' default ``DynamicCache`` instead they run, through the per-row
-  path above (correct, and equal to transformers' own tokens, but it copies every row of the
-  history into a temporary layer at each step); padded batches raise there too.
+  path above (correct, left-padded batches included, and equal to transformers' own tokens,
+  but it copies every row of the history into a temporary layer at each step).
 * Static (preallocated) caches: ``generate(cache_implementation="static" /
   "sliding_window")`` and ``StaticCache`` raise NotImplementedError saying so (their buffers
   hold rows past the queries that only a mask tensor describes); kvcache keeps its own
@@ -157,6 +162,7 @@ _MIN_TRANSFORMERS = (5, 0)
 _VERIFIED_TRANSFORMERS = "5.0.0 to 5.24.0"
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _TAG = "_kvcache_layer"          # attribute carrying the HfKvLayer on the key tensor
+_PADS = "_kvcache_pads"          # attribute carrying each row's leading padding on the marker
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -251,6 +257,8 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.kv: LayerKvCache | None = None
+        #: leading padding positions of the sequence (a left-padded 2-D mask), not stored
+        self.pads = 0
         self._handoff = _Handoff()          # HfKvCache shares its own with every layer
 
     def __repr__(self) -> str:
@@ -327,8 +335,30 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        """Positions stored."""
-        return 0 if self.kv is None else self.kv.seq_len
+        """Positions held: the rows stored plus the leading padding positions left out."""
+        return 0 if self.kv is None else self.kv.seq_len + self.pads
+
+    def _drop_padding(self, pads: int, n: int, key_states: torch.Tensor,
+                      value_states: torch.Tensor) -> int:
+        """Leave out the padding among the ``n`` positions just appended: the sequence's first
+        ``pads`` positions (a left-padded mask).  Rolls the n rows back and appends the real
+        ones again (exact, O(n)); returns how many of the n queries are padding."""
+        assert self.kv is not None
+        total = self.kv.seq_len + self.pads
+        start = total - n                       # the position of the first new row
+        if pads < self.pads or (pads > self.pads and self.pads < start):
+            raise ValueError(
+                f"attention_mask: marks the first {pads} positions as padding, but this cache "
+                f"already holds {total - self.pads} real positions after {self.pads} padding "
+                f"ones; the padding must stay the sequence's leading positions")
+        if pads == self.pads:
+            return max(0, min(pads - start, n))
+        skip = min(pads - start, n)
+        self.kv.truncate_last(n)
+        if skip < n:
+            self.kv.append(_rows(key_states[:, :, skip:]), _rows(value_states[:, :, skip:]))
+        self.pads = pads
+        return skip
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         """(kv_length, kv_offset) for mask creation: every stored row plus the queries, offset 0.
@@ -347,6 +377,7 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
 
     def reset(self) -> None:
         """Forget every position (keeps the mode and geometry)."""
+        self.pads = 0
         if self.kv is not None:
             self.kv.clear()
 
@@ -363,8 +394,13 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
         n = int(tokens_to_remove)
         if self.kv is None or n == 0:
             return
-        drop = -n if n < 0 else max(self.kv.seq_len - n, 0)
-        self.kv.truncate_last(drop)
+        total = self.kv.seq_len + self.pads
+        keep = max(total + n, 0) if n < 0 else min(n, total)
+        if keep >= self.pads:
+            self.kv.truncate_last(total - keep)
+        else:                                   # into the leading padding: no row is left
+            self.kv.truncate_last(self.kv.seq_len)
+            self.pads = keep
 
     def offload(self) -> None:
         """No-op: kvcache storage lives on the CPU already."""
@@ -636,7 +672,8 @@ def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise RuntimeError(f"kvcache attention has no attention dropout (the model asked for "
                            f"{dropout}, as a module in training mode does): call model.eval(), "
                            f"or set the config's attention_dropout to 0")
-    if attention_mask is not None:
+    pads: tuple[int, ...] | None = getattr(attention_mask, _PADS, None)
+    if attention_mask is not None and pads is None:
         raise ValueError(
             "attention_mask: kvcache attention applies the causal and sliding-window patterns "
             "itself and takes no explicit 4-D mask, got a tensor of shape "
@@ -648,8 +685,10 @@ def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError("kvcache attention does not support attention sinks (s_aux)")
     _check_cpu("query", query)
     batch, num_heads, n, head_dim = query.shape
+    if pads is not None and len(pads) != batch:
+        raise ValueError(f"attention_mask: {len(pads)} rows for a batch of {batch}")
     if layer is None:
-        _refuse_preallocated(key, n, kwargs.get("position_ids"))
+        _refuse_preallocated(key, n, kwargs.get("position_ids"), pads[0] if pads else 0)
     window = _window(module, layer, sliding_window)
     cap = float(softcap) if softcap else 0.0
     scale = None if scaling is None else float(scaling)
@@ -661,17 +700,27 @@ def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if key.shape[2] != n:
             raise ValueError(f"query: expected the {key.shape[2]} positions just appended to the "
                              f"cache, got {n}")
-        _attend(layer.kv, q[0], scale, window, cap, out[0].numpy())
+        assert layer.kv is not None
+        skip = layer._drop_padding(pads[0], n, key, value) if pads else 0
+        out[0, :skip] = 0.0                   # padding queries: their outputs are never read
+        if skip < n:
+            _attend(layer.kv, q[0, skip:], scale, window, cap, out[0, skip:].numpy())
     else:
         _check_cpu("key", key)
-        if key.shape[2] < n:
-            raise ValueError(f"key: expected at least the {n} query positions, got {key.shape[2]}")
+        kv_len = key.shape[2]
+        if kv_len < n:
+            raise ValueError(f"key: expected at least the {n} query positions, got {kv_len}")
         k = _as_numpy(key.transpose(1, 2))               # (batch, kv_len, num_kv_heads, head_dim)
         v = _as_numpy(value.transpose(1, 2))
         for b in range(batch):
+            p = min(pads[b], kv_len) if pads else 0    # leading padding rows: left out
+            skip = max(0, min(p - (kv_len - n), n))    # padding queries among the n
+            out[b, :skip] = 0.0
+            if skip == n:
+                continue
             tmp = LayerKvCache(k.shape[2], head_dim, mode=KvMode.F32)
-            tmp.append(k[b], v[b])
-            _attend(tmp, q[b], scale, window, cap, out[b].numpy())
+            tmp.append(k[b, p:], v[b, p:])
+            _attend(tmp, q[b, skip:], scale, window, cap, out[b, skip:].numpy())
     if query.dtype != torch.float32:
         out = out.to(query.dtype)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
@@ -695,15 +744,15 @@ class _NoGradient(torch.autograd.Function):
                            "backward pass with another attn_implementation (e.g. 'sdpa')")
 
 
-def _refuse_preallocated(key: torch.Tensor, n: int, position_ids: Any) -> None:
+def _refuse_preallocated(key: torch.Tensor, n: int, position_ids: Any, pads: int) -> None:
     """Refuse a key tensor holding rows past the last query (a static, preallocated cache's
     buffer: ``generate(cache_implementation="static" / "sliding_window")`` or a StaticCache),
     which only a mask tensor could describe; ``position_ids`` (1, n) tell where the queries
-    are."""
+    are (counted from the first of the sequence's ``pads`` leading padding positions' end)."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2 \
             or position_ids.shape[0] != 1 or position_ids.shape[1] != n or n == 0:
         return
-    last = int(position_ids[0, -1])
+    last = int(position_ids[0, -1]) + pads
     if key.shape[2] > last + 1:
         raise NotImplementedError(_STATIC_REFUSAL.format(rows=key.shape[2], last=last))
 
@@ -748,13 +797,15 @@ def kvcache_mask(batch_size: int | None = None, q_length: int | None = None,
                  kv_length: int | None = None, q_offset: int = 0, kv_offset: int = 0,
                  mask_function: Any = None, attention_mask: torch.Tensor | None = None,
                  allow_is_causal_skip: bool = True, use_vmap: bool = False,
-                 **kwargs: Any) -> None:
-    """transformers mask function for kvcache attention: returns None (no mask is needed).
+                 **kwargs: Any) -> torch.Tensor | None:
+    """transformers mask function for kvcache attention: returns None (no mask is needed), or
+    for a left-padded 2-D ``attention_mask`` a small marker tensor carrying each row's count
+    of leading padding positions, which :func:`kvcache_attention` leaves out.
 
-    Raises instead of dropping information the kernels cannot apply: padding zeros in the
-    2-D ``attention_mask`` (ValueError), and mask patterns other than causal / sliding-window
-    causal -- overlays, packed sequences, bidirectional or chunked attention
-    (NotImplementedError).
+    Raises instead of dropping information the kernels cannot apply: zeros in the 2-D
+    ``attention_mask`` other than left padding (ValueError), and mask patterns other than
+    causal / sliding-window causal -- overlays, packed sequences, bidirectional or chunked
+    attention, static caches (NotImplementedError).
     """
     if not allow_is_causal_skip and not use_vmap and q_length == 1 \
             and "allow_is_bidirectional_skip" not in kwargs:
@@ -773,11 +824,31 @@ def kvcache_mask(batch_size: int | None = None, q_length: int | None = None,
     config = kwargs.get("config")
     if config is not None and getattr(config, "attention_chunk_size", None) is not None:
         raise NotImplementedError("kvcache attention does not support chunked attention")
-    if attention_mask is not None and not bool(attention_mask.all()):
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return _padding_marker(attention_mask)
+
+
+def _padding_marker(attention_mask: torch.Tensor) -> torch.Tensor:
+    """What the mask function returns for a left-padded 2-D mask (batch, kv_len): a small
+    tensor carrying each row's count of leading zeros, which :func:`kvcache_attention` reads
+    (it leaves those positions out).  ValueError for any other pattern of zeros."""
+    m = attention_mask.detach().to("cpu")
+    if m.ndim != 2:
+        raise ValueError(f"attention_mask: expected the 2-D padding mask (batch, length), got "
+                         f"shape {tuple(m.shape)}")
+    ones = m.to(torch.bool)
+    first = torch.where(ones.any(dim=1), ones.to(torch.int8).argmax(dim=1),
+                        torch.full((m.shape[0],), m.shape[1]))
+    cols = torch.arange(m.shape[1])[None, :]
+    if not torch.equal(ones, cols >= first[:, None]):
         raise ValueError(
-            "attention_mask: kvcache attention does not support padding (the 2-D mask has zeros); "
-            "pass one unpadded sequence (batch size 1), or drop the padding tokens")
-    return None
+            "attention_mask: kvcache attention supports left padding only (each row's zeros "
+            "before its first one); this mask has zeros after a row's first one (right "
+            "padding or holes)")
+    marker = torch.zeros(m.shape[0], dtype=torch.int64)
+    setattr(marker, _PADS, tuple(int(x) for x in first))
+    return marker
 
 
 def register(name: str = ATTN_IMPLEMENTATION) -> str:
@@ -1030,6 +1101,10 @@ def store_cache(store: PrefixStore, cache: HfKvCache, ids: Any) -> int:
     if not isinstance(cache, HfKvCache):
         raise TypeError(f"cache: expected an HfKvCache, got {type(cache).__name__}")
     arr = _prompt_ids(ids)
+    pads = max((layer.pads for layer in cache._hf_layers), default=0)
+    if pads:
+        raise ValueError(f"cache: its sequence starts with {pads} padding positions it does not "
+                         f"store; store the cache of an unpadded sequence")
     n = cache.get_seq_length()
     if n > arr.shape[0]:
         raise ValueError(f"ids: the cache holds {n} positions, ids has {arr.shape[0]}")
