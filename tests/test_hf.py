@@ -515,7 +515,8 @@ def test_register_is_idempotent():
 
 def test_import_without_transformers(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
-    monkeypatch.delitem(sys.modules, "kvcache.hf")
+    for name in [m for m in sys.modules if m == "kvcache.hf" or m.startswith("kvcache.hf.")]:
+        monkeypatch.delitem(sys.modules, name)
     with pytest.raises(ImportError, match="pip install"):
         import kvcache.hf  # noqa: F401
     code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "

@@ -52,6 +52,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import quant
+from .._prefill_steps import step_ends
 from .._threads import BlasGovernor
 from .._validate import IntArrayLike, as_int
 from ..eviction import EvictionPolicy
@@ -561,17 +562,17 @@ class Runner:
     def _steps(self, n: int) -> list[list[tuple[int, int]]]:
         """The chunks ``(lo, hi)`` (offsets into the call) of ``n`` positions after
         :attr:`position`, grouped in steps: chunks end at multiples of ``prefill_chunk``, steps
-        at multiples of ``prefill_step`` (absolute positions) and at the end; in the q8 scheme
-        "cmf" no step ends at or below ``quant.COL_WARMUP`` (the column freeze, module
-        docstring)."""
-        start, c, size = self.position, self.prefill_chunk, self.prefill_step
+        where :func:`kvcache._prefill_steps.step_ends` says (multiples of ``prefill_step`` and
+        the end; in the q8 scheme "cmf" none at or below ``quant.COL_WARMUP``), the rule
+        :func:`kvcache.hf.prefill` follows too."""
+        start, c = self.position, self.prefill_chunk
         ends = list(range((start // c + 1) * c, start + n, c)) + [start + n]
-        floor = quant.COL_WARMUP if self.mode.freezes_columns else 0
+        breaks = set(step_ends(start, start + n, self.prefill_step, self.mode)[:-1])
         steps: list[list[tuple[int, int]]] = [[]]
         lo = start
-        for hi in ends:
+        for hi in ends:                        # prefill_step is a multiple of prefill_chunk
             steps[-1].append((lo - start, hi - start))
-            if hi < start + n and hi % size == 0 and hi > floor:
+            if hi in breaks:
                 steps.append([])
             lo = hi
         return steps
