@@ -257,6 +257,14 @@ def layer_views(c, prefix="layer"):
             out[f"{prefix}.q8_rows({h}).{name}"] = a
         for name, a in zip(("kcol", "vcol"), c.columns(h)):
             out[f"{prefix}.columns({h}).{name}"] = a
+        for name, a in zip(("keys", "values"), c.head_rows(h)):     # views where float32
+            out[f"{prefix}.head_rows({h}).{name}"] = a
+    st = c.state()                          # the state protocol: read-only views, no copies
+    for f in dataclasses.fields(st):        # (the row arrays; lengths and columns are per head)
+        a = getattr(st, f.name)
+        if isinstance(a, np.ndarray) and f.name not in ("lengths", "kcol", "vcol", "kcol_on",
+                                                        "vcol_on"):
+            out[f"{prefix}.state().{f.name}"] = a
     out[f"{prefix}.importance"] = c.importance
     out[f"{prefix}.linear_state"] = c.linear_state
     out[f"{prefix}.linear_scratch"] = c.linear_scratch
@@ -293,7 +301,7 @@ def slot_views(c, kind):
             out[f"{key}.valid_view"] = c.valid_view(layer, s)
             out[f"{key}.rebind_slot"] = c.rebind_slot(layer, s)
             out[f"{key}.layers.storage"] = c.layers[layer][s].storage
-            out[f"{key}.slot_state.storages"] = c.slot_state().storages[layer][s]
+            out[f"{key}.slot_state.storages"] = c.state().storages[layer][s]
     if kind != "lazy":
         plan = kc.DecodePlan.build(c, slots=tuple(range(c.n_slots)))
         for (layer, s), arr in plan.bound.items():
@@ -395,7 +403,7 @@ def test_slot_cache_views_are_zero_copy(rng, kind, dtype):
     for name, a in views.items():
         assert a.dtype == c.dtype, name
         writable = name.endswith(("slot_storage", "rebind_slot", "layers.storage",
-                                  "slot_state.storages")) or \
+                                  "state.storages")) or \
             name.startswith("plan.")
         assert a.flags.writeable == writable, name
         if a.size:
@@ -669,12 +677,15 @@ def test_tensors_refuses_what_is_not_a_view():
 # freshly computed array, not storage.
 HANDED_OUT = {
     kc.LayerKvCache: {"head_keys", "head_values", "k_heads", "v_heads", "q8_rows", "columns",
-                      "importance", "linear_state", "linear_scratch", "o1_views"},
+                      "importance", "linear_state", "linear_scratch", "o1_views", "head_rows",
+                      "state"},
     kc.KvCache: set(),                       # hands out its LayerKvCache objects (kv[i], layers)
     O1Collecting: {"trace"},
     O1Sealed: set(SEALED_ARRAYS) | {"views"},
-    kc.LatentKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers", "slot_state"},
-    kc.StaticKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers", "slot_state"},
+    kc.LatentKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers", "state",
+                       "slot_state"},       # (the deprecated name of state)
+    kc.StaticKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers", "state",
+                       "slot_state"},
     kc.LazyLatentCache: {"slot", "slot_buffer_full"},
     kc.LatentSlot: {"storage"},
     kc.DecodePlan: {"storage", "bound"},

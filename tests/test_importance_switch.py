@@ -55,10 +55,10 @@ def test_born_eviction_is_refused_and_changes_nothing():
     layer = _layer(rng, "q8", n=100)
     layer.attend_all_heads(rng.standard_normal((4, 64)).astype(np.float32))
     layer.track_importance = False
-    st = layer._export_state().owned_copy()
+    st = layer.state().owned_copy()
     with pytest.raises(ValueError, match="track_importance=False"):
         layer.evict(40, kc.EvictionPolicy.born(4))
-    now = layer._export_state()
+    now = layer.state()
     assert now.seq_len == 100 and now.kq.tobytes() == st.kq.tobytes()
     assert now.importance.tobytes() == st.importance.tobytes()
     layer.evict(40)                          # RECENT needs no importance

@@ -176,7 +176,7 @@ def test_a_layer_stores_v_as_4bit_rows(mode):
     rng = np.random.default_rng(3)
     layer, k, v = _pair(rng, mode, 72, 30)
     assert isinstance(layer._v, V4Rows)
-    st = layer._export_state()
+    st = layer.state()
     assert st.vf is None and st.vq is None and st.vc.shape[2] == 36 and st.vp.shape[2] == 10
     for h in range(2):
         c, p = _quantised(v[:, h])
@@ -207,7 +207,7 @@ def test_4bit_values_are_what_attention_reads(mode):
     rng = np.random.default_rng(11)
     hd = 64
     layer, k, v = _pair(rng, mode, hd, 120, nkv=1)
-    st = layer._export_state()
+    st = layer.state()
     images = R.dequantize_v4(st.vc[0, :120], st.vp[0, :120], hd)
     twin = kc.LayerKvCache(1, hd, mode="q8k" if mode == "k8v4" else "f32")
     twin.append(k, images[:, None, :])
@@ -268,13 +268,13 @@ def test_rollback_and_replay_give_identical_bits(mode, n_back):
     rng = np.random.default_rng(n_back)
     hd, n = 72, 100
     layer, k, v = _pair(rng, mode, hd, n)
-    before = layer._export_state().owned_copy()
+    before = layer.state().owned_copy()
     q = rng.standard_normal((4, hd)).astype(np.float32)
     out_before = layer.attend_all_heads(q)
     layer.truncate_last(n_back)
     assert len(layer) == n - n_back
     layer.append(k[n - n_back:], v[n - n_back:])
-    after = layer._export_state()
+    after = layer.state()
     for name, rows in (("kf", n), ("kq", n), ("ks", n), ("vc", n), ("vp", n), ("kc", n // B * B),
                        ("kp", n // B), ("kr", RING)):
         a, b = getattr(before, name), getattr(after, name)
@@ -288,14 +288,14 @@ def test_rollback_and_replay_give_identical_bits(mode, n_back):
 def test_eviction_moves_rows_without_changing_their_bytes(mode):
     rng = np.random.default_rng(9)
     layer, k, v = _pair(rng, mode, 64, 40)
-    st = layer._export_state().owned_copy()
+    st = layer.state().owned_copy()
     layer.evict(25)
-    now = layer._export_state()
+    now = layer.state()
     assert now.vc[:, :25].tobytes() == st.vc[:, 15:40].tobytes()
     assert now.vp[:, :25].tobytes() == st.vp[:, 15:40].tobytes()
     layer.attend_all_heads(rng.standard_normal((2, 64)).astype(np.float32))
     layer.evict(10, kc.EvictionPolicy("born", 4))
-    assert len(layer) == 10 and layer._export_state().vc.shape[2] == 32
+    assert len(layer) == 10 and layer.state().vc.shape[2] == 32
 
 
 # -- bytes --------------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ def test_byte_format_round_trip_and_version(mode, tmp_path):
     assert int.from_bytes(buf[8:10], "little") == 3
     other = kc.LayerKvCache(2, 40, mode=mode)
     other.from_bytes(buf, fingerprint="m")
-    a, b = layer._export_state(), other._export_state()
+    a, b = layer.state(), other.state()
     n = 2 * B + 4
     assert b.mode == a.mode and b.lengths.tolist() == [n, n]
     for name, rows in (("vc", n), ("vp", n), ("kq", n), ("ks", n), ("kf", n), ("kc", 2 * B),
@@ -378,7 +378,7 @@ def _k4_layer(rng, hd, n, nkv=1, mode="q4", scale=1.0):
 def test_k4_scores_match_the_twin_bit_for_bit_on_every_body(hd, n, each_level):
     rng = np.random.default_rng(hd * 1000 + n)
     layer, _, _ = _k4_layer(rng, hd, n)
-    st = layer._export_state()
+    st = layer.state()
     q = rng.standard_normal((5, hd)).astype(np.float32) * np.float32(3)
     want = np.zeros((5, n), np.float32)
     R.k4_scores(q, st.kc[0], st.kp[0], st.kr[0], n, want)
@@ -394,7 +394,7 @@ def test_k4_blocks_are_the_documented_quantiser():
     hd = 40
     n = 2 * B + 11
     layer, k, _ = _k4_layer(rng, hd, n)
-    st = layer._export_state()
+    st = layer.state()
     for b in range(2):                                 # two closed blocks, 11 rows open
         x = k[B * b:B * (b + 1), 0]
         pf = st.kp[0, b].view(np.float16).astype(np.float32)
@@ -428,7 +428,7 @@ def test_k4_does_not_depend_on_how_rows_arrived(mode):
     parts = kc.LayerKvCache(2, hd, mode=mode)
     for a, b in ((0, 1), (1, 31), (31, 32), (32, 33), (33, 63), (63, 64), (64, 65), (65, 70)):
         parts.append(k[a:b], v[a:b])
-    sa, sb = whole._export_state(), parts._export_state()
+    sa, sb = whole.state(), parts.state()
     for name in ("kc", "kr"):
         assert getattr(sa, name)[:, :64].tobytes() == getattr(sb, name)[:, :64].tobytes()
     assert sa.kp[:, :2].tobytes() == sb.kp[:, :2].tobytes()
@@ -443,14 +443,14 @@ def test_k4_rollback_of_up_to_32_rows_is_exact_at_every_phase(length):
     layer, k, v = _k4_layer(rng, hd, length, nkv=2)
     q = rng.standard_normal((4, hd)).astype(np.float32)
     ref = layer.attend_all_heads(q)
-    st0 = layer._export_state().owned_copy()
+    st0 = layer.state().owned_copy()
     for n_back in (1, 2, length % B or B, B // 2 + 1, 31, 32):
         layer.truncate_last(n_back)
         short, _, _ = _k4_layer(rng, hd, 0, nkv=2)      # a cold layer of the kept rows
         short.append(k[:length - n_back], v[:length - n_back])
         assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(short.attend_all_heads(q)))
         layer.append(k[length - n_back:], v[length - n_back:])
-        st = layer._export_state()
+        st = layer.state()
         nb = length // B
         assert st.kc[:, :B * nb].tobytes() == st0.kc[:, :B * nb].tobytes(), n_back
         assert st.kp[:, :nb].tobytes() == st0.kp[:, :nb].tobytes(), n_back
@@ -464,9 +464,9 @@ def test_k4_a_deeper_rollback_reopens_blocks_from_their_4bit_values():
     rng = np.random.default_rng(12)
     hd = 64
     layer, k, v = _k4_layer(rng, hd, 150)
-    vals = quant.k4_values(layer._export_state().kc[0], layer._export_state().kp[0], 150)
+    vals = quant.k4_values(layer.state().kc[0], layer.state().kp[0], 150)
     layer.truncate_last(100)                            # 50 rows: block 1 reopens, rows 32..49
-    st = layer._export_state()
+    st = layer.state()
     for i in range(B, 50):
         assert st.kr[0, i % RING].tobytes() == vals[i].tobytes()
     again = kc.LayerKvCache(1, hd, mode="q4")
@@ -481,7 +481,7 @@ def test_k4_eviction_rebuilds_the_kept_rows_from_their_stored_values(mode):
     rng = np.random.default_rng(21)
     hd = 64
     layer, k, v = _k4_layer(rng, hd, 90, nkv=2, mode=mode)
-    st = layer._export_state()
+    st = layer.state()
     kept_vals = [layer._k.nearest(h, 90) for h in range(2)]
     layer.evict(50)
     assert len(layer) == 50
@@ -503,7 +503,7 @@ def test_k4_quality_beats_per_row_4bit_keys_on_channel_offsets():
     k = (rng.standard_normal((n, 1, hd)) + offset).astype(np.float32)
     layer = kc.LayerKvCache(1, hd, mode="q4")
     layer.append(k, k)
-    st = layer._export_state()
+    st = layer.state()
     q = rng.standard_normal((8, hd)).astype(np.float32)
     exact = q @ k[:, 0].T
     got = np.zeros((8, n), np.float32)

@@ -172,20 +172,22 @@ def test_seq_len_is_a_read_only_property_equal_to_cached_len(make, rng):
     (lambda: kc.LatentKvCache.with_capacity(3, 8, MLA), 0),
     (lambda: kc.StaticKvCache.with_capacity(3, 2, 4, 8), 2),
 ], ids=["latent", "static"])
-def test_slot_state_reads_storages_lengths_and_id_together(make, axis):
+def test_state_reads_storages_lengths_and_id_together(make, axis):
     c = make()
     c.advance(2)
     c.layers[1] = None
-    st = c.slot_state("sync")
+    st = c.state("sync")
     assert (st.cached_len, st.max_seq_len, st.capacity_axis) == (2, 8, axis)
     assert st.alloc_id == c.alloc_id and st.generation == c.generation
     assert st.storages[1] is None and len(st.storages) == 3
     for layer in (0, 2):
         assert all(x is c.slot_storage(layer, s) for s, x in enumerate(st.storages[layer]))
         assert all(x.shape[axis] == 8 for x in st.storages[layer])
+    with pytest.warns(DeprecationWarning, match="use state"):     # the old name still reads
+        assert c.slot_state("sync").storages[0][0] is st.storages[0][0]
     c.layers[2][1].storage = np.zeros(3, np.float32)
     with pytest.raises(ValueError, match="sync: the storage of layer 2, slot 1"):
-        c.slot_state("sync")
+        c.state("sync")
 
 
 def test_slot_storage_is_the_live_buffer_and_none_out_of_range():

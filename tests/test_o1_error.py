@@ -153,7 +153,7 @@ def test_refused_seal_leaves_the_layer_bit_exact(caplog: pytest.LogCaptureFixtur
     assert layer.o1 is None and not layer.o1_sealed()
     err = layer.o1_error()
     assert err is not None and err.overall > 0.2           # still there, to say why
-    a, b = layer._export_state(), plain._export_state()
+    a, b = layer.state(), plain.state()
     assert a.seq_len == b.seq_len == 1024
     np.testing.assert_array_equal(a.lengths, b.lengths)
     assert a.kf is not None and b.kf is not None and a.vf is not None and b.vf is not None
@@ -193,7 +193,7 @@ def test_kept_keys_match_their_definition() -> None:
     layer = _layer(q, k, v, p, keep=20)
     coll = layer.o1
     assert isinstance(coll, O1Collecting)
-    got = select_kept(coll.trace.reshape(p, 4, 16), layer._export_state().kf,  # type: ignore[arg-type]
+    got = select_kept(coll.trace.reshape(p, 4, 16), layer.state().kf,  # type: ignore[arg-type]
                       t=p, sink=4, w=64, keep=20, scale=0.25)
     np.testing.assert_array_equal(got, R.kept_keys(q, k, p, 64, 4, 20))
     assert layer.o1_seal(4)

@@ -181,13 +181,13 @@ def test_a_state_with_the_other_schemes_scale_width_is_refused(rng):
     k, v = data(rng, 10, nkv, hd)
     cmf = kc.LayerKvCache(nkv, hd, mode=Q8(scheme="cmf"))
     cmf.append(k, v)
-    st = cmf._export_state()
+    st = cmf.state()
     from dataclasses import replace
     forged = replace(st, mode=Q8(), owned=False)     # cmf widths (4 scales) under "rows"
     rows = kc.LayerKvCache(nkv, hd, mode=Q8())
     before = stored(rows)
     with pytest.raises(ValueError, match="ks"):
-        rows._install_state(forged)
+        rows.install(forged)
     assert stored(rows) == before and rows.seq_len == 0
 
 

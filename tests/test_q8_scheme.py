@@ -393,7 +393,7 @@ def _assert_state(layer, prefix, f16=False):
     """The layer holds what the fixture's writer held (its float K/V rows through binary16
     when the buffer was written with f16=True)."""
     e = EXPECTED
-    st = layer._export_state()
+    st = layer.state()
     qk, qv = (bool(x) for x in e[f"{prefix}/mode"])
     assert (st.mode.quant_k, st.mode.quant_v) == (qk, qv)
     assert st.mode.scheme == ("cmf" if qk or qv else "")

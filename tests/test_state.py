@@ -24,11 +24,11 @@ F32 = kc.KvMode.F32
 @pytest.mark.parametrize("name,make", STATES, ids=[s[0] for s in STATES])
 def test_export_then_install_into_a_fresh_layer_gives_the_same_bytes(name, make):
     src = make()
-    st = src._export_state()
+    st = src.state()
     assert not st.owned
     dst = kc.LayerKvCache(src.num_kv_heads, src.head_dim, mode=F32)
     g = dst.generation
-    dst._install_state(st)
+    dst.install(st)
     assert dst.to_bytes() == src.to_bytes()
     assert dst.generation != g
     assert dst.memory_bytes() == src.memory_bytes()
@@ -39,10 +39,10 @@ def test_an_installed_copy_shares_nothing_with_its_source(name, make):
     src = make()
     before = src.to_bytes()
     dst = kc.LayerKvCache(src.num_kv_heads, src.head_dim)
-    dst._install_state(src._export_state())
+    dst.install(src.state())
     assert dst.o1 is None or dst.o1 is not src.o1
-    ours = dst._export_state()
-    theirs = src._export_state()
+    ours = dst.state()
+    theirs = src.state()
     for f in dataclasses.fields(LayerState):
         a, b = getattr(ours, f.name), getattr(theirs, f.name)
         if isinstance(a, np.ndarray) and a.size:
@@ -60,7 +60,7 @@ def test_an_installed_copy_shares_nothing_with_its_source(name, make):
 
 def test_export_is_read_only_views_of_the_storage():
     c = filled(kc.KvMode.Q8(scheme="cmf"), n=70)                 # columns frozen at 64
-    st = c._export_state()
+    st = c.state()
     assert st.kf is None and st.vf is None
     for name, arr in st.stores().items():
         assert not arr.flags.writeable, name
@@ -77,10 +77,10 @@ def test_export_is_read_only_views_of_the_storage():
 
 def test_an_owned_state_is_adopted_without_a_copy():
     src = filled(F32, n=10)
-    st = src._export_state().owned_copy()
+    st = src.state().owned_copy()
     assert st.owned
     dst = kc.LayerKvCache(2, 8)
-    dst._install_state(st)
+    dst.install(st)
     assert np.shares_memory(dst.head_keys(0), st.kf)
     assert dst.to_bytes() == src.to_bytes()
 
@@ -90,7 +90,7 @@ def test_linear_scratch_none_keeps_the_layers_own():
     src.linear_scratch = [1.0, 2.0]
     dst = kc.LayerKvCache(2, 8)
     dst.linear_scratch = [5.0]
-    dst._install_state(dataclasses.replace(src._export_state(), linear_scratch=None))
+    dst.install(dataclasses.replace(src.state(), linear_scratch=None))
     assert dst.linear_scratch.tolist() == [5.0]
     assert dst.linear_state.tolist() == src.linear_state.tolist()
 
@@ -182,12 +182,12 @@ BAD = _bad_states()
 def test_a_bad_state_is_refused_and_the_layer_is_unchanged(name, edit, exc, match, snapshot,
                                                             assert_same_state):
     good = filled(kc.KvMode.Q8(scheme="cmf"), n=70)
-    bad = edit(good._export_state())
+    bad = edit(good.state())
     target = filled(F32, n=12, seed=4)
     target.linear_scratch = [3.0]
     before, raw, gen = snapshot(target), target.to_bytes(), target.generation
     with pytest.raises(exc, match=match):
-        target._install_state(bad)
+        target.install(bad)
     assert_same_state(before, snapshot(target))
     assert target.to_bytes() == raw and target.generation == gen
 
@@ -196,14 +196,14 @@ def test_install_refuses_what_is_not_a_state():
     c = filled(F32, n=3)
     raw = c.to_bytes()
     with pytest.raises(TypeError, match="LayerState"):
-        c._install_state({"mode": F32})
+        c.install({"mode": F32})
     assert c.to_bytes() == raw
 
 
 def test_a_sealed_state_round_trips_and_keeps_stepping_the_same():
     src = sealed()
     dst = kc.LayerKvCache(2, 8)
-    dst._install_state(src._export_state())
+    dst.install(src.state())
     assert isinstance(dst.o1, O1Sealed) and dst.seq_len == src.seq_len
     rng = np.random.default_rng(2)
     for _ in range(5):
@@ -222,11 +222,11 @@ def test_a_layer_keeps_its_int8_scheme(have, got, snapshot, assert_same_state):
     before, raw, gen = snapshot(target), target.to_bytes(), target.generation
     with pytest.raises(ValueError, match=f"int8 scheme '{kc.KvMode.parse(got).scheme}'.*"
                                          f"scheme '{kc.KvMode.parse(have).scheme}'"):
-        target._install_state(src._export_state())
+        target.install(src.state())
     assert_same_state(before, snapshot(target))
     assert target.to_bytes() == raw and target.generation == gen
     f32 = filled(F32, n=5)
-    f32._install_state(src._export_state())                      # F32 takes either scheme
+    f32.install(src.state())                      # F32 takes either scheme
     assert f32.mode == src.mode
-    target._install_state(filled(F32, n=3)._export_state())       # and an F32 state goes anywhere
+    target.install(filled(F32, n=3).state())       # and an F32 state goes anywhere
     assert target.mode == F32

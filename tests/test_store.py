@@ -67,7 +67,7 @@ def cold(ids, mode, attend=True, n_layers=L):
 def assert_same(a, b, importance=True):
     assert len(a.layers) == len(b.layers)
     for la, lb in zip(a.layers, b.layers):
-        sa, sb = la._export_state(), lb._export_state()
+        sa, sb = la.state(), lb.state()
         assert sa.mode == sb.mode
         assert sa.seq_len == sb.seq_len
         assert np.array_equal(sa.lengths, sb.lengths)
@@ -98,7 +98,7 @@ def assert_same(a, b, importance=True):
 def snapshot(cache):
     out = []
     for layer in cache.layers:
-        st = layer._export_state()
+        st = layer.state()
         out.append((st.seq_len, st.lengths.tobytes(),
                     b"".join(a[:, : st.seq_len].tobytes() for a in st.stores().values()),
                     st.importance.tobytes(), st.kcol.tobytes(), st.vcol.tobytes(),
@@ -142,7 +142,7 @@ def test_round_trip_full_hit_is_bit_identical(backend, mode):
     assert store.load(ids, fresh) == 3 * b
     assert_same(fresh, ref)                              # importance too: same length as put
     if mode != "f32":          # cmf: the loaded columns are frozen; rows: never
-        assert all(layer._export_state().kcol_on.all() == layer.mode.freezes_columns
+        assert all(layer.state().kcol_on.all() == layer.mode.freezes_columns
                    or not layer.mode.quant_k for layer in fresh.layers)
 
 
@@ -343,7 +343,7 @@ def test_entry_layout_matches_the_documented_header():
     body = np.frombuffer(value, dtype=np.uint8)[:-8]
     assert struct.unpack_from("<Q", value, len(value) - 8)[0] == wire.digest(alg, body)
     # payload: the first layer's column state comes first
-    st = cold(ids, "q8").layers[0]._export_state()
+    st = cold(ids, "q8").layers[0].state()
     off = 96
     assert value[off: off + G] == st.kcol_on.tobytes()
     off += 8

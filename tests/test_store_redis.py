@@ -480,7 +480,7 @@ def _prefill(ids, mode):
 def _rows(cache):
     out = []
     for layer in cache.layers:
-        st = layer._export_state()
+        st = layer.state()
         n = int(st.lengths.max(initial=0))
         out.append((st.seq_len, st.lengths.tobytes(),
                     {name: a[:, :n].tobytes() for name, a in st.stores().items()},

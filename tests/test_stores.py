@@ -71,7 +71,7 @@ def test_export_and_from_state_round_trip(rng, name):
     for _ in range(3):
         layer.append(rng.standard_normal((40, 2, 16)).astype(np.float32),
                      rng.standard_normal((40, 2, 16)).astype(np.float32))
-    state = layer._export_state().owned_copy()
+    state = layer.state().owned_copy()
     k, v = _stores.from_state(state)
     for mine, theirs in ((layer._k, k), (layer._v, v)):
         assert type(mine) is type(theirs) and mine.row_bytes == theirs.row_bytes

@@ -12,13 +12,15 @@ depend on it without depending on each other.  It owns:
   :func:`cast_slabs`) and the read-only view rule (:func:`ro`);
 * :class:`LatentSlot` (one buffer) and :class:`SlotCache`, the base of
   :class:`kvcache.LatentKvCache` and :class:`kvcache.StaticKvCache`: layers of slots,
-  ``cached_len``, ``alloc_id``, versions, positions, and :meth:`SlotCache.slot_state`, the one
+  ``cached_len``, ``alloc_id``, versions, positions, and :meth:`SlotCache.state`, the one
   way other modules (device mirrors) read a slot cache's state.
 
 The rules themselves are described in ``docs/latent.md``.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import math
 import operator
@@ -350,7 +352,7 @@ class LatentSlot:
 
 
 class SlotState(NamedTuple):
-    """A consistent reading of a slot cache's state (:meth:`SlotCache.slot_state`).
+    """A consistent reading of a slot cache's state (:meth:`SlotCache.state`).
 
     Attributes
     ----------
@@ -386,7 +388,7 @@ class SlotCache:
     ``_max_seq_len``, ``_dtype``, ``_device``, ``_alloc_id`` and ``_gen``, and defines
     :meth:`_storage_shape`; ``_n_slots`` and ``capacity_axis`` are class or instance fields.
     The fields are this class's own: other modules read them through the properties and
-    :meth:`slot_state`.
+    :meth:`state`.
     """
 
     _n_slots: int = 0
@@ -473,10 +475,18 @@ class SlotCache:
         return True
 
     def slot_state(self, what: str = "slot_state") -> SlotState:
+        """Deprecated name of :meth:`state` (the state protocol has one name for every cache
+        kind: ``LayerKvCache.state()`` too)."""
+        warnings.warn("SlotCache.slot_state() is deprecated: use state()", DeprecationWarning,
+                      stacklevel=2)
+        return self.state(what)
+
+    def state(self, what: str = "state") -> SlotState:
         """Every layer's checked storages with the lengths, id and generation, read together.
 
-        This is how other modules (the device mirrors) read a slot cache: it never hands out
-        a storage it has not checked, and it needs no private field.
+        This is how other modules (the device mirrors) read a slot cache, as they read a
+        :class:`kvcache.LayerKvCache` through its ``state()``: it never hands out a storage
+        it has not checked, and it needs no private field.
 
         Parameters
         ----------

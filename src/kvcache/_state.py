@@ -2,7 +2,7 @@
 
 A layer's state is owned by :class:`kvcache.LayerKvCache`.  Other modules -- the byte formats
 (:mod:`kvcache.wire`) and the device mirrors (:mod:`kvcache.device`) -- read it with
-``layer._export_state()`` and replace it with ``layer._install_state(state)``, never through
+``layer.state()`` and replace it with ``layer.install(state)``, never through
 the layer's fields, so a new kind of storage is one change here and in layer.py.
 
 Storage (as the layer keeps it: head-major, ``cap`` rows per head of which the first

@@ -37,10 +37,11 @@ import numpy.typing as npt
 
 from . import _core, quant
 from ._state import LayerState
-from ._entry import K4_BLOCK, K4_RING, ring_slots
-from .modes import KvMode
+from ._entry import K4_BLOCK, K4_RING, Rows, ring_slots
+from .modes import DEFAULT_SCHEME, KvMode
 
-__all__ = ["F32Rows", "K4Rows", "Q8Rows", "RowStore", "V4Rows", "from_state", "stores_for"]
+__all__ = ["F32Rows", "K4Rows", "Q8Rows", "RowStore", "V4Rows", "from_state", "kernel_rows",
+           "stores_for"]
 
 F32 = npt.NDArray[np.float32]
 I8 = npt.NDArray[np.int8]
@@ -354,3 +355,26 @@ def from_state(state: LayerState) -> tuple[RowStore, RowStore]:
         st.col_on = getattr(state, c + "col_on")
         out.append(st)
     return out[0], out[1]
+
+
+def kernel_rows(k: RowStore, v: RowStore, lengths: IP, mode: KvMode) -> Rows:
+    """A layer's K and V stores as the attention kernels read them (:class:`Rows`): each part
+    a store does not hold is an empty array of the shape the kernels' checks accept (K scales
+    as wide as the mode's scheme's scale count; a mode with float32 K takes the default
+    scheme's)."""
+    nkv, hd = k.nkv, k.hd
+    kf, kq, ks = k.parts()
+    vf, vq, vs = v.parts()
+    vc, vp = v.packed()
+    k4 = k.k4()
+    kc, kp, kr = k4 if k4 is not None else (None, None, None)
+    ef = np.zeros((nkv, 0, hd), dtype=_F32)
+    eq = np.zeros((nkv, 0, hd), dtype=np.int8)
+    if ks is None:
+        ks = np.zeros((nkv, 0, quant.k_scale_count(hd, mode.scheme or DEFAULT_SCHEME)),
+                      dtype=_F32)
+    return Rows(ef if kf is None else kf, eq if kq is None else kq, ks,
+                ef if vf is None else vf, eq if vq is None else vq,
+                np.zeros((nkv, 0, 1), dtype=_F32) if vs is None else vs, v.col, lengths,
+                mode.quant_k, mode.quant_v, 0, vc, vp, vc is not None, kc, kp, kr,
+                k4 is not None)

@@ -1,7 +1,11 @@
-"""LayerKvCache: one layer's K/V rows, head-major, in float32 or int8 (docs/architecture.md).
+"""LayerKvCache: one layer's K/V rows, head-major, in float32, int8 or 4 bits
+(docs/architecture.md): its rows, attention and eviction.  Its O(1) override is a component
+(:mod:`kvcache.o1_override`), its byte formats a mixin over its state protocol
+(:mod:`kvcache._layer_bytes`: ``state()`` / ``install()``).
 
 Storage.  K and V are each one row store of the mode's kind (:mod:`kvcache._stores`: float32
-rows, or int8 rows with their scales and, in the scheme "cmf", a frozen column field), whose
+rows, int8 rows with their scales and, in the scheme "cmf", a frozen column field, or 4-bit
+codes with their parameters), whose
 arrays are C-contiguous ``(num_kv_heads, capacity, trailing)``, so a head's rows are one
 contiguous block (head-major).  ``capacity`` grows geometrically (x2), so an append is
 amortised O(1): the whole cache is copied only when the capacity doubles.  Each head has its
@@ -15,10 +19,9 @@ point to.  Take a copy to keep a snapshot.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -26,17 +29,17 @@ import numpy.typing as npt
 from . import quant, wire
 from ._state import LayerState, scheme_conflict
 from ._validate import (FloatArrayLike, IntArrayLike, as_f32, as_f32_scalar, as_index, as_int,
-                        out_f32, readonly)
+                        out_f32, readonly, readonly_or_none)
 from ._attention import (Rows, RowsBinding, attend_blocks, attend_prefill, attend_rows,
                          default_scale, grouped_queries)
 from .eviction import EvictionPolicy, born_rows
-from .modes import DEFAULT_SCHEME, KvMode
-from ._stores import RowStore, from_state, stores_for
+from .modes import KvMode
+from ._stores import RowStore, from_state, kernel_rows, stores_for
+from ._layer_bytes import LayerBytes
 from ._entry import K4_BLOCK
 from ._generation import Generation
-from ._threads import BlasGovernor
-from .o1 import (O1Collecting, O1DeviceView, O1Error, O1Rect, O1Sealed, O1Snapshot,
-                 check_max_error, check_ridge, check_seal, estimate_error)
+from .o1 import O1DeviceView, O1Error, O1Rect, O1Snapshot
+from .o1_override import O1Override, O1State
 
 try:
     from . import _core
@@ -52,31 +55,12 @@ F32 = npt.NDArray[np.float32]
 I8 = npt.NDArray[np.int8]
 U8 = npt.NDArray[np.uint8]
 IP = npt.NDArray[np.intp]
-O1State = Union[O1Collecting, O1Sealed]
 
 _F32 = np.float32
 _MIN_CAPACITY = 16
-_O1_MAX = (1 << 31) - 1      # bound of the O(1) parameters (they travel as u32)
-
-_log = logging.getLogger("kvcache")
 
 
-def _empty_k_scales(nkv: int, hd: int, mode: KvMode) -> F32:
-    """The K scale store the kernels' descriptor takes when K has no int8 rows: no rows, as
-    wide as the mode's scheme's scale count (a mode with float32 K takes the default scheme's,
-    >= ceil(hd / 32), what the kernels' shape checks accept for an unused store)."""
-    return np.zeros((nkv, 0, quant.k_scale_count(hd, mode.scheme or DEFAULT_SCHEME)),
-                    dtype=_F32)
-
-
-A = TypeVar("A", bound=npt.NDArray[Any])
-
-
-def _readonly(a: Optional[A]) -> Optional[A]:
-    return None if a is None else readonly(a)
-
-
-class LayerKvCache:
+class LayerKvCache(LayerBytes):
     """KV cache of one attention layer, head-major, float32 or int8 rows.
 
     Parameters
@@ -87,9 +71,8 @@ class LayerKvCache:
         Channels per head (>= 1).
     mode : KvMode or str, optional
         Storage precision: a KvMode or a name :meth:`KvMode.parse` accepts ("f32", "q8",
-        "q8k", "q8v" in the default int8 scheme "rows"; "q8:cmf", "q8k:cmf", "q8v:cmf" in the
-        legacy column-freeze scheme); ``None`` reads ``KVCACHE_KV`` through
-        :meth:`KvMode.from_env`.
+        "q8k", "q8v", with ":cmf" for the legacy int8 scheme, the 4-bit "q4", "k8v4", ...);
+        ``None`` reads ``KVCACHE_KV`` through :meth:`KvMode.from_env`.
 
     Examples
     --------
@@ -104,19 +87,20 @@ class LayerKvCache:
     # holds, and the empty arrays the kernels' descriptor takes for what a kind does not store
     _k: RowStore
     _v: RowStore
-    _empty_ks: F32
     _len: IP
     _imp: F32
     _imp_len: int
     _seq_len: int
     _cap: int
-    _o1: Optional[O1State]
-    _o1_refused: Optional[O1Error]
+    _o1: O1Override
     _linear_state: F32
     _linear_scratch: F32
     _evicted: bool
     _binding: Optional[tuple[ModuleType, RowsBinding, RowStore, RowStore, IP]]
     _track_imp: bool = True         # the class default also serves pickles made before it
+    #: the kernel module the layer calls: kvcache._core (kvcache.reference's twins run a layer
+    #: on the NumPy kernels by setting it for one call)
+    kernels: ModuleType = _core
 
     def __init__(self, num_kv_heads: int, head_dim: int,
                  mode: Union[KvMode, str, None] = None) -> None:
@@ -125,21 +109,28 @@ class LayerKvCache:
         self._mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
         self._nkv = nkv
         self._hd = hd
-        self._o1 = None
-        self._o1_refused = None
+        self._o1 = O1Override()
         self._linear_state = np.zeros(0, dtype=_F32)
         self._linear_scratch = np.zeros(0, dtype=_F32)
-        self._empty_f = np.zeros((nkv, 0, hd), dtype=_F32)
-        self._empty_q = np.zeros((nkv, 0, hd), dtype=np.int8)
-        self._empty_s = np.zeros((nkv, 0, 1), dtype=_F32)
         self._gen = Generation()
         self._track_imp = True
         self._reset_storage()
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the kernels' binding behind (a copy binds its own
-        arrays)."""
-        return dict(self.__dict__, _binding=None)
+        arrays) and run on the compiled kernels."""
+        state = dict(self.__dict__, _binding=None)
+        state.pop("kernels", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Pickles made before the O(1) override was a component held its state and refused
+        estimate in two fields: they load into one :class:`O1Override`."""
+        if not isinstance(state.get("_o1"), O1Override):
+            override = O1Override(state.get("_o1"))
+            override.refused = state.pop("_o1_refused", None)
+            state["_o1"] = override
+        self.__dict__.update(state)
 
     # ------------------------------------------------------------------ storage basics
     def _reset_storage(self) -> None:
@@ -150,7 +141,6 @@ class LayerKvCache:
         self._cap = 0
         self._len = np.zeros(nkv, dtype=np.intp)
         self._k, self._v = stores_for(self._mode, nkv, hd)
-        self._empty_ks = _empty_k_scales(nkv, hd, self._mode)
         self._imp = np.zeros(0, dtype=_F32)
         self._imp_len = 0
         self._evicted = False
@@ -238,7 +228,7 @@ class LayerKvCache:
 
         Change it through o1_begin / o1_seal / clear (or from_bytes, to move a state between
         layers): a state belongs to the layer whose positions it summarises."""
-        return self._o1
+        return self._o1.state
 
     @property
     def generation(self) -> int:
@@ -463,8 +453,7 @@ class LayerKvCache:
 
     # ------------------------------------------------------------------ attention
     def _check_exact(self, what: str) -> None:
-        o1 = self.o1
-        if o1 is not None and getattr(o1, "sealed", False):
+        if self._o1.sealed:
             raise RuntimeError(f"{what}: this layer is sealed in O(1) mode; use o1_step")
 
     def _queries(self, qk: F32) -> F32:
@@ -484,25 +473,14 @@ class LayerKvCache:
         return np.ascontiguousarray(q2d), group_q0
 
     def _rows(self) -> Rows:
-        """The stored rows as the attention kernel reads them (empty arrays where the kind
-        stores none)."""
-        kf, kq, ks = self._k.parts()
-        vf, vq, vs = self._v.parts()
-        vc, vp = self._v.packed()
-        k4 = self._k.k4()
-        kc, kp, kr = k4 if k4 is not None else (None, None, None)
-        ef, eq = self._empty_f, self._empty_q
-        return Rows(ef if kf is None else kf, eq if kq is None else kq,
-                    self._empty_ks if ks is None else ks, ef if vf is None else vf,
-                    eq if vq is None else vq, self._empty_s if vs is None else vs, self._v.col,
-                    self._len, self._mode.quant_k, self._mode.quant_v, 0, vc, vp, vc is not None,
-                    kc, kp, kr, k4 is not None)
+        """The stored rows as the attention kernels read them (:func:`_stores.kernel_rows`)."""
+        return kernel_rows(self._k, self._v, self._len, self._mode)
 
     def _bound_rows(self, kernels: ModuleType) -> RowsBinding:
         """The stored rows bound by ``kernels.bind_rows``: checked once and kept while the
         layer holds the very stores bound (rows written in place need no new binding; a store
         that grows is a new store).  The methods that replace stores (``_reset_storage``,
-        ``_reserve``, ``_install_state``) also drop the binding, so that it never keeps
+        ``_reserve``, ``install``) also drop the binding, so that it never keeps
         replaced storage alive."""
         b = self._binding
         if (b is not None and b[0] is kernels and b[2] is self._k and b[3] is self._v
@@ -522,10 +500,7 @@ class LayerKvCache:
         out : ndarray of shape (head_dim,), float32
         probs : ndarray of shape (head_len(kv_head),), float32
         """
-        return self._attend(_core, q, kv_head)
-
-    def _attend(self, kernels: ModuleType, q: FloatArrayLike, kv_head: int) -> tuple[F32, F32]:
-        """:meth:`attend` on the kernel module ``kernels`` (``_core`` or its NumPy twin)."""
+        kernels = self.kernels
         self._check_exact("attend")
         hd = self._hd
         qa = as_f32("q", q, shapes=[(hd,), (1, hd)])
@@ -562,12 +537,7 @@ class LayerKvCache:
         Bit-for-bit equal to :meth:`attend` per head (probabilities summed in head order)
         when ``scale == 1/sqrt(head_dim)`` (as float32), ``first == 0`` and ``softcap == 0``.
         """
-        self._attend_group(_core, q_group, kv_head, out, imp_acc, scale, first, softcap)
-
-    def _attend_group(self, kernels: ModuleType, q_group: FloatArrayLike, kv_head: int,
-                      out: F32, imp_acc: F32, scale: float, first: int,
-                      softcap: float) -> None:
-        """:meth:`attend_group` on the kernel module ``kernels``."""
+        kernels = self.kernels
         self._check_exact("attend_group")
         hd = self._hd
         qa = as_f32("q_group", q_group)
@@ -637,12 +607,7 @@ class LayerKvCache:
         in pieces whose probabilities fit a 64 MB per-thread scratch, kept for the next call.
         ``out`` may be ``q`` itself.
         """
-        return self._attend_all_heads(_core, q, scale, window, softcap, out, prefill)
-
-    def _attend_all_heads(self, kernels: ModuleType, q: FloatArrayLike, scale: Optional[float],
-                          window: Optional[int], softcap: float, out: Optional[F32],
-                          prefill: Optional[bool] = None) -> F32:
-        """:meth:`attend_all_heads` on the kernel module ``kernels``."""
+        kernels = self.kernels
         self._check_exact("attend_all_heads")
         nkv, hd = self._nkv, self._hd
         q3, single = grouped_queries(q, nkv, hd)
@@ -710,8 +675,7 @@ class LayerKvCache:
         self._reset_storage()
         self._linear_state = np.zeros(0, dtype=_F32)
         self._linear_scratch = np.zeros(0, dtype=_F32)
-        self._o1 = None
-        self._o1_refused = None
+        self._o1.clear()
         self._gen.diverge()
 
     def _shift_rows(self, h: int, keep_idx: Optional[IP] = None, drop: int = 0) -> None:
@@ -789,13 +753,15 @@ class LayerKvCache:
         total += self.o1_memory_bytes()
         return total
 
-    # ------------------------------------------------------------------ byte formats
-    def _export_state(self) -> LayerState:
-        """Everything the layer holds, as read-only views and its own O(1) object (no copies).
+    # ------------------------------------------------------------------ the state protocol
+    def state(self) -> LayerState:
+        """Everything the layer holds, as one :class:`kvcache._state.LayerState`: read-only
+        views of its arrays and its own O(1) object, no copies.
 
-        The one way other modules (kvcache.wire, the device mirrors) read a layer: see
-        :mod:`kvcache._state`.  The views show the storage as it is; read them before the
-        layer changes again."""
+        The state protocol (docs/architecture.md), named alike on every cache kind (slot
+        caches: ``SlotCache.state()``): how the byte formats, the prefix store and the device
+        mirrors read a layer, and how :meth:`install` takes one.  The views show the storage
+        as it is; read them before the layer changes again."""
         kf, kq, ks = self._k.parts()
         vf, vq, vs = self._v.parts()
         vc, vp = self._v.packed()
@@ -803,17 +769,18 @@ class LayerKvCache:
         kc, kp, kr = k4 if k4 is not None else (None, None, None)
         return LayerState(
             mode=self._mode, num_kv_heads=self._nkv, head_dim=self._hd, seq_len=self._seq_len,
-            lengths=readonly(self._len), kf=_readonly(kf), kq=_readonly(kq), ks=_readonly(ks),
-            vf=_readonly(vf), vq=_readonly(vq), vs=_readonly(vs),
+            lengths=readonly(self._len), kf=readonly_or_none(kf), kq=readonly_or_none(kq), ks=readonly_or_none(ks),
+            vf=readonly_or_none(vf), vq=readonly_or_none(vq), vs=readonly_or_none(vs),
             kcol=readonly(self._k.col), vcol=readonly(self._v.col),
             kcol_on=readonly(self._k.col_on), vcol_on=readonly(self._v.col_on),
             importance=readonly(self._imp[: self._imp_len]),
             linear_state=readonly(self._linear_state),
-            linear_scratch=readonly(self._linear_scratch), o1=self._o1, vc=_readonly(vc),
-            vp=_readonly(vp), kc=_readonly(kc), kp=_readonly(kp), kr=_readonly(kr))
+            linear_scratch=readonly(self._linear_scratch), o1=self._o1.state, vc=readonly_or_none(vc),
+            vp=readonly_or_none(vp), kc=readonly_or_none(kc), kp=readonly_or_none(kp), kr=readonly_or_none(kr))
 
-    def _install_state(self, state: LayerState, any_scheme: bool = False) -> None:
-        """Replace everything the layer holds with ``state``, atomically.
+    def install(self, state: LayerState, any_scheme: bool = False) -> None:
+        """Replace everything the layer holds with ``state`` (from :meth:`state` of a layer of
+        the same geometry, or a byte format's reader), atomically.
 
         ``state`` is checked completely first (:meth:`LayerState.check`: geometry, dtypes,
         shapes, lengths, column and O(1) rules; ValueError or TypeError; and, when both this
@@ -830,7 +797,6 @@ class LayerKvCache:
             raise ValueError(f"state: {problem}")
         if not state.owned:
             state = state.owned_copy()
-        empty_ks = _empty_k_scales(self._nkv, self._hd, state.mode)
         k, v = from_state(state)
         # commit: assignments only
         self._binding = None
@@ -839,282 +805,96 @@ class LayerKvCache:
         self._cap = state.capacity
         self._len = state.lengths
         self._k, self._v = k, v
-        self._empty_ks = empty_ks
         self._imp = state.importance
         self._imp_len = int(state.importance.shape[0])
         self._evicted = False
         self._linear_state = state.linear_state
         if state.linear_scratch is not None:
             self._linear_scratch = state.linear_scratch
-        self._o1 = state.o1
-        self._o1_refused = None
+        self._o1.install(state.o1)
         self._gen.diverge()
 
-    def export_wire(self, f16: bool = False) -> bytes:
-        """The layer in the legacy wire layout (byte layout: docs/formats.md, kvcache.wire).
-
-        Parameters
-        ----------
-        f16 : bool
-            Send K/V rows as IEEE binary16 (linear state and importance stay float32).
-
-        Raises
-        ------
-        kvcache.WireError
-            For what the layout cannot describe: int8 storage (the message says "F32"), O(1)
-            state, frozen columns.  Use :meth:`to_bytes` for those.
-        """
-        return wire.export_wire(self, f16)
-
-    def import_wire(self, buf: wire.BufferLike) -> None:
-        """Install a legacy-layout buffer (from :meth:`export_wire` or the upstream engine).
-
-        Atomic: the buffer is parsed and validated completely (geometry, lengths, no trailing
-        bytes) before anything changes; a bad buffer raises kvcache.WireError and leaves the
-        layer untouched.  The layer becomes F32; columns and O(1) state are reset;
-        ``linear_scratch`` is kept."""
-        self._install_state(wire.import_wire(self, buf))
-
-    def to_bytes(self, *, f16: bool = False,
-                 fingerprint: wire.Fingerprint | None = None) -> bytes:
-        """The whole layer in kvcache's versioned, checksummed format (docs/formats.md).
-
-        Carries everything the layer holds: f32 or int8 rows with their scales and frozen
-        columns, dead heads, importance, linear state and scratch, O(1) state (collecting or
-        sealed).
-
-        Parameters
-        ----------
-        f16 : bool
-            Store float32 K/V rows as binary16 (int8 rows, scales and state are unchanged).
-        fingerprint : bytes or str, optional
-            Identifies the model/configuration; :meth:`from_bytes` checks it when given one.
-        """
-        return wire.layer_to_bytes(self, f16, fingerprint)
-
-    def from_bytes(self, buf: wire.BufferLike, *,
-                   fingerprint: wire.Fingerprint | None = None) -> None:
-        """Install a buffer made by :meth:`to_bytes` into this layer, atomically.
-
-        The digest, the format, the geometry (num_kv_heads and head_dim must match; the mode
-        comes from the buffer) and, when given, the fingerprint are checked and the whole body
-        validated before anything changes.  Every bad buffer raises kvcache.WireError.
-
-        A layer that stores int8 rows keeps its int8 scheme: a buffer of int8 rows in the other
-        scheme is refused (WireError, nothing changes).  A buffer of format version 1 (written
-        before the scheme was recorded) holds scheme "cmf"; read it into a layer made with
-        ``mode="q8:cmf"`` (or an F32 layer), or with ``KvCache.load``."""
-        self._install_state(wire.layer_from_bytes(self, buf, fingerprint))
-
     # ------------------------------------------------------------------ O(1) override
+    # The state machine is kvcache.o1_override.O1Override (held in _o1); these are its public
+    # face on the layer, and the layer applies what a seal means for its rows.
     def o1_begin(self, m: int, w: int, sink: int,
                  rect: Union[O1Rect, str] = O1Rect.AGGREGATE,
                  keep: int = 0, ridge: float = 1e-6) -> None:
-        """Start collecting the prompt's query trace for an O(1) seal (docs/o1.md).
+        """Start collecting the prompt's query trace for an O(1) seal (docs/o1.md): landmark
+        budget ``m`` (>= 4), exact window ``w`` (>= 1), ``sink`` rows kept for ever, the
+        far-field rectifier, ``keep`` far keys kept exact, the ``ridge`` of the pseudo-inverse
+        (parameters in full: :meth:`kvcache.o1_override.O1Override.begin`).
 
-        Parameters
-        ----------
-        m : int
-            Landmark budget (>= 4; a seal prompt shorter than 8*m uses t // 8, at least 4).
-        w : int
-            Exact window rows (>= 1).
-        sink : int
-            Sink rows kept exact for ever (>= 0).
-        rect : O1Rect or {"agg", "aggregate", "fm"}
-            Far-field rectifier.
-        keep : int
-            Far keys per KV group the seal keeps exact beside the sinks (>= 0, default 0: the
-            specified operator): the ones the last prompt queries attend most (docs/o1.md,
-            kept keys).  They cost ``keep * 2 * head_dim`` floats per group.
-        ridge : float
-            Ridge of the pseudo-inverse ``M``, relative to ``mean(diag(Au^T Au))``, in (0, 1]
-            (default 1e-6, the specified operator; larger is better conditioned, docs/o1.md).
-
-        Replaces any collecting trace.  Meant to be called on a fresh (cleared) layer; the
-        trace must then cover every position the layer holds when :meth:`o1_seal` runs.
-        A sealed layer has released its KV: call :meth:`clear` before beginning again.
-        """
-        m = as_int("m", m, minimum=4)
-        w = as_int("w", w, minimum=1)
-        sink = as_int("sink", sink, minimum=0)
-        keep = as_int("keep", keep, minimum=0)
-        ridge = check_ridge(ridge)
-        for name, value in (("m", m), ("w", w), ("sink", sink), ("sink + keep", sink + keep)):
-            if value > _O1_MAX:
-                raise ValueError(f"{name}: expected an integer <= {_O1_MAX}, got {value}")
-        rect = O1Rect.parse(rect)
-        if self.o1_sealed():
-            raise RuntimeError("o1_begin: this layer is sealed and its KV was released; "
-                               "call clear() before beginning a new O(1) prompt")
-        self._o1 = O1Collecting(m, w, sink, rect, self._hd, keep=keep, ridge=ridge)
-        self._o1_refused = None
+        Replaces any collecting trace; the trace must cover every position the layer holds
+        when :meth:`o1_seal` runs.  RuntimeError on a sealed layer (its KV was released:
+        :meth:`clear` first)."""
+        self._o1.begin(self._hd, m, w, sink, rect, keep, ridge)
 
     def o1_push_q(self, q_all: FloatArrayLike) -> None:
         """Append one prompt position's queries (num_heads, head_dim) -- or several,
         (n, num_heads, head_dim) -- to the trace.  Call it once per position, in order, before
         or after the position's append.  A no-op unless the layer is collecting."""
-        hd = self._hd
-        qa = as_f32("q_all", q_all)
-        if qa.ndim not in (1, 2, 3) or qa.size == 0 or qa.size % hd or (qa.ndim > 1 and qa.shape[-1] != hd):
-            raise ValueError(f"q_all: expected shape (num_heads, {hd}), (n, num_heads, {hd}) or a "
-                             f"flat vector of a positive multiple of {hd} floats, got {qa.shape}")
-        if isinstance(self.o1, O1Collecting):
-            self.o1.push(qa)
+        self._o1.push_q(self._hd, q_all)
 
     def o1_sealed(self) -> bool:
         """True when the layer is sealed (O(1) decode through :meth:`o1_step`)."""
-        return self.o1 is not None and bool(getattr(self.o1, "sealed", False))
+        return self._o1.sealed
 
     def o1_seal(self, num_heads: int, max_error: Optional[float] = None) -> bool:
-        """Freeze the prompt into per-group Nystrom states and release the layer's KV.
+        """Freeze the prompt into per-group Nystrom states and release the layer's KV; True
+        when the layer is sealed.
 
-        Idempotent: when the layer is not collecting, returns :meth:`o1_sealed` and changes
-        nothing.  Otherwise the collecting state is consumed.  The seal needs, with
-        ``t = seq_len``: t > 0, F32 storage, a trace of exactly ``t * num_heads * head_dim``
-        floats, ``num_heads`` a multiple of ``num_kv_heads``, and every KV head holding all t
-        rows.  When one fails, a warning is logged (logger ``"kvcache"``), ``o1`` becomes None,
-        the layer keeps its KV and stays exact, and False is returned.  On success the K/V
-        rows and the importance are released, ``seq_len`` stays t and True is returned (also
-        for a short prompt sealed in exact-only mode, see :class:`kvcache.o1.O1Sealed`).
-
-        Every seal that builds a state also estimates its error (:meth:`o1_error`, docs/o1.md:
-        the last prompt queries read as decode queries, against exact attention over the rows
-        about to be released).  With ``max_error`` (a relative error bound > 0), a seal whose
-        estimate is above it is refused: the state is dropped, a warning says why, ``o1``
-        becomes None, the layer keeps its rows exactly as they were and False is returned;
-        :meth:`o1_error` still reports the estimate.
-
-        Raises ValueError when ``num_heads`` is not a positive integer, TypeError/ValueError
-        when ``max_error`` is not None or a positive number (nothing changes).
+        Idempotent when the layer is not collecting.  A seal whose preconditions fail (float32
+        rows, a full trace, ``num_heads`` a multiple of ``num_kv_heads``, every head holding
+        every position), or whose error estimate (:meth:`o1_error`) is above ``max_error``,
+        is refused with a logged warning: ``o1`` becomes None, the layer keeps its rows and
+        stays exact, False.  On success the rows and importance are released and ``seq_len``
+        stays.  ValueError / TypeError for a bad ``num_heads`` or ``max_error``, before
+        anything changes.  In full: :meth:`kvcache.o1_override.O1Override.seal`, docs/o1.md.
         """
-        return self._o1_seal(_core, num_heads, max_error)
+        rows = (self._k.parts()[0], self._v.parts()[0])
+        state = self._o1.seal(self, num_heads, max_error, rows, self.kernels,
+                              _core.max_threads())
+        if state is None:
+            return self._o1.sealed
+        t = self._seq_len
+        self._reset_storage()          # rows, columns, importance (the linear state stays)
+        self._seq_len = t
+        self._gen.diverge()
+        return True
 
     def o1_error(self) -> Optional[O1Error]:
         """The error estimate of the last seal that built a state (:class:`kvcache.o1.O1Error`:
         ``per_head``, ``overall``), whether it was kept or refused by ``max_error``; None
         before any, while collecting, after :meth:`clear`, or for a state read from bytes."""
-        o1 = self._o1
-        if isinstance(o1, O1Sealed):
-            return o1.error
-        return self._o1_refused if o1 is None else None
-
-    def _o1_seal(self, kernels: ModuleType, num_heads: int,
-                 max_error: Optional[float] = None) -> bool:
-        """:meth:`o1_seal` with the prompt replayed by ``kernels.o1_absorb``."""
-        nh = as_int("num_heads", num_heads, minimum=1)
-        bound = check_max_error(max_error)
-        coll = self.o1
-        if not isinstance(coll, O1Collecting):
-            return self.o1_sealed()
-        reason = check_seal(self, coll, nh)
-        if reason is not None:
-            self._o1 = None
-            _log.warning("kvcache O(1): seal refused, the layer stays exact: %s", reason)
-            return False
-        t, hd = self._seq_len, self._hd
-        keys, values = self._k.parts()[0], self._v.parts()[0]
-        assert keys is not None and values is not None     # check_seal: an F32 layer
-        try:
-            trace = coll.trace.reshape(t, nh, hd)
-            # the seal's float64 products and solves on one BLAS thread: their bits would
-            # depend on BLAS's count (docs/threads.md, "BLAS"), so the state does not depend
-            # on the machine's cores or load
-            with BlasGovernor(1) as blas, blas.pinned():
-                state = O1Sealed.seal(trace, keys, values,
-                                      t=t, m=coll.m, w=coll.w, sink=coll.sink, rect=coll.rect,
-                                      kernels=kernels, n_threads=_core.max_threads(),
-                                      keep=coll.keep, ridge=coll.ridge)
-                state.error = estimate_error(state, trace, keys, values, t)
-        except BaseException:
-            self._o1 = coll          # e.g. MemoryError: nothing changed, still collecting
-            raise
-        if bound is not None and not state.error.overall <= bound:
-            self._o1 = None
-            self._o1_refused = state.error
-            _log.warning("kvcache O(1): seal refused, the layer stays exact: %s is above "
-                         "max_error=%g", state.error, bound)
-            return False
-        self._reset_storage()          # rows, columns, importance (the linear state stays)
-        self._seq_len = t
-        self._o1 = state
-        self._gen.diverge()
-        return True
-
-    def _sealed_state(self, what: str) -> O1Sealed:
-        o1 = self._o1
-        if not isinstance(o1, O1Sealed):
-            raise RuntimeError(f"{what}: the layer is not sealed (call o1_begin, push every prompt "
-                               f"position's queries with o1_push_q, then o1_seal)")
-        return o1
+        return self._o1.error()
 
     def o1_step(self, q_all: FloatArrayLike, k_new: FloatArrayLike, v_new: FloatArrayLike,
                 num_heads: int) -> F32:
-        """One O(1) decode step: insert (k_new, v_new) once per KV group, return every head's
-        attention output.
-
-        Parameters
-        ----------
-        q_all : array_like of shape (num_heads, head_dim) or (num_heads*head_dim,)
-        k_new, v_new : array_like of shape (num_kv_heads, head_dim) or flat
-        num_heads : int
-            Must be the value the layer was sealed with.
-
-        Returns
-        -------
-        ndarray of shape (num_heads, head_dim), float32
-
-        ``seq_len`` grows by one; nothing is stored per position.
-        """
-        return self._o1_step(_core, q_all, k_new, v_new, num_heads)
-
-    def _o1_step(self, kernels: ModuleType, q_all: FloatArrayLike, k_new: FloatArrayLike,
-                 v_new: FloatArrayLike, num_heads: int) -> F32:
-        """:meth:`o1_step` on ``kernels.o1_step``."""
-        nh = as_int("num_heads", num_heads, minimum=1)
-        state = self._sealed_state("o1_step")
-        if nh != state.num_heads:
-            raise ValueError(f"num_heads: expected {state.num_heads} (the value the layer was "
-                             f"sealed with), got {nh}")
-        nkv, hd = self._nkv, self._hd
-        q = as_f32("q_all", q_all, shapes=[(nh, hd), (nh * hd,)]).reshape(nh, hd)
-        k = as_f32("k_new", k_new, shapes=[(nkv, hd), (nkv * hd,)]).reshape(nkv, hd)
-        v = as_f32("v_new", v_new, shapes=[(nkv, hd), (nkv * hd,)]).reshape(nkv, hd)
-        if np.may_share_memory(k, state.win_k) or np.may_share_memory(v, state.win_v):
-            k, v = k.copy(), v.copy()
-        out = np.empty((nh, hd), dtype=_F32)
-        state.step(q, k, v, out, kernels, _core.max_threads())
+        """One O(1) decode step: ``k_new`` / ``v_new`` (num_kv_heads, head_dim) inserted once
+        per KV group, every head's output (num_heads, head_dim) float32 returned for ``q_all``
+        (num_heads, head_dim; flat arrays too).  ``num_heads`` must be the value the layer
+        was sealed with; ``seq_len`` grows by one, nothing is stored per position."""
+        out = self._o1.step(self._nkv, self._hd, q_all, k_new, v_new, num_heads, self.kernels,
+                            _core.max_threads())
         self._seq_len += 1
         return out
 
     def o1_views(self) -> Optional[list[O1DeviceView]]:
-        """One :class:`kvcache.O1DeviceView` per KV group, or None when the layer is not sealed
-        or was sealed in exact-only mode."""
-        o1 = self._o1
-        return o1.views() if isinstance(o1, O1Sealed) else None
+        """One :class:`kvcache.O1DeviceView` per KV group; None unless sealed with a state."""
+        return self._o1.views()
 
     def o1_memory_bytes(self) -> int:
-        """Bytes of the O(1) state: 4 per collected trace float while collecting, the sealed
-        state's arrays once sealed (docs/o1.md), 0 otherwise.  Included in memory_bytes()."""
-        o1 = self.o1
-        if isinstance(o1, (O1Collecting, O1Sealed)):
-            return o1.memory_bytes()
-        return 0
+        """Bytes of the O(1) trace or sealed state (docs/o1.md); part of memory_bytes()."""
+        return self._o1.memory_bytes()
 
     def o1_snapshot(self) -> O1Snapshot:
         """A copy of the sealed state's ring, far accumulators and seq_len (speculative decode).
 
         Restore it with :meth:`o1_restore` to roll back, bit for bit, the steps taken since."""
-        return self._sealed_state("o1_snapshot").snapshot(self._seq_len)
+        return self._o1.snapshot(self._seq_len)
 
     def o1_restore(self, snapshot: O1Snapshot) -> None:
         """Put back a snapshot taken by :meth:`o1_snapshot` on this same sealed state."""
-        if not isinstance(snapshot, O1Snapshot):
-            raise TypeError(f"snapshot: expected an O1Snapshot from o1_snapshot(), got "
-                            f"{type(snapshot).__name__}")
-        state = self._sealed_state("o1_restore")
-        if not state.owns(snapshot):
-            raise ValueError("snapshot: it was taken from another O(1) state (another layer, or "
-                             "before a clear/re-seal); it cannot be restored here")
-        state.restore(snapshot)
-        self._seq_len = snapshot.seq_len
+        self._seq_len = self._o1.restore(snapshot)
         self._gen.diverge()

@@ -21,7 +21,9 @@ the seal's kept-key choice and error estimate written from their definitions.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -537,40 +539,58 @@ def _this() -> ModuleType:
     return sys.modules[__name__]
 
 
+@contextlib.contextmanager
+def _on_twins(obj: Any) -> Iterator[None]:
+    """Run ``obj`` (a layer or a static cache) on this module's kernels for one call: its
+    ``kernels`` attribute names the kernel module it calls."""
+    obj.kernels = _this()
+    try:
+        yield
+    finally:
+        del obj.kernels                     # back to the class's: the compiled kernels
+
+
 def attend_all_heads(layer: LayerKvCache, q: FloatArrayLike, *, scale: float | None = None,
                      window: int | None = None, softcap: float = 0.0,
                      out: F32 | None = None, prefill: bool | None = None) -> F32:
     """``layer.attend_all_heads`` run on the NumPy kernels (adds importance like the real one)."""
-    return layer._attend_all_heads(_this(), q, scale, window, softcap, out, prefill)
+    with _on_twins(layer):
+        return layer.attend_all_heads(q, scale=scale, window=window, softcap=softcap, out=out,
+                                      prefill=prefill)
 
 
 def attend(layer: LayerKvCache, q: FloatArrayLike, kv_head: int) -> tuple[F32, F32]:
     """``layer.attend`` run on the NumPy kernels."""
-    return layer._attend(_this(), q, kv_head)
+    with _on_twins(layer):
+        return layer.attend(q, kv_head)
 
 
 def attend_group(layer: LayerKvCache, q_group: FloatArrayLike, kv_head: int, out: F32,
                  imp_acc: F32, scale: float, first: int, softcap: float) -> None:
     """``layer.attend_group`` run on the NumPy kernels."""
-    layer._attend_group(_this(), q_group, kv_head, out, imp_acc, scale, first, softcap)
+    with _on_twins(layer):
+        layer.attend_group(q_group, kv_head, out, imp_acc, scale, first, softcap)
 
 
 def o1_seal(layer: LayerKvCache, num_heads: int) -> bool:
     """``layer.o1_seal`` with the prompt replayed by the NumPy ``o1_absorb``."""
-    return layer._o1_seal(_this(), num_heads)
+    with _on_twins(layer):
+        return layer.o1_seal(num_heads)
 
 
 def o1_step_layer(layer: LayerKvCache, q_all: FloatArrayLike, k_new: FloatArrayLike,
                   v_new: FloatArrayLike, num_heads: int) -> F32:
     """``layer.o1_step`` run on the NumPy ``o1_step``."""
-    return layer._o1_step(_this(), q_all, k_new, v_new, num_heads)
+    with _on_twins(layer):
+        return layer.o1_step(q_all, k_new, v_new, num_heads)
 
 
 def static_attend(cache: StaticKvCache, layer: int, q: FloatArrayLike, *,
                   scale: float | None = None, softcap: float = 0.0,
                   window: int | None = None) -> F32:
     """``StaticKvCache.attend`` run on the NumPy kernels."""
-    return cache._attend(_this(), layer, q, scale, softcap, window)
+    with _on_twins(cache):
+        return cache.attend(layer, q, scale=scale, softcap=softcap, window=window)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -69,6 +69,9 @@ class StaticKvCache(SlotCache):
 
     _n_slots = 2
     capacity_axis = 2
+    #: the kernel module :meth:`attend` calls: kvcache._core (kvcache.reference's twin sets it
+    #: for one call)
+    kernels: ModuleType = _core
 
     def __init__(self, n_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
                  dtype: npt.DTypeLike = np.float32, device: str = "cpu") -> None:
@@ -234,11 +237,7 @@ class StaticKvCache(SlotCache):
         storage, which is already their head-major ``(nkv, capacity, hd)`` layout: nothing is
         copied.
         """
-        return self._attend(_core, layer, q, scale, softcap, window)
-
-    def _attend(self, kernels: ModuleType, layer: int, q: FloatArrayLike, scale: Optional[float],
-                softcap: float, window: Optional[int]) -> npt.NDArray[np.float32]:
-        """:meth:`attend` on the kernel module ``kernels`` (``_core`` or its NumPy twin)."""
+        kernels = self.kernels
         li, slots = self._populated(layer, "attend")
         if self._dtype != _F32:
             raise TypeError(f"attend: needs a float32 cache (the compiled kernel reads float32 "

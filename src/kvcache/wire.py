@@ -539,7 +539,7 @@ def _open(buf: object, kind: int, fingerprint: Optional[_Fingerprint]) -> _Reade
 def layer_plan(layer: LayerKvCache, f16: bool = False) -> _Plan:
     """The body pieces of one layer (layout: the module docstring), read through the layer's
     state object (no copies)."""
-    return state_plan(layer._export_state(), f16)
+    return state_plan(layer.state(), f16)
 
 
 def state_plan(st: LayerState, f16: bool = False) -> _Plan:
@@ -673,7 +673,7 @@ def _rows_bytes(n: int, hd: int, quantised: bool, scale_bytes: int, itemsize: in
 def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
                 head_dim: Optional[int] = None) -> LayerState:
     """Parse and validate one layer body; return an owned state for
-    ``LayerKvCache._install_state``."""
+    ``LayerKvCache.install``."""
     nkv, hd, qk, qv, o1_kind, f16, code, res8, res16 = rd.unpack("IIBBBBBBH", "layer geometry")
     reserved = res8 | res16
     if num_kv_heads is not None and (nkv, hd) != (num_kv_heads, head_dim):
@@ -851,7 +851,7 @@ def _parse_sealed(rd: _Reader, nkv: int, hd: int, seq_len: int, budget: int) -> 
 def export_wire(layer: LayerKvCache, f16: bool = False) -> bytes:
     """The legacy layout of ``layer`` (see the module docstring); WireError for what it
     cannot describe."""
-    st = layer._export_state()
+    st = layer.state()
     if not st.mode.is_f32:
         what = ", ".join(([f"int8 scheme {st.mode.scheme!r}"] if st.mode.scheme else [])
                          + (["4-bit keys"] if st.mode.k4 else [])
@@ -890,7 +890,7 @@ def export_wire(layer: LayerKvCache, f16: bool = False) -> bytes:
 
 def import_wire(layer: LayerKvCache, buf: _Buffer) -> LayerState:
     """Parse and validate a legacy buffer; return an owned state for
-    ``LayerKvCache._install_state`` (F32, no columns, no O(1) state, the layer's
+    ``LayerKvCache.install`` (F32, no columns, no O(1) state, the layer's
     linear_scratch kept)."""
     u8 = _as_u8(buf)
     rd = _Reader(u8, what="kv import")
@@ -1048,5 +1048,5 @@ def model_from_bytes(cls: type[_Model], buf: _Buffer,
     rd.done()
     model = cls(n_layers, nkv, hd, max_seq_len=max_seq, policy=policy, mode=mode)
     for layer, st in zip(model.layers, states):
-        layer._install_state(st, any_scheme=True)       # each layer as it was saved
+        layer.install(st, any_scheme=True)       # each layer as it was saved
     return model

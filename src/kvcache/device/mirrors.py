@@ -1,9 +1,9 @@
 """Incremental device mirrors of kvcache's caches (see :mod:`kvcache.device`).
 
 A mirror reads its cache only through the cache's state interface and public methods: a
-LayerKvCache through ``_export_state()`` (:class:`kvcache._state.LayerState`) and its public
+LayerKvCache through ``state()`` (:class:`kvcache._state.LayerState`) and its public
 ``generation`` / ``unchanged_prefix``; a slot cache (latent, static) through
-:meth:`kvcache._slots.SlotCache.slot_state`.
+:meth:`kvcache._slots.SlotCache.state`.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ class LayerMirror(Mirror):
     _cache: LayerKvCache
 
     def _setup(self, cache: Any, backend: str, device: Any) -> None:
-        st = cache._export_state()
+        st = cache.state()
         nkv, hd = st.num_kv_heads, st.head_dim
         self._mode: Any = None
         self._lens: npt.NDArray[np.intp] = np.zeros(nkv, dtype=np.intp)
@@ -230,7 +230,7 @@ class LayerMirror(Mirror):
     # ---------------------------------------------------------------- sync
     def _sync(self, full: bool, gen: int) -> SyncStats:
         c = self._cache
-        st = c._export_state()
+        st = c.state()
         if isinstance(st.o1, O1Sealed):
             return self._sync_o1(st.o1, st.seq_len, full, gen)
         if self._o1 is not None or st.mode != self._mode:
@@ -542,7 +542,7 @@ class _SlotMirror(Mirror):
         if c.n_layers != len(self._layers):
             raise ValueError(f"cache: its list of layers was resized ({len(self._layers)} -> "
                              f"{c.n_layers}) since this mirror was made; make a new Mirror")
-        state = c.slot_state("sync")          # validates every storage
+        state = c.state("sync")          # validates every storage
         hosts = state.storages
         if [h is not None for h in hosts] != [d is not None for d in self._layers]:
             full = True

@@ -5,8 +5,8 @@ A prompt's token ids are cut into blocks of ``block`` positions; block i's key i
 over the ids of blocks 0..i, the fingerprint, the KV mode, the geometry and the block size
 (:mod:`kvcache.store.keys`).  An entry holds the block's rows on every layer and head (K, V,
 their int8 scales, importance, and in q8 modes the layer's frozen column fields) in the layout
-of :mod:`kvcache.store.entry`.  Layers are read with ``_export_state`` and replaced with
-``_install_state`` (:class:`kvcache._state.LayerState`), never through their fields.
+of :mod:`kvcache.store.entry`.  Layers are read with ``state`` and replaced with
+``install`` (:class:`kvcache._state.LayerState`), never through their fields.
 
 What a cache must be (else ValueError, nothing stored or loaded):
 
@@ -230,7 +230,7 @@ class PrefixStore:
         Raises ValueError/TypeError for bad inputs (nothing is stored)."""
         arr = as_ids(ids)
         geom = self._geometry(cache)
-        states = [layer._export_state() for layer in cache.layers]
+        states = [layer.state() for layer in cache.layers]
         for i, st in enumerate(states):
             _check_state(i, st, arr.shape[0], "put")
         if self._down is not None:
@@ -286,7 +286,7 @@ class PrefixStore:
         docs/store.md)."""
         arr = as_ids(ids)
         geom = self._geometry(cache)
-        states = [layer._export_state() for layer in cache.layers]
+        states = [layer.state() for layer in cache.layers]
         m = states[0].seq_len                # _geometry: at least one layer
         for i, st in enumerate(states):
             _check_state(i, st, m, "load")
@@ -316,7 +316,7 @@ class PrefixStore:
         for st in new_states:            # every layer checked before any is installed
             st.check(geom.num_kv_heads, geom.head_dim)
         for layer, st in zip(cache.layers, new_states):
-            layer._install_state(st)
+            layer.install(st)
         return loaded
 
     # ------------------------------------------------------------------ internals

@@ -50,7 +50,7 @@ def fill(layer: kc.LayerKvCache, seed: int, n: int, dead: bool = True) -> None:
 
 
 def record(out: dict[str, np.ndarray], name: str, layer: kc.LayerKvCache) -> None:
-    st = layer._export_state()
+    st = layer.state()
     out[f"{name}/seq_len"] = np.array(st.seq_len, np.int64)
     out[f"{name}/mode"] = np.array([st.mode.quant_k, st.mode.quant_v], np.uint8)
     for f in STATE_FIELDS:
