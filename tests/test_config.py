@@ -3,7 +3,7 @@
 import io
 
 import kvcache as kc
-from kvcache import _config, wire
+from kvcache import _config, _wire_io
 
 
 def test_show_config_prints_every_fact():
@@ -19,7 +19,7 @@ def test_show_config_prints_every_fact():
 
 def test_wire_digest_names_the_fallback(monkeypatch):
     assert _config.config_info()["wire_digest"].startswith("XXH3-64")
-    monkeypatch.setattr(wire, "_xxhash", lambda: None)
+    monkeypatch.setattr(_wire_io, "xxhash_module", lambda: None)
     assert "CRC-32" in _config.config_info()["wire_digest"]
 
 

@@ -19,7 +19,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings, strategies as hst
 
 import kvcache as kc
-from kvcache import wire
+from kvcache import _wire_io, wire
 
 F32 = kc.KvMode.F32
 MODES = [kc.KvMode.F32, kc.KvMode.Q8(), kc.KvMode.Q8(k=True, v=False), kc.KvMode.Q8(k=False, v=True),
@@ -306,7 +306,7 @@ def test_golden_bytes_versioned(monkeypatch):
     d = kc.LayerKvCache(1, 2, mode=F32)
     d.from_bytes(v2, fingerprint=fp)
     assert d.head_keys(0).tolist() == [[1.0, 2.0]] and d.head_values(0).tolist() == [[3.0, 4.0]]
-    monkeypatch.setattr(wire, "_xxhash", lambda: None)                   # the zlib fallback
+    monkeypatch.setattr(_wire_io, "xxhash_module", lambda: None)                   # the zlib fallback
     crc = c.to_bytes(fingerprint=fp)
     assert crc[11] == wire.ALG_CRC32
     assert crc[:-8] == expect[:11] + bytes([wire.ALG_CRC32]) + expect[12:-8]
@@ -317,7 +317,7 @@ def test_crc32_buffers_read_everywhere_xxh3_needs_xxhash(monkeypatch):
     c = filled(F32, n=10)
     xx = c.to_bytes()
     assert xx[11] == wire.ALG_XXH3
-    monkeypatch.setattr(wire, "_xxhash", lambda: None)
+    monkeypatch.setattr(_wire_io, "xxhash_module", lambda: None)
     crc = c.to_bytes()
     d = kc.LayerKvCache(2, 8, mode=F32)
     d.from_bytes(crc)

@@ -19,14 +19,13 @@ point to.  Take a copy to keep a snapshot.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Optional, Union
 
 import numpy as np
 import numpy.typing as npt
 
-from . import quant, wire
+from . import quant
 from ._state import LayerState, scheme_conflict
 from ._validate import (FloatArrayLike, IntArrayLike, as_f32, as_f32_scalar, as_index, as_int,
                         out_f32, readonly, readonly_or_none)

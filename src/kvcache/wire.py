@@ -9,35 +9,9 @@ The same layouts, with the reasoning behind them, are in docs/formats.md.  Layer
 installed through their state object (:class:`kvcache._state.LayerState`), never through
 their fields.
 
-Legacy layout (``LayerKvCache.export_wire`` / ``import_wire``)
---------------------------------------------------------------
-No magic, no version, no checksum (byte-compatible with the upstream engine)::
-
-    u32 f16_flag            1 when K/V rows are binary16, else 0 (import: non-zero = f16)
-    u32 seq_len
-    u32 num_kv_heads
-    u32 head_dim
-    u32 n_lin               floats of linear_state
-    u32 n_imp               floats of importance
-    f32 x n_lin             linear_state (always f32)
-    f32 x n_imp             importance (always f32)
-    per KV head h = 0 .. num_kv_heads-1:
-        u32 n_k             floats of head h's keys (rows * head_dim; 0 for a dead head)
-        n_k x f32|f16       keys, row-major
-        u32 n_v
-        n_v x f32|f16       values
-
-Export refuses (in this order) a cache stored as int8 (any q8 mode, in either int8 scheme:
-the layout has no place for int8 rows, so a "rows" cache cannot be converted to it either), one
-with O(1) state (collecting or sealed), and one with frozen columns: the layout cannot describe
-them.  f16 is
-NumPy's IEEE conversion (round to nearest even, also for subnormals, where the upstream writer
-rounds half up).  Import checks the geometry first (the message names both shapes, e.g.
-"peer sent 2×4 per position, this layer is 2×8"), then the lengths (each head's rows a whole
-number of head_dim, K and V rows equal, at most seq_len rows, importance for at most seq_len
-positions -- upstream's linear-core layers send none), refuses trailing bytes, and installs atomically: the layer becomes F32 with the
-parsed rows, importance and linear state; columns and O(1) state are reset; linear_scratch is
-kept.
+The legacy layout (``export_wire`` / ``import_wire``) is laid out in :mod:`kvcache._wire_legacy`;
+the constants, digests, writer and reader both formats use are in :mod:`kvcache._wire_io`.
+This module re-exports what callers use of them.
 
 Versioned format (``to_bytes`` / ``from_bytes``, ``KvCache.save`` / ``KvCache.load``)
 ------------------------------------------------------------------------------------
@@ -136,15 +110,21 @@ from __future__ import annotations
 import os
 import struct
 import uuid
-import zlib
-from typing import TYPE_CHECKING, Any, BinaryIO, Optional, Protocol, TypeVar, Union, cast
+from typing import TYPE_CHECKING, Optional, TypeVar, Union
 
 import numpy as np
 import numpy.typing as npt
 
-from . import _core, quant
+from . import quant
 from ._state import LayerState, scheme_conflict
 from ._entry import K4_BLOCK, K4_RING, ring_slots
+from ._wire_io import (ALG_CRC32, ALG_NAMES as _ALG_NAMES, ALG_XXH3,
+                       F16_LE as _F16, F32_LE as _F32, I8 as _I8, KIND_LAYER, KIND_MODEL, MAGIC,
+                       READ_VERSIONS, U8 as _U8, U16_LE as _U16, VERSION, BufferLike, Fingerprint,
+                       Hasher, Plan as _Plan, Reader as _Reader, WireError,
+                       as_u8 as _as_u8, default_algorithm, digest, digest_name, fresh as _fresh,
+                       hasher, pad as _pad, to_f32 as _f32)
+from ._wire_legacy import export_wire, import_wire
 from .eviction import EvictionPolicy
 from .modes import KvMode
 from .o1 import EXACT_EXTRA, RIDGE, O1Collecting, O1Rect, O1Sealed
@@ -154,205 +134,59 @@ if TYPE_CHECKING:
     from .model import KvCache
 
 __all__ = ["WireError", "MAGIC", "VERSION", "READ_VERSIONS", "KIND_LAYER", "KIND_MODEL", "ALG_XXH3", "ALG_CRC32",
-           "default_algorithm", "digest", "BufferLike", "Fingerprint"]
+           "default_algorithm", "digest", "digest_name", "hasher", "Hasher", "BufferLike",
+           "Fingerprint", "export_wire", "import_wire"]
 
-MAGIC = b"\x89KVCACHE"
-VERSION = 3
-READ_VERSIONS = (1, 2, 3)           # versions a reader takes (module docstring, "Versions")
-KIND_LAYER = 1
-KIND_MODEL = 2
-ALG_XXH3 = 1
-ALG_CRC32 = 2
-_ALG_NAMES = {ALG_XXH3: "XXH3-64", ALG_CRC32: "CRC-32"}
+
+
+
+
+
+
+
 _HEADER_FIXED = 28
-_CHUNK = quant.COPY_CHUNK_BYTES  # bytes copied, then hashed while still in L2, per step
 _MAX_FINGERPRINT = 1 << 16
 MAX_POSITIONS = 1 << 48          # larger seq_len / far_len values are refused as implausible
 _ALLOC_FACTOR = 64               # a layer body may not make the reader allocate more than this
 _ALLOC_SLACK = 16 << 20          # many times its own size (plus this), e.g. through dead heads
 
-_F32 = np.dtype("<f4")
-_F16 = np.dtype("<f2")
-_I8 = np.dtype("i1")
-_U8 = np.dtype("u1")
-_U16 = np.dtype("<u2")
 
 
-BufferLike = Union[bytes, bytearray, memoryview, npt.NDArray[Any]]
-"""What the readers accept: any C-contiguous bytes-like object."""
-Fingerprint = Union[bytes, bytearray, memoryview, str]
-"""A fingerprint: bytes, or a str stored as UTF-8."""
-_Buffer = BufferLike
-_Fingerprint = Fingerprint
+
+
+
+
+
+
+
 _Path = Union[str, "os.PathLike[str]"]
 _Model = TypeVar("_Model", bound="KvCache")
-_Piece = Union[bytes, tuple[npt.NDArray[Any], np.dtype[Any]]]
 
 
-class Hasher(Protocol):
-    """What a digest needs: xxhash's hashers and :class:`_Crc32`."""
-
-    def update(self, data: Any) -> None: ...
-
-    def intdigest(self) -> int: ...
 
 
-class WireError(ValueError):
-    """A buffer that is not a valid kvcache buffer for this target (nothing was installed)."""
 
 
 # ---------------------------------------------------------------------------------- digests
-class _Crc32:
-    """zlib.crc32 with the update/intdigest interface of xxhash's hashers."""
-
-    def __init__(self) -> None:
-        self._v = 0
-
-    def update(self, data: Any) -> None:
-        self._v = zlib.crc32(data, self._v)
-
-    def intdigest(self) -> int:
-        return self._v
 
 
-def _xxhash() -> Any:
-    """The ``xxhash`` module, or None when it is not installed."""
-    try:
-        import xxhash
-    except ImportError:
-        return None
-    return xxhash
 
 
-def digest_name() -> str:
-    """What the digest of a buffer written now is, in words (for show_config)."""
-    xxhash = _xxhash()
-    if xxhash is not None:
-        return f"XXH3-64 (xxhash {getattr(xxhash, 'VERSION', '?')})"
-    return "CRC-32 (zlib; install xxhash for XXH3-64, and to read XXH3 buffers)"
 
 
-def default_algorithm() -> int:
-    """The digest a writer uses: XXH3-64 when ``xxhash`` is installed, else CRC-32."""
-    return ALG_XXH3 if _xxhash() is not None else ALG_CRC32
 
 
-def hasher(alg: int) -> Hasher:
-    """A streaming hasher for algorithm ``alg``: ``update(bytes-like)`` then ``intdigest()``
-    gives :func:`digest` of the concatenated updates (the store's entries use it); WireError
-    for an algorithm this kvcache cannot compute."""
-    if alg == ALG_XXH3:
-        xxhash = _xxhash()
-        if xxhash is None:
-            raise WireError("the buffer's digest is XXH3-64, which needs the 'xxhash' package "
-                            "(pip install xxhash, or the kvcache[wire] extra)")
-        hasher: Hasher = xxhash.xxh3_64()
-        return hasher
-    if alg == ALG_CRC32:
-        return _Crc32()
-    raise WireError(f"unknown digest algorithm {alg} (this kvcache knows "
-                    f"{', '.join(f'{k} = {v}' for k, v in _ALG_NAMES.items())})")
 
 
-def digest(alg: int, data: npt.NDArray[np.uint8]) -> int:
-    """The digest ``alg`` (:data:`ALG_XXH3` or :data:`ALG_CRC32`) of the bytes ``data`` (a
-    uint8 array), hashed in the same steps as a reader does; WireError for an algorithm this
-    kvcache cannot compute."""
-    h = hasher(alg)
-    for i in range(0, len(data), 8 * _CHUNK):
-        h.update(data[i: i + 8 * _CHUNK])
-    return h.intdigest()
 
 
 
 
 # ---------------------------------------------------------------------------------- writing
-def _pad(n: int) -> int:
-    return -n % 8
 
 
-class _Plan:
-    """The pieces of a buffer, in order: small ``bytes`` and NumPy arrays written raw
-    (as ``dtype``: f32 arrays may be written as f16).  Offsets follow from the sizes."""
-
-    def __init__(self) -> None:
-        self.pieces: list[_Piece] = []
-        self.size = 0
-
-    def raw(self, data: bytes) -> None:
-        self.pieces.append(bytes(data))
-        self.size += len(data)
-
-    def pack(self, fmt: str, *values: Any) -> None:
-        self.raw(struct.pack("<" + fmt, *values))
-
-    def pad8(self) -> None:
-        if self.size % 8:
-            self.raw(bytes(_pad(self.size)))
-
-    def array(self, arr: npt.NDArray[Any], dtype: Optional[npt.DTypeLike] = None,
-              pad: bool = True) -> None:
-        """Write ``arr`` (any shape, C order) as ``dtype`` (default its own, little-endian),
-        then pad to a multiple of 8 unless ``pad`` is False (the legacy layout has no padding)."""
-        arr = np.ascontiguousarray(arr)
-        dt = np.dtype(dtype or arr.dtype).newbyteorder("<")
-        if arr.size:
-            self.pieces.append((arr.reshape(-1), dt))
-            self.size += arr.size * dt.itemsize
-        if pad:
-            self.pad8()
-
-    def extend(self, other: _Plan) -> None:
-        """Append every piece of another plan."""
-        self.pieces += other.pieces
-        self.size += other.size
-
-    def write_into(self, out: npt.NDArray[np.uint8], hasher: Optional[Hasher] = None) -> int:
-        """Copy every piece into ``out`` (uint8, len >= size), hashing what it writes."""
-        pos = 0
-        for piece in self.pieces:
-            if isinstance(piece, bytes):
-                n = len(piece)
-                out[pos: pos + n] = np.frombuffer(piece, np.uint8)
-                if hasher is not None:
-                    hasher.update(out[pos: pos + n])
-                pos += n
-                continue
-            src, dtype = piece
-            step = max(_CHUNK // dtype.itemsize, 1)
-            nbytes = src.size * dtype.itemsize
-            dst = out[pos: pos + nbytes].view(dtype)
-            for i in range(0, src.size, step):
-                j = min(i + step, src.size)
-                np.copyto(dst[i:j], src[i:j], casting="unsafe")
-                if hasher is not None:
-                    hasher.update(out[pos + i * dtype.itemsize: pos + j * dtype.itemsize])
-            pos += nbytes
-        return pos
-
-    def write_file(self, fh: BinaryIO, hasher: Hasher) -> None:
-        """Stream every piece to a binary file object, hashing what it writes."""
-        buf = np.empty(_CHUNK, np.uint8)
-        for piece in self.pieces:
-            if isinstance(piece, bytes):
-                fh.write(piece)
-                hasher.update(piece)
-                continue
-            src, dtype = piece
-            step = max(_CHUNK // dtype.itemsize, 1)
-            for i in range(0, src.size, step):
-                j = min(i + step, src.size)
-                n = (j - i) * dtype.itemsize
-                chunk = buf[:n]
-                np.copyto(chunk.view(dtype), src[i:j], casting="unsafe")
-                fh.write(chunk.data)
-                hasher.update(chunk)
 
 
-def _fresh(n: int) -> tuple[bytes, npt.NDArray[np.uint8]]:
-    """A new bytes object of n bytes and a writable uint8 view of it (see _core.fresh_bytes)."""
-    b, writer = _core.fresh_bytes(n)
-    return b, np.frombuffer(memoryview(writer), np.uint8)
 
 
 def _header(plan: _Plan, kind: int, alg: int, fp: bytes, total: int) -> None:
@@ -381,7 +215,7 @@ def _as_fingerprint(fingerprint: object) -> Optional[bytes]:
     return fp
 
 
-def _framed(body: _Plan, kind: int, fingerprint: Optional[_Fingerprint]) -> tuple[_Plan, int]:
+def _framed(body: _Plan, kind: int, fingerprint: Optional[Fingerprint]) -> tuple[_Plan, int]:
     """The header and ``body`` as one plan (the digest follows it), and the digest algorithm."""
     fp = _as_fingerprint(fingerprint) or b""
     alg = default_algorithm()
@@ -391,7 +225,7 @@ def _framed(body: _Plan, kind: int, fingerprint: Optional[_Fingerprint]) -> tupl
     return plan, alg
 
 
-def _finish(body: _Plan, kind: int, fingerprint: Optional[_Fingerprint]) -> bytes:
+def _finish(body: _Plan, kind: int, fingerprint: Optional[Fingerprint]) -> bytes:
     """bytes of a whole buffer: header + body plan + digest."""
     plan, alg = _framed(body, kind, fingerprint)
     out_bytes, out = _fresh(plan.size + 8)
@@ -402,7 +236,7 @@ def _finish(body: _Plan, kind: int, fingerprint: Optional[_Fingerprint]) -> byte
     return out_bytes
 
 
-def _save(path: _Path, body: _Plan, kind: int, fingerprint: Optional[_Fingerprint]) -> None:
+def _save(path: _Path, body: _Plan, kind: int, fingerprint: Optional[Fingerprint]) -> None:
     """Write header + body + digest to ``path`` atomically (temp file, fsync, rename)."""
     plan, alg = _framed(body, kind, fingerprint)
     path = os.fspath(path)
@@ -436,69 +270,11 @@ def _save(path: _Path, body: _Plan, kind: int, fingerprint: Optional[_Fingerprin
 
 
 # ---------------------------------------------------------------------------------- reading
-class _Reader:
-    """Bounds-checked reads from a uint8 array; arrays come back as views (no copy)."""
-
-    def __init__(self, buf: npt.NDArray[np.uint8], start: int = 0, end: Optional[int] = None,
-                 what: str = "buffer", version: int = VERSION) -> None:
-        self.buf = buf
-        self.pos = start
-        self.end = len(buf) if end is None else end
-        self.what = what
-        self.version = version           # the format version of the buffer being read
-
-    def _take(self, n: int, field: str) -> int:
-        if n < 0 or self.pos + n > self.end:
-            raise WireError(f"{self.what}: truncated: {field} needs {n} bytes at offset "
-                            f"{self.pos}, {max(self.end - self.pos, 0)} left")
-        p = self.pos
-        self.pos += n
-        return p
-
-    def unpack(self, fmt: str, field: str) -> tuple[Any, ...]:
-        fmt = "<" + fmt
-        p = self._take(struct.calcsize(fmt), field)
-        return struct.unpack_from(fmt, self.buf.data, p)
-
-    def bytes(self, n: int, field: str) -> bytes:
-        p = self._take(n, field)
-        return bytes(self.buf[p: p + n])
-
-    def array(self, dtype: npt.DTypeLike, count: int, field: str,
-              pad: bool = True) -> npt.NDArray[Any]:
-        dtype = np.dtype(dtype)
-        if count < 0:
-            raise WireError(f"{self.what}: {field}: negative length {count}")
-        p = self._take(count * dtype.itemsize, field)
-        out = self.buf[p: p + count * dtype.itemsize].view(dtype)
-        if pad:
-            self.pad8(field)
-        return out
-
-    def pad8(self, field: str) -> None:
-        n = _pad(self.pos)
-        if n:
-            p = self._take(n, f"padding after {field}")
-            if self.buf[p: p + n].any():
-                raise WireError(f"{self.what}: non-zero padding after {field} at offset {p}")
-
-    def done(self) -> None:
-        if self.pos != self.end:
-            raise WireError(f"{self.what}: {self.end - self.pos} unexpected bytes after offset "
-                            f"{self.pos}")
 
 
-def _as_u8(buf: object) -> npt.NDArray[np.uint8]:
-    try:
-        mv = memoryview(cast(Any, buf))       # anything with the buffer protocol
-    except TypeError:
-        raise TypeError(f"buf: expected a bytes-like object, got {type(buf).__name__}") from None
-    if not mv.c_contiguous:
-        raise WireError("buf: expected a C-contiguous buffer")
-    return np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, np.uint8)
 
 
-def _open(buf: object, kind: int, fingerprint: Optional[_Fingerprint]) -> _Reader:
+def _open(buf: object, kind: int, fingerprint: Optional[Fingerprint]) -> _Reader:
     """Verify the header and the digest of a versioned buffer; return a reader at its body."""
     fp_want = _as_fingerprint(fingerprint)
     u8 = _as_u8(buf)
@@ -658,9 +434,6 @@ def _mode(qk: int, qv: int, code: int, version: int) -> KvMode:
     return KvMode.Q8(k=bool(qk), v=bool(qv), scheme=scheme) if quantised else KvMode.F32
 
 
-def _f32(view: npt.NDArray[Any], shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
-    """A native float32 copy of a little-endian f32/f16 view, reshaped."""
-    return np.array(view, dtype=np.float32).reshape(shape)
 
 
 def _rows_bytes(n: int, hd: int, quantised: bool, scale_bytes: int, itemsize: int) -> int:
@@ -848,116 +621,19 @@ def _parse_sealed(rd: _Reader, nkv: int, hd: int, seq_len: int, budget: int) -> 
 
 
 # ---------------------------------------------------------------------------------- legacy
-def export_wire(layer: LayerKvCache, f16: bool = False) -> bytes:
-    """The legacy layout of ``layer`` (see the module docstring); WireError for what it
-    cannot describe."""
-    st = layer.state()
-    if not st.mode.is_f32:
-        what = ", ".join(([f"int8 scheme {st.mode.scheme!r}"] if st.mode.scheme else [])
-                         + (["4-bit keys"] if st.mode.k4 else [])
-                         + (["4-bit values"] if st.mode.v4 else []))
-        raise WireError(f"export_wire: the legacy layout describes F32 caches only; this layer is "
-                        f"{st.mode!r}, {what} (use to_bytes, which carries int8 storage in either "
-                        f"scheme and 4-bit storage)")
-    if st.o1 is not None:
-        raise WireError("export_wire: a Nyström overlay (O(1) state) is not part of this format "
-                        "(use to_bytes)")
-    if st.any_col_frozen():
-        raise WireError("export_wire: frozen columns under an F32 cache are not part of this format")
-    f16 = bool(f16)
-    nkv, hd = st.num_kv_heads, st.head_dim
-    rows = _F16 if f16 else _F32
-    biggest = max([st.seq_len, st.linear_state.size, st.importance.size]
-                  + [int(n) * hd for n in st.lengths])
-    if biggest >= 1 << 32:
-        raise WireError(f"export_wire: a count of {biggest} does not fit the layout's u32 fields "
-                        "(use to_bytes)")
-    stores = st.stores()
-    plan = _Plan()
-    plan.pack("6I", int(f16), st.seq_len, nkv, hd, st.linear_state.size, st.importance.size)
-    plan.array(st.linear_state, _F32, pad=False)
-    plan.array(st.importance, _F32, pad=False)
-    for h in range(nkv):
-        n = int(st.lengths[h])
-        for store in (stores["kf"], stores["vf"]):
-            plan.pack("I", n * hd)
-            plan.array(store[h, :n], rows, pad=False)
-    out_bytes, out = _fresh(plan.size)
-    plan.write_into(out)
-    del out
-    return out_bytes
 
 
-def import_wire(layer: LayerKvCache, buf: _Buffer) -> LayerState:
-    """Parse and validate a legacy buffer; return an owned state for
-    ``LayerKvCache.install`` (F32, no columns, no O(1) state, the layer's
-    linear_scratch kept)."""
-    u8 = _as_u8(buf)
-    rd = _Reader(u8, what="kv import")
-    try:
-        f16, seq_len, heads, hd, n_lin, n_imp = rd.unpack("6I", "header")
-    except WireError:
-        raise WireError(f"kv import: truncated header ({len(u8)} bytes, the header has 24)") from None
-    nkv, want_hd = layer.num_kv_heads, layer.head_dim
-    if (heads, hd) != (nkv, want_hd):
-        raise WireError(f"kv import: peer sent {heads}×{hd} per position, this layer is "
-                        f"{nkv}×{want_hd}")
-    rows_dtype = _F16 if f16 else _F32
-
-    def arr(dtype: np.dtype[Any], count: int, field: str) -> npt.NDArray[Any]:
-        try:
-            return rd.array(dtype, count, field, pad=False)
-        except WireError as exc:
-            raise WireError(f"kv import: truncated payload ({exc})") from None
-
-    lin = _f32(arr(_F32, n_lin, "linear_state"), (n_lin,))
-    imp = _f32(arr(_F32, n_imp, "importance"), (n_imp,))
-    heads_k: list[npt.NDArray[Any]] = []
-    heads_v: list[npt.NDArray[Any]] = []
-    for h in range(nkv):
-        for out, what in ((heads_k, "keys"), (heads_v, "values")):
-            try:
-                (n,) = rd.unpack("I", f"head {h} {what} length")
-            except WireError:
-                raise WireError(f"kv import: truncated header (head {h} {what} length)") from None
-            if n % hd:
-                raise WireError(f"kv import: head {h} {what}: {n} floats is not a whole number of "
-                                f"rows of head_dim={hd}")
-            out.append(arr(rows_dtype, n, f"head {h} {what}"))
-    if rd.pos != len(u8):
-        raise WireError(f"kv import: {len(u8) - rd.pos} trailing bytes after the last head")
-    lens = np.array([a.size // hd for a in heads_k], dtype=np.intp)
-    for h in range(nkv):
-        if heads_v[h].size != heads_k[h].size:
-            raise WireError(f"kv import: head {h} sends {heads_k[h].size // hd} key rows but "
-                            f"{heads_v[h].size // hd} value rows")
-    if (lens > seq_len).any():
-        raise WireError(f"kv import: a head sends {int(lens.max())} rows, more than seq_len={seq_len}")
-    if n_imp > seq_len:
-        raise WireError(f"kv import: importance covers {n_imp} positions, more than seq_len={seq_len}")
-    cap = int(lens.max(initial=0))
-    kf = np.zeros((nkv, cap, hd), np.float32)
-    vf = np.zeros((nkv, cap, hd), np.float32)
-    for h in range(nkv):
-        n = int(lens[h])
-        kf[h, :n] = heads_k[h].reshape(n, hd)
-        vf[h, :n] = heads_v[h].reshape(n, hd)
-    return LayerState(mode=KvMode.F32, num_kv_heads=nkv, head_dim=hd, seq_len=int(seq_len),
-                      lengths=lens, kf=kf, kq=None, ks=None, vf=vf, vq=None, vs=None,
-                      kcol=np.ones((nkv, hd), np.float32), vcol=np.ones((nkv, hd), np.float32),
-                      kcol_on=np.zeros(nkv, np.uint8), vcol_on=np.zeros(nkv, np.uint8),
-                      importance=imp, linear_state=lin, linear_scratch=None, o1=None, owned=True)
 
 
 # ---------------------------------------------------------------------------------- entry points
 def layer_to_bytes(layer: LayerKvCache, f16: bool = False,
-                   fingerprint: Optional[_Fingerprint] = None) -> bytes:
+                   fingerprint: Optional[Fingerprint] = None) -> bytes:
     """``LayerKvCache.to_bytes``: a whole buffer of kind 1."""
     return _finish(layer_plan(layer, f16), KIND_LAYER, fingerprint)
 
 
-def layer_from_bytes(layer: LayerKvCache, buf: _Buffer,
-                     fingerprint: Optional[_Fingerprint] = None) -> LayerState:
+def layer_from_bytes(layer: LayerKvCache, buf: BufferLike,
+                     fingerprint: Optional[Fingerprint] = None) -> LayerState:
     """``LayerKvCache.from_bytes``: verify a kind-1 buffer and parse it for ``layer``."""
     rd = _open(buf, KIND_LAYER, fingerprint)
     rd.what = "layer body"
@@ -988,14 +664,14 @@ def model_plan(model: KvCache, f16: bool = False) -> _Plan:
     return plan
 
 
-def save_model(model: KvCache, path: _Path, fingerprint: Optional[_Fingerprint] = None,
+def save_model(model: KvCache, path: _Path, fingerprint: Optional[Fingerprint] = None,
                f16: bool = False) -> None:
     """``KvCache.save``: write the whole cache to ``path`` atomically."""
     _save(path, model_plan(model, f16), KIND_MODEL, fingerprint)
 
 
 def load_model(cls: type[_Model], path: _Path,
-               fingerprint: Optional[_Fingerprint] = None) -> _Model:
+               fingerprint: Optional[Fingerprint] = None) -> _Model:
     """KvCache.load: read the file into memory (one pass), then verify and parse it.
 
     The file is read rather than memory-mapped: a mapped file that another process truncates
@@ -1022,8 +698,8 @@ def load_model(cls: type[_Model], path: _Path,
         raise WireError(f"{path!s}: {exc}") from None
 
 
-def model_from_bytes(cls: type[_Model], buf: _Buffer,
-                     fingerprint: Optional[_Fingerprint] = None) -> _Model:
+def model_from_bytes(cls: type[_Model], buf: BufferLike,
+                     fingerprint: Optional[Fingerprint] = None) -> _Model:
     """Parse and validate a whole-model buffer into a new ``cls`` (a KvCache)."""
     rd = _open(buf, KIND_MODEL, fingerprint)
     rd.what = "model body"
