@@ -485,7 +485,7 @@ def test_gemma3_config_in_the_4x_layout(saved):
     assert bare.local_rope_layers == (0, 1, 2, 3, 4, 6)
     assert bare.head_dim == 256 and bare.scale == 256 ** -0.5 and bare.attn_softcap is None
     assert bare.final_softcap is None and bare.tie_word_embeddings and bare.qk_norm
-    for bad, message in ((dict(model_type="gemma3"), "multimodal Gemma 3"),
+    for bad, message in ((dict(model_type="gemma3"), "without a text_config"),
                          (dict(use_bidirectional_attention=True), "causal models only")):
         with pytest.raises(ValueError, match=message):
             kr.ModelConfig.from_hf({**dict(model_type="gemma3_text", num_hidden_layers=2,
@@ -619,3 +619,38 @@ def test_generate_command_o1_keep_ridge_and_error_bound(capsys):
         with pytest.raises(SystemExit):
             cli.main(["generate", "--o1", "deep2", "--o1-params", bad, "--no-progress"])
     capsys.readouterr()
+
+
+def test_the_language_model_of_a_multimodal_gemma3(tmp_path):
+    """A Gemma 3 4B-style folder (Gemma3ForConditionalGeneration: text_config, the language
+    model under language_model.model.*, a vision tower): the runner decodes the language
+    model and leaves the vision tower out, as transformers computes a text-only prompt."""
+    text = dict(COMMON, head_dim=16, sliding_window=8, sliding_window_pattern=2,
+                query_pre_attn_scalar=24, rope_local_base_freq=100.0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=127, boi_token_index=125, eoi_token_index=126)
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name and "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif "embed" in name:
+                p.normal_(0.0, 1.0)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path)
+    ids = prompt_ids()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    r = kr.Runner.from_pretrained(tmp_path)
+    assert r.config.family == "gemma3_text" and r.config.layer_windows == (8, None, 8)
+    assert np.abs(r.prefill(ids, all_logits=True) - want).max() <= TOL
+    tokens, _ = hf_greedy(model, ids)
+    r.reset()
+    assert r.generate(ids, STEPS, stop=()) == tokens
+    bad = dict(json.loads((tmp_path / "config.json").read_text()))
+    bad["text_config"] = dict(bad["text_config"], model_type="llama")
+    with pytest.raises(ValueError, match="text_config.model_type 'llama'"):
+        kr.ModelConfig.from_hf(bad)

@@ -18,8 +18,8 @@ from typing import Any, Union
 from .._validate import as_int
 from .._windows import layer_windows
 
-__all__ = ["ACTIVATIONS", "FAMILIES", "FAMILY_DEFAULTS", "ModelConfig", "parse_layers",
-           "read_config"]
+__all__ = ["ACTIVATIONS", "FAMILIES", "FAMILY_DEFAULTS", "MULTIMODAL", "ModelConfig",
+           "parse_layers", "read_config"]
 
 #: The model families (``model_type``) the runner decodes.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
@@ -28,6 +28,10 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 GEMMA_FAMILIES = ("gemma2", "gemma3_text")
 #: Families with a per-head RMSNorm of q and k before RoPE (``q_norm`` / ``k_norm``).
 QK_NORM_FAMILIES = ("qwen3", "gemma3_text")
+#: Multimodal checkpoints whose language model the runner decodes (its ``text_config``; the
+#: vision tower is left out, :func:`kvcache.runner.weights.text_model_weights`), and the
+#: family of that language model.
+MULTIMODAL = {"gemma3": "gemma3_text"}
 #: RoPE variants the runner computes.
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 #: MLP activations the runner computes (``hidden_act`` / Gemma's ``hidden_activation``).
@@ -114,10 +118,9 @@ class ModelConfig:
         128; Gemma 3: RoPE bases 1e6 global and 1e4 local, sliding layers five in six, ...);
         an explicit null means none, as it does there."""
         mt = cfg.get("model_type")
-        if mt == "gemma3":
-            raise ValueError("config.json: model_type 'gemma3' is the multimodal Gemma 3 "
-                             "checkpoint; the runner reads text-only ones (gemma3_text, or a "
-                             "GGUF file of the text model)")
+        if mt in MULTIMODAL:
+            cfg = _text_config(cfg)
+            mt = cfg.get("model_type")
         if mt not in FAMILIES:
             raise ValueError(f"config.json: model_type {mt!r} is not supported; expected one of "
                              f"{', '.join(FAMILIES)}")
@@ -169,6 +172,25 @@ class ModelConfig:
 
 
 _PER_TYPE = ("full_attention", "sliding_attention")
+
+
+def _text_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The language model's config of a multimodal ``config.json`` (Gemma 3 4B and larger):
+    its ``text_config``, with the model's own token ids and embedding tying where the text
+    config leaves them out."""
+    mt = str(cfg.get("model_type"))
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError(f"config.json: model_type {mt!r} without a text_config")
+    out = dict(text)
+    out.setdefault("model_type", MULTIMODAL[mt])
+    if out["model_type"] != MULTIMODAL[mt]:
+        raise ValueError(f"config.json: text_config.model_type {out['model_type']!r} is not "
+                         f"{MULTIMODAL[mt]!r}")
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        if key in cfg:
+            out[key] = cfg[key]
+    return out
 
 
 def _sliding_typed(cfg: Mapping[str, Any], n_layers: int, family: str) -> tuple[int, ...]:

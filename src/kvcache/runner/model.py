@@ -60,11 +60,11 @@ from ..layer import LayerKvCache
 from ..model import KvCache
 from ..modes import KvMode
 from ..o1 import RIDGE, check_max_error, check_ridge
-from .config import LayerSpec, ModelConfig, parse_layers, read_config
+from .config import MULTIMODAL, LayerSpec, ModelConfig, parse_layers
 from .sampling import sample
 from .digest import checkpoint_source, weights_digest
 from .weights import (Array, LayerWeights, Tracked, as_f32, layers_from, load_safetensors,
-                      random_weights, take)
+                      random_weights, take, text_model_weights)
 
 if TYPE_CHECKING:
     from ..o1 import O1Snapshot
@@ -166,7 +166,12 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str
         return load_gguf(path)
     if not os.path.isdir(where):
         raise FileNotFoundError(errno.ENOENT, _NO_CHECKPOINT, where)
-    return read_config(path), load_safetensors(path)
+    with open(os.path.join(where, "config.json")) as f:
+        raw = json.load(f)
+    config, weights = ModelConfig.from_hf(raw), load_safetensors(path)
+    if raw.get("model_type") in MULTIMODAL:         # the language model of a Gemma 3 4B+
+        weights = text_model_weights(weights)
+    return config, weights
 
 
 def load_checkpoint_tokenizer(path: str | os.PathLike[str] | None) -> Any:

@@ -20,7 +20,7 @@ import numpy.typing as npt
 from .config import ModelConfig
 
 __all__ = ["Array", "LayerWeights", "Tracked", "as_f32", "layers_from", "load_safetensors",
-           "random_weights", "take"]
+           "random_weights", "take", "text_model_weights"]
 
 #: A float32 NumPy array (every tensor the runner holds).
 Array = npt.NDArray[np.float32]
@@ -66,6 +66,31 @@ def load_safetensors(path: str | os.PathLike[str]) -> dict[str, Array]:
             raise ValueError(f"{name}: not a readable safetensors file ({exc})") from None
         for key, arr in tensors.items():
             out[key] = np.ascontiguousarray(arr, dtype=_F32)
+    return out
+
+
+#: Where a multimodal checkpoint keeps its language model (transformers 4.x's layout, which 5.x
+#: still writes, and 5.x's own), and the prefixes of what the runner leaves out.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
+def text_model_weights(weights: Mapping[str, Array]) -> dict[str, Array]:
+    """The language model's tensors of a multimodal checkpoint under the text model's names
+    (``language_model.model.X`` or ``model.language_model.X`` -> ``model.X``); the vision
+    tower and the multimodal projector are left out.  Any other tensor keeps its name (the
+    runner then refuses it as unused)."""
+    out: dict[str, Array] = {}
+    for name, arr in weights.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        out[name] = arr
     return out
 
 
