@@ -47,3 +47,32 @@ def test_a_reading_above_the_bandwidth_is_measured_once_more():
 def test_pct_of_bandwidth():
     assert timing.pct_of_bandwidth(2e9, 1.0, 4.0) == 50.0
     assert timing.pct_of_bandwidth(5e8, 0.1, 4.0) == 125.0
+
+
+def test_wide_tables_print_in_parts_that_repeat_the_key_columns():
+    from kvcache.bench.tables import MAX_WIDTH, render_table
+    headers = ["geometry", "prompt"] + [f"a fairly long column name {i}" for i in range(9)]
+    rows = [["llama3-8b", "4k"] + [f"{i}.5" for i in range(9)],
+            ["qwen2.5-0.5b", "16k"] + ["7"] * 9]
+    text = render_table(headers, rows)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= MAX_WIDTH
+    parts = text.split("\n\n")
+    assert len(parts) >= 3
+    for part in parts:                    # every part names its rows
+        head = part.splitlines()[0]
+        assert "geometry" in head and "prompt" in head
+        assert "llama3-8b" in part and "16k" in part
+    for i in range(9):                    # every column printed once
+        assert text.count(f"a fairly long column name {i}") == 1
+    narrow = render_table(["ctx", "ms"], [["1k", "1.5"]])
+    assert "\n\n" not in narrow
+
+
+def test_readings_above_the_measured_peak_are_flagged():
+    from kvcache.bench.tables import PEAK_MARK, render_table
+    text = render_table(["prompt", "f32 %peak", "GFLOP/s"], [["4k", "113%", "120"],
+                                                             ["16k", "87%", "90"]])
+    assert f"113%{PEAK_MARK}" in text and f"87%{PEAK_MARK}" not in text
+    assert "above 100% of the measured peak" in text
+    assert "peak" not in render_table(["prompt", "%BW"], [["4k", "130"]]).split("\n")[-1]

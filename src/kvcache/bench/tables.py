@@ -5,6 +5,7 @@ Method: ``docs/benchmark-method.md``.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -53,8 +54,68 @@ def fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A table via tabulate when installed, else a plain right-aligned text table."""
+#: Widest table line printed; a wider table is split into parts (:func:`render_table`).
+MAX_WIDTH = 120
+#: Headers of columns that say what a row is (repeated in every part of a split table).
+KEY_HEADERS = frozenset({"geometry", "prompt", "mode", "model", "ctx", "thr", "T", "layer",
+                         "backend", "cell", "condition", "digest function", "package", "rows",
+                         "layers x MiB", "mirror", "variant", "kind", "context"})
+# A share of a measured compute peak above 100% is no share: the probe that measured the peak
+# ran slower than the call (a busy machine), so the tables flag it.
+PEAK_MARK = "!"
+PEAK_FOOTNOTE = ("!: above 100% of the measured peak: the peak probe ran slower than this call "
+                 "(the machine was busy or its clock changed), so the share is no figure")
+
+
+def _above_peak(cell: object) -> bool:
+    text = str(cell).strip().rstrip("%")
+    try:
+        return float(text) > 100.0
+    except ValueError:
+        return False
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
+                 keys: int | None = None) -> str:
+    """A table via tabulate when installed, else a plain right-aligned text table.
+
+    Cells of a ``%peak`` column above 100 get :data:`PEAK_MARK` and the table a footnote.  A
+    table wider than :data:`MAX_WIDTH` is printed in parts, each repeating the first ``keys``
+    columns (default: the leading columns named in :data:`KEY_HEADERS`, at least one)."""
+    headers = list(map(str, headers))
+    cells = [list(r) for r in rows]
+    flagged = False
+    for i, h in enumerate(headers):
+        if "%peak" in h:
+            for r in cells:
+                if i < len(r) and _above_peak(r[i]):
+                    r[i] = f"{r[i]}{PEAK_MARK}"
+                    flagged = True
+    if keys is None:
+        keys = 1
+        while keys < len(headers) and headers[keys] in KEY_HEADERS:
+            keys += 1
+    text = _render(headers, cells)
+    if max(map(len, text.splitlines()), default=0) > MAX_WIDTH and len(headers) > keys + 1:
+        parts: list[list[int]] = []
+        group: list[int] = []
+        for i in range(keys, len(headers)):
+            trial = group + [i]
+            cols = list(range(keys)) + trial
+            width = max(map(len, _render([headers[c] for c in cols],
+                                         [[r[c] for c in cols] for r in cells]).splitlines()))
+            if group and width > MAX_WIDTH:
+                parts.append(group)
+                trial = [i]
+            group = trial
+        parts.append(group)
+        text = "\n\n".join(_render([headers[c] for c in list(range(keys)) + g],
+                                    [[r[c] for c in list(range(keys)) + g] for r in cells])
+                            for g in parts)
+    return text + ("\n" + textwrap.fill(PEAK_FOOTNOTE, MAX_WIDTH) if flagged else "")
+
+
+def _render(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     try:
         # optional and untyped; pyproject's list of untyped packages does not name it yet
         from tabulate import (
