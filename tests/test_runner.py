@@ -285,9 +285,12 @@ def test_sampling_is_seeded_and_follows_top_p():
 
 def test_bad_input_is_refused(saved, tmp_path):
     r = kr.Runner.random()
-    for bad, match in (([], "non-empty"), ([1.5], "token ids"), ([600], r"\[0, 512\)"),
-                       ([[1, 2]], "1-D")):
+    for bad, match in (([], "non-empty"), ([600], r"\[0, 512\)"), ([[1, 2]], "1-D"),
+                       ([-1], r"\[0, 512\)"), ([2 ** 70], "64-bit")):
         with pytest.raises(ValueError, match=match):
+            r.forward(bad)
+    for bad in ([1.5], "hello", [True]):          # not integers: the store's TypeError too
+        with pytest.raises(TypeError, match="token ids"):
             r.forward(bad)
     assert r.position == 0 and r.cache.seq_len == 0
     with pytest.raises(ValueError, match="top_p"):

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = ["FloatArrayLike", "IntArrayLike", "as_array", "as_f32", "as_f32_scalar", "as_float",
-           "as_index", "as_int", "out_f32", "readonly", "readonly_or_none"]
+           "as_index", "as_int", "as_token_ids", "out_f32", "readonly", "readonly_or_none"]
 
 F32 = npt.NDArray[np.float32]
 Shape = Sequence[Optional[int]]
@@ -169,3 +169,41 @@ def _fmt_shapes(shapes: Sequence[Shape]) -> str:
 def readonly_or_none(arr: Optional[A]) -> Optional[A]:
     """:func:`readonly` of ``arr``, or None for None."""
     return None if arr is None else readonly(arr)
+
+
+def as_token_ids(ids: object, name: str = "ids", *, vocab: Optional[int] = None,
+                 allow_empty: bool = False) -> npt.NDArray[np.int64]:
+    """Token ids as a 1-D little-endian int64 array: the one validator of the runner,
+    :mod:`kvcache.hf` and the prefix store.
+
+    Accepts anything ``np.asarray`` reads as a 1-D array of integers (lists, NumPy arrays of
+    any integer dtype, CPU torch tensors).  TypeError for other dtypes (floats, bools,
+    strings); ValueError for another number of dimensions, for an empty sequence unless
+    ``allow_empty``, for ids outside the int64 range and, with ``vocab``, for ids outside
+    ``[0, vocab)``."""
+    what = "a 1-D sequence of integer token ids"
+    if isinstance(ids, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"{name}: expected {what}, got {type(ids).__name__}")
+    try:
+        arr: npt.NDArray[Any] = np.asarray(ids)
+    except Exception as exc:
+        raise ValueError(f"{name}: expected {what}, got {type(ids).__name__} that numpy cannot "
+                         f"read ({exc})") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence of token ids, got shape {arr.shape}")
+    if arr.size == 0:
+        if not allow_empty:
+            raise ValueError(f"{name}: expected a non-empty sequence of token ids")
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind in "fO" and not isinstance(ids, np.ndarray) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids):  # type: ignore[attr-defined]
+        # Python ints beyond int64 make numpy choose float64 or object
+        raise ValueError(f"{name}: a token id does not fit in a signed 64-bit integer")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) >= 1 << 63:
+        raise ValueError(f"{name}: a token id does not fit in a signed 64-bit integer")
+    out: npt.NDArray[np.int64] = np.ascontiguousarray(arr, dtype="<i8")
+    if vocab is not None and (int(out.min()) < 0 or int(out.max()) >= vocab):
+        raise ValueError(f"{name}: token ids must lie in [0, {vocab})")
+    return out

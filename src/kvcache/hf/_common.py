@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._validate import as_token_ids
 from ..modes import KvMode
 
 try:
@@ -105,17 +106,14 @@ def check_batch(states: torch.Tensor) -> None:
 
 
 def prompt_ids(input_ids: Any) -> npt.NDArray[np.int64]:
-    """Token ids of one sequence: a (1, n) or (n,) tensor or array, or a sequence of ints."""
+    """Token ids of one sequence: a (1, n) or (n,) tensor or array, or a sequence of ints
+    (:func:`kvcache._validate.as_token_ids`, the validator the runner and the store share)."""
     if isinstance(input_ids, torch.Tensor):
         if input_ids.ndim == 2 and input_ids.shape[0] != 1:
             raise ValueError(f"input_ids: expected one sequence (batch size 1), got shape "
                              f"{tuple(input_ids.shape)}")
         input_ids = input_ids.detach().cpu().reshape(-1).numpy()
-    ids = np.asarray(input_ids)
-    if ids.ndim == 2 and ids.shape[0] == 1:
+    ids = np.asarray(input_ids) if not isinstance(input_ids, (str, bytes)) else input_ids
+    if isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.shape[0] == 1:
         ids = ids[0]
-    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
-        raise ValueError(f"input_ids: expected one non-empty sequence of token ids, got "
-                         f"{ids.dtype} {ids.shape}")
-    out: npt.NDArray[np.int64] = ids.astype(np.int64)
-    return out
+    return as_token_ids(ids, "input_ids")

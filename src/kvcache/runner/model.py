@@ -54,7 +54,7 @@ import numpy.typing as npt
 from .. import quant
 from .._prefill_steps import step_ends
 from .._threads import BlasGovernor
-from .._validate import IntArrayLike, as_int
+from .._validate import IntArrayLike, as_int, as_token_ids
 from ..eviction import EvictionPolicy
 from ..layer import LayerKvCache
 from ..model import KvCache
@@ -539,14 +539,10 @@ class Runner:
         return logits
 
     def _check_ids(self, ids: IntArrayLike) -> npt.NDArray[Any]:
-        """``ids`` as a 1-D integer array of token ids that fit after the cache (else
-        ValueError)."""
-        arr = np.asarray(ids)
-        if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
-            raise ValueError(f"ids: expected a non-empty 1-D array of token ids, got "
-                             f"{arr.dtype} {arr.shape}")
-        if arr.min() < 0 or arr.max() >= self.config.vocab_size:
-            raise ValueError(f"ids: token ids must lie in [0, {self.config.vocab_size})")
+        """``ids`` as a 1-D int64 array of token ids in the vocabulary that fit after the
+        cache (:func:`kvcache._validate.as_token_ids`: TypeError for ids that are not
+        integers, ValueError otherwise)."""
+        arr = as_token_ids(ids, vocab=self.config.vocab_size)
         n = arr.shape[0]
         if self.position + n > self.max_seq_len:
             raise ValueError(f"ids: {n} positions after {self.position} exceed max_seq_len="

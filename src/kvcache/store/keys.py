@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._validate import as_token_ids
+
 from ..modes import KvMode
 
 __all__ = ["Geometry", "as_ids", "as_fingerprint", "block_keys", "fingerprint_digest",
@@ -71,33 +73,9 @@ def fingerprint_digest(fp: bytes) -> bytes:
 
 
 def as_ids(ids: object) -> npt.NDArray[np.int64]:
-    """Token ids as a 1-D little-endian int64 array.
-
-    Accepts anything ``np.asarray`` reads as a 1-D array of integers (lists, NumPy arrays of
-    any integer dtype, CPU torch tensors); an empty sequence is allowed.  TypeError for other
-    dtypes (floats, bools, strings), ValueError for another number of dimensions or for ids
-    outside the int64 range."""
-    if isinstance(ids, (str, bytes, bytearray, memoryview)):
-        raise TypeError(f"ids: expected a 1-D sequence of integer token ids, got "
-                        f"{type(ids).__name__}")
-    try:
-        arr: npt.NDArray[Any] = np.asarray(ids)
-    except Exception as exc:
-        raise ValueError(f"ids: expected a 1-D sequence of integer token ids, got "
-                         f"{type(ids).__name__} that numpy cannot read ({exc})") from None
-    if arr.ndim != 1:
-        raise ValueError(f"ids: expected a 1-D sequence of token ids, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype=_I64)
-    if arr.dtype.kind in "fO" and not isinstance(ids, np.ndarray) and all(
-            isinstance(i, int) and not isinstance(i, bool) for i in ids):  # type: ignore[attr-defined]
-        # Python ints beyond int64 make numpy choose float64 or object
-        raise ValueError("ids: a token id does not fit in a signed 64-bit integer")
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"ids: expected integer token ids, got dtype {arr.dtype}")
-    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) >= 1 << 63:
-        raise ValueError("ids: a token id does not fit in a signed 64-bit integer")
-    return np.ascontiguousarray(arr, dtype=_I64)
+    """Token ids as a 1-D little-endian int64 array, an empty sequence allowed
+    (:func:`kvcache._validate.as_token_ids`, the validator the runner and kvcache.hf share)."""
+    return as_token_ids(ids, allow_empty=True)
 
 
 def _root(fp: bytes, geom: Geometry) -> bytes:
