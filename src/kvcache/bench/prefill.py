@@ -41,7 +41,7 @@ import numpy as np
 
 from .geometry import F32, GEOMETRIES, Geometry
 from .machine import available_cpus, import_torch, package_version
-from .tables import Row, context_label, fmt, fmt_ratio, render_table
+from .tables import Row, context_label, fmt, fmt_ratio, print_prose, render_table
 from .._threads import threads as kvcache_threads
 from .timing import omp_threads
 
@@ -455,19 +455,19 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
 def print_prefill(result: Mapping[str, Any]) -> None:
     """The section's text report (after the other sections')."""
     print("")
-    print("prefill: prompt attention (attend_all_heads over all positions) vs torch SDPA, "
+    print_prose("prefill: prompt attention (attend_all_heads over all positions) vs torch SDPA, "
           "and time to first token of kvcache.runner vs transformers:")
-    print(attention_table(result["attention"]))
+    print_prose(attention_table(result["attention"]))
     four = four_bit_table(result["attention"])
     if four:
         print("")
-        print("4-bit KV (docs/kv4.md), the same prompts:")
-        print(four)
+        print_prose("4-bit KV (docs/kv4.md), the same prompts:")
+        print_prose(four)
     if result["ttft"]:
         print("")
-        print(ttft_table(result["ttft"]))
+        print_prose(ttft_table(result["ttft"]))
     for line in prefill_notes(result):
-        print("  " + line)
+        print_prose("  " + line)
 
 
 def add_to_json(path: str, result: Mapping[str, Any]) -> None:

@@ -29,7 +29,7 @@ import numpy as np
 from .geometry import MiB
 from .machine import package_version
 from .runner import RunnerVsTransformers
-from .tables import Row, context_label, fmt, fmt_ratio, render_table
+from .tables import Row, context_label, fmt, fmt_ratio, print_prose, render_table
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
@@ -172,14 +172,14 @@ def print_realmodel(result: Mapping[str, Any]) -> None:
     if not result["rows"]:
         return
     print()
-    print(f"realmodel: SmolLM2-135M-Instruct ({REALMODEL_FILE}, dequantised to float32), "
+    print_prose(f"realmodel: SmolLM2-135M-Instruct ({REALMODEL_FILE}, dequantised to float32), "
           f"kvcache.runner vs transformers:")
-    print(realmodel_table(result["rows"]))
-    print(f"  decode: median greedy step after a cache of random K/V rows of the context; "
+    print_prose(realmodel_table(result["rows"]))
+    print_prose(f"  decode: median greedy step after a cache of random K/V rows of the context; "
           f"TTFT: median prefill of {REALMODEL_TTFT_REPEATS} random prompts (transformers: "
           f"forward with a cache, last logits); transformers "
           f"{package_version('transformers')}, torch {package_version('torch')}")
-    print("  |dlogit| = largest difference of the prompt's last logits, runner f32 vs "
+    print_prose("  |dlogit| = largest difference of the prompt's last logits, runner f32 vs "
           "transformers")
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
@@ -25,7 +24,7 @@ from .runner import runner_notes, runner_table
 from .store import io_table, store_notes, store_summary, ttft_table
 from .sync import sync_notes, sync_table
 from .contention import contention_notes, contention_table
-from .tables import MAX_WIDTH, context_label, fmt
+from .tables import context_label, fmt, prose
 from .tables import Row
 from .timing import Bandwidth
 from .wire import wire_digest_table, wire_notes, wire_table
@@ -155,13 +154,8 @@ def print_report(res: Results, opts: Options, file: IO[str] | None = None) -> No
     sync_rows, runner_rows = res.sync, res.runner
 
     def p(*a: object) -> None:
-        """Print; a line of prose (not a table) wider than MAX_WIDTH is wrapped."""
-        text = " ".join(map(str, a))
-        if "\n" not in text and not text.lstrip().startswith("|") and len(text) > MAX_WIDTH:
-            indent = " " * (len(text) - len(text.lstrip()))
-            text = textwrap.fill(text, MAX_WIDTH, initial_indent="", subsequent_indent=indent
-                                 + "  ", break_long_words=False, break_on_hyphens=False)
-        print(text, file=out)
+        """Print; a line of prose wider than the tables' 120 columns is wrapped."""
+        print(prose(" ".join(map(str, a))), file=out)
 
     def section(title: str | None, tables: Sequence[str], notes: Iterable[str]) -> None:
         """A blank line, the title, the tables (a blank line between two), the notes indented."""

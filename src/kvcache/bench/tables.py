@@ -67,6 +67,22 @@ PEAK_FOOTNOTE = ("!: above 100% of the measured peak: the peak probe ran slower 
                  "(the machine was busy or its clock changed), so the share is no figure")
 
 
+def prose(text: str) -> str:
+    """A line of prose wrapped at :data:`MAX_WIDTH` columns, its continuation lines indented
+    two more than its own indentation (a table, or text with line breaks, is returned as
+    is)."""
+    if "\n" in text or text.lstrip().startswith("|") or len(text) <= MAX_WIDTH:
+        return text
+    indent = " " * (len(text) - len(text.lstrip()))
+    return textwrap.fill(text, MAX_WIDTH, subsequent_indent=indent + "  ",
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def print_prose(*a: object) -> None:
+    """``print``, a line of prose wrapped at :data:`MAX_WIDTH` columns (:func:`prose`)."""
+    print(prose(" ".join(map(str, a))))
+
+
 def _above_peak(cell: object) -> bool:
     text = str(cell).strip().rstrip("%")
     try:
