@@ -20,7 +20,7 @@ from .contention import (
     CONDITIONS, CONTENTION_CALLS, CONTENTION_CONTEXTS, CONTENTION_PREFILL_TOKENS,
     CONTENTION_RUNNER_CONTEXT, QUICK_CONTENTION_CALLS, QUICK_CONTENTION_CONTEXTS,
     QUICK_CONTENTION_PREFILL_TOKENS, QUICK_CONTENTION_RUNNER_CONTEXT, PREFILL_CALLS,
-    QUICK_PREFILL_CALLS, run_contention)
+    QUICK_CONTENTION_CONDITIONS, QUICK_PREFILL_CALLS, run_contention)
 from ..modes import KvMode
 from .geometry import _GEOMETRY_ALIASES, GEOMETRIES, MODE_NAMES, Geometry, GiB, MiB, mode_name
 from .machine import (
@@ -131,12 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "(contention).  "
                     "Method: docs/benchmark-method.md.")
     p.add_argument("--quick", action="store_true",
-                   help="small subset (Llama, 1k and 16k, 3 repeats, 512 MiB working set; "
+                   help="small subset (Llama, 1k and 4k, 3 repeats, 512 MiB working set; "
                         "O(1) section at 1k and 4k, 7 repeats; wire section at 4k, "
-                        f"{QUICK_WIRE_REPEATS} repeats; MLA section at 1k and 4k, "
-                        f"{QUICK_MLA_REPEATS} repeats; store section at 256 and 512, 1 prompt; "
-                        f"contention section at 256, {QUICK_CONTENTION_CALLS} calls, a tiny "
-                        f"runner model)")
+                        f"{QUICK_WIRE_REPEATS} repeats; MLA section at 1k, "
+                        f"{QUICK_MLA_REPEATS} repeats; runner section at 512; store section at "
+                        f"256, 1 prompt; contention section at 256, {QUICK_CONTENTION_CALLS} "
+                        f"calls, a tiny runner model, {' and '.join(QUICK_CONTENTION_CONDITIONS)} "
+                        f"only)")
     p.add_argument("--sections", nargs="+", metavar="S",
                    help="sections to run, any of: decode (decode attention vs reference/torch), "
                         "append (append cost), o1 (O(1) Nystrom decode vs exact f32/q8), "
@@ -187,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"quick {QUICK_WIRE_REPEATS})")
     p.add_argument("--no-mla", action="store_true", help="skip the MLA section")
     p.add_argument("--mla-contexts", nargs="+", metavar="T",
-                   help="contexts of the MLA section (default 1k 4k 16k 32k, quick 1k 4k)")
+                   help="contexts of the MLA section (default 1k 4k 16k 32k, quick 1k)")
     p.add_argument("--mla-repeats", type=int,
                    help=f"timed sweeps of the MLA kernel per context and thread count (default "
                         f"{MLA_REPEATS}, quick {QUICK_MLA_REPEATS})")
@@ -220,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-runner", action="store_true", help="skip the runner section")
     p.add_argument("--runner-contexts", nargs="+", metavar="T",
                    help="prompt lengths of the runner section (default 512 4k 16k, quick "
-                        "512 4k)")
+                        "512)")
     p.add_argument("--runner-steps", type=int,
                    help=f"decode steps timed per side in the runner section (default "
                         f"{RUNNER_STEPS}, quick {QUICK_RUNNER_STEPS})")
@@ -228,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill section")
     p.add_argument("--store-contexts", nargs="+", metavar="T",
                    help="prompt lengths of the store section (default 512 2k 4k, quick "
-                        "256 512)")
+                        "256)")
     p.add_argument("--store-repeats", type=int,
                    help=f"prompts timed per cell of the store section (default {STORE_REPEATS}, "
                         f"quick {QUICK_STORE_REPEATS})")
@@ -246,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{CONTENTION_CALLS}, quick {QUICK_CONTENTION_CALLS})")
     p.add_argument("--contention-conditions", nargs="+", metavar="C",
                    help=f"conditions of the contention section, any of {', '.join(CONDITIONS)} "
-                        "(default all)")
+                        f"(default all, quick {' '.join(QUICK_CONTENTION_CONDITIONS)})")
     p.add_argument("--contention-runner-context", metavar="T",
                    help=f"context of the runner-step cell (default "
                         f"{CONTENTION_RUNNER_CONTEXT}, quick {QUICK_CONTENTION_RUNNER_CONTEXT}; "
@@ -361,7 +362,7 @@ def _resolve_options(args: argparse.Namespace) -> Options:
                                         CONTENTION_CONTEXTS),
         contention_calls=count(args.contention_calls, QUICK_CONTENTION_CALLS, CONTENTION_CALLS),
         contention_conditions=(_split(args.contention_conditions, parse_condition)
-                               or list(CONDITIONS)),
+                               or list(QUICK_CONTENTION_CONDITIONS if quick else CONDITIONS)),
         contention_runner_context=(
             0 if (args.contention_runner_context or "").strip() == "0"
             else context_of(args.contention_runner_context, QUICK_CONTENTION_RUNNER_CONTEXT,

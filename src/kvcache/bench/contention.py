@@ -46,12 +46,14 @@ if TYPE_CHECKING:
     from .options import Options
 
 CONTENTION_CONTEXTS, QUICK_CONTENTION_CONTEXTS = (1024, 16384), (256,)
-CONTENTION_CALLS, QUICK_CONTENTION_CALLS = 200, 20
+CONTENTION_CALLS, QUICK_CONTENTION_CALLS = 200, 10
 CONTENTION_RUNNER_CONTEXT, QUICK_CONTENTION_RUNNER_CONTEXT = 512, 64
 CONTENTION_PREFILL_TOKENS, QUICK_CONTENTION_PREFILL_TOKENS = (512, 2048), (64,)
 PREFILL_CALLS = 6                # prefills per setting (and condition) of a prefill cell
 QUICK_PREFILL_CALLS = 2
 CONDITIONS = ("quiet", "spin", "numpy", "pythread", "twoproc")
+#: The conditions --quick runs: alone, and beside a process that spins one core.
+QUICK_CONTENTION_CONDITIONS = ("quiet", "spin")
 SETTINGS = ("default", "forced 1", "forced all")
 BLOCK = 25                       # calls per setting before the next setting's turn
 SETTING_BUDGET_S = 12.0          # a forced setting stops taking turns after this many seconds

@@ -30,7 +30,7 @@ log = logging.getLogger("kvcache.bench")
 
 
 # runner section: kvcache.runner vs transformers generate on one random-weight model
-RUNNER_CONTEXTS, QUICK_RUNNER_CONTEXTS = (512, 4096, 16384), (512, 4096)
+RUNNER_CONTEXTS, QUICK_RUNNER_CONTEXTS = (512, 4096, 16384), (512,)
 RUNNER_STEPS, QUICK_RUNNER_STEPS = 16, 8
 RUNNER_MODEL: dict[str, int] = dict(
     vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcache.bench")
 
-STORE_CONTEXTS, QUICK_STORE_CONTEXTS = (512, 2048, 4096), (256, 512)
+STORE_CONTEXTS, QUICK_STORE_CONTEXTS = (512, 2048, 4096), (256,)
 STORE_REPEATS, QUICK_STORE_REPEATS = 3, 1
 STORE_MODES = ("f32", "q8")
 #: The model (transformers ``LlamaConfig`` keys); None: the runner section's RUNNER_MODEL.
