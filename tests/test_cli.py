@@ -72,3 +72,13 @@ def test_bench_bodies_option_sets_bodies_all_or_nothing(capsys) -> None:
         assert "--bodies:" in capsys.readouterr().err
     finally:
         _core.set_bodies(before)
+
+
+def test_quick_runs_the_contention_section_quiet_and_beside_a_spinner():
+    from kvcache.bench.cli import build_parser, resolve_options
+    parser = build_parser()
+    quick = resolve_options(parser.parse_args(["--quick"]), parser)
+    assert list(quick.contention_conditions) == ["quiet", "spin"]
+    assert quick.contention_calls == 10 and quick.store_contexts == [256]
+    full = resolve_options(parser.parse_args([]), parser)
+    assert list(full.contention_conditions) == ["quiet", "spin", "numpy", "pythread", "twoproc"]

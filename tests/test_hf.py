@@ -358,6 +358,43 @@ def test_padded_batches_run_with_the_default_cache(llama):
         assert torch.equal(got, _reference_twin(llama).generate(batch, **kw))
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_left_padding_on_sliding_layers(name, tmp_path_factory):
+    """Sliding layers: transformers' own cache keeps only a window of rows, so the padding is
+    counted from the window's first position; with either cache, at batch 1 and in a padded
+    batch, the logits of every step follow transformers' own attention."""
+    mk, mr, _, _ = tiny_models(name, tmp_path_factory, 1, max_position_embeddings=256)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    pad = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
+    mask = (torch.arange(17) >= 5).long()[None]
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+              return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        want = mr.generate(pad, **kw)
+        for cache in (None, kh.HfKvCache(mk.config)):
+            got = mk.generate(pad, **kw, **({} if cache is None else _cache(cache)))
+            assert torch.equal(got.sequences, want.sequences)
+            diff = (torch.stack(got.logits) - torch.stack(want.logits)).abs().max().item()
+            assert diff <= TOL, diff
+        other = torch.randint(3, 128, (1, 17), generator=torch.Generator().manual_seed(4))
+        batch, bmask = torch.cat([pad, other]), torch.cat([mask, torch.ones_like(mask)])
+        kw.update(attention_mask=bmask)
+        assert torch.equal(mk.generate(batch, **kw).sequences, mr.generate(batch, **kw).sequences)
+
+
+def test_generate_with_a_padded_prompt_longer_than_a_step(llama):
+    """kvcache.hf.generate feeds a left-padded prompt in one block (its steps would store the
+    padding as rows): the tokens of the unpadded prompt."""
+    ids = torch.randint(3, 128, (1, 20))
+    pad = torch.cat([torch.zeros(1, 6, dtype=torch.long), ids], 1)
+    mask = (torch.arange(26) >= 6).long()[None]
+    with torch.no_grad():
+        want = kh.generate(llama, ids, max_new_tokens=6, do_sample=False, prefill_step=8)
+        got = kh.generate(llama, pad, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                          prefill_step=8, pad_token_id=0)
+    assert torch.equal(got[:, 6:], want)
+
+
 def test_cache_with_another_attention_raises(llama):
     llama.set_attn_implementation("sdpa")
     try:
@@ -445,8 +482,12 @@ def test_keys_values_and_indexing(llama, mode):
         cache[2]
     with pytest.raises(AttributeError, match="read-only"):
         cache.layers[0].keys = torch.zeros(1)
+    taken = cache[1][1]
     cache.crop(-10)
     assert cache[1][1].shape == (1, 2, 30, 16)
+    if mode == "f32":                       # a view: valid until the cache changes
+        _forward(llama, ids[:, 30:], cache)             # the rolled-back rows, again
+        assert torch.equal(taken, cache[1][1])
 
 
 def test_low_precision_model_runs(llama):

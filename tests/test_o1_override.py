@@ -135,6 +135,26 @@ def test_pickles_of_the_old_layout_load_into_the_component(rng):
         assert copied.o1_sealed() and copied.kernels is _core
 
 
+def test_a_copied_layer_has_a_component_of_its_own(rng):
+    """copy.copy of a sealed layer: clearing the copy leaves the original sealed (it did
+    before the override was a component)."""
+    layer = _prompt(rng)
+    assert layer.o1_seal(NH)
+    shallow = copy.copy(layer)
+    shallow.clear()
+    assert layer.o1_sealed() and layer.seq_len == T and shallow.o1 is None
+
+
+def test_the_twin_call_puts_back_a_kernel_module_set_on_the_layer(rng):
+    layer = kc.LayerKvCache(NKV, HD)
+    layer.append(np.ones((3, NKV, HD)), np.ones((3, NKV, HD)))
+    layer.kernels = R                        # a caller's own choice, kept
+    R.attend_all_heads(layer, np.ones((NH, HD), np.float32))
+    assert vars(layer)["kernels"] is R
+    del layer.kernels
+    assert layer.kernels is _core
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(5)

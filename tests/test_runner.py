@@ -488,8 +488,21 @@ def test_gemma3_config_in_the_4x_layout(saved):
     assert bare.local_rope_layers == (0, 1, 2, 3, 4, 6)
     assert bare.head_dim == 256 and bare.scale == 256 ** -0.5 and bare.attn_softcap is None
     assert bare.final_softcap is None and bare.tie_word_embeddings and bare.qk_norm
+    # transformers 5's reading of the other layouts: a 4.x rope_scaling beside per-type
+    # rope_parameters scales the global layers
+    per_type = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    both = kr.ModelConfig.from_hf(dict(model_type="gemma3_text", num_hidden_layers=2,
+                                       num_attention_heads=4, hidden_size=64, vocab_size=128,
+                                       intermediate_size=128, rope_parameters=per_type,
+                                       rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert both.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert both.local_rope == {"rope_theta": 1e4, "rope_type": "default"}
     for bad, message in ((dict(model_type="gemma3"), "without a text_config"),
-                         (dict(use_bidirectional_attention=True), "causal models only")):
+                         (dict(use_bidirectional_attention=True), "causal models only"),
+                         (dict(rope_parameters={"rope_type": "linear", "factor": 8.0}),
+                          "per layer type"),
+                         (dict(rope_scaling={"type": "linear", "factor": 8.0}), "old key 'type'")):
         with pytest.raises(ValueError, match=message):
             kr.ModelConfig.from_hf({**dict(model_type="gemma3_text", num_hidden_layers=2,
                                            num_attention_heads=4, hidden_size=64,

@@ -433,7 +433,8 @@ def test_contention_section_smallest_run(tmp_path, capsys):
     from kvcache import bench
     path = tmp_path / "contention.json"
     argv = ["--sections", "contention", "--quick", "--contention-calls", "3",
-            "--contention-contexts", "64", "--no-progress", "--json", str(path)]
+            "--contention-contexts", "64", "--contention-conditions", "quiet", "spin", "numpy",
+            "pythread", "twoproc", "--no-progress", "--json", str(path)]
     assert bench.main(argv) == 0
     text = capsys.readouterr().out
     assert "contention: decode latency" in text and "forced 1 med/p99 ms" in text

@@ -20,13 +20,12 @@ The rules themselves are described in ``docs/latent.md``.
 
 from __future__ import annotations
 
-import warnings
-
 import math
 import operator
 import os
 import sys
 import threading
+import warnings
 from typing import Any, Iterable, NamedTuple, NoReturn, Optional, Sequence
 
 import numpy as np

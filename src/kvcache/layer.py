@@ -123,12 +123,11 @@ class LayerKvCache(LayerBytes):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Pickles made before the O(1) override was a component held its state and refused
-        estimate in two fields: they load into one :class:`O1Override`."""
-        if not isinstance(state.get("_o1"), O1Override):
-            override = O1Override(state.get("_o1"))
-            override.refused = state.pop("_o1_refused", None)
-            state["_o1"] = override
+        """A copy gets an O(1) component of its own (``copy.copy`` too); pickles made before
+        the component held its state and refused estimate in two fields."""
+        o1 = state.get("_o1")
+        state["_o1"] = (o1.copy() if isinstance(o1, O1Override)
+                        else O1Override(o1, state.pop("_o1_refused", None)))
         self.__dict__.update(state)
 
     # ------------------------------------------------------------------ storage basics

@@ -56,9 +56,15 @@ class O1Override:
 
     __slots__ = ("state", "refused")
 
-    def __init__(self, state: Optional[O1State] = None) -> None:
+    def __init__(self, state: Optional[O1State] = None,
+                 refused: Optional[O1Error] = None) -> None:
         self.state: Optional[O1State] = state
-        self.refused: Optional[O1Error] = None
+        self.refused: Optional[O1Error] = refused
+
+    def copy(self) -> O1Override:
+        """Another override holding the same state object (what a copied layer holds: a
+        transition of one no longer changes the other)."""
+        return O1Override(self.state, self.refused)
 
     def __repr__(self) -> str:
         what = ("idle" if self.state is None else "sealed" if self.sealed else "collecting")

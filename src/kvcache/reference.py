@@ -544,12 +544,18 @@ def _this() -> ModuleType:
 @contextlib.contextmanager
 def _on_twins(obj: Any) -> Iterator[None]:
     """Run ``obj`` (a layer or a static cache) on this module's kernels for one call: its
-    ``kernels`` attribute names the kernel module it calls."""
+    ``kernels`` attribute names the kernel module it calls; what it was is put back after.
+    (The object runs on the twins for every caller meanwhile: for tests, one thread.)"""
+    own = vars(obj)
+    had, before = "kernels" in own, own.get("kernels")
     obj.kernels = _this()
     try:
         yield
     finally:
-        del obj.kernels                     # back to the class's: the compiled kernels
+        if had:
+            obj.kernels = before
+        else:
+            del obj.kernels                 # back to the class's: the compiled kernels
 
 
 def attend_all_heads(layer: LayerKvCache, q: FloatArrayLike, *, scale: float | None = None,

@@ -79,9 +79,11 @@ decoding.
 
 Supported versions
 ------------------
-transformers >= 5.0, < 6 with PyTorch on the CPU.  Written against 5.24.0 (the release pip
-installs today, torch 2.13) and verified there and on 5.0.0, 5.8.1, 5.14.1 and 5.20.2 with
-Llama, Mistral, Qwen2 and Gemma-2 (the test suite of ``tests/test_hf.py``).  The differences
+transformers >= 5.0, < 6 with PyTorch on the CPU.  Written against 5.24.0 and verified there
+and on 5.0.0, 5.8.1, 5.14.1 and 5.20.2 with Llama, Mistral, Qwen2 and Gemma-2 (the test suite
+of ``tests/test_hf.py``); Qwen3, Gemma 3, left padding, the static-cache refusal, the training
+mode and ``keys`` / ``values`` were added and tested on 5.25.0 (the release pip installs
+today, torch 2.13).  The differences
 inside 5.x are handled: early releases size masks from ``cache_position``, name the cache
 argument ``past_key_values`` (5.24: ``cache``; the old name still works with a FutureWarning)
 and call ``crop`` with an absolute length.  Importing with transformers older than 5.0 raises

@@ -20,7 +20,7 @@ try:
 except ImportError as exc:     # tests/test_hf.py hides transformers to exercise this
     raise ImportError(
         "kvcache.hf needs PyTorch and Hugging Face transformers (>= 5.0, < 6; verified up to "
-        "5.24.0).  Install them with `pip install torch transformers` (a CPU-only torch: `pip "
+        "5.25.0).  Install them with `pip install torch transformers` (a CPU-only torch: `pip "
         "install torch --index-url https://download.pytorch.org/whl/cpu`)."
     ) from exc
 
@@ -32,7 +32,7 @@ ATTN_IMPLEMENTATION = "kvcache"
 DEFAULT_PREFILL_STEP = 512
 
 _MIN_TRANSFORMERS = (5, 0)
-_VERIFIED_TRANSFORMERS = "5.0.0 to 5.24.0"
+_VERIFIED_TRANSFORMERS = "5.0.0 to 5.25.0"
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 TAG = "_kvcache_layer"          # attribute carrying the HfKvLayer on the key tensor
 PADS = "_kvcache_pads"          # attribute carrying each row's leading padding on the marker

@@ -33,10 +33,12 @@ def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         From :meth:`HfKvCache.update`: the n new positions, the key carrying its kvcache
         layer, which holds the history.  From any other cache (or none): every position the
         queries see, the queries being the last n of them.
-    attention_mask : None
-        kvcache builds the causal (and sliding-window) pattern itself; a mask tensor raises.
+    attention_mask : None or the padding marker of :func:`kvcache_mask`
+        kvcache builds the causal (and sliding-window) pattern itself; the marker says how
+        many leading rows of each batch row are left padding (left out); any other mask
+        tensor raises.
     dropout : float
-        Must be 0 (inference only).
+        Must be 0: attention dropout raises (a module in training mode asks for it).
     scaling : float, optional
         Score scale, default ``head_dim ** -0.5``.
     sliding_window : int, optional
@@ -195,13 +197,15 @@ def kvcache_mask(batch_size: int | None = None, q_length: int | None = None,
     """
     if not allow_is_causal_skip and not use_vmap and q_length == 1 \
             and "allow_is_bidirectional_skip" not in kwargs:
-        # transformers builds a one-query mask it cannot skip for a compileable cache alone
+        # for the supported families, transformers builds a one-query mask it cannot skip for
+        # a compileable cache alone
         raise NotImplementedError(
             "kvcache attention cannot decode with a static (compileable) cache "
             "(generate(cache_implementation='static' or 'sliding_window'), StaticCache): "
             "kvcache keeps K/V in its own growing storage; pass "
             "cache=kvcache.hf.HfKvCache(model.config) (kvcache.hf.generate does), or leave the "
-            "default dynamic cache")
+            "default dynamic cache (or: this model always builds its mask, which kvcache "
+            "attention does not read)")
     if use_vmap or not allow_is_causal_skip or "allow_is_bidirectional_skip" in kwargs:
         raise NotImplementedError(
             "kvcache attention is causal (optionally sliding-window) over one unpadded sequence; "
@@ -212,13 +216,15 @@ def kvcache_mask(batch_size: int | None = None, q_length: int | None = None,
         raise NotImplementedError("kvcache attention does not support chunked attention")
     if attention_mask is None or bool(attention_mask.all()):
         return None
-    return _padding_marker(attention_mask)
+    return _padding_marker(attention_mask, int(kv_offset))
 
 
-def _padding_marker(attention_mask: torch.Tensor) -> torch.Tensor:
-    """What the mask function returns for a left-padded 2-D mask (batch, kv_len): a small
-    tensor carrying each row's count of leading zeros, which :func:`kvcache_attention` reads
-    (it leaves those positions out).  ValueError for any other pattern of zeros."""
+def _padding_marker(attention_mask: torch.Tensor, kv_offset: int = 0) -> torch.Tensor:
+    """What the mask function returns for a left-padded 2-D mask (batch, positions): a small
+    tensor carrying, per row, how many of the key's rows are padding, which
+    :func:`kvcache_attention` leaves out.  The key starts at position ``kv_offset`` (a sliding
+    layer of transformers' own cache keeps only its window), so a row's leading zeros count
+    from there.  ValueError for any other pattern of zeros."""
     m = attention_mask.detach().to("cpu")
     if m.ndim != 2:
         raise ValueError(f"attention_mask: expected the 2-D padding mask (batch, length), got "
@@ -233,7 +239,7 @@ def _padding_marker(attention_mask: torch.Tensor) -> torch.Tensor:
             "before its first one); this mask has zeros after a row's first one (right "
             "padding or holes)")
     marker = torch.zeros(m.shape[0], dtype=torch.int64)
-    setattr(marker, PADS, tuple(int(x) for x in first))
+    setattr(marker, PADS, tuple(max(0, int(x) - kv_offset) for x in first))
     return marker
 
 

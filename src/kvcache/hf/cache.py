@@ -76,11 +76,12 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
         layers expose them; None before the first :meth:`update`.
 
         Float32 storage (``f32``, ``q8v``, ...): a tensor over kvcache's own rows, no copy.
-        PyTorch cannot mark it read-only: do not write to it (``.clone()`` gives a copy you
-        may change); it shows the rows held when it was taken (a later ``update`` may move
-        the storage).  Quantised storage (int8, 4-bit): a new float32 tensor of the values the
-        kernels read (:meth:`kvcache.LayerKvCache.head_rows`: int8 rows times their scales,
-        4-bit codes times step plus minimum)."""
+        PyTorch cannot mark it read-only: writing to it writes into the cache (``.clone()``
+        gives a copy you may change).  It is valid until the cache next changes (``update``,
+        ``crop``, ``reset``): rows rolled back and appended again show through it, and a
+        growing store moves away from it.  Quantised storage (int8, 4-bit): a new float32
+        tensor of the values the kernels read (:meth:`kvcache.LayerKvCache.head_rows`: int8
+        rows times their scales, 4-bit codes times step plus minimum)."""
         return self._states(0)
 
     @keys.setter
@@ -158,8 +159,9 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
         if pads < self.pads or (pads > self.pads and self.pads < start):
             raise ValueError(
                 f"attention_mask: marks the first {pads} positions as padding, but this cache "
-                f"already holds {total - self.pads} real positions after {self.pads} padding "
-                f"ones; the padding must stay the sequence's leading positions")
+                f"already holds {start - self.pads} real positions after {self.pads} padding "
+                f"ones; the padding must stay the sequence's leading positions (feed a padded "
+                f"prompt in one call, with its attention_mask)")
         if pads == self.pads:
             return max(0, min(pads - start, n))
         skip = min(pads - start, n)
@@ -353,7 +355,9 @@ class HfKvCache(Cache):
     def __getitem__(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(keys, values)`` of decoder layer ``layer_idx`` (negative counts from the end), as
         :attr:`HfKvLayer.keys` / :attr:`HfKvLayer.values` give them: the legacy tuple form
-        code written for transformers 4.x caches reads.  IndexError past the layers."""
+        code written for transformers 4.x caches reads (5.x caches have no indexing; their
+        ``DynamicCache`` iterates as triples with a sliding-window tensor).  IndexError past
+        the layers."""
         layer = self.hf_layers[layer_idx]
         return layer.keys, layer.values
 

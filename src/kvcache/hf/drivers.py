@@ -129,8 +129,8 @@ def generate(model: Any, input_ids: torch.Tensor, *, mode: KvMode | str | None =
         through :func:`prefill` in steps of ``prefill_step`` (default
         :data:`DEFAULT_PREFILL_STEP`, 512) when there are more than ``prefill_step`` of them,
         so a long prompt's activations hold one step; ``model.generate`` then computes the
-        last one.  None leaves the whole prompt to ``model.generate``, one block, as does a
-        batch of several sequences.
+        last one.  None leaves the whole prompt to ``model.generate``, one block, as do a
+        batch of several sequences and a left-padded ``attention_mask``.
     **kwargs
         Passed to ``model.generate`` (``max_new_tokens``, ``do_sample``, ...).
 
@@ -143,7 +143,9 @@ def generate(model: Any, input_ids: torch.Tensor, *, mode: KvMode | str | None =
     cache = _new_or_given(model, cache, mode)
     batched = (isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2
                and input_ids.shape[0] != 1)
-    if prefill_step is not None and not batched:
+    mask = kwargs.get("attention_mask")
+    padded = isinstance(mask, torch.Tensor) and not bool(mask.all())
+    if prefill_step is not None and not batched and not padded:   # (padding: one block)
         _check_step("prefill_step", prefill_step)
         ids = prompt_ids(input_ids)
         if ids.shape[0] - 1 - cache.get_seq_length() > prefill_step:

@@ -214,15 +214,24 @@ def _rope_parameters(cfg: Mapping[str, Any],
             raise ValueError(f"config.json: per-layer-type rope_parameters are not supported "
                              f"for {family}")
         return _one_rope(params, cfg, cfg.get("rope_theta", 10000.0)), None
-    if any(k in params for k in _PER_TYPE):
-        glob = dict(params.get("full_attention") or {})
-        local = dict(params.get("sliding_attention") or {})
-        glob.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
-        local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
-        return _one_rope(glob, {}, None), _one_rope(local, {}, None)
-    local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
-    return (_one_rope(params, cfg, cfg.get("rope_theta", 1_000_000.0)),
-            _one_rope(local, {}, None))
+    # as Gemma3TextConfig reads them: one dict per layer type (default RoPE where one is
+    # missing), a 4.x rope_scaling applied to the global layers', the bases from rope_theta
+    # and rope_local_base_freq where a dict names none
+    if params and not any(k in params for k in _PER_TYPE):
+        raise ValueError("config.json: gemma3_text takes rope_parameters per layer type "
+                         "(full_attention, sliding_attention), got a flat dict")
+    glob = dict(params.get("full_attention") or {"rope_type": "default"})
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    legacy = cfg.get("rope_scaling")
+    if legacy:
+        if "type" in legacy and "rope_type" not in legacy:
+            raise ValueError("config.json: gemma3_text's rope_scaling names its type under the "
+                             "old key 'type', which transformers 5 does not read for Gemma 3 "
+                             "(it keeps default RoPE); write 'rope_type'")
+        glob.update(legacy)
+    glob.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    return _one_rope(glob, {}, None), _one_rope(local, {}, None)
 
 
 def _one_rope(rope: dict[str, Any], cfg: Mapping[str, Any], theta: Any) -> dict[str, Any]:

@@ -23,10 +23,12 @@ and their dequantisation from the ``gguf`` package (``pip install gguf``, or the
 Families (``general.architecture``): ``llama`` (Mistral's files use it too; like llama.cpp,
 the runner decodes them without a sliding window unless ``llama.attention.sliding_window`` is
 set), ``qwen2``, ``qwen3``, ``gemma2`` and ``gemma3`` (the text model: llama.cpp converts
-Gemma 3's language model alone; its sliding layers are five in six, their RoPE base 10,000
-unless ``gemma3.rope.freq_base_swa`` says otherwise, ``gemma3.rope.freq_base`` and a linear
-scaling apply to the global layers, as in llama.cpp's loader; a
-``gemma3.attention.sliding_window_pattern`` is read as a period or as one flag per layer).
+Gemma 3's language model alone).  Gemma 3 as llama.cpp's loader fixes it: sliding layers five
+in six with RoPE base 10,000, ``gemma3.rope.freq_base`` and a linear scaling on the global
+layers.  Two keys that loader does not read are honoured when a file carries them:
+``gemma3.attention.sliding_window_pattern`` (a period, or one flag per layer) and
+``gemma3.rope.freq_base_swa``.  A file without ``gemma3.attention.sliding_window`` is
+refused (llama.cpp would decode it without a window).
 Three differences from the safetensors layout are undone at load:
 
 - llama.cpp stores a Llama checkpoint's q and k projections with the rows of every head
