@@ -76,3 +76,14 @@ def test_readings_above_the_measured_peak_are_flagged():
     assert f"113%{PEAK_MARK}" in text and f"87%{PEAK_MARK}" not in text
     assert "above 100% of the measured peak" in text
     assert "peak" not in render_table(["prompt", "%BW"], [["4k", "130"]]).split("\n")[-1]
+
+
+def test_prose_wraps_at_the_table_width_and_leaves_tables_alone():
+    from kvcache.bench.tables import MAX_WIDTH, prose
+    line = "  note: " + " ".join(f"word{i}" for i in range(60))
+    wrapped = prose(line).splitlines()
+    assert len(wrapped) > 1 and max(map(len, wrapped)) <= MAX_WIDTH
+    assert wrapped[0].startswith("  note:") and all(w.startswith("    ") for w in wrapped[1:])
+    assert " ".join(w.strip() for w in wrapped) == line.strip()
+    table = "|   a |   b |" + " x" * 80
+    assert prose(table) == table and prose("short") == "short"

@@ -358,15 +358,17 @@ def test_padded_batches_run_with_the_default_cache(llama):
         assert torch.equal(got, _reference_twin(llama).generate(batch, **kw))
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma3"])
-def test_left_padding_on_sliding_layers(name, tmp_path_factory):
+@pytest.mark.parametrize("name,pads,real", [("mistral", 5, 12), ("gemma3", 5, 12),
+                                             ("mistral", 12, 2)])
+def test_left_padding_on_sliding_layers(name, pads, real, tmp_path_factory):
     """Sliding layers: transformers' own cache keeps only a window of rows, so the padding is
-    counted from the window's first position; with either cache, at batch 1 and in a padded
-    batch, the logits of every step follow transformers' own attention."""
+    counted from the window's first position (12 + 2: a window that starts inside the
+    padding); with either cache, at batch 1 and in a padded batch, the logits of every step
+    follow transformers' own attention."""
     mk, mr, _, _ = tiny_models(name, tmp_path_factory, 1, max_position_embeddings=256)
-    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
-    pad = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
-    mask = (torch.arange(17) >= 5).long()[None]
+    ids = torch.randint(3, 128, (1, real), generator=torch.Generator().manual_seed(3))
+    pad = torch.cat([torch.zeros(1, pads, dtype=torch.long), ids], 1)
+    mask = (torch.arange(pads + real) >= pads).long()[None]
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
               return_dict_in_generate=True, output_logits=True)
     with torch.no_grad():
@@ -376,7 +378,8 @@ def test_left_padding_on_sliding_layers(name, tmp_path_factory):
             assert torch.equal(got.sequences, want.sequences)
             diff = (torch.stack(got.logits) - torch.stack(want.logits)).abs().max().item()
             assert diff <= TOL, diff
-        other = torch.randint(3, 128, (1, 17), generator=torch.Generator().manual_seed(4))
+        other = torch.randint(3, 128, (1, pads + real),
+                              generator=torch.Generator().manual_seed(4))
         batch, bmask = torch.cat([pad, other]), torch.cat([mask, torch.ones_like(mask)])
         kw.update(attention_mask=bmask)
         assert torch.equal(mk.generate(batch, **kw).sequences, mr.generate(batch, **kw).sequences)

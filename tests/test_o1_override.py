@@ -141,8 +141,18 @@ def test_a_copied_layer_has_a_component_of_its_own(rng):
     layer = _prompt(rng)
     assert layer.o1_seal(NH)
     shallow = copy.copy(layer)
+    q, k = rng.standard_normal((NH, HD)), rng.standard_normal((NKV, HD))
+    first = shallow.o1_step(q, k, k, NH)        # a step changes a state in place: not ours
+    assert np.array_equal(layer.o1_step(q, k, k, NH), first) and layer.seq_len == T + 1
+    with pytest.raises(ValueError, match="another O\\(1\\) state"):
+        shallow.o1_restore(layer.o1_snapshot())
     shallow.clear()
-    assert layer.o1_sealed() and layer.seq_len == T and shallow.o1 is None
+    assert layer.o1_sealed() and layer.seq_len == T + 1 and shallow.o1 is None
+    collecting = kc.LayerKvCache(NKV, HD)
+    collecting.o1_begin(4, 8, 2)
+    twin = copy.copy(collecting)
+    twin.o1_push_q(np.ones((1, NH, HD), np.float32))
+    assert collecting.o1_memory_bytes() == 0 < twin.o1_memory_bytes()
 
 
 def test_the_twin_call_puts_back_a_kernel_module_set_on_the_layer(rng):

@@ -498,6 +498,16 @@ def test_gemma3_config_in_the_4x_layout(saved):
                                        rope_scaling={"rope_type": "linear", "factor": 8.0}))
     assert both.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     assert both.local_rope == {"rope_theta": 1e4, "rope_type": "default"}
+    # a global dict without a type takes the old key 'type' (transformers standardises it)
+    old_key = dict(model_type="gemma3_text", num_hidden_layers=2, num_attention_heads=4,
+                   hidden_size=64, vocab_size=128, intermediate_size=128,
+                   rope_parameters={"full_attention": {"rope_theta": 1e6}},
+                   rope_scaling={"type": "linear", "factor": 8.0})
+    want = tf.Gemma3TextConfig(**{k: v for k, v in copy.deepcopy(old_key).items()
+                                  if k != "model_type"}).rope_parameters["full_attention"]
+    got = kr.ModelConfig.from_hf(old_key)
+    assert want.get("rope_type", want.get("type")) == got.rope_scaling["rope_type"] == "linear"
+    assert got.rope_scaling["factor"] == want["factor"] == 8.0
     for bad, message in ((dict(model_type="gemma3"), "without a text_config"),
                          (dict(use_bidirectional_attention=True), "causal models only"),
                          (dict(rope_parameters={"rope_type": "linear", "factor": 8.0}),
@@ -670,3 +680,31 @@ def test_the_language_model_of_a_multimodal_gemma3(tmp_path):
     bad["text_config"] = dict(bad["text_config"], model_type="llama")
     with pytest.raises(ValueError, match="text_config.model_type 'llama'"):
         kr.ModelConfig.from_hf(bad)
+
+
+def test_one_token_id_validator_for_the_runner_hf_and_the_store():
+    """kvcache._validate.as_token_ids: what the runner, kvcache.hf and the prefix store accept
+    and refuse, alike."""
+    from kvcache._validate import as_token_ids
+    from kvcache.hf._common import prompt_ids
+    from kvcache.store.keys import as_ids
+    ok = as_token_ids(np.array([3, 1], np.uint16))
+    assert ok.dtype == np.int64 and ok.tolist() == [3, 1]
+    assert as_token_ids(torch.tensor([5, 6])).tolist() == [5, 6]
+    assert as_ids([]).shape == (0,)
+    assert prompt_ids(torch.tensor([[7, 8, 9]])).tolist() == [7, 8, 9]
+    assert prompt_ids([[7, 8]]).tolist() == [7, 8] and prompt_ids(np.array([[1, 2]])).tolist() == [1, 2]
+    for call in (as_token_ids, as_ids, prompt_ids):
+        for bad in ([1.5], [1, True], np.array([True, False]), "abc", np.array([1.0, 2.0])):
+            with pytest.raises(TypeError):
+                call(bad)
+        for bad in ([2 ** 70], [np.int64(1), 2 ** 70], [-1, 2 ** 63], np.array([2 ** 63], np.uint64),
+                    [[1, 2], [3]], np.zeros((2, 2), np.int64)):
+            with pytest.raises(ValueError):
+                call(bad)
+    with pytest.raises(ValueError, match="non-empty"):
+        prompt_ids([])
+    with pytest.raises(ValueError, match=r"\[0, 10\)"):
+        as_token_ids([3, 10], vocab=10)
+    with pytest.raises(ValueError, match="batch size 1"):
+        prompt_ids(torch.zeros((2, 3), dtype=torch.long))

@@ -11,6 +11,8 @@ the environment of that one command to see another kernel of the same library.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
@@ -23,15 +25,31 @@ def main() -> None:
     libs = [(i.get("internal_api"), i.get("version"), i.get("architecture"))
             for i in threadpool_info() if i.get("user_api") == "blas"]
     print("BLAS:", libs)
+    for threads in (1, 2, 8):
+        with threadpool_limits(threads, user_api="blas"):
+            for k, n in SHAPES:
+                w = (rng.standard_normal((k, n), dtype=np.float32) * np.float32(0.02))
+                x = rng.standard_normal((1024, k), dtype=np.float32)
+                chunks = np.concatenate([x[i: i + 64] @ w for i in range(0, 1024, 64)])
+                differ = [(lo, hi) for lo, hi in BLOCKS
+                          if not np.array_equal((x[lo:hi] @ w).view(np.uint32),
+                                                chunks[lo:hi].view(np.uint32))]
+                print(f"{threads} thread(s), ({k}, {n}): blocks whose rows differ from 64-row "
+                      f"chunks: {differ or 'none'}")
+    # the speed of larger blocks, one thread: 64-row chunks against 512-row blocks
+    k, n = 576, 1728
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    x = rng.standard_normal((2048, k), dtype=np.float32)
     with threadpool_limits(1, user_api="blas"):
-        for k, n in SHAPES:
-            w = (rng.standard_normal((k, n), dtype=np.float32) * np.float32(0.02))
-            x = rng.standard_normal((1024, k), dtype=np.float32)
-            chunks = np.concatenate([x[i: i + 64] @ w for i in range(0, 1024, 64)])
-            differ = [(lo, hi) for lo, hi in BLOCKS
-                      if not np.array_equal((x[lo:hi] @ w).view(np.uint32),
-                                            chunks[lo:hi].view(np.uint32))]
-            print(f"({k}, {n}): blocks whose rows differ from 64-row chunks: {differ or 'none'}")
+        for block in (64, 512):
+            times = []
+            for _ in range(7):
+                t = time.perf_counter()
+                for i in range(0, 2048, block):
+                    x[i: i + block] @ w
+                times.append(time.perf_counter() - t)
+            gflops = 2 * 2048 * k * n / sorted(times)[3] / 1e9
+            print(f"1 thread, ({k}, {n}), blocks of {block} rows: {gflops:.0f} GFLOP/s (median)")
 
 
 if __name__ == "__main__":

@@ -195,10 +195,12 @@ def as_token_ids(ids: object, name: str = "ids", *, vocab: Optional[int] = None,
         if not allow_empty:
             raise ValueError(f"{name}: expected a non-empty sequence of token ids")
         return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind in "fO" and not isinstance(ids, np.ndarray) and all(
-            isinstance(i, int) and not isinstance(i, bool) for i in ids):  # type: ignore[attr-defined]
-        # Python ints beyond int64 make numpy choose float64 or object
-        raise ValueError(f"{name}: a token id does not fit in a signed 64-bit integer")
+    if isinstance(ids, (list, tuple)):
+        if any(isinstance(i, (bool, np.bool_)) for i in ids):
+            raise TypeError(f"{name}: expected integer token ids, got a bool among them")
+        if arr.dtype.kind in "fO" and all(isinstance(i, (int, np.integer)) for i in ids):
+            # Python ints beyond int64 make numpy choose float64 or object
+            raise ValueError(f"{name}: a token id does not fit in a signed 64-bit integer")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) >= 1 << 63:

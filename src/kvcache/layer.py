@@ -123,12 +123,16 @@ class LayerKvCache(LayerBytes):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A copy gets an O(1) component of its own (``copy.copy`` too); pickles made before
-        the component held its state and refused estimate in two fields."""
-        o1 = state.get("_o1")
-        state["_o1"] = (o1.copy() if isinstance(o1, O1Override)
-                        else O1Override(o1, state.pop("_o1_refused", None)))
+        """Pickles made before the O(1) override was a component: its two fields, converted."""
+        if not isinstance(state.get("_o1"), O1Override):
+            state["_o1"] = O1Override(state.get("_o1"), state.pop("_o1_refused", None))
         self.__dict__.update(state)
+
+    def __copy__(self) -> LayerKvCache:
+        """A shallow copy with an O(1) state of its own (steps change a state in place)."""
+        new = LayerKvCache.__new__(type(self))
+        new.__dict__.update(self.__getstate__(), _o1=self._o1.copy())
+        return new
 
     # ------------------------------------------------------------------ storage basics
     def _reset_storage(self) -> None:
@@ -862,9 +866,8 @@ class LayerKvCache(LayerBytes):
         return True
 
     def o1_error(self) -> Optional[O1Error]:
-        """The error estimate of the last seal that built a state (:class:`kvcache.o1.O1Error`:
-        ``per_head``, ``overall``), whether it was kept or refused by ``max_error``; None
-        before any, while collecting, after :meth:`clear`, or for a state read from bytes."""
+        """The error estimate of the last seal that built a state, kept or refused
+        (:meth:`kvcache.o1_override.O1Override.error`); None otherwise."""
         return self._o1.error()
 
     def o1_step(self, q_all: FloatArrayLike, k_new: FloatArrayLike, v_new: FloatArrayLike,
@@ -887,9 +890,8 @@ class LayerKvCache(LayerBytes):
         return self._o1.memory_bytes()
 
     def o1_snapshot(self) -> O1Snapshot:
-        """A copy of the sealed state's ring, far accumulators and seq_len (speculative decode).
-
-        Restore it with :meth:`o1_restore` to roll back, bit for bit, the steps taken since."""
+        """A copy of the sealed state's ring, far accumulators and seq_len: :meth:`o1_restore`
+        rolls back, bit for bit, the steps taken since (speculative decode)."""
         return self._o1.snapshot(self._seq_len)
 
     def o1_restore(self, snapshot: O1Snapshot) -> None:

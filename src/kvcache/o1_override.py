@@ -16,6 +16,7 @@ call that runs one (the layer's ``kernels``).
 
 from __future__ import annotations
 
+import copy
 import logging
 from types import ModuleType
 from typing import TYPE_CHECKING, Optional, Union
@@ -62,9 +63,9 @@ class O1Override:
         self.refused: Optional[O1Error] = refused
 
     def copy(self) -> O1Override:
-        """Another override holding the same state object (what a copied layer holds: a
-        transition of one no longer changes the other)."""
-        return O1Override(self.state, self.refused)
+        """Another override with a copy of the state (what a shallow copy of the layer holds:
+        a step, a restore or a pushed query of one does not change the other)."""
+        return O1Override(copy.deepcopy(self.state), self.refused)
 
     def __repr__(self) -> str:
         what = ("idle" if self.state is None else "sealed" if self.sealed else "collecting")
@@ -195,8 +196,9 @@ class O1Override:
         return state
 
     def error(self) -> Optional[O1Error]:
-        """The estimate of the last seal that built a state, kept or refused (None while
-        collecting or idle without a refusal)."""
+        """The estimate of the last seal that built a state (:class:`kvcache.o1.O1Error`:
+        ``per_head``, ``overall``), kept or refused by ``max_error``; None before any, while
+        collecting, after a clear, or for a state read from bytes."""
         if isinstance(self.state, O1Sealed):
             return self.state.error
         return self.refused if self.state is None else None

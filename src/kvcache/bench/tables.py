@@ -99,7 +99,7 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
     table wider than :data:`MAX_WIDTH` is printed in parts, each repeating the first ``keys``
     columns (default: the leading columns named in :data:`KEY_HEADERS`, at least one)."""
     headers = list(map(str, headers))
-    cells = [list(r) for r in rows]
+    cells = [list(r) + [""] * (len(headers) - len(r)) for r in rows]
     flagged = False
     for i, h in enumerate(headers):
         if "%peak" in h:

@@ -108,12 +108,17 @@ def check_batch(states: torch.Tensor) -> None:
 def prompt_ids(input_ids: Any) -> npt.NDArray[np.int64]:
     """Token ids of one sequence: a (1, n) or (n,) tensor or array, or a sequence of ints
     (:func:`kvcache._validate.as_token_ids`, the validator the runner and the store share)."""
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.ndim == 2 and input_ids.shape[0] != 1:
-            raise ValueError(f"input_ids: expected one sequence (batch size 1), got shape "
-                             f"{tuple(input_ids.shape)}")
-        input_ids = input_ids.detach().cpu().reshape(-1).numpy()
-    ids = np.asarray(input_ids) if not isinstance(input_ids, (str, bytes)) else input_ids
-    if isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.shape[0] == 1:
+    ids = input_ids
+    if isinstance(ids, torch.Tensor):
+        if ids.ndim == 2:
+            if ids.shape[0] != 1:
+                raise ValueError(f"input_ids: expected one sequence (batch size 1), got shape "
+                                 f"{tuple(ids.shape)}")
+            ids = ids[0]
+        ids = ids.detach().cpu().numpy()
+    elif isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    elif isinstance(ids, (list, tuple)) and len(ids) == 1 and \
+            isinstance(ids[0], (list, tuple, np.ndarray)):
         ids = ids[0]
     return as_token_ids(ids, "input_ids")

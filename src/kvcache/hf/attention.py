@@ -187,8 +187,9 @@ def kvcache_mask(batch_size: int | None = None, q_length: int | None = None,
                  allow_is_causal_skip: bool = True, use_vmap: bool = False,
                  **kwargs: Any) -> torch.Tensor | None:
     """transformers mask function for kvcache attention: returns None (no mask is needed), or
-    for a left-padded 2-D ``attention_mask`` a small marker tensor carrying each row's count
-    of leading padding positions, which :func:`kvcache_attention` leaves out.
+    for a left-padded 2-D ``attention_mask`` a small marker tensor carrying, per row, how many
+    of the key's rows are padding (leading zeros counted from ``kv_offset``, where the key
+    starts), which :func:`kvcache_attention` leaves out.
 
     Raises instead of dropping information the kernels cannot apply: zeros in the 2-D
     ``attention_mask`` other than left padding (ValueError), and mask patterns other than

@@ -145,8 +145,9 @@ def generate(model: Any, input_ids: torch.Tensor, *, mode: KvMode | str | None =
                and input_ids.shape[0] != 1)
     mask = kwargs.get("attention_mask")
     padded = isinstance(mask, torch.Tensor) and not bool(mask.all())
-    if prefill_step is not None and not batched and not padded:   # (padding: one block)
+    if prefill_step is not None:
         _check_step("prefill_step", prefill_step)
+    if prefill_step is not None and not batched and not padded:   # (padding: one block)
         ids = prompt_ids(input_ids)
         if ids.shape[0] - 1 - cache.get_seq_length() > prefill_step:
             prefill(model, ids[:-1], cache=cache, step=prefill_step)

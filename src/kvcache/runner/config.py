@@ -222,12 +222,14 @@ def _rope_parameters(cfg: Mapping[str, Any],
                          "(full_attention, sliding_attention), got a flat dict")
     glob = dict(params.get("full_attention") or {"rope_type": "default"})
     local = dict(params.get("sliding_attention") or {"rope_type": "default"})
-    legacy = cfg.get("rope_scaling")
+    legacy = dict(cfg.get("rope_scaling") or {})
     if legacy:
         if "type" in legacy and "rope_type" not in legacy:
-            raise ValueError("config.json: gemma3_text's rope_scaling names its type under the "
-                             "old key 'type', which transformers 5 does not read for Gemma 3 "
-                             "(it keeps default RoPE); write 'rope_type'")
+            if "rope_type" in glob:     # transformers keeps the dict's type, ignores 'type'
+                raise ValueError("config.json: gemma3_text's rope_scaling names its type under "
+                                 "the old key 'type', which transformers 5 does not read here "
+                                 "(it keeps default RoPE); write 'rope_type'")
+            legacy["rope_type"] = legacy.pop("type")
         glob.update(legacy)
     glob.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
     local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))

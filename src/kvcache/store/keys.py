@@ -19,13 +19,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .._validate import as_token_ids
-
 from ..modes import KvMode
 
 __all__ = ["Geometry", "as_ids", "as_fingerprint", "block_keys", "fingerprint_digest",
@@ -37,7 +35,6 @@ _ROOT = struct.Struct("<4sHI")          # b"root", version, fingerprint length
 _SHAPE = struct.Struct("<BBIIII")       # quant_k, quant_v, n_layers, nkv, head_dim, block
 _VERSION = 1
 _ROWS = b"scheme=r"                    # appended to the root record for the int8 scheme "rows"
-_I64 = np.dtype("<i8")
 
 
 @dataclass(frozen=True)
