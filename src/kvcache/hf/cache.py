@@ -82,7 +82,7 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
         growing store moves away from it.  Quantised storage (int8, 4-bit): a new float32
         tensor of the values the kernels read (:meth:`kvcache.LayerKvCache.head_rows`: int8
         rows times their scales, 4-bit codes times step plus minimum)."""
-        return self._states(0)
+        return self.states()[0]
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
@@ -91,17 +91,18 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
     @property
     def values(self) -> torch.Tensor | None:
         """The stored values, as :attr:`keys`."""
-        return self._states(1)
+        return self.states()[1]
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
         _read_only_states("values", value)
 
-    def _states(self, part: int) -> torch.Tensor | None:
+    def states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(keys, values)`` read in one pass over the heads (:attr:`keys`)."""
         if self.kv is None:
-            return None
-        parts = [self.kv.head_rows(h)[part] for h in range(self.kv.num_kv_heads)]
-        return _heads_tensor(parts)
+            return None, None
+        rows = [self.kv.head_rows(h) for h in range(self.kv.num_kv_heads)]
+        return _heads_tensor([r[0] for r in rows]), _heads_tensor([r[1] for r in rows])
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -162,9 +163,9 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
                 f"already holds {start - self.pads} real positions after {self.pads} padding "
                 f"ones; the padding must stay the sequence's leading positions (feed a padded "
                 f"prompt in one call, with its attention_mask)")
+        skip = max(0, min(pads - start, n))
         if pads == self.pads:
-            return max(0, min(pads - start, n))
-        skip = min(pads - start, n)
+            return skip
         self.kv.truncate_last(n)
         if skip < n:
             self.kv.append(rows_of(key_states[:, :, skip:]), rows_of(value_states[:, :, skip:]))
@@ -358,8 +359,7 @@ class HfKvCache(Cache):
         code written for transformers 4.x caches reads (5.x caches have no indexing; their
         ``DynamicCache`` iterates as triples with a sliding-window tensor).  IndexError past
         the layers."""
-        layer = self.hf_layers[layer_idx]
-        return layer.keys, layer.values
+        return self.hf_layers[layer_idx].states()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """``(keys, values)`` of every decoder layer, in order."""

@@ -860,7 +860,8 @@ class Runner:
             stop = (stop,)
         stops = {as_int("stop", t) for t in stop}
         seed = None if seed is None else as_int("seed", seed, minimum=0)
-        n_prompt = as_token_ids(prompt, "prompt", vocab=self.config.vocab_size).shape[0]
+        prompt = as_token_ids(prompt, "prompt", vocab=self.config.vocab_size)
+        n_prompt = prompt.shape[0]
         if self.position:
             raise ValueError(f"generate: the cache already holds {self.position} positions; "
                              f"generate starts a conversation (call reset() first)")
