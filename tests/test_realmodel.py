@@ -83,21 +83,26 @@ def test_tokenizer_ids_equal_transformers(gguf_file, tokenizer):
         assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
 
 
-def test_prompt_logits_and_greedy_tokens_match_transformers(runner, hf_model, tokenizer):
+def check_against_transformers(runner, hf_model, ids, atol, steps):
+    """The runner's prompt logits within ``atol`` of transformers' own on the same weights,
+    and its ``steps`` greedy tokens equal to transformers' generate."""
     import torch
-    ids = tokenizer.encode(PROMPT).ids
     runner.reset()
     ours = runner.prefill(np.array(ids), all_logits=True)
     with torch.no_grad():
         theirs = hf_model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=atol)
     runner.reset()
-    tokens = runner.generate(ids, 64, stop=())
+    tokens = runner.generate(ids, steps, stop=())
     runner.reset()
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)
     assert tokens == out[0, len(ids):].tolist()
+
+
+def test_prompt_logits_and_greedy_tokens_match_transformers(runner, hf_model, tokenizer):
+    check_against_transformers(runner, hf_model, tokenizer.encode(PROMPT).ids, 1e-4, 64)
 
 
 def test_chat_answers_with_the_capital(gguf_file, runner, tokenizer):

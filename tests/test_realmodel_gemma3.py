@@ -72,19 +72,8 @@ def test_tokenizer_ids_equal_transformers(gguf_file):
 
 
 def test_prompt_logits_and_greedy_tokens_match_transformers(runner, hf_model, prompt):
-    import torch
-    runner.reset()
-    ours = runner.prefill(np.array(prompt), all_logits=True)
-    with torch.no_grad():
-        theirs = hf_model(torch.tensor([prompt])).logits[0].numpy()
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=5e-4)
-    runner.reset()
-    tokens = runner.generate(prompt, NEW, stop=())
-    runner.reset()
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
-    assert tokens == out[0, len(prompt):].tolist()
+    from test_realmodel import check_against_transformers
+    check_against_transformers(runner, hf_model, prompt, 5e-4, NEW)
 
 
 def test_kvcache_attention_in_transformers_generates_the_same_tokens(hf_model, prompt):
