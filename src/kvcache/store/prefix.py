@@ -222,6 +222,14 @@ class PrefixStore:
                 f"{'' if self._down is None else ', unavailable'})")
 
     # ------------------------------------------------------------------ public API
+    def check(self, cache: KvCache) -> None:
+        """Raise TypeError/ValueError unless this store can hold ``cache``'s rows: a
+        :class:`kvcache.KvCache` of LayerKvCache layers of its geometry and one mode, none
+        evicted, and a block that mode takes (q8 "cmf": ``block > 64``; 4-bit K: a multiple of
+        32).  The checks ``put`` and ``load`` begin with; reads nothing from the backend, so a
+        caller can refuse a pairing before it computes anything."""
+        self._geometry(cache)
+
     def put(self, ids: object, cache: KvCache) -> int:
         """Store every full block of ``ids`` that is not stored yet; return how many were written.
 
