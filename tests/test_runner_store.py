@@ -175,7 +175,7 @@ def test_o1_layers_refuse_a_store_up_front(tmp_path):
 def test_a_block_the_chunk_does_not_divide_is_refused():
     runner = kr.Runner.random(prefill_chunk=128)
     store = PrefixStore(MemoryBackend(), fingerprint=runner.fingerprint, block=320)
-    with pytest.raises(ValueError, match="multiple of this runner's prefill_chunk"):
+    with pytest.raises(ValueError, match="not a multiple of prefill_chunk=128"):
         runner.generate(ids_of(300) % 512, 2, store=store)
     assert runner.position == 0
 
@@ -228,3 +228,15 @@ def test_a_backend_object_stays_the_callers(tmp_path):
     runner.reset()
     runner.prefill(ids, store=backend)
     assert runner.store_loaded == 256
+
+
+def test_a_block_the_mode_cannot_take_is_refused_before_anything_runs():
+    # q8 "cmf" needs block > 64: refused up front, also for a prompt of one chunk (which was
+    # computed before the put refused the cache)
+    runner = kr.Runner.random(kv="q8:cmf")
+    backend = MemoryBackend()
+    store = PrefixStore(backend, fingerprint=runner.fingerprint, block=64)
+    for n, all_logits in ((30, False), (300, False), (300, True)):
+        with pytest.raises(ValueError, match="needs block > 64"):
+            runner.prefill(ids_of(n) % 512, store=store, all_logits=all_logits)
+        assert runner.position == 0 and runner.cache.seq_len == 0 and len(backend) == 0

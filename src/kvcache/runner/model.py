@@ -45,13 +45,12 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ContextManager, Union
 
 import numpy as np
 import numpy.typing as npt
 
-from .. import quant
 from .._prefill_steps import step_ends
 from .._threads import BlasGovernor
 from .._validate import IntArrayLike, as_int, as_token_ids
@@ -68,7 +67,7 @@ from .weights import (Array, LayerWeights, Tracked, as_f32, layers_from, load_sa
 
 if TYPE_CHECKING:
     from ..o1 import O1Snapshot
-    from ..store import PrefixStore
+    from ..store.prompt import StoreArg
 
 __all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_PREFILL_STEP", "O1_AUTO_MAX_ERROR",
            "O1_AUTO_PARAMS", "Runner", "load_checkpoint", "load_checkpoint_tokenizer"]
@@ -99,8 +98,6 @@ DEFAULT_PREFILL_CHUNK = 64
 #: layer's products still see 64-row chunks and the BLAS/OpenMP hand-over happens once per
 #: layer and step; the bits do not depend on it (module docstring).
 DEFAULT_PREFILL_STEP = 512
-#: What ``store=`` accepts: a PrefixStore, or a backend spec (a folder, ``redis://...``).
-StoreArg = Union["PrefixStore", str, "os.PathLike[str]", None]
 
 _F32 = np.float32
 #: What :meth:`Runner._undo` needs per layer: its length, or an O(1) layer's snapshot.
@@ -646,7 +643,7 @@ class Runner:
                 layer.o1_restore(saved)
 
     def prefill(self, ids: IntArrayLike, *, all_logits: bool = False,
-                store: StoreArg = None,
+                store: StoreArg | None = None,
                 progress: Callable[[int, int], object] | None = None) -> Array:
         """The prompt (the cache must be empty): see :meth:`forward`.
 
@@ -665,9 +662,11 @@ class Runner:
         layer); ``progress(done, total)``, when given, is called after each step with the
         positions computed so far and the number this call computes (loaded ones left out).
 
-        Raises ValueError up front for a store with O(1) layers (the store holds exact rows,
-        which those layers release when they seal) or for a store block that is not a
-        multiple of ``prefill_chunk``."""
+        Raises ValueError before anything runs for a store with O(1) layers (the store holds
+        exact rows, which those layers release when they seal), a store of another
+        fingerprint, a store block that is not a multiple of ``prefill_chunk``, or one the
+        KV mode cannot take (a q8 "cmf" cache needs a block over 64): the checks of
+        :func:`kvcache.store.prompt.check_store`, the path kvcache.hf takes too."""
         if self.position:
             raise ValueError(f"prefill: the cache already holds {self.position} positions; "
                              f"call reset() first or use forward()")
@@ -678,68 +677,22 @@ class Runner:
         arr = self._check_ids(ids)
         if store is None:
             return self._forward(arr, all_logits, True, progress)
-        with self._open_store(store) as st:
-            return self._prefill_from(st, arr, all_logits, progress)
-
-    def _refuse_store(self) -> None:
-        """ValueError when this runner's configuration cannot use a prefix store."""
-        if self.o1_layers:
-            raise ValueError(f"store: the prefix store does not handle O(1) layers (layers "
-                             f"{list(self.o1_layers)} seal the prompt and release its rows); "
-                             f"run without store= or without o1_layers")
-
-    @contextlib.contextmanager
-    def _open_store(self, store: StoreArg) -> Iterator[PrefixStore]:
-        """``store`` as a PrefixStore, checked against this runner (ValueError); a backend
-        opened here from a spec string or path is closed on exit (a Backend or PrefixStore
-        object the caller passed stays open: it is theirs)."""
-        from ..store import PrefixStore
-        self._refuse_store()
-        if store is None:
-            raise ValueError("store: expected a PrefixStore or a backend spec, got None")
-        own = isinstance(store, (str, os.PathLike))
-        st = store if isinstance(store, PrefixStore) else PrefixStore(
-            store, fingerprint=self.fingerprint)
-        try:
-            if st.fingerprint != self.fingerprint.encode():
-                raise ValueError("store: its fingerprint is not this runner's (Runner.fingerprint "
-                                 "digests the config, weights, KV mode and chunk); rows stored "
-                                 "under another fingerprint may come from another model")
-            if st.block % self.prefill_chunk:
-                raise ValueError(f"store: its block of {st.block} positions is not a multiple "
-                                 f"of this runner's prefill_chunk={self.prefill_chunk}; the "
-                                 f"loaded rows would not be bit-identical to computed ones")
-            yield st
-        finally:
-            if own:
-                st.close()
-
-    def _prefill_from(self, st: PrefixStore, ids: npt.NDArray[Any], all_logits: bool,
-                      progress: Callable[[int, int], object] | None) -> Array:
-        """Load the stored prefix of ``ids`` (whole chunks, leaving the last chunk to compute),
-        compute the rest, store the new full blocks."""
-        n, c, b = ids.shape[0], self.prefill_chunk, st.block
-        if all_logits:
-            most = 0                                  # every position's logits are computed
-        else:
-            most = (n - 1) // c * c                   # the chunk of the last position is
-        try:                                          # computed, for its logits
-            loaded = st.load(ids[: min(n, -(-most // b) * b)], self.cache) if most else 0
-            keep = min(loaded, most)
-            if keep <= quant.COL_WARMUP and self.mode.freezes_columns:
-                keep = 0          # below the cmf warm-up a rolled-back cache keeps frozen columns
-            if keep == 0:
-                self.cache.clear()
-            elif keep < loaded:
-                self.cache.truncate_last(loaded - keep)
-            self.position = keep
-            logits = self._forward(ids[keep:], all_logits, True, progress)
-        except BaseException:
-            self.reset()
-            raise
-        self.store_loaded = keep
-        st.put(ids, self.cache)
-        return logits
+        from ..store.prompt import (check_store, load_prefix, open_store, refuse_o1,
+                                    store_blocks)
+        refuse_o1(self.o1_layers)             # before the fingerprint's digest is computed
+        with open_store(store, self.fingerprint) as st:
+            check_store(st, self.cache, fingerprint=self.fingerprint, chunk=self.prefill_chunk)
+            try:                              # all_logits: every position's are computed
+                keep = 0 if all_logits else load_prefix(st, arr, self.cache,
+                                                        chunk=self.prefill_chunk)
+                self.position = keep
+                logits = self._forward(arr[keep:], all_logits, True, progress)
+            except BaseException:
+                self.reset()
+                raise
+            self.store_loaded = keep
+            store_blocks(st, arr, self.cache)
+            return logits
 
     @property
     def fingerprint(self) -> str:
@@ -810,7 +763,7 @@ class Runner:
                  top_p: float = 1.0, seed: int | None = None,
                  stop: int | Collection[int] | None = None,
                  callback: Callable[[int], object] | None = None,
-                 store: StoreArg = None,
+                 store: StoreArg | None = None,
                  progress: Callable[[int, int], object] | None = None) -> list[int]:
         """Prefill ``prompt`` and decode up to ``max_new_tokens`` tokens.
 
@@ -869,7 +822,8 @@ class Runner:
             raise ValueError(f"generate: {n_prompt} prompt positions and {max_new} new tokens "
                              f"exceed max_seq_len={self.max_seq_len}")
         if store is not None:
-            self._refuse_store()
+            from ..store.prompt import refuse_o1
+            refuse_o1(self.o1_layers)
         rng = np.random.default_rng(seed)
         out: list[int] = []
         if max_new == 0:
