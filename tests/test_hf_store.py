@@ -104,6 +104,11 @@ def test_bad_input_is_refused():
         kh.cache_from_store(store, cfg, [])
     cache, n = kh.cache_from_store(store, cfg, [5])
     assert n == 0 and cache.get_seq_length() == 0
+    with pytest.raises(TypeError, match="expected a kvcache.store.PrefixStore, got str"):
+        kh.cache_from_store("memory", cfg, [5, 6])
+    small = PrefixStore(MemoryBackend(), fingerprint="x", block=64)     # q8 "cmf": > 64
+    with pytest.raises(ValueError, match="needs block > 64"):
+        kh.cache_from_store(small, cfg, [5], mode="q8:cmf")
     assert kh.store_cache(store, cache, [5]) == 0               # nothing held, nothing stored
     with pytest.raises(TypeError, match="HfKvCache"):
         kh.store_cache(store, object(), [5])

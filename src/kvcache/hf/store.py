@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..model import KvCache
 from ..modes import KvMode
+from ..store.prompt import load_prefix, store_blocks
 from ._common import prompt_ids
 from .cache import HfKvCache, text_config
 
@@ -17,21 +18,19 @@ if TYPE_CHECKING:
 __all__ = ["cache_from_store", "store_cache"]
 
 
-def _kv_view(cache: HfKvCache, config: Any, max_seq_len: int) -> KvCache:
-    """A :class:`kvcache.KvCache` over the cache's layers (made now when still lazy), for the
-    prefix store; the cache's config decides the geometry."""
-    text = text_config(config)
-    heads = int(text.num_attention_heads)
-    nkv = int(getattr(text, "num_key_value_heads", None) or heads)
-    hd = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+def _kv_view(cache: HfKvCache, nkv: int, hd: int, max_seq_len: int) -> KvCache:
+    """A :class:`kvcache.KvCache` over the cache's layers, for the prefix store: its own
+    layers, and new ones of ``nkv`` x ``hd`` rows for those still lazy (made now, as
+    ``lazy_initialization`` makes them: never evicted).  ValueError for a layer of other
+    geometry."""
     view = KvCache(len(cache.layers), nkv, hd, max_seq_len=max(max_seq_len, 1), mode=cache.mode)
-    view.track_importance = False            # as lazy_initialization makes them: never evicted
+    view.track_importance = False
     for i, layer in enumerate(cache.hf_layers):
         if layer.kv is None:
             layer.kv = view.layers[i]
         elif (layer.kv.num_kv_heads, layer.kv.head_dim) != (nkv, hd):
             raise ValueError(f"cache: layer {i} holds {layer.kv.num_kv_heads}x"
-                             f"{layer.kv.head_dim} rows, the config says {nkv}x{hd}")
+                             f"{layer.kv.head_dim} rows, expected {nkv}x{hd}")
         view.layers[i] = layer.kv
     return view
 
@@ -60,14 +59,23 @@ def cache_from_store(store: PrefixStore, model: Any, input_ids: Any, *,
         whole prompt and the cache to :func:`generate` (or ``model.generate``), which then
         computes positions ``n_loaded ..`` only.  0 on a miss, or when the store is
         unavailable (it then logs one warning and generation goes on without it).
+
+    The load is :func:`kvcache.store.prompt.load_prefix`, the runner's, with the block as the
+    chunk.  TypeError for a store that is not a PrefixStore; ValueError, before anything is
+    read, for a store that cannot hold the mode's rows (a q8 "cmf" cache needs a block over
+    64).
     """
     config = getattr(model, "config", model)
     ids = prompt_ids(input_ids)
     cache = HfKvCache(config, mode=mode)
     if not cache.layers:
         raise ValueError("model: its config gives no decoder layers")
-    view = _kv_view(cache, config, ids.shape[0])
-    loaded = store.load(ids[:-1], view) if ids.shape[0] > 1 else 0
+    text = text_config(config)
+    heads = int(text.num_attention_heads)
+    nkv = int(getattr(text, "num_key_value_heads", None) or heads)
+    hd = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    view = _kv_view(cache, nkv, hd, ids.shape[0])
+    loaded = load_prefix(store, ids, view)
     if not loaded:
         for layer in cache.hf_layers:     # back to lazy layers, as a new cache has
             layer.kv = None
@@ -84,7 +92,8 @@ def store_cache(store: PrefixStore, cache: HfKvCache, ids: Any) -> int:
     ``generate`` output: prompt and new tokens; the cache holds all but the last token); only
     its first ``cache.get_seq_length()`` ids are used.  Raises ValueError when the cache
     holds more positions than ``ids`` has, or layers the store cannot take (see
-    :meth:`kvcache.store.PrefixStore.put`)."""
+    :meth:`kvcache.store.PrefixStore.put`); nothing is stored then.  The put is
+    :func:`kvcache.store.prompt.store_blocks`, the runner's."""
     if not isinstance(cache, HfKvCache):
         raise TypeError(f"cache: expected an HfKvCache, got {type(cache).__name__}")
     arr = prompt_ids(ids)
@@ -93,12 +102,7 @@ def store_cache(store: PrefixStore, cache: HfKvCache, ids: Any) -> int:
         raise ValueError(f"cache: its sequence starts with {pads} padding positions it does not "
                          f"store; store the cache of an unpadded sequence")
     n = cache.get_seq_length()
-    if n > arr.shape[0]:
-        raise ValueError(f"ids: the cache holds {n} positions, ids has {arr.shape[0]}")
-    if n == 0 or any(layer.kv is None for layer in cache.hf_layers):
+    kvs = [kv for kv in cache.kv_layers if kv is not None]
+    if n == 0 or len(kvs) < len(cache.layers):
         return 0
-    kvs = [layer.kv for layer in cache.hf_layers if layer.kv is not None]
-    view = KvCache(len(kvs), kvs[0].num_kv_heads, kvs[0].head_dim, max_seq_len=n,
-                   mode=cache.mode)
-    view.layers[:] = kvs
-    return store.put(arr[:n], view)
+    return store_blocks(store, arr, _kv_view(cache, kvs[0].num_kv_heads, kvs[0].head_dim, n))
