@@ -230,6 +230,19 @@ def test_a_backend_object_stays_the_callers(tmp_path):
     assert runner.store_loaded == 256
 
 
+def test_a_4bit_key_hit_is_bit_identical_with_a_chunk_below_its_block_of_keys():
+    # with prefill_chunk=16 a hit rolled the loaded blocks back mid-way through a block of 32
+    # 4-bit keys, which was then quantised again from the loaded codes: other bits than cold
+    runner = kr.Runner.random(kv="q4", prefill_chunk=16)
+    store = PrefixStore(MemoryBackend(), fingerprint=runner.fingerprint, block=256)
+    ids = ids_of(256) % 512
+    cold = trace(runner, ids)
+    trace(runner, ids, store=store)
+    assert runner.store_loaded == 0
+    assert_bits(trace(runner, ids, store=store), cold)
+    assert runner.store_loaded == 224               # 240 is mid-block: down to 224
+
+
 def test_a_block_the_mode_cannot_take_is_refused_before_anything_runs():
     # q8 "cmf" needs block > 64: refused up front, also for a prompt of one chunk (which was
     # computed before the put refused the cache)

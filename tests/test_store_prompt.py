@@ -57,10 +57,15 @@ def assert_same_rows(got, want, n):
 RULE = [(20, 4, 16), (17, 4, 16), (16, 4, 12), (8, 4, 4), (5, 4, 0), (4, 4, 0), (1, 4, 0),
         (0, 4, 0), (16, 8, 8), (17, 8, 16), (16, None, 8), (17, None, 16), (9, None, 8),
         (8, None, 0), (16, 2, 14), (20, 1, 16), (16, 1, 15)]
+# 4-bit K, block 32: a roll-back never reopens a block of 32 keys (its rows would be read
+# from the loaded codes and quantised again), so the count is also a multiple of 32
+RULE_K4 = [(64, 16, 32), (64, 32, 32), (80, 16, 64), (64, 8, 32), (65, 8, 64), (64, None, 32),
+           (100, 1, 96), (96, 1, 64)]
 
 
 @pytest.mark.parametrize("mode,block,n,chunk,want",
-                         [("f32", 8, *r) for r in RULE] + [("q8", 8, *r) for r in RULE])
+                         [("f32", 8, *r) for r in RULE] + [("q8", 8, *r) for r in RULE]
+                         + [("q4", 32, *r) for r in RULE_K4] + [("k4v8", 32, *r) for r in RULE_K4])
 def test_load_prefix_loads_whole_chunks_before_the_last_one(mode, block, n, chunk, want):
     store = PrefixStore(MemoryBackend(), fingerprint="m", block=block)
     ids = ids_of(n)

@@ -26,11 +26,13 @@ Every function leaves the store and the cache as they were when it raises.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Collection, Iterator
 from typing import Optional, Union
 
 from .. import quant
+from .._entry import K4_BLOCK
 from ..model import KvCache
 from .keys import as_fingerprint, as_ids
 from .prefix import BackendSpec, PrefixStore
@@ -116,9 +118,12 @@ def load_prefix(store: PrefixStore, ids: object, cache: KvCache, *,
     The count is a multiple of ``chunk`` (default: the store's block) below ``len(ids)``: the
     chunk holding the last position is always left to compute, for its logits.  Blocks
     reaching past that chunk's start are loaded and the cache rolled back to it (a
-    ``chunk`` smaller than the block gains the positions between).  In q8 modes of the
-    legacy scheme "cmf" a count of 64 or less becomes 0: a cache rolled back below the
-    column warm-up keeps frozen columns a cold prefill does not have.  A store that fails
+    ``chunk`` smaller than the block gains the positions between), to a multiple of 32
+    in modes with 4-bit K too (a block of 32 keys reopened by the roll-back would be read
+    from its loaded codes, not the original rows, and quantised again: other bits than a
+    cold prefill's).  In q8 modes of the legacy scheme "cmf" a count of 64 or less becomes
+    0: a cache rolled back below the column warm-up keeps frozen columns a cold prefill
+    does not have.  A store that fails
     only costs the time (0).  ValueError/TypeError for bad input or a cache that is not
     empty; the cache is then unchanged."""
     check_store(store, cache, chunk=1 if chunk is None else chunk)
@@ -133,7 +138,10 @@ def load_prefix(store: PrefixStore, ids: object, cache: KvCache, *,
         return 0
     loaded = store.load(arr[: min(n, -(-most // b) * b)], cache)
     keep = min(loaded, most)
-    if keep <= quant.COL_WARMUP and cache.layers[0].mode.freezes_columns:
+    mode = cache.layers[0].mode
+    if keep < loaded and mode.k4:
+        keep -= keep % math.lcm(c, K4_BLOCK)      # no 4-bit K block is reopened
+    if keep <= quant.COL_WARMUP and mode.freezes_columns:
         keep = 0
     if keep == 0 and loaded:
         cache.clear()
