@@ -36,6 +36,15 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` reads from, relative imports resolved in ``package``."""
+    if not node.level:
+        return node.module or ""
+    pkg = package.split(".")
+    base = ".".join(pkg[: len(pkg) - node.level + 1])
+    return f"{base}.{node.module}" if node.module else base
+
+
 def _edges(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
     tree = ast.parse(path.read_text(), str(path))
     skip = _type_checking_nodes(tree)
@@ -48,12 +57,7 @@ def _edges(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
             targets = [a.name for a in node.names]
             base = None
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                pkg = package.split(".")
-                base = ".".join(pkg[: len(pkg) - node.level + 1])
-                base = f"{base}.{node.module}" if node.module else base
-            else:
-                base = node.module or ""
+            base = _from_module(node, package)
             targets = [f"{base}.{a.name}" for a in node.names]
         else:
             continue
@@ -126,3 +130,57 @@ def test_the_library_does_not_import_its_benchmark():
              if not m.startswith("kvcache.bench") and m != "kvcache.__main__"
              and any(d.startswith("kvcache.bench") for d in deps)}
     assert users == set()
+
+
+def _private_uses(name: str, path: pathlib.Path, known: set[str]) -> list[str]:
+    """Private names (``_x``) of other kvcache modules that ``name`` imports or reads as
+    ``module._x``; private submodules (``from . import _core``) are the package's own."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    bound: dict[str, str] = {}                   # local name -> kvcache module it names
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _from_module(node, package)
+            if not base.startswith("kvcache"):
+                continue
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                if full in known:
+                    bound[a.asname or a.name] = full
+                elif a.name.startswith("_") and not a.name.startswith("__") and base != name:
+                    out.append(f"{name} imports {full}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in known and a.asname:
+                    bound[a.asname] = a.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in bound and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            full = f"{bound[node.value.id]}.{node.attr}"
+            if full not in known and bound[node.value.id] != name:
+                out.append(f"{name} reads {full}")
+    return out
+
+
+#: Left to the benchmark's restructuring (kvcache.bench is being rewritten on another branch).
+KNOWN_PRIVATE_USES = {"kvcache.bench.cli imports kvcache.bench.geometry._GEOMETRY_ALIASES"}
+
+
+def test_no_module_uses_another_modules_private_names():
+    # a private name one module needs from another becomes public there (or moves)
+    mods = _modules()
+    known = set(mods) | {"kvcache._core"}
+    uses = sorted(u for m, p in mods.items() for u in _private_uses(m, p, known))
+    assert [u for u in uses if u not in KNOWN_PRIVATE_USES] == []
+
+
+def test_the_private_name_finder_finds_them(tmp_path):
+    src = tmp_path / "m.py"
+    known = {"kvcache.store.entry", "kvcache.quant", "kvcache._core"}
+    src.write_text("from ..store.entry import _decode, encode\nfrom .. import quant as q, _core\n"
+                   "x = q._k4_scale + q.k4_values + _core.attend\n")
+    assert sorted(_private_uses("kvcache.runner.m", src, known)) == [
+        "kvcache.runner.m imports kvcache.store.entry._decode",
+        "kvcache.runner.m reads kvcache.quant._k4_scale"]
