@@ -117,10 +117,16 @@ def test_the_section_flags_of_the_last_release_are_gone(capsys):
 
 
 def test_old_spellings_of_decode_options_warn_and_still_work(caplog):
-    argv = cli.renamed(["--contexts", "1k", "--no-torch", "--repeats=4", "--o1-repeats", "2"])
-    assert argv == ["--decode-contexts", "1k", "--no-decode-torch", "--decode-repeats=4",
-                    "--o1-repeats", "2"]
-    assert "--contexts is deprecated" in caplog.text and "use --decode-contexts" in caplog.text
+    argv = ["--contexts", "1k", "--no-torch", "--repeats=4", "--modes", "f32,q4",
+            "--o1-repeats", "2", "--prefill-geometries", "qwen", "--geometries", "llama"]
     plan = cli.resolve(cli.build_parser().parse_args(argv))
-    values = dict((s.name, v) for s, v in plan.chosen)["decode"]
-    assert values.contexts == [1024] and values.torch is False and values.repeats == 4
+    values = dict((s.name, v) for s, v in plan.chosen)
+    decode, prefill = values["decode"], values["prefill"]
+    assert decode.contexts == [1024] and decode.torch is False and decode.repeats == 4
+    assert decode.modes == prefill.modes == ["f32", "q4"]       # both sections read --modes
+    assert decode.geometries == ["llama3-8b"] and prefill.geometries == ["qwen2.5-0.5b"]
+    assert values["o1"].repeats == 2
+    assert "--contexts is deprecated" in caplog.text and "use --decode-contexts" in caplog.text
+    assert "--no-torch is deprecated" in caplog.text and "use --no-decode-torch" in caplog.text
+    assert "--old" not in cli.build_parser().format_help() and "--no-torch" not in (
+        cli.build_parser().format_help())

@@ -103,40 +103,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write raw results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write PNG charts (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    old: set[str] = set()
     for section in known:
         group = p.add_argument_group(f"{section.name} section", section.help)
         for option in section.options:
-            flag, dest = section.flag(option), _dest(section, option)
-            if option.parse is None:
-                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
-                                   help=_help(option))
-            elif option.many:
-                group.add_argument(flag, dest=dest, nargs="+", type=_words(option.parse),
-                                   action=_Items, metavar=option.metavar, help=_help(option))
-            else:
-                group.add_argument(flag, dest=dest, type=option.parse, metavar=option.metavar,
-                                   help=_help(option))
+            _add(group, option, section.flag(option), _dest(section, option), _help(option))
+            for spelling in set(option.old) - old:            # hidden, read by resolve()
+                _add(group, option, spelling, _old_dest(spelling), argparse.SUPPRESS, off=True)
+                old.add(spelling)
     return p
 
 
-def renamed(argv: Sequence[str]) -> list[str]:
-    """``argv`` with the deprecated spellings of options (``Option.old``) replaced by the
-    current ones, each with a warning."""
-    new: dict[str, str] = {}
-    for section in sections():
-        for option in section.options:
-            flag = section.flag(option)
-            current = f"--no-{flag[2:]}" if option.parse is None else flag
-            new.update(dict.fromkeys(option.old, current))
-    out = []
-    for word in argv:
-        name, eq, value = word.partition("=")
-        if name in new:
-            log.warning("%s is deprecated and will be removed in the next release; use %s",
-                        name, new[name])
-            word = new[name] + eq + value
-        out.append(word)
-    return out
+def _add(group: argparse._ArgumentGroup, option: Option, flag: str, dest: str, help: str,
+         off: bool = False) -> None:
+    """``flag`` for ``option`` (``off``: a switch's old spelling, which turns it off)."""
+    if option.parse is None and off:
+        group.add_argument(flag, dest=dest, action="store_const", const=False, help=help)
+    elif option.parse is None:
+        group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=help)
+    elif option.many:
+        group.add_argument(flag, dest=dest, nargs="+", type=_words(option.parse),
+                           action=_Items, metavar=option.metavar, help=help)
+    else:
+        group.add_argument(flag, dest=dest, type=option.parse, metavar=option.metavar,
+                           help=help)
+
+
+def _old_dest(spelling: str) -> str:
+    return f"old:{spelling}"
 
 
 @dataclass
@@ -161,10 +155,23 @@ def resolve(args: argparse.Namespace) -> Plan:
                   seed=args.seed,
                   bandwidth_bytes=(args.bandwidth_mib * MiB if args.bandwidth_mib
                                    else BANDWIDTH_BUFFER))
-    chosen = [(s, s.values(args.quick, {o.name: getattr(args, _dest(s, o))
-                                        for o in s.options}))
+    chosen = [(s, s.values(args.quick, {o.name: _given(args, s, o) for o in s.options}))
               for s in sections() if s.name in names]
     return Plan(ctx, chosen)
+
+
+def _given(args: argparse.Namespace, section: Section, option: Option) -> Any:
+    """The value given for ``option`` (None: not given), by its flag or, with a warning, by
+    a deprecated spelling (``Option.old``)."""
+    value = getattr(args, _dest(section, option))
+    new = section.flag(option) if option.parse is not None else f"--no-{section.flag(option)[2:]}"
+    for spelling in option.old:
+        old = getattr(args, _old_dest(spelling))
+        if old is not None:
+            log.warning("%s is deprecated and will be removed in the next release; use %s",
+                        spelling, new)
+            value = old if value is None else value
+    return value
 
 
 def check_plot_backend() -> str | None:
@@ -197,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m kvcache bench``; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s")
     parser = build_parser()
-    args = parser.parse_args(renamed(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(argv)
     if args.plot:
         err = check_plot_backend()
         if err:

@@ -472,7 +472,8 @@ SECTION = register(Section(
     help="prompt attention vs torch SDPA and the FMA peak, time to first token of "
          "kvcache.runner vs transformers",
     options=(Option("geometries", "llama3-8b and/or qwen2.5-0.5b (or llama, qwen)",
-                    tuple(GEOMETRIES), parse_geometry, ("llama3-8b",), many=True, metavar="G"),
+                    tuple(GEOMETRIES), parse_geometry, ("llama3-8b",), many=True,
+                    old=("--geometries",), metavar="G"),
              Option("modes", f"KV modes: f32 and q8 always, and any of {', '.join(PREFILL_4BIT)}",
-                    PREFILL_MODES, parse_mode, many=True, metavar="M")),
+                    PREFILL_MODES, parse_mode, many=True, old=("--modes",), metavar="M")),
     tasks=task_count, run=run_prefill, report=prefill_report))
