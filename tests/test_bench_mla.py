@@ -28,9 +28,10 @@ def test_mla_section_tiny_run(tmp_path, capsys):
     assert "20480 B (8.89x the latent)" in text
 
     data = json.loads(path.read_text())
-    assert data["decode"] == [] and data["o1"] == []
-    assert data["options"]["mla_section"] is True
-    rows = data["mla"]
+    assert list(data["sections"]) == ["mla"]
+    mla = data["sections"]["mla"]
+    assert mla["options"]["contexts"] == [128, 192]
+    rows = mla["rows"]
     assert [(r["context"], r["threads"]) for r in rows] == [(128, 1), (192, 1)]
     for r in rows:
         assert r["layers"] >= 2                              # rotation, even at 1 MiB
@@ -43,10 +44,10 @@ def test_mla_section_tiny_run(tmp_path, capsys):
                     "speedup_vs_naive"):
             assert np.isfinite(r[key]) and r[key] > 0, key
         assert r["rel_err_vs_naive"] < 1e-4                  # the kernel agrees with the naive form
-    s = data["mla_summary"]
+    s = mla["summary"]
     assert s["context"] == 192 and s["threads"] == 1
-    assert not any(k.endswith("_pass") for k in s) and "mla_targets" not in data
-    info = data["mla_info"]
+    assert not any(k.endswith("_pass") for k in s) and "targets" not in mla
+    info = mla
     assert info["memory"]["latent"] == 2304 and info["memory"]["per_head_f32"] == 20480
     assert set(info["fma_peak"]) == {"1"}
 
@@ -56,9 +57,10 @@ def test_mla_section_skips_naive_above_limit(tmp_path, capsys):
     argv = TINY + ["--mla-naive-max-context", "128", "--json", str(path)]
     assert bench.main(argv) == 0
     capsys.readouterr()
-    rows = json.loads(path.read_text())["mla"]
+    mla = json.loads(path.read_text())["sections"]["mla"]
+    rows = mla["rows"]
     assert "naive_ms" in rows[0] and "naive_ms" not in rows[1]
-    assert json.loads(path.read_text())["mla_summary"]["speedup_vs_naive"] is None
+    assert mla["summary"]["speedup_vs_naive"] is None
 
 
 def test_mla_summary_reports_the_largest_context():

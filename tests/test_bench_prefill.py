@@ -13,7 +13,7 @@ from kvcache import bench
 from kvcache.bench import tables
 from kvcache.bench import prefill as bp
 from kvcache.bench.geometry import GEOMETRIES
-from kvcache.bench.options import SECTIONS
+from kvcache.bench.registry import sections
 
 TINY_MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
@@ -68,7 +68,7 @@ def result(sdpa=True, ttft=True, bad=False):
 
 
 def test_prefill_is_a_section():
-    assert "prefill" in SECTIONS
+    assert "prefill" in [s.name for s in sections()]
 
 
 def test_tables_show_every_cell(monkeypatch):
@@ -114,13 +114,13 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bp, "QUICK_PREFILL_CONTEXTS", (256, 384))
     monkeypatch.setattr(bp, "QUICK_TTFT_CONTEXTS", (256,))
     path = tmp_path / "prefill.json"
-    argv = ["--sections", "prefill", "--quick", "--geometries", "qwen", "--no-progress",
-            "--json", str(path), "--modes", "f32", "q8", "q4", "k8v4"]
+    argv = ["--sections", "prefill", "--quick", "--prefill-geometries", "qwen", "--no-progress",
+            "--json", str(path), "--prefill-modes", "f32", "q8", "q4", "k8v4"]
     assert bench.main(argv) == 0
     text = capsys.readouterr().out
     assert "prefill: prompt attention" in text and "WARNING" not in text
     assert "4-bit KV" in text and " q4 " in text and " k8v4 " in text
-    data = json.loads(path.read_text())["prefill"]
+    data = json.loads(path.read_text())["sections"]["prefill"]
     assert data["settings"]["contexts"] == [256, 384] and data["settings"]["repeats"] == 1
     assert data["settings"]["geometries"] == ["qwen2.5-0.5b"] and data["peak_gflops"] > 0
     att = data["attention"]

@@ -26,7 +26,7 @@ def test_runner_section_tiny_run(tmp_path, capsys, monkeypatch):
     assert bench.main(argv) == 0
     text = capsys.readouterr().out
     assert "kvcache.runner vs transformers generate" in text and "WARNING" not in text
-    rows = json.loads(path.read_text())["runner"]
+    rows = json.loads(path.read_text())["sections"]["runner"]["rows"]
     assert [r["context"] for r in rows] == [64, 300]
     for r in rows:
         assert r["max_abs_logit_diff"] < 1e-4            # same cache, same token, same logits

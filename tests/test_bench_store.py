@@ -11,7 +11,7 @@ import pytest
 from kvcache import bench
 from kvcache.bench import tables
 from kvcache.bench import store as bs
-from kvcache.bench.options import SECTIONS
+from kvcache.bench.registry import sections
 
 TINY_MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
@@ -43,12 +43,12 @@ def result(redis=True, identical=True):
             "prefill_chunk": 128}
 
 
-class Opts:
-    store_repeats = 3
+class Values:
+    repeats = 3
 
 
 def test_store_is_a_section():
-    assert "store" in SECTIONS
+    assert "store" in [s.name for s in sections()]
 
 
 def test_tables_show_every_row(monkeypatch):
@@ -76,13 +76,13 @@ def test_summary_takes_the_worst_case_per_backend():
 
 
 def test_notes_say_what_was_not_measured_and_warn():
-    notes = bs.store_notes(result(), Opts())
+    notes = bs.store_notes(result(), Values())
     assert any(n.startswith("directory: full hit >= 25.0x faster than cold at 2k and up;")
                for n in notes)
     assert not any("target" in n for n in notes)
     assert any("WARNING: redis: a put or load moved fewer blocks" in n for n in notes)
     assert not any("a hit's logits differ" in n for n in notes)
-    notes = bs.store_notes(result(redis=False, identical=False), Opts())
+    notes = bs.store_notes(result(redis=False, identical=False), Values())
     assert "Redis: not measured (redis-server is not on PATH)" in notes
     assert "WARNING: directory: a hit's logits differ from the cold run's" in notes
     assert not any(n.startswith("redis:") for n in notes)
@@ -97,8 +97,8 @@ def test_store_section_tiny_run(tmp_path, capsys, monkeypatch):
     assert bench.main(argv) == 0
     text = capsys.readouterr().out
     assert "prefix store (kvcache.store)" in text and "WARNING" not in text
-    data = json.loads(path.read_text())
-    rows, ios = data["store"], data["store_io"]
+    data = json.loads(path.read_text())["sections"]["store"]
+    rows, ios = data["ttft"], data["io"]
     assert [r["backend"] for r in rows] == ["directory", "redis"]     # a throwaway server
     for r in rows:
         assert r["identical"] and r["full_loaded"] == 192 and r["half_loaded"] == 0
@@ -111,5 +111,5 @@ def test_store_section_tiny_run(tmp_path, capsys, monkeypatch):
     f32 = ios[0]["bytes_per_token"]
     assert 2 * 2 * 2 * 16 * 4 <= f32 < 2 * 2 * 2 * 16 * 4 * 1.2
     assert ios[1]["bytes_per_token"] < f32 / 2
-    assert data["options"]["store_contexts"] == [256]
-    assert set(data["store_summary"]) == {"directory", "redis"}
+    assert data["options"]["contexts"] == [256]
+    assert set(data["summary"]) == {"directory", "redis"}

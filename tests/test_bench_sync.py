@@ -26,8 +26,10 @@ def test_sync_section_tiny_run(tmp_path, capsys, backend):
     text = capsys.readouterr().out
     assert "device mirror sync" in text and "bytes full/step" in text
     data = json.loads(path.read_text())
-    assert data["decode"] == [] and data["options"]["sync_backend"] == backend
-    rows = {r["case"]: r for r in data["sync"]}
+    assert list(data["sections"]) == ["sync"]
+    sync = data["sections"]["sync"]
+    assert sync["options"]["backend"] == sync["backend"] == backend
+    rows = {r["case"]: r for r in sync["rows"]}
     assert set(rows) == {"f32", "q8", "latent"}
     for case, r in rows.items():
         assert r["step_bytes"] == ROW[case]                      # one appended position

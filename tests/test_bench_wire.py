@@ -16,16 +16,16 @@ def test_wire_section_tiny_run(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "byte formats (kvcache.wire)" in text and "digest alone" in text
     assert "target" not in text and "PASS" not in text and "issue" not in text
-    data = json.loads(path.read_text())
-    variants = [r["variant"] for r in data["wire"]]
+    data = json.loads(path.read_text())["sections"]["wire"]
+    variants = [r["variant"] for r in data["rows"]]
     assert variants == list(bench.WIRE_VARIANTS) + ["KvCache save/load"]
-    for r in data["wire"]:
+    for r in data["rows"]:
         assert r["export_ms"] > 0 and r["import_ms"] > 0
-    alone = data["wire_digests"][0]
-    assert alone["function"] == "digest alone" and alone["bytes"] == data["wire"][0]["buffer_bytes"]
-    s = data["wire_summary"]
+    alone = data["digests"][0]
+    assert alone["function"] == "digest alone" and alone["bytes"] == data["rows"][0]["buffer_bytes"]
+    s = data["summary"]
     assert s["checksum_share"] > 0 and not any(k.endswith("_pass") for k in s)
-    assert "wire_targets" not in data
+    assert "targets" not in data
 
 
 def test_digest_alone_matches_the_stored_digest():

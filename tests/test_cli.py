@@ -43,16 +43,20 @@ def test_eval_help_names_its_options(capsys) -> None:
         assert word in text
 
 
+def bench_plan(*argv: str) -> dict[str, object]:
+    """The sections ``python -m kvcache bench ARGV`` would run, with their option values."""
+    from kvcache.bench.cli import build_parser, resolve
+    plan = resolve(build_parser().parse_args(list(argv)))
+    return {section.name: values for section, values in plan.chosen}
+
+
 def test_bench_realmodel_section_is_opt_in() -> None:
-    from kvcache.bench.cli import build_parser, resolve_options
-    parser = build_parser()
-    assert not resolve_options(parser.parse_args([]), parser).realmodel
-    opts = resolve_options(parser.parse_args(["--sections", "realmodel", "--quick"]), parser)
-    assert opts.realmodel and not opts.runner and not opts.decode
-    assert list(opts.realmodel_contexts) == [512]
-    opts = resolve_options(parser.parse_args(["--sections", "realmodel",
-                                              "--realmodel-contexts", "1k", "4k"]), parser)
-    assert list(opts.realmodel_contexts) == [1024, 4096]
+    assert "realmodel" not in bench_plan() and "runner" in bench_plan()
+    chosen = bench_plan("--sections", "realmodel", "--quick")
+    assert list(chosen) == ["realmodel"]
+    assert list(chosen["realmodel"].contexts) == [512]
+    chosen = bench_plan("--sections", "realmodel", "--realmodel-contexts", "1k", "4k")
+    assert list(chosen["realmodel"].contexts) == [1024, 4096]
 
 
 def test_bench_bodies_option_sets_bodies_all_or_nothing(capsys) -> None:
@@ -75,10 +79,9 @@ def test_bench_bodies_option_sets_bodies_all_or_nothing(capsys) -> None:
 
 
 def test_quick_runs_the_contention_section_quiet_and_beside_a_spinner():
-    from kvcache.bench.cli import build_parser, resolve_options
-    parser = build_parser()
-    quick = resolve_options(parser.parse_args(["--quick"]), parser)
-    assert list(quick.contention_conditions) == ["quiet", "spin"]
-    assert quick.contention_calls == 10 and quick.store_contexts == [256]
-    full = resolve_options(parser.parse_args([]), parser)
-    assert list(full.contention_conditions) == ["quiet", "spin", "numpy", "pythread", "twoproc"]
+    quick = bench_plan("--quick")
+    assert list(quick["contention"].conditions) == ["quiet", "spin"]
+    assert quick["contention"].calls == 10 and list(quick["store"].contexts) == [256]
+    full = bench_plan()
+    assert list(full["contention"].conditions) == ["quiet", "spin", "numpy", "pythread",
+                                                   "twoproc"]

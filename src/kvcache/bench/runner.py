@@ -17,12 +17,12 @@ import numpy as np
 
 from .geometry import F32, MiB
 from .machine import package_version
-from .tables import Row, context_label, fmt, fmt_ratio, render_table
+from .registry import Context, Option, Result, Section, Values, at_least, parse_context, register
+from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
     from ..runner import Runner
-    from .options import Options
 
 KvRows = list[tuple[F32, F32]]   # per layer: K and V rows of shape (context, nkv, head_dim)
 
@@ -133,22 +133,23 @@ class RunnerVsTransformers:
                 "first_logits": out.logits[0][0].numpy()}
 
 
-def run_runner(opts: Options, bar: ProgressBar) -> list[Row]:
-    """The runner section: per context, the runner (f32, q8) and transformers in turn."""
+def run_runner(ctx: Context, values: Values, bar: ProgressBar) -> Result:
+    """The runner section: per context, the runner (f32, q8) and transformers in turn;
+    ``{"rows": [...], "model": ..., "skipped": why not measured or ""}``."""
     try:
-        work = RunnerVsTransformers(seed=opts.seed)
+        work = RunnerVsTransformers(seed=ctx.seed)
     except ImportError as exc:
         log.warning("runner section skipped: it needs torch and transformers (%s)", exc)
-        return []
+        return {"rows": [], "model": RUNNER_MODEL, "skipped": str(exc)}
     rows: list[Row] = []
     token = 17
-    for context in opts.runner_contexts:
+    for context in values.contexts:
         bar.set_postfix_str(f"runner {context_label(context)}")
         kv = work.kv_rows(context)
-        rec: Row = {"context": context, "steps": opts.runner_steps}
+        rec: Row = {"context": context, "steps": values.steps}
         first = None
         for mode in ("f32", "q8"):
-            res = work.time_runner(kv, mode, opts.runner_steps, token)
+            res = work.time_runner(kv, mode, values.steps, token)
             med = statistics.median(res["step_s"])
             rec[mode] = {"tokens_per_s": 1.0 / med, "step_ms": 1e3 * med,
                          "attention_share": sum(res["attention_s"]) / sum(res["step_s"]),
@@ -156,7 +157,7 @@ def run_runner(opts: Options, bar: ProgressBar) -> list[Row]:
             if first is None:
                 first = res["first_logits"]
             gc.collect()
-        hf = work.time_transformers(kv, opts.runner_steps, token)
+        hf = work.time_transformers(kv, values.steps, token)
         med = statistics.median(hf["step_s"])
         rec["transformers"] = {"tokens_per_s": 1.0 / med, "step_ms": 1e3 * med,
                                "step_samples_s": hf["step_s"]}
@@ -168,7 +169,7 @@ def run_runner(opts: Options, bar: ProgressBar) -> list[Row]:
         del kv
         gc.collect()
         bar.update()
-    return rows
+    return {"rows": rows, "model": RUNNER_MODEL, "skipped": ""}
 
 
 def runner_table(rows: Sequence[Row]) -> str:
@@ -187,9 +188,9 @@ def runner_table(rows: Sequence[Row]) -> str:
                          "cache q8 MiB", "|dlogit|"], body)
 
 
-def runner_notes(rows: Sequence[Row], opts: Options) -> list[str]:
+def runner_notes(rows: Sequence[Row], values: Values) -> list[str]:
     """Method lines (and any logits warning) printed under the runner table."""
-    out = [f"median of {opts.runner_steps} greedy steps per side; transformers "
+    out = [f"median of {values.steps} greedy steps per side; transformers "
            f"{package_version('transformers')} generate (sdpa, DynamicCache), torch "
            f"{package_version('torch')}; model: Llama-style, {RUNNER_MODEL}",
            "attn = share of the runner's step time in append + attend_all_heads",
@@ -200,3 +201,24 @@ def runner_notes(rows: Sequence[Row], opts: Options) -> list[str]:
             out.append(f"WARNING: at {context_label(r['context'])} the first-step logits differ "
                        f"by {r['max_abs_logit_diff']:.2g} (> 1e-3)")
     return out
+
+
+def runner_report(ctx: Context, values: Values, result: Result) -> str:
+    """The runner table and its notes ("" when the section was skipped)."""
+    rows = result["rows"]
+    if not rows:
+        return ""
+    return section_text("decode tokens/s: kvcache.runner vs transformers generate, the same "
+                        "random-weight model and cache contents:", [runner_table(rows)],
+                        runner_notes(rows, values))
+
+
+SECTION = register(Section(
+    name="runner", order=70,
+    help="decode tokens/s of kvcache.runner vs transformers generate (needs torch and "
+         "transformers)",
+    options=(Option("contexts", "prompt lengths", RUNNER_CONTEXTS, parse_context,
+                    QUICK_RUNNER_CONTEXTS, many=True, metavar="T"),
+             Option("steps", "decode steps timed per side", RUNNER_STEPS, at_least(2),
+                    QUICK_RUNNER_STEPS, metavar="N")),
+    tasks=lambda ctx, values: len(values.contexts), run=run_runner, report=runner_report))

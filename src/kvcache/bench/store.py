@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .tables import Row, context_label, fmt, fmt_ratio, render_table
+from .registry import Context, Option, Result, Section, Values, at_least, parse_context, register
+from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
     from ..model import KvCache
     from ..runner import Runner
     from ..store import PrefixStore
-    from .options import Options
 
 log = logging.getLogger("kvcache.bench")
 
@@ -227,16 +227,16 @@ def io_row(runner: Runner, store_of: Callable[[], PrefixStore], backend: str, mo
             "put_samples_s": put_s, "load_samples_s": load_s, "lookup_samples_s": lookup_s}
 
 
-def run_store(opts: Options, bar: ProgressBar) -> dict[str, Any]:
+def run_store(ctx: Context, values: Values, bar: ProgressBar) -> Result:
     """The store section: ``{"ttft": rows, "io": rows, "redis": why not measured or ""}``."""
     from ..store import PrefixStore
-    runner = _runner(opts.seed)
+    runner = _runner(ctx.seed)
     fp = runner.fingerprint
     runner.prefill(np.zeros(2 * runner.prefill_chunk, dtype=np.int64))   # warm-up: thread
     runner.reset()                                                      # pools, first pages
     result: dict[str, Any] = {"ttft": [], "io": [], "redis": "",
                               "prefill_chunk": runner.prefill_chunk}
-    top = max(opts.store_contexts)
+    top = max(values.contexts)
     folder = tempfile.mkdtemp(prefix="kvcache-bench-store-")
     try:
         with throwaway_redis() as (url, why):
@@ -250,14 +250,14 @@ def run_store(opts: Options, bar: ProgressBar) -> dict[str, Any]:
             for backend, spec in specs:
                 def store_of(spec: Callable[[], str] = spec) -> PrefixStore:
                     return PrefixStore(spec(), fingerprint=fp)
-                for context in opts.store_contexts:
+                for context in values.contexts:
                     bar.set_postfix_str(f"store {backend} {context_label(context)}")
                     result["ttft"].append(ttft_rows(runner, store_of, backend, context,
-                                                    opts.store_repeats, opts.seed))
+                                                    values.repeats, ctx.seed))
                     bar.update()
                 for mode in STORE_MODES:
                     result["io"].append(io_row(runner, store_of, backend, mode, top,
-                                               opts.store_repeats, opts.seed))
+                                               values.repeats, ctx.seed))
                 bar.update()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -306,12 +306,12 @@ def store_summary(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def store_notes(result: dict[str, Any], opts: Options) -> list[str]:
+def store_notes(result: dict[str, Any], values: Values) -> list[str]:
     """Method lines, a summary per backend, and warnings."""
     from . import runner as runner_section
     model = STORE_MODEL if STORE_MODEL is not None else runner_section.RUNNER_MODEL
     out = [f"kvcache.runner.Runner (f32 KV, prefill_chunk {result.get('prefill_chunk')}) on "
-           f"the random-weight Llama-style model {model}; median of {opts.store_repeats} "
+           f"the random-weight Llama-style model {model}; median of {values.repeats} "
            f"prompt(s) per cell; block 256",
            "cold = prefill without a store; miss = with an empty store (lookup, prefill, "
            "storing the blocks); full hit = the same prompt again (the chunk holding the "
@@ -339,3 +339,23 @@ def store_notes(result: dict[str, Any], opts: Options) -> list[str]:
         if not s["complete"]:
             out.append(f"WARNING: {backend}: a put or load moved fewer blocks than expected")
     return out
+
+
+def store_report(ctx: Context, values: Values, result: Result) -> str:
+    """The time-to-first-token and I/O tables and their notes."""
+    return section_text("prefix store (kvcache.store): time to first token (Runner.prefill) cold "
+                        "vs a full and a half hit, and the store's I/O:",
+                        [ttft_table(result["ttft"]), io_table(result["io"])],
+                        store_notes(result, values))
+
+
+SECTION = register(Section(
+    name="store", order=80,
+    help="time to first token cold / full hit / half hit with a directory and a Redis prefix "
+         "store, store and load GB/s, bytes per token",
+    options=(Option("contexts", "prompt lengths", STORE_CONTEXTS, parse_context,
+                    QUICK_STORE_CONTEXTS, many=True, metavar="T"),
+             Option("repeats", "prompts timed per cell", STORE_REPEATS, at_least(1),
+                    QUICK_STORE_REPEATS, metavar="N")),
+    tasks=lambda ctx, values: 2 * (len(values.contexts) + 1), run=run_store,
+    report=store_report, to_json=lambda result: {**result, "summary": store_summary(result)}))

@@ -18,13 +18,15 @@ from ..latent import LatentKvCache
 from ..layer import LayerKvCache
 from ..modes import KvMode
 from .geometry import F32, MiB
+from .machine import import_torch
 from .mla import MLA_RANK, MLA_ROPE
-from .tables import Row, context_label, fmt, fmt_ratio, render_table
+from .registry import (
+    Context, Option, Result, Section, Values, at_least, one_of, parse_context, register)
+from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
     from ..device.mirrors import SyncStats
-    from .options import Options
 
 
 # sync section: the cost of keeping a kvcache.device.Mirror in step
@@ -115,10 +117,10 @@ class MirrorSync:
         return int(self.cache.seq_len)
 
 
-def run_sync_case(case: str, opts: Options) -> Row:
+def run_sync_case(case: str, values: Values, backend: str, seed: int) -> Row:
     """Median decode-step, rollback-step and full re-upload costs of one mirrored layer."""
-    steps, fulls = opts.sync_steps, opts.sync_full_repeats
-    work = MirrorSync(case, opts.sync_context, opts.sync_backend, opts.seed,
+    steps, fulls = values.steps, values.full_repeats
+    work = MirrorSync(case, values.context, backend, seed,
                       spare=steps + 2 + (steps * SYNC_ROLLBACK[1] if case != "latent" else 0))
     step_s: list[float] = []
     step_b: list[int] = []
@@ -133,7 +135,7 @@ def run_sync_case(case: str, opts: Options) -> Row:
         step_b.append(st.bytes)
     # every mirror kind has a capacity; the Mirror base class does not declare it
     capacity = getattr(work.mirror, "capacity")
-    rec: Row = {"case": case, "context": opts.sync_context, "backend": opts.sync_backend,
+    rec: Row = {"case": case, "context": values.context, "backend": backend,
                 "device": str(work.mirror.device), "initial_bytes": work.initial.bytes,
                 "step_ms": 1e3 * statistics.median(step_s),
                 "step_bytes": statistics.median(step_b), "step_samples_s": step_s,
@@ -164,14 +166,16 @@ def run_sync_case(case: str, opts: Options) -> Row:
     return rec
 
 
-def run_sync(opts: Options, bar: ProgressBar) -> list[Row]:
-    """The sync section: one record per case of :data:`SYNC_CASES`."""
+def run_sync(ctx: Context, values: Values, bar: ProgressBar) -> Result:
+    """The sync section: ``{"rows": [...], "backend": ...}``, a row per case of
+    :data:`SYNC_CASES`; the backend is torch by default when it is installed, else NumPy."""
+    backend = values.backend or ("torch" if import_torch()[0] is not None else "numpy")
     rows = []
     for case in SYNC_CASES:
         bar.set_postfix_str(f"sync {case}")
-        rows.append(run_sync_case(case, opts))
+        rows.append(run_sync_case(case, values, backend, ctx.seed))
         bar.update()
-    return rows
+    return {"rows": rows, "backend": backend}
 
 
 def sync_table(rows: Sequence[Row]) -> str:
@@ -189,9 +193,9 @@ def sync_table(rows: Sequence[Row]) -> str:
                          "time full/step"], body)
 
 
-def sync_notes(rows: Sequence[Row], opts: Options) -> list[str]:
+def sync_notes(rows: Sequence[Row], values: Values, backend: str) -> list[str]:
     """Method lines printed under the sync table."""
-    out = [f"medians of {opts.sync_steps} steps / {opts.sync_full_repeats} full re-uploads; "
+    out = [f"medians of {values.steps} steps / {values.full_repeats} full re-uploads; "
            f"a step appends one position and syncs; a rollback step is truncate_last"
            f"({SYNC_ROLLBACK[0]}) + append {SYNC_ROLLBACK[1]} + sync"]
     for r in rows:
@@ -199,7 +203,28 @@ def sync_notes(rows: Sequence[Row], opts: Options) -> list[str]:
             out.append(f"{r['case']}: one step grew the device capacity (doubling): "
                        f"{g['device_bytes'] / MiB:.4g} MiB copied device-to-device in "
                        f"{fmt(g['ms'])} ms (not in the step median)")
-    if opts.sync_backend == "torch":
+    if backend == "torch":
         out.append("the torch 'device' here is the CPU: a sync is a host memory copy; on a GPU "
                    "the same bytes cross the bus")
     return out
+
+
+def sync_report(ctx: Context, values: Values, result: Result) -> str:
+    """The sync table and its notes."""
+    return section_text("device mirror sync (kvcache.device.Mirror): per decode step vs a full "
+                        "re-upload, one layer:", [sync_table(result["rows"])],
+                        sync_notes(result["rows"], values, result["backend"]))
+
+
+SECTION = register(Section(
+    name="sync", order=60,
+    help="device-mirror sync per decode step vs a full re-upload",
+    options=(Option("context", "positions of each mirrored layer", SYNC_CONTEXT, parse_context,
+                    QUICK_SYNC_CONTEXT, metavar="T"),
+             Option("steps", "decode steps timed per layer", SYNC_STEPS, at_least(1),
+                    QUICK_SYNC_STEPS, metavar="N"),
+             Option("full_repeats", "full re-uploads timed per layer", SYNC_FULL_REPEATS,
+                    at_least(1), QUICK_SYNC_FULL_REPEATS, metavar="N"),
+             Option("backend", "the mirrors' backend, torch or numpy (default: torch when "
+                    "installed)", None, one_of("torch", "numpy"), metavar="B")),
+    tasks=lambda ctx, values: len(SYNC_CASES), run=run_sync, report=sync_report))

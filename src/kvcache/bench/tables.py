@@ -78,9 +78,14 @@ def prose(text: str) -> str:
                          break_long_words=False, break_on_hyphens=False)
 
 
-def print_prose(*a: object) -> None:
-    """``print``, a line of prose wrapped at :data:`MAX_WIDTH` columns (:func:`prose`)."""
-    print(prose(" ".join(map(str, a))))
+def section_text(title: str, tables: Sequence[str], notes: Iterable[str]) -> str:
+    """A section of the report: a blank line, the title, the tables (a blank line between
+    two), the notes indented; prose wrapped at :data:`MAX_WIDTH` columns."""
+    lines = ["", title]
+    for i, table in enumerate(tables):
+        lines += [""] * bool(i) + [table]
+    lines += ["  " + line for line in notes]
+    return "\n".join(prose(line) for line in lines)
 
 
 def _above_peak(cell: object) -> bool:
@@ -148,3 +153,8 @@ def _render(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def line_style(threads: Sequence[int], n: int) -> str:
+    """The line style of thread count ``n`` in a chart of the counts ``threads``."""
+    return "-" if n == threads[0] else ("--", ":", "-.")[list(threads).index(n) % 3 - 1]

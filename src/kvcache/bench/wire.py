@@ -24,12 +24,12 @@ from ..model import KvCache
 from ..modes import KvMode
 from .geometry import GEOMETRIES, Geometry, MiB, make_mode, random_kv
 from .machine import package_version, filesystem_type
-from .tables import Row, context_label, fmt, render_table
+from .registry import Context, Option, Result, Section, Values, at_least, parse_context, register
+from .tables import Row, context_label, fmt, render_table, section_text
 from .timing import Samples, timing_summary
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
-    from .options import Options
 
 DigestFn = Callable[[bytes], int]   # a raw digest function over one buffer
 
@@ -316,30 +316,30 @@ def wire_summary(rows: Sequence[Row], samples: Mapping[str, Samples], context: i
             "export_gbs": by["f32"]["export_gbs"], "import_gbs": by["f32"]["import_gbs"]}
 
 
-def run_wire(opts: Options, bar: ProgressBar) -> dict[str, Any]:
+def run_wire(ctx: Context, values: Values, bar: ProgressBar) -> Result:
     """The wire section: export/import of every byte format, the checksum's cost, the raw
-    digest functions and KvCache save/load, one round-robin at ``opts.wire_context``."""
+    digest functions and KvCache save/load, one round-robin at ``values.context``."""
     geom = GEOMETRIES["llama3-8b"]
     t0 = time.perf_counter()
-    bar.set_postfix_str(f"wire {context_label(opts.wire_context)} setup")
-    work = WireLayers(geom, opts.wire_context, seed=opts.seed + 3,
-                      model_layers=opts.wire_save_layers)
+    bar.set_postfix_str(f"wire {context_label(values.context)} setup")
+    work = WireLayers(geom, values.context, seed=ctx.seed + 3,
+                      model_layers=WIRE_SAVE_LAYERS)
     bar.update()
     digests = wire_digest_functions()
-    bar.set_postfix_str(f"wire {context_label(opts.wire_context)}")
+    bar.set_postfix_str(f"wire {context_label(values.context)}")
     with tempfile.TemporaryDirectory(prefix="kvcache-bench-wire-") as folder:
-        samples, sizes = wire_round_robin(work, opts.wire_repeats,
+        samples, sizes = wire_round_robin(work, values.repeats,
                                           os.path.join(folder, "model.kvcache"),
                                           {k: f for k, (f, _) in digests.items()}, bar)
         fs = filesystem_type(folder)
     rows = wire_rows(work, samples, sizes)
-    result: dict[str, Any] = {"geometry": geom.label, "context": opts.wire_context,
-              "repeats": opts.wire_repeats, "save_layers": opts.wire_save_layers,
+    result: dict[str, Any] = {"geometry": geom.label, "context": values.context,
+              "repeats": values.repeats, "save_layers": WIRE_SAVE_LAYERS,
               "folder": os.path.dirname(folder), "filesystem": fs, "rows": rows,
               "digests": wire_digest_rows(samples, digests, sizes["f32"]),
               "digests_missing": [n for n in ("xxhash", "crc32c") if not any(
                   k.startswith(n) for k in digests)],
-              "summary": wire_summary(rows, samples, opts.wire_context)}
+              "summary": wire_summary(rows, samples, values.context)}
     del work
     gc.collect()
     result["section_s"] = time.perf_counter() - t0
@@ -407,3 +407,22 @@ def wire_notes(result: Mapping[str, Any]) -> list[str]:
     out.append(f"wire section: {result['section_s']:.1f} s (data, layers, warm-up round and "
                "timings).")
     return out
+
+
+def wire_report(ctx: Context, values: Values, result: Result) -> str:
+    """The export / import table, the digest table and their notes."""
+    digests = (f"the digest alone, and the digest functions of each package, over the "
+               f"{fmt(result['digests'][0]['bytes'] / MiB)} MiB f32 export buffer:\n"
+               + wire_digest_table(result["digests"]))
+    return section_text("byte formats (kvcache.wire): export / import throughput, one layer:",
+                        [wire_table(result["rows"]), digests], wire_notes(result))
+
+
+SECTION = register(Section(
+    name="wire", order=40,
+    help="to_bytes/from_bytes, export_wire/import_wire, the checksum's cost, KvCache save/load",
+    options=(Option("context", "positions of the section's layer", WIRE_CONTEXT, parse_context,
+                    QUICK_WIRE_CONTEXT, metavar="T"),
+             Option("repeats", "round-robin repeats", WIRE_REPEATS, at_least(1),
+                    QUICK_WIRE_REPEATS, metavar="N")),
+    tasks=lambda ctx, values: values.repeats + 2, run=run_wire, report=wire_report))
