@@ -164,16 +164,12 @@ def _private_uses(name: str, path: pathlib.Path, known: set[str]) -> list[str]:
     return out
 
 
-#: Left to the benchmark's restructuring (kvcache.bench is being rewritten on another branch).
-KNOWN_PRIVATE_USES = {"kvcache.bench.cli imports kvcache.bench.geometry._GEOMETRY_ALIASES"}
-
-
 def test_no_module_uses_another_modules_private_names():
     # a private name one module needs from another becomes public there (or moves)
     mods = _modules()
     known = set(mods) | {"kvcache._core"}
     uses = sorted(u for m, p in mods.items() for u in _private_uses(m, p, known))
-    assert [u for u in uses if u not in KNOWN_PRIVATE_USES] == []
+    assert uses == []
 
 
 def test_the_private_name_finder_finds_them(tmp_path):

@@ -44,7 +44,7 @@ class Geometry:
 
 GEOMETRIES = {g.key: g for g in (Geometry("llama3-8b", "Llama-3-8B", 32, 8, 128),
                                  Geometry("qwen2.5-0.5b", "Qwen2.5-0.5B", 14, 2, 64))}
-_GEOMETRY_ALIASES = {"llama": "llama3-8b", "qwen": "qwen2.5-0.5b"}
+GEOMETRY_ALIASES = {"llama": "llama3-8b", "qwen": "qwen2.5-0.5b"}
 
 
 def make_mode(mode_name: str) -> KvMode:

@@ -61,6 +61,7 @@ def machine_info() -> dict[str, Any]:
     info["cpu_count"] = available_cpus()
     info["cpu_model"] = cpu_model()
     info["llc_bytes_reported"] = llc_bytes()
+    info["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return info
 
 

@@ -140,28 +140,21 @@ class PromptAttention:
     def kvcache(self, mode: str) -> Callable[[], F32]:
         """A layer in ``mode`` holding the K/V rows; the returned call attends all queries.
 
-        ``mode`` ``"f32_noimp"``: an f32 layer's prompt kernel run without its importance
-        pass (``imp_mode=0``), the same work as SDPA's; ``attend_all_heads`` always adds
-        importance, which costs a second pass of scores."""
-        from .. import _core
-        from .._attention import attend_prefill
+        ``mode`` ``"f32_noimp"``: an f32 layer with ``track_importance`` False, whose prompt
+        kernel skips its importance pass: the same work as SDPA's.  The other modes track
+        importance, as a layer does by default."""
         from ..layer import LayerKvCache
         from ..modes import KvMode
         g = self.geom
         bare = mode == "f32_noimp"
         layer = LayerKvCache(g.num_kv_heads, g.head_dim, KvMode.parse("f32" if bare else mode))
+        layer.track_importance = not bare          # False: the kernel skips its importance pass
         layer.append(self.k, self.v)
         out = np.empty_like(self.q)
         kwargs = prompt_kwargs()
-        no_imp = np.zeros(0, dtype=np.float32)
 
         def call() -> F32:
-            if bare:
-                attend_prefill(_core, layer._rows(), self.q, out, maxlen=self.context,
-                               window=0, scale=self.scale, softcap=0.0, imp=no_imp,
-                               imp_mode=0, n_threads=_core.max_threads())
-            else:
-                layer.attend_all_heads(self.q, scale=self.scale, out=out, **kwargs)
+            layer.attend_all_heads(self.q, scale=self.scale, out=out, **kwargs)
             return out
         return call
 
@@ -274,7 +267,7 @@ def ttft_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar) -> tuple[list[R
     torch = work.torch
     rows: list[Row] = []
     vocab = int(work.cfg.vocab_size)
-    runners = {mode: work._Runner(work.rcfg, work._weights, kv=mode,
+    runners = {mode: work.runner_class(work.rcfg, work.weights, kv=mode,
                                   max_seq_len=max(*cfg.ttft_contexts, 128))
                for mode in PREFILL_MODES}
     for r in runners.values():                    # warm-up: thread pools, first pages

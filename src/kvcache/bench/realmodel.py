@@ -70,8 +70,8 @@ class RealModel(RunnerVsTransformers):
         self.model.train(False)
         self.model.generation_config.eos_token_id = None
         self.cfg = self.model.config
-        self.rcfg, self._weights = load_gguf(path)
-        self._Runner = Runner
+        self.rcfg, self.weights = load_gguf(path)
+        self.runner_class = Runner
         self.nkv = self.rcfg.num_kv_heads
         self.hd = self.rcfg.head_dim
         self.seed = seed
@@ -82,7 +82,7 @@ class RealModel(RunnerVsTransformers):
         torch = self.torch
         samples: dict[str, list[float]] = {m: [] for m in (*MODES, "transformers")}
         diff = 0.0
-        runners = {m: self._Runner(self.rcfg, self._weights, kv=m, max_seq_len=context)
+        runners = {m: self.runner_class(self.rcfg, self.weights, kv=m, max_seq_len=context)
                    for m in MODES}
         for r in runners.values():                 # warm-up: thread pools, first pages
             r.prefill(np.zeros(min(2 * r.prefill_chunk, context), dtype=np.int64))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..modes import KvMode
-from .geometry import _GEOMETRY_ALIASES, GEOMETRIES, mode_name
+from .geometry import GEOMETRY_ALIASES, GEOMETRIES, mode_name
 from .timing import Bandwidth
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ def one_of(*choices: str) -> Callable[[str], str]:
 
 def parse_geometry(text: str) -> str:
     """A geometry key of :data:`GEOMETRIES`, by key or alias (llama, qwen)."""
-    key = _GEOMETRY_ALIASES.get(text.lower(), text.lower())
+    key = GEOMETRY_ALIASES.get(text.lower(), text.lower())
     if key not in GEOMETRIES:
         raise argparse.ArgumentTypeError(
             f"unknown geometry {text!r}; choose from {', '.join(GEOMETRIES)} (or llama, qwen)")

@@ -60,9 +60,9 @@ class RunnerVsTransformers:
         self.model.train(False)                    # eval mode (what .eval() does)
         self.model.generation_config.eos_token_id = None
         self.cfg = cfg
-        self._weights = {k: v.detach().numpy() for k, v in self.model.state_dict().items()}
+        self.weights = {k: v.detach().numpy() for k, v in self.model.state_dict().items()}
         self.rcfg = ModelConfig.from_hf(cfg.to_dict())
-        self._Runner = Runner
+        self.runner_class = Runner
         self.nkv = int(cfg.num_key_value_heads or cfg.num_attention_heads)
         self.hd = self.rcfg.head_dim
         self.seed = seed
@@ -78,7 +78,7 @@ class RunnerVsTransformers:
     def runner(self, rows: KvRows, kv: str) -> Runner:
         """A Runner whose cache holds ``rows`` (storage ``kv``), positioned after them."""
         context = rows[0][0].shape[0]
-        r = self._Runner(self.rcfg, self._weights, kv=kv, max_seq_len=context + 4096)
+        r = self.runner_class(self.rcfg, self.weights, kv=kv, max_seq_len=context + 4096)
         for layer, (k, v) in zip(r.cache.layers, rows):
             layer.append(k, v)
         r.position = context
