@@ -589,11 +589,12 @@ def _parity_cases(rng):
 
 def _shapes(x):
     """Shapes (and None / scalar values) of what an accessor returned, recursively."""
-    if x is None or isinstance(x, (bool, int, float, str, np.dtype, kc.KvMode, kc.KvAllocId)):
+    if x is None or isinstance(x, (bool, int, float, str, np.dtype, kc.KvMode,
+                                   kc.rebind.KvAllocId)):
         return x
     if isinstance(x, (list, tuple)):
         return [_shapes(v) for v in x]
-    if isinstance(x, (kc.O1DeviceView, kc.O1HeadView)):
+    if isinstance(x, (kc.o1.O1DeviceView, kc.o1.O1HeadView)):
         return {k: _shapes(v) for k, v in vars(x).items()}
     if isinstance(x, kd.LayerMirror) or isinstance(x, kc.LayerKvCache):
         return "layer"

@@ -52,7 +52,7 @@ def no_ml_dtypes(monkeypatch):
 
 # ------------------------------------------------------------------------------------ KvAllocId
 def test_alloc_id_is_a_frozen_hashable_value_minted_from_one():
-    a, b = kc.KvAllocId.next(), kc.KvAllocId.next()
+    a, b = kc.rebind.KvAllocId.next(), kc.rebind.KvAllocId.next()
     assert a.get() >= 1 and b.get() > a.get()
     assert a != b and a == a and hash(a) == hash(a)
     assert {a: 1, b: 2}[a] == 1
@@ -62,7 +62,7 @@ def test_alloc_id_is_a_frozen_hashable_value_minted_from_one():
     with pytest.raises(AttributeError):
         a._value = 7
     with pytest.raises(TypeError, match="KvAllocId.next"):
-        kc.KvAllocId(5)
+        kc.rebind.KvAllocId(5)
     with pytest.raises(TypeError, match="pickled"):
         pickle.dumps(a)
 
@@ -74,7 +74,7 @@ def test_alloc_ids_are_unique_across_threads():
 
     def mint(i):
         barrier.wait()
-        found[i] = [kc.KvAllocId.next().get() for _ in range(per)]
+        found[i] = [kc.rebind.KvAllocId.next().get() for _ in range(per)]
 
     threads = [threading.Thread(target=mint, args=(i,)) for i in range(n_threads)]
     for t in threads:
@@ -87,7 +87,7 @@ def test_alloc_ids_are_unique_across_threads():
     assert min(values) >= 1
     for chunk in found:                               # each thread saw increasing ids
         assert chunk == sorted(chunk)
-    assert kc.KvAllocId.next().get() > max(values)    # never reused
+    assert kc.rebind.KvAllocId.next().get() > max(values)    # never reused
 
 
 @pytest.mark.parametrize("make", [
@@ -130,7 +130,7 @@ def test_with_capacity_allocates_every_layer_zeroed_on_cpu():
         assert k0.flags.c_contiguous and k1.flags.c_contiguous
         assert not k0.any() and not k1.any()
         for s, slot in enumerate(c.layers[layer]):
-            assert isinstance(slot, kc.LatentSlot)
+            assert isinstance(slot, kc.latent.LatentSlot)
             assert slot.storage is c.slot_storage(layer, s)
             assert slot.layout == ((8, 5) if s == 0 else (8, 2))
             assert slot.version == 0 and slot.authority == "host"
@@ -760,8 +760,8 @@ def test_read_only_or_missing_slots_raise_before_a_write(rng):
 def test_latent_slot_needs_an_array():
     for bad in (None, [[0.0]], 3.0):
         with pytest.raises(TypeError, match="LatentSlot: storage must be a numpy array"):
-            kc.LatentSlot(bad)
-    slot = kc.LatentSlot(np.zeros((4, 2), np.float32))
+            kc.latent.LatentSlot(bad)
+    slot = kc.latent.LatentSlot(np.zeros((4, 2), np.float32))
     assert slot.layout == (4, 2) and slot.version == 0 and slot.authority == "host"
 
 

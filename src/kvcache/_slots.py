@@ -60,7 +60,7 @@ class KvAllocId:
 
     Examples
     --------
-    >>> from kvcache import KvAllocId
+    >>> from kvcache.rebind import KvAllocId
     >>> a, b = KvAllocId.next(), KvAllocId.next()
     >>> a == b, b.get() > a.get() >= 1
     (False, True)

@@ -100,7 +100,7 @@ from ._slots import (HOST as _HOST, KvAllocId, LatentSlot, SlotCache, as_slab as
                      resolve_dtype, ro as _ro, slot_index as _slot_index)
 from ._validate import FloatArrayLike, as_int
 
-__all__ = ["LatentKvCache", "LazyLatentCache"]
+__all__ = ["LatentKvCache", "LazyLatentCache", "LatentSlot"]
 
 Trailing = tuple[tuple[int, ...], ...]
 _Layers = tuple[tuple[npt.NDArray[Any], ...], ...]

@@ -882,7 +882,7 @@ class LayerKvCache(LayerBytes):
         return out
 
     def o1_views(self) -> Optional[list[O1DeviceView]]:
-        """One :class:`kvcache.O1DeviceView` per KV group; None unless sealed with a state."""
+        """One :class:`kvcache.o1.O1DeviceView` per KV group; None unless sealed with a state."""
         return self._o1.views()
 
     def o1_memory_bytes(self) -> int:

@@ -431,7 +431,7 @@ class LayerMirror(Mirror):
         return self._o1 is not None
 
     def o1_views(self) -> Optional[list[O1DeviceView]]:
-        """:class:`~kvcache.O1DeviceView` per KV group holding device arrays, as
+        """:class:`~kvcache.o1.O1DeviceView` per KV group holding device arrays, as
         :meth:`LayerKvCache.o1_views` at the last sync; None when not sealed or exact-only."""
         o1 = self._o1
         if o1 is None or o1["exact_only"]:
