@@ -205,9 +205,9 @@ def test_unchanged_prefix_log_is_bounded(rng):
     c.advance(150)
     g0 = c.generation
     for _ in range(LOG_LIMIT):
-        c.truncate_to(c.cached_len - 1)
+        c.truncate_last(1)
     assert c.unchanged_prefix(g0) == 150 - LOG_LIMIT
-    c.truncate_to(c.cached_len - 1)                             # one shrink too many
+    c.truncate_last(1)                                          # one shrink too many
     assert c.unchanged_prefix(g0) is None                       # ...a full re-upload, not a lie
     assert c.unchanged_prefix(g0 + 1) == 150 - LOG_LIMIT - 1
 
@@ -221,9 +221,9 @@ def test_latent_static_and_lazy_generations(rng):
             write(layer)
         c.advance(4)
         assert c.generation == 0 and c.unchanged_prefix(0) == 4
-        c.truncate_to(9)                                        # does not grow: no change
+        c.truncate_last(0)                                      # nothing to drop: no change
         assert c.generation == 0
-        c.truncate_to(2)
+        c.truncate_last(2)
         assert c.generation == 1 and c.unchanged_prefix(0) == 2
         c.clear()
         assert c.generation == 2 and c.unchanged_prefix(1) is None
@@ -441,7 +441,7 @@ def test_slot_mirror_follows_random_sequences(rng, backend, case):
                 write(n)
                 c.advance(n)
         elif op < 0.9:
-            c.truncate_to(max(0, c.cached_len - int(rng.integers(0, 5))))
+            c.truncate_last(int(rng.integers(0, 5)))
         gen, before = m.generation, m.cached_len
         s = m.sync()
         assert_slots_mirrored(m, c)
@@ -649,7 +649,7 @@ def test_cuda_mirror_follows_random_sequences(rng):
         write(3)
         lc.advance(3)
         lm.sync()
-    lc.truncate_to(50)
+    lc.truncate_last(lc.cached_len - 50)                        # back to 50 of 120 rows
     lm.sync()
     assert_slots_mirrored(lm, lc)
     s = sealed(rng)

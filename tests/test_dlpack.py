@@ -564,7 +564,7 @@ def test_latent_storage_tensor_sees_write_layer(rng, dtype):
         assert tensor(view).data_ptr() == t.data_ptr()
         np.testing.assert_array_equal(bits(t[:5]), bits(view))
     # a rewind and a rewrite of row 1: the tensor of the early valid_view sees it
-    c.truncate_to(1)
+    c.truncate_last(c.cached_len - 1)
     again = [rng.standard_normal((1,) + t) for t in LATENT_TRAILING]
     for layer in range(c.n_layers):
         c.write_layer(layer, again)
@@ -592,7 +592,7 @@ def test_static_storage_tensor_sees_write_layer(rng, dtype):
         assert tensor(view).data_ptr() == t.data_ptr()
         assert torch_strides(tensor(view)) == elem_strides(view)
         np.testing.assert_array_equal(bits(t[:, :, :3]), bits(view))
-    c.truncate_to(1)
+    c.truncate_last(c.cached_len - 1)
     k2 = rng.standard_normal((1, NKV, 1, HD))
     c.write_layer(0, k2, k2)
     np.testing.assert_array_equal(bits(k_early[:, :, 1:2]), bits(k2.astype(dt)))
@@ -775,7 +775,7 @@ def _instances():
         kc.LazyLatentCache: [lambda: lazy_cache(rng, np.float32)],
         kc.latent.LatentSlot: [lambda: latent().layers[0][0]],
         kc.rebind.DecodePlan: [lambda: kc.rebind.DecodePlan.build(latent()),
-                        lambda: kc.rebind.DecodePlan.build(static())],
+                                    lambda: kc.rebind.DecodePlan.build(static())],
     }
 
 

@@ -472,14 +472,14 @@ def test_persistent_decode_detects_a_wrong_offset():
     x = rng.standard_normal((4, model.hidden))
     lc = kc.LatentKvCache.with_capacity(model.L, 8, [(model.r,), (model.dr,)])
     model.step_cached(x[:3], lc)
-    lc.truncate_to(2)                                  # the sabotage: rewind one row
+    lc.truncate_last(lc.cached_len - 2)                     # the sabotage: rewind one row
     got = model.step_cached(x[3:], lc)
     want = model.one_shot(x)[3:]
     assert np.max(np.abs(got - want)) > 1e-3 * np.max(np.abs(want))
 
 
 def test_rewind_then_redecode_matches_the_first_decode():
-    """Speculative rollback: truncate_to keeps the allocation; decoding the same token again
+    """Speculative rollback: truncate_last keeps the allocation; decoding the same token again
     gives the same bits."""
     model = TinyMLA(seed=2)
     rng = np.random.default_rng(1)
@@ -488,7 +488,7 @@ def test_rewind_then_redecode_matches_the_first_decode():
     model.step_cached(x[:4], lc)
     first = model.step_cached(x[4:], lc)
     aid = lc.alloc_id
-    lc.truncate_to(4)
+    lc.truncate_last(lc.cached_len - 4)
     again = model.step_cached(x[4:], lc)
     assert lc.alloc_id == aid and lc.cached_len == 5
     assert np.array_equal(first, again)
@@ -535,7 +535,7 @@ def test_held_plan_rebinds_onto_a_swapped_latent_cache():
     model.step_cached(xb[:4], b)                            # B's prompt, prefilled without the plan
     assert plan.validity_for(b) == kc.rebind.PlanValidity.ALLOCATION_CHANGED
     stale = model.step_cached(xb[4:], b, plan)              # negative control: reads A's rows
-    b.truncate_to(4)
+    b.truncate_last(b.cached_len - 4)
     plan.rebind_kv(b)
     assert plan.validity_for(b) == kc.rebind.PlanValidity.VALID
     got = model.step_cached(xb[4:], b, plan)

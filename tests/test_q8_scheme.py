@@ -278,7 +278,7 @@ def test_runner_rollback_replays_the_same_logits(kv):
     ids = np.random.default_rng(1).integers(0, 512, 70)
     r.prefill(ids[:60])
     first = [r.step(int(t)) for t in ids[60:70]]
-    r.rollback(10)
+    r.truncate_last(10)
     again = [r.step(int(t)) for t in ids[60:70]]
     assert all(a.tobytes() == b.tobytes() for a, b in zip(first, again))
 
@@ -289,7 +289,7 @@ def test_runner_rollback_across_64_differs_in_the_legacy_scheme():
     ids = np.random.default_rng(1).integers(0, 512, 70)
     r.prefill(ids[:60])
     first = [r.step(int(t)) for t in ids[60:70]]
-    r.rollback(10)
+    r.truncate_last(10)
     again = [r.step(int(t)) for t in ids[60:70]]
     assert any(a.tobytes() != b.tobytes() for a, b in zip(first, again))
 

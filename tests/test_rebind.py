@@ -147,7 +147,7 @@ def test_plan_survives_continuation_and_truncate(make, rng):
     step(cache, rng)
     cache.bump_version(0, 0)
     assert plan.validity_for(cache) is V
-    cache.truncate_to(2)                              # speculative reject: same allocation
+    cache.truncate_last(cache.cached_len - 2)               # speculative reject: same allocation
     assert plan.validity_for(cache) is V
     assert dict(plan.bound) == bound                  # nothing to re-bind
     step(cache, rng)
@@ -215,19 +215,19 @@ def test_same_geometry_swap_is_rebound(make, rng):
 @pytest.mark.parametrize("make", [latent, static], ids=["latent", "static"])
 @pytest.mark.parametrize("keep", [2, 0], ids=["truncated", "truncated-to-0"])
 def test_truncated_caches_keep_or_rebind_the_plan(make, keep, rng):
-    """truncate_to keeps alloc_id: the plan's own cache stays VALID (re-binding onto it is a
+    """truncate_last keeps alloc_id: the plan's own cache stays VALID (re-binding onto it is a
     no-op), and a plan moves onto *another* same-geometry cache that was truncated like any
     swap, then decodes into that cache's rows from the truncated position on."""
     a, b = make(), make()
     plan = kc.rebind.DecodePlan.build(a, shape_key="m")
     step(a, rng, 3)
-    a.truncate_to(keep)
+    a.truncate_last(a.cached_len - keep)
     assert plan.validity_for(a) is V
     before = plan_state(plan)
     plan.rebind_kv(a)                                  # onto its own truncated cache
     assert plan_state(plan) == before and plan.validity_for(a) is V
     step(b, rng, 5)
-    b.truncate_to(keep)
+    b.truncate_last(b.cached_len - keep)
     assert b.cached_len == keep
     assert plan.validity_for(b) is AC
     plan.rebind_kv(b)

@@ -12,7 +12,7 @@ Per step the decode loop asks :meth:`DecodePlan.validity_for` (one comparison li
 
     STALE               a structural key differs: seq, max_seq_len, n_layers, dtype, shape_key
                         -> build a new plan
-    VALID               same keys, same alloc_id (also after truncate_to) -> keep the plan
+    VALID               same keys, same alloc_id (also after truncate_last) -> keep the plan
     ALLOCATION_CHANGED  same keys, another allocation (a swapped or cleared cache)
                         -> try plan.rebind_kv(cache); on RebindRefused build a new plan
 
@@ -31,7 +31,7 @@ Per step the decode loop asks :meth:`DecodePlan.validity_for` (one comparison li
 A refusal raises :class:`RebindRefused` (``.reason`` a :class:`RebindRefusal`) and leaves the
 plan exactly as it was: a partial re-bind is impossible.
 
-Consequences of the cache rules (kvcache.latent, kvcache.static): ``truncate_to`` keeps the id
+Consequences of the cache rules (kvcache.latent, kvcache.static): ``truncate_last`` keeps the id
 (VALID, no re-bind); a cleared LatentKvCache keeps its location but has no slots
 (MISSING_SLOT); a cleared StaticKvCache forgets its location (RESIDENCY_UNKNOWN).
 
