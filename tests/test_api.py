@@ -106,3 +106,26 @@ def test_homes_import_and_work():
     assert isinstance(lc.alloc_id, rebind.KvAllocId)
     assert isinstance(lc.layers[0][0], latent.LatentSlot)
     assert np.isclose(mla.yarn_get_mscale(1.0), 1.0)
+
+
+# -- the two backend protocols, named apart ---------------------------------------------------
+@pytest.mark.parametrize("module,new", [("kvcache.store", "kvcache.store.StoreBackend"),
+                                        ("kvcache.store.backend",
+                                         "kvcache.store.backend.StoreBackend"),
+                                        ("kvcache.device.backends",
+                                         "kvcache.device.backends.DeviceBackend")])
+def test_old_backend_names_warn_and_are_the_new_protocols(module, new):
+    import importlib
+    mod = importlib.import_module(module)
+    home, _, name = new.rpartition(".")
+    with pytest.warns(DeprecationWarning, match=rf"^{module}\.Backend is deprecated; use {new}$"):
+        old = mod.Backend
+    assert old is getattr(importlib.import_module(home), name)
+    assert "Backend" not in mod.__all__ and name in mod.__all__
+
+
+def test_store_and_device_backends_are_distinct_protocols():
+    from kvcache.device.backends import DeviceBackend
+    from kvcache.store import MemoryBackend, StoreBackend
+    assert StoreBackend is not DeviceBackend
+    assert isinstance(MemoryBackend(), StoreBackend)

@@ -7,21 +7,25 @@ says what to install when they are missing.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 import numpy as np
 import numpy.typing as npt
 
+from .. import _deprecated
 from .dlpack import as_tensor, is_bf16, require
 
-__all__ = ["Backend", "TorchBackend", "ArrayBackend", "BACKENDS", "make_backend",
+__all__ = ["DeviceBackend", "TorchBackend", "ArrayBackend", "BACKENDS", "make_backend",
            "cuda_ordinal"]
 
 BACKENDS = ("torch", "cupy", "numpy")
 
 
-class Backend(Protocol):
-    """What a mirror needs of a backend."""
+class DeviceBackend(Protocol):
+    """What a mirror needs of a backend.
+
+    Named apart from :class:`kvcache.store.StoreBackend` (where a prefix store keeps its
+    entries); ``Backend``, its old name, is deprecated."""
 
     name: str
     device: Any
@@ -165,10 +169,22 @@ def cuda_ordinal(device: Union[None, int, str, Any]) -> int:
                      f"'cuda[:N]', got {device!r}")
 
 
-def make_backend(backend: str, device: Optional[Any]) -> Backend:
+def make_backend(backend: str, device: Optional[Any]) -> DeviceBackend:
     """The backend named ``backend`` on ``device``."""
     if backend == "torch":
         return TorchBackend(device)
     if backend in ("cupy", "numpy"):
         return ArrayBackend(backend, device)
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+#: old names -> new homes (deprecated in 0.2.0)
+_MOVED = {"Backend": "kvcache.device.backends.DeviceBackend"}
+
+
+def _getattr(name: str) -> object:
+    return _deprecated.moved(__name__, _MOVED, name)
+
+
+if not TYPE_CHECKING:                  # a type checker sees only the new name
+    __getattr__ = _getattr

@@ -22,7 +22,7 @@ from ..layer import LayerKvCache
 from ..model import KvCache
 from ..o1 import O1DeviceView, O1HeadView, O1Sealed
 from ..static import StaticKvCache
-from .backends import Backend, make_backend
+from .backends import DeviceBackend, make_backend
 
 __all__ = ["Mirror", "LayerMirror", "KvCacheMirror", "LatentMirror", "StaticMirror",
            "SyncStats"]
@@ -101,7 +101,7 @@ class Mirror:
     MIRRORED: ClassVar[tuple[str, ...]] = ()
     _CACHE: ClassVar[Optional[type]] = None     # the cache type a subclass mirrors
 
-    _be: Backend
+    _be: DeviceBackend
     _cache: Any
     _gen: Optional[int]
 

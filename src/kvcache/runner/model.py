@@ -691,7 +691,7 @@ class Runner:
     @contextlib.contextmanager
     def _open_store(self, store: StoreArg) -> Iterator[PrefixStore]:
         """``store`` as a PrefixStore, checked against this runner (ValueError); a backend
-        opened here from a spec string or path is closed on exit (a Backend or PrefixStore
+        opened here from a spec string or path is closed on exit (a StoreBackend or PrefixStore
         object the caller passed stays open: it is theirs)."""
         from ..store import PrefixStore
         self._refuse_store()

@@ -1,6 +1,7 @@
 """kvcache.store: a prompt-prefix store that reuses KV rows across runs, processes and machines.
 
-:class:`PrefixStore` keys blocks of a prompt by content and keeps them in a :class:`Backend`:
+:class:`PrefixStore` keys blocks of a prompt by content and keeps them in a
+:class:`StoreBackend`:
 :class:`MemoryBackend` (this process), :class:`DirectoryBackend` (a folder several processes
 share; the default, ``~/.cache/kvcache``) or ``kvcache.store.redis.RedisBackend`` (a Redis
 server many machines share).  See docs/store.md; the entry layout is in docs/formats.md.
@@ -8,10 +9,25 @@ server many machines share).  See docs/store.md; the entry layout is in docs/for
 
 from __future__ import annotations
 
-from .backend import Backend, BackendUnavailable
+from typing import TYPE_CHECKING
+
+from .. import _deprecated
+from .backend import BackendUnavailable, StoreBackend
 from .directory import DirectoryBackend
 from .memory import MemoryBackend
 from .prefix import PrefixStore, open_backend
 
-__all__ = ["PrefixStore", "Backend", "BackendUnavailable", "MemoryBackend", "DirectoryBackend",
+__all__ = ["PrefixStore", "StoreBackend", "BackendUnavailable", "MemoryBackend", "DirectoryBackend",
            "open_backend"]
+
+
+#: old names -> new homes (deprecated in 0.2.0)
+_MOVED = {"Backend": "kvcache.store.StoreBackend"}
+
+
+def _getattr(name: str) -> object:
+    return _deprecated.moved(__name__, _MOVED, name)
+
+
+if not TYPE_CHECKING:                  # a type checker sees only the new name
+    __getattr__ = _getattr

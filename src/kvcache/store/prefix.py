@@ -46,7 +46,7 @@ from ..layer import LayerKvCache
 from ..model import KvCache
 from ..modes import KvMode
 from . import entry as _entry
-from .backend import Backend, BackendUnavailable, ScatterBackend
+from .backend import BackendUnavailable, ScatterBackend, StoreBackend as Backend
 from .directory import DEFAULT_DIRECTORY_BUDGET, DirectoryBackend
 from .keys import Geometry, as_fingerprint, as_ids, block_keys, fingerprint_digest
 from .memory import MemoryBackend
