@@ -133,7 +133,7 @@ def test_generation_moves_on_every_non_append_change(rng):
     c._evict_born(8, 2, 3)
     assert bumped()
     buf = c.to_bytes()
-    c.from_bytes(buf)
+    c.install_bytes(buf)
     assert bumped()
     c.import_wire(c.export_wire())
     assert bumped()
@@ -258,7 +258,7 @@ def layer_ops(rng, c, n_ops, check):
             keep = int(rng.integers(1, 40))
             c._evict_born(keep, 2, max(keep // 2, 1)) if rng.random() < 0.5 else c._evict(keep)
         elif op < 0.9:
-            c.from_bytes(c.to_bytes())
+            c.install_bytes(c.to_bytes())
         elif op < 0.93 and c.mode.is_f32:
             c.import_wire(c.export_wire())
         elif op < 0.96:
