@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-__all__ = ["warn", "moved"]
+__all__ = ["warn", "moved", "module_getattr"]
 
 
 def warn(old: str, new: str, stacklevel: int = 2) -> None:
@@ -37,3 +37,13 @@ def moved(module: str, table: Mapping[str, str], name: str) -> object:
     value: object = getattr(importlib.import_module(home), attr)
     warn(f"{module}.{name}", new, stacklevel=3)     # the line that read module.name
     return value
+
+
+def module_getattr(module: str, table: Mapping[str, str]) -> Callable[[str], object]:
+    """A module ``__getattr__`` that answers the old names in ``table`` (see :func:`moved`).
+
+    Bind it under ``if not TYPE_CHECKING:``: a type checker that saw a module ``__getattr__``
+    would accept any attribute of the module, typos included."""
+    def __getattr__(name: str) -> object:
+        return moved(module, table, name)
+    return __getattr__

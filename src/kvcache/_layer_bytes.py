@@ -78,7 +78,7 @@ class _FromBytes:
         return install
 
 
-_FROM_BYTES_DOC = """A new layer holding what a buffer made by :meth:`to_bytes` holds (a classmethod).
+_FROM_BYTES_DOC = """A new layer built from a buffer made by :meth:`to_bytes` (a classmethod).
 
         The geometry (num_kv_heads, head_dim), the mode and its int8 scheme come from the
         buffer.  The digest, the format and, when given, the fingerprint are checked and the

@@ -178,13 +178,7 @@ def make_backend(backend: str, device: Optional[Any]) -> DeviceBackend:
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
 
 
-#: old names -> new homes (deprecated in 0.2.0)
-_MOVED = {"Backend": "kvcache.device.backends.DeviceBackend"}
-
-
-def _getattr(name: str) -> object:
-    return _deprecated.moved(__name__, _MOVED, name)
-
-
-if not TYPE_CHECKING:                  # a type checker sees only the new name
-    __getattr__ = _getattr
+# the old name, deprecated in 0.2.0 (type checkers see only the new one)
+if not TYPE_CHECKING:
+    __getattr__ = _deprecated.module_getattr(
+        __name__, {"Backend": "kvcache.device.backends.DeviceBackend"})
