@@ -7,7 +7,7 @@ head_dim 128) holding ``context`` positions of random float32 rows, f32 storage 
 :data:`kvcache.bench.WIRE_VARIANTS`:
 
 * ``f32``, ``f32 as f16``, ``q8``: versioned format, ``to_bytes()`` (``f16=True`` for the second)
-  and ``from_bytes``;
+  and ``install_bytes``;
 * ``legacy f32``, ``legacy f16``: ``export_wire()`` / ``import_wire()`` (q8 storage is refused
   by the legacy layout, by design).
 
@@ -72,7 +72,7 @@ class WireExport:
 
 
 class WireImport:
-    """One import (``from_bytes`` / ``import_wire``) into a fresh layer, per format variant."""
+    """One import (``install_bytes`` / ``import_wire``) into a fresh layer, per format variant."""
 
     params = (CONTEXTS, VARIANTS)
     param_names = ["context", "variant"]

@@ -133,7 +133,7 @@ def test_generation_moves_on_every_non_append_change(rng):
     c._evict_born(8, 2, 3)
     assert bumped()
     buf = c.to_bytes()
-    c.from_bytes(buf)
+    c.install_bytes(buf)
     assert bumped()
     c.import_wire(c.export_wire())
     assert bumped()
@@ -205,9 +205,9 @@ def test_unchanged_prefix_log_is_bounded(rng):
     c.advance(150)
     g0 = c.generation
     for _ in range(LOG_LIMIT):
-        c.truncate_to(c.cached_len - 1)
+        c.truncate_last(1)
     assert c.unchanged_prefix(g0) == 150 - LOG_LIMIT
-    c.truncate_to(c.cached_len - 1)                             # one shrink too many
+    c.truncate_last(1)                                          # one shrink too many
     assert c.unchanged_prefix(g0) is None                       # ...a full re-upload, not a lie
     assert c.unchanged_prefix(g0 + 1) == 150 - LOG_LIMIT - 1
 
@@ -221,9 +221,9 @@ def test_latent_static_and_lazy_generations(rng):
             write(layer)
         c.advance(4)
         assert c.generation == 0 and c.unchanged_prefix(0) == 4
-        c.truncate_to(9)                                        # does not grow: no change
+        c.truncate_last(0)                                      # nothing to drop: no change
         assert c.generation == 0
-        c.truncate_to(2)
+        c.truncate_last(2)
         assert c.generation == 1 and c.unchanged_prefix(0) == 2
         c.clear()
         assert c.generation == 2 and c.unchanged_prefix(1) is None
@@ -258,7 +258,7 @@ def layer_ops(rng, c, n_ops, check):
             keep = int(rng.integers(1, 40))
             c._evict_born(keep, 2, max(keep // 2, 1)) if rng.random() < 0.5 else c._evict(keep)
         elif op < 0.9:
-            c.from_bytes(c.to_bytes())
+            c.install_bytes(c.to_bytes())
         elif op < 0.93 and c.mode.is_f32:
             c.import_wire(c.export_wire())
         elif op < 0.96:
@@ -441,7 +441,7 @@ def test_slot_mirror_follows_random_sequences(rng, backend, case):
                 write(n)
                 c.advance(n)
         elif op < 0.9:
-            c.truncate_to(max(0, c.cached_len - int(rng.integers(0, 5))))
+            c.truncate_last(int(rng.integers(0, 5)))
         gen, before = m.generation, m.cached_len
         s = m.sync()
         assert_slots_mirrored(m, c)
@@ -589,11 +589,12 @@ def _parity_cases(rng):
 
 def _shapes(x):
     """Shapes (and None / scalar values) of what an accessor returned, recursively."""
-    if x is None or isinstance(x, (bool, int, float, str, np.dtype, kc.KvMode, kc.KvAllocId)):
+    if x is None or isinstance(x, (bool, int, float, str, np.dtype, kc.KvMode,
+                                   kc.rebind.KvAllocId)):
         return x
     if isinstance(x, (list, tuple)):
         return [_shapes(v) for v in x]
-    if isinstance(x, (kc.O1DeviceView, kc.O1HeadView)):
+    if isinstance(x, (kc.o1.O1DeviceView, kc.o1.O1HeadView)):
         return {k: _shapes(v) for k, v in vars(x).items()}
     if isinstance(x, kd.LayerMirror) or isinstance(x, kc.LayerKvCache):
         return "layer"
@@ -648,7 +649,7 @@ def test_cuda_mirror_follows_random_sequences(rng):
         write(3)
         lc.advance(3)
         lm.sync()
-    lc.truncate_to(50)
+    lc.truncate_last(lc.cached_len - 50)                        # back to 50 of 120 rows
     lm.sync()
     assert_slots_mirrored(lm, lc)
     s = sealed(rng)

@@ -303,7 +303,7 @@ def slot_views(c, kind):
             out[f"{key}.layers.storage"] = c.layers[layer][s].storage
             out[f"{key}.slot_state.storages"] = c.state().storages[layer][s]
     if kind != "lazy":
-        plan = kc.DecodePlan.build(c, slots=tuple(range(c.n_slots)))
+        plan = kc.rebind.DecodePlan.build(c, slots=tuple(range(c.n_slots)))
         for (layer, s), arr in plan.bound.items():
             out[f"plan.bound[{layer},{s}]"] = arr
             out[f"plan.storage({layer},{s})"] = plan.storage(layer, s)
@@ -564,7 +564,7 @@ def test_latent_storage_tensor_sees_write_layer(rng, dtype):
         assert tensor(view).data_ptr() == t.data_ptr()
         np.testing.assert_array_equal(bits(t[:5]), bits(view))
     # a rewind and a rewrite of row 1: the tensor of the early valid_view sees it
-    c.truncate_to(1)
+    c.truncate_last(c.cached_len - 1)
     again = [rng.standard_normal((1,) + t) for t in LATENT_TRAILING]
     for layer in range(c.n_layers):
         c.write_layer(layer, again)
@@ -592,7 +592,7 @@ def test_static_storage_tensor_sees_write_layer(rng, dtype):
         assert tensor(view).data_ptr() == t.data_ptr()
         assert torch_strides(tensor(view)) == elem_strides(view)
         np.testing.assert_array_equal(bits(t[:, :, :3]), bits(view))
-    c.truncate_to(1)
+    c.truncate_last(c.cached_len - 1)
     k2 = rng.standard_normal((1, NKV, 1, HD))
     c.write_layer(0, k2, k2)
     np.testing.assert_array_equal(bits(k_early[:, :, 1:2]), bits(k2.astype(dt)))
@@ -600,7 +600,7 @@ def test_static_storage_tensor_sees_write_layer(rng, dtype):
 
 def test_decode_plan_storage_tensors_alias_the_bound_cache(rng):
     a = latent_cache(rng, np.float32, n=1)
-    plan = kc.DecodePlan.build(a, shape_key="mla")
+    plan = kc.rebind.DecodePlan.build(a, shape_key="mla")
     t = torch.from_dlpack(plan.storage(0, 0))
     assert t.data_ptr() == a.slot_storage(0, 0).ctypes.data
     slab = [rng.standard_normal((1,) + s) for s in LATENT_TRAILING]
@@ -640,7 +640,7 @@ def test_tensors_of_o1_views_alias_every_array(rng, backend):
     scalars = ("m_eff", "w", "sink_len", "d", "dv", "exact_only", "scale", "win_len",
                "win_head", "far_len")
     for dev, view in zip(out, views):
-        assert isinstance(dev, kc.O1DeviceView)
+        assert isinstance(dev, kc.o1.O1DeviceView)
         for f in scalars:
             assert getattr(dev, f) == getattr(view, f), f
         for f in ("win_k", "win_v", "sink_k", "sink_v", "k_tilde"):
@@ -649,7 +649,7 @@ def test_tensors_of_o1_views_alias_every_array(rng, backend):
             (check_torch_alias if backend == "torch" else check_numpy_alias)(a, t, f)
         assert isinstance(dev.heads, tuple) and len(dev.heads) == len(view.heads)
         for hdev, hview in zip(dev.heads, view.heads):
-            assert isinstance(hdev, kc.O1HeadView) and hdev.rect_fm == hview.rect_fm
+            assert isinstance(hdev, kc.o1.O1HeadView) and hdev.rect_fm == hview.rect_fm
             for f in ("t_hat", "z_hat", "m_max", "q_tilde", "mu"):
                 a, t = getattr(hview, f), getattr(hdev, f)
                 assert isinstance(t, kind), f
@@ -687,8 +687,8 @@ HANDED_OUT = {
     kc.StaticKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers", "state",
                        "slot_state"},
     kc.LazyLatentCache: {"slot", "slot_buffer_full"},
-    kc.LatentSlot: {"storage"},
-    kc.DecodePlan: {"storage", "bound"},
+    kc.latent.LatentSlot: {"storage"},
+    kc.rebind.DecodePlan: {"storage", "bound"},
 }
 NOT_VIEWS = {
     kc.LayerKvCache: {"unchanged_prefix"},   # a copy of the per-head lengths
@@ -705,7 +705,7 @@ def _holds_array(x, depth=0):
         return True
     if depth > 4:
         return False
-    if isinstance(x, kc.LatentSlot):
+    if isinstance(x, kc.latent.LatentSlot):
         return _holds_array(x.storage, depth + 1)
     if isinstance(x, (list, tuple)):
         return any(_holds_array(y, depth + 1) for y in x)
@@ -773,9 +773,9 @@ def _instances():
         kc.LatentKvCache: [latent],
         kc.StaticKvCache: [static],
         kc.LazyLatentCache: [lambda: lazy_cache(rng, np.float32)],
-        kc.LatentSlot: [lambda: latent().layers[0][0]],
-        kc.DecodePlan: [lambda: kc.DecodePlan.build(latent()),
-                        lambda: kc.DecodePlan.build(static())],
+        kc.latent.LatentSlot: [lambda: latent().layers[0][0]],
+        kc.rebind.DecodePlan: [lambda: kc.rebind.DecodePlan.build(latent()),
+                                    lambda: kc.rebind.DecodePlan.build(static())],
     }
 
 

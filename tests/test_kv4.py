@@ -307,7 +307,7 @@ def test_byte_format_round_trip_and_version(mode, tmp_path):
     buf = layer.to_bytes(fingerprint="m")
     assert int.from_bytes(buf[8:10], "little") == 3
     other = kc.LayerKvCache(2, 40, mode=mode)
-    other.from_bytes(buf, fingerprint="m")
+    other.install_bytes(buf, fingerprint="m")
     a, b = layer.state(), other.state()
     n = 2 * B + 4
     assert b.mode == a.mode and b.lengths.tolist() == [n, n]
@@ -346,11 +346,11 @@ def test_a_4bit_body_with_a_bad_head_dim_or_version_2_is_refused():
     v2[8:10] = struct.pack("<H", 2)
     target = kc.LayerKvCache(1, 8, mode="q4v")
     with pytest.raises(wire.WireError, match="quant_v=2"):
-        target.from_bytes(resealed(v2))
+        target.install_bytes(resealed(v2))
     bad = bytearray(buf)
     bad[body + 4: body + 8] = struct.pack("<I", 12)      # head_dim 12
     with pytest.raises(wire.WireError):
-        kc.LayerKvCache(1, 12, mode="f32").from_bytes(resealed(bad))
+        kc.LayerKvCache(1, 12, mode="f32").install_bytes(resealed(bad))
     assert len(target) == 0
 
 

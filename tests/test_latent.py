@@ -52,7 +52,7 @@ def no_ml_dtypes(monkeypatch):
 
 # ------------------------------------------------------------------------------------ KvAllocId
 def test_alloc_id_is_a_frozen_hashable_value_minted_from_one():
-    a, b = kc.KvAllocId.next(), kc.KvAllocId.next()
+    a, b = kc.rebind.KvAllocId.next(), kc.rebind.KvAllocId.next()
     assert a.get() >= 1 and b.get() > a.get()
     assert a != b and a == a and hash(a) == hash(a)
     assert {a: 1, b: 2}[a] == 1
@@ -62,7 +62,7 @@ def test_alloc_id_is_a_frozen_hashable_value_minted_from_one():
     with pytest.raises(AttributeError):
         a._value = 7
     with pytest.raises(TypeError, match="KvAllocId.next"):
-        kc.KvAllocId(5)
+        kc.rebind.KvAllocId(5)
     with pytest.raises(TypeError, match="pickled"):
         pickle.dumps(a)
 
@@ -74,7 +74,7 @@ def test_alloc_ids_are_unique_across_threads():
 
     def mint(i):
         barrier.wait()
-        found[i] = [kc.KvAllocId.next().get() for _ in range(per)]
+        found[i] = [kc.rebind.KvAllocId.next().get() for _ in range(per)]
 
     threads = [threading.Thread(target=mint, args=(i,)) for i in range(n_threads)]
     for t in threads:
@@ -87,7 +87,7 @@ def test_alloc_ids_are_unique_across_threads():
     assert min(values) >= 1
     for chunk in found:                               # each thread saw increasing ids
         assert chunk == sorted(chunk)
-    assert kc.KvAllocId.next().get() > max(values)    # never reused
+    assert kc.rebind.KvAllocId.next().get() > max(values)    # never reused
 
 
 @pytest.mark.parametrize("make", [
@@ -105,7 +105,7 @@ def test_alloc_id_tracks_the_allocation_not_the_conversation(make, rng):
             a.write_layer(layer, np.ones((2, 3, 4)), np.ones((2, 3, 4)))
     a.advance(3)
     a.bump_version(0, 0)
-    a.truncate_to(1)                                  # a rewind is not a re-allocation
+    a.truncate_last(a.cached_len - 1)                       # a rewind is not a re-allocation
     assert a.alloc_id == first
     a.clear()                                         # every buffer released: new id
     assert a.alloc_id != first and a.alloc_id != b.alloc_id
@@ -130,7 +130,7 @@ def test_with_capacity_allocates_every_layer_zeroed_on_cpu():
         assert k0.flags.c_contiguous and k1.flags.c_contiguous
         assert not k0.any() and not k1.any()
         for s, slot in enumerate(c.layers[layer]):
-            assert isinstance(slot, kc.LatentSlot)
+            assert isinstance(slot, kc.latent.LatentSlot)
             assert slot.storage is c.slot_storage(layer, s)
             assert slot.layout == ((8, 5) if s == 0 else (8, 2))
             assert slot.version == 0 and slot.authority == "host"
@@ -156,7 +156,7 @@ def test_seq_len_is_a_read_only_property_equal_to_cached_len(make, rng):
             c.write_layer(layer, rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3, 4)))
     c.advance(3)
     assert c.seq_len == c.cached_len == len(c) == 3
-    c.truncate_to(1)
+    c.truncate_last(c.cached_len - 1)
     assert c.seq_len == 1
     with pytest.raises(AttributeError):
         c.seq_len = 2
@@ -446,16 +446,15 @@ def test_bad_advance_changes_nothing(rng, seq, exc):
     assert c.cached_len == 8
 
 
-def test_truncate_to_is_shrink_only_metadata_only_and_keeps_the_id(rng):
+def test_truncate_last_is_metadata_only_and_keeps_the_id(rng):
     c = kc.LatentKvCache.with_capacity(2, 16, MLA)
     for layer in range(2):
         c.write_layer(layer, slabs(rng, 15))
     c.advance(15)
     before = state(c)
-    c.truncate_to(20)
-    c.truncate_to(15)
-    assert state(c) == before                          # cannot grow; equal is a no-op
-    c.truncate_to(10)
+    c.truncate_last(0)
+    assert state(c) == before                          # nothing dropped: a no-op
+    c.truncate_last(5)
     after = state(c)
     assert c.cached_len == 10 and after["alloc_id"] == before["alloc_id"]
     assert after["layers"] == before["layers"]         # bytes and versions untouched
@@ -465,12 +464,34 @@ def test_truncate_to_is_shrink_only_metadata_only_and_keeps_the_id(rng):
     c.write_layer(1, new)
     c.advance(2)
     np.testing.assert_array_equal(c.valid_view(0, 0)[10:], new[0])
-    c.truncate_to(0)
-    assert c.cached_len == 0
-    with pytest.raises(ValueError, match="new_len"):
-        c.truncate_to(-1)
+    c.truncate_last(100)                               # more than it holds: empty
+    assert c.cached_len == 0 and state(c)["alloc_id"] == before["alloc_id"]
+    with pytest.raises(ValueError, match="n"):
+        c.truncate_last(-1)
     with pytest.raises(TypeError):
-        c.truncate_to(2.0)
+        c.truncate_last(2.0)
+
+
+@pytest.mark.parametrize("make", ["latent", "static"])
+def test_truncate_to_is_a_deprecated_absolute_truncate_last(make, rng):
+    if make == "latent":
+        c = kc.LatentKvCache.with_capacity(1, 16, MLA)
+        c.write_layer(0, slabs(rng, 6))
+    else:
+        c = kc.StaticKvCache.with_capacity(1, 2, 4, 16)
+        c.write_layer(0, np.ones((2, 6, 4)), np.ones((2, 6, 4)))
+    c.advance(6)
+    aid, name = c.alloc_id, type(c).__name__
+    msg = rf"kvcache\.{name}\.truncate_to\(new_len\) is deprecated; use truncate_last"
+    with pytest.warns(DeprecationWarning, match=msg):
+        c.truncate_to(9)                               # never grows
+    assert c.cached_len == 6
+    with pytest.warns(DeprecationWarning, match=msg):
+        c.truncate_to(4)                               # = truncate_last(2)
+    assert c.cached_len == 4 and c.alloc_id == aid
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="new_len"):
+        c.truncate_to(-1)
+    assert c.cached_len == 4
 
 
 def test_clear_releases_the_layers_reminted_and_keeps_the_location(rng):
@@ -716,7 +737,7 @@ def test_static_replaced_storage_raises_instead_of_reading_out_of_bounds(rng, wh
     with pytest.raises(ValueError, match=rf"valid_view: the storage of layer 1, slot {which}"):
         c.valid_view(1, which)
     c.valid_view(1, 1 - which)                          # the other half is fine
-    c.truncate_to(10)
+    c.truncate_last(c.cached_len - 10)
     other = c.layers[1][1 - which].storage.copy()
     with pytest.raises(ValueError, match=rf"write_layer: the storage of layer 1, slot {which}"):
         c.write_layer(1, np.ones((2, 1, 16)), np.ones((2, 1, 16)))
@@ -760,8 +781,8 @@ def test_read_only_or_missing_slots_raise_before_a_write(rng):
 def test_latent_slot_needs_an_array():
     for bad in (None, [[0.0]], 3.0):
         with pytest.raises(TypeError, match="LatentSlot: storage must be a numpy array"):
-            kc.LatentSlot(bad)
-    slot = kc.LatentSlot(np.zeros((4, 2), np.float32))
+            kc.latent.LatentSlot(bad)
+    slot = kc.latent.LatentSlot(np.zeros((4, 2), np.float32))
     assert slot.layout == (4, 2) and slot.version == 0 and slot.authority == "host"
 
 

@@ -1,4 +1,4 @@
-"""The absorbed MLA decode kernel (kvcache.mla_decode, _core.mla_attend) against its NumPy
+"""The absorbed MLA decode kernel (kvcache.mla.mla_decode, _core.mla_attend) against its NumPy
 twins: the naive form that materialises K and V per head, and the absorbed form in NumPy."""
 
 import math
@@ -81,7 +81,7 @@ def test_kernel_matches_naive_within_1e5(geom, n, T):
     rng = np.random.default_rng(T * 31 + n)
     args = make(rng, n, T, **geom)
     scale = 1.0 / math.sqrt(max(1, geom["dn"] + geom["dr"]))
-    out = kc.mla_decode(*args, scale)
+    out = mla.mla_decode(*args, scale)
     oracle = ref.mla_naive(*f64(args), scale)          # float64: the exact answer
     naive32 = ref.mla_naive(*args, scale)              # what a float32 runner computes
     assert out.shape == (n, geom["H"], geom["dv"]) and out.dtype == np.float32
@@ -107,7 +107,7 @@ def test_kernel_matches_naive_random_geometries(H, dn, dr, dv, r, T, n, seed, sc
     n = min(n, T)
     rng = np.random.default_rng(seed)
     args = make(rng, n, T, H, dn, dr, dv, r)
-    out = kc.mla_decode(*args, scale)
+    out = mla.mla_decode(*args, scale)
     want = ref.mla_naive(*f64(args), scale)
     err = np.max(np.abs(out - want))
     assert err < 1e-5 * max(np.max(np.abs(want)), value_scale(args, scale) / 2)
@@ -135,19 +135,19 @@ def test_long_context_many_tasks_match():
     g = dict(H=4, dn=8, dr=8, dv=8, r=32)
     args = make(rng, 1, 9000, **g)
     assert _core.mla_task_rows(9000) == 512
-    out = kc.mla_decode(*args, 0.25)
+    out = mla.mla_decode(*args, 0.25)
     assert rel(out, ref.mla_naive(*f64(args), 0.25)) < 1e-5
 
 
 def test_single_position_shapes_and_out_argument():
     rng = np.random.default_rng(1)
     qn, qr, lat, kr, wuk, wuv = make(rng, 1, 50, 6, 8, 4, 5, 24)
-    one = kc.mla_decode(qn[0], qr[0], lat, kr, wuk, wuv, 0.2)
+    one = mla.mla_decode(qn[0], qr[0], lat, kr, wuk, wuv, 0.2)
     assert one.shape == (6, 5)
-    blk = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.2)
+    blk = mla.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.2)
     assert np.array_equal(one, blk[0])
     buf = np.full((6, 5), np.nan, dtype=np.float32)
-    res = kc.mla_decode(qn[0], qr[0], lat, kr, wuk, wuv, 0.2, out=buf)
+    res = mla.mla_decode(qn[0], qr[0], lat, kr, wuk, wuv, 0.2, out=buf)
     assert res is buf and np.array_equal(buf, one)
 
 
@@ -172,10 +172,10 @@ def test_causal_block_equals_one_call_per_position_bit_for_bit():
     rng = np.random.default_rng(11)
     n, T = 5, 600
     qn, qr, lat, kr, wuk, wuv = make(rng, n, T, 7, 6, 4, 5, 48)
-    blk = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.4)
+    blk = mla.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.4)
     for i in range(n):
         vis = T - n + i + 1
-        one = kc.mla_decode(qn[i], qr[i], lat[:vis], kr[:vis], wuk, wuv, 0.4)
+        one = mla.mla_decode(qn[i], qr[i], lat[:vis], kr[:vis], wuk, wuv, 0.4)
         assert np.array_equal(blk[i], one)
 
 
@@ -184,8 +184,8 @@ def test_rows_beyond_the_visible_range_are_never_read():
     qn, qr, lat, kr, wuk, wuv = make(rng, 1, 40, 4, 4, 4, 4, 16)
     full = np.concatenate([lat, np.full((10, 16), np.nan, np.float32)])
     fullk = np.concatenate([kr, np.full((10, 4), np.nan, np.float32)])
-    a = kc.mla_decode(qn[0], qr[0], lat, kr, wuk, wuv, 0.5)
-    b = kc.mla_decode(qn[0], qr[0], full[:40], fullk[:40], wuk, wuv, 0.5)
+    a = mla.mla_decode(qn[0], qr[0], lat, kr, wuk, wuv, 0.5)
+    b = mla.mla_decode(qn[0], qr[0], full[:40], fullk[:40], wuk, wuv, 0.5)
     assert np.array_equal(a, b) and np.isfinite(a).all()
 
 
@@ -193,10 +193,10 @@ def test_the_test_can_fail_a_wrong_w_uk_is_caught():
     """Calibration: swapping two heads' W_UK moves the output far beyond the tolerance."""
     rng = np.random.default_rng(2)
     args = make(rng, 1, 300, **V2_LITE)
-    good = kc.mla_decode(*args, 0.1)
+    good = mla.mla_decode(*args, 0.1)
     bad_wuk = args[4].copy()
     bad_wuk[[0, 1]] = bad_wuk[[1, 0]]
-    bad = kc.mla_decode(*args[:4], bad_wuk, args[5], 0.1)
+    bad = mla.mla_decode(*args[:4], bad_wuk, args[5], 0.1)
     oracle = ref.mla_naive(*f64(args), 0.1)
     assert rel(good, oracle) < 1e-5
     assert rel(bad, oracle) > 1e-3
@@ -209,7 +209,7 @@ def test_non_finite_inputs_follow_the_ieee_softmax():
     qn, qr, lat, kr, wuk, wuv = make(rng, 2, 300, 4, 4, 4, 4, 16)
     qn[0, 1, 2] = np.nan                      # position 0, head 1: every score NaN
     want = ref.mla_naive(*f64([qn, qr, lat, kr, wuk, wuv]), 0.5)
-    out = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)
+    out = mla.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)
     assert np.isnan(out[0, 1]).all()
     assert np.array_equal(np.isnan(out), np.isnan(want))
     fin = np.isfinite(want)
@@ -217,13 +217,13 @@ def test_non_finite_inputs_follow_the_ieee_softmax():
     assert np.max(np.abs(out[fin] - want[fin])) < 1e-5 * np.max(np.abs(want[fin]))
     qn[0, 1, 2] = 0.0
     lat[3, 2] = np.nan                        # a NaN row poisons every head that sees it
-    assert np.isnan(kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)).all()
+    assert np.isnan(mla.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)).all()
     lat[3, 2] = 0.0
     qr[..., 0] = 1.0
     kr[:, 0] = -np.inf                        # every score -inf: softmax is 0/0
     with np.errstate(invalid="ignore"):
         want = ref.mla_naive(*f64([qn, qr, lat, kr, wuk, wuv]), 0.5)
-    assert np.isnan(want).all() and np.isnan(kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)).all()
+    assert np.isnan(want).all() and np.isnan(mla.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)).all()
 
 
 @pytest.mark.parametrize("scale,w_scale", [(1.0, 1.0), (192 ** -0.5, 512 ** 0.5)])
@@ -233,7 +233,7 @@ def test_sharp_softmax_stays_within_1e5(scale, w_scale):
     rng = np.random.default_rng(12)
     args = make(rng, 1, 9000, **V2_LITE)
     args[4] = (args[4] * w_scale).astype(np.float32)
-    out = kc.mla_decode(*args, scale)
+    out = mla.mla_decode(*args, scale)
     oracle = ref.mla_naive(*f64(args), scale)
     assert rel(out, oracle) < 1e-5
 
@@ -274,14 +274,14 @@ def test_bad_input_raises_clearly(key, value, exc, match):
     a = good_args()
     a[key] = value
     with pytest.raises(exc, match=match):
-        kc.mla_decode(**a)
+        mla.mla_decode(**a)
 
 
 def test_more_queries_than_rows_is_refused():
     a = good_args()
     a["latent"], a["k_rope"] = a["latent"][:1], a["k_rope"][:1]
     with pytest.raises(ValueError, match="at least 2 cached rows"):
-        kc.mla_decode(**a)
+        mla.mla_decode(**a)
 
 
 @pytest.mark.parametrize("out,exc", [(np.zeros((2, 3, 4), np.float32), ValueError),
@@ -291,7 +291,7 @@ def test_more_queries_than_rows_is_refused():
 def test_bad_out_is_refused_and_left_alone(out, exc):
     before = out.copy()
     with pytest.raises(exc, match="out"):
-        kc.mla_decode(**good_args(), out=out)
+        mla.mla_decode(**good_args(), out=out)
     assert np.array_equal(out, before)
 
 
@@ -321,36 +321,36 @@ def test_yarn_mscale():
 def test_deepseek_v2_scale():
     rs = {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
           "original_max_position_embeddings": 4096}
-    s = kc.mla_softmax_scale(128, 64, rs)
+    s = mla.mla_softmax_scale(128, 64, rs)
     assert s == pytest.approx(0.1147214, abs=1e-7)
     assert s == pytest.approx(192 ** -0.5 * 1.589626, rel=1e-6)
-    assert kc.mla_softmax_scale(128, 64, rs, apply_mscale=False) == pytest.approx(192 ** -0.5)
-    assert kc.mla_softmax_scale(128, 64) == pytest.approx(192 ** -0.5)
-    assert kc.mla_softmax_scale(128, 64, {"factor": 40, "mscale_all_dim": 0}) == pytest.approx(192 ** -0.5)
+    assert mla.mla_softmax_scale(128, 64, rs, apply_mscale=False) == pytest.approx(192 ** -0.5)
+    assert mla.mla_softmax_scale(128, 64) == pytest.approx(192 ** -0.5)
+    assert mla.mla_softmax_scale(128, 64, {"factor": 40, "mscale_all_dim": 0}) == pytest.approx(192 ** -0.5)
     cfg = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rope_scaling": rs}
-    assert kc.mla_softmax_scale(config=cfg) == s
+    assert mla.mla_softmax_scale(config=cfg) == s
 
     class Cfg:
         qk_nope_head_dim, qk_rope_head_dim, rope_parameters = 128, 64, rs
-    assert kc.mla_softmax_scale(config=Cfg()) == s
+    assert mla.mla_softmax_scale(config=Cfg()) == s
 
 
 @pytest.mark.parametrize("args", [(None, 64), (128, -1), (1.5, 64), (0, 0)])
 def test_scale_helper_rejects_bad_dims(args):
     with pytest.raises(ValueError):
-        kc.mla_softmax_scale(*args)
+        mla.mla_softmax_scale(*args)
 
 
 def test_scale_helper_needs_factor_with_mscale_all_dim():
     with pytest.raises(ValueError, match="factor"):
-        kc.mla_softmax_scale(128, 64, {"mscale_all_dim": 0.707})
+        mla.mla_softmax_scale(128, 64, {"mscale_all_dim": 0.707})
 
 
 def test_split_kv_b_matches_the_hugging_face_layout():
     rng = np.random.default_rng(9)
     H, dn, dv, r = 3, 4, 5, 6
     kv_b = rng.standard_normal((H * (dn + dv), r)).astype(np.float32)
-    wuk, wuv = kc.split_kv_b(kv_b, H, dn, dv)
+    wuk, wuv = mla.split_kv_b(kv_b, H, dn, dv)
     assert wuk.shape == (H, dn, r) and wuv.shape == (H, dv, r)
     for h in range(H):
         base = h * (dn + dv)
@@ -361,7 +361,7 @@ def test_split_kv_b_matches_the_hugging_face_layout():
     full = (kv_b @ c).reshape(H, dn + dv)
     np.testing.assert_allclose(np.einsum("hkr,r->hk", wuk, c), full[:, :dn], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="rows"):
-        kc.split_kv_b(kv_b, H, dn, dv + 1)
+        mla.split_kv_b(kv_b, H, dn, dv + 1)
 
 
 # ------------------------------------------- persistent LatentKvCache decode vs one-shot attention
@@ -369,7 +369,7 @@ def test_split_kv_b_matches_the_hugging_face_layout():
 class TinyMLA:
     """A small DeepSeek-V2-style attention stack (the upstream test config: hidden 16, 4 heads,
     d_rope 4, d_nope 4, d_v 4, kv_lora_rank 8, 3 layers) in NumPy, with residual connections.
-    It decodes either through a LatentKvCache and kc.mla_decode (the absorbed kernel) or in
+    It decodes either through a LatentKvCache and mla.mla_decode (the absorbed kernel) or in
     one shot over the whole sequence with the naive form in float64."""
 
     def __init__(self, seed, L=3, hidden=16, H=4, dn=4, dr=4, dv=4, r=8):
@@ -380,7 +380,7 @@ class TinyMLA:
         self.wkva = [w(r + dr, hidden) for _ in range(L)]
         self.kv_b = [w(H * (dn + dv), r) for _ in range(L)]
         self.wo = [w(hidden, H * dv) for _ in range(L)]
-        self.scale = kc.mla_softmax_scale(dn, dr)
+        self.scale = mla.mla_softmax_scale(dn, dr)
 
     def rope(self, x, pos):
         """Rotate consecutive pairs (2i, 2i+1) by pos * 10000^(-2i/d) (the cached k_pe order)."""
@@ -402,8 +402,8 @@ class TinyMLA:
         return q[..., :self.dn], self.rope(q[..., self.dn:], pos), c, self.rope(a[:, self.r:], pos)
 
     def attend(self, l, x, qn, qr, lat, kr):
-        wuk, wuv = kc.split_kv_b(self.kv_b[l], self.H, self.dn, self.dv)
-        o = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, self.scale)
+        wuk, wuv = mla.split_kv_b(self.kv_b[l], self.H, self.dn, self.dv)
+        o = mla.mla_decode(qn, qr, lat, kr, wuk, wuv, self.scale)
         return x + o.reshape(len(x), -1).astype(np.float64) @ self.wo[l].T
 
     def step_cached(self, x, lc, plan=None):
@@ -472,14 +472,14 @@ def test_persistent_decode_detects_a_wrong_offset():
     x = rng.standard_normal((4, model.hidden))
     lc = kc.LatentKvCache.with_capacity(model.L, 8, [(model.r,), (model.dr,)])
     model.step_cached(x[:3], lc)
-    lc.truncate_to(2)                                  # the sabotage: rewind one row
+    lc.truncate_last(lc.cached_len - 2)                     # the sabotage: rewind one row
     got = model.step_cached(x[3:], lc)
     want = model.one_shot(x)[3:]
     assert np.max(np.abs(got - want)) > 1e-3 * np.max(np.abs(want))
 
 
 def test_rewind_then_redecode_matches_the_first_decode():
-    """Speculative rollback: truncate_to keeps the allocation; decoding the same token again
+    """Speculative rollback: truncate_last keeps the allocation; decoding the same token again
     gives the same bits."""
     model = TinyMLA(seed=2)
     rng = np.random.default_rng(1)
@@ -488,7 +488,7 @@ def test_rewind_then_redecode_matches_the_first_decode():
     model.step_cached(x[:4], lc)
     first = model.step_cached(x[4:], lc)
     aid = lc.alloc_id
-    lc.truncate_to(4)
+    lc.truncate_last(lc.cached_len - 4)
     again = model.step_cached(x[4:], lc)
     assert lc.alloc_id == aid and lc.cached_len == 5
     assert np.array_equal(first, again)
@@ -529,22 +529,22 @@ def test_held_plan_rebinds_onto_a_swapped_latent_cache():
     rng = np.random.default_rng(8)
     xa, xb = rng.standard_normal((5, model.hidden)), rng.standard_normal((5, model.hidden))
     a = kc.LatentKvCache.with_capacity(model.L, 8, [(model.r,), (model.dr,)])
-    plan = kc.DecodePlan.build(a)
+    plan = kc.rebind.DecodePlan.build(a)
     model.step_cached(xa[:4], a, plan)
     b = kc.LatentKvCache.with_capacity(model.L, 8, [(model.r,), (model.dr,)])
     model.step_cached(xb[:4], b)                            # B's prompt, prefilled without the plan
-    assert plan.validity_for(b) == kc.PlanValidity.ALLOCATION_CHANGED
+    assert plan.validity_for(b) == kc.rebind.PlanValidity.ALLOCATION_CHANGED
     stale = model.step_cached(xb[4:], b, plan)              # negative control: reads A's rows
-    b.truncate_to(4)
+    b.truncate_last(b.cached_len - 4)
     plan.rebind_kv(b)
-    assert plan.validity_for(b) == kc.PlanValidity.VALID
+    assert plan.validity_for(b) == kc.rebind.PlanValidity.VALID
     got = model.step_cached(xb[4:], b, plan)
     want = model.one_shot(xb)[4:]
     tol = 1e-6 * np.max(np.abs(want))
     assert np.max(np.abs(got - want)) < tol
     assert np.max(np.abs(stale - want)) > 10 * tol
     # continuing on the same cache keeps the plan valid
-    assert plan.validity_for(b) == kc.PlanValidity.VALID
+    assert plan.validity_for(b) == kc.rebind.PlanValidity.VALID
 
 
 def test_forward_that_overflows_capacity_changes_nothing():
@@ -571,7 +571,7 @@ def test_hidden_rows_reach_neither_the_kernel_nor_its_twins():
     qn, qr, lat, kr, wuk, wuv = make(rng, 2, 6, 3, 4, 2, 5, 8)
     lat[5] = np.nan
     kr[5] = -np.inf
-    out = kc.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)
+    out = mla.mla_decode(qn, qr, lat, kr, wuk, wuv, 0.5)
     for form in (ref.mla_naive, ref.mla_absorbed):
         with np.errstate(invalid="ignore"):
             want = form(*f64([qn, qr, lat, kr, wuk, wuv]), 0.5)
@@ -590,13 +590,13 @@ def test_out_sharing_memory_with_an_input_is_refused():
     a["latent"] = buf[:80].reshape(10, 8)
     before = buf.copy()
     with pytest.raises(ValueError, match="share memory"):
-        kc.mla_decode(**a, out=buf[50:80].reshape(2, 3, 5))
+        mla.mla_decode(**a, out=buf[50:80].reshape(2, 3, 5))
     assert np.array_equal(buf, before)
     # the same buffer without overlap is fine
-    res = kc.mla_decode(**a, out=buf[100:130].reshape(2, 3, 5))
-    assert np.array_equal(res, kc.mla_decode(**a))
+    res = mla.mla_decode(**a, out=buf[100:130].reshape(2, 3, 5))
+    assert np.array_equal(res, mla.mla_decode(**a))
 
 
 def test_scale_beyond_the_float_range_is_a_value_error():
     with pytest.raises(ValueError, match="finite"):
-        kc.mla_decode(**{**good_args(), "scale": 10**400})
+        mla.mla_decode(**{**good_args(), "scale": 10**400})

@@ -850,7 +850,7 @@ def test_views_expose_the_state_read_only(rng):
     q, k, v = clustered(rng, t, p, H, G, d, m)
     c = sealed_layer(q, k, v, p, m, w, sink, rect="fm")
     views = c.o1_views()
-    assert len(views) == G and all(isinstance(x, kc.O1DeviceView) for x in views)
+    assert len(views) == G and all(isinstance(x, kc.o1.O1DeviceView) for x in views)
     o1 = c.o1
     for g, view in enumerate(views):
         assert (view.m_eff, view.w, view.sink_len, view.d, view.dv) == (o1.m_eff, w, sink, d, d)

@@ -223,7 +223,7 @@ def test_keep_and_ridge_travel_through_the_wire() -> None:
     layer = _layer(q, k, v, 340, keep=16, ridge=1e-3)
     assert layer.o1_seal(4)
     copy = LayerKvCache(2, 16, "f32")
-    copy.from_bytes(layer.to_bytes())
+    copy.install_bytes(layer.to_bytes())
     for i in range(340, 350):
         a = layer.o1_step(q[i], k[i], v[i], 4)
         b = copy.o1_step(q[i], k[i], v[i], 4)
@@ -312,7 +312,7 @@ def test_a_collecting_layer_with_keep_or_ridge_is_refused_by_the_byte_format():
     assert not c.o1_sealed() and c.seq_len == 60
     assert c.o1_seal(4)
     d = kc.LayerKvCache(2, 16)
-    d.from_bytes(c.to_bytes())
+    d.install_bytes(c.to_bytes())
     q = rng.standard_normal((4, 16), dtype=np.float32)
     k, v = rng.standard_normal((2, 2, 16), dtype=np.float32)
     assert np.array_equal(c.o1_step(q, k, v, 4), d.o1_step(q, k, v, 4))

@@ -152,7 +152,7 @@ def test_the_versioned_format_round_trips_each_scheme(rng, mode, hd):
     layer.append(k, v)
     buf = layer.to_bytes()
     back = kc.LayerKvCache(nkv, hd, mode=mode)
-    back.from_bytes(buf)
+    back.install_bytes(buf)
     assert back.mode == mode and stored(back) == stored(layer)
     assert back.q8_rows(0)[1].shape == (n, math.ceil(hd / GROUP[mode.scheme]))
     assert back.memory_bytes() == layer.memory_bytes()

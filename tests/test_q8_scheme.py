@@ -278,7 +278,7 @@ def test_runner_rollback_replays_the_same_logits(kv):
     ids = np.random.default_rng(1).integers(0, 512, 70)
     r.prefill(ids[:60])
     first = [r.step(int(t)) for t in ids[60:70]]
-    r.rollback(10)
+    r.truncate_last(10)
     again = [r.step(int(t)) for t in ids[60:70]]
     assert all(a.tobytes() == b.tobytes() for a, b in zip(first, again))
 
@@ -289,7 +289,7 @@ def test_runner_rollback_across_64_differs_in_the_legacy_scheme():
     ids = np.random.default_rng(1).integers(0, 512, 70)
     r.prefill(ids[:60])
     first = [r.step(int(t)) for t in ids[60:70]]
-    r.rollback(10)
+    r.truncate_last(10)
     again = [r.step(int(t)) for t in ids[60:70]]
     assert any(a.tobytes() != b.tobytes() for a, b in zip(first, again))
 
@@ -312,7 +312,7 @@ def test_the_versioned_format_records_the_scheme(rng):
         assert struct.unpack_from("<H", buf, 8)[0] == wire.VERSION == 3
         assert buf[32 + 12] == code                  # the layer body's scheme byte
         back = kc.LayerKvCache(2, 40, mode=mode)
-        back.from_bytes(buf)
+        back.install_bytes(buf)
         assert back.mode == mode and stored(back) == stored(layer)
         kv = kc.KvCache(1, 2, 40, mode=mode)
         kv.layers[0] = layer
@@ -345,7 +345,7 @@ def test_scheme_bytes_that_do_not_fit_are_refused(rng, snapshot, assert_same_sta
     ]
     for bad, match in cases:
         with pytest.raises(kc.WireError, match=match):
-            target.from_bytes(bad)
+            target.install_bytes(bad)
         assert_same_state(before, snapshot(target))
 
 
@@ -360,11 +360,11 @@ def test_a_buffer_of_the_other_scheme_is_refused(rng, have, got, snapshot, asser
     before, raw = snapshot(target), target.to_bytes()
     want, mine = kc.KvMode.parse(got).scheme, kc.KvMode.parse(have).scheme
     with pytest.raises(kc.WireError, match=f"int8 scheme '{want}'.*scheme '{mine}'"):
-        target.from_bytes(src.to_bytes())
+        target.install_bytes(src.to_bytes())
     assert_same_state(before, snapshot(target))
     assert target.to_bytes() == raw
     f32 = kc.LayerKvCache(2, 40, mode="f32")          # an F32 layer takes either
-    f32.from_bytes(src.to_bytes())
+    f32.install_bytes(src.to_bytes())
     assert f32.mode == kc.KvMode.parse(got) and stored(f32) == stored(src)
 
 
@@ -419,7 +419,7 @@ def test_version_1_layer_buffers_read_back_as_written(case):
     assert struct.unpack_from("<H", buf, 8)[0] == 1
     quantised = not case.startswith("f32")
     layer = kc.LayerKvCache(2, 40, mode="q8:cmf" if quantised else "f32")
-    layer.from_bytes(buf, fingerprint=f"fixture {case}")
+    layer.install_bytes(buf, fingerprint=f"fixture {case}")
     f16 = case.endswith("f16")
     _assert_state(layer, case, f16)
     # written again, the buffer is version 3 with scheme byte 2 ("cmf"; 0 for F32), and
@@ -434,12 +434,12 @@ def test_version_1_layer_buffers_read_back_as_written(case):
     assert bytes(again) == buf
     # an F32 layer takes it too (the mode comes from the buffer); a rows layer refuses it
     f32 = kc.LayerKvCache(2, 40, mode="f32")
-    f32.from_bytes(buf)
+    f32.install_bytes(buf)
     _assert_state(f32, case, f16)
     if quantised:
         rows = kc.LayerKvCache(2, 40, mode="q8")
         with pytest.raises(kc.WireError, match="int8 scheme 'cmf'"):
-            rows.from_bytes(buf)
+            rows.install_bytes(buf)
         assert rows.seq_len == 0 and rows.mode == Q8()
 
 

@@ -15,7 +15,8 @@ import kvcache as kc
 from kvcache.rebind import StorageFingerprint
 
 MLA = [[5], [2]]
-V, AC, ST = kc.PlanValidity.VALID, kc.PlanValidity.ALLOCATION_CHANGED, kc.PlanValidity.STALE
+PV = kc.rebind.PlanValidity
+V, AC, ST = PV.VALID, PV.ALLOCATION_CHANGED, PV.STALE
 
 
 def latent(n_layers=3, max_seq_len=8, trailing=MLA, dtype=np.float32):
@@ -67,21 +68,21 @@ class Relocated:
 # ------------------------------------------------------------------------------------ protocol
 def test_both_caches_satisfy_the_protocols():
     for cache in (latent(), static()):
-        assert isinstance(cache, kc.KvRebindSource)
-        assert isinstance(cache, kc.KvPlanSource)
-    assert not isinstance(kc.LazyLatentCache.new(1, 4, MLA), kc.KvRebindSource)
-    assert not isinstance(object(), kc.KvRebindSource)
-    assert {r.name for r in kc.RebindRefusal} == {"RESIDENCY_UNKNOWN", "RESIDENCY_DIFFERS",
+        assert isinstance(cache, kc.rebind.KvRebindSource)
+        assert isinstance(cache, kc.rebind.KvPlanSource)
+    assert not isinstance(kc.LazyLatentCache.new(1, 4, MLA), kc.rebind.KvRebindSource)
+    assert not isinstance(object(), kc.rebind.KvRebindSource)
+    assert {r.name for r in kc.rebind.RebindRefusal} == {"RESIDENCY_UNKNOWN", "RESIDENCY_DIFFERS",
                                                   "MISSING_SLOT", "UNBAKED_SLOT",
                                                   "STORAGE_DIFFERS"}
-    assert {v.name for v in kc.PlanValidity} == {"VALID", "ALLOCATION_CHANGED", "STALE"}
+    assert {v.name for v in kc.rebind.PlanValidity} == {"VALID", "ALLOCATION_CHANGED", "STALE"}
     assert issubclass(kc.RebindRefused, RuntimeError)
 
 
 @pytest.mark.parametrize("make", [latent, static], ids=["latent", "static"])
 def test_build_binds_slots_0_and_1_of_every_layer(make):
     cache = make()
-    plan = kc.DecodePlan.build(cache, shape_key=("tiny", 1))
+    plan = kc.rebind.DecodePlan.build(cache, shape_key=("tiny", 1))
     assert plan.alloc_id == cache.alloc_id and plan.kv_location == "cpu"
     assert (plan.seq, plan.max_seq_len, plan.n_layers, plan.dtype) == (1, 8, cache.n_layers,
                                                                         np.float32)
@@ -101,7 +102,7 @@ def test_build_binds_slots_0_and_1_of_every_layer(make):
 
 def test_build_guards_and_bad_arguments():
     cache = latent()
-    kc.DecodePlan(cache, n_layers=3, max_seq_len=8, dtype="float32")   # matching: fine
+    kc.rebind.DecodePlan(cache, n_layers=3, max_seq_len=8, dtype="float32")   # matching: fine
     for kw, match in [({"n_layers": 4}, "n_layers: the plan expects 4"),
                       ({"max_seq_len": 16}, "max_seq_len"),
                       ({"dtype": np.float16}, "dtype"),
@@ -109,25 +110,25 @@ def test_build_guards_and_bad_arguments():
                       ({"slots": ()}, "slots"),
                       ({"slots": (0, 0)}, "slots")]:
         with pytest.raises(ValueError, match=match):
-            kc.DecodePlan.build(cache, **kw)
+            kc.rebind.DecodePlan.build(cache, **kw)
     with pytest.raises(TypeError, match="hashable"):
-        kc.DecodePlan.build(cache, shape_key=["not", "hashable"])
+        kc.rebind.DecodePlan.build(cache, shape_key=["not", "hashable"])
     with pytest.raises(TypeError, match="KvRebindSource"):
-        kc.DecodePlan.build(kc.LazyLatentCache.new(1, 4, MLA))
+        kc.rebind.DecodePlan.build(kc.LazyLatentCache.new(1, 4, MLA))
     one = latent(trailing=[[6]])                      # a single-slot cache binds slot 0 only
     with pytest.raises(ValueError, match="not for slot 1"):
-        kc.DecodePlan.build(one)
-    plan = kc.DecodePlan.build(one, slots=(0,))
+        kc.rebind.DecodePlan.build(one)
+    plan = kc.rebind.DecodePlan.build(one, slots=(0,))
     assert set(plan.bound) == {(0, 0), (1, 0), (2, 0)}
     cache.clear()
     with pytest.raises(ValueError, match="no populated layer"):
-        kc.DecodePlan.build(cache)
+        kc.rebind.DecodePlan.build(cache)
 
 
 def test_partially_populated_cache_binds_its_layers_only():
     cache = latent()
     cache.layers[0] = None                            # pipeline-parallel: layers 1, 2 here
-    plan = kc.DecodePlan.build(cache)
+    plan = kc.rebind.DecodePlan.build(cache)
     assert plan.layers == (1, 2) and plan.n_layers == 3
     other = latent()
     other.layers[0] = None
@@ -140,13 +141,13 @@ def test_partially_populated_cache_binds_its_layers_only():
 @pytest.mark.parametrize("make", [latent, static], ids=["latent", "static"])
 def test_plan_survives_continuation_and_truncate(make, rng):
     cache = make()
-    plan = kc.DecodePlan.build(cache, shape_key="m")
+    plan = kc.rebind.DecodePlan.build(cache, shape_key="m")
     bound = dict(plan.bound)
     step(cache, rng, 3)
     step(cache, rng)
     cache.bump_version(0, 0)
     assert plan.validity_for(cache) is V
-    cache.truncate_to(2)                              # speculative reject: same allocation
+    cache.truncate_last(cache.cached_len - 2)               # speculative reject: same allocation
     assert plan.validity_for(cache) is V
     assert dict(plan.bound) == bound                  # nothing to re-bind
     step(cache, rng)
@@ -163,13 +164,13 @@ def test_plan_survives_continuation_and_truncate(make, rng):
 ])
 def test_other_structure_is_stale(other, why):
     base = latent() if "static" not in why else static()
-    plan = kc.DecodePlan.build(base)
+    plan = kc.rebind.DecodePlan.build(base)
     assert plan.validity_for(other()) is ST, why
 
 
 def test_seq_and_shape_key_are_part_of_validity():
     cache = latent()
-    plan = kc.DecodePlan.build(cache, shape_key=("llama", 7))
+    plan = kc.rebind.DecodePlan.build(cache, shape_key=("llama", 7))
     assert plan.validity_for(cache, seq=2) is ST                      # a prefill step
     assert plan.validity_for(cache, shape_key=("llama", 8)) is ST     # another model
     assert plan.validity_for(cache, seq=1, shape_key=("llama", 7)) is V
@@ -186,7 +187,7 @@ def test_same_geometry_swap_is_rebound(make, rng):
     a, b = make(), make()
     step(a, rng, 2)
     step(b, rng, 3)
-    plan = kc.DecodePlan.build(a, shape_key="m")
+    plan = kc.rebind.DecodePlan.build(a, shape_key="m")
     assert plan.validity_for(b) is AC
     plan.rebind_kv(b)
     assert plan.alloc_id == b.alloc_id and plan.validity_for(b) is V
@@ -214,19 +215,19 @@ def test_same_geometry_swap_is_rebound(make, rng):
 @pytest.mark.parametrize("make", [latent, static], ids=["latent", "static"])
 @pytest.mark.parametrize("keep", [2, 0], ids=["truncated", "truncated-to-0"])
 def test_truncated_caches_keep_or_rebind_the_plan(make, keep, rng):
-    """truncate_to keeps alloc_id: the plan's own cache stays VALID (re-binding onto it is a
+    """truncate_last keeps alloc_id: the plan's own cache stays VALID (re-binding onto it is a
     no-op), and a plan moves onto *another* same-geometry cache that was truncated like any
     swap, then decodes into that cache's rows from the truncated position on."""
     a, b = make(), make()
-    plan = kc.DecodePlan.build(a, shape_key="m")
+    plan = kc.rebind.DecodePlan.build(a, shape_key="m")
     step(a, rng, 3)
-    a.truncate_to(keep)
+    a.truncate_last(a.cached_len - keep)
     assert plan.validity_for(a) is V
     before = plan_state(plan)
     plan.rebind_kv(a)                                  # onto its own truncated cache
     assert plan_state(plan) == before and plan.validity_for(a) is V
     step(b, rng, 5)
-    b.truncate_to(keep)
+    b.truncate_last(b.cached_len - keep)
     assert b.cached_len == keep
     assert plan.validity_for(b) is AC
     plan.rebind_kv(b)
@@ -250,7 +251,7 @@ def test_truncated_caches_keep_or_rebind_the_plan(make, keep, rng):
 
 def test_rebind_onto_the_same_cache_is_a_noop():
     cache = latent()
-    plan = kc.DecodePlan.build(cache)
+    plan = kc.rebind.DecodePlan.build(cache)
     before = plan_state(plan)
     plan.rebind_kv(cache)
     assert plan_state(plan) == before
@@ -258,26 +259,26 @@ def test_rebind_onto_the_same_cache_is_a_noop():
 
 def test_cleared_latent_cache_is_refused_as_missing_slot():
     cache = latent()
-    plan = kc.DecodePlan.build(cache)
+    plan = kc.rebind.DecodePlan.build(cache)
     before = plan_state(plan)
     cache.clear()
     assert plan.validity_for(cache) is AC             # the id was re-minted
     with pytest.raises(kc.RebindRefused, match="missing slot") as info:
         plan.rebind_kv(cache)
     err = info.value
-    assert err.reason is kc.RebindRefusal.MISSING_SLOT and (err.layer, err.which) == (0, 0)
+    assert err.reason is kc.rebind.RebindRefusal.MISSING_SLOT and (err.layer, err.which) == (0, 0)
     assert plan_state(plan) == before
 
 
 def test_cleared_static_cache_is_refused_as_residency_unknown():
     cache = static()
-    plan = kc.DecodePlan.build(cache)
+    plan = kc.rebind.DecodePlan.build(cache)
     before = plan_state(plan)
     cache.clear()
     assert plan.validity_for(cache) is AC
     with pytest.raises(kc.RebindRefused, match="residency unknown") as info:
         plan.rebind_kv(cache)
-    assert info.value.reason is kc.RebindRefusal.RESIDENCY_UNKNOWN
+    assert info.value.reason is kc.rebind.RebindRefusal.RESIDENCY_UNKNOWN
     assert info.value.incoming is None and info.value.layer is None
     assert plan_state(plan) == before
 
@@ -285,13 +286,13 @@ def test_cleared_static_cache_is_refused_as_residency_unknown():
 def test_incompatible_static_swap_is_refused_not_rebound():
     a = static(nkv=2)
     b = static(nkv=4)                                  # double the KV heads, same max_seq_len
-    plan = kc.DecodePlan.build(a, shape_key="m")
+    plan = kc.rebind.DecodePlan.build(a, shape_key="m")
     before = plan_state(plan)
     assert plan.validity_for(b) is AC                  # geometry of the model unchanged
     with pytest.raises(kc.RebindRefused, match="storage differs") as info:
         plan.rebind_kv(b)
     err = info.value
-    assert err.reason is kc.RebindRefusal.STORAGE_DIFFERS
+    assert err.reason is kc.rebind.RebindRefusal.STORAGE_DIFFERS
     assert (err.layer, err.which) == (0, 0)
     assert err.baked.shape == (1, 2, 8, 4) and err.incoming.shape == (1, 4, 8, 4)
     assert err.incoming.nbytes == 2 * err.baked.nbytes and err.baked.backend == "cpu"
@@ -302,12 +303,12 @@ def test_incompatible_static_swap_is_refused_not_rebound():
 
 def test_latent_swap_of_another_trailing_shape_is_refused():
     a, b = latent(trailing=[[5], [2]]), latent(trailing=[[6], [2]])
-    plan = kc.DecodePlan.build(a)
+    plan = kc.rebind.DecodePlan.build(a)
     before = plan_state(plan)
     assert plan.validity_for(b) is AC
     with pytest.raises(kc.RebindRefused) as info:
         plan.rebind_kv(b)
-    assert info.value.reason is kc.RebindRefusal.STORAGE_DIFFERS
+    assert info.value.reason is kc.rebind.RebindRefusal.STORAGE_DIFFERS
     assert (info.value.layer, info.value.which) == (0, 0)
     assert plan_state(plan) == before
 
@@ -315,11 +316,11 @@ def test_latent_swap_of_another_trailing_shape_is_refused():
 def test_refusal_in_a_late_layer_changes_nothing():
     a, b = latent(), latent()
     b.layers[2][1].storage = np.zeros((8, 3), np.float32)   # one odd slot, in the last layer
-    plan = kc.DecodePlan.build(a)
+    plan = kc.rebind.DecodePlan.build(a)
     before = plan_state(plan)
     with pytest.raises(kc.RebindRefused) as info:
         plan.rebind_kv(b)
-    assert info.value.reason is kc.RebindRefusal.STORAGE_DIFFERS
+    assert info.value.reason is kc.rebind.RebindRefusal.STORAGE_DIFFERS
     assert (info.value.layer, info.value.which) == (2, 1)
     assert plan_state(plan) == before                 # layers 0 and 1 were not swapped
     assert plan.storage(0, 0) is a.slot_storage(0, 0)
@@ -337,37 +338,37 @@ def test_refusal_in_a_late_layer_changes_nothing():
 
 def test_residency_checks_come_first():
     cache = latent()
-    plan = kc.DecodePlan.build(cache)
+    plan = kc.rebind.DecodePlan.build(cache)
     before = plan_state(plan)
     moved = Relocated(latent(), "cuda:0")
     with pytest.raises(kc.RebindRefused, match="residency differs") as info:
         plan.rebind_kv(moved)
     err = info.value
-    assert err.reason is kc.RebindRefusal.RESIDENCY_DIFFERS
+    assert err.reason is kc.rebind.RebindRefusal.RESIDENCY_DIFFERS
     assert (err.baked, err.incoming) == ("cpu", "cuda:0")
     cleared = latent()
     cleared.clear()                                   # no slots, but residency is checked first
     with pytest.raises(kc.RebindRefused) as info:
         plan.rebind_kv(Relocated(cleared, None))
-    assert info.value.reason is kc.RebindRefusal.RESIDENCY_UNKNOWN
+    assert info.value.reason is kc.rebind.RebindRefusal.RESIDENCY_UNKNOWN
     assert plan_state(plan) == before
     # a plan built on a source of unprovable residency can never be re-bound
-    blind = kc.DecodePlan.build(Relocated(cache, None))
+    blind = kc.rebind.DecodePlan.build(Relocated(cache, None))
     assert blind.kv_location is None
     with pytest.raises(kc.RebindRefused, match="the plan cannot prove") as info:
         blind.rebind_kv(latent())
-    assert info.value.reason is kc.RebindRefusal.RESIDENCY_UNKNOWN
+    assert info.value.reason is kc.rebind.RebindRefusal.RESIDENCY_UNKNOWN
     assert info.value.incoming == "cpu"
 
 
 def test_unbaked_slot_is_refused():
     cache = latent()
-    plan = kc.DecodePlan.build(cache)
+    plan = kc.rebind.DecodePlan.build(cache)
     del plan._bound[(1, 1)]                           # no public way to lose a binding
     before = plan_state(plan)
     with pytest.raises(kc.RebindRefused, match="unbaked slot") as info:
         plan.rebind_kv(latent())
-    assert info.value.reason is kc.RebindRefusal.UNBAKED_SLOT
+    assert info.value.reason is kc.rebind.RebindRefusal.UNBAKED_SLOT
     assert (info.value.layer, info.value.which) == (1, 1)
     assert plan_state(plan) == before
 
@@ -387,7 +388,7 @@ def test_decode_loop_with_refresh(rng):
         return None, "dropped:STALE"
 
     a, b, c = latent(), latent(), latent(max_seq_len=16)
-    plan = kc.DecodePlan.build(a)
+    plan = kc.rebind.DecodePlan.build(a)
     log = []
     for cache in (a, a, b, "clear b", c, c):
         if isinstance(cache, str):
@@ -397,9 +398,9 @@ def test_decode_loop_with_refresh(rng):
         log.append(what)
         if plan is None:
             if cache is b:                             # a cleared cache: start a new one
-                plan = kc.DecodePlan.build(a)
+                plan = kc.rebind.DecodePlan.build(a)
                 continue
-            plan = kc.DecodePlan.build(cache)
+            plan = kc.rebind.DecodePlan.build(cache)
         step(cache, rng)
     assert log == ["kept", "kept", "rebound", "dropped:MISSING_SLOT", "dropped:STALE", "kept"]
 

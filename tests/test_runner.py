@@ -199,13 +199,18 @@ def test_rollback_then_redecode_is_bit_identical(saved):
     ids = prompt_ids()
     r.prefill(ids)
     first = [r.step(t) for t in (5, 6, 7)]
-    r.rollback(2)                                   # reject the last two drafts
+    r.truncate_last(2)                              # reject the last two drafts
     assert r.position == PROMPT + 1 and r.cache.seq_len == PROMPT + 1
     again = [r.step(t) for t in (6, 7)]
     np.testing.assert_array_equal(first[1], again[0])
     np.testing.assert_array_equal(first[2], again[1])
-    r.rollback(10**6)
+    r.truncate_last(10**6)
     assert r.position == 0
+    r.prefill(ids)
+    with pytest.warns(DeprecationWarning,
+                      match=r"^kvcache\.runner\.Runner\.rollback\(\) is deprecated; use truncate_last"):
+        r.rollback(3)                               # the old name, for one release
+    assert r.position == PROMPT - 3 and r.cache.seq_len == PROMPT - 3
 
 
 def test_sharded_bf16_checkpoint_and_4x_config_layout(saved, tmp_path):
@@ -253,7 +258,7 @@ def test_o1_layers_seal_and_decode(saved):
     assert [o1.cache.layers[i].memory_bytes() for i in (1, 2)] == sealed_bytes  # constant
     assert o1.memory_bytes() > mem - 1                          # layer 0 still grows
     with pytest.raises(RuntimeError, match="sealed"):
-        o1.rollback(1)
+        o1.truncate_last(1)
     with pytest.raises(ValueError, match="one position per call"):
         o1.forward([1, 2])
 
@@ -580,7 +585,7 @@ def test_o1_all_picks_global_layers_and_checks_its_parameters(saved):
         kr.Runner.from_pretrained(path, o1_layers=5)
     ids = prompt_ids(n=40)
     r.prefill(ids)
-    r.rollback(0)                                   # nothing to undo: fine when sealed too
+    r.truncate_last(0)                              # nothing to undo: fine when sealed too
     with pytest.raises(ValueError, match="already holds"):
         r.generate(ids, 2)
 

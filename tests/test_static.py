@@ -119,9 +119,9 @@ def test_static_truncate_and_clear(rng):
     c = _static_filled(rng)
     first = c.alloc_id
     before = state(c)
-    c.truncate_to(7)
+    c.truncate_last(0)
     assert state(c) == before
-    c.truncate_to(2)
+    c.truncate_last(c.cached_len - 2)
     assert c.cached_len == 2 and c.alloc_id == first and state(c)["layers"] == before["layers"]
     c.clear()
     assert c.layers == [None, None] and c.cached_len == 0 and c.alloc_id != first
@@ -204,7 +204,7 @@ def test_static_attend_after_truncate_ignores_stale_rows(rng):
     junk = np.full((nkv, 5, hd), 50.0, np.float32)                 # would dominate if read
     c.write_layer(0, junk, junk)
     c.advance(5)
-    c.truncate_to(7)
+    c.truncate_last(c.cached_len - 7)
     for shape in [(8, hd), (4, 8, hd)]:
         q = rng.standard_normal(shape).astype(np.float32)
         got = c.attend(0, q)

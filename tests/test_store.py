@@ -21,7 +21,7 @@ import pytest
 import kvcache as kc
 from kvcache.quant import K4_BLOCK as B, K4_RING as RING
 from kvcache import wire
-from kvcache.store import (Backend, BackendUnavailable, DirectoryBackend, MemoryBackend,
+from kvcache.store import (BackendUnavailable, DirectoryBackend, MemoryBackend, StoreBackend,
                            PrefixStore, open_backend)
 from kvcache.store import entry as store_entry
 from kvcache.store.backend import ScatterBackend
@@ -500,7 +500,7 @@ class _Down:
 
 def test_an_unavailable_backend_makes_the_store_a_no_op_with_one_warning(caplog):
     down = _Down()
-    assert isinstance(down, Backend)
+    assert isinstance(down, StoreBackend)
     store = PrefixStore(down, fingerprint="m", block=16)
     ids = ids_of(48)
     ref = cold(ids, "f32")
@@ -748,7 +748,7 @@ def test_directory_backend_budget_evicts_least_recently_read(tmp_path):
 
 def test_directory_backend_parts_and_bad_keys(tmp_path):
     d = DirectoryBackend(tmp_path, fsync=True)
-    assert isinstance(d, ScatterBackend) and isinstance(d, Backend)
+    assert isinstance(d, ScatterBackend) and isinstance(d, StoreBackend)
     d.put_parts("abcd", [memoryview(b"hello "), memoryview(b""), memoryview(b"world")])
     assert d.get_many(["abcd", "abce"]) == [b"hello world", None]
     a, b = bytearray(5), bytearray(6)

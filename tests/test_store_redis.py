@@ -17,7 +17,7 @@ import pytest
 
 import redis  # the client is part of the test extra: a missing one fails, never skips
 
-from kvcache.store.backend import Backend, BackendUnavailable
+from kvcache.store.backend import BackendUnavailable, StoreBackend
 from kvcache.store.redis import RedisBackend
 
 KIB = 1024
@@ -60,7 +60,7 @@ def _part_keys(raw, ns):
 
 
 def test_is_a_backend(backend, redis_server):
-    assert isinstance(backend, Backend)
+    assert isinstance(backend, StoreBackend)
     assert backend.name == redis_server
     assert "RedisBackend" in repr(backend)
 

@@ -373,7 +373,7 @@ def test_calls_tell_the_policy_their_size(monkeypatch):
     assert seen == [(2 * 16 * 1500 * 64, 4 * 6)]
     monkeypatch.setattr(mla, "threads_for", record)
     rng = np.random.default_rng(0)
-    kc.mla_decode(*(rng.standard_normal(s, dtype=np.float32)
+    kc.mla.mla_decode(*(rng.standard_normal(s, dtype=np.float32)
                     for s in ((4, 16), (4, 8), (700, 32), (700, 8), (4, 16, 32), (4, 16, 32))),
                   scale=0.1)
     assert len(seen) == 2 and seen[1][0] > 0 and seen[1][1] >= 1
@@ -423,7 +423,7 @@ def test_mla_and_o1_results_do_not_depend_on_the_count():
     with threadpool_limits(4, user_api="openmp"):
         for block in (threads(1, adaptive=False), threads(4, adaptive=False), threads()):
             with block:
-                res.append(kc.mla_decode(*args, scale=0.1))
+                res.append(kc.mla.mla_decode(*args, scale=0.1))
     for other in res[1:]:
         np.testing.assert_array_equal(res[0], other)
 

@@ -263,16 +263,62 @@ def test_round_trip_is_bit_exact(name, make):
     # another mode, but the buffer's int8 scheme: a layer keeps its scheme (test_q8_scheme.py)
     target = kc.LayerKvCache(2, 8, mode=kc.KvMode.Q8(k=False, v=True, scheme=a.mode.scheme or "rows"))
     target.linear_scratch = [123.0]
-    target.from_bytes(buf, fingerprint="model-A")
+    target.install_bytes(buf, fingerprint="model-A")
     assert target.to_bytes(fingerprint="model-A") == buf       # re-export: the same bytes
     assert observe(target) == observe(b)
+
+
+@pytest.mark.parametrize("name,make", STATES, ids=[s[0] for s in STATES])
+def test_from_bytes_on_the_class_builds_an_equal_layer(name, make):
+    a = make()
+    buf = a.to_bytes(fingerprint="model-A")
+    new = kc.LayerKvCache.from_bytes(buf, fingerprint="model-A")
+    assert type(new) is kc.LayerKvCache and new is not a
+    assert new.mode == a.mode and (new.num_kv_heads, new.head_dim) == (2, 8)
+    assert new.to_bytes(fingerprint="model-A") == buf          # bit-identical round trip
+    assert new.to_bytes(f16=True) == a.to_bytes(f16=True)
+    observe(new)
+
+
+def test_from_bytes_on_the_class_checks_everything_first():
+    buf = filled(kc.KvMode.Q8(), n=12).to_bytes(fingerprint="m")
+    with pytest.raises(kc.WireError, match="fingerprint"):
+        kc.LayerKvCache.from_bytes(buf, fingerprint="other")
+    for bad in (buf[:-1], buf[:40], b"", b"x" * len(buf)):
+        with pytest.raises(kc.WireError):
+            kc.LayerKvCache.from_bytes(bad)
+    with pytest.raises(kc.WireError, match="whole KvCache"):
+        kc.LayerKvCache.from_bytes(kc.KvCache(1, 2, 8).to_bytes())   # a whole-model buffer
+    with pytest.raises(TypeError):
+        kc.LayerKvCache.from_bytes("text")
+
+    class Sub(kc.LayerKvCache):
+        pass
+    assert type(Sub.from_bytes(buf)) is Sub                     # built by the class it is called on
+
+
+def test_from_bytes_on_an_instance_warns_and_installs(snapshot, assert_same_state):
+    src = filled(kc.KvMode.Q8(), n=30)
+    buf = src.to_bytes(fingerprint="m")
+    target = kc.LayerKvCache(2, 8, mode=F32)
+    with pytest.warns(DeprecationWarning, match=r"^kvcache\.LayerKvCache\.from_bytes\(\) on an "
+                                                r"instance is deprecated; use install_bytes"):
+        assert target.from_bytes(buf, fingerprint="m") is None   # the 0.1 meaning: in place
+    assert target.to_bytes(fingerprint="m") == buf
+    before = snapshot(target)
+    with pytest.warns(DeprecationWarning), pytest.raises(kc.WireError):
+        target.from_bytes(buf[:-3])                            # bad bytes: nothing changes
+    assert_same_state(before, snapshot(target))
+    with pytest.raises(kc.WireError, match="fingerprint"):
+        target.install_bytes(buf, fingerprint="n")
+    assert_same_state(before, snapshot(target))
 
 
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
 def test_round_trip_f16_rounds_only_float_rows(mode):
     c = filled(mode, n=80)
     d = kc.LayerKvCache(2, 8, mode=F32)
-    d.from_bytes(c.to_bytes(f16=True))
+    d.install_bytes(c.to_bytes(f16=True))
     assert d.mode == mode and d.importance.tobytes() == c.importance.tobytes()
     for h in range(2):
         for got, want in ((d.head_keys(h), c.head_keys(h)), (d.head_values(h), c.head_values(h))):
@@ -304,7 +350,7 @@ def test_golden_bytes_versioned(monkeypatch):
     v2 += struct.pack("<Q", xxhash.xxh3_64_intdigest(v2))
     assert v2[-8:].hex() == "ce225e9dd847ed0f"
     d = kc.LayerKvCache(1, 2, mode=F32)
-    d.from_bytes(v2, fingerprint=fp)
+    d.install_bytes(v2, fingerprint=fp)
     assert d.head_keys(0).tolist() == [[1.0, 2.0]] and d.head_values(0).tolist() == [[3.0, 4.0]]
     monkeypatch.setattr(_wire_io, "xxhash_module", lambda: None)                   # the zlib fallback
     crc = c.to_bytes(fingerprint=fp)
@@ -320,27 +366,27 @@ def test_crc32_buffers_read_everywhere_xxh3_needs_xxhash(monkeypatch):
     monkeypatch.setattr(_wire_io, "xxhash_module", lambda: None)
     crc = c.to_bytes()
     d = kc.LayerKvCache(2, 8, mode=F32)
-    d.from_bytes(crc)
+    d.install_bytes(crc)
     assert observe(d) == observe(filled(F32, n=10))
     with pytest.raises(kc.WireError, match="xxhash"):
-        d.from_bytes(xx)
+        d.install_bytes(xx)
 
 
 def test_fingerprints():
     c = filled(F32, n=4)
     d = kc.LayerKvCache(2, 8, mode=F32)
     buf = c.to_bytes(fingerprint="modèle")
-    d.from_bytes(buf, fingerprint="modèle".encode())           # str is stored as UTF-8
-    d.from_bytes(buf)                                           # no fingerprint asked: not checked
+    d.install_bytes(buf, fingerprint="modèle".encode())           # str is stored as UTF-8
+    d.install_bytes(buf)                                           # no fingerprint asked: not checked
     with pytest.raises(kc.WireError, match="fingerprint mismatch"):
-        d.from_bytes(buf, fingerprint="other")
+        d.install_bytes(buf, fingerprint="other")
     with pytest.raises(kc.WireError, match="no fingerprint"):
-        d.from_bytes(c.to_bytes(), fingerprint="modèle")
+        d.install_bytes(c.to_bytes(), fingerprint="modèle")
     for bad in (3, 2.5, ["a"]):
         with pytest.raises(TypeError):
             c.to_bytes(fingerprint=bad)
         with pytest.raises(TypeError):
-            d.from_bytes(buf, fingerprint=bad)
+            d.install_bytes(buf, fingerprint=bad)
     with pytest.raises(ValueError):
         c.to_bytes(fingerprint=bytes(70_000))
 
@@ -351,7 +397,7 @@ def test_geometry_mismatch_names_both_shapes(snapshot, assert_same_state):
         d = filled(F32, n=3, nkv=nkv, hd=hd)
         before = snapshot(d)
         with pytest.raises(kc.WireError, match="2×8") as info:
-            d.from_bytes(buf)
+            d.install_bytes(buf)
         assert f"{nkv}×{hd}" in str(info.value)
         assert_same_state(before, snapshot(d))
 
@@ -361,11 +407,11 @@ def test_accepts_any_bytes_like_and_refuses_other_types():
     buf = c.to_bytes()
     for form in (bytearray(buf), memoryview(buf), np.frombuffer(buf, np.uint8)):
         d = kc.LayerKvCache(2, 8, mode=F32)
-        d.from_bytes(form)
+        d.install_bytes(form)
         assert d.seq_len == 4
     for bad in (None, 3, "text", [1, 2]):
         with pytest.raises(TypeError):
-            kc.LayerKvCache(2, 8, mode=F32).from_bytes(bad)
+            kc.LayerKvCache(2, 8, mode=F32).install_bytes(bad)
         with pytest.raises(TypeError):
             kc.LayerKvCache(2, 8, mode=F32).import_wire(bad)
 
@@ -387,7 +433,7 @@ def test_version_kind_flags_and_magic_are_checked(snapshot, assert_same_state):
     ]
     for bad, match in cases:
         with pytest.raises(kc.WireError, match=match):
-            target.from_bytes(bad)
+            target.install_bytes(bad)
         assert_same_state(before, snapshot(target))
 
 
@@ -411,7 +457,7 @@ def test_valid_digest_but_inconsistent_body_is_refused(edit, match, snapshot, as
     target = filled(F32, n=6, seed=4)
     before = snapshot(target)
     with pytest.raises(kc.WireError, match=match):
-        target.from_bytes(bad)
+        target.install_bytes(bad)
     assert_same_state(before, snapshot(target))
 
 
@@ -420,7 +466,7 @@ def test_model_and_layer_buffers_do_not_mix(tmp_path):
     path = tmp_path / "m.kvc"
     kv.save(path)
     with pytest.raises(kc.WireError, match="whole KvCache"):
-        kc.LayerKvCache(2, 8, mode=F32).from_bytes(path.read_bytes())
+        kc.LayerKvCache(2, 8, mode=F32).install_bytes(path.read_bytes())
     (tmp_path / "l.kvc").write_bytes(filled(F32, n=3).to_bytes())
     with pytest.raises(kc.WireError, match="one LayerKvCache"):
         kc.KvCache.load(tmp_path / "l.kvc")
@@ -441,7 +487,7 @@ def test_every_truncation_is_refused(kind, snapshot, assert_same_state):
     nkv, hd = (1, 4) if kind in ("q8", "sealed") else (2, 4)
     target = filled(F32, n=5, nkv=nkv, hd=hd, seed=8)
     before = snapshot(target)
-    load = target.import_wire if kind == "legacy" else target.from_bytes
+    load = target.import_wire if kind == "legacy" else target.install_bytes
     for n in range(len(buf)):
         with pytest.raises(kc.WireError):
             load(buf[:n])
@@ -461,7 +507,7 @@ def test_every_single_bit_flip_is_detected(kind, snapshot, assert_same_state):
         for bit in range(8):
             flipped[i] ^= 1 << bit
             with pytest.raises(kc.WireError):
-                target.from_bytes(flipped)
+                target.install_bytes(flipped)
             flipped[i] ^= 1 << bit
             count += 1
     assert count == 8 * len(buf)
@@ -473,7 +519,7 @@ def test_every_single_bit_flip_is_detected(kind, snapshot, assert_same_state):
 def test_random_bytes_are_refused(data):
     target = kc.LayerKvCache(2, 4, mode=F32)
     with pytest.raises(kc.WireError):
-        target.from_bytes(data)
+        target.install_bytes(data)
     with pytest.raises(kc.WireError):
         wire.model_from_bytes(kc.KvCache, data)
     try:
@@ -499,7 +545,7 @@ def test_crafted_lengths_do_not_allocate_what_the_buffer_lacks(snapshot, assert_
     target = filled(F32, n=2, nkv=2, hd=4)
     before = snapshot(target)
     with pytest.raises(kc.WireError, match="head lengths"):
-        target.from_bytes(reseal(buf))
+        target.install_bytes(reseal(buf))
     assert_same_state(before, snapshot(target))
 
 
@@ -518,13 +564,13 @@ def test_mutated_bodies_with_valid_digests_never_crash(which, pos, value, bit, f
     bad = reseal(buf, edit)
     target = kc.LayerKvCache(nkv, hd, mode=F32)
     try:
-        target.from_bytes(bad)
+        target.install_bytes(bad)
     except kc.WireError:
         return
     # accepted: it is a consistent layer; it re-exports to the same bytes, and it works
     again = target.to_bytes()
     twin = kc.LayerKvCache(nkv, hd, mode=F32)
-    twin.from_bytes(again)
+    twin.install_bytes(again)
     assert twin.to_bytes() == again
     target.memory_bytes()
     if target.o1_sealed():
@@ -563,6 +609,24 @@ def test_save_load_round_trip(tmp_path):
     empty = kc.KvCache(0, 1, 4)
     empty.save(tmp_path / "e.kvc")
     assert kc.KvCache.load(tmp_path / "e.kvc").layers == []
+
+
+def test_kvcache_to_bytes_is_the_file_and_from_bytes_builds_a_new_cache(tmp_path):
+    kv = model()
+    kv.save(tmp_path / "c.kvc", fingerprint="m")
+    buf = kv.to_bytes(fingerprint="m")
+    assert (tmp_path / "c.kvc").read_bytes() == buf
+    back = kc.KvCache.from_bytes(buf, fingerprint="m")
+    assert back is not kv and back.to_bytes(fingerprint="m") == buf
+    assert (back.max_seq_len, back.policy, back.mode) == (kv.max_seq_len, kv.policy, kv.mode)
+    half = kv.to_bytes(f16=True)
+    assert kc.KvCache.from_bytes(half).to_bytes(f16=True) == half
+    with pytest.raises(kc.WireError, match="fingerprint"):
+        kc.KvCache.from_bytes(buf, fingerprint="n")
+    with pytest.raises(kc.WireError):
+        kc.KvCache.from_bytes(buf[:-1])
+    with pytest.raises(kc.WireError):
+        kc.KvCache.from_bytes(kv.layers[0].to_bytes())         # a layer buffer
 
 
 def test_save_carries_mixed_layer_states(tmp_path):
@@ -650,7 +714,7 @@ def test_huge_counts_are_refused_not_overflowing(value, snapshot, assert_same_st
     for field in (16, 24, 48, 56):                    # seq_len, imp_len, head lengths
         bad = reseal(buf, lambda b: struct.pack_into("<Q", b, 32 + field, value))
         with pytest.raises(kc.WireError):
-            target.from_bytes(bad)
+            target.install_bytes(bad)
     assert_same_state(before, snapshot(target))
 
 
@@ -661,9 +725,9 @@ def test_reader_refuses_to_amplify_memory(monkeypatch):
     monkeypatch.setattr(wire, "_ALLOC_FACTOR", 0)
     monkeypatch.setattr(wire, "_ALLOC_SLACK", 0)
     with pytest.raises(kc.WireError, match="storage"):
-        kc.LayerKvCache(2, 8, mode=F32).from_bytes(bufs["rows"])
+        kc.LayerKvCache(2, 8, mode=F32).install_bytes(bufs["rows"])
     with pytest.raises(kc.WireError, match="scratch"):
-        kc.LayerKvCache(2, 8, mode=F32).from_bytes(bufs["sealed"])
+        kc.LayerKvCache(2, 8, mode=F32).install_bytes(bufs["sealed"])
 
 
 def test_implausible_positions_are_refused():
@@ -678,7 +742,7 @@ def test_implausible_positions_are_refused():
         struct.pack_into("<Q", b, body + 16, 2**60 + o1.w + o1.sink)
         struct.pack_into("<Q", b, i + 24, 2**60)
     with pytest.raises(kc.WireError, match="implausible"):
-        kc.LayerKvCache(2, 8, mode=F32).from_bytes(reseal(buf, edit))
+        kc.LayerKvCache(2, 8, mode=F32).install_bytes(reseal(buf, edit))
 
 
 def test_unfrozen_column_fields_must_be_ones():
@@ -687,7 +751,7 @@ def test_unfrozen_column_fields_must_be_ones():
     off = 32 + 16 + 32 + 16 + 8 + 4 * 2 * 8                          # the vcol array
     bad = reseal(buf, lambda b: struct.pack_into("<f", b, off, 2.0))
     with pytest.raises(kc.WireError, match="vcol"):
-        kc.LayerKvCache(2, 8, mode=F32).from_bytes(bad)
+        kc.LayerKvCache(2, 8, mode=F32).install_bytes(bad)
 
 
 def test_writer_refuses_what_the_reader_would_refuse(tmp_path):
@@ -712,7 +776,7 @@ def test_legacy_accepts_importance_shorter_than_seq_len():
     c.append(np.ones((2, 4)), np.ones((2, 4)))
     assert c.attend_all_heads(np.ones((2, 4))).shape == (2, 4)
     d = kc.LayerKvCache(2, 4, mode=F32)
-    d.from_bytes(c.to_bytes())
+    d.install_bytes(c.to_bytes())
     assert observe(d) == observe(c)
 
 
@@ -726,7 +790,7 @@ def test_legacy_refusal_order_puts_int8_first():
 def test_f16_round_trip_attention_within_f16_rounding():
     c = filled(F32, n=200)
     d = kc.LayerKvCache(2, 8, mode=F32)
-    d.from_bytes(c.to_bytes(f16=True))
+    d.install_bytes(c.to_bytes(f16=True))
     q = np.random.default_rng(3).standard_normal((4, 8)).astype(np.float32)
     np.testing.assert_allclose(d.attend_all_heads(q), c.attend_all_heads(q), rtol=0, atol=5e-3)
 

@@ -3,7 +3,7 @@
 Every cache object owns one :class:`Generation`.  ``value`` starts at 0 and grows by one each
 time stored rows change other than by appending.  Two kinds of change are told apart:
 
-- a *shrink* (``truncate_last``, ``truncate_to``) keeps rows ``[0, new_len)`` exactly as they
+- a *shrink* (``truncate_last``) keeps rows ``[0, new_len)`` exactly as they
   were; it is logged with the lengths it left, so a mirror synced before it only has to
   re-upload from the lowest of those lengths;
 - a *divergence* (eviction, clear, import, column freeze, seal, O(1) restore) may rewrite any

@@ -31,6 +31,7 @@ from typing import Any, Iterable, NamedTuple, NoReturn, Optional, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from . import _deprecated
 from ._generation import Generation
 from ._validate import FloatArrayLike, as_array, as_int, readonly
 
@@ -60,7 +61,7 @@ class KvAllocId:
 
     Examples
     --------
-    >>> from kvcache import KvAllocId
+    >>> from kvcache.rebind import KvAllocId
     >>> a, b = KvAllocId.next(), KvAllocId.next()
     >>> a == b, b.get() > a.get() >= 1
     (False, True)
@@ -602,18 +603,36 @@ class SlotCache:
             for slot in slots:
                 slot.version += 1
 
-    def truncate_to(self, new_len: int) -> None:
-        """Rewind to ``new_len`` positions when that is shorter (else a no-op; it never grows).
+    def truncate_last(self, n: int) -> None:
+        """Roll back the newest ``n`` positions (speculative-decode reject), as
+        :meth:`kvcache.LayerKvCache.truncate_last`: ``cached_len`` becomes
+        ``max(cached_len - n, 0)``.
 
         Metadata only: storages, versions and ``alloc_id`` are untouched (a rewind is not a
-        re-allocation); the rows past ``new_len`` are simply not read until overwritten.
+        re-allocation); the rows past the new length are simply not read until overwritten.
+
+        Raises
+        ------
+        ValueError
+            ``n < 0``.
+        """
+        n = as_int("n", n, minimum=0)
+        self._shrink(max(self._cached_len - n, 0))
+
+    def truncate_to(self, new_len: int) -> None:
+        """Deprecated (a DeprecationWarning): ``truncate_last(cached_len - new_len)``, the one
+        rollback name; rewinds to ``new_len`` positions when that is shorter, else a no-op.
 
         Raises
         ------
         ValueError
             ``new_len < 0``.
         """
-        new_len = as_int("new_len", new_len, minimum=0)
+        _deprecated.warn(f"kvcache.{type(self).__name__}.truncate_to(new_len)",
+                         "truncate_last(cached_len - new_len)")
+        self._shrink(as_int("new_len", new_len, minimum=0))
+
+    def _shrink(self, new_len: int) -> None:
         if new_len < self._cached_len:
             self._cached_len = new_len
             self._gen.shrink(new_len)

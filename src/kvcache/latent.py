@@ -36,7 +36,7 @@ Rows at or past ``cached_len`` are stale or zero and must not be read: attention
 Identity and versions.  ``alloc_id`` (a :class:`KvAllocId`) names the *allocation*, not the
 conversation: a constructor and ``clear()`` mint a new one (every buffer is released, so a
 decode plan bound to them must be rebuilt or re-bound, see :mod:`kvcache.rebind`);
-``truncate_to``, ``write_layer``, ``advance`` and ``bump_version`` keep it.  Each (layer, slot)
+``truncate_last``, ``write_layer``, ``advance`` and ``bump_version`` keep it.  Each (layer, slot)
 has a ``version`` counter, bumped once per ``advance`` (not per token); it is bookkeeping for
 staleness checks and plays no part in plan validity.
 
@@ -100,7 +100,7 @@ from ._slots import (HOST as _HOST, KvAllocId, LatentSlot, SlotCache, as_slab as
                      resolve_dtype, ro as _ro, slot_index as _slot_index)
 from ._validate import FloatArrayLike, as_int
 
-__all__ = ["LatentKvCache", "LazyLatentCache"]
+__all__ = ["LatentKvCache", "LazyLatentCache", "LatentSlot"]
 
 Trailing = tuple[tuple[int, ...], ...]
 _Layers = tuple[tuple[npt.NDArray[Any], ...], ...]

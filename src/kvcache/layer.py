@@ -228,7 +228,7 @@ class LayerKvCache(LayerBytes):
         """The O(1) state (read-only): None, an :class:`kvcache.o1.O1Collecting` (trace being
         collected) or an :class:`kvcache.o1.O1Sealed` (sealed; decode with :meth:`o1_step`).
 
-        Change it through o1_begin / o1_seal / clear (or from_bytes, to move a state between
+        Change it through o1_begin / o1_seal / clear (or install_bytes, to move a state between
         layers): a state belongs to the layer whose positions it summarises."""
         return self._o1.state
 
@@ -237,7 +237,7 @@ class LayerKvCache(LayerBytes):
         """A counter that grows each time stored rows change other than by appending.
 
         Bumped by :meth:`truncate_last`, eviction, :meth:`clear`, :meth:`import_wire` /
-        :meth:`from_bytes`, the q8 column freeze (which requantises every stored row), a
+        :meth:`install_bytes`, the q8 column freeze (which requantises every stored row), a
         successful :meth:`o1_seal` and :meth:`o1_restore`.  Appends (and ``o1_step``, which
         appends to the O(1) state) leave it alone, so a device mirror that sees the same
         generation only uploads what was appended; see :meth:`unchanged_prefix` and
@@ -269,8 +269,9 @@ class LayerKvCache(LayerBytes):
         (0 for positions appended since) and Born eviction, which ranks positions by it, is
         refused.  For callers that never evict by importance (the runner, ``kvcache.hf``).
         :meth:`attend_group` and :meth:`accumulate_imp` add what they are given either way.
-        Not part of the byte formats (``from_bytes`` and ``import_wire`` keep the layer's own
-        setting; ``KvCache.load`` makes layers that track importance); pickles keep it."""
+        Not part of the byte formats (``install_bytes`` and ``import_wire`` keep the layer's own
+        setting; ``from_bytes``, ``KvCache.from_bytes`` and ``KvCache.load`` make layers that
+        track importance); pickles keep it."""
         return self._track_imp
 
     @track_importance.setter
@@ -691,7 +692,7 @@ class LayerKvCache(LayerBytes):
     def evicted(self) -> bool:
         """True once an eviction dropped positions (until :meth:`clear`): row i is then no
         longer position i of the sequence (the prefix store refuses such a layer).  A layer
-        filled from bytes (``from_bytes``, ``import_wire``) starts False."""
+        filled from bytes (``from_bytes``, ``install_bytes``, ``import_wire``) starts False."""
         return self._evicted
 
     def evict(self, keep: int, policy: EvictionPolicy = EvictionPolicy.RECENT) -> None:
@@ -882,7 +883,7 @@ class LayerKvCache(LayerBytes):
         return out
 
     def o1_views(self) -> Optional[list[O1DeviceView]]:
-        """One :class:`kvcache.O1DeviceView` per KV group; None unless sealed with a state."""
+        """One :class:`kvcache.o1.O1DeviceView` per KV group; None unless sealed with a state."""
         return self._o1.views()
 
     def o1_memory_bytes(self) -> int:

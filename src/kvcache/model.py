@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import numpy as np
 
@@ -14,6 +14,9 @@ from ._validate import as_int
 from .eviction import EvictionPolicy
 from .layer import LayerKvCache
 from .modes import KvMode
+
+if TYPE_CHECKING:
+    from ._wire_io import BufferLike
 
 __all__ = ["EvictionPolicy", "KvCache"]
 
@@ -112,6 +115,28 @@ class KvCache:
 
     def memory_bytes(self) -> int:
         return sum(layer.memory_bytes() for layer in self.layers)
+
+    def to_bytes(self, *, f16: bool = False,
+                 fingerprint: Union[bytes, str, None] = None) -> bytes:
+        """Every layer in kvcache's versioned, checksummed format: the bytes :meth:`save`
+        writes to a file (byte layout: ``docs/formats.md``).
+
+        ``fingerprint`` (bytes or str) identifies the model; ``f16`` stores float32 K/V rows as
+        binary16.  :meth:`from_bytes` reads the buffer back into a new cache."""
+        from . import wire
+        return wire.model_to_bytes(self, f16, fingerprint)
+
+    @classmethod
+    def from_bytes(cls, buf: BufferLike, *,
+                   fingerprint: Union[bytes, str, None] = None) -> KvCache:
+        """A new cache holding what a buffer made by :meth:`to_bytes` (or a file written by
+        :meth:`save`, read into memory) holds: geometry, mode, policy, ``max_seq_len`` and
+        every layer's state.
+
+        Raises kvcache.WireError for anything wrong with the buffer (truncated, corrupted,
+        another format or version, a fingerprint that does not match the one given)."""
+        from . import wire
+        return wire.model_from_bytes(cls, buf, fingerprint)
 
     def save(self, path: Union[str, os.PathLike[str]], *,
              fingerprint: Union[bytes, str, None] = None, f16: bool = False) -> None:

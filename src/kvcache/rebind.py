@@ -4,7 +4,7 @@ A decode plan (:class:`DecodePlan`) is built once against a cache and then reuse
 token.  It holds the cache's storage buffers themselves (``{(layer, which): ndarray}``), so it
 reads and writes *the buffers it was built against*, whatever cache the caller hands it later.
 Two same-shaped caches look identical to a geometry check; the plan therefore also records the
-cache's :class:`kvcache.KvAllocId` and device location, read from the same source one after the
+cache's :class:`KvAllocId` and device location, read from the same source one after the
 other when the plan is built, so the two cannot describe different allocations.
 
 Per step the decode loop asks :meth:`DecodePlan.validity_for` (one comparison list, so
@@ -12,7 +12,7 @@ Per step the decode loop asks :meth:`DecodePlan.validity_for` (one comparison li
 
     STALE               a structural key differs: seq, max_seq_len, n_layers, dtype, shape_key
                         -> build a new plan
-    VALID               same keys, same alloc_id (also after truncate_to) -> keep the plan
+    VALID               same keys, same alloc_id (also after truncate_last) -> keep the plan
     ALLOCATION_CHANGED  same keys, another allocation (a swapped or cleared cache)
                         -> try plan.rebind_kv(cache); on RebindRefused build a new plan
 
@@ -31,7 +31,7 @@ Per step the decode loop asks :meth:`DecodePlan.validity_for` (one comparison li
 A refusal raises :class:`RebindRefused` (``.reason`` a :class:`RebindRefusal`) and leaves the
 plan exactly as it was: a partial re-bind is impossible.
 
-Consequences of the cache rules (kvcache.latent, kvcache.static): ``truncate_to`` keeps the id
+Consequences of the cache rules (kvcache.latent, kvcache.static): ``truncate_last`` keeps the id
 (VALID, no re-bind); a cleared LatentKvCache keeps its location but has no slots
 (MISSING_SLOT); a cleared StaticKvCache forgets its location (RESIDENCY_UNKNOWN).
 
@@ -55,15 +55,15 @@ import numpy.typing as npt
 from ._validate import as_int
 from ._slots import KvAllocId, resolve_dtype
 
-__all__ = ["KvRebindSource", "KvPlanSource", "PlanValidity", "RebindRefusal", "RebindRefused",
-           "StorageFingerprint", "DecodePlan"]
+__all__ = ["KvRebindSource", "KvPlanSource", "KvAllocId", "PlanValidity", "RebindRefusal",
+           "RebindRefused", "StorageFingerprint", "DecodePlan"]
 
 
 @runtime_checkable
 class KvRebindSource(Protocol):
     """What a cache offers a held plan for a re-bind (LatentKvCache and StaticKvCache do).
 
-    ``alloc_id``: the :class:`kvcache.KvAllocId` of the current allocation.
+    ``alloc_id``: the :class:`KvAllocId` of the current allocation.
     ``rebind_location()``: where the storage lives (``"cpu"``), or None when that cannot be
     proven, which a re-bind treats as a refusal, never as a default.
     ``rebind_slot(layer, which)``: the storage of half ``which`` (0 or 1: K/V, or latent/k_pe)
@@ -224,7 +224,7 @@ class DecodePlan:
     --------
     >>> import kvcache as kc
     >>> a = kc.LatentKvCache.with_capacity(2, 8, [[4], [2]])
-    >>> plan = kc.DecodePlan.build(a, shape_key="tiny-mla")
+    >>> plan = kc.rebind.DecodePlan.build(a, shape_key="tiny-mla")
     >>> b = kc.LatentKvCache.with_capacity(2, 8, [[4], [2]])
     >>> plan.validity_for(b)
     <PlanValidity.ALLOCATION_CHANGED: 'allocation_changed'>
@@ -295,7 +295,7 @@ class DecodePlan:
     # ---------------------------------------------------------------- fields
     @property
     def alloc_id(self) -> KvAllocId:
-        """The :class:`kvcache.KvAllocId` of the allocation the plan is bound to."""
+        """The :class:`KvAllocId` of the allocation the plan is bound to."""
         return self._alloc_id
 
     @property

@@ -4,7 +4,7 @@ K and V of each layer are zeroed arrays ``(1, num_kv_heads, max_seq_len, head_di
 axis 2, the Hugging Face layout), slot 0 = K, slot 1 = V, allocated up front (the fuel-style
 ``KvCache::with_capacity`` of the upstream engine).  It shares the slot rules of
 :class:`kvcache.LatentKvCache` (:class:`kvcache._slots.SlotCache`: ``write_layer`` then one
-``advance`` per step, ``alloc_id``, versions, ``truncate_to``, ``clear``, the re-bind source
+``advance`` per step, ``alloc_id``, versions, ``truncate_last``, ``clear``, the re-bind source
 protocol); ``attend`` runs the compiled grouped-query kernel (``kvcache._core.attend_rows``)
 over the valid rows.  ``docs/latent.md`` describes the rules.
 """

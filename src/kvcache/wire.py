@@ -13,8 +13,8 @@ The legacy layout (``export_wire`` / ``import_wire``) is laid out in :mod:`kvcac
 the constants, digests, writer and reader both formats use are in :mod:`kvcache._wire_io`.
 This module re-exports what callers use of them.
 
-Versioned format (``to_bytes`` / ``from_bytes``, ``KvCache.save`` / ``KvCache.load``)
-------------------------------------------------------------------------------------
+Versioned format (``to_bytes`` / ``from_bytes`` / ``install_bytes``, ``KvCache.save`` / ``load``)
+-------------------------------------------------------------------------------------------------
 A buffer is a header, a body, and an 8-byte digest of every byte before it::
 
     offset size
@@ -634,14 +634,24 @@ def layer_to_bytes(layer: LayerKvCache, f16: bool = False,
 
 def layer_from_bytes(layer: LayerKvCache, buf: BufferLike,
                      fingerprint: Optional[Fingerprint] = None) -> LayerState:
-    """``LayerKvCache.from_bytes``: verify a kind-1 buffer and parse it for ``layer``."""
-    rd = _open(buf, KIND_LAYER, fingerprint)
-    rd.what = "layer body"
-    st = parse_layer(rd, layer.num_kv_heads, layer.head_dim)
-    rd.done()
+    """``LayerKvCache.install_bytes``: verify a kind-1 buffer and parse it for ``layer``."""
+    st = read_layer(buf, fingerprint, layer.num_kv_heads, layer.head_dim)
     problem = scheme_conflict(layer.mode, st.mode)
     if problem is not None:
         raise WireError(f"the buffer holds {problem}")
+    return st
+
+
+def read_layer(buf: BufferLike, fingerprint: Optional[Fingerprint] = None,
+               num_kv_heads: Optional[int] = None,
+               head_dim: Optional[int] = None) -> LayerState:
+    """Verify a kind-1 buffer and parse it into an owned state (``LayerKvCache.from_bytes``
+    builds a layer of the buffer's geometry and mode from it); the geometry is checked when
+    given."""
+    rd = _open(buf, KIND_LAYER, fingerprint)
+    rd.what = "layer body"
+    st = parse_layer(rd, num_kv_heads, head_dim)
+    rd.done()
     return st
 
 
@@ -662,6 +672,12 @@ def model_plan(model: KvCache, f16: bool = False) -> _Plan:
         plan.pack("Q", lp.size)
         plan.extend(lp)
     return plan
+
+
+def model_to_bytes(model: KvCache, f16: bool = False,
+                   fingerprint: Optional[Fingerprint] = None) -> bytes:
+    """``KvCache.to_bytes``: a whole buffer of kind 2 (the bytes ``save`` writes)."""
+    return _finish(model_plan(model, f16), KIND_MODEL, fingerprint)
 
 
 def save_model(model: KvCache, path: _Path, fingerprint: Optional[Fingerprint] = None,

@@ -8,7 +8,7 @@ gives it the two pieces, one module per job:
   is a plain NumPy array, so ``torch.from_dlpack(view)`` and ``np.from_dlpack(view)`` wrap
   the same memory without a copy; :func:`as_tensor` also covers bfloat16 storage (exported as
   uint16 and reinterpreted, still without a copy), and :func:`tensors` a whole
-  :class:`kvcache.O1DeviceView`.  Views are read-only in NumPy, but torch has no read-only
+  :class:`kvcache.o1.O1DeviceView`.  Views are read-only in NumPy, but torch has no read-only
   tensors: writing through such a tensor writes into the cache.  CuPy cannot wrap host
   memory; use a :class:`Mirror` to put the storage on a CUDA device.
 * :mod:`kvcache.device.backends` -- where the copies live: ``"torch"`` (any device torch

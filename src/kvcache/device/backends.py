@@ -7,21 +7,25 @@ says what to install when they are missing.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 import numpy as np
 import numpy.typing as npt
 
+from .. import _deprecated
 from .dlpack import as_tensor, is_bf16, require
 
-__all__ = ["Backend", "TorchBackend", "ArrayBackend", "BACKENDS", "make_backend",
+__all__ = ["DeviceBackend", "TorchBackend", "ArrayBackend", "BACKENDS", "make_backend",
            "cuda_ordinal"]
 
 BACKENDS = ("torch", "cupy", "numpy")
 
 
-class Backend(Protocol):
-    """What a mirror needs of a backend."""
+class DeviceBackend(Protocol):
+    """What a mirror needs of a backend.
+
+    Named apart from :class:`kvcache.store.StoreBackend` (where a prefix store keeps its
+    entries); ``Backend``, its old name, is deprecated."""
 
     name: str
     device: Any
@@ -165,10 +169,16 @@ def cuda_ordinal(device: Union[None, int, str, Any]) -> int:
                      f"'cuda[:N]', got {device!r}")
 
 
-def make_backend(backend: str, device: Optional[Any]) -> Backend:
+def make_backend(backend: str, device: Optional[Any]) -> DeviceBackend:
     """The backend named ``backend`` on ``device``."""
     if backend == "torch":
         return TorchBackend(device)
     if backend in ("cupy", "numpy"):
         return ArrayBackend(backend, device)
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+# the old name, deprecated in 0.2.0 (type checkers see only the new one)
+if not TYPE_CHECKING:
+    __getattr__ = _deprecated.module_getattr(
+        __name__, {"Backend": "kvcache.device.backends.DeviceBackend"})

@@ -2,7 +2,7 @@
 
 Every storage view kvcache hands out (``head_keys``/``head_values``, ``q8_rows``, ``columns``,
 latent ``valid_view``/``slot_storage``, static K/V, the arrays of
-:class:`kvcache.O1DeviceView`) is a plain NumPy array, so ``torch.from_dlpack(view)`` and
+:class:`kvcache.o1.O1DeviceView`) is a plain NumPy array, so ``torch.from_dlpack(view)`` and
 ``np.from_dlpack(view)`` wrap the same memory without a copy.  :func:`as_tensor` does that
 and also covers bfloat16 storage, which NumPy's DLPack exporter refuses (it is exported as
 uint16 and reinterpreted, still without a copy); :func:`tensors` does it for a whole
@@ -104,7 +104,7 @@ def _torch_from_numpy(torch: Any, array: npt.NDArray[Any]) -> Any:
 
 
 def tensors(view: _View, backend: str = "torch") -> _View:
-    """An :class:`~kvcache.O1DeviceView` (or :class:`~kvcache.O1HeadView`, or a list of them,
+    """An :class:`~kvcache.o1.O1DeviceView` (or :class:`~kvcache.o1.O1HeadView`, or a list of them,
     as ``o1_views()`` returns) with every array replaced by :func:`as_tensor` of it: the
     same scalars, the same memory, no copy."""
     if isinstance(view, (list, tuple)):

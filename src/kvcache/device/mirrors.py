@@ -22,7 +22,7 @@ from ..layer import LayerKvCache
 from ..model import KvCache
 from ..o1 import O1DeviceView, O1HeadView, O1Sealed
 from ..static import StaticKvCache
-from .backends import Backend, make_backend
+from .backends import DeviceBackend, make_backend
 
 __all__ = ["Mirror", "LayerMirror", "KvCacheMirror", "LatentMirror", "StaticMirror",
            "SyncStats"]
@@ -101,7 +101,7 @@ class Mirror:
     MIRRORED: ClassVar[tuple[str, ...]] = ()
     _CACHE: ClassVar[Optional[type]] = None     # the cache type a subclass mirrors
 
-    _be: Backend
+    _be: DeviceBackend
     _cache: Any
     _gen: Optional[int]
 
@@ -431,7 +431,7 @@ class LayerMirror(Mirror):
         return self._o1 is not None
 
     def o1_views(self) -> Optional[list[O1DeviceView]]:
-        """:class:`~kvcache.O1DeviceView` per KV group holding device arrays, as
+        """:class:`~kvcache.o1.O1DeviceView` per KV group holding device arrays, as
         :meth:`LayerKvCache.o1_views` at the last sync; None when not sealed or exact-only."""
         o1 = self._o1
         if o1 is None or o1["exact_only"]:

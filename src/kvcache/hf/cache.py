@@ -196,6 +196,9 @@ class HfKvLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transforme
     def crop(self, tokens_to_remove: int) -> None:
         """Roll back positions (speculative decoding).
 
+        ``crop`` is transformers' name (``Cache.crop``, what its generation loop calls); the
+        same operation is ``truncate_last(n)`` everywhere in kvcache itself.
+
         Parameters
         ----------
         tokens_to_remove : int

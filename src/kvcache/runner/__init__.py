@@ -24,7 +24,7 @@ it in NumPy float32, with every attention layer's K/V in a
   O(1) Nystrom override on chosen layers (``o1_layers``): those layers seal the prompt at the
   end of the prefill and decode with ``o1_step`` in constant time and memory;
 - greedy or temperature / top-p sampling (:meth:`Runner.generate`), and speculative rollback
-  (:meth:`Runner.rollback`, ``truncate_last`` on every layer).
+  (:meth:`Runner.truncate_last`, the same on every layer).
 
 Both config layouts are read: transformers 5's ``rope_parameters`` / ``layer_types`` and the
 4.x ``rope_theta`` / ``rope_scaling`` keys (with Gemma-2's even layers sliding, as 4.x did).

@@ -4,7 +4,7 @@ A decoder-only model in NumPy float32 whose attention runs on kvcache: every lay
 in a :class:`kvcache.KvCache` layer and attention is ``attend_all_heads`` (or the O(1) override's
 ``o1_step`` on chosen layers).  Prefill runs the prompt in chunks that end at multiples of
 ``prefill_chunk`` absolute positions; decode runs one position per step;
-:meth:`Runner.rollback` forgets the newest positions (speculative decoding).  A
+:meth:`Runner.truncate_last` forgets the newest positions (speculative decoding).  A
 :class:`kvcache.store.PrefixStore` passed to :meth:`Runner.prefill` or :meth:`Runner.generate`
 supplies the prompt's stored leading positions and receives its new full blocks
 (docs/store.md).
@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, ContextManager, Union
 import numpy as np
 import numpy.typing as npt
 
+from .. import _deprecated
 from .._prefill_steps import step_ends
 from .._threads import BlasGovernor
 from .._validate import IntArrayLike, as_int, as_token_ids
@@ -733,14 +734,21 @@ class Runner:
         """Decode one position: the next-token logits (vocab,)."""
         return self.forward(np.array([as_int("token", token, minimum=0)]))
 
-    def rollback(self, n: int) -> None:
+    def truncate_last(self, n: int) -> None:
         """Forget the newest ``n`` positions (speculative-decode reject): ``truncate_last`` on
-        every layer.  O(1)-sealed layers cannot roll back (RuntimeError, nothing changed)."""
+        every layer, as :meth:`kvcache.KvCache.truncate_last`; more than ``position`` forgets
+        everything.  O(1)-sealed layers cannot roll back (RuntimeError, nothing changed)."""
         n = min(as_int("n", n, minimum=0), self.position)
         if n == 0:
             return
         self.cache.truncate_last(n)
         self.position -= n
+
+    def rollback(self, n: int) -> None:
+        """Deprecated name of :meth:`truncate_last` (a DeprecationWarning; one name for a
+        rollback on every object of the package)."""
+        _deprecated.warn("kvcache.runner.Runner.rollback()", "truncate_last()")
+        self.truncate_last(n)
 
     def reset(self) -> None:
         """Empty the cache (a new conversation)."""

@@ -26,9 +26,11 @@ cache's rows and reads one straight into the new cache's arrays.  Same rules as 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
-__all__ = ["Backend", "BackendUnavailable", "ScatterBackend"]
+from .. import _deprecated
+
+__all__ = ["StoreBackend", "BackendUnavailable", "ScatterBackend"]
 
 
 class BackendUnavailable(OSError):
@@ -36,8 +38,11 @@ class BackendUnavailable(OSError):
 
 
 @runtime_checkable
-class Backend(Protocol):
-    """Where a prefix store keeps its entries (see the module docstring for the contract)."""
+class StoreBackend(Protocol):
+    """Where a prefix store keeps its entries (see the module docstring for the contract).
+
+    Named apart from :class:`kvcache.device.backends.DeviceBackend` (where a device mirror
+    keeps its copies); ``Backend``, its old name, is deprecated."""
 
     #: a short description for messages and ``repr``: ``"memory"``, ``"dir:/path"``, ``"redis://host:port/db"``
     name: str
@@ -55,7 +60,8 @@ class Backend(Protocol):
 
 @runtime_checkable
 class ScatterBackend(Protocol):
-    """What a backend may add to :class:`Backend` to skip a copy of every value (optional)."""
+    """What a backend may add to :class:`StoreBackend` to skip a copy of every value
+    (optional)."""
 
     def put_parts(self, key: str, parts: Sequence[memoryview]) -> None:
         """``put(key, b"".join(parts))``, atomic likewise, without joining."""
@@ -66,3 +72,9 @@ class ScatterBackend(Protocol):
         total length, the parts (writable byte views) hold the value in order; otherwise their
         content is unspecified.  Counts as a read for LRU like ``get_many``."""
         ...
+
+
+# the old name, deprecated in 0.2.0 (type checkers see only the new one)
+if not TYPE_CHECKING:
+    __getattr__ = _deprecated.module_getattr(
+        __name__, {"Backend": "kvcache.store.backend.StoreBackend"})

@@ -46,7 +46,7 @@ from ..layer import LayerKvCache
 from ..model import KvCache
 from ..modes import KvMode
 from . import entry as _entry
-from .backend import Backend, BackendUnavailable, ScatterBackend
+from .backend import BackendUnavailable, ScatterBackend, StoreBackend
 from .directory import DEFAULT_DIRECTORY_BUDGET, DirectoryBackend
 from .keys import Geometry, as_fingerprint, as_ids, block_keys, fingerprint_digest
 from .memory import MemoryBackend
@@ -60,7 +60,7 @@ DEFAULT_PATH = "~/.cache/kvcache"
 _READ_BATCH_BYTES = 256 << 20           # entries fetched per get_many call, at most (about)
 _REPORTED_MAX = 4096                    # bad keys remembered so each is logged once
 
-BackendSpec = Union[Backend, str, "os.PathLike[str]"]
+BackendSpec = Union[StoreBackend, str, "os.PathLike[str]"]
 
 
 def _parse_size(text: str, spec: str) -> int:
@@ -96,8 +96,8 @@ def _flag(text: str, spec: str) -> bool:
     raise ValueError(f"backend {spec!r}: fsync={text!r}, expected 0 or 1")
 
 
-def open_backend(spec: BackendSpec) -> Backend:
-    """The backend a spec names (a :class:`Backend` object is returned as it is).
+def open_backend(spec: BackendSpec) -> StoreBackend:
+    """The backend a spec names (a :class:`StoreBackend` object is returned as it is).
 
     - ``"memory"`` or ``"memory:?budget=BYTES"``: a new :class:`MemoryBackend`;
     - ``"redis://host:port/db"`` (or ``rediss://``): :class:`kvcache.store.redis.RedisBackend`,
@@ -110,9 +110,9 @@ def open_backend(spec: BackendSpec) -> Backend:
     if isinstance(spec, os.PathLike):
         return DirectoryBackend(spec)
     if not isinstance(spec, str):
-        if isinstance(spec, Backend):
+        if isinstance(spec, StoreBackend):
             return spec
-        raise TypeError(f"backend: expected a Backend, a path or a spec string, got "
+        raise TypeError(f"backend: expected a StoreBackend, a path or a spec string, got "
                         f"{type(spec).__name__}")
     if not spec:
         raise ValueError("backend: expected a path or a spec, got an empty string")
@@ -130,7 +130,7 @@ def open_backend(spec: BackendSpec) -> Backend:
         except ImportError as exc:
             raise ImportError(f"backend {spec!r}: the Redis backend needs the 'redis' package "
                               f"(pip install redis) and kvcache.store.redis ({exc})") from exc
-        backend: Backend = RedisBackend(spec)
+        backend: StoreBackend = RedisBackend(spec)
         return backend
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", spec)
     if scheme:
@@ -151,7 +151,7 @@ class PrefixStore:
 
     Parameters
     ----------
-    backend : Backend, str or os.PathLike
+    backend : StoreBackend, str or os.PathLike
         Where entries live (:func:`open_backend`): default the folder ``~/.cache/kvcache``.
     fingerprint : str or bytes
         Identifies the model and its weights (required): entries stored under another
@@ -190,7 +190,7 @@ class PrefixStore:
 
     # ------------------------------------------------------------------ properties
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> StoreBackend:
         return self._backend
 
     @property

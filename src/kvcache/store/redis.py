@@ -139,7 +139,7 @@ def _ttl_from_text(text: str) -> Optional[float]:
 
 
 class RedisBackend:
-    """A :class:`~kvcache.store.backend.Backend` in a Redis server (see the module docstring).
+    """A :class:`~kvcache.store.backend.StoreBackend` in a Redis server (see the module docstring).
 
     Parameters
     ----------
@@ -294,7 +294,7 @@ class RedisBackend:
         except self._errors as exc:
             raise BackendUnavailable(f"redis at {self.name}: {exc}") from exc
 
-    # -- the Backend contract ------------------------------------------------------------------
+    # -- the StoreBackend contract -------------------------------------------------------------
 
     def get_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
         """The values of ``keys`` (None for a missing or inconsistent entry), in order."""
