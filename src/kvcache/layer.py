@@ -269,9 +269,8 @@ class LayerKvCache(LayerBytes):
         (0 for positions appended since) and Born eviction, which ranks positions by it, is
         refused.  For callers that never evict by importance (the runner, ``kvcache.hf``).
         :meth:`attend_group` and :meth:`accumulate_imp` add what they are given either way.
-        Not part of the byte formats (``install_bytes`` and ``import_wire`` keep the layer's own
-        setting; ``from_bytes``, ``KvCache.from_bytes`` and ``KvCache.load`` make layers that
-        track importance); pickles keep it."""
+        Not in the byte formats (``install_bytes`` / ``import_wire`` keep the layer's setting,
+        layers built from bytes or files track importance); pickles keep it."""
         return self._track_imp
 
     @track_importance.setter
