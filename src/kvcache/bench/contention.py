@@ -149,7 +149,7 @@ class Cell:
                 self.call()
                 times.append(time.perf_counter() - t0)
         if self.kind == "runner" and self.steps:
-            self.runner.rollback(self.steps)
+            self.runner.truncate_last(self.steps)
             self.steps = 0
         return times
 

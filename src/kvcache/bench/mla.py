@@ -321,7 +321,7 @@ def mla_notes(result: Mapping[str, Any]) -> list[str]:
             f"qk_rope_head_dim {MLA_ROPE}, qk_nope_head_dim {MLA_NOPE}, v_head_dim {MLA_V}, "
             f"scale {result['scale']:.7g} (mla_softmax_scale(128, 64, {MLA_ROPE_SCALING})); "
             "one query position of one layer per step."),
-           (f"kernel ms: _core.mla_attend (what kvcache.mla_decode runs, at n_threads = thr) on "
+           (f"kernel ms: _core.mla_attend (what kvcache.mla.mla_decode runs, at n_threads = thr) on "
             f"slot_storage views of a LatentKvCache, median over {result['repeats']} sweeps of "
             "every layer ('layers x MiB': latent + k_rope rows + that layer's own W_UK/W_UV; "
             f"working set at least {result['working_set_target_bytes'] / MiB:.0f} MiB, so each "

@@ -123,11 +123,11 @@ class WireLayers:
         return LayerKvCache(self.geom.num_kv_heads, self.geom.head_dim, mode=KvMode.F32)
 
     def load(self, name: str, target: LayerKvCache, buf: bytes) -> None:
-        """Install variant ``name``'s buffer into ``target`` (``from_bytes`` / ``import_wire``)."""
+        """Install variant ``name``'s buffer into ``target`` (``install_bytes`` / ``import_wire``)."""
         if self.variant(name)[0] == "legacy":
             target.import_wire(buf)
         else:
-            target.from_bytes(buf)
+            target.install_bytes(buf)
 
     def check(self, name: str, target: LayerKvCache) -> None:
         """Raise AssertionError unless ``target`` holds what variant ``name`` exported."""
@@ -250,7 +250,7 @@ def wire_round_robin(work: WireLayers, repeats: int, path: str, digests: Mapping
 
 
 def _wire_call(form: str) -> str:
-    return {"versioned": "to_bytes/from_bytes", "legacy": "export_wire/import_wire"}[form]
+    return {"versioned": "to_bytes/install_bytes", "legacy": "export_wire/import_wire"}[form]
 
 
 def wire_rows(work: WireLayers, samples: Mapping[str, Samples],
@@ -401,7 +401,7 @@ def wire_notes(result: Mapping[str, Any]) -> list[str]:
             "export the digest may cost less than 'digest alone'.")]
     if result["digests_missing"]:
         out.append(f"not installed (not timed): {', '.join(result['digests_missing'])}")
-    out.append(f"at {ctx}: f32 to_bytes export {s['export_gbs']:.2f} GB/s, f32 from_bytes "
+    out.append(f"at {ctx}: f32 to_bytes export {s['export_gbs']:.2f} GB/s, f32 install_bytes "
                f"import {s['import_gbs']:.2f} GB/s, digest alone "
                f"{100 * s['checksum_share']:.1f}% of the export time.")
     out.append(f"wire section: {result['section_s']:.1f} s (data, layers, warm-up round and "
@@ -420,7 +420,7 @@ def wire_report(ctx: Context, values: Values, result: Result) -> str:
 
 SECTION = register(Section(
     name="wire", order=40,
-    help="to_bytes/from_bytes, export_wire/import_wire, the checksum's cost, KvCache save/load",
+    help="to_bytes/install_bytes, export_wire/import_wire, the checksum's cost, KvCache save/load",
     options=(Option("context", "positions of the section's layer", WIRE_CONTEXT, parse_context,
                     QUICK_WIRE_CONTEXT, metavar="T"),
              Option("repeats", "round-robin repeats", WIRE_REPEATS, at_least(1),
