@@ -92,7 +92,7 @@ int main(void)
                 float softcap = cap ? 2.5f : 0.0f;
                 ptrdiff_t t0, j;
                 kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, quant_k, &k4, v, vq, vs, 1, quant_v, vc4, vp,
-                            vcol, hd, 0.3f, softcap, o, qm, ql, scratch, 32, qi, qsc, qsum);
+                            vcol, hd, 0.3f, softcap, o, qm, ql, scratch, NULL, NULL, 32, qi, qsc, qsum);
                 for (i = 0; i < NQ * hd; ++i)
                     out(o[i]);
                 for (j = 0; j < NQ; ++j) {
@@ -117,7 +117,7 @@ int main(void)
     for (i = 0; i < 64; ++i)
         k[150 * 64 + i] = -1e30f;
     kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, 0, &k4, v, vq, vs, 1, 0, vc4, vp, vcol, 64, 1e10f, 0.0f,
-                o, qm, ql, scratch, 32, qi, qsc, qsum);
+                o, qm, ql, scratch, NULL, NULL, 32, qi, qsc, qsum);
     for (i = 0; i < NQ * 64; ++i)
         out(o[i]);
     free(scratch);
