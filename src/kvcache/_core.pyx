@@ -1421,7 +1421,7 @@ def attend_blocked(rows, call):
     # the tasks' column sums (slot rows each, indexed by row), a batch of nb tasks at a time:
     # the batch only bounds the memory, the sums are added in task order whatever it is
     slot = (pl.maxlen + KVC_PF_TILE - 1) // KVC_PF_TILE * KVC_PF_TILE
-    nb = min(ntasks, max(8, 4 * n_threads))
+    nb = min(ntasks, max(32, 8 * n_threads))
     part = <float *> pl.alloc(nb * slot * sizeof(float))
     acc = <float *> pl.alloc(lim * sizeof(float), True)
     nch = (lim + KVC_PF_IMP_ROWS - 1) // KVC_PF_IMP_ROWS

@@ -445,7 +445,7 @@ static void kvc_pf_imp_fold(ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *
                             ptrdiff_t tlo, ptrdiff_t ntl, float *colsum)
 {
     ptrdiff_t ti, j, k;
-    for (ti = 0; ti < ntl; ++ti) {
+    for (ti = ntl - 1; ti >= 0; --ti) {   /* the tiles written last, still in cache, first */
         const ptrdiff_t t0 = tlo + ti * KVC_PF_TILE, t1 = t0 + KVC_PF_TILE;
         float *cs = colsum + t0;
         memset(cs, 0, KVC_PF_TILE * sizeof(float));
