@@ -2,7 +2,10 @@
 
 Against its NumPy twin over shapes, head dims, GQA fan-outs, windows, softcaps, ``first``,
 tile-boundary lengths and the four storage modes; thread counts and chunk independence bit
-for bit; importance against the twin and the materialised kernel (``attend_rows``); decode
+for bit; importance against the twin and the materialised kernel (``attend_rows``), against
+the float64 importance of the kernel's own scores within its documented bound, in one pass
+and through the second pass a task over its buffer budget takes, bit for bit across threads
+and bodies; decode
 bits unchanged; NaN/inf like the decode kernel; bad input refused before any work; the AVX2
 and portable C paths of the header bit for bit.
 
@@ -13,6 +16,7 @@ formula: tile-wise rescaling, no skip rule, int8 rows dequantised before the dot
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
@@ -24,7 +28,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvcache as kc
-from kvcache import _core, reference as ref
+from kvcache import _core, _dispatch as dispatch, reference as ref
 from kvcache._attention import default_scale
 from kvcache._entry import AttendCall, Rows
 from conftest import X86_BODY_FLAGS, cpu_runs
@@ -296,6 +300,129 @@ def test_against_attend_rows(mode, window, softcap, rng):
     out_r, imp_r = run("rows", layer, q2, g0, **kw)
     close(out, out_r, atol=ATOL_ROWS)
     close(imp, imp_r, atol=ATOL_ROWS)
+
+
+# ---------------------------------------------------------------------------------------------
+# importance in one pass (kvc_pf_imp_fold), the second pass it falls back to, and its bound
+
+IMP_ULPS = 64   # docs/numerics.md, "Prompt attention": |imp - exact| <= (n_p + 64 + R) 2^-24 exact
+
+
+@contextlib.contextmanager
+def imp_budget(floats):
+    """The one-pass buffer budget of a task set to ``floats`` (0: every task takes the second
+    pass), restored afterwards."""
+    old = _core._set_prefill_imp_budget(floats)
+    try:
+        yield
+    finally:
+        _core._set_prefill_imp_budget(old)
+
+
+def kernel_scores(layer, q2, g0):
+    """Each group's scores (cnt, T) as the kernel computes them: the channel-ordered fmaf chain
+    for float32 keys, q8_scores for int8 keys, times the scale."""
+    rows = layer._rows()
+    hd = q2.shape[1]
+    scale = np.float32(default_scale(hd))
+    out = []
+    for g in range(len(rows.head_len)):
+        q, T = q2[g0[g]:g0[g + 1]], int(rows.head_len[g])
+        raw = np.zeros((q.shape[0], T), np.float32)                    # (cnt, T)
+        if rows.quant_k:
+            ref.q8_scores(q, rows.kq[g, :T], rows.ks[g, :T], raw, rows.k_group)
+        else:
+            for d in range(hd):
+                raw = ref.fmaf(np.broadcast_to(q[:, d:d + 1], raw.shape),
+                               np.broadcast_to(rows.kf[g, :T, d], raw.shape), raw)
+        out.append(raw * scale)
+    return out
+
+
+def exact_importance(scores, n_pos):
+    """float64 importance of causal queries (the last n_pos rows are theirs) from their
+    float32 scores: per row the sum of exp(s - m) / sum(exp(s - m)), how many queries see it
+    (n_p) and the largest distance m - s of its scores below their query's max (R)."""
+    T = scores[0].shape[1]
+    imp, n_p, dist = np.zeros(T), np.zeros(T), np.zeros(T)
+    for s in scores:
+        per = s.shape[0] // n_pos
+        for jl in range(s.shape[0]):
+            e = T - n_pos + jl // per + 1
+            x = s[jl, :e].astype(np.float64)                             # (e,)
+            w = np.exp(x - x.max())
+            imp[:e] += w / w.sum()
+            n_p[:e] += 1
+            dist[:e] = np.maximum(dist[:e], x.max() - x)
+    return imp, n_p, dist
+
+
+@pytest.mark.parametrize("mode", MODES[:2], ids=MODE_IDS[:2])
+@pytest.mark.parametrize("budget", ["one pass", "mixed", "second pass"])
+def test_importance_is_within_its_bound_of_the_exact_sum(mode, budget, rng):
+    """Both formulas (p * exp(mt - m) / l from the kept tiles, exp(s - m) / l recomputed), and
+    a call that mixes them, stay within (n_p + 64 + R) 2^-24 of the float64 importance of the
+    kernel's own scores; the outputs are the same bits whichever a task takes."""
+    nkv, fan, hd, T, n = 2, 4, 64, 700, 300
+    layer = filled(nkv, hd, mode, T, rng)
+    q3 = (rng.standard_normal((n, nkv * fan, hd)) * 3).astype(np.float32)
+    q2, g0 = grouped(layer, q3)
+    exact, n_p, dist = exact_importance(kernel_scores(layer, q2, g0), n)
+    # a task holds 48 positions (192 queries); the first sees 7 tiles, the last 11
+    floats = {"one pass": _core.PREFILL_IMP_BUDGET_FLOATS, "mixed": 7 * 192 * 65,
+              "second pass": 0}[budget]
+    out0, _ = run("blk", layer, q2, g0, n_pos=n, n_back=n, imp_mode=0)
+    with imp_budget(floats):
+        out, imp = run("blk", layer, q2, g0, n_pos=n, n_back=n, n_threads=2)
+    assert np.array_equal(out, out0)
+    err = np.abs(imp - exact) / exact
+    bound = (n_p + IMP_ULPS + dist) * 2.0 ** -24
+    assert (err <= bound).all(), (err / bound).max()
+    assert err.max() < 64 * 2.0 ** -24         # what such rows show (docs/numerics.md)
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8", "q8k", "q4", "k8v4", "q4k"])
+def test_importance_bits_do_not_depend_on_threads_bodies_or_batches(mode, rng):
+    """One pass, second pass and a mix: the same bits for 1, 2 and 3 threads and on every
+    body this CPU runs; the one pass and the second pass agree within the bound's scale."""
+    layer = kc.LayerKvCache(2, 64, mode=mode)
+    layer.append(rng.standard_normal((400, 2, 64)).astype(np.float32),
+                 rng.standard_normal((400, 2, 64)).astype(np.float32))
+    q3 = rng.standard_normal((230, 8, 64)).astype(np.float32)
+    q2, g0 = grouped(layer, q3)
+    kw = dict(n_pos=230, n_back=230, window=150)
+    before = _core._isa_cap
+    held = set().union(*_core.built_bodies().values())
+    levels = [b for b in dispatch.runnable(_core.cpu_features()) if b in held]
+    results = {}
+    try:
+        # tasks of 48 positions (192 queries) over 4 tiles, the last of 38 positions: with
+        # 4 * 160 * 65 floats only the last takes one pass
+        for floats in (_core.PREFILL_IMP_BUDGET_FLOATS, 4 * 160 * 65, 0):
+            got = {}
+            with imp_budget(floats):
+                for lvl in levels:
+                    _core.set_isa(lvl)
+                    for th in (1, 2, 3) if lvl == levels[-1] else (2,):
+                        got[lvl, th] = run("blk", layer, q2, g0, n_threads=th, **kw)
+            first = next(iter(got.values()))
+            for key, (out, imp) in got.items():
+                assert np.array_equal(out, first[0]) and np.array_equal(imp, first[1]), key
+            results[floats] = first
+    finally:
+        _core.set_isa(before)
+    one, mixed, second = results.values()
+    assert np.array_equal(one[0], second[0]) and np.array_equal(one[0], mixed[0])
+    for other in (mixed, second):
+        np.testing.assert_allclose(other[1], one[1], rtol=2e-5, atol=0)
+
+
+def test_the_budget_is_16_mib_and_only_a_count(rng):
+    assert _core.PREFILL_IMP_BUDGET_FLOATS * 4 == 16 << 20
+    with pytest.raises(ValueError, match="budget"):
+        _core._set_prefill_imp_budget(-1)
+    with imp_budget(0):
+        assert _core._set_prefill_imp_budget(0) == 0
 
 
 def test_imp_mode_zero_leaves_importance_alone(rng):

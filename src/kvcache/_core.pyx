@@ -129,7 +129,7 @@ cdef extern from "_dispatch.h" nogil:
         void (*quant_query)(const float *x, Py_ssize_t hd, Py_ssize_t group, int8_t *qi,
                             float *sq, int32_t *qsum) noexcept nogil
         void (*pf_task)(const kvc_store *s, const kvc_call *c, const kvc_task *t,
-                        float *scratch) noexcept nogil
+                        float *scratch, float *pbuf, float *colsum) noexcept nogil
         void (*pf_imp)(const kvc_store *s, const kvc_call *c, const kvc_task *t, float *colsum,
                        float *scratch) noexcept nogil
         void (*o1_absorb)(const kvc_o1 *o, Py_ssize_t h, const float *k, const float *v,
@@ -166,6 +166,8 @@ cdef extern from "_dispatch.h" nogil:
     Py_ssize_t KVC_PF_IMP_ROWS
     Py_ssize_t KVC_PF_SCRATCH_FLOATS(Py_ssize_t hd, Py_ssize_t nq)
     Py_ssize_t KVC_PF_IMP_SCRATCH(Py_ssize_t hd)
+    Py_ssize_t KVC_PF_PBUF_FLOATS(Py_ssize_t ntiles, Py_ssize_t nq)
+    Py_ssize_t KVC_PF_IMP_BUDGET
 
 # the body in use per family (KVC_FAM_*), set only by set_bodies (which checks it against the
 # CPU's features); a kernel call reads its family's table once, before its parallel region
@@ -947,13 +949,13 @@ cdef class _Plan:
     cdef Py_ssize_t work        # rows times head_dim, summed over the queries
     cdef Py_ssize_t maxlen      # the largest end of a visible range
     cdef Py_ssize_t width       # attend_rows: most queries of a group; attend_blocked: of a task
-    cdef void *_owned[16]
+    cdef void *_owned[24]
     cdef int _n_owned
 
     cdef void *alloc(self, size_t nbytes, bint zero=False) except NULL:
         """nbytes (at least 1) of C memory owned by the plan; MemoryError when there is none."""
         cdef void *p
-        if self._n_owned == 16:
+        if self._n_owned == 24:
             raise MemoryError("_Plan: too many buffers")
         if nbytes == 0:
             nbytes = 1
@@ -1311,6 +1313,39 @@ cdef inline float *_aligned64(float *p) noexcept nogil:
     return <float *> ((<size_t> p + 63) & ~(<size_t> 63))
 
 
+# The largest one-pass importance buffer of one task, in floats (KVC_PF_IMP_BUDGET, 16 MiB): a
+# task that would need more takes the second pass over its own queries.  Only the tests change
+# it (_set_prefill_imp_budget), to reach that pass with small calls.
+cdef Py_ssize_t _pf_imp_budget = KVC_PF_IMP_BUDGET
+PREFILL_IMP_BUDGET_FLOATS = KVC_PF_IMP_BUDGET
+
+
+def _set_prefill_imp_budget(Py_ssize_t floats):
+    """Set the one-pass importance budget of a task (floats, >= 0; 0: every task takes the
+    second pass); returns the previous one.  For tests."""
+    global _pf_imp_budget
+    if floats < 0:
+        raise ValueError(f"expected a budget >= 0, got {floats}")
+    old = _pf_imp_budget
+    _pf_imp_budget = floats
+    return old
+
+
+cdef void _pf_second_pass(const kvc_ops *pf, const kvc_store *s, const kvc_call *c,
+                          const kvc_task *t, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t end,
+                          float *colsum, float *scratch) noexcept nogil:
+    """The importance of task t's queries by the second pass (kvc_pf_imp_group), blocks of
+    KVC_PF_IMP_ROWS rows from r0 (a tile start) below end: colsum[r] for r in [r0, r1), 0
+    where none of them sees r."""
+    cdef Py_ssize_t b = r0
+    cdef kvc_task blk
+    memset(colsum + r0, 0, (r1 - r0) * sizeof(float))
+    while b < end:
+        blk = _task(t.g, t.j0, t.j1, b, min(b + KVC_PF_IMP_ROWS, end))
+        pf.pf_imp(s, c, &blk, colsum + b, scratch)
+        b += KVC_PF_IMP_ROWS
+
+
 def attend_blocked(rows, call):
     """Grouped attention of nq queries over one layer's head-major rows, tile by tile.
 
@@ -1318,9 +1353,11 @@ def attend_blocked(rows, call):
     (``call.probs`` is not read): an online softmax over tiles of 64 rows at absolute row
     multiples (orders in _prefill.h, docs/numerics.md), so a query's bits depend only on its
     own visible rows.  imp_mode 0: importance untouched; 2: every row p < len(imp) gets, once,
-    the sum over KV groups in order and their queries in order of the query's final
-    probability of row p (a second pass of scores).  Checked by kvcache._entry (check_rows
-    when not bound, check_call; ValueError, TypeError) before any work.
+    the sum of the query's final probabilities of row p over the call's queries: per task (a
+    KV group's block of positions) in query order from the probabilities the task kept
+    (one pass; a task over the buffer budget recomputes its scores), the tasks' sums added
+    in task order.  Checked by kvcache._entry (check_rows when not bound, check_call;
+    ValueError, TypeError) before any work.
     """
     cdef _Plan pl = _attention(rows, call, True)
     if pl is None:
@@ -1330,17 +1367,19 @@ def attend_blocked(rows, call):
     cdef const kvc_store *s = &st.s
     cdef kvc_call *c = &ca.c
     cdef const kvc_task *tasks = pl.tasks
-    cdef const Py_ssize_t[::1] gq0 = ca.group_q0
     cdef float[::1] imp__l = ca.imp__l
-    cdef Py_ssize_t nkv = st.nkv, nq = ca.nq, hd = s.hd, maxlen, ntiles, nscr
-    cdef Py_ssize_t t, g, tid, p, t0, t1
+    cdef Py_ssize_t nq = ca.nq, hd = s.hd, nscr, ntasks = pl.ntasks
+    cdef Py_ssize_t t, tid, p, j, lo, hi, need, lim, slot, nb, b0, b1, npb, nch, ch, r0, r1
     cdef int n_threads = ca.n_threads
     cdef bint par = 2 * pl.work > _PAR_WORK
     cdef float *scr
-    cdef float *colsum
-    cdef kvc_task task
+    cdef float *pbuf
+    cdef float *part
+    cdef float *acc
+    cdef float *pp
+    cdef Py_ssize_t *geo
     cdef const kvc_ops *pf = _ops(KVC_FAM_PREFILL)   # the family's body, once per call
-    # per thread: a task's tiles, or the importance pass's rows and column sums
+    # per thread: a task's tiles, or the second pass's rows and column sums
     nscr = max(KVC_PF_SCRATCH_FLOATS(hd, pl.width), KVC_PF_IMP_SCRATCH(hd) + KVC_PF_IMP_ROWS)
     nscr = (nscr + 15) // 16 * 16
     scr = _aligned64(<float *> pl.alloc((n_threads * nscr + 16) * sizeof(float)))
@@ -1349,30 +1388,72 @@ def attend_blocked(rows, call):
     if s.quant_k == KVC_K_Q8:
         _query_codes(pl, ca, s, par and nq * hd > _PAR_WORK)
 
-    # ---- 1. outputs, running max and sum: one task per (group, block of positions) --------
-    for t in prange(pl.ntasks, nogil=True, num_threads=n_threads, schedule="dynamic",
-                    use_threads_if=par):
-        pf.pf_task(s, c, tasks + t, scr + omp_get_thread_num() * nscr)
+    lim = min(pl.maxlen, imp__l.shape[0]) if ca.imp_mode == 2 else 0
+    if lim == 0:
+        # ---- outputs, running max and sum: one task per (group, block of positions) -------
+        for t in prange(ntasks, nogil=True, num_threads=n_threads, schedule="dynamic",
+                        use_threads_if=par):
+            pf.pf_task(s, c, tasks + t, scr + omp_get_thread_num() * nscr, NULL, NULL)
+        return
 
-    # ---- 2. importance: blocks of rows, each owned by one thread (the first rows, seen by
-    # the most queries, first) ------------------------------------------------------------
-    if ca.imp_mode == 2:
-        maxlen = min(pl.maxlen, imp__l.shape[0])
-        ntiles = (maxlen + KVC_PF_IMP_ROWS - 1) // KVC_PF_IMP_ROWS
-        for t in prange(ntiles, nogil=True, num_threads=n_threads, schedule="dynamic",
+    # ---- with importance: per task its tiles [geo[3t], geo[3t + 1]) and its one-pass buffer
+    # (geo[3t + 2] floats; 0: the second pass) ------------------------------------------------
+    geo = <Py_ssize_t *> pl.alloc(3 * ntasks * sizeof(Py_ssize_t))
+    npb = 0
+    for t in range(ntasks):
+        lo = pl.maxlen
+        hi = 0
+        for j in range(tasks[t].j0, tasks[t].j1):
+            if c.qe[j] > c.qf[j]:
+                lo = min(lo, c.qf[j])
+                hi = max(hi, c.qe[j])
+        geo[3 * t] = geo[3 * t + 1] = geo[3 * t + 2] = 0
+        if hi > lo:
+            geo[3 * t] = lo // KVC_PF_TILE * KVC_PF_TILE
+            geo[3 * t + 1] = (hi + KVC_PF_TILE - 1) // KVC_PF_TILE * KVC_PF_TILE
+            need = KVC_PF_PBUF_FLOATS((geo[3 * t + 1] - geo[3 * t]) // KVC_PF_TILE,
+                                      tasks[t].j1 - tasks[t].j0)
+            if need <= _pf_imp_budget:
+                geo[3 * t + 2] = need
+                npb = max(npb, need)
+    npb = (npb + 15) // 16 * 16
+    pbuf = _aligned64(<float *> pl.alloc((n_threads * npb + 16) * sizeof(float)))
+    # the tasks' column sums (slot rows each, indexed by row), a batch of nb tasks at a time:
+    # the batch only bounds the memory, the sums are added in task order whatever it is
+    slot = (pl.maxlen + KVC_PF_TILE - 1) // KVC_PF_TILE * KVC_PF_TILE
+    nb = min(ntasks, max(32, 8 * n_threads))
+    part = <float *> pl.alloc(nb * slot * sizeof(float))
+    acc = <float *> pl.alloc(lim * sizeof(float), True)
+    nch = (lim + KVC_PF_IMP_ROWS - 1) // KVC_PF_IMP_ROWS
+    b0 = 0
+    while b0 < ntasks:
+        b1 = min(b0 + nb, ntasks)
+        # ---- 1. the batch's tasks: outputs, running max and sum, column sums ---------------
+        for t in prange(b0, b1, nogil=True, num_threads=n_threads, schedule="dynamic",
                         use_threads_if=par):
             tid = omp_get_thread_num()
-            colsum = scr + tid * nscr
-            t0 = t * KVC_PF_IMP_ROWS
-            t1 = min(t0 + KVC_PF_IMP_ROWS, maxlen)
-            memset(colsum, 0, KVC_PF_IMP_ROWS * sizeof(float))
-            for g in range(nkv):
-                if gq0[g + 1] == gq0[g]:
-                    continue
-                task = _task(g, gq0[g], gq0[g + 1], t0, t1)
-                pf.pf_imp(s, c, &task, colsum, colsum + KVC_PF_IMP_ROWS)
-            for p in range(t0, t1):
-                imp__l[p] = imp__l[p] + colsum[p - t0]
+            if geo[3 * t + 2] > 0:
+                pf.pf_task(s, c, tasks + t, scr + tid * nscr, pbuf + tid * npb,
+                           part + (t - b0) * slot)
+            else:
+                pf.pf_task(s, c, tasks + t, scr + tid * nscr, NULL, NULL)
+                if geo[3 * t + 1] > geo[3 * t]:
+                    _pf_second_pass(pf, s, c, tasks + t, geo[3 * t], geo[3 * t + 1],
+                                    min(geo[3 * t + 1], lim), part + (t - b0) * slot,
+                                    scr + tid * nscr)
+        # ---- 2. their column sums added row by row in task order -------------------------
+        for ch in prange(nch, nogil=True, num_threads=n_threads, schedule="static",
+                         use_threads_if=par and b1 - b0 > 1):
+            for t in range(b0, b1):
+                r0 = max(ch * KVC_PF_IMP_ROWS, geo[3 * t])
+                r1 = min(min((ch + 1) * KVC_PF_IMP_ROWS, lim), geo[3 * t + 1])
+                pp = part + (t - b0) * slot
+                for p in range(r0, r1):
+                    acc[p] = acc[p] + pp[p]
+        b0 = b1
+    # ---- 3. the call's importance added once -------------------------------------------------
+    for p in range(lim):
+        imp__l[p] = imp__l[p] + acc[p]
 
 
 

@@ -92,7 +92,7 @@ static void kvc_entry_q8_rows(const kvc_store *s, const kvc_call *c, const kvc_t
  * ------------------------------------------------------------------------------------- */
 
 static void kvc_entry_pf_task(const kvc_store *s, const kvc_call *c, const kvc_task *t,
-                              float *scratch)
+                              float *scratch, float *pbuf, float *colsum)
 {
     const ptrdiff_t hd = s->hd, j0 = t->j0, g = t->g, ng = KVC_I8_GROUPS(hd, s->k_group);
     kvc_k4 k4 = kvc_entry_k4(s, g);
@@ -103,7 +103,7 @@ static void kvc_entry_pf_task(const kvc_store *s, const kvc_call *c, const kvc_t
                 KVC_AT(s->vs, g * s->vcap * s->vs_stride), s->vs_stride, s->quant_v,
                 KVC_AT(s->vc4, g * s->vcap * (hd / 2)),
                 KVC_AT(s->vp, g * s->vcap * 2 * KVC_V4_NG(hd)), KVC_AT(s->vcol, g * hd), hd, c->scale, c->softcap, c->out + j0 * hd,
-                c->qm + j0, c->ql + j0, scratch, s->k_group,
+                c->qm + j0, c->ql + j0, scratch, pbuf, colsum, s->k_group,
                 KVC_AT(c->qi, j0 * KVC_I8_PAD(hd)), KVC_AT(c->qsc, j0 * ng),
                 KVC_AT(c->qsum, j0 * ng));
 }

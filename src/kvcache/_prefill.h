@@ -29,10 +29,17 @@
  *                rows in increasing order (every visible row, no skip rule); int8 values are
  *                dequantised as (float)v8[d] * row_scale.  The result is o / l (then times the
  *                frozen V column, when V is int8).  A query that sees no row gets zeros.
- *   importance   a second pass recomputes each score bit for bit and adds
- *                exp(s - m_final) / l_final (l_final only when it is > 0, else 1) into a
- *                per-tile column sum, KV groups in order, the group's queries in order; the
- *                column sum is added once to imp.
+ *   importance   one pass (kvc_pf_imp_fold): a task keeps each tile's p and the running max
+ *                mt it was taken under; once its queries' m and l are final it adds
+ *                p * g, g = exp(mt - m) / l (1 / l when mt == m), with one fma per row into a
+ *                column sum per task, tile by tile, the task's queries in order.  The
+ *                driver adds the tasks' column sums row by row in task order (the order of
+ *                the task list, fixed by the call: never by the thread count), then the
+ *                result once to imp.  A task whose buffer would exceed KVC_PF_IMP_BUDGET
+ *                takes the second pass instead (kvc_pf_imp_group over its own queries):
+ *                each score recomputed bit for bit, exp(s - m) / l added per row, the
+ *                queries in order, into the same column sum.  (l is used only when it is
+ *                > 0, else 1, in both.)
  */
 #ifndef KVCACHE_PREFILL_H
 #define KVCACHE_PREFILL_H
@@ -423,9 +430,54 @@ KVC_INLINE void kvc_pf_pv(const float *P, int nr, const float *Vp, ptrdiff_t hdp
 }
 
 /* ---------------------------------------------------------------------------------------
+ * One-pass importance of a task, once its queries' maxima qm and sums ql are final: P holds
+ * tile ti's probabilities p = exp(s - mu) at P + (ti * nq + j) * 64 (0 outside the query's
+ * visible rows of the tile) and MT[ti * nq + j] the running max mt they were taken under
+ * (mu = mt, or 0 while mt is -inf).  Tile by tile, the queries in order:
+ *   g = (mt == m and m > -inf ? 1 : exp(mt - m)) / l   (l only when it is > 0, else 1)
+ *   colsum[p] = fma(p, g, colsum[p])   over the query's visible rows of the tile,
+ * colsum[p] indexed by absolute row, set for every row of the ntl tiles from tlo (0 where no
+ * query sees it).  A non-finite g (a query whose scores are all -inf or NaN) touches only the
+ * visible rows, so the rows the query does not see stay as they are.
+ * ------------------------------------------------------------------------------------- */
+static void kvc_pf_imp_fold(ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
+                            const float *qm, const float *ql, const float *P, const float *MT,
+                            ptrdiff_t tlo, ptrdiff_t ntl, float *colsum)
+{
+    ptrdiff_t ti, j, k;
+    for (ti = ntl - 1; ti >= 0; --ti) {   /* the tiles written last, still in cache, first */
+        const ptrdiff_t t0 = tlo + ti * KVC_PF_TILE, t1 = t0 + KVC_PF_TILE;
+        float *cs = colsum + t0;
+        memset(cs, 0, KVC_PF_TILE * sizeof(float));
+        for (j = 0; j < nq; ++j) {
+            if (!(qe[j] > qf[j]) || qf[j] >= t1 || qe[j] <= t0)
+                continue;
+            const ptrdiff_t a = (qf[j] > t0 ? qf[j] : t0) - t0;
+            const ptrdiff_t b = (qe[j] < t1 ? qe[j] : t1) - t0;
+            const float *p = P + (ti * nq + j) * KVC_PF_TILE;
+            const float m = qm[j], mt = MT[ti * nq + j], l = ql[j] > 0.0f ? ql[j] : 1.0f;
+            const float g = (mt == m && m > -INFINITY ? 1.0f : kvc_expf(mt - m)) / l;
+            if (isfinite(g)) {
+                /* the lanes of [a / 8 * 8, b) outside [a, b) hold p = 0: adding 0 * g
+                 * leaves the sum as it is (never -0) */
+                const kvc_f8 gv = kvc_f8_set1(g);
+                for (k = a / 8 * 8; k < b; k += 8)
+                    kvc_f8_store(cs + k, kvc_f8_fma(kvc_f8_load(p + k), gv, kvc_f8_load(cs + k)));
+            } else {
+                for (k = a; k < b; ++k)
+                    cs[k] = fmaf(p[k], g, cs[k]);
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
  * One task: nq queries (rows of q, stride hd) of one KV group with visible rows
  * [qf[j], qe[j]).  kf/kq/ks and vf/vq/vs point at the group's row 0.  Writes out (nq x hd)
- * and the final running max and sum of each query (qm, ql).
+ * and the final running max and sum of each query (qm, ql).  With pbuf (KVC_PF_PBUF_FLOATS(
+ * ntiles, nq) floats, ntiles the tiles that meet the union of the visible rows), the tiles'
+ * probabilities are kept there and the task's importance is folded into colsum
+ * (kvc_pf_imp_fold); without (NULL), neither is touched.
  * ------------------------------------------------------------------------------------- */
 KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                                  const ptrdiff_t *qe, const float *kf, const int8_t *kq,
@@ -435,9 +487,9 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
                                  ptrdiff_t vs_stride, int quant_v, const uint8_t *vc4,
                                  const uint16_t *vp, const float *vcol,
                                  ptrdiff_t hd, float scale, float softcap, float *out,
-                                 float *qm, float *ql, float *scratch,
-                                 ptrdiff_t group, const int8_t *qi, const float *qsc,
-                                 const int32_t *qsum)
+                                 float *qm, float *ql, float *scratch, float *pbuf,
+                                 float *colsum, ptrdiff_t group, const int8_t *qi,
+                                 const float *qsc, const int32_t *qsum)
 {
     const ptrdiff_t hdp = KVC_PF_PAD16(hd);
     float *Kp = scratch;
@@ -445,7 +497,8 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
     float *S = Vp + hdp * KVC_PF_TILE;
     float *O = S + nq * KVC_PF_TILE;
     float *alpha = O + nq * hdp;
-    ptrdiff_t lo = PTRDIFF_MAX, hi = 0, j, d, t0;
+    float *MT = NULL;
+    ptrdiff_t lo = PTRDIFF_MAX, hi = 0, j, d, t0, tlo, ntl;
     for (j = 0; j < nq; ++j) {
         qm[j] = -INFINITY;
         ql[j] = 0.0f;
@@ -455,8 +508,12 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
         }
     }
     memset(O, 0, (size_t)(nq * hdp) * sizeof(float));
-    for (t0 = hi > lo ? lo / KVC_PF_TILE * KVC_PF_TILE : hi; t0 < hi; t0 += KVC_PF_TILE) {
-        ptrdiff_t t1 = t0 + KVC_PF_TILE;
+    tlo = hi > lo ? lo / KVC_PF_TILE * KVC_PF_TILE : hi;
+    ntl = (hi - tlo + KVC_PF_TILE - 1) / KVC_PF_TILE;
+    if (pbuf)
+        MT = pbuf + ntl * nq * KVC_PF_TILE;
+    for (t0 = tlo; t0 < hi; t0 += KVC_PF_TILE) {
+        ptrdiff_t t1 = t0 + KVC_PF_TILE, ti = (t0 - tlo) / KVC_PF_TILE;
         ptrdiff_t r0 = lo > t0 ? lo : t0, r1 = hi < t1 ? hi : t1, ja = -1, jb = -1;
         /* the active queries (those that see a row of this tile) */
         for (j = 0; j < nq; ++j)
@@ -467,6 +524,8 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
             }
         if (ja < 0)
             continue;
+        if (pbuf)   /* the tile's scores and probabilities stay in the task's buffer */
+            S = pbuf + ti * nq * KVC_PF_TILE;
         if (quant_k == KVC_K_Q4)
             kvc_pf_load_k4(k4, t0, r0, r1, hd, Kp, alpha + nq + 16);   /* KVC_PF_K4_TMP */
         else if (!quant_k)
@@ -495,6 +554,8 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
                 continue;
             }
             alpha[j] = kvc_pf_softmax_step(s, a, b, scale, softcap, qm + j, ql + j);
+            if (MT)
+                MT[ti * nq + j] = qm[j];   /* the running max p was taken under (0: -inf) */
         }
         /* values, by blocks of queries: the rows all of the block see go through the
          * register-blocked kernel, the rest query by query (each row chain stays in order) */
@@ -574,6 +635,8 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
             for (d = 0; d < hd; ++d)
                 o[d] = o[d] * vcol[d];
     }
+    if (pbuf)
+        kvc_pf_imp_fold(nq, qf, qe, qm, ql, pbuf, MT, tlo, ntl, colsum);
 }
 
 /* The task specialised for the common head dims (the constant lets the compiler unroll and
@@ -584,13 +647,13 @@ static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const
                         ptrdiff_t vs_stride, int quant_v, const uint8_t *vc4,
                         const uint16_t *vp, const float *vcol, ptrdiff_t hd,
                         float scale, float softcap, float *out, float *qm, float *ql,
-                        float *scratch, ptrdiff_t group, const int8_t *qi,
-                        const float *qsc, const int32_t *qsum)
+                        float *scratch, float *pbuf, float *colsum, ptrdiff_t group,
+                        const int8_t *qi, const float *qsc, const int32_t *qsum)
 {
 #define KVC_PF_TASK(HD) kvc_pf_task_impl(q, nq, qf, qe, kf, kq, ks, ks_stride, quant_k, k4, vf, vq, \
                                          vs, vs_stride, quant_v, vc4, vp, vcol, HD, scale, \
                                          softcap, out, \
-                                         qm, ql, scratch, group, qi, qsc, qsum)
+                                         qm, ql, scratch, pbuf, colsum, group, qi, qsc, qsum)
     switch (hd) {
     case 64: KVC_PF_TASK(64); break;
     case 128: KVC_PF_TASK(128); break;

@@ -47,6 +47,13 @@
     (KVC_PF_TILE * (hd) + KVC_PF_TILE * KVC_PF_PAD16(hd) + (nq) * KVC_PF_TILE \
      + (nq) * KVC_PF_PAD16(hd) + (nq) + 64 + KVC_PF_K4_TMP(hd))
 
+/* One-pass importance (kvc_pf_task with pbuf): per task, the probabilities of its nq queries
+ * over the ntiles tiles its visible rows meet (ntiles x nq x 64) and the running max each tile
+ * left (ntiles x nq).  A task whose buffer would exceed KVC_PF_IMP_BUDGET floats (16 MiB)
+ * takes the importance pass (kvc_pf_imp_group) over its own queries instead. */
+#define KVC_PF_PBUF_FLOATS(ntiles, nq) ((ntiles) * (nq) * (KVC_PF_TILE + 1))
+#define KVC_PF_IMP_BUDGET 4194304 /* floats: 16 MiB */
+
 #define KVC_PF_IMP_ROWS 256
 #define KVC_PF_IMP_QUERIES 48 /* queries scored together: each K strip is read once for them */
 #define KVC_PF_IMP_SCRATCH(hd) (KVC_PF_IMP_ROWS * (hd) + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS + 64 \

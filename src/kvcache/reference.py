@@ -479,7 +479,10 @@ def attend_blocked(rows: Rows, call: AttendCall) -> None:
     softmax per query (the kernel's tiles change only the rounding).  int8 keys are
     scored with the integer arithmetic of ``q8_scores`` (bit for bit), int8 values are
     dequantised as int8 value times scale, every visible row is summed (no skip rule), the
-    output is (sum of exp(s - max) * v) / (sum of exp(s - max)), times the V column in q8."""
+    output is (sum of exp(s - max) * v) / (sum of exp(s - max)), times the V column in q8.
+    Importance (imp_mode 2) is each query's exp(s - max) / sum added in (group, query) order:
+    the kernel's one pass (tile exponentials rescaled by exp(tile max - max), docs/numerics.md)
+    and its task order change only the rounding, within the bound given there."""
     kf__hcd, kq__hcd, ks__hcg, vf__hcd, vq__hcd, vs__hc1, vcol__hd, head_len__h = rows[:8]
     quant_k, quant_v, k_group = rows.quant_k, rows.quant_v, rows.k_group
     q__jd, group_q0, out__jd, imp__l = call.q, call.group_q0, call.out, call.imp

@@ -1,4 +1,5 @@
-/* Runs the blocked prompt kernel of _prefill.h (tasks and the importance pass, float32 and q8
+/* Runs the blocked prompt kernel of _prefill.h (tasks with and without their one-pass
+ * importance, and the second importance pass; float32 and q8
  * and 4-bit keys; float32, int8 and 4-bit values) on fixed pseudo-random inputs and prints every result as raw bits.  The body is the one
  * the compile flags select (_vec.h); tests/test_prefill.py builds it once per x86 body (and the
  * VNNI q8 code emulated, -DKVC_EMULATE_VNNI), tests/test_aarch64.py once per aarch64 body, and
@@ -31,7 +32,9 @@ int main(void)
     static float qsc[NQ * KVC_I8_GROUPS(HDMAX, 32)];
     static int32_t qsum[NQ * KVC_I8_GROUPS(HDMAX, 32)];
     static float q[NQ * HDMAX], k[ROWS * HDMAX], v[ROWS * HDMAX], ks[ROWS * 5], vs[ROWS];
-    static float vcol[HDMAX], o[NQ * HDMAX], qm[NQ], ql[NQ], colsum[KVC_PF_IMP_ROWS];
+    static float vcol[HDMAX], o[NQ * HDMAX], o2[NQ * HDMAX], qm[NQ], ql[NQ];
+    static float colsum[KVC_PF_IMP_ROWS], colsum1[3 * KVC_PF_TILE];
+    static float pbuf[KVC_PF_PBUF_FLOATS(3, NQ)];
     static int8_t kq[ROWS * HDMAX], vq[ROWS * HDMAX];
     static uint8_t vc4[ROWS * HDMAX / 2], kc4[ROWS * HDMAX / 2];
     static uint16_t vp[ROWS * 2 * KVC_V4_NG(HDMAX)], kp4[(ROWS / 16 + 1) * 2 * HDMAX];
@@ -92,13 +95,22 @@ int main(void)
                 float softcap = cap ? 2.5f : 0.0f;
                 ptrdiff_t t0, j;
                 kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, quant_k, &k4, v, vq, vs, 1, quant_v, vc4, vp,
-                            vcol, hd, 0.3f, softcap, o, qm, ql, scratch, 32, qi, qsc, qsum);
+                            vcol, hd, 0.3f, softcap, o, qm, ql, scratch, NULL, NULL, 32, qi, qsc, qsum);
                 for (i = 0; i < NQ * hd; ++i)
                     out(o[i]);
                 for (j = 0; j < NQ; ++j) {
                     out(qm[j]);
                     out(ql[j]);
                 }
+                /* the task again with its one-pass importance (3 tiles: rows 0..172): the
+                 * same outputs, and the column sums */
+                kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, quant_k, &k4, v, vq, vs, 1, quant_v, vc4, vp,
+                            vcol, hd, 0.3f, softcap, o2, qm, ql, scratch, pbuf, colsum1, 32, qi,
+                            qsc, qsum);
+                if (memcmp(o, o2, sizeof(float) * (size_t)(NQ * hd)) != 0)
+                    return 1;
+                for (i = 0; i < 3 * KVC_PF_TILE; ++i)
+                    out(colsum1[i]);
                 /* the importance pass over blocks of 64 rows, then over one block */
                 for (t0 = 0; t0 < 173 + 64; t0 += 64) {
                     ptrdiff_t a0 = t0 < 173 ? t0 : 0, t1 = t0 < 173 ? t0 + 64 : 173;
@@ -117,9 +129,13 @@ int main(void)
     for (i = 0; i < 64; ++i)
         k[150 * 64 + i] = -1e30f;
     kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, 0, &k4, v, vq, vs, 1, 0, vc4, vp, vcol, 64, 1e10f, 0.0f,
-                o, qm, ql, scratch, 32, qi, qsc, qsum);
+                o, qm, ql, scratch, NULL, NULL, 32, qi, qsc, qsum);
     for (i = 0; i < NQ * 64; ++i)
         out(o[i]);
+    kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, 0, &k4, v, vq, vs, 1, 0, vc4, vp, vcol, 64, 1e10f, 0.0f,
+                o2, qm, ql, scratch, pbuf, colsum1, 32, qi, qsc, qsum);
+    for (i = 0; i < 3 * KVC_PF_TILE; ++i)
+        out(colsum1[i]);
     free(scratch);
     return 0;
 }
