@@ -682,10 +682,10 @@ HANDED_OUT = {
     kc.KvCache: set(),                       # hands out its LayerKvCache objects (kv[i], layers)
     O1Collecting: {"trace"},
     O1Sealed: set(SEALED_ARRAYS) | {"views"},
-    kc.LatentKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers", "state",
-                       "slot_state"},       # (the deprecated name of state)
-    kc.StaticKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers", "state",
-                       "slot_state"},
+    # (slot_state, the deprecated name of state, raises its DeprecationWarning under the
+    # suite's filter, so the scan does not count it; test_latent checks it still reads)
+    kc.LatentKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers", "state"},
+    kc.StaticKvCache: {"slot_storage", "valid_view", "rebind_slot", "layers", "state"},
     kc.LazyLatentCache: {"slot", "slot_buffer_full"},
     kc.latent.LatentSlot: {"storage"},
     kc.rebind.DecodePlan: {"storage", "bound"},

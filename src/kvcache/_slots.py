@@ -25,7 +25,6 @@ import operator
 import os
 import sys
 import threading
-import warnings
 from typing import Any, Iterable, NamedTuple, NoReturn, Optional, Sequence
 
 import numpy as np
@@ -453,7 +452,7 @@ class SlotCache:
     @property
     def generation(self) -> int:
         """A counter that grows each time stored rows change other than by appending:
-        :meth:`truncate_to` (when it shrinks) and :meth:`clear`.  ``write_layer`` +
+        :meth:`truncate_last` (when it drops rows) and :meth:`clear`.  ``write_layer`` +
         ``advance`` only append, and leave it alone.  Writes made by hand through
         :meth:`slot_storage` into rows below ``cached_len`` are not seen: a device mirror
         must then be re-synced with ``sync(full=True)``."""
@@ -477,8 +476,7 @@ class SlotCache:
     def slot_state(self, what: str = "slot_state") -> SlotState:
         """Deprecated name of :meth:`state` (the state protocol has one name for every cache
         kind: ``LayerKvCache.state()`` too)."""
-        warnings.warn("SlotCache.slot_state() is deprecated: use state()", DeprecationWarning,
-                      stacklevel=2)
+        _deprecated.warn(f"kvcache.{type(self).__name__}.slot_state()", "state()")
         return self.state(what)
 
     def state(self, what: str = "state") -> SlotState:
