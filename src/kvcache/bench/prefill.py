@@ -418,8 +418,8 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
            f"(_core.fma_probe); median of up to {cfg.repeats} calls (fewer once a "
            f"cell took {cfg.cell_s:.0f} s); a cell estimated over "
            f"{cfg.max_call_s:.0f} s per call is skipped; ratios are speeds",
-           "no-imp: the same f32 prompt kernel without its importance pass (a second pass "
-           "of scores that attend_all_heads always runs), the work SDPA does",
+           "no-imp: the same f32 prompt kernel on a layer with track_importance False (no "
+           "importance work), the work SDPA does; the other columns track importance",
            f"matches SDPA: max |kvcache - SDPA| <= {PREFILL_TOL['f32']:g} (f32), "
            f"<= {PREFILL_TOL['q8']:g} (q8)",
            f"time to first token: Runner.prefill(ids) vs transformers "
