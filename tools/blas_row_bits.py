@@ -6,12 +6,18 @@ bit with the same row computed in 64-row chunks at absolute multiples of 64, the
 prompt chunks.  Run it as is, and with ``OPENBLAS_CORETYPE=Haswell`` (or another kernel) in
 the environment of that one command to see another kernel of the same library.
 
-    python tools/blas_row_bits.py
+    python tools/blas_row_bits.py [--json OUT]
+
+``--json OUT`` writes what it prints (docs/data/blas-row-bits.json is such a run; the page's
+figures are written from it by tools/figures.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
+from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
@@ -21,10 +27,15 @@ BLOCKS = [(0, 1), (0, 2), (0, 3), (1, 66), (0, 128), (0, 200), (64, 1024), (512,
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    args = ap.parse_args()
     rng = np.random.default_rng(0)
     libs = [(i.get("internal_api"), i.get("version"), i.get("architecture"))
             for i in threadpool_info() if i.get("user_api") == "blas"]
     print("BLAS:", libs)
+    doc: dict[str, Any] = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "blas": libs,
+                           "blocks": BLOCKS, "differ": [], "speed": []}
     for threads in (1, 2, 8):
         with threadpool_limits(threads, user_api="blas"):
             for k, n in SHAPES:
@@ -36,6 +47,7 @@ def main() -> None:
                                                 chunks[lo:hi].view(np.uint32))]
                 print(f"{threads} thread(s), ({k}, {n}): blocks whose rows differ from 64-row "
                       f"chunks: {differ or 'none'}")
+                doc["differ"].append({"threads": threads, "shape": [k, n], "blocks": differ})
     # the speed of larger blocks, one thread: 64-row chunks against 512-row blocks
     k, n = 576, 1728
     w = rng.standard_normal((k, n), dtype=np.float32)
@@ -50,6 +62,11 @@ def main() -> None:
                 times.append(time.perf_counter() - t)
             gflops = 2 * 2048 * k * n / sorted(times)[3] / 1e9
             print(f"1 thread, ({k}, {n}), blocks of {block} rows: {gflops:.0f} GFLOP/s (median)")
+            doc["speed"].append({"threads": 1, "shape": [k, n], "block": block,
+                                 "gflops": gflops, "samples_s": times})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

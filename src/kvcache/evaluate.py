@@ -50,6 +50,7 @@ import numpy.typing as npt
 
 from ._progress import ProgressBar, progress_bar
 from .modes import KvMode
+from ._version import __version__
 from .o1 import RIDGE
 
 __all__ = ["EvalConfig", "build_parser", "evaluate", "main", "parse_config", "split_configs"]
@@ -390,9 +391,11 @@ def main(argv: Sequence[str] | None = None, file: IO[str] | None = None) -> int:
           f"tokens, {args.tokens} scored; wall {wall:.1f} s", file=out)
     print(format_table(results), file=out)
     if args.json:
-        doc = {"model": os.fspath(args.model), "text": os.fspath(args.text),
+        doc = {"kvcache": __version__,
+               "date": time.strftime("%Y-%m-%d", time.gmtime()),
+               "model": os.fspath(args.model), "text": os.fspath(args.text),
                "text_tokens": len(ids), "prompt_tokens": n_prompt, "tokens": args.tokens,
-               "wall_s": wall, "results": [r.as_json() for r in results]}
+               "configs": names, "wall_s": wall, "results": [r.as_json() for r in results]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
     return 1 if any(r.error is not None for r in results) else 0
