@@ -4,12 +4,13 @@ bad option values and unknown section names are one-line errors."""
 
 from __future__ import annotations
 
+import io
 import json
 import pathlib
 
 import pytest
 
-from kvcache.bench import cli, registry
+from kvcache.bench import cli, registry, report
 from kvcache.bench.registry import Option, Section, at_least, one_of
 from kvcache.bench.tables import render_table, section_text
 
@@ -89,6 +90,15 @@ def test_a_registered_section_is_in_the_cli_the_task_count_the_report_and_the_js
     count = data["sections"]["count"]
     assert count["options"] == {"size": 4, "word": "two"}
     assert count["total"] == 4 and count["rows"][3] == {"i": 3, "word": "two", "seed": 9}
+
+    # read back, the file prints the same report again (what tools/figures.py relies on)
+    info, ctx, ran = report.read_json(data)
+    assert [(s.name, v.record()) for s, v, _ in ran] == [("count", {"size": 4, "word": "two"})]
+    again = io.StringIO()
+    report.print_report(info, ctx, ran, file=again)
+    assert out == again.getvalue() + f"raw results written to {path}\n"
+    with pytest.raises(ValueError, match="section 'nope', which this kvcache does not register"):
+        report.read_json({**data, "sections": {"nope": {"options": {}}}})
 
 
 def test_a_section_is_registered_once(with_count):

@@ -22,6 +22,7 @@ the test noticing: to change one, change the data (run the measurement again) an
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import pathlib
@@ -207,24 +208,17 @@ def bench_machine(doc: Any) -> str:
 
 @renderer("bench-report")
 def bench_report(doc: Any, args: Sequence[str]) -> str:
-    """A section's own printed report, rebuilt from the JSON by the section's report function."""
+    """What the benchmark printed for one section (its machine header included), printed again
+    from the JSON by the benchmark's own report (``kvcache.bench.report.read_json``)."""
     if len(args) != 1:
         raise FigureError("bench-report takes one argument, the section's name")
-    from kvcache.bench import registry
+    from kvcache.bench import report
 
-    name = args[0]
-    section = bench_section(doc, name)
-    known = {s.name: s for s in registry.sections()}
-    if name not in known:
-        raise FigureError(f"no benchmark section {name!r} in this kvcache")
-    spec = known[name]
-    opts = doc["options"]
-    ctx = registry.Context(quick=opts["quick"], threads=list(opts["threads"]), seed=opts["seed"],
-                           bandwidth_bytes=opts["bandwidth_bytes"],
-                           bandwidth={int(k): v for k, v in doc.get("bandwidth", {}).items()})
-    values = spec.values(opts["quick"], section["options"])
-    text = spec.report(ctx, values, section).strip("\n")
-    return f"{bench_machine(doc)}:\n\n```text\n{text}\n```"
+    bench_section(doc, args[0])
+    info, ctx, ran = report.read_json(doc)
+    out = io.StringIO()
+    report.print_report(info, ctx, [r for r in ran if r[0].name == args[0]], file=out)
+    return f"```text\n{out.getvalue().rstrip()}\n```"
 
 
 @renderer("bench-modes")

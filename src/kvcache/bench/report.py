@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from .geometry import MiB
-from .registry import Context, Result, Section, Values
+from .registry import Context, Result, Section, Values, sections
 from .tables import fmt, prose
 from .timing import BANDWIDTH_BUFFER
 
@@ -59,6 +59,26 @@ def json_document(info: dict[str, Any], ctx: Context, ran: Sequence[Ran]) -> dic
             "sections": {section.name: {"options": values.record(),
                                         **(section.to_json or dict)(result)}
                          for section, values, result in ran}}
+
+
+def read_json(doc: Mapping[str, Any]) -> tuple[dict[str, Any], Context, list[Ran]]:
+    """What :func:`json_document` wrote, read back: the machine, the run's context and each
+    section with its option values and results, so that :func:`print_report` prints the run's
+    report again (tools/figures.py writes the docs' benchmark figures this way).  ValueError
+    for a section this kvcache does not register."""
+    opts = doc["options"]
+    ctx = Context(quick=opts["quick"], threads=list(opts["threads"]), seed=opts["seed"],
+                  bandwidth_bytes=opts["bandwidth_bytes"],
+                  bandwidth={int(n): b for n, b in doc["bandwidth"].items()})
+    known = {section.name: section for section in sections()}
+    ran: list[Ran] = []
+    for name, obj in doc["sections"].items():
+        if name not in known:
+            raise ValueError(f"the file holds a section {name!r}, which this kvcache does not "
+                             f"register")
+        result = {k: v for k, v in obj.items() if k != "options"}
+        ran.append((known[name], known[name].values(opts["quick"], obj["options"]), result))
+    return dict(doc["machine"]), ctx, ran
 
 
 def write_json(path: str, info: dict[str, Any], ctx: Context, ran: Sequence[Ran]) -> None:
