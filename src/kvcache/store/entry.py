@@ -74,7 +74,8 @@ from .keys import Geometry
 
 __all__ = ["EntryError", "MAGIC", "VERSION", "HEADER_SIZE", "DIGEST_SIZE", "Field", "layer_fields",
            "entry_size", "encode", "encode_parts", "check_header", "digest_parts",
-           "stored_digest", "decode", "columns_of"]
+           "stored_digest", "decode", "columns_of", "OUTPUT_MAGIC", "OUTPUT_MAX",
+           "encode_output", "decode_output"]
 
 MAGIC = b"\x89KVBLOCK"
 VERSION = 1
@@ -293,3 +294,61 @@ def columns_of(arrays: dict[str, npt.NDArray[Any]]) -> Optional[bytes]:
     if "kcol_on" not in arrays:
         return None
     return b"".join(arrays[name].tobytes() for name in ("kcol_on", "vcol_on", "kcol", "vcol"))
+
+
+# --------------------------------------------------------------------- a prefix's output
+#: Magic of an output entry: the vector a model driver computed after a stored prefix (the
+#: runner's final hidden row), kept under a key derived from the prefix's last block key.
+OUTPUT_MAGIC = b"\x89KVOUTPT"
+OUTPUT_VERSION = 1
+#: Most float32 values an output entry holds (64 MiB): a hidden row, or a row of logits.
+OUTPUT_MAX = 1 << 24
+_OUTPUT = struct.Struct("<8sHBBIQ32sII16s")
+OUTPUT_HEADER_SIZE = _OUTPUT.size        # 80
+
+
+def encode_output(key: bytes, fp_digest: bytes, values: npt.NDArray[np.float32]) -> bytes:
+    """The output entry of the prefix whose last block key is ``key``: an 80-byte header
+    (magic, version, digest algorithm, flags 0, header length, total length, ``key``, the
+    count of values, a reserved 0, the fingerprint digest), ``values`` as little-endian
+    float32, zero padding to a multiple of 8 and the digest of everything before it."""
+    data = np.ascontiguousarray(values, dtype=_F32).tobytes()
+    pad = -len(data) % 8
+    total = OUTPUT_HEADER_SIZE + len(data) + pad + _DIGEST.size
+    alg = wire.default_algorithm()
+    body = _OUTPUT.pack(OUTPUT_MAGIC, OUTPUT_VERSION, alg, 0, OUTPUT_HEADER_SIZE, total, key,
+                        values.shape[0], 0, fp_digest) + data + bytes(pad)
+    return body + _DIGEST.pack(digest_parts(alg, [memoryview(body)]))
+
+
+def decode_output(value: bytes, key: bytes, fp_digest: bytes,
+                  count: int) -> npt.NDArray[np.float32]:
+    """Check ``value`` as the output entry under ``key`` holding ``count`` values and return
+    them (a new float32 array).  EntryError for anything wrong, checked in the order of
+    :func:`check_header`: length, magic, version, header, total, key, fingerprint, count,
+    digest."""
+    n = len(value)
+    if n < OUTPUT_HEADER_SIZE + _DIGEST.size:
+        raise EntryError(f"truncated: {n} bytes, shorter than a header")
+    (magic, version, alg, flags, header_len, total, e_key, e_count, reserved,
+     e_fp) = _OUTPUT.unpack_from(value, 0)
+    if magic != OUTPUT_MAGIC:
+        raise EntryError("not a prefix store output entry (bad magic)")
+    if version != OUTPUT_VERSION:
+        raise EntryError(f"output entry format version {version}, this kvcache reads "
+                         f"{OUTPUT_VERSION}")
+    if header_len != OUTPUT_HEADER_SIZE or flags != 0 or reserved != 0:
+        raise EntryError("bad header (length, flags or reserved field)")
+    if total != n:
+        raise EntryError(f"truncated or padded: the header says {total} bytes, the entry has {n}")
+    if e_key != key:
+        raise EntryError("stored under another key")
+    if e_fp != fp_digest:
+        raise EntryError("another fingerprint")
+    want = OUTPUT_HEADER_SIZE + _pad8(4 * count) + _DIGEST.size
+    if e_count != count or total != want:
+        raise EntryError(f"{e_count} values in {total} bytes, expected {count}")
+    if digest_parts(alg, [memoryview(value)[: n - _DIGEST.size]]) != stored_digest(value, n):
+        raise EntryError("digest mismatch (corrupted entry)")
+    return np.frombuffer(value, dtype=_F32, count=count,
+                         offset=OUTPUT_HEADER_SIZE).astype(np.float32)

@@ -27,7 +27,7 @@ from .._validate import as_token_ids
 from ..modes import KvMode
 
 __all__ = ["Geometry", "as_ids", "as_fingerprint", "block_keys", "fingerprint_digest",
-           "KEY_BYTES"]
+           "output_key", "KEY_BYTES"]
 
 KEY_BYTES = 32
 _PERSON = b"kvcache-prefix1"
@@ -102,3 +102,10 @@ def block_keys(ids: npt.NDArray[np.int64], fp: bytes, geom: Geometry) -> list[by
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def output_key(key: bytes) -> bytes:
+    """The key of the output stored after the prefix whose last block key is ``key``:
+    BLAKE2b-256(person="kvcache-prefix1", key || b"output"), so it depends on everything the
+    block key does and never equals a block key."""
+    return hashlib.blake2b(key + b"output", digest_size=KEY_BYTES, person=_PERSON).digest()

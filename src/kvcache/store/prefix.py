@@ -48,7 +48,8 @@ from ..modes import KvMode
 from . import entry as _entry
 from .backend import BackendUnavailable, ScatterBackend, StoreBackend
 from .directory import DEFAULT_DIRECTORY_BUDGET, DirectoryBackend
-from .keys import Geometry, as_fingerprint, as_ids, block_keys, fingerprint_digest
+from .keys import (Geometry, as_fingerprint, as_ids, block_keys, fingerprint_digest,
+                   output_key)
 from .memory import MemoryBackend
 
 __all__ = ["PrefixStore", "open_backend", "DEFAULT_BLOCK", "DEFAULT_PATH"]
@@ -327,6 +328,64 @@ class PrefixStore:
             layer.install(st)
         return loaded
 
+    def put_output(self, ids: object, cache: KvCache, values: object) -> bool:
+        """Store ``values`` as the output after the prefix ``ids``: what a model driver
+        computed at the prefix's last position and needs, besides the rows, to go on without
+        recomputing it (the runner keeps its final hidden row, from which it computes the
+        logits).  Return True when it was written, False when it was stored already or the
+        store is off.
+
+        ``len(ids)`` must be a positive multiple of ``block``; ``cache`` names the model's
+        geometry and mode as for :meth:`put` (its rows are not read); ``values`` is a 1-D
+        array of 1 to ``entry.OUTPUT_MAX`` real numbers, stored as float32.  Kept apart from
+        the blocks under a key derived from the last block's, in an entry of its own with a
+        digest (docs/formats.md, "Prefix store output").  ValueError/TypeError for bad input
+        (nothing is stored)."""
+        arr = as_ids(ids)
+        geom = self._geometry(cache)
+        vec = _output_values(values)
+        key = self._output_key(arr, geom)
+        if self._down is not None:
+            return False
+        name = key.hex()
+        try:
+            if self._backend.contains_many([name])[0]:
+                return False
+            self._backend.put(name, _entry.encode_output(key, self._fp_digest, vec))
+        except BackendUnavailable as exc:
+            self._disable(exc)
+            return False
+        return True
+
+    def load_output(self, ids: object, cache: KvCache, count: int) -> Optional[
+            npt.NDArray[np.float32]]:
+        """The output :meth:`put_output` stored after the prefix ``ids`` for ``cache``'s model
+        and mode, as a new float32 array of ``count`` values; None when none is stored, the
+        stored one fails its checks (it is then deleted and logged once, as a bad block is),
+        or the store is off.  ValueError/TypeError for bad input."""
+        arr = as_ids(ids)
+        geom = self._geometry(cache)
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or not (
+                1 <= count <= _entry.OUTPUT_MAX):
+            raise ValueError(f"count: expected an int in [1, {_entry.OUTPUT_MAX}], got "
+                             f"{count!r}")
+        key = self._output_key(arr, geom)
+        if self._down is not None:
+            return None
+        name = key.hex()
+        try:
+            value = self._backend.get_many([name])[0]
+            if value is None:
+                return None
+            try:
+                return _entry.decode_output(value, key, self._fp_digest, int(count))
+            except _entry.EntryError as exc:
+                self._bad(name, key, exc)
+                return None
+        except BackendUnavailable as exc:
+            self._disable(exc)
+            return None
+
     # ------------------------------------------------------------------ internals
     def _geometry(self, cache: object) -> Geometry:
         if not isinstance(cache, KvCache):
@@ -512,6 +571,14 @@ class PrefixStore:
                 kr=kr))
         return out, good * b
 
+    def _output_key(self, arr: npt.NDArray[np.int64], geom: Geometry) -> bytes:
+        """The output key of the prefix ``arr``; ValueError unless it is whole blocks."""
+        n, b = arr.shape[0], self._block
+        if n == 0 or n % b:
+            raise ValueError(f"ids: an output is kept after whole blocks; expected a positive "
+                             f"multiple of block={b} ids, got {n}")
+        return output_key(block_keys(arr, self._fp, geom)[-1])
+
     def _bad(self, name: str, key: bytes, exc: _entry.EntryError) -> None:
         """A stored entry that failed its checks: a miss, deleted, and logged once (an entry
         that could not be deleted, e.g. in a read-only folder, is not reported again)."""
@@ -532,6 +599,24 @@ class PrefixStore:
             self._down = str(exc)
             _log.warning("kvcache store %s: backend unavailable (%s); the prefix store is off "
                          "for the rest of this run", self._backend.name, exc)
+
+
+def _output_values(values: object) -> npt.NDArray[np.float32]:
+    """``values`` as a 1-D float32 array for :meth:`PrefixStore.put_output`: TypeError for
+    what is not real numbers, ValueError for another shape or size."""
+    if isinstance(values, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"values: expected a 1-D array of real numbers, got "
+                        f"{type(values).__name__}")
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"values: expected a 1-D array of real numbers ({exc})") from None
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(f"values: expected real numbers, got dtype {arr.dtype}")
+    if arr.ndim != 1 or not 1 <= arr.shape[0] <= _entry.OUTPUT_MAX:
+        raise ValueError(f"values: expected a 1-D array of 1 to {_entry.OUTPUT_MAX} values, "
+                         f"got shape {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=np.float32)
 
 
 def _leading(flags: Sequence[bool]) -> int:

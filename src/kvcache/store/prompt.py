@@ -11,9 +11,11 @@ A model driver that computes a prompt with a store does four things, in this ord
    O(1) layers, which release the prompt's rows when they seal;
 3. :func:`load_prefix` -- load the longest stored prefix of the ids into the empty cache, in
    whole chunks, leaving at least the chunk of the last position to compute (its logits are
-   the driver's output);
+   the driver's output), unless the driver has that position's output from the store
+   (:meth:`PrefixStore.load_output`, ``whole=True``): then all of it;
 4. :func:`store_blocks` -- after the prompt is computed, put the full blocks of the ids the
-   cache holds.
+   cache holds (and the driver puts the outputs it kept at their ends,
+   :meth:`PrefixStore.put_output`).
 
 Why a module of its own and not methods of :class:`PrefixStore`: the store keeps blocks of
 rows under keys and knows nothing of chunks, logits or fingerprints that come from a model;
@@ -111,12 +113,15 @@ def check_store(store: object, cache: KvCache, *, fingerprint: Union[str, bytes,
 
 
 def load_prefix(store: PrefixStore, ids: object, cache: KvCache, *,
-                chunk: Optional[int] = None) -> int:
+                chunk: Optional[int] = None, whole: bool = False) -> int:
     """Load the longest stored prefix of ``ids`` into the empty ``cache``; return how many
     positions it then holds.
 
-    The count is a multiple of ``chunk`` (default: the store's block) below ``len(ids)``: the
-    chunk holding the last position is always left to compute, for its logits.  Blocks
+    With ``whole`` (the caller has the output of the last position from elsewhere, e.g.
+    :meth:`PrefixStore.load_output`), every position is loaded when every block of ``ids``
+    is stored, and ``len(ids)`` is returned; otherwise, and without ``whole``, the count is
+    a multiple of ``chunk`` (default: the store's block) below ``len(ids)``: the chunk
+    holding the last position is left to compute, for its logits.  Blocks
     reaching past that chunk's start are loaded and the cache rolled back to it (a
     ``chunk`` smaller than the block gains the positions between), to a multiple of 32
     in modes with 4-bit K too (a block of 32 keys reopened by the roll-back would be read
@@ -132,11 +137,16 @@ def load_prefix(store: PrefixStore, ids: object, cache: KvCache, *,
     if cache.seq_len:
         raise ValueError(f"cache: expected an empty cache to load into, it holds "
                          f"{cache.seq_len} positions")
-    n, b = arr.shape[0], store.block
+    if not isinstance(whole, bool):
+        raise TypeError(f"whole: expected a bool, got {type(whole).__name__}")
+    n, b = int(arr.shape[0]), store.block
     most = (n - 1) // c * c if n else 0
-    if most == 0:
+    whole = whole and n > 0 and n % b == 0
+    if most == 0 and not whole:
         return 0
-    loaded = store.load(arr[: min(n, -(-most // b) * b)], cache)
+    loaded = store.load(arr[: n if whole else min(n, -(-most // b) * b)], cache)
+    if whole and loaded == n:
+        return n
     keep = min(loaded, most)
     mode = cache.layers[0].mode
     if keep < loaded and mode.k4:
