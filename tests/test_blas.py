@@ -172,7 +172,7 @@ def test_runner_sizes_blas_in_prefill_and_decode(simulated, running, want):
     simulated(running)
     ids = np.arange(150) % 97                      # chunks of 64, 64 and 22 rows
     with threadpool_limits(2, user_api="blas"):
-        r = kr.Runner.random()
+        r = kr.Runner.random(prefill_chunk=64)
         assert r.blas_threads is None
         last = r.prefill(ids)
         # two chunk maps per layer (QKV, then output projection and MLP)
@@ -263,14 +263,14 @@ def test_runner_blas_control(simulated):
     simulated(1)
     ids = np.arange(70) % 97
     with threadpool_limits(2, user_api="blas"):
-        one = kr.Runner.random(blas_threads=1)
+        one = kr.Runner.random(blas_threads=1, prefill_chunk=64)
         one.prefill(ids)
         assert set(one._blas.sizes) == {1}
-        alone = kr.Runner.random(blas_threads=0)
+        alone = kr.Runner.random(blas_threads=0, prefill_chunk=64)
         alone.prefill(ids)
         assert alone._blas is None
         with pytest.warns(DeprecationWarning, match="blas_threads"):
-            old = kr.Runner.random(decode_blas_threads=1)
+            old = kr.Runner.random(decode_blas_threads=1, prefill_chunk=64)
         assert old.blas_threads is None                    # prompts stay governed
         old.prefill(ids)
         assert set(old._blas.sizes) == {2}

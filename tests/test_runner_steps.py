@@ -15,6 +15,7 @@ import pytest
 
 import kvcache.__main__ as cli
 from kvcache import runner as kr
+from kvcache._threads import usable_cpus
 from kvcache.runner import model as km
 from kvcache.store import MemoryBackend, PrefixStore
 
@@ -39,7 +40,7 @@ def rows(runner):
 
 
 def run(step, kv, ids, decode=3):
-    r = kr.Runner.random(kv=kv, prefill_step=step)
+    r = kr.Runner.random(kv=kv, prefill_step=step, prefill_chunk=64)
     last = r.prefill(ids)
     logits = [last] + [r.step(int(np.argmax(last)) + k) for k in range(decode)]
     got = rows(r)
@@ -68,22 +69,26 @@ def test_steps_hold_whole_chunks_and_skip_the_q8_warmup():
         [(0, 64), (64, 128)], [(128, 192), (192, 256)], [(256, 300)]]
     r.position = 100                                  # a call that starts inside a chunk
     assert r._steps(200) == [[(0, 28)], [(28, 92), (92, 156)], [(156, 200)]]
-    q = kr.Runner.random(kv="q8:cmf", prefill_step=64)
+    q = kr.Runner.random(kv="q8:cmf", prefill_step=64, prefill_chunk=64)
     # f32 would end a step at 64; the legacy q8 scheme runs the first step past its column
     # freeze; the default scheme "rows" has no freeze and steps as f32 does
     assert q._steps(200) == [[(0, 64), (64, 128)], [(128, 192)], [(192, 200)]]
-    assert kr.Runner.random(kv="q8", prefill_step=64)._steps(200) == [
+    assert kr.Runner.random(kv="q8", prefill_step=64, prefill_chunk=64)._steps(200) == [
         [(0, 64)], [(64, 128)], [(128, 192)], [(192, 200)]]
-    assert kr.Runner.random().prefill_step == km.DEFAULT_PREFILL_STEP == 512
-    assert kr.Runner.random(prefill_chunk=96).prefill_step == 576     # rounded up
+    # the default: 512 rounded up to whole chunks, and at least a chunk per usable CPU (<= 8)
+    cpus = min(usable_cpus(), 8)
+    assert km.DEFAULT_PREFILL_STEP == 512 and km.DEFAULT_PREFILL_CHUNK == 256
+    assert kr.Runner.random().prefill_step == max(2, cpus) * 256
+    assert kr.Runner.random(prefill_chunk=96).prefill_step == max(6, cpus) * 96
+    assert kr.Runner.random(prefill_chunk=64).prefill_step == max(8, cpus) * 64
     with pytest.raises(ValueError, match="multiple of prefill_chunk=64"):
-        kr.Runner.random(prefill_step=100)
+        kr.Runner.random(prefill_step=100, prefill_chunk=64)
     with pytest.raises(ValueError, match="prefill_step"):
         kr.Runner.random(prefill_step=0)
 
 
 def test_each_step_goes_through_every_layer_before_the_next(monkeypatch):
-    r = kr.Runner.random(prefill_step=128)
+    r = kr.Runner.random(prefill_step=128, prefill_chunk=64)
     seen = []
     real = kr.Runner._layer
 
@@ -113,11 +118,11 @@ def test_each_step_goes_through_every_layer_before_the_next(monkeypatch):
 def test_a_store_filled_with_another_step_size_gives_the_same_bits():
     ids = ids_of(600)
     backend = MemoryBackend()
-    small = kr.Runner.random(kv="q8", prefill_step=64)
-    big = kr.Runner.random(kv="q8", prefill_step=1024)
+    small = kr.Runner.random(kv="q8", prefill_step=64, prefill_chunk=64)
+    big = kr.Runner.random(kv="q8", prefill_step=1024, prefill_chunk=64)
     assert small.fingerprint == big.fingerprint        # the step is not part of it
     store = PrefixStore(backend, fingerprint=small.fingerprint, block=128)
-    want = kr.Runner.random(kv="q8").prefill(ids)
+    want = kr.Runner.random(kv="q8", prefill_chunk=64).prefill(ids)
     assert np.array_equal(small.prefill(ids, store=store), want)
     calls = []
     got = big.prefill(ids, store=store, progress=lambda d, t: calls.append((d, t)))
@@ -143,16 +148,18 @@ def test_generate_command_shows_a_bar_for_long_prompts(monkeypatch, capsys):
             self.closed = True
     from kvcache.runner import cli as rcli
     monkeypatch.setattr(rcli, "progress_bar", Bar)
-    ids = ",".join(str(int(t)) for t in ids_of(1600))
+    step = kr.Runner.random().prefill_step           # the default step on this machine
+    n = 2 * step + 64
+    ids = ",".join(str(int(t)) for t in ids_of(n))
     assert cli.main(["generate", "--max-new-tokens", "2", "--ids", ids]) == 0
     prompt = [b for b in bars if b.unit == "pos"]
-    assert len(prompt) == 1 and prompt[0].total == 1600 and prompt[0].n == 1600
+    assert len(prompt) == 1 and prompt[0].total == n and prompt[0].n == n
     assert prompt[0].closed and prompt[0].enabled
     bars.clear()
     assert cli.main(["generate", "--no-progress", "--max-new-tokens", "2", "--ids", ids]) == 0
     assert [b.enabled for b in bars if b.unit == "pos"] == [False]
     bars.clear()
-    short = ",".join(str(int(t)) for t in ids_of(600))
+    short = ",".join(str(int(t)) for t in ids_of(2 * step))
     assert cli.main(["generate", "--max-new-tokens", "2", "--ids", short]) == 0
     assert [b for b in bars if b.unit == "pos"] == []     # two steps or fewer: no bar
     capsys.readouterr()
@@ -162,7 +169,8 @@ def test_o1_layers_seal_the_same_prompt_whatever_the_step():
     ids = ids_of(300)
     out = []
     for step in (64, 1024):
-        r = kr.Runner.random(o1_layers="all", o1_params=(8, 32, 2), prefill_step=step)
+        r = kr.Runner.random(o1_layers="all", o1_params=(8, 32, 2), prefill_step=step,
+                             prefill_chunk=64)
         first = r.prefill(ids)
         assert all(r.cache.layers[i].o1_sealed() for i in r.o1_layers)
         out.append([first] + [r.step(int(np.argmax(first)) + k) for k in range(3)])
@@ -172,7 +180,7 @@ def test_o1_layers_seal_the_same_prompt_whatever_the_step():
 
 @pytest.mark.parametrize("bad", [5, "bar", object()])
 def test_a_progress_that_is_not_callable_is_refused_before_any_work(bad):
-    r = kr.Runner.random(kv="f32", prefill_step=64)
+    r = kr.Runner.random(kv="f32", prefill_step=64, prefill_chunk=64)
     with pytest.raises(TypeError, match="progress"):
         r.prefill(ids_of(200), progress=bad)
     assert r.position == 0 and r.cache.layers[0].seq_len == 0

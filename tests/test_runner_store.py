@@ -19,6 +19,8 @@ import pytest
 import kvcache.__main__ as cli
 from kvcache import runner as kr
 from kvcache.store import DirectoryBackend, MemoryBackend, PrefixStore
+from kvcache.store.keys import as_ids as store_ids
+from kvcache.store.keys import Geometry, block_keys, output_key
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -57,6 +59,14 @@ def trace(runner, ids, store=None, steps=STEPS):
     return out
 
 
+def output_name(store, runner, ids):
+    """The backend name of the hidden row the runner stored after ``ids`` (whole blocks)."""
+    layer = runner.cache.layers[0]
+    geom = Geometry(len(runner.cache.layers), layer.num_kv_heads, layer.head_dim, layer.mode,
+                    store.block)
+    return output_key(block_keys(store_ids(ids), store.fingerprint, geom)[-1]).hex()
+
+
 def assert_bits(got, want):
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
@@ -67,24 +77,24 @@ def assert_bits(got, want):
 @pytest.mark.parametrize("kv", ["f32", "q8"])
 @pytest.mark.parametrize("case", ["llama", "gemma2-window8", "qwen2"])
 def test_directory_store_is_bit_identical(ckpt, tmp_path, case, kv):
-    runner = kr.Runner.from_pretrained(ckpt(case), kv=kv)
+    runner = kr.Runner.from_pretrained(ckpt(case), kv=kv, prefill_chunk=64)
     store = PrefixStore(DirectoryBackend(tmp_path / "store"), fingerprint=runner.fingerprint,
                         block=128)
     base = ids_of(420)
     # (prompt length, positions the store then supplies; chunks of 64): a miss that stores 3
-    # blocks, a hit of the same prompt, a longer prompt sharing it, a prompt that is all
-    # stored blocks (the chunk of its last position is computed again, for its logits), a
-    # shorter one inside a block
-    for n, loaded in ((420, 0), (420, 384), (500, 384), (384, 320), (200, 128)):
+    # blocks and the hidden rows at their ends, a hit of the same prompt, a longer prompt
+    # sharing it, a prompt that is all stored blocks (loaded whole: its last hidden row is
+    # stored), a shorter one inside a block
+    for n, loaded in ((420, 0), (420, 384), (500, 384), (384, 384), (200, 128)):
         ids = base[:n] if n <= 420 else np.concatenate([base, ids_of(n - 420, seed=4)])
-        cold = trace(kr.Runner.from_pretrained(ckpt(case), kv=kv), ids)
+        cold = trace(kr.Runner.from_pretrained(ckpt(case), kv=kv, prefill_chunk=64), ids)
         warm = trace(runner, ids, store=store)
         assert runner.store_loaded == loaded, (n, runner.store_loaded)
         assert_bits(warm, cold)
     # generate gives the same tokens with and without it
     ids = base[:300]
     runner.reset()
-    want = kr.Runner.from_pretrained(ckpt(case), kv=kv).generate(ids, 8)
+    want = kr.Runner.from_pretrained(ckpt(case), kv=kv, prefill_chunk=64).generate(ids, 8)
     assert runner.generate(ids, 8, store=store) == want
     assert runner.store_loaded == 256
 
@@ -122,7 +132,7 @@ def test_chunked_prefill_is_the_same_work_wherever_a_call_starts():
 
 
 def test_all_logits_with_a_store_computes_every_position(tmp_path):
-    runner = kr.Runner.random()
+    runner = kr.Runner.random(prefill_chunk=64)
     store = PrefixStore(tmp_path, fingerprint=runner.fingerprint, block=128)
     ids = ids_of(300) % 512
     want = runner.prefill(ids, all_logits=True)
@@ -239,6 +249,8 @@ def test_a_4bit_key_hit_is_bit_identical_with_a_chunk_below_its_block_of_keys():
     cold = trace(runner, ids)
     trace(runner, ids, store=store)
     assert runner.store_loaded == 0
+    # without the stored last hidden row, the chunk of the last position is computed again
+    store.backend.delete(output_name(store, runner, ids))
     assert_bits(trace(runner, ids, store=store), cold)
     assert runner.store_loaded == 224               # 240 is mid-block: down to 224
 
@@ -246,10 +258,44 @@ def test_a_4bit_key_hit_is_bit_identical_with_a_chunk_below_its_block_of_keys():
 def test_a_block_the_mode_cannot_take_is_refused_before_anything_runs():
     # q8 "cmf" needs block > 64: refused up front, also for a prompt of one chunk (which was
     # computed before the put refused the cache)
-    runner = kr.Runner.random(kv="q8:cmf")
+    runner = kr.Runner.random(kv="q8:cmf", prefill_chunk=64)
     backend = MemoryBackend()
     store = PrefixStore(backend, fingerprint=runner.fingerprint, block=64)
     for n, all_logits in ((30, False), (300, False), (300, True)):
         with pytest.raises(ValueError, match="needs block > 64"):
             runner.prefill(ids_of(n) % 512, store=store, all_logits=all_logits)
         assert runner.position == 0 and runner.cache.seq_len == 0 and len(backend) == 0
+
+
+def test_a_prompt_of_whole_stored_blocks_computes_no_position(caplog):
+    # the default chunk is the default block (256): the miss keeps the final hidden row at
+    # each block's end; a new runner then loads the whole prompt, computes no layer, and
+    # goes on exactly as the cold run
+    backend = MemoryBackend()
+    ids = ids_of(512) % 512
+    cold = trace(kr.Runner.random(seed=2), ids)
+    first = kr.Runner.random(seed=2)
+    store = PrefixStore(backend, fingerprint=first.fingerprint)
+    assert_bits(trace(first, ids, store=store), cold)
+    assert first.store_loaded == 0
+    assert len(backend) == 4                             # 2 blocks, 2 hidden rows
+    for n in (512, 256):
+        second = kr.Runner.random(seed=2)
+        got = trace(second, ids[:n], store=store)
+        assert second.store_loaded == n
+        assert_bits(got, cold if n == 512 else trace(kr.Runner.random(seed=2), ids[:n]))
+    fresh = kr.Runner.random(seed=2)
+    fresh.prefill(ids, store=store)
+    assert fresh.position == 512 and fresh.timings["attention_s"] == 0.0
+    # a damaged hidden row is a miss: the last chunk is computed, and its row stored again
+    name = output_name(store, first, ids)
+    value = bytearray(backend.get_many([name])[0])
+    value[100] ^= 4
+    backend.put(name, bytes(value))
+    with caplog.at_level(logging.WARNING, logger="kvcache"):
+        assert_bits(trace(fresh, ids, store=store), cold)
+    assert fresh.store_loaded == 256 and "unusable" in caplog.text
+    assert backend.get_many([name])[0] != bytes(value) and name in backend.keys()
+    fresh.reset()
+    fresh.prefill(ids, store=store)
+    assert fresh.store_loaded == 512

@@ -12,8 +12,9 @@ it in NumPy float32, with every attention layer's K/V in a
   Mistral's sliding window, Gemma-2's attention-logit softcap, final-logit softcap,
   ``query_pre_attn_scalar``, alternating sliding/global layers and sandwich norms, tied
   embeddings;
-- prefill runs the prompt in chunks ending at multiples of ``prefill_chunk`` (default 64)
-  absolute positions, grouped in steps of ``prefill_step`` (default 512) positions that each go
+- prefill runs the prompt in chunks ending at multiples of ``prefill_chunk`` (default 256)
+  absolute positions, grouped in steps of ``prefill_step`` (default at least 512, and a chunk
+  per usable CPU up to 8) positions that each go
   through every layer before the next (per layer and step: the chunks' products, ``append`` of
   their positions, one ``attend_all_heads`` of their queries); the bits do not depend on the
   step; decode runs one position per step;

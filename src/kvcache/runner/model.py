@@ -53,7 +53,7 @@ import numpy.typing as npt
 
 from .. import _deprecated
 from .._prefill_steps import step_ends
-from .._threads import BlasGovernor
+from .._threads import BlasGovernor, usable_cpus
 from .._validate import IntArrayLike, as_int, as_token_ids
 from ..eviction import EvictionPolicy
 from ..layer import LayerKvCache
@@ -86,18 +86,19 @@ O1_AUTO_PARAMS = (32, 128, 4, 128, 1e-3)
 #: "blocked-1" is the tiled kernel of ``LayerKvCache.attend_all_heads(prefill=True)``.
 PROMPT_KERNEL = "blocked-2"
 
-#: Positions per prefill chunk (chunks end at multiples of it).  It divides the prefix store's
-#: default block (256), so stored blocks and computed chunks line up; a full store hit still
-#: computes the chunk holding the prompt's last position, so it bounds the time to first token
-#: then (2k prompt on the benchmark model, one thread: 64 -> 29x faster than cold, 128 -> 16x),
-#: while cold prefill costs the same as with 128 within noise (the products of 64 rows stay
-#: compute-bound); it also bounds the MLP's scratch arrays to a chunk's rows.
-DEFAULT_PREFILL_CHUNK = 64
+#: Positions per prefill chunk (chunks end at multiples of it).  It equals the prefix store's
+#: default block (256), so stored blocks and computed chunks line up.  The store keeps the
+#: final hidden row at each block's end (:meth:`PrefixStore.put_output`), so a store hit on a
+#: whole number of blocks computes no chunk at all.  Products of 256 rows run faster than
+#: those of 64 (SmolLM2-135M, 2,048-token prompt: docs/runner.md, "Prefill chunks"), and a
+#: chunk bounds the MLP's scratch to its rows.
+DEFAULT_PREFILL_CHUNK = 256
 #: Positions per prefill step (a step goes through every layer before the next one starts),
-#: rounded up to a multiple of ``prefill_chunk``.  It bounds a long prompt's activations and
-#: scratch to a step's rows (512 rows of a 4096-wide model's MLP: about 30 MB) while each
-#: layer's products still see 64-row chunks and the BLAS/OpenMP hand-over happens once per
-#: layer and step; the bits do not depend on it (module docstring).
+#: at least; rounded up to a multiple of ``prefill_chunk`` and raised to one chunk per usable
+#: CPU (up to 8), so every thread has a chunk's products.  It bounds a long prompt's
+#: activations and scratch to a step's rows (512 rows of a 4096-wide model's MLP: about
+#: 30 MB) while the BLAS/OpenMP hand-over happens once per layer and step; the bits do not
+#: depend on it (module docstring).
 DEFAULT_PREFILL_STEP = 512
 
 _F32 = np.float32
@@ -238,14 +239,16 @@ class Runner:
         Deprecated (a DeprecationWarning): BLAS threads in single-position steps only, a cap
         under ``blas_threads`` (0: BLAS as it is in them), as before; use ``blas_threads``.
     prefill_chunk : int
-        Positions per prefill chunk (default :data:`DEFAULT_PREFILL_CHUNK`, 64): a prompt is
+        Positions per prefill chunk (default :data:`DEFAULT_PREFILL_CHUNK`, 256): a prompt is
         computed in chunks that end at multiples of it (absolute positions), so the work done
         for a position does not depend on where the call started (see the module docstring).
-        A prefix store's block must be a multiple of it.  Smaller chunks make a store hit
-        faster (the last chunk is always computed) and the MLP's scratch smaller.
+        A prefix store's block must be a multiple of it.  Larger chunks make the products
+        faster; smaller ones make the MLP's scratch smaller and a store hit on a prompt that
+        ends inside a block faster (the chunk of its last position is computed).
     prefill_step : int, optional
         Positions per prefill step (default :data:`DEFAULT_PREFILL_STEP`, 512, rounded up to a
-        multiple of ``prefill_chunk``; else it must be a multiple of it, ValueError): a prompt
+        multiple of ``prefill_chunk`` and to a chunk per usable CPU, up to 8; else it must be a
+        multiple of it, ValueError): a prompt
         is computed step by step, each step through every layer, so memory for activations
         and scratch grows with the step, not with the prompt.  The outputs are bit-identical
         for every step size (see the module docstring), so it is not part of
@@ -299,7 +302,7 @@ class Runner:
         self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, minimum=1)
         c = self.prefill_chunk
         if prefill_step is None:
-            self.prefill_step = -(-DEFAULT_PREFILL_STEP // c) * c
+            self.prefill_step = max(-(-DEFAULT_PREFILL_STEP // c), min(usable_cpus(), 8)) * c
         else:
             self.prefill_step = as_int("prefill_step", prefill_step, minimum=1)
             if self.prefill_step % c:
@@ -577,9 +580,12 @@ class Runner:
         return steps
 
     def _forward(self, ids: npt.NDArray[Any], all_logits: bool, prompt: bool,
-                 progress: Callable[[int, int], object] | None) -> Array:
+                 progress: Callable[[int, int], object] | None,
+                 marks: dict[int, Array | None] | None = None) -> Array:
         """:meth:`forward` of checked ``ids``; ``prompt`` says whether they are prompt positions
-        (:meth:`_attend`), ``progress(done, n)`` is called after each step."""
+        (:meth:`_attend`), ``progress(done, n)`` is called after each step; ``marks`` maps
+        offsets into ``ids`` to None, replaced by a copy of that position's final hidden row
+        (before the final norm: what :meth:`_logits` takes)."""
         n = ids.shape[0]
         sealing = bool(self.o1_layers) and self.position == 0
         if self.o1_layers and not sealing and n > 1:
@@ -607,6 +613,10 @@ class Runner:
                         positions.append(np.arange(self.position + lo, self.position + hi))
                     for i in range(self.config.num_layers):
                         xs = self._layer(i, xs, positions, sealing, prompt)
+                    for (lo, hi), x in zip(chunks, xs):
+                        for off in marks or ():
+                            if lo <= off < hi:
+                                marks[off] = x[off - lo].copy()      # type: ignore[index]
                     if all_logits:
                         outs.extend(self._chunks(self._logits, xs, [x.shape[0] for x in xs]))
                     if progress is not None:
@@ -683,17 +693,39 @@ class Runner:
         refuse_o1(self.o1_layers)             # before the fingerprint's digest is computed
         with open_store(store, self.fingerprint) as st:
             check_store(st, self.cache, fingerprint=self.fingerprint, chunk=self.prefill_chunk)
+            n, b = arr.shape[0], st.block
+            marks: dict[int, Array | None] = {}
             try:                              # all_logits: every position's are computed
+                # the prompt's last hidden row, when stored, spares its chunk's computation
+                last = (st.load_output(arr, self.cache, self.config.hidden_size)
+                        if not all_logits and n % b == 0 else None)
                 keep = 0 if all_logits else load_prefix(st, arr, self.cache,
-                                                        chunk=self.prefill_chunk)
+                                                        chunk=self.prefill_chunk,
+                                                        whole=last is not None)
                 self.position = keep
-                logits = self._forward(arr[keep:], all_logits, True, progress)
+                if keep == n and last is not None:
+                    logits = self._from_hidden(last)
+                else:
+                    marks = {p - keep: None for p in range(b - 1, n, b) if p >= keep}
+                    logits = self._forward(arr[keep:], all_logits, True, progress, marks)
             except BaseException:
                 self.reset()
                 raise
             self.store_loaded = keep
             store_blocks(st, arr, self.cache)
+            for off, row in marks.items():
+                if row is not None:
+                    st.put_output(arr[: keep + off + 1], self.cache, row)
             return logits
+
+    def _from_hidden(self, h: Array) -> Array:
+        """The logits of the last prompt position from its stored final hidden row ``h``, the
+        cache holding the whole prompt: the same one-row product :meth:`_forward` makes."""
+        t0 = time.perf_counter()
+        with self._blas_block():
+            logits = self._logits(h[None, :])
+        self.timings["total_s"] += time.perf_counter() - t0
+        return as_f32(logits[0])
 
     @property
     def fingerprint(self) -> str:
