@@ -2,7 +2,10 @@
  * an online softmax, no probability matrix.  Written once on the vector layer (_vec.h): the
  * same code is the AVX2 body and, on struct lanes, the portable one (and NEON on aarch64),
  * so every target computes the same bits.  No -ffast-math; every fused multiply-add is
- * written out (kvc_f8_fma, fmaf).
+ * written out (kvc_f8_fma, kvc_f16_fma, fmaf).  The score and value micro-kernels work on
+ * 16-lane vectors (one lane per key, or per channel), which are zmm registers on the AVX-512
+ * body; there they also take two strips at once (32 keys or channels, 12 accumulators).  A
+ * lane's chain is the same on every body, so only the speed differs.
  *
  * Summation orders (fixed by row and channel index only, so a query's result depends on its
  * own visible rows [f, e) and never on the other queries of the call or the thread count):
@@ -231,26 +234,54 @@ KVC_INLINE void kvc_pf_qk(const float *restrict Q, ptrdiff_t ldq, const int NR,
 {
     ptrdiff_t d;
     int q;
-    /* 2 NR accumulators (12 registers at NR = 6): lane c of acc[q][h] is key 8h + c's chain */
-    kvc_f8 acc[KVC_PF_QR][2];
+    /* NR 16-lane accumulators (lane c of acc[q] is key c's chain): one zmm each on AVX-512,
+     * two ymm halves elsewhere */
+    kvc_f16 acc[KVC_PF_QR];
 #pragma GCC unroll 6
     for (q = 0; q < NR; ++q)
-        acc[q][0] = acc[q][1] = kvc_f8_zero();
+        acc[q] = kvc_f16_zero();
     for (d = 0; d < hd; ++d) {
-        kvc_f8 ka = kvc_f8_load(Ks + d * 16), kb = kvc_f8_load(Ks + d * 16 + 8);
+        kvc_f16 k = kvc_f16_load(Ks + d * 16);
+#pragma GCC unroll 6
+        for (q = 0; q < NR; ++q)
+            acc[q] = kvc_f16_fma(kvc_f16_bcast(Q + q * ldq + d), k, acc[q]);
+    }
+#pragma GCC unroll 6
+    for (q = 0; q < NR; ++q)
+        kvc_f16_store(S + q * lds, acc[q]);
+}
+
+#if KVC_VEC_AVX512
+/* Two neighbouring strips at once (32 keys: Ks, then Ks + 16 hd), 2 NR zmm accumulators so
+ * that enough independent chains hide the fma latency; every chain is the one kvc_pf_qk
+ * computes for its key. */
+KVC_INLINE void kvc_pf_qk32(const float *restrict Q, ptrdiff_t ldq, const int NR,
+                            const float *restrict Ks, ptrdiff_t hd, float *restrict S,
+                            ptrdiff_t lds)
+{
+    const float *restrict Kt = Ks + hd * 16;
+    ptrdiff_t d;
+    int q;
+    kvc_f16 acc[KVC_PF_QR][2];
+#pragma GCC unroll 6
+    for (q = 0; q < NR; ++q)
+        acc[q][0] = acc[q][1] = kvc_f16_zero();
+    for (d = 0; d < hd; ++d) {
+        kvc_f16 ka = kvc_f16_load(Ks + d * 16), kb = kvc_f16_load(Kt + d * 16);
 #pragma GCC unroll 6
         for (q = 0; q < NR; ++q) {
-            kvc_f8 b = kvc_f8_bcast(Q + q * ldq + d);
-            acc[q][0] = kvc_f8_fma(b, ka, acc[q][0]);
-            acc[q][1] = kvc_f8_fma(b, kb, acc[q][1]);
+            kvc_f16 b = kvc_f16_bcast(Q + q * ldq + d);
+            acc[q][0] = kvc_f16_fma(b, ka, acc[q][0]);
+            acc[q][1] = kvc_f16_fma(b, kb, acc[q][1]);
         }
     }
 #pragma GCC unroll 6
     for (q = 0; q < NR; ++q) {
-        kvc_f8_store(S + q * lds, acc[q][0]);
-        kvc_f8_store(S + q * lds + 8, acc[q][1]);
+        kvc_f16_store(S + q * lds, acc[q][0]);
+        kvc_f16_store(S + q * lds + 16, acc[q][1]);
     }
 }
+#endif
 
 /* Scores of nq queries (nq any) for the 16-key strips covering columns [c0, c1) of a packed
  * K block; S rows have stride lds. */
@@ -261,6 +292,22 @@ KVC_INLINE void kvc_pf_scores(const float *Q, ptrdiff_t ldq, ptrdiff_t nq, const
     for (k0 = c0 / 16 * 16; k0 < c1; k0 += 16) {
         const float *Ks = Kp + (k0 / 16) * hd * 16;
         float *Sk = S + k0;
+#if KVC_VEC_AVX512
+        if (k0 + 16 < c1) {   /* two strips that both meet [c0, c1) */
+            for (j = 0; j + KVC_PF_QR <= nq; j += KVC_PF_QR)
+                kvc_pf_qk32(Q + j * ldq, ldq, KVC_PF_QR, Ks, hd, Sk + j * lds, lds);
+            switch (nq - j) {
+            case 5: kvc_pf_qk32(Q + j * ldq, ldq, 5, Ks, hd, Sk + j * lds, lds); break;
+            case 4: kvc_pf_qk32(Q + j * ldq, ldq, 4, Ks, hd, Sk + j * lds, lds); break;
+            case 3: kvc_pf_qk32(Q + j * ldq, ldq, 3, Ks, hd, Sk + j * lds, lds); break;
+            case 2: kvc_pf_qk32(Q + j * ldq, ldq, 2, Ks, hd, Sk + j * lds, lds); break;
+            case 1: kvc_pf_qk32(Q + j * ldq, ldq, 1, Ks, hd, Sk + j * lds, lds); break;
+            default: break;
+            }
+            k0 += 16;
+            continue;
+        }
+#endif
         for (j = 0; j + KVC_PF_QR <= nq; j += KVC_PF_QR)
             kvc_pf_qk(Q + j * ldq, ldq, KVC_PF_QR, Ks, hd, Sk + j * lds, lds);
         switch (nq - j) {
@@ -384,32 +431,61 @@ KVC_INLINE void kvc_pf_pv16(const float *restrict P, const int NR, const float *
 {
     ptrdiff_t r;
     int q;
-    kvc_f8 acc[KVC_PF_QR][2];
+    kvc_f16 acc[KVC_PF_QR];
 #pragma GCC unroll 6
     for (q = 0; q < NR; ++q) {
-        acc[q][0] = kvc_f8_load(O + q * ldo);
-        acc[q][1] = kvc_f8_load(O + q * ldo + 8);
+        acc[q] = kvc_f16_load(O + q * ldo);
+        if (alpha)
+            acc[q] = kvc_f16_mul(acc[q], kvc_f16_bcast(alpha + q));
+    }
+    for (r = ra; r < rb; ++r) {
+        kvc_f16 v = kvc_f16_load(Vs + r * 16);
+#pragma GCC unroll 6
+        for (q = 0; q < NR; ++q)
+            acc[q] = kvc_f16_fma(kvc_f16_bcast(P + q * KVC_PF_TILE + r), v, acc[q]);
+    }
+#pragma GCC unroll 6
+    for (q = 0; q < NR; ++q)
+        kvc_f16_store(O + q * ldo, acc[q]);
+}
+
+#if KVC_VEC_AVX512
+/* Two neighbouring 16-channel strips at once (Vs, then Vs + 16 * KVC_PF_TILE; O + 16):
+ * every chain is the one kvc_pf_pv16 computes for its channel. */
+KVC_INLINE void kvc_pf_pv32(const float *restrict P, const int NR, const float *restrict Vs,
+                            ptrdiff_t ra, ptrdiff_t rb, float *restrict O, ptrdiff_t ldo,
+                            const float *alpha)
+{
+    const float *restrict Vt = Vs + 16 * KVC_PF_TILE;
+    ptrdiff_t r;
+    int q;
+    kvc_f16 acc[KVC_PF_QR][2];
+#pragma GCC unroll 6
+    for (q = 0; q < NR; ++q) {
+        acc[q][0] = kvc_f16_load(O + q * ldo);
+        acc[q][1] = kvc_f16_load(O + q * ldo + 16);
         if (alpha) {
-            kvc_f8 av = kvc_f8_bcast(alpha + q);
-            acc[q][0] = kvc_f8_mul(acc[q][0], av);
-            acc[q][1] = kvc_f8_mul(acc[q][1], av);
+            kvc_f16 av = kvc_f16_bcast(alpha + q);
+            acc[q][0] = kvc_f16_mul(acc[q][0], av);
+            acc[q][1] = kvc_f16_mul(acc[q][1], av);
         }
     }
     for (r = ra; r < rb; ++r) {
-        kvc_f8 va = kvc_f8_load(Vs + r * 16), vb = kvc_f8_load(Vs + r * 16 + 8);
+        kvc_f16 va = kvc_f16_load(Vs + r * 16), vb = kvc_f16_load(Vt + r * 16);
 #pragma GCC unroll 6
         for (q = 0; q < NR; ++q) {
-            kvc_f8 b = kvc_f8_bcast(P + q * KVC_PF_TILE + r);
-            acc[q][0] = kvc_f8_fma(b, va, acc[q][0]);
-            acc[q][1] = kvc_f8_fma(b, vb, acc[q][1]);
+            kvc_f16 b = kvc_f16_bcast(P + q * KVC_PF_TILE + r);
+            acc[q][0] = kvc_f16_fma(b, va, acc[q][0]);
+            acc[q][1] = kvc_f16_fma(b, vb, acc[q][1]);
         }
     }
 #pragma GCC unroll 6
     for (q = 0; q < NR; ++q) {
-        kvc_f8_store(O + q * ldo, acc[q][0]);
-        kvc_f8_store(O + q * ldo + 8, acc[q][1]);
+        kvc_f16_store(O + q * ldo, acc[q][0]);
+        kvc_f16_store(O + q * ldo + 16, acc[q][1]);
     }
 }
+#endif
 
 /* Values of nr (<= KVC_PF_QR) queries over the rows [ra, rb) of a tile, every strip. */
 KVC_INLINE void kvc_pf_pv(const float *P, int nr, const float *Vp, ptrdiff_t hdp, ptrdiff_t ra,
@@ -418,6 +494,20 @@ KVC_INLINE void kvc_pf_pv(const float *P, int nr, const float *Vp, ptrdiff_t hdp
     ptrdiff_t d0;
     for (d0 = 0; d0 < hdp; d0 += 16) {
         const float *Vs = Vp + (d0 / 16) * KVC_PF_TILE * 16;
+#if KVC_VEC_AVX512
+        if (d0 + 32 <= hdp) {
+            switch (nr) {
+            case 6: kvc_pf_pv32(P, 6, Vs, ra, rb, O + d0, hdp, alpha); break;
+            case 5: kvc_pf_pv32(P, 5, Vs, ra, rb, O + d0, hdp, alpha); break;
+            case 4: kvc_pf_pv32(P, 4, Vs, ra, rb, O + d0, hdp, alpha); break;
+            case 3: kvc_pf_pv32(P, 3, Vs, ra, rb, O + d0, hdp, alpha); break;
+            case 2: kvc_pf_pv32(P, 2, Vs, ra, rb, O + d0, hdp, alpha); break;
+            default: kvc_pf_pv32(P, 1, Vs, ra, rb, O + d0, hdp, alpha); break;
+            }
+            d0 += 16;
+            continue;
+        }
+#endif
         switch (nr) {
         case 6: kvc_pf_pv16(P, 6, Vs, ra, rb, O + d0, hdp, alpha); break;
         case 5: kvc_pf_pv16(P, 5, Vs, ra, rb, O + d0, hdp, alpha); break;
