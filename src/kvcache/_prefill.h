@@ -350,6 +350,35 @@ static float kvc_pf_softmax_step(float *restrict s, ptrdiff_t a, ptrdiff_t b, fl
     }
     const kvc_f8 sc = kvc_f8_set1(scale);
     if (a == 0 && b == KVC_PF_TILE) {
+#if KVC_VEC_AVX512
+        /* a whole tile on zmm: the scaling and the exponentials 16 lanes at a time (the same
+         * bits lane by lane: kvc_f16_exp is kvc_f8_exp), the max and the sum taken over the
+         * 8-lane halves in row order, as below */
+        kvc_f16 w[4];
+        kvc_f8 mx8 = kvc_f8_set1(-INFINITY), acc8 = kvc_f8_zero();
+        const kvc_f16 sc16 = kvc_f16_set1(scale);
+        int i;
+        for (i = 0; i < 4; ++i) {
+            w[i] = kvc_f16_mul(kvc_f16_load(s + 16 * i), sc16);
+            mx8 = kvc_f8_max_num(mx8, kvc_f16_lo(w[i]));
+            mx8 = kvc_f8_max_num(mx8, kvc_f16_hi(w[i]));
+        }
+        tmax = kvc_f8_fold_max(mx8);
+        mnew = tmax > *m ? tmax : *m;
+        mu = mnew == -INFINITY ? 0.0f : mnew;
+        alpha = kvc_expf(*m - mu);
+        const kvc_f16 mu16 = kvc_f16_set1(mu);
+        for (i = 0; i < 4; ++i) {
+            kvc_f16 p = kvc_f16_exp(kvc_f16_sub(w[i], mu16));
+            kvc_f16_store(s + 16 * i, p);
+            acc8 = kvc_f8_add(acc8, kvc_f16_lo(p));
+            acc8 = kvc_f8_add(acc8, kvc_f16_hi(p));
+        }
+        t = kvc_f8_fold(acc8);
+        *l = fmaf(*l, alpha, t);
+        *m = mnew;
+        return alpha;
+#else
         /* a whole tile: the 64 scaled scores stay in registers */
         kvc_f8 v[8], mx = kvc_f8_set1(-INFINITY), acc;
         int i;
@@ -372,6 +401,7 @@ static float kvc_pf_softmax_step(float *restrict s, ptrdiff_t a, ptrdiff_t b, fl
         *l = fmaf(*l, alpha, t);
         *m = mnew;
         return alpha;
+#endif
     }
     /* part of a tile: the 8-blocks that meet [a, b), lanes outside it masked (their scores
      * may be stale or not finite) */
