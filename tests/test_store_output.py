@@ -40,9 +40,9 @@ def ids_of(n, seed=1):
     return np.random.default_rng(seed).integers(0, 1000, n)
 
 
-def name_of(store, ids, mode="f32"):
+def name_of(store, ids, count, mode="f32"):
     geom = Geometry(LAYERS, NKV, HD, kc.KvMode.parse(mode), store.block)
-    return output_key(block_keys(as_ids(ids), store.fingerprint, geom)[-1]).hex()
+    return output_key(block_keys(as_ids(ids), store.fingerprint, geom)[-1], count).hex()
 
 
 @pytest.mark.parametrize("kind", ["memory", "dir"])
@@ -81,7 +81,7 @@ def test_damaged_outputs_are_misses_that_are_deleted(caplog):
     cache, ids = cache_of(), ids_of(16)
     vec = np.linspace(-1, 1, 33, dtype=np.float32)
     store.put_output(ids, cache, vec)
-    name = name_of(store, ids)
+    name = name_of(store, ids, 33)
     pristine = backend.get_many([name])[0]
     assert len(pristine) == 80 + 136 + 8                 # header, 33 values padded to 8, digest
     rng = np.random.default_rng(3)
@@ -102,12 +102,14 @@ def test_damaged_outputs_are_misses_that_are_deleted(caplog):
             assert store.load_output(ids, cache, 33) is None
             assert name not in backend.keys()
         backend.put(name, pristine)
-        assert store.load_output(ids, cache, 34) is None        # another count: not this one's
+        assert store.load_output(ids, cache, 34) is None        # another count: another key
+        assert name in backend.keys()
     assert "unusable" in caplog.text
-    # an entry moved under another prefix's name is refused by its key
-    store.put_output(ids, cache, vec)
-    backend.put(name_of(store, ids[:8]), backend.get_many([name])[0])
+    # an entry moved under another prefix's or count's name is refused by its header
+    backend.put(name_of(store, ids[:8], 33), pristine)
     assert store.load_output(ids[:8], cache, 33) is None
+    backend.put(name_of(store, ids, 32), pristine)
+    assert store.load_output(ids, cache, 32) is None
     assert np.array_equal(store.load_output(ids, cache, 33), vec)
 
 
@@ -122,6 +124,27 @@ def test_the_documented_header():
     assert value[92:96] == bytes(4)                                    # pad8
     assert struct.unpack_from("<Q", value, 96)[0] == wire.digest(alg, np.frombuffer(
         value, dtype=np.uint8)[:96])
+
+
+def test_put_outputs_stores_several_prefixes_at_once():
+    backend = MemoryBackend()
+    store = PrefixStore(backend, fingerprint="m", block=8)
+    cache, ids = cache_of(), ids_of(40)
+    rows = {8: np.ones(3), 24: np.arange(3.0), 40: [7.0, 8.0]}
+    assert store.put_outputs(ids, cache, rows) == 3
+    assert store.put_outputs(ids, cache, rows) == 0                    # there already
+    assert store.put_outputs(ids, cache, {}) == 0
+    for n, want in rows.items():
+        assert np.array_equal(store.load_output(ids[:n], cache, len(want)),
+                              np.asarray(want, dtype=np.float32))
+    assert store.load_output(ids[:16], cache, 3) is None
+    # every length and vector is checked before anything is stored
+    for bad, exc in (({8: [1.0], 12: [1.0]}, ValueError), ({8: [1.0], 48: [1.0]}, ValueError),
+                     ({0: [1.0]}, ValueError), ({True: [1.0]}, ValueError),
+                     ({16: [1.0], 32: "x"}, TypeError), ([(8, [1.0])], TypeError)):
+        with pytest.raises(exc):
+            store.put_outputs(ids, cache, bad)
+    assert len(backend) == 3
 
 
 @pytest.mark.parametrize("values,exc,match", [

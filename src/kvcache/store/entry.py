@@ -74,8 +74,8 @@ from .keys import Geometry
 
 __all__ = ["EntryError", "MAGIC", "VERSION", "HEADER_SIZE", "DIGEST_SIZE", "Field", "layer_fields",
            "entry_size", "encode", "encode_parts", "check_header", "digest_parts",
-           "stored_digest", "decode", "columns_of", "OUTPUT_MAGIC", "OUTPUT_MAX",
-           "encode_output", "decode_output"]
+           "stored_digest", "decode", "columns_of", "OUTPUT_MAGIC", "OUTPUT_VERSION",
+           "OUTPUT_HEADER_SIZE", "OUTPUT_MAX", "encode_output", "decode_output"]
 
 MAGIC = b"\x89KVBLOCK"
 VERSION = 1
@@ -308,7 +308,8 @@ OUTPUT_HEADER_SIZE = _OUTPUT.size        # 80
 
 
 def encode_output(key: bytes, fp_digest: bytes, values: npt.NDArray[np.float32]) -> bytes:
-    """The output entry of the prefix whose last block key is ``key``: an 80-byte header
+    """The output entry of the prefix whose last block key is ``key`` (stored under
+    :func:`kvcache.store.keys.output_key` of it and the count): an 80-byte header
     (magic, version, digest algorithm, flags 0, header length, total length, ``key``, the
     count of values, a reserved 0, the fingerprint digest), ``values`` as little-endian
     float32, zero padding to a multiple of 8 and the digest of everything before it."""
@@ -323,7 +324,8 @@ def encode_output(key: bytes, fp_digest: bytes, values: npt.NDArray[np.float32])
 
 def decode_output(value: bytes, key: bytes, fp_digest: bytes,
                   count: int) -> npt.NDArray[np.float32]:
-    """Check ``value`` as the output entry under ``key`` holding ``count`` values and return
+    """Check ``value`` as the output entry after the prefix whose last block key is ``key``,
+    holding ``count`` values, and return
     them (a new float32 array).  EntryError for anything wrong, checked in the order of
     :func:`check_header`: length, magic, version, header, total, key, fingerprint, count,
     digest."""

@@ -104,8 +104,10 @@ def block_keys(ids: npt.NDArray[np.int64], fp: bytes, geom: Geometry) -> list[by
     return out
 
 
-def output_key(key: bytes) -> bytes:
-    """The key of the output stored after the prefix whose last block key is ``key``:
-    BLAKE2b-256(person="kvcache-prefix1", key || b"output"), so it depends on everything the
-    block key does and never equals a block key."""
-    return hashlib.blake2b(key + b"output", digest_size=KEY_BYTES, person=_PERSON).digest()
+def output_key(key: bytes, count: int) -> bytes:
+    """The key of the output of ``count`` values stored after the prefix whose last block key
+    is ``key``: BLAKE2b-256(person="kvcache-prefix1", key || b"output" || u32 count), so it
+    depends on everything the block key does, never equals a block key, and outputs of other
+    lengths after the same prefix (another driver's) never share it."""
+    return hashlib.blake2b(key + b"output" + struct.pack("<I", count), digest_size=KEY_BYTES,
+                           person=_PERSON).digest()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -338,29 +338,52 @@ class PrefixStore:
         ``len(ids)`` must be a positive multiple of ``block``; ``cache`` names the model's
         geometry and mode as for :meth:`put` (its rows are not read); ``values`` is a 1-D
         array of 1 to ``entry.OUTPUT_MAX`` real numbers, stored as float32.  Kept apart from
-        the blocks under a key derived from the last block's, in an entry of its own with a
-        digest (docs/formats.md, "Prefix store output").  ValueError/TypeError for bad input
-        (nothing is stored)."""
+        the blocks under a key derived from the last block's and the count, in an entry of
+        its own with a digest (docs/formats.md, "Prefix store output").  ValueError/TypeError
+        for bad input (nothing is stored)."""
+        arr = as_ids(ids)
+        return self.put_outputs(arr, cache, {int(arr.shape[0]): values}) == 1
+
+    def put_outputs(self, ids: object, cache: KvCache, outputs: Mapping[int, object]) -> int:
+        """:meth:`put_output` of several prefixes of ``ids`` at once: ``outputs`` maps a prefix
+        length (a positive multiple of ``block``, at most ``len(ids)``) to its values.  The
+        block keys are computed once and the backend asked once which outputs it holds;
+        returns how many were written.  Every length and vector is checked before anything
+        is stored (ValueError/TypeError)."""
         arr = as_ids(ids)
         geom = self._geometry(cache)
-        vec = _output_values(values)
-        key = self._output_key(arr, geom)
-        if self._down is not None:
-            return False
-        name = key.hex()
+        if not isinstance(outputs, Mapping):
+            raise TypeError(f"outputs: expected a mapping of prefix lengths to values, got "
+                            f"{type(outputs).__name__}")
+        n, b = arr.shape[0], self._block
+        vecs: list[tuple[int, npt.NDArray[np.float32]]] = []
+        for length, values in outputs.items():
+            if (isinstance(length, bool) or not isinstance(length, (int, np.integer))
+                    or not 0 < length <= n or length % b):
+                raise ValueError(f"outputs: an output is kept after whole blocks; expected "
+                                 f"prefix lengths that are positive multiples of block={b} "
+                                 f"up to len(ids)={n}, got {length!r}")
+            vecs.append((int(length), _output_values(values)))
+        if self._down is not None or not vecs:
+            return 0
+        raw = block_keys(arr[: max(length for length, _ in vecs)], self._fp, geom)
+        items = [(raw[length // b - 1], vec) for length, vec in vecs]
+        names = [output_key(key, vec.shape[0]).hex() for key, vec in items]
+        written = 0
         try:
-            if self._backend.contains_many([name])[0]:
-                return False
-            self._backend.put(name, _entry.encode_output(key, self._fp_digest, vec))
+            present = self._backend.contains_many(names)
+            for (key, vec), name, there in zip(items, names, present):
+                if not there:
+                    self._backend.put(name, _entry.encode_output(key, self._fp_digest, vec))
+                    written += 1
         except BackendUnavailable as exc:
             self._disable(exc)
-            return False
-        return True
+        return written
 
     def load_output(self, ids: object, cache: KvCache, count: int) -> Optional[
             npt.NDArray[np.float32]]:
-        """The output :meth:`put_output` stored after the prefix ``ids`` for ``cache``'s model
-        and mode, as a new float32 array of ``count`` values; None when none is stored, the
+        """The output of ``count`` values :meth:`put_output` stored after the prefix ``ids``
+        for ``cache``'s model and mode, as a new float32 array; None when none is stored, the
         stored one fails its checks (it is then deleted and logged once, as a bad block is),
         or the store is off.  ValueError/TypeError for bad input."""
         arr = as_ids(ids)
@@ -369,10 +392,14 @@ class PrefixStore:
                 1 <= count <= _entry.OUTPUT_MAX):
             raise ValueError(f"count: expected an int in [1, {_entry.OUTPUT_MAX}], got "
                              f"{count!r}")
-        key = self._output_key(arr, geom)
+        n, b = arr.shape[0], self._block
+        if n == 0 or n % b:
+            raise ValueError(f"ids: an output is kept after whole blocks; expected a positive "
+                             f"multiple of block={b} ids, got {n}")
         if self._down is not None:
             return None
-        name = key.hex()
+        key = block_keys(arr, self._fp, geom)[-1]
+        name = output_key(key, int(count)).hex()
         try:
             value = self._backend.get_many([name])[0]
             if value is None:
@@ -570,14 +597,6 @@ class PrefixStore:
                 owned=True, vc=d.get("vc"), vp=d.get("vp"), kc=d.get("kc"), kp=d.get("kp"),
                 kr=kr))
         return out, good * b
-
-    def _output_key(self, arr: npt.NDArray[np.int64], geom: Geometry) -> bytes:
-        """The output key of the prefix ``arr``; ValueError unless it is whole blocks."""
-        n, b = arr.shape[0], self._block
-        if n == 0 or n % b:
-            raise ValueError(f"ids: an output is kept after whole blocks; expected a positive "
-                             f"multiple of block={b} ids, got {n}")
-        return output_key(block_keys(arr, self._fp, geom)[-1])
 
     def _bad(self, name: str, key: bytes, exc: _entry.EntryError) -> None:
         """A stored entry that failed its checks: a miss, deleted, and logged once (an entry
