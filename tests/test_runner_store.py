@@ -19,8 +19,6 @@ import pytest
 import kvcache.__main__ as cli
 from kvcache import runner as kr
 from kvcache.store import DirectoryBackend, MemoryBackend, PrefixStore
-from kvcache.store.keys import as_ids as store_ids
-from kvcache.store.keys import Geometry, block_keys, output_key
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -57,14 +55,6 @@ def trace(runner, ids, store=None, steps=STEPS):
     for _ in range(steps):
         out.append(runner.step(int(np.argmax(out[-1]))))
     return out
-
-
-def output_name(store, runner, ids):
-    """The backend name of the hidden row the runner stored after ``ids`` (whole blocks)."""
-    layer = runner.cache.layers[0]
-    geom = Geometry(len(runner.cache.layers), layer.num_kv_heads, layer.head_dim, layer.mode,
-                    store.block)
-    return output_key(block_keys(store_ids(ids), store.fingerprint, geom)[-1]).hex()
 
 
 def assert_bits(got, want):
@@ -249,8 +239,6 @@ def test_a_4bit_key_hit_is_bit_identical_with_a_chunk_below_its_block_of_keys():
     cold = trace(runner, ids)
     trace(runner, ids, store=store)
     assert runner.store_loaded == 0
-    # without the stored last hidden row, the chunk of the last position is computed again
-    store.backend.delete(output_name(store, runner, ids))
     assert_bits(trace(runner, ids, store=store), cold)
     assert runner.store_loaded == 224               # 240 is mid-block: down to 224
 
@@ -266,36 +254,3 @@ def test_a_block_the_mode_cannot_take_is_refused_before_anything_runs():
             runner.prefill(ids_of(n) % 512, store=store, all_logits=all_logits)
         assert runner.position == 0 and runner.cache.seq_len == 0 and len(backend) == 0
 
-
-def test_a_prompt_of_whole_stored_blocks_computes_no_position(caplog):
-    # the default chunk is the default block (256): the miss keeps the final hidden row at
-    # each block's end; a new runner then loads the whole prompt, computes no layer, and
-    # goes on exactly as the cold run
-    backend = MemoryBackend()
-    ids = ids_of(512) % 512
-    cold = trace(kr.Runner.random(seed=2), ids)
-    first = kr.Runner.random(seed=2)
-    store = PrefixStore(backend, fingerprint=first.fingerprint)
-    assert_bits(trace(first, ids, store=store), cold)
-    assert first.store_loaded == 0
-    assert len(backend) == 4                             # 2 blocks, 2 hidden rows
-    for n in (512, 256):
-        second = kr.Runner.random(seed=2)
-        got = trace(second, ids[:n], store=store)
-        assert second.store_loaded == n
-        assert_bits(got, cold if n == 512 else trace(kr.Runner.random(seed=2), ids[:n]))
-    fresh = kr.Runner.random(seed=2)
-    fresh.prefill(ids, store=store)
-    assert fresh.position == 512 and fresh.timings["attention_s"] == 0.0
-    # a damaged hidden row is a miss: the last chunk is computed, and its row stored again
-    name = output_name(store, first, ids)
-    value = bytearray(backend.get_many([name])[0])
-    value[100] ^= 4
-    backend.put(name, bytes(value))
-    with caplog.at_level(logging.WARNING, logger="kvcache"):
-        assert_bits(trace(fresh, ids, store=store), cold)
-    assert fresh.store_loaded == 256 and "unusable" in caplog.text
-    assert backend.get_many([name])[0] != bytes(value) and name in backend.keys()
-    fresh.reset()
-    fresh.prefill(ids, store=store)
-    assert fresh.store_loaded == 512

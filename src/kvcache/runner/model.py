@@ -20,7 +20,8 @@ their queries (kvcache's kernel computes each query on its own, whatever the cal
 BLAS's threads and kvcache's OpenMP team take turns once per layer, as with one block.
 
 Steps.  A long prompt is computed step-major: a step of ``prefill_step`` positions (a multiple of
-``prefill_chunk``, 512 by default) goes through every layer before the next step starts, so the
+``prefill_chunk``; by default at least 512 and a chunk per usable CPU up to 8) goes through
+every layer before the next step starts, so the
 activations, the products' scratch and the attention output hold one step's rows, not the
 prompt's.  A step is a group of whole chunks and each query attends on its own to the rows
 stored before it, so the bits do not depend on the step size.  One exception is kept out by
@@ -88,17 +89,18 @@ PROMPT_KERNEL = "blocked-2"
 
 #: Positions per prefill chunk (chunks end at multiples of it).  It equals the prefix store's
 #: default block (256), so stored blocks and computed chunks line up.  The store keeps the
-#: final hidden row at each block's end (:meth:`PrefixStore.put_output`), so a store hit on a
-#: whole number of blocks computes no chunk at all.  Products of 256 rows run faster than
-#: those of 64 (SmolLM2-135M, 2,048-token prompt: docs/runner.md, "Prefill chunks"), and a
-#: chunk bounds the MLP's scratch to its rows.
+#: final hidden row at each block's end (:meth:`PrefixStore.put_outputs`), so a store hit on
+#: a whole number of blocks computes no chunk at all.  Products of more rows run faster
+#: (docs/threads.md, "What decides a row's bits in OpenBLAS"), and a chunk bounds the MLP's
+#: scratch to its rows.
 DEFAULT_PREFILL_CHUNK = 256
 #: Positions per prefill step (a step goes through every layer before the next one starts),
 #: at least; rounded up to a multiple of ``prefill_chunk`` and raised to one chunk per usable
 #: CPU (up to 8), so every thread has a chunk's products.  It bounds a long prompt's
-#: activations and scratch to a step's rows (512 rows of a 4096-wide model's MLP: about
-#: 30 MB) while the BLAS/OpenMP hand-over happens once per layer and step; the bits do not
-#: depend on it (module docstring).
+#: activations and scratch to a step's rows (a step of 512 rows of a 4096-wide model's MLP:
+#: about 30 MB; the step grows with the CPUs, up to 2,048 rows) while the BLAS/OpenMP
+#: hand-over happens once per layer and step; the bits do not depend on it (module
+#: docstring).
 DEFAULT_PREFILL_STEP = 512
 
 _F32 = np.float32
@@ -662,9 +664,12 @@ class Runner:
         folder or ``redis://host:port/db``, opened as a store with this runner's
         :attr:`fingerprint` and closed afterwards), the longest stored prefix of ``ids`` is
         loaded into the cache, only the rest is computed, and the prompt's new full blocks
-        are stored.  At least the last chunk that holds the prompt's final position is always
-        computed (its logits are needed); :attr:`store_loaded` says how many positions were
-        loaded.  The logits are bit-identical to a run without the store.  A store that
+        are stored with the final hidden row of each block's last position.  A prompt of
+        whole stored blocks whose last row is stored is loaded whole (not with 4-bit K: its
+        roll-back needs the computed rows of the last block of keys) and its logits computed
+        from that row; otherwise the chunk holding the prompt's final position is computed
+        (its logits are needed).  :attr:`store_loaded` says how many positions were loaded.
+        The logits are bit-identical to a run without the store.  A store that
         fails (a server down, a damaged entry) only costs the time: the prompt is computed.
         With ``all_logits`` nothing is loaded (every position's logits are computed); the new
         blocks are still stored.
@@ -696,9 +701,11 @@ class Runner:
             n, b = arr.shape[0], st.block
             marks: dict[int, Array | None] = {}
             try:                              # all_logits: every position's are computed
-                # the prompt's last hidden row, when stored, spares its chunk's computation
+                # the prompt's last hidden row, when stored, spares its chunk's computation;
+                # not with 4-bit K, whose roll-back ring would then hold rows rebuilt from the
+                # loaded codes where a cold run's holds the computed ones (docs/store.md)
                 last = (st.load_output(arr, self.cache, self.config.hidden_size)
-                        if not all_logits and n % b == 0 else None)
+                        if not all_logits and n % b == 0 and not self.mode.k4 else None)
                 keep = 0 if all_logits else load_prefix(st, arr, self.cache,
                                                         chunk=self.prefill_chunk,
                                                         whole=last is not None)
@@ -713,9 +720,9 @@ class Runner:
                 raise
             self.store_loaded = keep
             store_blocks(st, arr, self.cache)
-            for off, row in marks.items():
-                if row is not None:
-                    st.put_output(arr[: keep + off + 1], self.cache, row)
+            rows = {keep + off + 1: row for off, row in marks.items() if row is not None}
+            if rows:
+                st.put_outputs(arr, self.cache, rows)
             return logits
 
     def _from_hidden(self, h: Array) -> Array:
