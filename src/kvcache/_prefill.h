@@ -193,7 +193,24 @@ KVC_INLINE void kvc_pf_load_v(const float *vf, const int8_t *vq, const float *vs
         for (p = r0; p < r1; ++p) {
             float *dst = Vp + (p - t0) * 16;
             const uint8_t *c = vc4 + p * (hd / 2);
-            for (d = 0; d < hd; d += KVC_V4_GROUP) {
+            const uint16_t *pr = vp + p * np;
+            ptrdiff_t c0;
+            /* whole 32-channel chunks, 8 lanes at a time: the low nibbles of the chunk's 16
+             * bytes are its first 16 channels (group c0 / 16), the high nibbles the next 16
+             * (the layout of _q4.h); each lane fma(code, s_g, m_g) as below */
+            for (c0 = 0; c0 + 32 <= hd; c0 += 32) {
+                int h;
+                for (h = 0; h < 2; ++h) {
+                    const ptrdiff_t g = c0 / 16 + h;
+                    const kvc_f8 sg = kvc_f8_set1(kvc_f16_to_f32(pr[2 * g]));
+                    const kvc_f8 mg = kvc_f8_set1(kvc_f16_to_f32(pr[2 * g + 1]));
+                    float *o = dst + g * KVC_PF_TILE * 16;
+                    kvc_f8_store(o, kvc_f8_fma(kvc_f8_from_u4(c + c0 / 2, 4 * h), sg, mg));
+                    kvc_f8_store(o + 8, kvc_f8_fma(kvc_f8_from_u4(c + c0 / 2 + 8, 4 * h), sg,
+                                                   mg));
+                }
+            }
+            for (d = c0; d < hd; d += KVC_V4_GROUP) {
                 float sg = kvc_f16_to_f32(vp[p * np + 2 * (d / 16)]);
                 float mg = kvc_f16_to_f32(vp[p * np + 2 * (d / 16) + 1]);
                 ptrdiff_t e, e1 = hd - d < KVC_V4_GROUP ? hd : d + KVC_V4_GROUP;
