@@ -242,98 +242,77 @@ KVC_INLINE void kvc_pf_load_v(const float *vf, const int8_t *vq, const float *vs
 }
 
 /* ---------------------------------------------------------------------------------------
- * Scores of NR queries (rows of Q, stride ldq) against one 16-key strip Ks of the packed K
- * tile: S[q * 64 + c] = the channel-ordered fma chain of key c.  NR <= KVC_PF_QR.
+ * Scores of NR queries (rows of Q, stride ldq) against NS neighbouring 16-key strips of the
+ * packed K tile (Ks, Ks + 16 hd): S[q * lds + 16 s + c] = the channel-ordered fma chain of
+ * key 16 s + c.  NR <= KVC_PF_QR and NS <= 2 (2 only where KVC_PF_STRIPS is 2) are constants
+ * at every call, so each (NR, NS) is its own unrolled kernel.  The 16-lane accumulators are
+ * one zmm each on AVX-512, two ymm halves elsewhere; a key's chain is the same for every NS.
  * ------------------------------------------------------------------------------------- */
-KVC_INLINE void kvc_pf_qk(const float *restrict Q, ptrdiff_t ldq, const int NR,
+#if KVC_VEC_AVX512
+#define KVC_PF_STRIPS 2   /* 2 NR zmm accumulators: enough independent chains for the fma */
+#else
+#define KVC_PF_STRIPS 1   /* 16 ymm registers: one strip (2 NR accumulator halves) */
+#endif
+
+KVC_INLINE void kvc_pf_qk(const float *restrict Q, ptrdiff_t ldq, const int NR, const int NS,
                           const float *restrict Ks, ptrdiff_t hd, float *restrict S,
                           ptrdiff_t lds)
 {
     ptrdiff_t d;
-    int q;
-    /* NR 16-lane accumulators (lane c of acc[q] is key c's chain): one zmm each on AVX-512,
-     * two ymm halves elsewhere */
-    kvc_f16 acc[KVC_PF_QR];
-#pragma GCC unroll 6
-    for (q = 0; q < NR; ++q)
-        acc[q] = kvc_f16_zero();
-    for (d = 0; d < hd; ++d) {
-        kvc_f16 k = kvc_f16_load(Ks + d * 16);
-#pragma GCC unroll 6
-        for (q = 0; q < NR; ++q)
-            acc[q] = kvc_f16_fma(kvc_f16_bcast(Q + q * ldq + d), k, acc[q]);
-    }
-#pragma GCC unroll 6
-    for (q = 0; q < NR; ++q)
-        kvc_f16_store(S + q * lds, acc[q]);
-}
-
-#if KVC_VEC_AVX512
-/* Two neighbouring strips at once (32 keys: Ks, then Ks + 16 hd), 2 NR zmm accumulators so
- * that enough independent chains hide the fma latency; every chain is the one kvc_pf_qk
- * computes for its key. */
-KVC_INLINE void kvc_pf_qk32(const float *restrict Q, ptrdiff_t ldq, const int NR,
-                            const float *restrict Ks, ptrdiff_t hd, float *restrict S,
-                            ptrdiff_t lds)
-{
-    const float *restrict Kt = Ks + hd * 16;
-    ptrdiff_t d;
-    int q;
+    int q, t;
     kvc_f16 acc[KVC_PF_QR][2];
 #pragma GCC unroll 6
     for (q = 0; q < NR; ++q)
-        acc[q][0] = acc[q][1] = kvc_f16_zero();
+        for (t = 0; t < NS; ++t)
+            acc[q][t] = kvc_f16_zero();
     for (d = 0; d < hd; ++d) {
-        kvc_f16 ka = kvc_f16_load(Ks + d * 16), kb = kvc_f16_load(Kt + d * 16);
+        kvc_f16 k[2];
+        for (t = 0; t < NS; ++t)
+            k[t] = kvc_f16_load(Ks + t * hd * 16 + d * 16);
 #pragma GCC unroll 6
         for (q = 0; q < NR; ++q) {
             kvc_f16 b = kvc_f16_bcast(Q + q * ldq + d);
-            acc[q][0] = kvc_f16_fma(b, ka, acc[q][0]);
-            acc[q][1] = kvc_f16_fma(b, kb, acc[q][1]);
+            for (t = 0; t < NS; ++t)
+                acc[q][t] = kvc_f16_fma(b, k[t], acc[q][t]);
         }
     }
 #pragma GCC unroll 6
-    for (q = 0; q < NR; ++q) {
-        kvc_f16_store(S + q * lds, acc[q][0]);
-        kvc_f16_store(S + q * lds + 16, acc[q][1]);
+    for (q = 0; q < NR; ++q)
+        for (t = 0; t < NS; ++t)
+            kvc_f16_store(S + q * lds + 16 * t, acc[q][t]);
+}
+
+/* kvc_pf_qk for nq queries (nq any): blocks of KVC_PF_QR, then the rest. */
+KVC_INLINE void kvc_pf_qk_rows(const float *Q, ptrdiff_t ldq, ptrdiff_t nq, const int NS,
+                               const float *Ks, ptrdiff_t hd, float *S, ptrdiff_t lds)
+{
+    ptrdiff_t j;
+    for (j = 0; j + KVC_PF_QR <= nq; j += KVC_PF_QR)
+        kvc_pf_qk(Q + j * ldq, ldq, KVC_PF_QR, NS, Ks, hd, S + j * lds, lds);
+    switch (nq - j) {
+    case 5: kvc_pf_qk(Q + j * ldq, ldq, 5, NS, Ks, hd, S + j * lds, lds); break;
+    case 4: kvc_pf_qk(Q + j * ldq, ldq, 4, NS, Ks, hd, S + j * lds, lds); break;
+    case 3: kvc_pf_qk(Q + j * ldq, ldq, 3, NS, Ks, hd, S + j * lds, lds); break;
+    case 2: kvc_pf_qk(Q + j * ldq, ldq, 2, NS, Ks, hd, S + j * lds, lds); break;
+    case 1: kvc_pf_qk(Q + j * ldq, ldq, 1, NS, Ks, hd, S + j * lds, lds); break;
+    default: break;
     }
 }
-#endif
 
 /* Scores of nq queries (nq any) for the 16-key strips covering columns [c0, c1) of a packed
- * K block; S rows have stride lds. */
+ * K block, two at a time where the body takes two and both meet [c0, c1); S rows have
+ * stride lds. */
 KVC_INLINE void kvc_pf_scores(const float *Q, ptrdiff_t ldq, ptrdiff_t nq, const float *Kp,
                           ptrdiff_t hd, ptrdiff_t c0, ptrdiff_t c1, float *S, ptrdiff_t lds)
 {
-    ptrdiff_t j, k0;
+    ptrdiff_t k0;
     for (k0 = c0 / 16 * 16; k0 < c1; k0 += 16) {
         const float *Ks = Kp + (k0 / 16) * hd * 16;
-        float *Sk = S + k0;
-#if KVC_VEC_AVX512
-        if (k0 + 16 < c1) {   /* two strips that both meet [c0, c1) */
-            for (j = 0; j + KVC_PF_QR <= nq; j += KVC_PF_QR)
-                kvc_pf_qk32(Q + j * ldq, ldq, KVC_PF_QR, Ks, hd, Sk + j * lds, lds);
-            switch (nq - j) {
-            case 5: kvc_pf_qk32(Q + j * ldq, ldq, 5, Ks, hd, Sk + j * lds, lds); break;
-            case 4: kvc_pf_qk32(Q + j * ldq, ldq, 4, Ks, hd, Sk + j * lds, lds); break;
-            case 3: kvc_pf_qk32(Q + j * ldq, ldq, 3, Ks, hd, Sk + j * lds, lds); break;
-            case 2: kvc_pf_qk32(Q + j * ldq, ldq, 2, Ks, hd, Sk + j * lds, lds); break;
-            case 1: kvc_pf_qk32(Q + j * ldq, ldq, 1, Ks, hd, Sk + j * lds, lds); break;
-            default: break;
-            }
+        if (KVC_PF_STRIPS == 2 && k0 + 16 < c1) {
+            kvc_pf_qk_rows(Q, ldq, nq, 2, Ks, hd, S + k0, lds);
             k0 += 16;
-            continue;
-        }
-#endif
-        for (j = 0; j + KVC_PF_QR <= nq; j += KVC_PF_QR)
-            kvc_pf_qk(Q + j * ldq, ldq, KVC_PF_QR, Ks, hd, Sk + j * lds, lds);
-        switch (nq - j) {
-        case 5: kvc_pf_qk(Q + j * ldq, ldq, 5, Ks, hd, Sk + j * lds, lds); break;
-        case 4: kvc_pf_qk(Q + j * ldq, ldq, 4, Ks, hd, Sk + j * lds, lds); break;
-        case 3: kvc_pf_qk(Q + j * ldq, ldq, 3, Ks, hd, Sk + j * lds, lds); break;
-        case 2: kvc_pf_qk(Q + j * ldq, ldq, 2, Ks, hd, Sk + j * lds, lds); break;
-        case 1: kvc_pf_qk(Q + j * ldq, ldq, 1, Ks, hd, Sk + j * lds, lds); break;
-        default: break;
+        } else {
+            kvc_pf_qk_rows(Q, ldq, nq, 1, Ks, hd, S + k0, lds);
         }
     }
 }
@@ -468,100 +447,70 @@ static float kvc_pf_softmax_step(float *restrict s, ptrdiff_t a, ptrdiff_t b, fl
 }
 
 /* ---------------------------------------------------------------------------------------
- * Values.  For NR queries (probability rows P + q * 64, tile-relative row index) and one
- * 16-channel strip Vs of the packed V tile: O = O * alpha (when alpha != NULL), then
- * O = fma(p, v, O) over the rows [ra, rb) in order.  O rows have stride ldo.
+ * Values.  For NR queries (probability rows P + q * 64, tile-relative row index) and NS
+ * neighbouring 16-channel strips of the packed V tile (Vs, Vs + 16 * KVC_PF_TILE; O + 16):
+ * O = O * alpha (when alpha != NULL), then O = fma(p, v, O) over the rows [ra, rb) in order.
+ * O rows have stride ldo.  A channel's chain is the same for every NS.
  * ------------------------------------------------------------------------------------- */
-KVC_INLINE void kvc_pf_pv16(const float *restrict P, const int NR, const float *restrict Vs,
-                            ptrdiff_t ra, ptrdiff_t rb, float *restrict O, ptrdiff_t ldo,
-                            const float *alpha)
+KVC_INLINE void kvc_pf_pv16(const float *restrict P, const int NR, const int NS,
+                            const float *restrict Vs, ptrdiff_t ra, ptrdiff_t rb,
+                            float *restrict O, ptrdiff_t ldo, const float *alpha)
 {
     ptrdiff_t r;
-    int q;
-    kvc_f16 acc[KVC_PF_QR];
-#pragma GCC unroll 6
-    for (q = 0; q < NR; ++q) {
-        acc[q] = kvc_f16_load(O + q * ldo);
-        if (alpha)
-            acc[q] = kvc_f16_mul(acc[q], kvc_f16_bcast(alpha + q));
-    }
-    for (r = ra; r < rb; ++r) {
-        kvc_f16 v = kvc_f16_load(Vs + r * 16);
-#pragma GCC unroll 6
-        for (q = 0; q < NR; ++q)
-            acc[q] = kvc_f16_fma(kvc_f16_bcast(P + q * KVC_PF_TILE + r), v, acc[q]);
-    }
-#pragma GCC unroll 6
-    for (q = 0; q < NR; ++q)
-        kvc_f16_store(O + q * ldo, acc[q]);
-}
-
-#if KVC_VEC_AVX512
-/* Two neighbouring 16-channel strips at once (Vs, then Vs + 16 * KVC_PF_TILE; O + 16):
- * every chain is the one kvc_pf_pv16 computes for its channel. */
-KVC_INLINE void kvc_pf_pv32(const float *restrict P, const int NR, const float *restrict Vs,
-                            ptrdiff_t ra, ptrdiff_t rb, float *restrict O, ptrdiff_t ldo,
-                            const float *alpha)
-{
-    const float *restrict Vt = Vs + 16 * KVC_PF_TILE;
-    ptrdiff_t r;
-    int q;
+    int q, t;
     kvc_f16 acc[KVC_PF_QR][2];
 #pragma GCC unroll 6
-    for (q = 0; q < NR; ++q) {
-        acc[q][0] = kvc_f16_load(O + q * ldo);
-        acc[q][1] = kvc_f16_load(O + q * ldo + 16);
-        if (alpha) {
-            kvc_f16 av = kvc_f16_bcast(alpha + q);
-            acc[q][0] = kvc_f16_mul(acc[q][0], av);
-            acc[q][1] = kvc_f16_mul(acc[q][1], av);
+    for (q = 0; q < NR; ++q)
+        for (t = 0; t < NS; ++t) {
+            acc[q][t] = kvc_f16_load(O + q * ldo + 16 * t);
+            if (alpha)
+                acc[q][t] = kvc_f16_mul(acc[q][t], kvc_f16_bcast(alpha + q));
         }
-    }
     for (r = ra; r < rb; ++r) {
-        kvc_f16 va = kvc_f16_load(Vs + r * 16), vb = kvc_f16_load(Vt + r * 16);
+        kvc_f16 v[2];
+        for (t = 0; t < NS; ++t)
+            v[t] = kvc_f16_load(Vs + t * 16 * KVC_PF_TILE + r * 16);
 #pragma GCC unroll 6
         for (q = 0; q < NR; ++q) {
             kvc_f16 b = kvc_f16_bcast(P + q * KVC_PF_TILE + r);
-            acc[q][0] = kvc_f16_fma(b, va, acc[q][0]);
-            acc[q][1] = kvc_f16_fma(b, vb, acc[q][1]);
+            for (t = 0; t < NS; ++t)
+                acc[q][t] = kvc_f16_fma(b, v[t], acc[q][t]);
         }
     }
 #pragma GCC unroll 6
-    for (q = 0; q < NR; ++q) {
-        kvc_f16_store(O + q * ldo, acc[q][0]);
-        kvc_f16_store(O + q * ldo + 16, acc[q][1]);
+    for (q = 0; q < NR; ++q)
+        for (t = 0; t < NS; ++t)
+            kvc_f16_store(O + q * ldo + 16 * t, acc[q][t]);
+}
+
+/* kvc_pf_pv16 of nr (<= KVC_PF_QR, a run-time count) queries. */
+KVC_INLINE void kvc_pf_pv_nr(const float *P, int nr, const int NS, const float *Vs,
+                             ptrdiff_t ra, ptrdiff_t rb, float *O, ptrdiff_t ldo,
+                             const float *alpha)
+{
+    switch (nr) {
+    case 6: kvc_pf_pv16(P, 6, NS, Vs, ra, rb, O, ldo, alpha); break;
+    case 5: kvc_pf_pv16(P, 5, NS, Vs, ra, rb, O, ldo, alpha); break;
+    case 4: kvc_pf_pv16(P, 4, NS, Vs, ra, rb, O, ldo, alpha); break;
+    case 3: kvc_pf_pv16(P, 3, NS, Vs, ra, rb, O, ldo, alpha); break;
+    case 2: kvc_pf_pv16(P, 2, NS, Vs, ra, rb, O, ldo, alpha); break;
+    default: kvc_pf_pv16(P, 1, NS, Vs, ra, rb, O, ldo, alpha); break;
     }
 }
-#endif
 
-/* Values of nr (<= KVC_PF_QR) queries over the rows [ra, rb) of a tile, every strip. */
+/* Values of nr (<= KVC_PF_QR) queries over the rows [ra, rb) of a tile, every strip (two at
+ * a time where the body takes two). */
 KVC_INLINE void kvc_pf_pv(const float *P, int nr, const float *Vp, ptrdiff_t hdp, ptrdiff_t ra,
                       ptrdiff_t rb, float *O, const float *alpha)
 {
     ptrdiff_t d0;
     for (d0 = 0; d0 < hdp; d0 += 16) {
         const float *Vs = Vp + (d0 / 16) * KVC_PF_TILE * 16;
-#if KVC_VEC_AVX512
-        if (d0 + 32 <= hdp) {
-            switch (nr) {
-            case 6: kvc_pf_pv32(P, 6, Vs, ra, rb, O + d0, hdp, alpha); break;
-            case 5: kvc_pf_pv32(P, 5, Vs, ra, rb, O + d0, hdp, alpha); break;
-            case 4: kvc_pf_pv32(P, 4, Vs, ra, rb, O + d0, hdp, alpha); break;
-            case 3: kvc_pf_pv32(P, 3, Vs, ra, rb, O + d0, hdp, alpha); break;
-            case 2: kvc_pf_pv32(P, 2, Vs, ra, rb, O + d0, hdp, alpha); break;
-            default: kvc_pf_pv32(P, 1, Vs, ra, rb, O + d0, hdp, alpha); break;
-            }
+        if (KVC_PF_STRIPS == 2 && d0 + 32 <= hdp) {
+            kvc_pf_pv_nr(P, nr, 2, Vs, ra, rb, O + d0, hdp, alpha);
             d0 += 16;
-            continue;
-        }
-#endif
-        switch (nr) {
-        case 6: kvc_pf_pv16(P, 6, Vs, ra, rb, O + d0, hdp, alpha); break;
-        case 5: kvc_pf_pv16(P, 5, Vs, ra, rb, O + d0, hdp, alpha); break;
-        case 4: kvc_pf_pv16(P, 4, Vs, ra, rb, O + d0, hdp, alpha); break;
-        case 3: kvc_pf_pv16(P, 3, Vs, ra, rb, O + d0, hdp, alpha); break;
-        case 2: kvc_pf_pv16(P, 2, Vs, ra, rb, O + d0, hdp, alpha); break;
-        default: kvc_pf_pv16(P, 1, Vs, ra, rb, O + d0, hdp, alpha); break;
+        } else {
+            kvc_pf_pv_nr(P, nr, 1, Vs, ra, rb, O + d0, hdp, alpha);
         }
     }
 }
