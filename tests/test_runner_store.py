@@ -25,6 +25,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from test_runner import COMMON, make_hf_model  # noqa: E402  (the runner tests' checkpoints)
+from test_runner_store_whole import assert_bits  # noqa: E402  (torch-free: the shared check)
 
 STEPS = 6
 VOCAB = COMMON["vocab_size"]
@@ -55,13 +56,6 @@ def trace(runner, ids, store=None, steps=STEPS):
     for _ in range(steps):
         out.append(runner.step(int(np.argmax(out[-1]))))
     return out
-
-
-def assert_bits(got, want):
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g.dtype == w.dtype == np.float32
-        assert np.array_equal(g, w), f"logits {i} differ by {np.abs(g - w).max()}"
 
 
 @pytest.mark.parametrize("kv", ["f32", "q8"])
