@@ -39,12 +39,15 @@
 #define KVC_PF_TILE 64 /* rows per key/value tile, at absolute row multiples */
 #define KVC_PF_QR 6    /* queries per register block (scores and values) */
 #define KVC_PF_PAD16(hd) (((hd) + 15) / 16 * 16)
+/* Floats of the packed K tile: 64 x hd floats, or the int8 tile's scales (64 per K group)
+ * and codes (64 x hd rounded up to 4 bytes), which this bounds for every hd. */
+#define KVC_PF_KP_FLOATS(hd) (KVC_PF_TILE * (hd) + 128)
 
 /* Per-thread scratch floats of a task with up to nq queries (the importance pass needs less):
- * the packed K tile (64 x hd), the packed V tile (64 x hd rounded up to 16), scores and
+ * the packed K tile (KVC_PF_KP_FLOATS), the packed V tile (64 x hd rounded up to 16), scores and
  * probabilities (nq x 64), the partial outputs (nq x padded hd), alpha (nq), and slack. */
 #define KVC_PF_SCRATCH_FLOATS(hd, nq) \
-    (KVC_PF_TILE * (hd) + KVC_PF_TILE * KVC_PF_PAD16(hd) + (nq) * KVC_PF_TILE \
+    (KVC_PF_KP_FLOATS(hd) + KVC_PF_TILE * KVC_PF_PAD16(hd) + (nq) * KVC_PF_TILE \
      + (nq) * KVC_PF_PAD16(hd) + (nq) + 64 + KVC_PF_K4_TMP(hd))
 
 /* One-pass importance (kvc_pf_task with pbuf): per task, the probabilities of its nq queries

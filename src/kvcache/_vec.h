@@ -1058,4 +1058,149 @@ KVC_INLINE void kvc_f8_transpose8(kvc_f8 *r)
 
 #endif
 
+/* --- operations added for the prompt kernel's blocked q8 scores --- */
+/* Four int8 key codes per int32 lane (one lane per key) against four query codes w, the same
+ * in every lane.  Exact integer sums on every target, so each gives the same values:
+ *   KVC_I8_KOFF              what the stored form adds to a key code: 128 where the form is
+ *                            k ^ 0x80 (k + 128 as an unsigned byte: vpdpbusd's unsigned
+ *                            operand), 0 where it is k
+ *   kvc_i8x_kform(v)         the stored form of four codes per lane (v ^ 0x80808080 or v)
+ *   kvc_i8x_storeb(p, v)     the 32 bytes of v at p (kvc_i8x_loadb's layout)
+ *   kvc_i8x_transpose8(r)    kvc_f8_transpose8 of int32 lanes (copies only)
+ *   kvc_i16x                 16 int32 lanes: __m512i on AVX-512, two kvc_i8x halves elsewhere
+ *   kvc_i16x_dp4k(acc, k, w) per lane acc + sum_{i < 4} (kbyte_i + KVC_I8_KOFF) sbyte_i(w), k
+ *                            16 lanes of stored form (kvc_i16x_loadb); w's codes in
+ *                            [-127, 127].  A caller that starts acc at -KVC_I8_KOFF * sum(w's
+ *                            codes over the group) ends with the group's exact sum of q k.
+ *                            VNNI: vpdpbusd; AVX2: vpmaddubsw(|k|, sign(w, k)) (pair sums at
+ *                            most 2 * 128 * 127) then vpmaddwd with ones; NEON: sdot, or smull
+ *                            and pairwise adds; C: the loop.
+ *   kvc_i16x_to_f16(a)       (float) of each lane (round to nearest, as C's conversion) */
+#if KVC_VEC_I8 == KVC_I8_VNNI
+#define KVC_I8_KOFF 128
+#else
+#define KVC_I8_KOFF 0
+#endif
+
+#if KVC_VEC_X86
+KVC_INLINE kvc_i8x kvc_i8x_kform(kvc_i8x v)
+{
+#if KVC_I8_KOFF
+    return _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+#else
+    return v;
+#endif
+}
+KVC_INLINE void kvc_i8x_storeb(uint8_t *p, kvc_i8x v) { _mm256_storeu_si256((__m256i *)p, v); }
+KVC_INLINE void kvc_i8x_transpose8(kvc_i8x *r)
+{
+    kvc_f8 f[8];
+    int i;
+    for (i = 0; i < 8; ++i)
+        f[i] = _mm256_castsi256_ps(r[i]);
+    kvc_f8_transpose8(f);
+    for (i = 0; i < 8; ++i)
+        r[i] = _mm256_castps_si256(f[i]);
+}
+KVC_INLINE kvc_i8x kvc_i8x_dp4k(kvc_i8x acc, kvc_i8x k, int32_t w)
+{
+#if KVC_VEC_I8 == KVC_I8_VNNI
+    return kvc_dpbusd(acc, k, _mm256_set1_epi32(w));
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_abs_epi8(k), _mm256_sign_epi8(_mm256_set1_epi32(w), k)),
+        _mm256_set1_epi16(1)));
+#endif
+}
+#elif KVC_VEC_NEON
+KVC_INLINE kvc_i8x kvc_i8x_kform(kvc_i8x v) { return v; }
+KVC_INLINE void kvc_i8x_storeb(uint8_t *p, kvc_i8x v)
+{
+    vst1q_u8(p, vreinterpretq_u8_s32(v.val[0]));
+    vst1q_u8(p + 16, vreinterpretq_u8_s32(v.val[1]));
+}
+KVC_INLINE void kvc_i8x_transpose8(kvc_i8x *r)
+{
+    kvc_f8 f[8];
+    int i;
+    for (i = 0; i < 8; ++i) {
+        f[i].val[0] = vreinterpretq_f32_s32(r[i].val[0]);
+        f[i].val[1] = vreinterpretq_f32_s32(r[i].val[1]);
+    }
+    kvc_f8_transpose8(f);
+    for (i = 0; i < 8; ++i) {
+        r[i].val[0] = vreinterpretq_s32_f32(f[i].val[0]);
+        r[i].val[1] = vreinterpretq_s32_f32(f[i].val[1]);
+    }
+}
+KVC_INLINE kvc_i8x kvc_i8x_dp4k(kvc_i8x acc, kvc_i8x k, int32_t w)
+{
+    int8x16_t wv = vreinterpretq_s8_s32(vdupq_n_s32(w));
+    kvc_i8x r = { { kvc_neon_dp4(acc.val[0], k.val[0], wv), kvc_neon_dp4(acc.val[1], k.val[1], wv) } };
+    return r;
+}
+#else
+KVC_INLINE kvc_i8x kvc_i8x_kform(kvc_i8x v) { return v; }
+KVC_INLINE void kvc_i8x_storeb(uint8_t *p, kvc_i8x v) { memcpy(p, v.v, sizeof v.v); }
+KVC_INLINE void kvc_i8x_transpose8(kvc_i8x *r)
+{
+    kvc_i8x t[8];
+    int i, j;
+    for (i = 0; i < 8; ++i)
+        for (j = 0; j < 8; ++j)
+            t[i].v[j] = r[j].v[i];
+    memcpy(r, t, sizeof t);
+}
+KVC_INLINE kvc_i8x kvc_i8x_dp4k(kvc_i8x acc, kvc_i8x k, int32_t w)
+{
+    int8_t kb[32], wb[4];
+    int l, i;
+    memcpy(kb, k.v, 32);
+    memcpy(wb, &w, 4);
+    for (l = 0; l < 8; ++l) {
+        int32_t s = 0;
+        for (i = 0; i < 4; ++i)
+            s += (int32_t)kb[4 * l + i] * (int32_t)wb[i];
+        acc.v[l] += s;
+    }
+    return acc;
+}
+#endif
+
+#if KVC_VEC_AVX512
+typedef __m512i kvc_i16x;
+KVC_INLINE kvc_i16x kvc_i16x_set1(int32_t x) { return _mm512_set1_epi32(x); }
+KVC_INLINE kvc_i16x kvc_i16x_loadb(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+KVC_INLINE kvc_i16x kvc_i16x_dp4k(kvc_i16x acc, kvc_i16x k, int32_t w)
+{
+    return _mm512_dpbusd_epi32(acc, k, _mm512_set1_epi32(w));   /* KVC_I8_KOFF is 128 */
+}
+KVC_INLINE kvc_f16 kvc_i16x_to_f16(kvc_i16x a) { return _mm512_cvtepi32_ps(a); }
+#else
+typedef struct { kvc_i8x lo, hi; } kvc_i16x;
+KVC_INLINE kvc_i16x kvc_i16x_set1(int32_t x)
+{
+    kvc_i16x r;
+    r.lo = r.hi = kvc_i8x_set1(x);
+    return r;
+}
+KVC_INLINE kvc_i16x kvc_i16x_loadb(const uint8_t *p)
+{
+    kvc_i16x r;
+    r.lo = kvc_i8x_loadb(p);
+    r.hi = kvc_i8x_loadb(p + 32);
+    return r;
+}
+KVC_INLINE kvc_i16x kvc_i16x_dp4k(kvc_i16x acc, kvc_i16x k, int32_t w)
+{
+    acc.lo = kvc_i8x_dp4k(acc.lo, k.lo, w);
+    acc.hi = kvc_i8x_dp4k(acc.hi, k.hi, w);
+    return acc;
+}
+KVC_INLINE kvc_f16 kvc_i16x_to_f16(kvc_i16x a)
+{
+    return kvc_f16_pair(kvc_i8x_to_f8(a.lo), kvc_i8x_to_f8(a.hi));
+}
+#endif
+
 #endif

@@ -1,6 +1,7 @@
 /* Runs the blocked prompt kernel of _prefill.h (tasks with and without their one-pass
- * importance, and the second importance pass; float32 and q8
- * and 4-bit keys; float32, int8 and 4-bit values) on fixed pseudo-random inputs and prints every result as raw bits.  The body is the one
+ * importance, and the second importance pass; float32 keys, q8 keys in groups of 32 and of 16
+ * channels, and 4-bit keys; float32, int8 and 4-bit values) on fixed pseudo-random inputs and
+ * prints every result as raw bits.  The body is the one
  * the compile flags select (_vec.h); tests/test_prefill.py builds it once per x86 body (and the
  * VNNI q8 code emulated, -DKVC_EMULATE_VNNI), tests/test_aarch64.py once per aarch64 body, and
  * both require the -DKVC_NO_SIMD build's output. */
@@ -25,13 +26,14 @@ static void out(float x)
 #define HDMAX 136
 #define ROWS 203
 #define NQ 23
+#define KS 9 /* K scales per int8 row: ceil(HDMAX / 16) */
 
 int main(void)
 {
     static int8_t qi[NQ * KVC_I8_PAD(HDMAX)];
-    static float qsc[NQ * KVC_I8_GROUPS(HDMAX, 32)];
-    static int32_t qsum[NQ * KVC_I8_GROUPS(HDMAX, 32)];
-    static float q[NQ * HDMAX], k[ROWS * HDMAX], v[ROWS * HDMAX], ks[ROWS * 5], vs[ROWS];
+    static float qsc[NQ * KVC_I8_GROUPS(HDMAX, 16)];
+    static int32_t qsum[NQ * KVC_I8_GROUPS(HDMAX, 16)];
+    static float q[NQ * HDMAX], k[ROWS * HDMAX], v[ROWS * HDMAX], ks[ROWS * KS], vs[ROWS];
     static float vcol[HDMAX], o[NQ * HDMAX], o2[NQ * HDMAX], qm[NQ], ql[NQ];
     static float colsum[KVC_PF_IMP_ROWS], colsum1[3 * KVC_PF_TILE];
     static float pbuf[KVC_PF_PBUF_FLOATS(3, NQ)];
@@ -53,7 +55,7 @@ int main(void)
         kq[i] = (int8_t)(rnd() * 60.0f);
         vq[i] = (int8_t)(rnd() * 60.0f);
     }
-    for (i = 0; i < ROWS * 5; ++i) ks[i] = rnd() * rnd();
+    for (i = 0; i < ROWS * KS; ++i) ks[i] = rnd() * rnd();
     for (i = 0; i < ROWS; ++i) vs[i] = rnd() * 0.1f;
     for (i = 0; i < HDMAX; ++i) vcol[i] = 1.0f + 0.1f * rnd();
     /* causal ranges of 23 queries (positions 150..172, three heads per position, shared
@@ -67,11 +69,13 @@ int main(void)
     qf[9] = qe[9] - 1;
     qe[12] = qf[12] = 0;
     qf[20] = 129;
-    for (h = 0; h < 10; ++h) {
-        ptrdiff_t hd = hds[h];
+    for (h = 0; h < 20; ++h) {
+        /* K groups of 32 channels (scheme "cmf"), then of 16 ("rows": int8 keys only) */
+        ptrdiff_t hd = hds[h % 10], group = h < 10 ? 32 : 16;
         for (i = 0; i < NQ; ++i)
-            kvc_quant_query(q + i * hd, hd, 32, qi + i * KVC_I8_PAD(hd),
-                            qsc + i * KVC_I8_GROUPS(hd, 32), qsum + i * KVC_I8_GROUPS(hd, 32));
+            kvc_quant_query(q + i * hd, hd, group, qi + i * KVC_I8_PAD(hd),
+                            qsc + i * KVC_I8_GROUPS(hd, group),
+                            qsum + i * KVC_I8_GROUPS(hd, group));
         if (hd % 8 == 0) {  /* the 4-bit V rows and 4-bit K of this head dim (_q4.h) */
             for (i = 0; i < ROWS; ++i)
                 kvc_v4_quant_row(v + i * hd, hd, vc4 + i * (hd / 2), vp + i * 2 * KVC_V4_NG(hd));
@@ -90,12 +94,13 @@ int main(void)
         for (mode = 0; mode < 9; ++mode)
             for (cap = 0; cap < 2; ++cap) {
                 int quant_k = mode % 3, quant_v = mode / 3;
-                if (hd % 8 && (quant_k == 2 || quant_v == 2))
+                if ((hd % 8 && (quant_k == 2 || quant_v == 2)) || (group == 16 && quant_k != 1))
                     continue;
                 float softcap = cap ? 2.5f : 0.0f;
                 ptrdiff_t t0, j;
-                kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, quant_k, &k4, v, vq, vs, 1, quant_v, vc4, vp,
-                            vcol, hd, 0.3f, softcap, o, qm, ql, scratch, NULL, NULL, 32, qi, qsc, qsum);
+                kvc_pf_task(q, NQ, qf, qe, k, kq, ks, KS, quant_k, &k4, v, vq, vs, 1, quant_v, vc4, vp,
+                            vcol, hd, 0.3f, softcap, o, qm, ql, scratch, NULL, NULL, group, qi, qsc,
+                            qsum);
                 for (i = 0; i < NQ * hd; ++i)
                     out(o[i]);
                 for (j = 0; j < NQ; ++j) {
@@ -104,8 +109,8 @@ int main(void)
                 }
                 /* the task again with its one-pass importance (3 tiles: rows 0..172): the
                  * same outputs, and the column sums */
-                kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, quant_k, &k4, v, vq, vs, 1, quant_v, vc4, vp,
-                            vcol, hd, 0.3f, softcap, o2, qm, ql, scratch, pbuf, colsum1, 32, qi,
+                kvc_pf_task(q, NQ, qf, qe, k, kq, ks, KS, quant_k, &k4, v, vq, vs, 1, quant_v, vc4, vp,
+                            vcol, hd, 0.3f, softcap, o2, qm, ql, scratch, pbuf, colsum1, group, qi,
                             qsc, qsum);
                 if (memcmp(o, o2, sizeof(float) * (size_t)(NQ * hd)) != 0)
                     return 1;
@@ -116,8 +121,8 @@ int main(void)
                     ptrdiff_t a0 = t0 < 173 ? t0 : 0, t1 = t0 < 173 ? t0 + 64 : 173;
                     t1 = t1 < 173 ? t1 : 173;
                     memset(colsum, 0, sizeof colsum);
-                    kvc_pf_imp_group(q, NQ, qf, qe, qm, ql, k, kq, ks, 5, quant_k, &k4, hd, 0.3f,
-                                     softcap, a0, t1, colsum, scratch, 32, qi, qsc, qsum);
+                    kvc_pf_imp_group(q, NQ, qf, qe, qm, ql, k, kq, ks, KS, quant_k, &k4, hd, 0.3f,
+                                     softcap, a0, t1, colsum, scratch, group, qi, qsc, qsum);
                     for (i = 0; i < t1 - a0; ++i)
                         out(colsum[i]);
                 }
@@ -128,11 +133,11 @@ int main(void)
     v[7 * 64 + 2] = INFINITY;
     for (i = 0; i < 64; ++i)
         k[150 * 64 + i] = -1e30f;
-    kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, 0, &k4, v, vq, vs, 1, 0, vc4, vp, vcol, 64, 1e10f, 0.0f,
+    kvc_pf_task(q, NQ, qf, qe, k, kq, ks, KS, 0, &k4, v, vq, vs, 1, 0, vc4, vp, vcol, 64, 1e10f, 0.0f,
                 o, qm, ql, scratch, NULL, NULL, 32, qi, qsc, qsum);
     for (i = 0; i < NQ * 64; ++i)
         out(o[i]);
-    kvc_pf_task(q, NQ, qf, qe, k, kq, ks, 5, 0, &k4, v, vq, vs, 1, 0, vc4, vp, vcol, 64, 1e10f, 0.0f,
+    kvc_pf_task(q, NQ, qf, qe, k, kq, ks, KS, 0, &k4, v, vq, vs, 1, 0, vc4, vp, vcol, 64, 1e10f, 0.0f,
                 o2, qm, ql, scratch, pbuf, colsum1, 32, qi, qsc, qsum);
     for (i = 0; i < 3 * KVC_PF_TILE; ++i)
         out(colsum1[i]);
