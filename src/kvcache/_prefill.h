@@ -915,7 +915,10 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
                              const float *qsc, const int32_t *qsum)
 {
     float *Kp = scratch;
-    float *S = Kp + hd * KVC_PF_IMP_ROWS;
+    float *S = Kp + KVC_PF_IMP_KP_FLOATS(hd);
+    const ptrdiff_t ng = quant_k == KVC_K_Q8 ? KVC_I8_GROUPS(hd, group) : 0;
+    float *K8sc = Kp;                                  /* int8 keys: scales, then codes */
+    uint8_t *K8 = (uint8_t *)(Kp + KVC_PF_IMP_ROWS * ng);
     ptrdiff_t j, ja = -1, jb = -1, r0 = t1, r1 = t0, k;
     for (j = 0; j < nq; ++j)
         if (qf[j] < t1 && qe[j] > t0 && qe[j] > qf[j]) {
@@ -933,6 +936,8 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
         kvc_pf_load_k4(k4, t0, r0, r1, hd, Kp, S + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS);
     else if (!quant_k)
         kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
+    else
+        kvc_pf_load_k8(kq, ks, ks_stride, ng, t0, r0, r1, hd, K8, K8sc);
     for (j = ja; j < jb; j += KVC_PF_IMP_QUERIES) {
         ptrdiff_t nr = jb - j < KVC_PF_IMP_QUERIES ? jb - j : KVC_PF_IMP_QUERIES, i;
         if (j + nr < jb)   /* the next queries, into L2 while these are scored */
@@ -950,12 +955,8 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
         if (c0 >= c1)
             continue;
         if (quant_k == KVC_K_Q8) {
-            for (i = 0; i < nr; ++i)
-                kvc_i8_rows(group, qi + (j + i) * KVC_I8_PAD(hd),
-                                qsc + (j + i) * KVC_I8_GROUPS(hd, group),
-                                qsum + (j + i) * KVC_I8_GROUPS(hd, group), kq + (t0 + c0) * hd,
-                                ks + (t0 + c0) * ks_stride, ks_stride, hd, c1 - c0,
-                                S + i * KVC_PF_IMP_ROWS + c0);
+            kvc_pf_scores8(qi + j * KVC_I8_PAD(hd), qsc + j * ng, qsum + j * ng, ng, nr, K8,
+                           K8sc, hd, group, c0, c1, S, KVC_PF_IMP_ROWS);
         } else {
             kvc_pf_scores(q + j * hd, hd, nr, Kp, hd, c0, c1, S, KVC_PF_IMP_ROWS);
         }

@@ -59,7 +59,9 @@
 
 #define KVC_PF_IMP_ROWS 256
 #define KVC_PF_IMP_QUERIES 48 /* queries scored together: each K strip is read once for them */
-#define KVC_PF_IMP_SCRATCH(hd) (KVC_PF_IMP_ROWS * (hd) + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS + 64 \
+/* the second pass's packed K rows: 256 x hd floats, or the int8 rows' scales and codes */
+#define KVC_PF_IMP_KP_FLOATS(hd) (KVC_PF_IMP_ROWS * (hd) + 512)
+#define KVC_PF_IMP_SCRATCH(hd) (KVC_PF_IMP_KP_FLOATS(hd) + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS + 64 \
                                 + KVC_PF_K4_TMP(hd))
 
 /* MLA decode (_mla.h) */
