@@ -97,6 +97,21 @@ def test_notes_say_what_was_not_measured_and_warn():
     assert any(n.startswith("WARNING: llama3-8b 4k q8: output differs from SDPA") for n in notes)
 
 
+def test_int8_keys_above_the_float_peak_are_explained_not_flagged(monkeypatch):
+    """q8 scores with integer dot products: its share of the float FMA peak may pass 100%, which
+    gets its own mark and note, not the busy-probe flag an f32 cell above 100% gets."""
+    monkeypatch.setattr(tables, "MAX_WIDTH", 10_000)
+    res = result()
+    assert bp.INT8_NOTE not in bp.prefill_notes(res)
+    res["attention"][0]["q8"]["pct_peak"] = 107.0
+    text = bp.attention_table(res["attention"])
+    assert "107%" + bp.INT8_MARK in text and tables.PEAK_FOOTNOTE[:20] not in text
+    assert bp.INT8_NOTE in bp.prefill_notes(res)
+    res["attention"][0]["f32"]["pct_peak"] = 104.0
+    text = bp.attention_table(res["attention"])
+    assert "104%" + tables.PEAK_MARK in text and tables.PEAK_FOOTNOTE[:20] in text
+
+
 def test_a_cell_estimated_too_slow_is_skipped():
     cfg = bp.PrefillSettings([QWEN], contexts=(128, 256), repeats=1, max_call_s=1e-9)
     rows = bp.attention_rows(cfg, 0, Bar(), peak_gflops=100.0)

@@ -66,8 +66,9 @@ PREFILL_MAX_CALL_S = 120.0
 TTFT_CELL_S = 90.0
 #: Largest |kvcache - SDPA| of an output element accepted per KV mode (q8 stores int8 rows).
 PREFILL_TOL = {"f32": 1e-4, "q8": 0.1, "q4": 0.5, "k8v4": 0.25}
-#: The issue's target: runner time to first token <= 0.8 x transformers' at 2k and more.
-TTFT_TARGET = 0.8
+#: The target marked: runner time to first token <= 1.0 x transformers' at 2k and more (the
+#: time-to-first-token issue's; the prefill section's first issue asked for 0.8).
+TTFT_TARGET = 1.0
 TTFT_TARGET_FROM = 2048
 #: The TTFT model (transformers ``LlamaConfig`` keys); None: the runner section's RUNNER_MODEL.
 PREFILL_MODEL: dict[str, int] | None = None
@@ -348,12 +349,24 @@ def task_count(ctx: Context, values: Values) -> int:
 
 
 # ------------------------------------------------------------------------- report
-def _cell_text(c: Mapping[str, Any] | None) -> list[str]:
+#: Modes whose prompt kernel scores int8 keys with integer dot products (four multiply-adds
+#: per 32-bit lane): their float-equivalent GFLOP/s may pass the float FMA peak.
+INT8_KEY_MODES = frozenset({"q8", "k8v4"})
+INT8_MARK = " (int8)"
+INT8_NOTE = (f"{INT8_MARK.strip()}: above the float FMA peak with int8 keys, whose scores are integer "
+             f"dot products (four multiply-adds per 32-bit lane); GFLOP/s counts the float "
+             f"work it stands for")
+
+
+def _cell_text(c: Mapping[str, Any] | None, mode: str = "f32") -> list[str]:
     if not c:
         return ["-", "-", "-"]
     if c.get("skipped"):
         return [f"skipped (~{c['estimated_s']:.0f} s)", "-", "-"]
-    return [fmt(c["s"]), fmt(c["gflops"]), f"{c['pct_peak']:.0f}%"]
+    pct = f"{c['pct_peak']:.0f}%"
+    if mode in INT8_KEY_MODES and c["pct_peak"] > 100:
+        pct += INT8_MARK          # not a busy probe: render_table leaves it unflagged
+    return [fmt(c["s"]), fmt(c["gflops"]), pct]
 
 
 def attention_table(rows: Sequence[Row]) -> str:
@@ -363,7 +376,7 @@ def attention_table(rows: Sequence[Row]) -> str:
         f, q, s = r.get("f32"), r.get("q8"), r.get("sdpa")
         ok = [r[m].get("matches") for m in PREFILL_MODES if r.get(m) and "matches" in r[m]]
         body.append([GEOMETRIES[r["geometry"]].label, context_label(r["context"]),
-                     *_cell_text(f), *_cell_text(q),
+                     *_cell_text(f), *_cell_text(q, "q8"),
                      *(_cell_text(s)[:2] if s else ["not installed", "-"]),
                      fmt_ratio(r["vs_sdpa"]["f32"]), fmt_ratio(r["vs_sdpa"]["q8"]),
                      fmt_ratio(r["q8_vs_f32"]),
@@ -386,7 +399,7 @@ def four_bit_table(rows: Sequence[Row]) -> str:
             if not c:
                 continue
             body.append([GEOMETRIES[r["geometry"]].label, context_label(r["context"]), mode,
-                         *_cell_text(c), fmt_ratio(r.get(f"{mode}_vs_f32")),
+                         *_cell_text(c, mode), fmt_ratio(r.get(f"{mode}_vs_f32")),
                          "-" if "matches" not in c else ("yes" if c["matches"] else "NO")])
     return render_table(["geometry", "prompt", "mode", "s", "GFLOP/s", "%peak", "vs f32",
                          "matches SDPA"], body) if body else ""
@@ -428,6 +441,9 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
            f"{cfg.ttft_repeats} prompt(s) (fewer once a length took {cfg.ttft_cell_s:.0f} s); "
            f"model: Llama-style, {model}; target "
            f"runner/transformers <= {TTFT_TARGET}x at {context_label(TTFT_TARGET_FROM)} and up"]
+    if any(m in INT8_KEY_MODES and (r.get(m) or {}).get("pct_peak", 0) > 100
+           for r in result["attention"] for m in (*PREFILL_MODES, *PREFILL_4BIT)):
+        out.append(INT8_NOTE)
     if result.get("ttft_skipped"):
         out.append(f"time to first token not measured: {result['ttft_skipped']}")
     for r in result["attention"]:
