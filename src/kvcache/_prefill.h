@@ -69,20 +69,13 @@ KVC_INLINE void kvc_pf_prefetch(const void *base, ptrdiff_t p0, ptrdiff_t p1, pt
  *      major inside a strip: the score kernel reads 16 keys of one channel contiguously);
  *   V  Vp[s * 64 * 16 + r * 16 + c] = v_p[16 s + c],  p = t0 + r  (strips of 16 channels, 0
  *      past head_dim).
- * int8 rows are dequantised on the way: (float)k8[d] * ks[d / 32], (float)v8[d] * vs.
+ * float32 K only (int8 K has its own tile, kvc_pf_load_k8 below; 4-bit K is read as its
+ * values, kvc_pf_load_k4); int8 V rows are dequantised on the way: (float)v8[d] * vs.
  * Columns of K outside [r0, r1) hold other stored rows or copies (their scores are never
  * used); V rows outside [r0, r1) are not written (never read).
  * ------------------------------------------------------------------------------------- */
-KVC_INLINE float kvc_pf_kval(const float *kf, const int8_t *kq, const float *ks,
-                             ptrdiff_t ks_stride, int quant_k, ptrdiff_t p, ptrdiff_t hd,
-                             ptrdiff_t d)
-{
-    return quant_k ? (float)kq[p * hd + d] * ks[p * ks_stride + (d >> 5)] : kf[p * hd + d];
-}
-
-KVC_INLINE void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks,
-                          ptrdiff_t ks_stride, int quant_k, ptrdiff_t t0, ptrdiff_t r0,
-                          ptrdiff_t r1, ptrdiff_t hd, float *restrict Kp)
+KVC_INLINE void kvc_pf_load_k(const float *kf, ptrdiff_t t0, ptrdiff_t r0, ptrdiff_t r1,
+                              ptrdiff_t hd, float *restrict Kp)
 {
     ptrdiff_t g, d, i;
     for (g = (r0 - t0) / 8 * 8; g < r1 - t0; g += 8) {
@@ -94,16 +87,9 @@ KVC_INLINE void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks
          * channel d + c of the 8 rows (one contiguous store each) */
         for (d = 0; d + 8 <= hd; d += 8) {
             kvc_f8 a[8];
-            if (quant_k) {
 #pragma GCC unroll 8
-                for (i = 0; i < 8; ++i)
-                    a[i] = kvc_f8_mul(kvc_f8_from_s8(kq + src[i] * hd + d),
-                                      kvc_f8_set1(ks[src[i] * ks_stride + (d >> 5)]));
-            } else {
-#pragma GCC unroll 8
-                for (i = 0; i < 8; ++i)
-                    a[i] = kvc_f8_load(kf + src[i] * hd + d);
-            }
+            for (i = 0; i < 8; ++i)
+                a[i] = kvc_f8_load(kf + src[i] * hd + d);
             kvc_f8_transpose8(a);
 #pragma GCC unroll 8
             for (i = 0; i < 8; ++i)
@@ -111,7 +97,7 @@ KVC_INLINE void kvc_pf_load_k(const float *kf, const int8_t *kq, const float *ks
         }
         for (; d < hd; ++d)
             for (i = 0; i < 8; ++i)
-                dst[d * 16 + i] = kvc_pf_kval(kf, kq, ks, ks_stride, quant_k, src[i], hd, d);
+                dst[d * 16 + i] = kf[src[i] * hd + d];
     }
 }
 
@@ -321,7 +307,8 @@ KVC_INLINE void kvc_pf_scores(const float *Q, ptrdiff_t ldq, ptrdiff_t nq, const
  * int8 K, blocked across queries.  kvc_pf_load_k8 packs rows [r0, r1) of the tile at t0 (the
  * same row range and stand-in rows as kvc_pf_load_k) as
  *   codes   Kb[s * KVC_PF_K8_STRIP(hd) + o * 64 + 4 c + i] = kform(k_p[4 o + i]),
- *           p = t0 + 16 s + c: strips of 16 keys, quads of channels o < ceil(hd / 4), 0 past hd;
+ *           p = t0 + 16 s + c: strips of 16 keys, quads of channels o < ceil(hd / 4), past hd
+ *           kform(0) (adds 0: the query's codes are 0 there);
  *   scales  Ksc[(s * ng + g) * 16 + c] = the row's scale of K group g.
  * kvc_pf_qk8 then forms, for NR quantised queries and NS strips, each group's exact int32
  * sum of q k (16 keys per vector, four channels per step) and combines the groups in order
@@ -765,7 +752,7 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
         if (quant_k == KVC_K_Q4)
             kvc_pf_load_k4(k4, t0, r0, r1, hd, Kp, alpha + nq + 16);   /* KVC_PF_K4_TMP */
         else if (!quant_k)
-            kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
+            kvc_pf_load_k(kf, t0, r0, r1, hd, Kp);
         else
             kvc_pf_load_k8(kq, ks, ks_stride, KVC_I8_GROUPS(hd, group), t0, r0, r1, hd, K8, K8sc);
         kvc_pf_load_v(vf, vq, vs, vs_stride, quant_v, vc4, vp, t0, r0, r1, hd, Vp);
@@ -935,7 +922,7 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
     if (quant_k == KVC_K_Q4)
         kvc_pf_load_k4(k4, t0, r0, r1, hd, Kp, S + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS);
     else if (!quant_k)
-        kvc_pf_load_k(kf, kq, ks, ks_stride, quant_k, t0, r0, r1, hd, Kp);
+        kvc_pf_load_k(kf, t0, r0, r1, hd, Kp);
     else
         kvc_pf_load_k8(kq, ks, ks_stride, ng, t0, r0, r1, hd, K8, K8sc);
     for (j = ja; j < jb; j += KVC_PF_IMP_QUERIES) {

@@ -1,7 +1,8 @@
 /* Runs the blocked prompt kernel of _prefill.h (tasks with and without their one-pass
  * importance, and the second importance pass; float32 keys, q8 keys in groups of 32 and of 16
  * channels, and 4-bit keys; float32, int8 and 4-bit values) on fixed pseudo-random inputs and
- * prints every result as raw bits.  The body is the one
+ * prints every result as raw bits; it also checks the blocked int8 scores against
+ * kvc_i8_score1 bit for bit (exit status 2 on a difference).  The body is the one
  * the compile flags select (_vec.h); tests/test_prefill.py builds it once per x86 body (and the
  * VNNI q8 code emulated, -DKVC_EMULATE_VNNI), tests/test_aarch64.py once per aarch64 body, and
  * both require the -DKVC_NO_SIMD build's output. */
@@ -126,6 +127,45 @@ int main(void)
                     for (i = 0; i < t1 - a0; ++i)
                         out(colsum[i]);
                 }
+            }
+    }
+    /* The blocked int8 scores against the query-by-query definition (kvc_i8_score1), bit for
+     * bit: groups of 32 and 16, rows starting off a strip and off a group of 8, a partial
+     * tile, the last tile.  A difference is exit status 2. */
+    {
+        static uint8_t k8[KVC_PF_TILE * ((HDMAX + 3) / 4 * 4)];
+        static float k8sc[KVC_PF_TILE * KS], s8[NQ * KVC_PF_TILE];
+        const ptrdiff_t offs[] = {0, 3, 9, 17}, t0s[] = {0, 64, 192};
+        int g2, oi, ti, e;
+        for (h = 0; h < 10; ++h)
+            for (g2 = 0; g2 < 2; ++g2) {
+                const ptrdiff_t hd = hds[h], group = g2 ? 16 : 32;
+                const ptrdiff_t ng = KVC_I8_GROUPS(hd, group);
+                for (i = 0; i < NQ; ++i)
+                    kvc_quant_query(q + i * hd, hd, group, qi + i * KVC_I8_PAD(hd),
+                                    qsc + i * ng, qsum + i * ng);
+                for (ti = 0; ti < 3; ++ti)
+                    for (oi = 0; oi < 4; ++oi)
+                        for (e = 0; e < 2; ++e) {
+                            const ptrdiff_t t0 = t0s[ti], r0 = t0 + offs[oi];
+                            ptrdiff_t r1 = e ? r0 + 29 : t0 + KVC_PF_TILE, j, p;
+                            r1 = r1 < ROWS ? r1 : ROWS;
+                            kvc_pf_load_k8(kq, ks, KS, ng, t0, r0, r1, hd, k8, k8sc);
+                            kvc_pf_scores8(qi, qsc, qsum, ng, NQ, k8, k8sc, hd, group, r0 - t0,
+                                           r1 - t0, s8, KVC_PF_TILE);
+                            for (j = 0; j < NQ; ++j)
+                                for (p = r0; p < r1; ++p) {
+                                    float ref = kvc_i8_score1(qi + j * KVC_I8_PAD(hd),
+                                                              qsc + j * ng, kq + p * hd,
+                                                              ks + p * KS, hd, group);
+                                    if (memcmp(&ref, s8 + j * KVC_PF_TILE + (p - t0), 4) != 0) {
+                                        fprintf(stderr, "q8 score differs: hd %d group %d "
+                                                "rows [%d, %d) query %d row %d\n", (int)hd,
+                                                (int)group, (int)r0, (int)r1, (int)j, (int)p);
+                                        return 2;
+                                    }
+                                }
+                        }
             }
     }
     /* NaN, infinities and -inf scores */
