@@ -833,10 +833,11 @@ KVC_INLINE kvc_i8x kvc_i8x_srl_and(kvc_i8x v, int sh, uint32_t mask)
         r.v[l] = (int32_t)(((uint32_t)v.v[l] >> sh) & mask);
     return r;
 }
+/* u's bytes read as signed: they are in [0, 15], so signed and unsigned reads agree, and
+ * kvc_i8x_dp4k (signed key codes) is this same loop */
 KVC_INLINE kvc_i8x kvc_i8x_dp4(kvc_i8x acc, kvc_i8x u, int32_t w)
 {
-    uint8_t ub[32];
-    int8_t wb[4];
+    int8_t ub[32], wb[4];
     int l, i;
     memcpy(ub, u.v, 32);
     memcpy(wb, &w, 4);
@@ -1151,20 +1152,7 @@ KVC_INLINE void kvc_i8x_transpose8(kvc_i8x *r)
             t[i].v[j] = r[j].v[i];
     memcpy(r, t, sizeof t);
 }
-KVC_INLINE kvc_i8x kvc_i8x_dp4k(kvc_i8x acc, kvc_i8x k, int32_t w)
-{
-    int8_t kb[32], wb[4];
-    int l, i;
-    memcpy(kb, k.v, 32);
-    memcpy(wb, &w, 4);
-    for (l = 0; l < 8; ++l) {
-        int32_t s = 0;
-        for (i = 0; i < 4; ++i)
-            s += (int32_t)kb[4 * l + i] * (int32_t)wb[i];
-        acc.v[l] += s;
-    }
-    return acc;
-}
+KVC_INLINE kvc_i8x kvc_i8x_dp4k(kvc_i8x acc, kvc_i8x k, int32_t w) { return kvc_i8x_dp4(acc, k, w); }
 #endif
 
 #if KVC_VEC_AVX512
