@@ -89,16 +89,21 @@ def test_notes_say_what_was_not_measured_and_warn():
     assert not any(n.startswith("redis:") for n in notes)
 
 
+def _run_store(tmp_path, capsys, real_contexts):
+    """``bench --sections store`` at 256 positions (the tiny bench model), the real model's
+    contexts ``real_contexts``, one repeat: the printed text and the JSON section."""
+    path = tmp_path / "store.json"
+    argv = ["--sections", "store", "--store-contexts", "256", "--store-real-contexts",
+            str(real_contexts), "--store-repeats", "1", "--no-progress", "--json", str(path)]
+    assert bench.main(argv) == 0
+    return capsys.readouterr().out, json.loads(path.read_text())["sections"]["store"]
+
+
 def test_store_section_tiny_run(tmp_path, capsys, monkeypatch):
     pytest.importorskip("redis")
     monkeypatch.setattr(bs, "STORE_MODEL", TINY_MODEL)
-    path = tmp_path / "store.json"
-    argv = ["--sections", "store", "--store-contexts", "256", "--store-real-contexts", "0",
-            "--store-repeats", "1", "--no-progress", "--json", str(path)]
-    assert bench.main(argv) == 0
-    text = capsys.readouterr().out
+    text, data = _run_store(tmp_path, capsys, 0)
     assert "prefix store (kvcache.store)" in text and "WARNING" not in text
-    data = json.loads(path.read_text())["sections"]["store"]
     rows, ios = data["ttft"], data["io"]
     assert [r["backend"] for r in rows] == ["directory", "redis"]     # a throwaway server
     for r in rows:
@@ -151,13 +156,8 @@ def test_the_real_model_loop_runs_and_reports(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bs, "throwaway_redis", _no_redis)
     monkeypatch.setattr(bs, "_real_runner", lambda contexts: (
         Runner.random(seed=4, max_seq_len=max(contexts)), ""))
-    path = tmp_path / "store.json"
-    argv = ["--sections", "store", "--store-contexts", "256", "--store-real-contexts", "512",
-            "--store-repeats", "1", "--no-progress", "--json", str(path)]
-    assert bench.main(argv) == 0
-    text = capsys.readouterr().out
+    text, data = _run_store(tmp_path, capsys, 512)
     assert "SmolLM2-135M" in text and "WARNING" not in text
-    data = json.loads(path.read_text())["sections"]["store"]
     assert [(r["model"], r["context"]) for r in data["ttft"]] == [("bench", 256),
                                                                    ("SmolLM2-135M", 512)]
     real = data["ttft"][1]

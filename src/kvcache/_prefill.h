@@ -240,6 +240,23 @@ KVC_INLINE void kvc_pf_load_v(const float *vf, const int8_t *vq, const float *vs
 #define KVC_PF_STRIPS 1   /* 16 ymm registers: one strip (2 NR accumulator halves) */
 #endif
 
+/* CALL(J, N) for the runs [J, J + N) of queries 0..nq-1: blocks of QR, then the rest (QR <=
+ * 6), N a constant at every call so that each is its own unrolled kernel. */
+#define KVC_PF_BLOCKS(nq, QR, CALL)                                                          \
+    do {                                                                                     \
+        ptrdiff_t jb_;                                                                       \
+        for (jb_ = 0; jb_ + (QR) <= (nq); jb_ += (QR))                                       \
+            CALL(jb_, QR);                                                                   \
+        switch ((nq) - jb_) {                                                                \
+        case 5: CALL(jb_, 5); break;                                                         \
+        case 4: CALL(jb_, 4); break;                                                         \
+        case 3: CALL(jb_, 3); break;                                                         \
+        case 2: CALL(jb_, 2); break;                                                         \
+        case 1: CALL(jb_, 1); break;                                                         \
+        default: break;                                                                      \
+        }                                                                                    \
+    } while (0)
+
 KVC_INLINE void kvc_pf_qk(const float *restrict Q, ptrdiff_t ldq, const int NR, const int NS,
                           const float *restrict Ks, ptrdiff_t hd, float *restrict S,
                           ptrdiff_t lds)
@@ -272,17 +289,9 @@ KVC_INLINE void kvc_pf_qk(const float *restrict Q, ptrdiff_t ldq, const int NR, 
 KVC_INLINE void kvc_pf_qk_rows(const float *Q, ptrdiff_t ldq, ptrdiff_t nq, const int NS,
                                const float *Ks, ptrdiff_t hd, float *S, ptrdiff_t lds)
 {
-    ptrdiff_t j;
-    for (j = 0; j + KVC_PF_QR <= nq; j += KVC_PF_QR)
-        kvc_pf_qk(Q + j * ldq, ldq, KVC_PF_QR, NS, Ks, hd, S + j * lds, lds);
-    switch (nq - j) {
-    case 5: kvc_pf_qk(Q + j * ldq, ldq, 5, NS, Ks, hd, S + j * lds, lds); break;
-    case 4: kvc_pf_qk(Q + j * ldq, ldq, 4, NS, Ks, hd, S + j * lds, lds); break;
-    case 3: kvc_pf_qk(Q + j * ldq, ldq, 3, NS, Ks, hd, S + j * lds, lds); break;
-    case 2: kvc_pf_qk(Q + j * ldq, ldq, 2, NS, Ks, hd, S + j * lds, lds); break;
-    case 1: kvc_pf_qk(Q + j * ldq, ldq, 1, NS, Ks, hd, S + j * lds, lds); break;
-    default: break;
-    }
+#define KVC_PF_QK(J, N) kvc_pf_qk(Q + (J) * ldq, ldq, N, NS, Ks, hd, S + (J) * lds, lds)
+    KVC_PF_BLOCKS(nq, KVC_PF_QR, KVC_PF_QK);
+#undef KVC_PF_QK
 }
 
 /* Scores of nq queries (nq any) for the 16-key strips covering columns [c0, c1) of a packed
@@ -414,19 +423,9 @@ KVC_INLINE void kvc_pf_qk8_rows(const int8_t *qi, ptrdiff_t ldqi, const float *s
                                 const uint8_t *Kb, const float *Ksc, ptrdiff_t hd,
                                 ptrdiff_t group, float *S, ptrdiff_t lds)
 {
-    ptrdiff_t j;
-#define KVC_PF_QK8(N) kvc_pf_qk8(qi + j * ldqi, ldqi, sq + j * ng, qsum + j * ng, ng, N, NS, \
-                                 Kb, Ksc, hd, group, S + j * lds, lds)
-    for (j = 0; j + KVC_PF_QR8 <= nq; j += KVC_PF_QR8)
-        KVC_PF_QK8(KVC_PF_QR8);
-    switch (nq - j) {
-    case 5: KVC_PF_QK8(5); break;
-    case 4: KVC_PF_QK8(4); break;
-    case 3: KVC_PF_QK8(3); break;
-    case 2: KVC_PF_QK8(2); break;
-    case 1: KVC_PF_QK8(1); break;
-    default: break;
-    }
+#define KVC_PF_QK8(J, N) kvc_pf_qk8(qi + (J) * ldqi, ldqi, sq + (J) * ng, qsum + (J) * ng, ng, \
+                                    N, NS, Kb, Ksc, hd, group, S + (J) * lds, lds)
+    KVC_PF_BLOCKS(nq, KVC_PF_QR8, KVC_PF_QK8);
 #undef KVC_PF_QK8
 }
 
@@ -622,14 +621,10 @@ KVC_INLINE void kvc_pf_pv_nr(const float *P, int nr, const int NS, const float *
                              ptrdiff_t ra, ptrdiff_t rb, float *O, ptrdiff_t ldo,
                              const float *alpha)
 {
-    switch (nr) {
-    case 6: kvc_pf_pv16(P, 6, NS, Vs, ra, rb, O, ldo, alpha); break;
-    case 5: kvc_pf_pv16(P, 5, NS, Vs, ra, rb, O, ldo, alpha); break;
-    case 4: kvc_pf_pv16(P, 4, NS, Vs, ra, rb, O, ldo, alpha); break;
-    case 3: kvc_pf_pv16(P, 3, NS, Vs, ra, rb, O, ldo, alpha); break;
-    case 2: kvc_pf_pv16(P, 2, NS, Vs, ra, rb, O, ldo, alpha); break;
-    default: kvc_pf_pv16(P, 1, NS, Vs, ra, rb, O, ldo, alpha); break;
-    }
+    /* one run of nr (a block of KVC_PF_QR, or the rest) */
+#define KVC_PF_PV(J, N) kvc_pf_pv16(P, N, NS, Vs, ra, rb, O, ldo, alpha)
+    KVC_PF_BLOCKS(nr, KVC_PF_QR, KVC_PF_PV);
+#undef KVC_PF_PV
 }
 
 /* Values of nr (<= KVC_PF_QR) queries over the rows [ra, rb) of a tile, every strip (two at
@@ -716,8 +711,9 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
     float *Vp = Kp + KVC_PF_KP_FLOATS(hd);
     float *S = Vp + hdp * KVC_PF_TILE;
     /* the int8 tile in Kp's place: the scales, then the codes */
+    const ptrdiff_t ng = quant_k == KVC_K_Q8 ? KVC_I8_GROUPS(hd, group) : 0;
     float *K8sc = Kp;
-    uint8_t *K8 = (uint8_t *)(Kp + KVC_PF_TILE * (quant_k == KVC_K_Q8 ? KVC_I8_GROUPS(hd, group) : 0));
+    uint8_t *K8 = (uint8_t *)(Kp + KVC_PF_TILE * ng);
     float *O = S + nq * KVC_PF_TILE;
     float *alpha = O + nq * hdp;
     float *MT = NULL;
@@ -754,14 +750,13 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
         else if (!quant_k)
             kvc_pf_load_k(kf, t0, r0, r1, hd, Kp);
         else
-            kvc_pf_load_k8(kq, ks, ks_stride, KVC_I8_GROUPS(hd, group), t0, r0, r1, hd, K8, K8sc);
+            kvc_pf_load_k8(kq, ks, ks_stride, ng, t0, r0, r1, hd, K8, K8sc);
         kvc_pf_load_v(vf, vq, vs, vs_stride, quant_v, vc4, vp, t0, r0, r1, hd, Vp);
         /* the next tile's rows go to L2 while this one is computed, a few rows per block
          * of queries (a burst of prefetches would stall on the miss buffers) */
         ptrdiff_t pf_next = t1, pf_end = hi < t1 + KVC_PF_TILE ? hi : t1 + KVC_PF_TILE;
         ptrdiff_t pf_step = (KVC_PF_TILE * KVC_PF_QR + (jb - ja) - 1) / (jb - ja);
         if (quant_k == KVC_K_Q8) {
-            const ptrdiff_t ng = KVC_I8_GROUPS(hd, group);
             kvc_pf_scores8(qi + ja * KVC_I8_PAD(hd), qsc + ja * ng, qsum + ja * ng, ng, jb - ja,
                            K8, K8sc, hd, group, r0 - t0, r1 - t0, S + ja * KVC_PF_TILE,
                            KVC_PF_TILE);

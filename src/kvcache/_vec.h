@@ -1047,13 +1047,21 @@ KVC_INLINE float kvc_f8_fold_max(kvc_f8 a)
     float b2 = kvc_max_gt(a.v[2], a.v[6]), b3 = kvc_max_gt(a.v[3], a.v[7]);
     return kvc_max_gt(kvc_max_gt(b0, b2), kvc_max_gt(b1, b3));
 }
-KVC_INLINE void kvc_f8_transpose8(kvc_f8 *r)
+/* int32 lanes (the blocked q8 tile's packing); the float one moves the same bits through it */
+KVC_INLINE void kvc_i8x_transpose8(kvc_i8x *r)
 {
-    kvc_f8 t[8];
+    kvc_i8x t[8];
     int i, j;
     for (i = 0; i < 8; ++i)
         for (j = 0; j < 8; ++j)
             t[i].v[j] = r[j].v[i];
+    memcpy(r, t, sizeof t);
+}
+KVC_INLINE void kvc_f8_transpose8(kvc_f8 *r)
+{
+    kvc_i8x t[8];
+    memcpy(t, r, sizeof t);
+    kvc_i8x_transpose8(t);
     memcpy(r, t, sizeof t);
 }
 
@@ -1143,15 +1151,7 @@ KVC_INLINE kvc_i8x kvc_i8x_dp4k(kvc_i8x acc, kvc_i8x k, int32_t w)
 #else
 KVC_INLINE kvc_i8x kvc_i8x_kform(kvc_i8x v) { return v; }
 KVC_INLINE void kvc_i8x_storeb(uint8_t *p, kvc_i8x v) { memcpy(p, v.v, sizeof v.v); }
-KVC_INLINE void kvc_i8x_transpose8(kvc_i8x *r)
-{
-    kvc_i8x t[8];
-    int i, j;
-    for (i = 0; i < 8; ++i)
-        for (j = 0; j < 8; ++j)
-            t[i].v[j] = r[j].v[i];
-    memcpy(r, t, sizeof t);
-}
+/* kvc_i8x_transpose8: with the float one, above */
 KVC_INLINE kvc_i8x kvc_i8x_dp4k(kvc_i8x acc, kvc_i8x k, int32_t w) { return kvc_i8x_dp4(acc, k, w); }
 #endif
 
