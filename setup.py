@@ -70,14 +70,15 @@ def _unit_probe(target, body, includes="#include <immintrin.h>", clang_target=No
 # The units' targets and the intrinsics _vec.h uses there: (macro that leaves the unit out,
 # target, test body).  x86-64 and aarch64 each probe their own.
 X86_UNITS = [
-    ("KVC_NO_AVX2", "avx2,fma",
+    ("KVC_NO_AVX2", "avx2,fma,f16c",
      "static int f(int s) { __m256 v = _mm256_set1_ps((float)s); v = _mm256_fmadd_ps(v, v, v);"
+     " v = _mm256_add_ps(v, _mm256_cvtph_ps(_mm_set1_epi16((short)s)));"
      " return (int)_mm_cvtss_f32(_mm256_castps256_ps128(v)); }"),
-    ("KVC_NO_AVXVNNI", "avx2,fma,avxvnni",
+    ("KVC_NO_AVXVNNI", "avx2,fma,f16c,avxvnni",
      "static int f(int s) { __m256i z = _mm256_set1_epi32(s);"
      " return _mm256_extract_epi32(_mm256_dpbusd_avx_epi32(z, z, z), 0); }"),
     ("KVC_NO_AVX512",
-     "avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,prefer-vector-width=256",
+     "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,prefer-vector-width=256",
      "static int f(int s) { __m256i z = _mm256_set1_epi32(s); __m512 w = _mm512_set1_ps((float)s);"
      " w = _mm512_fmadd_ps(w, w, w); z = _mm256_dpbusd_epi32(z, z, z);"
      " return _mm256_extract_epi32(z, 0) + (int)_mm512_reduce_add_ps(w); }"),

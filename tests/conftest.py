@@ -255,9 +255,9 @@ def redis_server_throwaway(tmp_path_factory):
 # chosen by the compile flags as the extension's units choose it by their target pragma.
 X86_BODY_FLAGS = {
     "portable": ["-DKVC_NO_SIMD"],
-    "avx2": ["-mavx2", "-mfma"],
-    "avxvnni": ["-mavx2", "-mfma", "-mavxvnni"],
-    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avxvnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
                "-mavx512vnni", "-mprefer-vector-width=256"],
 }
 

@@ -25,16 +25,16 @@ AVX2 = {"f32": "avx2", "q8": "avx2", "prefill": "avx2", "mla": "avx2"}
 NEON = {"f32": "neon", "q8": "neon", "prefill": "neon", "mla": "neon"}
 NEONDOT = dict(NEON, q8="neondot", prefill="neondot")
 AVX512 = {"f32": "avx512", "q8": "avx512", "prefill": "avx512", "mla": "avx512"}
-BASE512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}
+BASE512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"}
 TABLE = {
-    "intel-haswell.txt": ({"avx2", "fma"}, AVX2),
+    "intel-haswell.txt": ({"avx2", "fma", "f16c"}, AVX2),
     "intel-skylake-x.txt": (BASE512, AVX2),                         # no AVX512-VNNI
     "intel-cascade-lake.txt": (BASE512 | {"avx512vnni"}, AVX512),
     "intel-ice-lake-server.txt": (BASE512 | {"avx512vnni"}, AVX512),
-    "intel-alder-lake.txt": ({"avx2", "fma", "avxvnni"}, dict(AVX2, q8="avxvnni", prefill="avxvnni")),
+    "intel-alder-lake.txt": ({"avx2", "fma", "f16c", "avxvnni"}, dict(AVX2, q8="avxvnni", prefill="avxvnni")),
     "intel-sapphire-rapids.txt": (BASE512 | {"avx512vnni", "avx512bf16", "avxvnni"}, AVX512),
-    "amd-zen2.txt": ({"avx2", "fma"}, AVX2),
-    "amd-zen3.txt": ({"avx2", "fma"}, AVX2),
+    "amd-zen2.txt": ({"avx2", "fma", "f16c"}, AVX2),
+    "amd-zen3.txt": ({"avx2", "fma", "f16c"}, AVX2),
     "amd-epyc-zen4-vm.txt": (BASE512 | {"avx512vnni", "avx512bf16"}, AVX512),
     "amd-zen5.txt": (BASE512 | {"avx512vnni", "avx512bf16", "avxvnni"}, AVX512),
     "arm-cortex-a53-rpi3.txt": ({"neon"}, NEON),                   # no asimddp
@@ -95,6 +95,18 @@ def test_a_cpu_without_avx2_runs_the_portable_bodies():
     assert features == frozenset()
     assert set(dispatch.choose(features, ALL_BUILT).values()) == {"portable"}
     with pytest.raises(ValueError):
+        dispatch.choose(features, ALL_BUILT, cap="avx2")
+
+
+def test_avx2_without_f16c_runs_the_portable_bodies():
+    """Every x86 body converts the 4-bit modes' float16 parameters with F16C: a CPU (or a
+    virtual machine's CPU model) that reports AVX2 and FMA but hides F16C gets none of them."""
+    haswell = flags_of("intel-haswell.txt").split()
+    features = dispatch.features_from_cpuinfo(" ".join(f for f in haswell if f != "f16c"))
+    assert features == {"avx2", "fma"}
+    assert dispatch.runnable(features) == ["portable"]
+    assert set(dispatch.choose(features, ALL_BUILT).values()) == {"portable"}
+    with pytest.raises(ValueError, match="needs f16c"):
         dispatch.choose(features, ALL_BUILT, cap="avx2")
 
 

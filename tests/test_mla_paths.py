@@ -8,7 +8,7 @@ the bits of every result per call.  A build holds one body, chosen by its compil
 kernel unit's is (_vec.h picks the target, _mla.h the width):
 
   portable         -DKVC_NO_SIMD: the reference every other build must reproduce
-  avx2             -mavx2 -mfma: the 8-float body
+  avx2             -mavx2 -mfma -mf16c: the 8-float body
   avx512-emulated  the same with -DKVC_EMULATE_512: the 16-float body on pairs of 8-lane
                    vectors, so that the very code of the AVX-512 body runs on an AVX2 machine
   avx512           the AVX-512 flags: the 16-float body on __m512; it must compile to zmm

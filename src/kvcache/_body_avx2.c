@@ -14,10 +14,10 @@
 #include <immintrin.h>
 #if defined(__clang__)
 #define KVC_UNIT_AVX2 1
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #endif
 #define KVC_BODY_TABLE kvc_ops_avx2_table
 #define KVC_BODY_NAME "avx2"

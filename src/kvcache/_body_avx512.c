@@ -17,10 +17,10 @@
 #include <immintrin.h>
 #if defined(__clang__)
 #define KVC_UNIT_AVX512 1
-#pragma clang attribute push(__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,prefer-vector-width=256"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,prefer-vector-width=256"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,prefer-vector-width=256")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,prefer-vector-width=256")
 #endif
 #define KVC_BODY_TABLE kvc_ops_avx512_table
 #define KVC_BODY_NAME "avx512"

@@ -17,10 +17,10 @@
 #if defined(__clang__)
 #define KVC_UNIT_AVX2 1
 #define KVC_UNIT_AVXVNNI 1
-#pragma clang attribute push(__attribute__((target("avx2,fma,avxvnni"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avxvnni"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avxvnni")
+#pragma GCC target("avx2,fma,f16c,avxvnni")
 #endif
 #define KVC_BODY_TABLE kvc_ops_avxvnni_table
 #define KVC_BODY_NAME "avxvnni"

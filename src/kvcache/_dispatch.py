@@ -22,14 +22,14 @@ __all__ = ["BODIES", "BODY_NEEDS", "CPUINFO_FLAGS", "FAMILIES", "FEATURES", "HEL
            "MOST_CAPABLE", "PREFERENCE", "choose", "features_from_cpuinfo", "runnable"]
 
 FEATURES = ("avx2", "fma", "avxvnni", "avx512f", "avx512bw", "avx512dq", "avx512vl",
-            "avx512vnni", "avx512bf16", "neon", "dotprod")
+            "avx512vnni", "avx512bf16", "neon", "dotprod", "f16c")
 """The features kvcache detects, in the order of their bits in ``_isa.h`` (``KVC_F_*``)."""
 
 BODIES = ("portable", "avx2", "avxvnni", "avx512", "neon", "neondot")
 """Body names, in the order of their ids in ``_isa.h`` (``KVC_ISA_*``): one compiled unit each
 (``_dispatch.h``)."""
 
-_AVX2 = frozenset({"avx2", "fma"})
+_AVX2 = frozenset({"avx2", "fma", "f16c"})
 BODY_NEEDS: dict[str, frozenset[str]] = {
     "portable": frozenset(),
     "avx2": _AVX2,
@@ -74,7 +74,7 @@ CPUINFO_FLAGS = {
     "avx2": "avx2", "fma": "fma", "avx_vnni": "avxvnni", "avx512f": "avx512f",
     "avx512bw": "avx512bw", "avx512dq": "avx512dq", "avx512vl": "avx512vl",
     "avx512_vnni": "avx512vnni", "avx512_bf16": "avx512bf16", "asimd": "neon",
-    "asimddp": "dotprod",
+    "asimddp": "dotprod", "f16c": "f16c",
 }
 """Linux ``/proc/cpuinfo`` flag (x86 ``flags``, aarch64 ``Features``) -> feature name."""
 

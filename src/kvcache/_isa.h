@@ -12,10 +12,11 @@
  * (docs/numerics.md), so the choice changes speed, never results:
  *
  *   KVC_ISA_PORTABLE  plain C for the baseline of the target (x86-64: SSE2)        needs {}
- *   KVC_ISA_AVX2      AVX2 + FMA                                             {avx2, fma}
- *   KVC_ISA_AVXVNNI   + AVX-VNNI (VEX vpdpbusd on 256-bit registers)   {avx2, fma, avxvnni}
+ *   KVC_ISA_AVX2      AVX2 + FMA + F16C                                {avx2, fma, f16c}
+ *   KVC_ISA_AVXVNNI   + AVX-VNNI (VEX vpdpbusd on 256-bit registers)
+ *                                                            {avx2, fma, f16c, avxvnni}
  *   KVC_ISA_AVX512    + AVX-512 F/BW/DQ/VL and AVX512-VNNI (EVEX)
- *                                  {avx2, fma, avx512f, avx512bw, avx512dq, avx512vl, avx512vnni}
+ *                      {avx2, fma, f16c, avx512f, avx512bw, avx512dq, avx512vl, avx512vnni}
  *   KVC_ISA_NEON      aarch64 Advanced SIMD                                         {neon}
  *   KVC_ISA_NEONDOT   + the dot-product extension (sdot)                   {neon, dotprod}
  *
@@ -45,7 +46,8 @@
 #define KVC_F_AVX512BF16 (1u << 8)
 #define KVC_F_NEON (1u << 9)
 #define KVC_F_DOTPROD (1u << 10)
-#define KVC_N_FEATURES 11
+#define KVC_F_F16C (1u << 11)
+#define KVC_N_FEATURES 12
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #define KVC_X86 1
@@ -96,6 +98,8 @@ static inline unsigned kvc_cpu_features(void)
     zmm = ymm && (xcr0 & 0xE0) == 0xE0;              /* opmask, ZMM_Hi256, Hi16_ZMM saved */
     if (ymm && (c & (1u << 12)))
         f |= KVC_F_FMA;
+    if (ymm && (c & (1u << 29)))                     /* F16C: vcvtph2ps on YMM registers */
+        f |= KVC_F_F16C;
     if (max_leaf >= 7) {
         __cpuid_count(7, 0, a, b7, c7, d);
         if (a >= 1)
@@ -135,10 +139,10 @@ static inline unsigned kvc_cpu_features(void)
 static inline unsigned kvc_body_needs(int body)
 {
     switch (body) {
-    case KVC_ISA_AVX2: return KVC_F_AVX2 | KVC_F_FMA;
-    case KVC_ISA_AVXVNNI: return KVC_F_AVX2 | KVC_F_FMA | KVC_F_AVXVNNI;
+    case KVC_ISA_AVX2: return KVC_F_AVX2 | KVC_F_FMA | KVC_F_F16C;
+    case KVC_ISA_AVXVNNI: return KVC_F_AVX2 | KVC_F_FMA | KVC_F_F16C | KVC_F_AVXVNNI;
     case KVC_ISA_AVX512:
-        return KVC_F_AVX2 | KVC_F_FMA | KVC_F_AVX512F | KVC_F_AVX512BW | KVC_F_AVX512DQ
+        return KVC_F_AVX2 | KVC_F_FMA | KVC_F_F16C | KVC_F_AVX512F | KVC_F_AVX512BW | KVC_F_AVX512DQ
                | KVC_F_AVX512VL | KVC_F_AVX512VNNI;
     case KVC_ISA_NEON: return KVC_F_NEON;
     case KVC_ISA_NEONDOT: return KVC_F_NEON | KVC_F_DOTPROD;

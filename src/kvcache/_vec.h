@@ -45,10 +45,11 @@
 #define KVC_VEC_NEON 1
 #elif defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) \
     && ((defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) \
-         && defined(__AVX512VL__) && defined(__FMA__)) || defined(KVC_UNIT_AVX512))
+         && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)) \
+        || defined(KVC_UNIT_AVX512))
 #define KVC_VEC_AVX512 1
 #elif defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) \
-    && ((defined(__AVX2__) && defined(__FMA__)) || defined(KVC_UNIT_AVX2))
+    && ((defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || defined(KVC_UNIT_AVX2))
 #define KVC_VEC_AVX2 1
 #else
 #define KVC_VEC_PORTABLE 1
@@ -125,14 +126,16 @@ static inline float kvc_expf(float x)
 }
 
 /* IEEE binary16 bits -> float32, exactly (4-bit KV parameters, docs/kv4.md): the scalar twin
- * of kvc_f8_from_f16.  A finite value is the bits shifted into float32 position times 2^112
- * (exact for normal and subnormal halves); exponent 31 is an infinity or a NaN. */
+ * of kvc_f8_from_f16, which is the conversion instruction where the target has one (x86 F16C
+ * vcvtph2ps, aarch64 fcvtl).  A finite value is the bits shifted into float32 position times
+ * 2^112 (exact for normal and subnormal halves); exponent 31 is an infinity or a NaN, a NaN
+ * made quiet (bit 22 set, its payload kept) as those instructions make it. */
 static inline float kvc_f16_to_f32(uint16_t h)
 {
     uint32_t em = (uint32_t)h & 0x7fffu, u;
     float f;
     if (em >= 0x7c00u) {
-        u = 0x7f800000u | ((em & 0x3ffu) << 13);
+        u = 0x7f800000u | ((em & 0x3ffu) << 13) | (em > 0x7c00u ? 0x400000u : 0u);
         memcpy(&f, &u, 4);
     } else {
         u = em << 13;
@@ -213,19 +216,11 @@ KVC_INLINE kvc_f8 kvc_f8_from_u4(const uint8_t *p, int shift)
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(15)));
 }
 
-/* Eight float16 values at p as float32, exactly (lane by lane kvc_f16_to_f32). */
+/* Eight float16 values at p as float32, exactly (lane by lane kvc_f16_to_f32): F16C's
+ * vcvtph2ps, which every x86 body needs (_isa.h). */
 KVC_INLINE kvc_f8 kvc_f8_from_f16(const uint16_t *p)
 {
-    __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    __m256i em = _mm256_and_si256(h, _mm256_set1_epi32(0x7fff));
-    __m256 fin = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(em, 13)),
-                               _mm256_set1_ps(5.192296858534828e+33f));
-    __m256i spec = _mm256_or_si256(_mm256_set1_epi32(0x7f800000),
-                                   _mm256_slli_epi32(_mm256_and_si256(em, _mm256_set1_epi32(0x3ff)), 13));
-    __m256i big = _mm256_cmpgt_epi32(em, _mm256_set1_epi32(0x7bff));
-    __m256i bits = _mm256_blendv_epi8(_mm256_castps_si256(fin), spec, big);
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)), 16);
-    return _mm256_castsi256_ps(_mm256_or_si256(bits, sign));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
 /* Lanes holding integers in [-127, 127] (or NaN, stored as 0) as 8 int8 at dst. */
@@ -332,23 +327,11 @@ KVC_INLINE kvc_f8 kvc_f8_from_s8(const int8_t *p)
     kvc_f8 r = { { vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))) } };
     return r;
 }
+/* fcvtl, which every AArch64 CPU has (exact; a NaN made quiet, as kvc_f16_to_f32 does) */
 KVC_INLINE kvc_f8 kvc_f8_from_f16(const uint16_t *p)
 {
-    uint16x8_t h16 = vld1q_u16(p);
-    kvc_f8 r;
-    int k;
-    for (k = 0; k < 2; ++k) {
-        uint32x4_t h = vmovl_u16(k ? vget_high_u16(h16) : vget_low_u16(h16));
-        uint32x4_t em = vandq_u32(h, vdupq_n_u32(0x7fff));
-        float32x4_t fin = vmulq_f32(vreinterpretq_f32_u32(vshlq_n_u32(em, 13)),
-                                    vdupq_n_f32(5.192296858534828e+33f));
-        uint32x4_t spec = vorrq_u32(vdupq_n_u32(0x7f800000),
-                                    vshlq_n_u32(vandq_u32(em, vdupq_n_u32(0x3ff)), 13));
-        uint32x4_t big = vcgtq_u32(em, vdupq_n_u32(0x7bff));
-        uint32x4_t bits = vbslq_u32(big, spec, vreinterpretq_u32_f32(fin));
-        uint32x4_t sign = vshlq_n_u32(vandq_u32(h, vdupq_n_u32(0x8000)), 16);
-        r.val[k] = vreinterpretq_f32_u32(vorrq_u32(bits, sign));
-    }
+    float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(p));
+    kvc_f8 r = { { vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h) } };
     return r;
 }
 KVC_INLINE void kvc_f8_store_i8(int8_t *dst, kvc_f8 v)

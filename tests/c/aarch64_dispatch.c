@@ -18,7 +18,7 @@
 
 static const char *const feature_names[KVC_N_FEATURES] = {
     "avx2", "fma", "avxvnni", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vnni",
-    "avx512bf16", "neon", "dotprod"};
+    "avx512bf16", "neon", "dotprod", "f16c"};
 
 static uint32_t state = 20261205u;
 static uint32_t next(void)

@@ -1,7 +1,7 @@
 /* Runs the absorbed MLA decode of _mla.h -- fold, tasks, merge, as _core.mla_attend drives
  * them -- over many geometries and prints every result as raw bits (NaN as "nan").
  * A build holds one body of the task, chosen by the compile flags as for a kernel unit (_vec.h,
- * _mla.h): -DKVC_NO_SIMD the portable one, -mavx2 -mfma the 8-float AVX2 one, with
+ * _mla.h): -DKVC_NO_SIMD the portable one, -mavx2 -mfma -mf16c the 8-float AVX2 one, with
  * -DKVC_EMULATE_512 added the 16-float body on pairs of 8-lane vectors, with the AVX-512 flags
  * the real __m512 one, and on aarch64 the NEON one.  tests/test_mla_paths.py builds each and
  * requires the output of every one it can run to be the portable build's.
