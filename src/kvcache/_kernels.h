@@ -316,7 +316,7 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
     const int q4 = kind == KVC_V_Q4;
     const ptrdiff_t np = 2 * KVC_V4_NG(hd), rb = q4 ? hd / 2 : hd;   /* params, row bytes */
     const void *base = q4 ? (const void *)v4 : (const void *)vq;
-    float *wq = scratch;
+    float *wq = scratch;                     /* query jj's weight of row c0 + i: wq[jj * VROWS + i] */
     int32_t *use = (int32_t *)(scratch + KVC_VROWS * 4);
     float *pf = scratch + KVC_VROWS * 5;     /* 4-bit: the chunk's parameters as float32 */
     float vrow[KVC_VBLOCK];
@@ -327,24 +327,40 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
         ptrdiff_t c0, c1 = p0;
         for (c0 = p0; c0 < p1; c0 = c1) {
             c1 = p1 - c0 < KVC_VROWS ? p1 : c0 + KVC_VROWS;
-            /* weights and skip flags of the quad for rows [c0, c1) */
-            for (p = c0; p < c1; ++p) {
-                int32_t mask = 0;
-                for (jj = 0; jj < 4; ++jj) {
-                    float w = 0.0f;
-                    if (jj < nj && p >= qf[j0 + jj] && p < qe[j0 + jj]) {
-                        w = probs[(j0 + jj) * L + p];
-                        if (!q4)
-                            w = w * vs[p];
-                        if (!(fabsf(w) < 1e-12f))
-                            mask |= 1 << jj;
-                    }
-                    wq[(p - c0) * 4 + jj] = w;
+            /* weights and skip flags of the quad for rows [c0, c1): use[p - c0] has bit jj
+             * when query jj sees row p and !(|w| < 1e-12); a weight is read only where its
+             * bit is set, so the rows a query does not see are left unwritten */
+            memset(use, 0, (size_t)(c1 - c0) * sizeof(int32_t));
+            for (jj = 0; jj < nj; ++jj) {
+                const ptrdiff_t lo = c0 > qf[j0 + jj] ? c0 : qf[j0 + jj];
+                const ptrdiff_t hi = c1 < qe[j0 + jj] ? c1 : qe[j0 + jj];
+                const float *pr = probs + (j0 + jj) * L;
+                float *wj = wq + jj * KVC_VROWS;
+                const kvc_i8x bit = kvc_i8x_set1(1 << jj);
+                const kvc_f8 tiny = kvc_f8_set1(1e-12f);
+                for (p = lo; p + 8 <= hi; p += 8) {
+                    kvc_f8 w = kvc_f8_load(pr + p);
+                    if (!q4)
+                        w = kvc_f8_mul(w, kvc_f8_load(vs + p));
+                    kvc_f8_store(wj + (p - c0), w);
+                    /* bit where !(|w| < tiny): a NaN weight is used */
+                    kvc_i8x f = kvc_i8x_sub(bit, kvc_m8_bit(kvc_f8_lt(kvc_f8_abs(w), tiny), 1 << jj));
+                    uint8_t *u8 = (uint8_t *)(use + (p - c0));
+                    kvc_i8x_storeb(u8, kvc_i8x_add(kvc_i8x_loadb(u8), f));
                 }
-                use[p - c0] = mask;
-                if (q4 && mask)
-                    kvc_v4_params(vp + p * np, hd, pf + (p - c0) * np);
+                for (; p < hi; ++p) {
+                    float w = pr[p];
+                    if (!q4)
+                        w = w * vs[p];
+                    wj[p - c0] = w;
+                    if (!(fabsf(w) < 1e-12f))
+                        use[p - c0] |= 1 << jj;
+                }
             }
+            if (q4)
+                for (p = c0; p < c1; ++p)
+                    if (use[p - c0])
+                        kvc_v4_params(vp + p * np, hd, pf + (p - c0) * np);
             for (d0 = 0; d0 < hd; d0 += KVC_VBLOCK) {
                 ptrdiff_t dn = hd - d0 < KVC_VBLOCK ? hd - d0 : KVC_VBLOCK;
                 /* 4-bit: the 32-channel chunk ch0 holding the block, of cn channels; chunk
@@ -397,8 +413,8 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
                                 v3 = kvc_f8_from_s8(src + 24);
                             }
                         }
-                        const float *w = wq + (p - c0) * 4;
-#define KVC_UPD(J) if (m >> J & 1) { kvc_f8 wb = kvc_f8_bcast(w + J); \
+                        const float *w = wq + (p - c0);
+#define KVC_UPD(J) if (m >> J & 1) { kvc_f8 wb = kvc_f8_bcast(w + J * KVC_VROWS); \
                             a##J##0 = kvc_f8_fma(wb, v0, a##J##0); a##J##1 = kvc_f8_fma(wb, v1, a##J##1); \
                             if (KVC_W32) { a##J##2 = kvc_f8_fma(wb, v2, a##J##2); \
                                            a##J##3 = kvc_f8_fma(wb, v3, a##J##3); } }
@@ -418,7 +434,7 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
                  * chain, element by element */
                 for (p = c0; p < c1; ++p) {
                     int32_t m = use[p - c0];
-                    const float *w = wq + (p - c0) * 4;
+                    const float *w = wq + (p - c0);
                     if (!m)
                         continue;
                     if (q4) {
@@ -441,7 +457,7 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
                             continue;
                         y = acc + (j0 + jj) * hd + d0;
                         for (d = 0; d < dn; ++d)
-                            y[d] = fmaf(w[jj], vrow[d], y[d]);
+                            y[d] = fmaf(w[jj * KVC_VROWS], vrow[d], y[d]);
                     }
                 }
             }

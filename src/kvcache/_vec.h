@@ -1174,4 +1174,29 @@ KVC_INLINE kvc_f16 kvc_i16x_to_f16(kvc_i16x a)
 }
 #endif
 
+/* --- operations added for the value pass's weights --- */
+/*   kvc_m8_bit(m, b)   per lane m ? b : 0, as int32 lanes (m all-ones or all-zeros lanes) */
+#if KVC_VEC_X86
+KVC_INLINE kvc_i8x kvc_m8_bit(kvc_m8 m, int32_t b)
+{
+    return _mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(b));
+}
+#elif KVC_VEC_NEON
+KVC_INLINE kvc_i8x kvc_m8_bit(kvc_m8 m, int32_t b)
+{
+    kvc_i8x r = { { vandq_s32(vreinterpretq_s32_u32(m.val[0]), vdupq_n_s32(b)),
+                    vandq_s32(vreinterpretq_s32_u32(m.val[1]), vdupq_n_s32(b)) } };
+    return r;
+}
+#else
+KVC_INLINE kvc_i8x kvc_m8_bit(kvc_m8 m, int32_t b)
+{
+    kvc_i8x r;
+    int l;
+    for (l = 0; l < 8; ++l)
+        r.v[l] = m.v[l] & b;
+    return r;
+}
+#endif
+
 #endif
