@@ -1,4 +1,4 @@
-/* The AVX2 + FMA body (_dispatch.h): every kernel family compiled for AVX2 and FMA.
+/* The AVX2 + FMA + F16C body (_dispatch.h): every kernel family compiled for AVX2, FMA and F16C.
  * Only this unit holds these instructions, and _core runs its body only on a CPU that reports
  * every feature the body needs (_isa.h).  GCC takes the target from `#pragma GCC target`, clang
  * from `#pragma clang attribute` (which defines no feature macros: KVC_UNIT_AVX2 tells _vec.h).

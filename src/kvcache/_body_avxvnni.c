@@ -1,4 +1,4 @@
-/* The AVX-VNNI body (_dispatch.h): the AVX2 + FMA code, with q8 scoring on the VEX
+/* The AVX-VNNI body (_dispatch.h): the AVX2 + FMA + F16C code, with q8 scoring on the VEX
  * vpdpbusd (AVX-VNNI without AVX-512: Alder Lake and later client cores).
  * Only this unit holds these instructions, and _core runs its body only on a CPU that reports
  * every feature the body needs (_isa.h).  GCC takes the target from `#pragma GCC target`, clang

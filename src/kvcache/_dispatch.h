@@ -4,8 +4,8 @@
  * once per body, each time into a translation unit of its own that is built for that body's
  * target and nothing else:
  *   _body_portable.c  plain C for the baseline of the target (always built)
- *   _body_avx2.c      x86-64: AVX2 + FMA
- *   _body_avxvnni.c   x86-64: AVX2 + FMA + AVX-VNNI (q8 scoring with VEX vpdpbusd)
+ *   _body_avx2.c      x86-64: AVX2 + FMA + F16C
+ *   _body_avxvnni.c   x86-64: AVX2 + FMA + F16C + AVX-VNNI (q8 scoring with VEX vpdpbusd)
  *   _body_avx512.c    x86-64: AVX-512 F/BW/DQ/VL + AVX512-VNNI (16-float MLA, EVEX vpdpbusd)
  *   _body_neon.c      aarch64: Advanced SIMD
  *   _body_neondot.c   aarch64: Advanced SIMD + the dot-product extension (sdot)

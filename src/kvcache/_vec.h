@@ -3,7 +3,7 @@
  * target (below), and every target computes the same bits (docs/numerics.md):
  *
  *   KVC_VEC_PORTABLE  plain C over arrays of lanes (every machine; -DKVC_NO_SIMD forces it)
- *   KVC_VEC_AVX2      x86-64 AVX2 + FMA (__m256; the 16-lane type is a pair of them)
+ *   KVC_VEC_AVX2      x86-64 AVX2 + FMA + F16C (__m256; the 16-lane type is a pair of them)
  *   KVC_VEC_AVX512    x86-64 AVX-512 F/BW/DQ/VL: the 8-lane type stays __m256 (EVEX-encoded,
  *                     32 registers), the 16-lane type is __m512
  *   KVC_VEC_NEON      aarch64 Advanced SIMD (float32x4_t pairs and quads)
@@ -127,9 +127,12 @@ static inline float kvc_expf(float x)
 
 /* IEEE binary16 bits -> float32, exactly (4-bit KV parameters, docs/kv4.md): the scalar twin
  * of kvc_f8_from_f16, which is the conversion instruction where the target has one (x86 F16C
- * vcvtph2ps, aarch64 fcvtl).  A finite value is the bits shifted into float32 position times
- * 2^112 (exact for normal and subnormal halves); exponent 31 is an infinity or a NaN, a NaN
- * made quiet (bit 22 set, its payload kept) as those instructions make it. */
+ * vcvtph2ps, aarch64 fcvtl with FPCR.DN clear, as Linux and macOS leave it).  A normal half is
+ * its bits moved into float32 position with the exponent rebiased (integer operations); a
+ * subnormal one is its 10-bit significand times 2^-24, both operands and the product normal
+ * float32 values, so a flush-to-zero or denormals-are-zero mode (which the instructions
+ * ignore) cannot change it; exponent 31 is an infinity or a NaN, a NaN made quiet (bit 22 set,
+ * its payload kept) as the instructions make it. */
 static inline float kvc_f16_to_f32(uint16_t h)
 {
     uint32_t em = (uint32_t)h & 0x7fffu, u;
@@ -137,10 +140,11 @@ static inline float kvc_f16_to_f32(uint16_t h)
     if (em >= 0x7c00u) {
         u = 0x7f800000u | ((em & 0x3ffu) << 13) | (em > 0x7c00u ? 0x400000u : 0u);
         memcpy(&f, &u, 4);
-    } else {
-        u = em << 13;
+    } else if (em >= 0x0400u) {
+        u = (em << 13) + (112u << 23);
         memcpy(&f, &u, 4);
-        f = f * 5.192296858534828e+33f;     /* 2^112 */
+    } else {
+        f = (float)em * 5.9604644775390625e-08f;   /* 2^-24 */
     }
     memcpy(&u, &f, 4);
     u |= ((uint32_t)h & 0x8000u) << 16;
@@ -327,7 +331,8 @@ KVC_INLINE kvc_f8 kvc_f8_from_s8(const int8_t *p)
     kvc_f8 r = { { vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))) } };
     return r;
 }
-/* fcvtl, which every AArch64 CPU has (exact; a NaN made quiet, as kvc_f16_to_f32 does) */
+/* fcvtl, which every AArch64 CPU has (exact; with FPCR.DN clear, as Linux and macOS leave it,
+ * a NaN made quiet with its sign and payload kept, as kvc_f16_to_f32 does) */
 KVC_INLINE kvc_f8 kvc_f8_from_f16(const uint16_t *p)
 {
     float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(p));

@@ -1,8 +1,12 @@
 /* Runs the inner loops of _kernels.h on fixed pseudo-random inputs and prints every result as
- * raw bits.  tests/test_portable_twin.py builds it twice -- with the AVX2/FMA path and with
- * -DKVC_NO_SIMD (the portable C path) -- and requires identical output. */
+ * raw bits.  tests/test_portable_twin.py builds it once per x86 body (the compile flags select
+ * the target) and with -DKVC_NO_SIMD (the portable C path), and requires identical output. */
 #include "_mla.h"
 #include <stdio.h>
+
+#if defined(__AVX2__) && !defined(KVC_NO_SIMD) && KVC_VEC_PORTABLE
+#error "an AVX2 build fell back to the portable vector layer (a missing -mfma or -mf16c?)"
+#endif
 
 static uint32_t state = 20261129u;
 static float rnd(void)
@@ -16,6 +20,25 @@ static void out(float x)
     uint32_t b;
     memcpy(&b, &x, 4);
     printf("%08x\n", b);
+}
+
+/* out(), with every NaN printed as "nan" (which NaN an operation returns is not specified) */
+static void outc(float x)
+{
+    if (x != x)
+        printf("nan\n");
+    else
+        out(x);
+}
+
+/* probs with weights at the value pass's skip threshold (0, -0, +-1e-13, +-1e-12, 1.5e-12, a
+ * NaN) spread over the eight-row blocks and the tail of its flag computation */
+static void threshold_probs(const float *probs, float *pz, ptrdiff_t n, ptrdiff_t salt)
+{
+    static const float special[8] = {0.0f, -0.0f, 1e-13f, -1e-13f, 1e-12f, -1e-12f, 1.5e-12f, NAN};
+    ptrdiff_t i;
+    for (i = 0; i < n; ++i)
+        pz[i] = (i * 7 + salt) % 5 == 0 ? special[(i / 5) % 8] : probs[i];
 }
 
 #define HDMAX 136
@@ -93,6 +116,12 @@ int main(void)
             for (i = 0; i < 8 * 64; ++i) out(probs[i]);
             kvc_task_values(probs, 64, 8, qf, qe, v, vq, vs, quant, 0, ROWS, hd, acc, scratch);
             for (i = 0; i < 8 * hd; ++i) out(acc[i]);
+            {
+                static float pz[8 * 64];
+                threshold_probs(probs, pz, 8 * 64, hd);
+                kvc_task_values(pz, 64, 8, qf, qe, v, vq, vs, quant, 0, ROWS, hd, acc, scratch);
+                for (i = 0; i < 8 * hd; ++i) outc(acc[i]);
+            }
             if (hd % 8 == 0) {   /* the 4-bit V pass over these probabilities (_q4.h) */
                 for (i = 0; i < ROWS; ++i)
                     kvc_v4_quant_row(v + i * hd, hd, vc4 + i * (hd / 2),
@@ -103,6 +132,12 @@ int main(void)
                 for (i = 0; i < 8 * hd; ++i) out(acc[i]);
                 kvc_task_values_v4(probs, 64, 3, qf + 2, qe + 2, vc4, vp, 5, 29, hd, acc, v4scr);
                 for (i = 0; i < 3 * hd; ++i) out(acc[i]);
+                {
+                    static float pz[8 * 64];
+                    threshold_probs(probs, pz, 8 * 64, hd + 1);
+                    kvc_task_values_v4(pz, 64, 8, qf, qe, vc4, vp, 0, ROWS, hd, acc, v4scr);
+                    for (i = 0; i < 8 * hd; ++i) outc(acc[i]);
+                }
                 {   /* 4-bit K: 37 rows, one closed block of 32 and 5 ring rows (_kernels.h) */
                     const ptrdiff_t B = KVC_K4_BLOCK;
                     static uint8_t kc4[ROWS * HDMAX / 2];
