@@ -3,6 +3,7 @@
  * the target) and with -DKVC_NO_SIMD (the portable C path), and requires identical output. */
 #include "_mla.h"
 #include <stdio.h>
+#include <stdlib.h>
 
 #if defined(__AVX2__) && !defined(KVC_NO_SIMD) && KVC_VEC_PORTABLE
 #error "an AVX2 build fell back to the portable vector layer (a missing -mfma or -mf16c?)"
@@ -29,6 +30,45 @@ static void outc(float x)
         printf("nan\n");
     else
         out(x);
+}
+
+/* The quantised value passes against their definition (docs/numerics.md), so that a mistake
+ * every body shares is caught too: acc[j][d] = fmaf(w, v, acc) over the rows p in [p0, p1) that
+ * query j sees, in order, skipping those with |w| < 1e-12 (a NaN weight is used); q8 (v4 NULL):
+ * w = prob * vs[p], v = (float)code; 4-bit: w = prob, v = fmaf(code, step, minimum).  A NaN
+ * matches any NaN.  Exits with status 2 on the first difference. */
+static void check_values(const char *what, const float *probs, ptrdiff_t L, ptrdiff_t nq,
+                         const ptrdiff_t *qf, const ptrdiff_t *qe, const int8_t *vq,
+                         const float *vs, const uint8_t *v4, const uint16_t *vp, ptrdiff_t p0,
+                         ptrdiff_t p1, ptrdiff_t hd, const float *acc)
+{
+    const ptrdiff_t np = 2 * KVC_V4_NG(hd);
+    ptrdiff_t j, d, p;
+    for (j = 0; j < nq; ++j)
+        for (d = 0; d < hd; ++d) {
+            float y = 0.0f, got = acc[j * hd + d];
+            for (p = p0 > qf[j] ? p0 : qf[j]; p < p1 && p < qe[j]; ++p) {
+                float w = probs[j * L + p], x;
+                if (v4) {
+                    ptrdiff_t byte;
+                    int shift;
+                    kvc_v4_place(hd, d, &byte, &shift);
+                    x = fmaf((float)((v4[p * (hd / 2) + byte] >> shift) & 15),
+                             kvc_f16_to_f32(vp[p * np + 2 * (d / 16)]),
+                             kvc_f16_to_f32(vp[p * np + 2 * (d / 16) + 1]));
+                } else {
+                    w = w * vs[p];
+                    x = (float)vq[p * hd + d];
+                }
+                if (!(fabsf(w) < 1e-12f))
+                    y = fmaf(w, x, y);
+            }
+            if (memcmp(&y, &got, 4) != 0 && !(y != y && got != got)) {
+                fprintf(stderr, "%s value pass differs from its definition: head_dim %d, query %d, "
+                        "channel %d: %a, not %a\n", what, (int)hd, (int)j, (int)d, got, y);
+                exit(2);
+            }
+        }
 }
 
 /* probs with weights at the value pass's skip threshold (0, -0, +-1e-13, +-1e-12, 1.5e-12, a
@@ -116,11 +156,15 @@ int main(void)
             for (i = 0; i < 8 * 64; ++i) out(probs[i]);
             kvc_task_values(probs, 64, 8, qf, qe, v, vq, vs, quant, 0, ROWS, hd, acc, scratch);
             for (i = 0; i < 8 * hd; ++i) out(acc[i]);
+            if (quant)
+                check_values("q8", probs, 64, 8, qf, qe, vq, vs, NULL, NULL, 0, ROWS, hd, acc);
             {
                 static float pz[8 * 64];
                 threshold_probs(probs, pz, 8 * 64, hd);
                 kvc_task_values(pz, 64, 8, qf, qe, v, vq, vs, quant, 0, ROWS, hd, acc, scratch);
                 for (i = 0; i < 8 * hd; ++i) outc(acc[i]);
+                if (quant)
+                    check_values("q8", pz, 64, 8, qf, qe, vq, vs, NULL, NULL, 0, ROWS, hd, acc);
             }
             if (hd % 8 == 0) {   /* the 4-bit V pass over these probabilities (_q4.h) */
                 for (i = 0; i < ROWS; ++i)
@@ -130,13 +174,17 @@ int main(void)
                 for (i = 0; i < ROWS * 2 * KVC_V4_NG(hd); ++i) out((float)vp[i]);
                 kvc_task_values_v4(probs, 64, 8, qf, qe, vc4, vp, 0, ROWS, hd, acc, v4scr);
                 for (i = 0; i < 8 * hd; ++i) out(acc[i]);
+                check_values("4-bit", probs, 64, 8, qf, qe, NULL, NULL, vc4, vp, 0, ROWS, hd, acc);
                 kvc_task_values_v4(probs, 64, 3, qf + 2, qe + 2, vc4, vp, 5, 29, hd, acc, v4scr);
                 for (i = 0; i < 3 * hd; ++i) out(acc[i]);
+                check_values("4-bit", probs, 64, 3, qf + 2, qe + 2, NULL, NULL, vc4, vp, 5, 29,
+                             hd, acc);
                 {
                     static float pz[8 * 64];
                     threshold_probs(probs, pz, 8 * 64, hd + 1);
                     kvc_task_values_v4(pz, 64, 8, qf, qe, vc4, vp, 0, ROWS, hd, acc, v4scr);
                     for (i = 0; i < 8 * hd; ++i) outc(acc[i]);
+                    check_values("4-bit", pz, 64, 8, qf, qe, NULL, NULL, vc4, vp, 0, ROWS, hd, acc);
                 }
                 {   /* 4-bit K: 37 rows, one closed block of 32 and 5 ring rows (_kernels.h) */
                     const ptrdiff_t B = KVC_K4_BLOCK;
