@@ -106,3 +106,17 @@ def test_a_region_follows_its_data(tmp_path: pathlib.Path, monkeypatch: pytest.M
 def test_a_bad_region_is_a_clear_error(spec: str, message: str) -> None:
     with pytest.raises(figures.FigureError, match=message):
         figures.render(spec)
+
+
+def test_an_ab_region_shows_each_tree_s_runs_and_the_ratio_of_medians() -> None:
+    run = {"other_processes_cores": 0.01}
+    doc = {"command": "python -m kvcache bench --sections decode",
+           "trees": {"before": "aaaa", "after": "bbbb"},
+           "machine": {"cpu_model": "CPU", "cpu_count": 2},
+           "runs": [dict(run, tree=tree, date=f"d{i}", rows=[
+               {"geometry": "G", "context": 16384, "mode": "q4", "threads": 2, "ms": ms}])
+               for i, (tree, ms) in enumerate([("before", 2.0), ("after", 1.0), ("before", 4.0),
+                                               ("after", 1.5), ("before", 3.0), ("after", 9.0)])]}
+    text = figures.RENDERERS["bench-ab"](doc, [])
+    assert "| G | 16k q4 | 2.000, 4.000, 3.000 | 1.000, 1.500, 9.000 | 0.50x |" in text
+    assert "aaaa (before) and bbbb (after)" in text and "d0 to d5" in text

@@ -27,6 +27,7 @@ import json
 import math
 import pathlib
 import re
+import statistics
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -259,6 +260,30 @@ def bench_prefill_modes(doc: Any, args: Sequence[str]) -> str:
     head = (["geometry", "prompt"] + [f"{m} s" for m in modes]
             + [f"{m} vs f32" for m in modes if m != "f32"] + ["f32 vs SDPA"])
     return bench_machine(doc) + ":\n\n" + table(head, out)
+
+
+@renderer("bench-ab")
+def bench_ab(doc: Any, args: Sequence[str]) -> str:
+    """An interleaved A/B of two source trees: each cell's times per tree, in run order, and
+    the ratio of the medians (after / before: below 1 the change is faster)."""
+    cells: dict[tuple[str, int, str], dict[str, list[float]]] = {}
+    for run in doc["runs"]:
+        for r in run["rows"]:
+            key = (r["geometry"], r["context"], r["mode"])
+            cells.setdefault(key, {"before": [], "after": []})[run["tree"]].append(r["ms"])
+    out = []
+    for (geometry, context, mode), t in cells.items():
+        out.append([geometry, f"{context // 1024}k {mode}",
+                    ", ".join(f"{x:.3f}" for x in t["before"]),
+                    ", ".join(f"{x:.3f}" for x in t["after"]),
+                    f"{statistics.median(t['after']) / statistics.median(t['before']):.2f}x"])
+    dates = sorted(run["date"] for run in doc["runs"])
+    busy = max(run["other_processes_cores"] for run in doc["runs"])
+    head = ["geometry", "cell", "before ms", "after ms", "after / before (medians)"]
+    return (f"`{doc['command']}`, {doc['trees']['before']} (before) and "
+            f"{doc['trees']['after']} (after) taking turns, {dates[0]} to {dates[-1]}, "
+            f"{doc['machine']['cpu_model']}, {doc['machine']['cpu_count']} CPUs, other processes "
+            f"at most {busy:.2f} cores busy:\n\n" + table(head, out))
 
 
 # ---------------------------------------------------------------------------------------------

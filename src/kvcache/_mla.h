@@ -297,25 +297,36 @@ static void kvc_mla_merge_head(const float *acc, ptrdiff_t acc_stride, const flo
 /* ---- entry points ------------------------------------------------------------------------ */
 
 
-/* Machine probe for the benchmark: `iters` steps of 10 independent chains of 8-lane fused
- * multiply-adds (80 FMAs per step), enough chains to cover the FMA latency on current x86
- * cores.  Returns a value that depends on every lane of every chain, so that nothing is
- * optimised away (the portable target's lanes are plain floats). */
+/* Machine probe for the benchmark: `iters` steps of 160 fused multiply-adds on 16-lane vectors,
+ * the widest float vector of any body (one __m512 on AVX-512, whose 512-bit FMA rate is about
+ * twice the 256-bit one on a core with two 512-bit units; two 8-lane halves elsewhere), so the
+ * probe measures the rate a kernel written on kvc_f16 can reach.  The chains are independent
+ * and as many as cover the FMA latency without leaving the registers: 10 of 16 lanes on
+ * AVX-512's 32 registers, 5 (10 of 8 lanes) where there are 16.  Returns a value that depends
+ * on every lane of every chain, so that nothing is optimised away (the portable target's lanes
+ * are plain floats). */
+#if KVC_VEC_AVX512
+#define KVC_PROBE_CHAINS 10
+#else
+#define KVC_PROBE_CHAINS 5
+#endif
 static float kvc_fma_probe(long iters, float x)
 {
     long i;
-    int k;
-    kvc_f8 a[10], b = kvc_f8_set1(0.999999f), c = kvc_f8_set1(1e-7f), s;
-    for (k = 0; k < 10; ++k)
-        a[k] = kvc_f8_set1(x + (float)k);
+    int k, r;
+    kvc_f16 a[KVC_PROBE_CHAINS], b = kvc_f16_set1(0.999999f), c = kvc_f16_set1(1e-7f), s;
+    for (k = 0; k < KVC_PROBE_CHAINS; ++k)
+        a[k] = kvc_f16_set1(x + (float)k);
     for (i = 0; i < iters; ++i)
-        for (k = 0; k < 10; ++k)
-            a[k] = kvc_f8_fma(a[k], b, c);
+        for (r = 0; r < 10 / KVC_PROBE_CHAINS; ++r)
+            for (k = 0; k < KVC_PROBE_CHAINS; ++k)
+                a[k] = kvc_f16_fma(a[k], b, c);
     s = a[0];
-    for (k = 1; k < 10; ++k)
-        s = kvc_f8_add(s, a[k]);
-    return kvc_f8_fold(s);
+    for (k = 1; k < KVC_PROBE_CHAINS; ++k)
+        s = kvc_f16_add(s, a[k]);
+    return kvc_f16_fold(s);
 }
+#undef KVC_PROBE_CHAINS
 
 #endif /* KVCACHE_MLA_H */
 

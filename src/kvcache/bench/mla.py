@@ -49,7 +49,7 @@ MLA_NAIVE_MAX_CONTEXT = 32768
 MLA_WORKING_SET = 160 * MiB  # at least; 4 x the reported LLC when that is more (capped at 1 GiB)
 MLA_MAX_LAYERS = 512
 MLA_FMA_ITERS, QUICK_MLA_FMA_ITERS = 10_000_000, 2_000_000
-MLA_FMA_PER_PROBE_ITER = 80  # FMAs per thread per fma_probe iteration
+MLA_FMA_PER_PROBE_ITER = 160  # FMAs per thread per fma_probe iteration (10 chains x 16 lanes)
 MLA_ROW_BYTES = (MLA_RANK + MLA_ROPE) * 4                  # latent + k_rope of one cached row
 MLA_WEIGHT_BYTES = MLA_HEADS * (MLA_NOPE + MLA_V) * MLA_RANK * 4   # W_UK + W_UV of one layer
 MLA_FMA_PER_ROW = MLA_HEADS * (MLA_RANK + MLA_ROPE) + MLA_HEADS * MLA_RANK    # 17408
@@ -169,7 +169,7 @@ def measure_fma_peak(thread_counts: Iterable[int], iters: int = MLA_FMA_ITERS,
                      repeats: int = 5) -> FmaPeak:
     """Peak float32 FMA rate (GFMA/s) of ``_core.fma_probe`` per thread count.
 
-    ``fma_probe(iters, n)`` runs ``iters`` x 80 FMAs (independent chains) on each of ``n``
+    ``fma_probe(iters, n)`` runs ``iters`` x 160 FMAs (independent chains) on each of ``n``
     threads.  Returns ``{n: {"best_gfmas", "median_gfmas", "iters", "samples_s"}}``; "best" is
     the figure used (the peak)."""
     result: FmaPeak = {}
