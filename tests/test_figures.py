@@ -120,3 +120,16 @@ def test_an_ab_region_shows_each_tree_s_runs_and_the_ratio_of_medians() -> None:
     text = figures.RENDERERS["bench-ab"](doc, [])
     assert "| G | 16k q4 | 2.000, 4.000, 3.000 | 1.000, 1.500, 9.000 | 0.50x |" in text
     assert "aaaa (before) and bbbb (after)" in text and "d0 to d5" in text
+
+
+def test_a_tiles_region_names_the_tiles_per_shape_and_thread_count() -> None:
+    doc = {"blas": [["openblas", "0.3", "Haswell"]], "date": "d",
+           "tiles": [{"threads": 1, "shape": [8, 4], "aligned": [24, 48], "shifted": []},
+                     {"threads": 2, "shape": [8, 4], "aligned": [], "shifted": []},
+                     {"threads": 1, "shape": [2, 2], "aligned": [16], "shifted": [16]},
+                     {"threads": 2, "shape": [2, 2], "aligned": [16], "shifted": []}]}
+    text = figures.RENDERERS["blas-tiles"](doc, [])
+    assert "| (8, 4) | 24, 48 | none |" in text
+    assert "| (2, 2) | 16 (also shifted: 16) | 16 |" in text
+    with pytest.raises(figures.FigureError, match="no tile results"):
+        figures.RENDERERS["blas-tiles"]({"blas": [], "date": "d"}, [])

@@ -3,7 +3,10 @@
 The measurement behind docs/threads.md, "What decides a row's bits in OpenBLAS": for a few
 product shapes, every row of ``x[lo:hi] @ w`` (one BLAS thread, float32) is compared bit for
 bit with the same row computed in 64-row chunks at absolute multiples of 64, the runner's
-prompt chunks.  Run it as is, and with ``OPENBLAS_CORETYPE=Haswell`` (or another kernel) in
+prompt chunks.  It then asks whether whole row tiles decide the bits: for each tile size t,
+blocks of whole tiles that start at multiples of t (t, 2t and 4t rows, and the largest such
+block of the 1,024 rows) against the same rows in t-row chunks at multiples of t, and a block
+of 4t rows that starts 5 rows later.  Run it as is, and with ``OPENBLAS_CORETYPE=Haswell`` (or another kernel) in
 the environment of that one command to see another kernel of the same library.
 
     python tools/blas_row_bits.py [--json OUT]
@@ -24,6 +27,13 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 SHAPES = [(576, 960), (576, 576), (576, 1728), (576, 3072), (1536, 576), (2048, 8192), (64, 128)]
 BLOCKS = [(0, 1), (0, 2), (0, 3), (1, 66), (0, 128), (0, 200), (64, 1024), (512, 514)]
+TILES = (8, 16, 24, 32, 48, 64)
+
+
+def tile_blocks(t: int) -> list[tuple[int, int]]:
+    """Blocks of whole t-row tiles at multiples of t among 1,024 rows: one tile, two, four and
+    the largest."""
+    return [(0, t), (t, 3 * t), (2 * t, 6 * t), (0, 1024 // t * t)]
 
 
 def main() -> None:
@@ -35,7 +45,7 @@ def main() -> None:
             for i in threadpool_info() if i.get("user_api") == "blas"]
     print("BLAS:", libs)
     doc: dict[str, Any] = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "blas": libs,
-                           "blocks": BLOCKS, "differ": [], "speed": []}
+                           "blocks": BLOCKS, "differ": [], "speed": [], "tiles": []}
     for threads in (1, 2, 8):
         with threadpool_limits(threads, user_api="blas"):
             for k, n in SHAPES:
@@ -48,22 +58,40 @@ def main() -> None:
                 print(f"{threads} thread(s), ({k}, {n}): blocks whose rows differ from 64-row "
                       f"chunks: {differ or 'none'}")
                 doc["differ"].append({"threads": threads, "shape": [k, n], "blocks": differ})
-    # the speed of larger blocks, one thread: 64-row chunks against 512-row blocks
+                aligned, shifted = [], []
+                for t in TILES:
+                    ref = np.concatenate([x[i: i + t] @ w for i in range(0, 1024 // t * t, t)])
+
+                    def same(lo: int, hi: int) -> bool:
+                        return np.array_equal((x[lo:hi] @ w).view(np.uint32),
+                                              ref[lo:hi].view(np.uint32))
+                    if all(same(lo, hi) for lo, hi in tile_blocks(t)):
+                        aligned.append(t)
+                    if same(5, 5 + 4 * t):
+                        shifted.append(t)
+                print(f"{threads} thread(s), ({k}, {n}): tile sizes t whose blocks of whole "
+                      f"tiles at multiples of t match t-row chunks: {aligned or 'none'}; "
+                      f"also 5 rows later: {shifted or 'none'}")
+                doc["tiles"].append({"threads": threads, "shape": [k, n], "aligned": aligned,
+                                     "shifted": shifted})
+    # the speed of larger blocks, one thread: 64-row chunks, the runner's 256 and 1024 rows
     k, n = 576, 1728
     w = rng.standard_normal((k, n), dtype=np.float32)
     x = rng.standard_normal((2048, k), dtype=np.float32)
+    blocks = (64, 256, 1024)
+    times: dict[int, list[float]] = {b: [] for b in blocks}
     with threadpool_limits(1, user_api="blas"):
-        for block in (64, 512):
-            times = []
-            for _ in range(7):
+        for _ in range(7):                     # the block sizes take turns
+            for block in blocks:
                 t = time.perf_counter()
                 for i in range(0, 2048, block):
                     x[i: i + block] @ w
-                times.append(time.perf_counter() - t)
-            gflops = 2 * 2048 * k * n / sorted(times)[3] / 1e9
-            print(f"1 thread, ({k}, {n}), blocks of {block} rows: {gflops:.0f} GFLOP/s (median)")
-            doc["speed"].append({"threads": 1, "shape": [k, n], "block": block,
-                                 "gflops": gflops, "samples_s": times})
+                times[block].append(time.perf_counter() - t)
+    for block in blocks:
+        gflops = 2 * 2048 * k * n / sorted(times[block])[3] / 1e9
+        print(f"1 thread, ({k}, {n}), blocks of {block} rows: {gflops:.0f} GFLOP/s (median)")
+        doc["speed"].append({"threads": 1, "shape": [k, n], "block": block,
+                             "gflops": gflops, "samples_s": times[block]})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

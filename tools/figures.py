@@ -307,6 +307,29 @@ def blas_bits(doc: Any, args: Sequence[str]) -> str:
             f"same rows in 64-row chunks:\n\n" + table(head, rows))
 
 
+@renderer("blas-tiles")
+def blas_tiles(doc: Any, args: Sequence[str]) -> str:
+    """Per product shape and BLAS thread count, the tile sizes t whose blocks of whole tiles
+    give every row the bits of t-row chunks: at multiples of t, and 5 rows later."""
+    libs = ", ".join(f"{api} {version} ({arch})" for api, version, arch in doc["blas"])
+    if not doc.get("tiles"):
+        raise FigureError("blas-tiles: the file has no tile results (an older run of "
+                          "tools/blas_row_bits.py)")
+    threads = sorted({d["threads"] for d in doc["tiles"]})
+    shapes: dict[tuple[int, int], dict[int, Any]] = {}
+    for d in doc["tiles"]:
+        shapes.setdefault(tuple(d["shape"]), {})[d["threads"]] = d
+
+    def cell(d: Any) -> str:
+        a = ", ".join(map(str, d["aligned"])) or "none"
+        return a + ("" if not d["shifted"] else f" (also shifted: {', '.join(map(str, d['shifted']))})")
+    rows = [[f"({k}, {n})"] + [cell(by[t]) for t in threads] for (k, n), by in shapes.items()]
+    head = ["shape (k, n)"] + [f"{t} thread{'s' if t > 1 else ''}" for t in threads]
+    return (f"{libs}, {doc['date']}. Tile sizes t (of 8, 16, 24, 32, 48, 64) whose blocks of "
+            f"whole tiles at multiples of t give every row the bits of t-row chunks:\n\n"
+            + table(head, rows))
+
+
 @renderer("blas-speed")
 def blas_speed(doc: Any, args: Sequence[str]) -> str:
     """The one-thread speed of 64-row chunks against larger blocks."""
