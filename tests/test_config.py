@@ -1,6 +1,12 @@
 """show_config(): what was built, the thread pools, the wire digest."""
 
+import ast
 import io
+import os
+import subprocess
+import sys
+
+import pytest
 
 import kvcache as kc
 from kvcache import _config, _wire_io
@@ -10,8 +16,8 @@ def test_show_config_prints_every_fact():
     out = io.StringIO()
     kc.show_config(file=out)
     text = out.getvalue()
-    for key in ("kvcache", "numpy", "openmp_built", "simd_built", "threads", "chunk_rows",
-                "wire_digest", "threadpools"):
+    for key in ("kvcache", "numpy", "openmp_built", "simd_built", "threads", "omp_spin",
+                "chunk_rows", "wire_digest", "threadpools"):
         assert f"{key}:" in text
     info = _config.config_info()
     assert info["kvcache"] == kc.__version__ and info["threads"] >= 1
@@ -68,3 +74,61 @@ def test_the_chunk_constant_is_one_value():
     accumulation alike: the summation order of docs/numerics.md depends on it."""
     from kvcache import _core, quant, reference
     assert _core.CHUNK_ROWS == quant.CHUNK_ROWS == reference.CHUNK_ROWS
+
+
+def _spin_after_import(env_extra: dict[str, str], first: str = "") -> tuple:
+    """In a fresh interpreter (``first`` run before ``import kvcache``): kvcache._omp.SPIN, the
+    two variables as the environment holds them after the import, whether OpenMP is built in,
+    and a small kernel call's result."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env.update(env_extra)
+    code = (first + "import os\nimport numpy as np\nimport kvcache\nfrom kvcache import _core, _omp\n"
+            "layer = kvcache.LayerKvCache(1, 8)\n"
+            "layer.append(np.ones((3, 1, 8), np.float32), np.ones((3, 1, 8), np.float32))\n"
+            "o = layer.attend_all_heads(np.ones((1, 8), np.float32))\n"
+            "print(repr((_omp.SPIN, os.environ.get('GOMP_SPINCOUNT'), "
+            "os.environ.get('OMP_WAIT_POLICY'), _core.openmp_built(), float(o.sum()))))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def _libgomp_here() -> bool:
+    """Whether this process runs kvcache's kernels on libgomp (Linux, OpenMP built in)."""
+    from kvcache import _core
+    with open("/proc/self/maps") as f:
+        return _core.openmp_built() and "libgomp" in f.read()
+
+
+def test_the_spin_default_applies_while_the_extension_loads_and_leaves_no_trace():
+    spin, count, policy, built, total = _spin_after_import({})
+    assert count is None and policy is None            # children see the program's environment
+    assert total == 8.0
+    if sys.platform == "linux" and _libgomp_here():
+        assert spin == f"GOMP_SPINCOUNT={kc._omp.SPIN_DEFAULT} (kvcache's default)"
+    else:
+        assert spin.startswith("not applied")
+
+
+@pytest.mark.parametrize("extra,want", [
+    ({"GOMP_SPINCOUNT": "123"}, "environment: GOMP_SPINCOUNT=123"),
+    ({"OMP_WAIT_POLICY": "passive"}, "environment: OMP_WAIT_POLICY=passive"),
+    ({"GOMP_SPINCOUNT": "not a number"}, "environment: GOMP_SPINCOUNT=not a number"),
+])
+def test_a_spin_setting_of_the_environment_is_kept(extra, want):
+    """The environment's setting wins and stays; libgomp answers a bad value itself (a
+    warning), the kernels still run."""
+    spin, count, policy, _, total = _spin_after_import(extra)
+    assert spin == want and total == 8.0
+    assert (count, policy) == (extra.get("GOMP_SPINCOUNT"), extra.get("OMP_WAIT_POLICY"))
+
+
+def test_a_libgomp_loaded_before_kvcache_keeps_its_own_setting():
+    if not (sys.platform == "linux" and _libgomp_here()):   # no libgomp to load first
+        assert kc._omp.SPIN.startswith("not applied")
+        return
+    spin, count, _, _, total = _spin_after_import(
+        {}, first="import ctypes\nctypes.CDLL('libgomp.so.1')\n")
+    assert spin == "libgomp's own setting (loaded before kvcache)"
+    assert count is None and total == 8.0

@@ -33,6 +33,8 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+# first of kvcache's modules: libgomp's spin default while the compiled extension loads
+from . import _omp  # noqa: F401
 from ._version import __version__
 
 from .modes import KvMode

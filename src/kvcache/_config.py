@@ -16,7 +16,7 @@ def _wire_digest() -> str:
 def config_info() -> dict[str, Any]:
     """The facts show_config prints, as a dict."""
     import numpy as np
-    from . import _core
+    from . import _core, _omp
     from ._dispatch import FEATURES
     from ._threads import thread_settings
     from ._version import __version__
@@ -34,6 +34,7 @@ def config_info() -> dict[str, Any]:
         "isa": f"{_core.isa()} (cpu: {_core.isa_detected()}; build: {_core.isa_build()})",
         "isa_bodies": ", ".join(f"{fam} {body}" for fam, body in _core.bodies().items()),
         "threads": ts.max_threads,
+        "omp_spin": _omp.SPIN,
         "thread_mode": (f"{ts.mode}: "
                         + (f"1 to {ts.max_threads}" if ts.adaptive else f"{ts.max_threads}")
                         + f" per call (OpenMP limit {ts.limit}"
@@ -59,11 +60,14 @@ def show_config(file: Optional[TextIO] = None) -> None:
     use (``cpu_features``: what the CPU reports; ``isa``: the limit in force, the CPU's most
     capable body, what the build holds; ``isa_bodies``: the body each kernel family runs --
     f32 decode, q8 scoring, prefill, mla; docs/numerics.md, "Dispatch"), its thread settings in this context
-    (``kvcache.threads``: limit, mode, the free-CPU sampler) and threadpoolctl's view."""
+    (``kvcache.threads``: limit, mode, the free-CPU sampler), how OpenMP's idle workers wait
+    (``omp_spin``: kvcache's libgomp spin default or what the environment set; docs/threads.md,
+    "OpenMP's idle workers") and threadpoolctl's view."""
     info = config_info()
     out = file or sys.stdout
     for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "simd_built",
-                "cpu_features", "isa", "isa_bodies", "threads", "thread_mode", "thread_sampler", "chunk_rows", "wire_digest"):
+                "cpu_features", "isa", "isa_bodies", "threads", "thread_mode", "thread_sampler", "omp_spin", "chunk_rows",
+                "wire_digest"):
         print(f"{key:>14}: {info[key]}", file=out)
     print(f"{'threadpools':>14}:", file=out)
     pools = info["threadpools"]
