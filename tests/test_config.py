@@ -3,6 +3,7 @@
 import ast
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -77,21 +78,25 @@ def test_the_chunk_constant_is_one_value():
 
 
 def _spin_after_import(env_extra: dict[str, str], first: str = "") -> tuple:
-    """In a fresh interpreter (``first`` run before ``import kvcache``): kvcache._omp.SPIN, the
-    two variables as the environment holds them after the import, whether OpenMP is built in,
-    and a small kernel call's result."""
+    """In a fresh interpreter (``first`` run before ``import kvcache``, OMP_DISPLAY_ENV=VERBOSE
+    so that libgomp prints what it read): kvcache._omp.SPIN, the two variables as the
+    environment holds them after the import, whether OpenMP is built in, a small kernel call's
+    result, and the spin count libgomp printed (None: it printed none)."""
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    env.update(env_extra)
+    env.update(env_extra, OMP_DISPLAY_ENV="VERBOSE", PYTHONIOENCODING="utf-8")
     code = (first + "import os\nimport numpy as np\nimport kvcache\nfrom kvcache import _core, _omp\n"
             "layer = kvcache.LayerKvCache(1, 8)\n"
             "layer.append(np.ones((3, 1, 8), np.float32), np.ones((3, 1, 8), np.float32))\n"
             "o = layer.attend_all_heads(np.ones((1, 8), np.float32))\n"
+            "kvcache.show_config()\n"
             "print(repr((_omp.SPIN, os.environ.get('GOMP_SPINCOUNT'), "
             "os.environ.get('OMP_WAIT_POLICY'), _core.openmp_built(), float(o.sum()))))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
-    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    read = re.search(rb"GOMP_SPINCOUNT = '([^']*)'", out.stderr)
+    return (*ast.literal_eval(out.stdout.decode().strip().splitlines()[-1]),
+            None if read is None else read.group(1).decode())
 
 
 def _libgomp_here() -> bool:
@@ -102,33 +107,38 @@ def _libgomp_here() -> bool:
 
 
 def test_the_spin_default_applies_while_the_extension_loads_and_leaves_no_trace():
-    spin, count, policy, built, total = _spin_after_import({})
+    spin, count, policy, built, total, read = _spin_after_import({})
     assert count is None and policy is None            # children see the program's environment
     assert total == 8.0
     if sys.platform == "linux" and _libgomp_here():
         assert spin == f"GOMP_SPINCOUNT={kc._omp.SPIN_DEFAULT} (kvcache's default)"
+        assert read == str(kc._omp.SPIN_DEFAULT)       # what libgomp itself read
     else:
-        assert spin.startswith("not applied")
+        assert spin.startswith("not applied") and read is None
 
 
-@pytest.mark.parametrize("extra,want", [
-    ({"GOMP_SPINCOUNT": "123"}, "environment: GOMP_SPINCOUNT=123"),
-    ({"OMP_WAIT_POLICY": "passive"}, "environment: OMP_WAIT_POLICY=passive"),
-    ({"GOMP_SPINCOUNT": "not a number"}, "environment: GOMP_SPINCOUNT=not a number"),
+@pytest.mark.parametrize("extra,want,reads", [
+    ({"GOMP_SPINCOUNT": "123"}, "environment: GOMP_SPINCOUNT='123'", "123"),
+    ({"OMP_WAIT_POLICY": "passive"}, "environment: OMP_WAIT_POLICY='passive'", "0"),
+    ({"GOMP_SPINCOUNT": "not a number"}, "environment: GOMP_SPINCOUNT='not a number'", "300000"),
+    ({"GOMP_SPINCOUNT": "1\udcff"}, "environment: GOMP_SPINCOUNT='1\\udcff'", "300000"),
 ])
-def test_a_spin_setting_of_the_environment_is_kept(extra, want):
+def test_a_spin_setting_of_the_environment_is_kept(extra, want, reads):
     """The environment's setting wins and stays; libgomp answers a bad value itself (a
-    warning), the kernels still run."""
-    spin, count, policy, _, total = _spin_after_import(extra)
+    warning, its default), the kernels still run and show_config prints the value escaped."""
+    spin, count, policy, _, total, read = _spin_after_import(extra)
     assert spin == want and total == 8.0
     assert (count, policy) == (extra.get("GOMP_SPINCOUNT"), extra.get("OMP_WAIT_POLICY"))
+    if sys.platform == "linux" and _libgomp_here():
+        assert read == reads
 
 
 def test_a_libgomp_loaded_before_kvcache_keeps_its_own_setting():
-    if not (sys.platform == "linux" and _libgomp_here()):   # no libgomp to load first
-        assert kc._omp.SPIN.startswith("not applied")
+    if not (sys.platform == "linux" and _libgomp_here()):   # no libgomp to load first: the
+        spin = _spin_after_import({})[0]                     # extension loads none either
+        assert spin.startswith("not applied")
         return
-    spin, count, _, _, total = _spin_after_import(
+    spin, count, _, _, total, read = _spin_after_import(
         {}, first="import ctypes\nctypes.CDLL('libgomp.so.1')\n")
     assert spin == "libgomp's own setting (loaded before kvcache)"
-    assert count is None and total == 8.0
+    assert count is None and total == 8.0 and read == "300000"

@@ -130,6 +130,6 @@ def test_a_tiles_region_names_the_tiles_per_shape_and_thread_count() -> None:
                      {"threads": 2, "shape": [2, 2], "aligned": [16], "shifted": []}]}
     text = figures.RENDERERS["blas-tiles"](doc, [])
     assert "| (8, 4) | 24, 48 | none |" in text
-    assert "| (2, 2) | 16 (also shifted: 16) | 16 |" in text
+    assert "| (2, 2) | 16; shifted: 16 | 16 |" in text and "(8, 16, 24, 32, 48, 64)" in text
     with pytest.raises(figures.FigureError, match="no tile results"):
         figures.RENDERERS["blas-tiles"]({"blas": [], "date": "d"}, [])

@@ -1,13 +1,13 @@
 """Does BLAS give a row of ``x @ w`` the same bits whatever block of rows it is computed in?
 
 The measurement behind docs/threads.md, "What decides a row's bits in OpenBLAS": for a few
-product shapes, every row of ``x[lo:hi] @ w`` (one BLAS thread, float32) is compared bit for
-bit with the same row computed in 64-row chunks at absolute multiples of 64, the runner's
-prompt chunks.  It then asks whether whole row tiles decide the bits: for each tile size t,
-blocks of whole tiles that start at multiples of t (t, 2t and 4t rows, and the largest such
-block of the 1,024 rows) against the same rows in t-row chunks at multiples of t, and a block
-of 4t rows that starts 5 rows later.  Run it as is, and with ``OPENBLAS_CORETYPE=Haswell`` (or another kernel) in
-the environment of that one command to see another kernel of the same library.
+product shapes, every row of ``x[lo:hi] @ w`` (float32, on 1, 2 and 8 BLAS threads) is compared
+bit for bit with the same row computed in 64-row chunks at absolute multiples of 64 on as many
+threads.  It then asks whether whole row tiles decide the bits: for each tile size t in TILES,
+the blocks [3t, 4t), [t, 3t), [2t, 6t) and [0, 1024 // t * t) (whole tiles starting at multiples
+of t) against the same rows in t-row chunks at multiples of t, and the block [5, 5 + 4t) (whole
+tiles shifted off that grid).  Run it as is, and with ``OPENBLAS_CORETYPE=Haswell`` (or another
+kernel) in the environment of that one command to see another kernel of the same library.
 
     python tools/blas_row_bits.py [--json OUT]
 
@@ -31,9 +31,9 @@ TILES = (8, 16, 24, 32, 48, 64)
 
 
 def tile_blocks(t: int) -> list[tuple[int, int]]:
-    """Blocks of whole t-row tiles at multiples of t among 1,024 rows: one tile, two, four and
-    the largest."""
-    return [(0, t), (t, 3 * t), (2 * t, 6 * t), (0, 1024 // t * t)]
+    """Blocks of whole t-row tiles at multiples of t among 1,024 rows: one tile (not the first,
+    which is a reference chunk itself), two, four and the largest."""
+    return [(3 * t, 4 * t), (t, 3 * t), (2 * t, 6 * t), (0, 1024 // t * t)]
 
 
 def main() -> None:
@@ -45,7 +45,8 @@ def main() -> None:
             for i in threadpool_info() if i.get("user_api") == "blas"]
     print("BLAS:", libs)
     doc: dict[str, Any] = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "blas": libs,
-                           "blocks": BLOCKS, "differ": [], "speed": [], "tiles": []}
+                           "blocks": BLOCKS, "differ": [], "speed": [], "tiles": [],
+                           "tile_sizes": list(TILES)}
     for threads in (1, 2, 8):
         with threadpool_limits(threads, user_api="blas"):
             for k, n in SHAPES:
@@ -71,7 +72,7 @@ def main() -> None:
                         shifted.append(t)
                 print(f"{threads} thread(s), ({k}, {n}): tile sizes t whose blocks of whole "
                       f"tiles at multiples of t match t-row chunks: {aligned or 'none'}; "
-                      f"also 5 rows later: {shifted or 'none'}")
+                      f"whose block [5, 5 + 4t) does: {shifted or 'none'}")
                 doc["tiles"].append({"threads": threads, "shape": [k, n], "aligned": aligned,
                                      "shifted": shifted})
     # the speed of larger blocks, one thread: 64-row chunks, the runner's 256 and 1024 rows

@@ -309,8 +309,8 @@ def blas_bits(doc: Any, args: Sequence[str]) -> str:
 
 @renderer("blas-tiles")
 def blas_tiles(doc: Any, args: Sequence[str]) -> str:
-    """Per product shape and BLAS thread count, the tile sizes t whose blocks of whole tiles
-    give every row the bits of t-row chunks: at multiples of t, and 5 rows later."""
+    """Per product shape and BLAS thread count, the tile sizes t whose blocks of whole tiles at
+    multiples of t give every row the bits of t-row chunks, and those whose shifted block does."""
     libs = ", ".join(f"{api} {version} ({arch})" for api, version, arch in doc["blas"])
     if not doc.get("tiles"):
         raise FigureError("blas-tiles: the file has no tile results (an older run of "
@@ -322,11 +322,13 @@ def blas_tiles(doc: Any, args: Sequence[str]) -> str:
 
     def cell(d: Any) -> str:
         a = ", ".join(map(str, d["aligned"])) or "none"
-        return a + ("" if not d["shifted"] else f" (also shifted: {', '.join(map(str, d['shifted']))})")
+        return a + ("" if not d["shifted"] else f"; shifted: {', '.join(map(str, d['shifted']))}")
     rows = [[f"({k}, {n})"] + [cell(by[t]) for t in threads] for (k, n), by in shapes.items()]
     head = ["shape (k, n)"] + [f"{t} thread{'s' if t > 1 else ''}" for t in threads]
-    return (f"{libs}, {doc['date']}. Tile sizes t (of 8, 16, 24, 32, 48, 64) whose blocks of "
-            f"whole tiles at multiples of t give every row the bits of t-row chunks:\n\n"
+    sizes = ", ".join(map(str, doc.get("tile_sizes", [8, 16, 24, 32, 48, 64])))
+    return (f"{libs}, {doc['date']}. Of the tile sizes t tried ({sizes}), those whose blocks of "
+            f"whole tiles at multiples of t gave every row the bits of t-row chunks (and, after "
+            f"\"shifted:\", those whose block of four tiles starting 5 rows later did):\n\n"
             + table(head, rows))
 
 
