@@ -84,10 +84,10 @@ def main() -> None:
     with threadpool_limits(1, user_api="blas"):
         for _ in range(7):                     # the block sizes take turns
             for block in blocks:
-                t = time.perf_counter()
+                start = time.perf_counter()
                 for i in range(0, 2048, block):
                     x[i: i + block] @ w
-                times[block].append(time.perf_counter() - t)
+                times[block].append(time.perf_counter() - start)
     for block in blocks:
         gflops = 2 * 2048 * k * n / sorted(times[block])[3] / 1e9
         print(f"1 thread, ({k}, {n}), blocks of {block} rows: {gflops:.0f} GFLOP/s (median)")
