@@ -102,15 +102,17 @@ def _spin_after_import(env_extra: dict[str, str], first: str = "") -> tuple:
 def _libgomp_here() -> bool:
     """Whether this process runs kvcache's kernels on libgomp (Linux, OpenMP built in)."""
     from kvcache import _core
+    if sys.platform != "linux" or not _core.openmp_built():
+        return False
     with open("/proc/self/maps") as f:
-        return _core.openmp_built() and "libgomp" in f.read()
+        return "libgomp" in f.read()
 
 
 def test_the_spin_default_applies_while_the_extension_loads_and_leaves_no_trace():
     spin, count, policy, built, total, read = _spin_after_import({})
     assert count is None and policy is None            # children see the program's environment
     assert total == 8.0
-    if sys.platform == "linux" and _libgomp_here():
+    if _libgomp_here():
         assert spin == f"GOMP_SPINCOUNT={kc._omp.SPIN_DEFAULT} (kvcache's default)"
         assert read == str(kc._omp.SPIN_DEFAULT)       # what libgomp itself read
     else:
@@ -129,13 +131,13 @@ def test_a_spin_setting_of_the_environment_is_kept(extra, want, reads):
     spin, count, policy, _, total, read = _spin_after_import(extra)
     assert spin == want and total == 8.0
     assert (count, policy) == (extra.get("GOMP_SPINCOUNT"), extra.get("OMP_WAIT_POLICY"))
-    if sys.platform == "linux" and _libgomp_here():
+    if _libgomp_here():
         assert read == reads
 
 
 def test_a_libgomp_loaded_before_kvcache_keeps_its_own_setting():
-    if not (sys.platform == "linux" and _libgomp_here()):   # no libgomp to load first: the
-        spin = _spin_after_import({})[0]                     # extension loads none either
+    if not _libgomp_here():   # no libgomp to load first: the extension loads none either
+        spin = _spin_after_import({})[0]
         assert spin.startswith("not applied")
         return
     spin, count, _, _, total, read = _spin_after_import(

@@ -36,6 +36,12 @@ def tile_blocks(t: int) -> list[tuple[int, int]]:
     return [(3 * t, 4 * t), (t, 3 * t), (2 * t, 6 * t), (0, 1024 // t * t)]
 
 
+def same_bits(x: Any, w: Any, ref: Any, lo: int, hi: int) -> bool:
+    """Whether the rows [lo, hi) of ``x @ w``, computed as one block, have the bits of the
+    same rows of ``ref``."""
+    return np.array_equal((x[lo:hi] @ w).view(np.uint32), ref[lo:hi].view(np.uint32))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
@@ -53,22 +59,16 @@ def main() -> None:
                 w = (rng.standard_normal((k, n), dtype=np.float32) * np.float32(0.02))
                 x = rng.standard_normal((1024, k), dtype=np.float32)
                 chunks = np.concatenate([x[i: i + 64] @ w for i in range(0, 1024, 64)])
-                differ = [(lo, hi) for lo, hi in BLOCKS
-                          if not np.array_equal((x[lo:hi] @ w).view(np.uint32),
-                                                chunks[lo:hi].view(np.uint32))]
+                differ = [(lo, hi) for lo, hi in BLOCKS if not same_bits(x, w, chunks, lo, hi)]
                 print(f"{threads} thread(s), ({k}, {n}): blocks whose rows differ from 64-row "
                       f"chunks: {differ or 'none'}")
                 doc["differ"].append({"threads": threads, "shape": [k, n], "blocks": differ})
                 aligned, shifted = [], []
                 for t in TILES:
                     ref = np.concatenate([x[i: i + t] @ w for i in range(0, 1024 // t * t, t)])
-
-                    def same(lo: int, hi: int) -> bool:
-                        return np.array_equal((x[lo:hi] @ w).view(np.uint32),
-                                              ref[lo:hi].view(np.uint32))
-                    if all(same(lo, hi) for lo, hi in tile_blocks(t)):
+                    if all(same_bits(x, w, ref, lo, hi) for lo, hi in tile_blocks(t)):
                         aligned.append(t)
-                    if same(5, 5 + 4 * t):
+                    if same_bits(x, w, ref, 5, 5 + 4 * t):
                         shifted.append(t)
                 print(f"{threads} thread(s), ({k}, {n}): tile sizes t whose blocks of whole "
                       f"tiles at multiples of t match t-row chunks: {aligned or 'none'}; "

@@ -289,47 +289,48 @@ def bench_ab(doc: Any, args: Sequence[str]) -> str:
 # ---------------------------------------------------------------------------------------------
 # tools/blas_row_bits.py --json
 
+def _blas_libs(doc: Any) -> str:
+    return ", ".join(f"{api} {version} ({arch})" for api, version, arch in doc["blas"])
+
+
+def _shape_thread_table(entries: Sequence[Any], cell: Any) -> str:
+    """A table of tools/blas_row_bits.py results: a row per product shape, a column per BLAS
+    thread count, ``cell(entry)`` in each."""
+    threads = sorted({d["threads"] for d in entries})
+    shapes: dict[tuple[int, int], dict[int, Any]] = {}
+    for d in entries:
+        shapes.setdefault(tuple(d["shape"]), {})[d["threads"]] = d
+    rows = [[f"({k}, {n})"] + [cell(by[t]) for t in threads] for (k, n), by in shapes.items()]
+    head = ["shape (k, n)"] + [f"{t} thread{'s' if t > 1 else ''}" for t in threads]
+    return table(head, rows)
+
+
 @renderer("blas-bits")
 def blas_bits(doc: Any, args: Sequence[str]) -> str:
     """Per product shape and BLAS thread count, the blocks whose rows differ from 64-row chunks."""
-    libs = ", ".join(f"{api} {version} ({arch})" for api, version, arch in doc["blas"])
-    threads = sorted({d["threads"] for d in doc["differ"]})
-    shapes: dict[tuple[int, int], dict[int, list[list[int]]]] = {}
-    for d in doc["differ"]:
-        shapes.setdefault(tuple(d["shape"]), {})[d["threads"]] = d["blocks"]
-    rows = []
-    for (k, n), by in shapes.items():
-        rows.append([f"({k}, {n})"] + [", ".join(f"{lo}:{hi}" for lo, hi in by[t]) or "none"
-                                       for t in threads])
-    head = ["shape (k, n)"] + [f"{t} thread{'s' if t > 1 else ''}" for t in threads]
     blocks = ", ".join(f"{lo}:{hi}" for lo, hi in doc["blocks"])
-    return (f"{libs}, {doc['date']}; blocks tried: {blocks}. Blocks whose rows differ from the "
-            f"same rows in 64-row chunks:\n\n" + table(head, rows))
+    return (f"{_blas_libs(doc)}, {doc['date']}; blocks tried: {blocks}. Blocks whose rows differ "
+            f"from the same rows in 64-row chunks:\n\n"
+            + _shape_thread_table(doc["differ"], lambda d: ", ".join(
+                f"{lo}:{hi}" for lo, hi in d["blocks"]) or "none"))
 
 
 @renderer("blas-tiles")
 def blas_tiles(doc: Any, args: Sequence[str]) -> str:
     """Per product shape and BLAS thread count, the tile sizes t whose blocks of whole tiles at
     multiples of t give every row the bits of t-row chunks, and those whose shifted block does."""
-    libs = ", ".join(f"{api} {version} ({arch})" for api, version, arch in doc["blas"])
     if not doc.get("tiles"):
         raise FigureError("blas-tiles: the file has no tile results (an older run of "
                           "tools/blas_row_bits.py)")
-    threads = sorted({d["threads"] for d in doc["tiles"]})
-    shapes: dict[tuple[int, int], dict[int, Any]] = {}
-    for d in doc["tiles"]:
-        shapes.setdefault(tuple(d["shape"]), {})[d["threads"]] = d
 
     def cell(d: Any) -> str:
         a = ", ".join(map(str, d["aligned"])) or "none"
         return a + ("" if not d["shifted"] else f"; shifted: {', '.join(map(str, d['shifted']))}")
-    rows = [[f"({k}, {n})"] + [cell(by[t]) for t in threads] for (k, n), by in shapes.items()]
-    head = ["shape (k, n)"] + [f"{t} thread{'s' if t > 1 else ''}" for t in threads]
     sizes = ", ".join(map(str, doc.get("tile_sizes", [8, 16, 24, 32, 48, 64])))
-    return (f"{libs}, {doc['date']}. Of the tile sizes t tried ({sizes}), those whose blocks of "
-            f"whole tiles at multiples of t gave every row the bits of t-row chunks (and, after "
-            f"\"shifted:\", those whose block of four tiles starting 5 rows later did):\n\n"
-            + table(head, rows))
+    return (f"{_blas_libs(doc)}, {doc['date']}. Of the tile sizes t tried ({sizes}), those whose "
+            f"blocks of whole tiles at multiples of t gave every row the bits of t-row chunks "
+            f"(and, after \"shifted:\", those whose block of four tiles starting 5 rows later "
+            f"did):\n\n" + _shape_thread_table(doc["tiles"], cell))
 
 
 @renderer("blas-speed")

@@ -66,8 +66,8 @@ def show_config(file: Optional[TextIO] = None) -> None:
     info = config_info()
     out = file or sys.stdout
     for key in ("kvcache", "python", "platform", "numpy", "openmp_built", "simd_built",
-                "cpu_features", "isa", "isa_bodies", "threads", "thread_mode", "thread_sampler", "omp_spin", "chunk_rows",
-                "wire_digest"):
+                "cpu_features", "isa", "isa_bodies", "threads", "thread_mode", "thread_sampler",
+                "omp_spin", "chunk_rows", "wire_digest"):
         print(f"{key:>14}: {info[key]}", file=out)
     print(f"{'threadpools':>14}:", file=out)
     pools = info["threadpools"]
