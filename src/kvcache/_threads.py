@@ -222,8 +222,14 @@ class Sampler:
         free = min(self.usable, self.host - others)
         if free >= want or others <= 0 or spinning <= 0:
             return max(1, free), others <= 0 or spinning <= 0
-        own = self.own_running(spinning)
-        return max(1, min(self.usable, self.host - max(0, others - own))), True
+        others = max(0, others - self.own_running(spinning))
+        if others > 0:
+            # a worker that stops spinning between the two readings (runnable in the first,
+            # asleep in the second) looks like competition; between calls the workers only
+            # fall asleep, never wake, so a second pair of readings has no such error again
+            # and the smaller count is kept
+            others = min(others, max(0, self.running() - 1 - self.own_running(spinning)))
+        return max(1, min(self.usable, self.host - others)), True
 
     def cap(self, n: int, limit: int) -> int:
         """``min(n, free CPUs)``, with the sample reused for :data:`SAMPLE_TTL` seconds by the
