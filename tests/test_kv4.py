@@ -243,6 +243,35 @@ def test_bits_do_not_depend_on_body_or_threads(mode, hd, each_level):
     assert np.array_equal(_bits(results[0][4][:4]), _bits(four[:4]))
 
 
+@pytest.mark.parametrize("mode", ["q8", "q4", "k8v4", "q4v"])
+@pytest.mark.parametrize("per_group", [3, 4, 7])
+def test_the_value_pass_skips_tiny_weights_query_by_query(mode, per_group, each_level):
+    """Peaked queries: a row's weight is below 1e-12 for some queries of a quad and not for
+    others, so the value pass takes its per-query path next to its every-query one (the
+    common masks); the result is the twin's and the same on every body."""
+    rng = np.random.default_rng(per_group)
+    hd, nkv = 64, 2
+    layer, _, _ = _pair(rng, mode, hd, 500, nkv=nkv)
+    q = rng.standard_normal((nkv * per_group, hd)).astype(np.float32)
+    q[::2] *= 12.0                     # every other query peaked: many of its weights skipped
+    results = []
+    for level in each_level:
+        _core.set_isa(level)
+        results.append(layer.attend_all_heads(q))
+        want = R.attend_all_heads(layer, q)
+        assert np.allclose(results[-1], want, rtol=2e-4, atol=2e-5), level
+    for got in results[1:]:
+        assert np.array_equal(_bits(got), _bits(results[0]))
+    # each query's output is its own: the same bits as the query attending alone
+    for j in range(len(q)):
+        alone = layer.attend(q[j], j // per_group)[0]
+        assert np.array_equal(_bits(alone), _bits(results[-1][j])), j
+    # the skips are real: a peaked query gives weight < 1e-12 to many rows, a plain one to none
+    out, probs = layer.attend(q[0], 0)
+    assert (probs < 1e-12).mean() > 0.3 and (layer.attend(q[1], 0)[1] >= 1e-12).all()
+    assert layer.head_len(0) == 500
+
+
 @pytest.mark.parametrize("mode", MODES4)
 def test_gqa_groups_dead_heads_and_attend_group(mode):
     rng = np.random.default_rng(5)
