@@ -53,6 +53,22 @@ def test_free_external_counts_other_processes_only(tmp_path, running, own, host,
     assert fake(tmp_path, running, own, host, usable).free_external() == want
 
 
+@pytest.mark.parametrize("others, want", [(0, 2), (1, 1)])
+def test_free_external_reads_again_when_one_of_ours_fell_asleep(tmp_path, others, want):
+    """A worker of ours runnable when the host's count is read and asleep when our own
+    threads are read looks like another process in the first pair of readings only; a real
+    one is in both."""
+    s = fake(tmp_path, 2 + others)
+    path = tmp_path / "loadavg"
+
+    def own_runnable() -> int:
+        path.write_text(f"0.5 0.4 0.3 {1 + others}/200 99\n")   # the worker is asleep now
+        return 1
+
+    s.own_runnable = own_runnable                   # type: ignore[method-assign]
+    assert s.free_external() == want
+
+
 def test_free_external_without_proc(tmp_path):
     assert Sampler(str(tmp_path / "missing")).free_external() is None
 

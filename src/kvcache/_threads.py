@@ -208,12 +208,20 @@ class Sampler:
         if self._fd is None:
             return None
         try:
-            running = self.running()
-            own = self.own_runnable() if running > 1 else 1   # someone else: one of ours?
-            others = max(0, running - max(own, 1))
+            others = self._external()
+            if others > 0:
+                # one of ours asleep between the two readings looks like another process: a
+                # second pair of readings (as in :meth:`sample`), the smaller count kept
+                others = min(others, self._external())
         except (OSError, ValueError, IndexError):
             return None
         return max(1, min(self.usable, self.host - others))
+
+    def _external(self) -> int:
+        """Runnable threads of other processes: the host's count less this process's."""
+        running = self.running()
+        own = self.own_runnable() if running > 1 else 1       # someone else: one of ours?
+        return max(0, running - max(own, 1))
 
     def sample(self, want: int, spinning: int) -> tuple[int, bool]:
         """Free CPUs now counting the caller's own, and whether the count is exact (False: a
