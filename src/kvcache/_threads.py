@@ -208,20 +208,29 @@ class Sampler:
         if self._fd is None:
             return None
         try:
-            others = self._external()
-            if others > 0:
-                # one of ours asleep between the two readings looks like another process: a
-                # second pair of readings (as in :meth:`sample`), the smaller count kept
-                others = min(others, self._external())
+            running = self.running()
+            own = 1
+            if running > 1:                                   # someone else: one of ours?
+                running, own = self._bracketed(self.own_runnable, 3)
+            others = max(0, running - max(own, 1))
         except (OSError, ValueError, IndexError):
             return None
         return max(1, min(self.usable, self.host - others))
 
-    def _external(self) -> int:
-        """Runnable threads of other processes: the host's count less this process's."""
-        running = self.running()
-        own = self.own_runnable() if running > 1 else 1       # someone else: one of ours?
-        return max(0, running - max(own, 1))
+    def _bracketed(self, own: Callable[[], int], tries: int) -> tuple[int, int]:
+        """The host's runnable count and ``own()`` (how many of them are ours) at one moment:
+        ``own`` read before and after the host's count, again while the two readings differ
+        (at most ``tries`` times).  Read once after, a thread of ours that fell asleep
+        between the readings would be in the host's count and not among ours, and look
+        like another process's; when nothing of ours changed state around the host's
+        count, the two agree with it."""
+        before = own()
+        running, after = self.running(), own()
+        while after != before and tries > 1:
+            tries -= 1
+            before = after
+            running, after = self.running(), own()
+        return running, after
 
     def sample(self, want: int, spinning: int) -> tuple[int, bool]:
         """Free CPUs now counting the caller's own, and whether the count is exact (False: a
@@ -230,13 +239,9 @@ class Sampler:
         free = min(self.usable, self.host - others)
         if free >= want or others <= 0 or spinning <= 0:
             return max(1, free), others <= 0 or spinning <= 0
-        others = max(0, others - self.own_running(spinning))
-        if others > 0:
-            # a worker that stops spinning between the two readings (runnable in the first,
-            # asleep in the second) looks like competition; between calls the workers only
-            # fall asleep, never wake, so a second pair of readings has no such error again
-            # and the smaller count is kept
-            others = min(others, max(0, self.running() - 1 - self.own_running(spinning)))
+        # between calls a worker only falls asleep, so at most ``spinning`` changes of state
+        running, own = self._bracketed(lambda: self.own_running(spinning), spinning + 1)
+        others = max(0, running - 1 - own)
         return max(1, min(self.usable, self.host - others)), True
 
     def cap(self, n: int, limit: int) -> int:
