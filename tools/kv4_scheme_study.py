@@ -23,12 +23,11 @@ import argparse
 import dataclasses
 import json
 import math
-import time
 from typing import Optional
 
 import torch
 
-from _smollm2_pass import TeacherForced, load_model, round_half_away
+from _smollm2_pass import Study, load_model, prompt_ids, round_half_away
 
 SEED = 20261205
 
@@ -213,14 +212,11 @@ def main() -> None:
                     help="also run ablations: rotated K and sink together, V unrotated, B=8, "
                          "the chosen schemes (x6, x7) and x6 at B=32")
     args = ap.parse_args()
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     tok, model = load_model(args.threads)
     text, source = load_text(args.text)
-    ids = tok(text)["input_ids"][:args.tokens + 1]
-    if len(ids) < args.tokens + 1:
-        raise SystemExit(f"{source}: only {len(ids)} tokens, need {args.tokens + 1}")
+    ids = prompt_ids(tok, text, source, args.tokens)
 
     active: dict[str, Scheme] = {}
 
@@ -249,29 +245,13 @@ def main() -> None:
         out = torch.matmul(p, repeat_kv(vq, rep))
         return out.transpose(1, 2).contiguous(), None
 
-    AttentionInterface.register("kvcache_fake_quant4", attention)
-    model.set_attn_implementation("kvcache_fake_quant4")
-    t0 = time.perf_counter()
-    tf = TeacherForced(model, ids)
-    print(f"{args.tokens} tokens of {source}; float32 perplexity {tf.f32_ppl:.4f} "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"{'scheme':56s} {'mean KL':>9s} {'max KL':>9s} {'ppl ratio':>9s} {'top-1':>7s} "
-          f"{'B/row':>6s} {'s':>4s}", flush=True)
-    rows: list[dict] = []
+    study = Study(model, ids, "kvcache_fake_quant4", attention, active, args.tokens, source,
+                  56, f"{'B/row':>6s} ")
 
     def run(sch: Scheme) -> dict:
-        active["s"] = sch
-        t1 = time.perf_counter()
-        scores = tf.score()
-        active.clear()
-        row = dict(scheme=sch.label, spec=dataclasses.asdict(sch), **scores,
-                   bytes_f16=sch.row_bytes(128, 2), bytes_f32=sch.row_bytes(128, 4),
-                   seconds=time.perf_counter() - t1)
-        rows.append(row)
-        print(f"{sch.label:56s} {row['mean_kl']:9.2e} {row['max_kl']:9.2e} "
-              f"{row['ppl_ratio']:9.5f} {100 * row['top1']:6.2f}% {row['bytes_f16']:6.0f} "
-              f"{row['seconds']:4.0f}", flush=True)
-        return row
+        bytes_f16 = sch.row_bytes(128, 2)
+        return study.run("s", sch, dict(bytes_f16=bytes_f16, bytes_f32=sch.row_bytes(128, 4)),
+                         f"{bytes_f16:6.0f} ")
 
     if args.check:
         run(Scheme("check: block path, K and V float32", k="chan", v="f32", v_rot=False,
@@ -286,7 +266,7 @@ def main() -> None:
     s3 = Scheme(f"3 K per channel B={best_b}, V as 2", k="chan", block=best_b)
     run(s3.with_(label=f"4 as 3 B={best_b}, K rotated", k_rot=True))
     run(s3.with_(label=f"5 as 3 B={best_b}, 4 sink rows f32", sink=4))
-    cand = [r for r in rows if not r["scheme"].startswith("check")]
+    cand = [r for r in study.rows if not r["scheme"].startswith("check")]
     best = min(cand, key=lambda r: r["mean_kl"])
     spec = dict(best["spec"])
     spec["label"] = "6 = " + best["scheme"].split(" ", 1)[0] + ", scales/mins float16"
@@ -308,8 +288,8 @@ def main() -> None:
         run(both.with_(label="x8 = x6 at B=32", f16=True, v_rot=False, block=32))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(tokens=args.tokens, text=source, f32_ppl=tf.f32_ppl,
-                           best_block=best_b, rows=rows), fh, indent=1)
+            json.dump(dict(tokens=args.tokens, text=source, f32_ppl=study.tf.f32_ppl,
+                           best_block=best_b, rows=study.rows), fh, indent=1)
 
 
 if __name__ == "__main__":

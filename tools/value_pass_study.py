@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from _smollm2_pass import TeacherForced, load_model
+from _smollm2_pass import Study, load_model, prompt_ids
 from kv4_scheme_study import Scheme, block_last, load_text
 
 from kvcache import reference as ref
@@ -137,14 +136,11 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", default=None, metavar="LABEL",
                     help="run only the variants whose label starts with one of these")
     args = ap.parse_args()
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     tok, model = load_model(args.threads)
     text, source = load_text(args.text)
-    ids = tok(text)["input_ids"][:args.tokens + 1]
-    if len(ids) < args.tokens + 1:
-        raise SystemExit(f"{source}: only {len(ids)} tokens, need {args.tokens + 1}")
+    ids = prompt_ids(tok, text, source, args.tokens)
     active: dict[str, Variant] = {}
 
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -172,29 +168,12 @@ def main() -> None:
         p = torch.softmax(s, -1)
         return value_pass(var, p, value, rep).transpose(1, 2).contiguous(), None
 
-    AttentionInterface.register("kvcache_value_pass_study", attention)
-    model.set_attn_implementation("kvcache_value_pass_study")
-    t0 = time.perf_counter()
-    tf = TeacherForced(model, ids)
-    print(f"{args.tokens} tokens of {source}; float32 perplexity {tf.f32_ppl:.4f} "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"{'scheme':52s} {'mean KL':>9s} {'max KL':>9s} {'ppl ratio':>9s} {'top-1':>7s} "
-          f"{'s':>4s}", flush=True)
-    rows: list[dict] = []
+    study = Study(model, ids, "kvcache_value_pass_study", attention, active, args.tokens,
+                  source, 52)
 
     def run(var: Variant) -> None:
-        if args.only and not any(var.label.startswith(o) for o in args.only):
-            return
-        active["v"] = var
-        t1 = time.perf_counter()
-        scores = tf.score()
-        active.clear()
-        row = dict(scheme=var.label, spec=dataclasses.asdict(var), **scores,
-                   seconds=time.perf_counter() - t1)
-        rows.append(row)
-        print(f"{var.label:52s} {row['mean_kl']:9.2e} {row['max_kl']:9.2e} "
-              f"{row['ppl_ratio']:9.5f} {100 * row['top1']:6.2f}% {row['seconds']:4.0f}",
-              flush=True)
+        if not args.only or any(var.label.startswith(o) for o in args.only):
+            study.run("v", var)
 
     for k, v, name in (("f32", "q8", "K f32, V int8"), ("f32", "v4", "K f32, V 4-bit"),
                        ("q8", "q8", "q8"), ("q8", "v4", "k8v4"), ("q4", "v4", "q4")):
@@ -208,8 +187,8 @@ def main() -> None:
             run(Variant(f"{name}: integer, R=256, 8-bit weights", k, v, 256, 8))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(tokens=args.tokens, text=source, f32_ppl=tf.f32_ppl, rows=rows), fh,
-                      indent=1)
+            json.dump(dict(tokens=args.tokens, text=source, f32_ppl=study.tf.f32_ppl,
+                           rows=study.rows), fh, indent=1)
 
 
 if __name__ == "__main__":
