@@ -55,9 +55,9 @@ def test_free_external_counts_other_processes_only(tmp_path, running, own, host,
 
 @pytest.mark.parametrize("others, want", [(0, 2), (1, 1)])
 def test_free_external_reads_again_when_one_of_ours_fell_asleep(tmp_path, others, want):
-    """A worker of ours runnable when the host's count is read and asleep when our own
-    threads are read looks like another process in the first pair of readings only; a real
-    one is in both."""
+    """A worker of ours runnable when the host's count is first read and asleep when our own
+    threads are read would look like another process; read before and after the host's
+    count again, it is not one.  A real one is seen either way."""
     s = fake(tmp_path, 2 + others)
     path = tmp_path / "loadavg"
 
