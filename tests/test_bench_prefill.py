@@ -71,6 +71,18 @@ def test_prefill_is_a_section():
     assert "prefill" in [s.name for s in sections()]
 
 
+@pytest.mark.parametrize("quick", [False, True])
+def test_prefill_contexts_choose_the_prompt_lengths(quick):
+    """--prefill-contexts sets the attention cells' lengths; without it, the full or quick
+    defaults."""
+    sec = next(s for s in sections() if s.name == "prefill")
+    auto = bp.settings_of(sec.values(quick, {}), quick).contexts
+    assert tuple(auto) == (bp.QUICK_PREFILL_CONTEXTS if quick else bp.PREFILL_CONTEXTS)
+    given = bp.settings_of(sec.values(quick, {"contexts": [32768, 300]}), quick)
+    assert tuple(given.contexts) == (32768, 300)
+    assert tuple(given.ttft_contexts) == (bp.QUICK_TTFT_CONTEXTS if quick else bp.TTFT_CONTEXTS)
+
+
 def test_tables_show_every_cell(monkeypatch):
     monkeypatch.setattr(tables, "MAX_WIDTH", 10_000)     # one part: rows on one line each
     text = bp.attention_table(result()["attention"])

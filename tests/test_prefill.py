@@ -62,16 +62,22 @@ def grouped(layer, q3):
     return q2, np.arange(nkv + 1, dtype=np.intp) * (n * hpk)
 
 
-def run(fn, layer, q2, group_q0, *, n_pos, n_back, window=0, first=0, scale=None,
-        softcap=0.0, imp_mode=2, n_threads=1, imp_len=None, rows=None):
-    """One kernel call on a layer's rows; returns (out, imp)."""
-    rows = layer._rows() if rows is None else rows
+def make_call(rows, q2, group_q0, *, n_pos, n_back, window=0, first=0, scale=None,
+              softcap=0.0, imp_mode=2, n_threads=1, imp_len=None):
+    """An AttendCall over ``rows`` with a fresh output (7.0) and importance (0.0)."""
     hd = q2.shape[1]
     out = np.full(q2.shape, 7.0, dtype=np.float32)
     imp = np.zeros(int(rows.head_len.max()) if imp_len is None else imp_len, dtype=np.float32)
-    call = AttendCall(q=q2, group_q0=group_q0, n_pos=n_pos, n_back=n_back, window=window,
+    return AttendCall(q=q2, group_q0=group_q0, n_pos=n_pos, n_back=n_back, window=window,
                       first=first, scale=default_scale(hd) if scale is None else scale,
                       softcap=softcap, out=out, imp=imp, imp_mode=imp_mode, n_threads=n_threads)
+
+
+def run(fn, layer, q2, group_q0, *, rows=None, **kw):
+    """One kernel call on a layer's rows (``kw`` as make_call takes); returns (out, imp)."""
+    rows = layer._rows() if rows is None else rows
+    call = make_call(rows, q2, group_q0, **kw)
+    out, imp = call.out, call.imp
     if fn == "rows":
         call = call._replace(probs=np.zeros(
             (q2.shape[0], max(1, imp.shape[0], int(rows.head_len.max()))), dtype=np.float32))
@@ -358,7 +364,7 @@ def exact_importance(scores, n_pos):
 
 
 @pytest.mark.parametrize("mode", MODES[:2], ids=MODE_IDS[:2])
-@pytest.mark.parametrize("budget", ["one pass", "mixed", "second pass"])
+@pytest.mark.parametrize("budget", ["one pass", "halves", "mixed", "second pass"])
 def test_importance_is_within_its_bound_of_the_exact_sum(mode, budget, rng):
     """Both formulas (p * exp(mt - m) / l from the kept tiles, exp(s - m) / l recomputed), and
     a call that mixes them, stay within (n_p + 64 + R) 2^-24 of the float64 importance of the
@@ -368,12 +374,20 @@ def test_importance_is_within_its_bound_of_the_exact_sum(mode, budget, rng):
     q3 = (rng.standard_normal((n, nkv * fan, hd)) * 3).astype(np.float32)
     q2, g0 = grouped(layer, q3)
     exact, n_p, dist = exact_importance(kernel_scores(layer, q2, g0), n)
-    # a task holds 48 positions (192 queries); the first sees 7 tiles, the last 11
-    floats = {"one pass": _core.PREFILL_IMP_BUDGET_FLOATS, "mixed": 7 * 192 * 65,
-              "second pass": 0}[budget]
+    # a block holds 48 positions (192 queries); the first sees 7 tiles, the last 11.  With
+    # 7 x 192 x 65 floats every block but the last (12 positions) is cut in halves; with
+    # 9 x 192 x 65 / 2 the blocks whose halves see 9 tiles or fewer are cut, and the later
+    # ones, whose halves do not fit either, take the second pass
+    floats = {"one pass": _core.PREFILL_IMP_BUDGET_FLOATS, "halves": 7 * 192 * 65,
+              "mixed": 9 * 192 * 65 // 2, "second pass": 0}[budget]
     out0, _ = run("blk", layer, q2, g0, n_pos=n, n_back=n, imp_mode=0)
     with imp_budget(floats):
+        plan = tasks_of(layer, q2, g0, n_pos=n, n_back=n)
         out, imp = run("blk", layer, q2, g0, n_pos=n, n_back=n, n_threads=2)
+    second = plan[:, 3] == 0                      # 14 tasks when no block is cut
+    assert {"one pass": not second.any() and len(plan) == 14,
+            "halves": not second.any() and len(plan) > 14,
+            "mixed": second.any() and not second.all(), "second pass": second.all()}[budget]
     assert np.array_equal(out, out0)
     err = np.abs(imp - exact) / exact
     bound = (n_p + IMP_ULPS + dist) * 2.0 ** -24
@@ -396,9 +410,10 @@ def test_importance_bits_do_not_depend_on_threads_bodies_or_batches(mode, rng):
     levels = [b for b in dispatch.runnable(_core.cpu_features()) if b in held]
     results = {}
     try:
-        # tasks of 48 positions (192 queries) over 4 tiles, the last of 38 positions: with
-        # 4 * 160 * 65 floats only the last takes one pass
-        for floats in (_core.PREFILL_IMP_BUDGET_FLOATS, 4 * 160 * 65, 0):
+        # blocks of 48 positions (192 queries) over 4 tiles, the last of 38 positions: with
+        # 4 * 160 * 65 floats the others are cut in halves; with 24000 the last is cut in
+        # halves and the others, whose halves do not fit, take the second pass
+        for floats in (_core.PREFILL_IMP_BUDGET_FLOATS, 4 * 160 * 65, 24000, 0):
             got = {}
             with imp_budget(floats):
                 for lvl in levels:
@@ -411,10 +426,97 @@ def test_importance_bits_do_not_depend_on_threads_bodies_or_batches(mode, rng):
             results[floats] = first
     finally:
         _core.set_isa(before)
-    one, mixed, second = results.values()
-    assert np.array_equal(one[0], second[0]) and np.array_equal(one[0], mixed[0])
-    for other in (mixed, second):
+    one, halves, mixed, second = results.values()
+    for other in (halves, mixed, second):
+        assert np.array_equal(one[0], other[0])
+    for other in (halves, mixed, second):
         np.testing.assert_allclose(other[1], one[1], rtol=2e-5, atol=0)
+
+
+def tasks_of(layer, q2, g0, **kw):
+    """attend_blocked's tasks for a call: (group, first query, end query, one-pass floats)."""
+    rows = layer._rows()
+    return _core._prefill_tasks(rows, make_call(rows, q2, g0, **kw))
+
+
+@pytest.mark.parametrize("window", [0, 150])
+def test_blocks_over_the_budget_are_cut_in_halves_that_keep_the_one_pass(window, rng):
+    """With importance, a block of positions whose one-pass buffer would pass the budget is
+    cut in two halves (the first one position longer when odd, the later half listed first)
+    when both fit; a block whose halves do not fit stays whole and takes the second pass;
+    without importance, or within the budget, the blocks stay as they are."""
+    nkv, fan, hd, T, n, bq = 2, 4, 16, 700, 300, 48
+    layer = filled(nkv, hd, kc.KvMode.F32, T, rng)
+    q2, g0 = grouped(layer, rng.standard_normal((n, nkv * fan, hd)).astype(np.float32))
+    kw = dict(n_pos=n, n_back=n, window=window)
+    ends = np.arange(T - n + 1, T + 1)                              # (n,) position i sees [f, e)
+    firsts = np.maximum(0, ends - window) if window else np.zeros(n, np.int64)
+
+    def floats(a, b):   # the one-pass buffer of positions [a, b) of a group
+        tiles = -(-int(ends[a:b].max()) // 64) - int(firsts[a:b].min()) // 64
+        return tiles * (b - a) * fan * 65
+
+    whole = tasks_of(layer, q2, g0, imp_mode=0, **kw)
+    blocks = [(a, min(n, a + bq)) for a in range(0, n, bq)][::-1]   # latest first
+    assert [tuple(t[:3]) for t in whole] == [(g, g0[g] + a * fan, g0[g] + b * fan)
+                                             for a, b in blocks for g in range(nkv)]
+    assert (whole[:, 3] == 0).all()
+    assert np.array_equal(tasks_of(layer, q2, g0, **kw)[:, :3], whole[:, :3])   # fits 16 MiB
+    kinds = set()
+    for budget in (7 * 192 * 65, 8 * 192 * 65, 24960, 24000, 9 * 4 * 65):
+        with imp_budget(budget):
+            cut = tasks_of(layer, q2, g0, **kw)
+        want = []
+        for a, b in blocks:
+            h = a + (b - a + 1) // 2
+            halves = floats(a, b) > budget and floats(a, h) <= budget >= floats(h, b)
+            for g in range(nkv):
+                for x, y in ([(h, b), (a, h)] if halves else [(a, b)]):
+                    need = floats(x, y)
+                    want.append((g, g0[g] + x * fan, g0[g] + y * fan,
+                                 need if need <= budget else 0))
+                    kinds.add("second pass" if need > budget else "half" if halves else "whole")
+        assert [tuple(t) for t in cut] == want, budget
+    assert kinds == {"whole", "half", "second pass"}
+
+
+def test_every_query_is_in_one_task_of_its_block(rng):
+    """Random calls (KV groups with different head counts or none, windows, first rows,
+    budgets, importance shorter than the rows): each task is a run of whole positions of one
+    group inside one block (of ceil(192 / heads) positions from position 0), the tasks of a
+    group cover its queries once, a block is whole or two halves, and a task keeps the one
+    pass exactly when its buffer fits."""
+    for _ in range(40):
+        heads = [int(h) for h in rng.choice([0, 1, 3, 4, 7, 200], size=3)]
+        if not any(heads):
+            heads[0] = 2
+        hd, T = 8, int(rng.integers(1, 400))
+        n = int(rng.integers(1, T + 1))
+        layer = filled(3, hd, kc.KvMode.F32, T, rng)
+        g0 = np.concatenate([[0], np.cumsum([h * n for h in heads])]).astype(np.intp)
+        q2 = rng.standard_normal((int(g0[-1]), hd)).astype(np.float32)
+        window = int(rng.choice([0, 1, 50]))
+        first = int(rng.integers(0, 3)) if window else 0
+        budget = int(rng.choice([0, 500, 5000, 50000, _core.PREFILL_IMP_BUDGET_FLOATS]))
+        with imp_budget(budget):
+            plan = tasks_of(layer, q2, g0, n_pos=n, n_back=n, window=window, first=first,
+                            imp_len=int(rng.integers(1, T + 1)))
+        seen = np.zeros(int(g0[-1]), np.int64)
+        halves = {}
+        for g, j0, j1, need in plan:
+            per = heads[g]
+            assert per > 0 and g0[g] <= j0 < j1 <= g0[g + 1]
+            a, b = (j0 - g0[g]) // per, -(-(j1 - g0[g]) // per)
+            assert (j0 - g0[g]) % per == 0 and (j1 - g0[g] == per * b)
+            bq = -(-192 // per)
+            assert a // bq == (b - 1) // bq                          # inside one block
+            halves.setdefault((g, a // bq), []).append(b - a)
+            seen[j0:j1] += 1
+            assert 0 <= need <= budget
+        assert (seen == 1).all()
+        for (g, blk), sizes in halves.items():
+            nb = min(n, (blk + 1) * -(-192 // heads[g])) - blk * -(-192 // heads[g])
+            assert sizes in ([nb], [nb // 2, (nb + 1) // 2])
 
 
 def test_the_budget_is_16_mib_and_only_a_count(rng):

@@ -32,6 +32,7 @@ from libc.string cimport memcpy, memset
 from libc.stdint cimport int8_t, int32_t, uint8_t, uint16_t
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from cython.parallel cimport prange
 
 import numpy as np
@@ -949,6 +950,8 @@ cdef class _Plan:
     cdef Py_ssize_t work        # rows times head_dim, summed over the queries
     cdef Py_ssize_t maxlen      # the largest end of a visible range
     cdef Py_ssize_t width       # attend_rows: most queries of a group; attend_blocked: of a task
+    cdef bint imp               # imp_mode 2 with a row of importance to add to
+    cdef Py_ssize_t budget      # attend_blocked: the one-pass buffer budget when planned
     cdef void *_owned[24]
     cdef int _n_owned
 
@@ -1049,7 +1052,8 @@ cdef _Plan _plan(_Store st, _Call ca, bint blocked):
     group's queries; visible ends are capped at the probability width L.
     attend_blocked: per KV group, blocks of ceil(_PF_QUERIES / heads per group) positions, the
     latest blocks (the most rows) first and the groups interleaved, so that a dynamic schedule
-    ends on short tasks."""
+    ends on short tasks; with importance, blocks over the one-pass budget cut into pieces
+    (_position_blocks)."""
     cdef _Plan pl = _Plan.__new__(_Plan)
     cdef const Py_ssize_t[::1] gq0 = ca.group_q0
     pl.st = st
@@ -1090,6 +1094,8 @@ cdef _Plan _plan(_Store st, _Call ca, bint blocked):
             g_hi[g] = hi
             if hi > pl.maxlen:
                 pl.maxlen = hi
+    pl.imp = ca.imp_mode == 2 and ca.imp__l.shape[0] > 0 and pl.maxlen > 0
+    pl.budget = _pf_imp_budget
     if blocked:
         _position_blocks(pl, gq0, ca.n_pos)
     else:
@@ -1119,31 +1125,98 @@ cdef int _row_chunks(_Plan pl, const Py_ssize_t[::1] gq0, const Py_ssize_t *g_lo
     return 0
 
 
+cdef Py_ssize_t _pf_buffer(const Py_ssize_t *qf, const Py_ssize_t *qe, Py_ssize_t j0,
+                           Py_ssize_t j1, Py_ssize_t *tlo, Py_ssize_t *thi) noexcept nogil:
+    """The one-pass importance buffer (floats, KVC_PF_PBUF_FLOATS) of a task over the queries
+    [j0, j1): the tiles that meet the union of their visible rows, [tlo, thi) at tile
+    multiples (both 0, and the result 0, when none of them sees a row)."""
+    cdef Py_ssize_t j, lo = PY_SSIZE_T_MAX, hi = 0
+    for j in range(j0, j1):
+        if qe[j] > qf[j]:
+            if qf[j] < lo:
+                lo = qf[j]
+            if qe[j] > hi:
+                hi = qe[j]
+    tlo[0] = thi[0] = 0
+    if hi <= lo:
+        return 0
+    tlo[0] = lo // KVC_PF_TILE * KVC_PF_TILE
+    thi[0] = (hi + KVC_PF_TILE - 1) // KVC_PF_TILE * KVC_PF_TILE
+    return KVC_PF_PBUF_FLOATS((thi[0] - tlo[0]) // KVC_PF_TILE, j1 - j0)
+
+
+cdef Py_ssize_t _pf_piece(const Py_ssize_t *qf, const Py_ssize_t *qe, Py_ssize_t j0,
+                          Py_ssize_t per, Py_ssize_t nb, Py_ssize_t budget) noexcept nogil:
+    """Positions per piece of a block of nb positions (per queries each, from query j0) whose
+    importance is wanted: nb when the block's one-pass buffer fits the budget; else
+    ceil(nb / 2) when both halves fit (the block becomes two tasks); else nb, and the block's
+    task takes the second pass.  Never more than two pieces: each task reads and packs every
+    tile it sees, so narrower tasks spend more per query on that (docs/numerics.md)."""
+    cdef Py_ssize_t tlo, thi, h
+    if _pf_buffer(qf, qe, j0, j0 + nb * per, &tlo, &thi) <= budget or nb < 2:
+        return nb
+    h = (nb + 1) // 2
+    if (_pf_buffer(qf, qe, j0, j0 + h * per, &tlo, &thi) <= budget
+            and _pf_buffer(qf, qe, j0 + h * per, j0 + nb * per, &tlo, &thi) <= budget):
+        return h
+    return nb
+
+
 cdef int _position_blocks(_Plan pl, const Py_ssize_t[::1] gq0, Py_ssize_t n_pos) except -1:
-    """attend_blocked's tasks: blocks of whole positions of each group, the latest first."""
-    cdef Py_ssize_t nkv = gq0.shape[0] - 1, g, cnt, per, bq, i0, c = 0, t = 0
+    """attend_blocked's tasks: blocks of whole positions of each group, bq =
+    ceil(_PF_QUERIES / per) positions at multiples of bq from position 0, the latest block
+    first, the groups interleaved block by block.  With importance (pl.imp), a block whose
+    one-pass buffer would pass the budget is cut in two halves when they fit (_pf_piece),
+    the later half first: so a longer prompt keeps its one pass, in narrower tasks."""
+    cdef Py_ssize_t nkv = gq0.shape[0] - 1, g, cnt, per, bq, b, i0, nb, s, a, k
+    cdef Py_ssize_t t = 0, total = 0
+    cdef Py_ssize_t *g_bq = <Py_ssize_t *> pl.alloc(2 * (nkv + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *g_blk0 = g_bq + nkv + 1
+    cdef Py_ssize_t *piece
+    # ---- each group's block length, and where its blocks' piece lengths start -------------
     for g in range(nkv):
         cnt = gq0[g + 1] - gq0[g]
+        g_blk0[g] = total
+        g_bq[g] = 0
         if cnt == 0:
             continue
         per = cnt // n_pos
-        bq = max(1, (_PF_QUERIES + per - 1) // per)
-        pl.ntasks += (n_pos + bq - 1) // bq
-        pl.width = max(pl.width, min(n_pos, bq) * per)
+        g_bq[g] = bq = max(1, (_PF_QUERIES + per - 1) // per)
+        total += (n_pos + bq - 1) // bq
+    g_blk0[nkv] = total
+    # ---- each block's piece length (whole blocks without importance), the tasks it makes ----
+    piece = <Py_ssize_t *> pl.alloc((total + 1) * sizeof(Py_ssize_t))
+    for g in range(nkv):
+        if g_bq[g] == 0:
+            continue
+        per = (gq0[g + 1] - gq0[g]) // n_pos
+        bq = g_bq[g]
+        for b in range(g_blk0[g + 1] - g_blk0[g]):
+            i0 = b * bq
+            nb = min(n_pos, i0 + bq) - i0
+            s = _pf_piece(pl.qf, pl.qe, gq0[g] + i0 * per, per, nb, pl.budget) if pl.imp else nb
+            piece[g_blk0[g] + b] = s
+            pl.ntasks += (nb + s - 1) // s
+            pl.width = max(pl.width, s * per)
     pl.tasks = <kvc_task *> pl.alloc((pl.ntasks + 1) * sizeof(kvc_task))
-    while t < pl.ntasks:
+    # ---- block by block from the latest, groups in order, each block's pieces latest first ---
+    for k in range(total):      # k: blocks back from each group's latest
         for g in range(nkv):
-            cnt = gq0[g + 1] - gq0[g]
-            if cnt == 0:
+            if g_bq[g] == 0 or k >= g_blk0[g + 1] - g_blk0[g]:
                 continue
-            per = cnt // n_pos
-            bq = max(1, (_PF_QUERIES + per - 1) // per)
-            i0 = ((n_pos + bq - 1) // bq - 1 - c) * bq
-            if i0 < 0:
-                continue
-            pl.tasks[t] = _task(g, gq0[g] + i0 * per, gq0[g] + min(n_pos, i0 + bq) * per, 0, 0)
-            t += 1
-        c += 1
+            per = (gq0[g + 1] - gq0[g]) // n_pos
+            b = g_blk0[g + 1] - g_blk0[g] - 1 - k
+            i0 = b * g_bq[g]
+            nb = min(n_pos, i0 + g_bq[g]) - i0
+            s = piece[g_blk0[g] + b]
+            a = (nb - 1) // s * s
+            while a >= 0:
+                pl.tasks[t] = _task(g, gq0[g] + (i0 + a) * per,
+                                    gq0[g] + (i0 + min(nb, a + s)) * per, 0, 0)
+                t += 1
+                a -= s
+        if t == pl.ntasks:
+            break
     return 0
 
 
@@ -1346,6 +1419,41 @@ cdef void _pf_second_pass(const kvc_ops *pf, const kvc_store *s, const kvc_call 
         b += KVC_PF_IMP_ROWS
 
 
+cdef Py_ssize_t _pf_geo(_Plan pl, Py_ssize_t *geo) noexcept nogil:
+    """Per task t of an attend_blocked plan: the tiles [geo[3t], geo[3t + 1]) that its visible
+    rows meet and its one-pass buffer geo[3t + 2] (floats; 0: over the budget, the second
+    pass, or no row seen).  Returns the largest buffer."""
+    cdef Py_ssize_t t, need, npb = 0
+    for t in range(pl.ntasks):
+        need = _pf_buffer(pl.qf, pl.qe, pl.tasks[t].j0, pl.tasks[t].j1, geo + 3 * t,
+                          geo + 3 * t + 1)
+        geo[3 * t + 2] = need if need <= pl.budget else 0
+        if geo[3 * t + 2] > npb:
+            npb = geo[3 * t + 2]
+    return npb
+
+
+def _prefill_tasks(rows, call):
+    """attend_blocked's tasks for ``call`` without running it (for tests): an (ntasks, 4)
+    int64 array, per task in order its KV group, first and end query, and its one-pass
+    importance buffer in floats (0: the task takes the second pass or sees no row; 0 for
+    every task of a call without importance).  Checked as attend_blocked checks."""
+    cdef _Plan pl = _attention(rows, call, True)
+    if pl is None:
+        return np.zeros((0, 4), np.int64)
+    cdef Py_ssize_t t
+    cdef Py_ssize_t *geo = <Py_ssize_t *> pl.alloc(3 * pl.ntasks * sizeof(Py_ssize_t))
+    _pf_geo(pl, geo)
+    res = np.zeros((pl.ntasks, 4), np.int64)
+    cdef long long[:, ::1] r = res
+    for t in range(pl.ntasks):
+        r[t, 0] = pl.tasks[t].g
+        r[t, 1] = pl.tasks[t].j0
+        r[t, 2] = pl.tasks[t].j1
+        r[t, 3] = geo[3 * t + 2] if pl.imp else 0
+    return res
+
+
 def attend_blocked(rows, call):
     """Grouped attention of nq queries over one layer's head-major rows, tile by tile.
 
@@ -1354,9 +1462,10 @@ def attend_blocked(rows, call):
     multiples (orders in _prefill.h, docs/numerics.md), so a query's bits depend only on its
     own visible rows.  imp_mode 0: importance untouched; 2: every row p < len(imp) gets, once,
     the sum of the query's final probabilities of row p over the call's queries: per task (a
-    KV group's block of positions) in query order from the probabilities the task kept
-    (one pass; a task over the buffer budget recomputes its scores), the tasks' sums added
-    in task order.  Checked by kvcache._entry (check_rows when not bound, check_call;
+    KV group's block of positions, or half of one where the block's one-pass buffer would
+    pass the budget) in query order from the probabilities the task kept (one pass; a block
+    whose halves do not fit either recomputes its scores), the tasks' sums added in task
+    order.  Checked by kvcache._entry (check_rows when not bound, check_call;
     ValueError, TypeError) before any work.
     """
     cdef _Plan pl = _attention(rows, call, True)
@@ -1369,7 +1478,7 @@ def attend_blocked(rows, call):
     cdef const kvc_task *tasks = pl.tasks
     cdef float[::1] imp__l = ca.imp__l
     cdef Py_ssize_t nq = ca.nq, hd = s.hd, nscr, ntasks = pl.ntasks
-    cdef Py_ssize_t t, tid, p, j, lo, hi, need, lim, slot, nb, b0, b1, npb, nch, ch, r0, r1
+    cdef Py_ssize_t t, tid, p, lim, slot, nb, b0, b1, npb, nch, ch, r0, r1
     cdef int n_threads = ca.n_threads
     cdef bint par = 2 * pl.work > _PAR_WORK
     cdef float *scr
@@ -1388,7 +1497,7 @@ def attend_blocked(rows, call):
     if s.quant_k == KVC_K_Q8:
         _query_codes(pl, ca, s, par and nq * hd > _PAR_WORK)
 
-    lim = min(pl.maxlen, imp__l.shape[0]) if ca.imp_mode == 2 else 0
+    lim = min(pl.maxlen, imp__l.shape[0]) if pl.imp else 0
     if lim == 0:
         # ---- outputs, running max and sum: one task per (group, block of positions) -------
         for t in prange(ntasks, nogil=True, num_threads=n_threads, schedule="dynamic",
@@ -1399,23 +1508,7 @@ def attend_blocked(rows, call):
     # ---- with importance: per task its tiles [geo[3t], geo[3t + 1]) and its one-pass buffer
     # (geo[3t + 2] floats; 0: the second pass) ------------------------------------------------
     geo = <Py_ssize_t *> pl.alloc(3 * ntasks * sizeof(Py_ssize_t))
-    npb = 0
-    for t in range(ntasks):
-        lo = pl.maxlen
-        hi = 0
-        for j in range(tasks[t].j0, tasks[t].j1):
-            if c.qe[j] > c.qf[j]:
-                lo = min(lo, c.qf[j])
-                hi = max(hi, c.qe[j])
-        geo[3 * t] = geo[3 * t + 1] = geo[3 * t + 2] = 0
-        if hi > lo:
-            geo[3 * t] = lo // KVC_PF_TILE * KVC_PF_TILE
-            geo[3 * t + 1] = (hi + KVC_PF_TILE - 1) // KVC_PF_TILE * KVC_PF_TILE
-            need = KVC_PF_PBUF_FLOATS((geo[3 * t + 1] - geo[3 * t]) // KVC_PF_TILE,
-                                      tasks[t].j1 - tasks[t].j0)
-            if need <= _pf_imp_budget:
-                geo[3 * t + 2] = need
-                npb = max(npb, need)
+    npb = _pf_geo(pl, geo)
     npb = (npb + 15) // 16 * 16
     pbuf = _aligned64(<float *> pl.alloc((n_threads * npb + 16) * sizeof(float)))
     # the tasks' column sums (slot rows each, indexed by row), a batch of nb tasks at a time:

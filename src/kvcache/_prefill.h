@@ -38,8 +38,10 @@
  *                column sum per task, tile by tile, the task's queries in order.  The
  *                driver adds the tasks' column sums row by row in task order (the order of
  *                the task list, fixed by the call: never by the thread count), then the
- *                result once to imp.  A task whose buffer would exceed KVC_PF_IMP_BUDGET
- *                takes the second pass instead (kvc_pf_imp_group over its own queries):
+ *                result once to imp.  A block of positions whose buffer would exceed
+ *                KVC_PF_IMP_BUDGET is planned as two tasks, its halves, when they fit
+ *                (_core.pyx, _position_blocks); a task still over it takes the second
+ *                pass instead (kvc_pf_imp_group over its own queries):
  *                each score recomputed bit for bit, exp(s - m) / l added per row, the
  *                queries in order, into the same column sum.  (l is used only when it is
  *                > 0, else 1, in both.)

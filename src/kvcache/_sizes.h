@@ -52,8 +52,9 @@
 
 /* One-pass importance (kvc_pf_task with pbuf): per task, the probabilities of its nq queries
  * over the ntiles tiles its visible rows meet (ntiles x nq x 64) and the running max each tile
- * left (ntiles x nq).  A task whose buffer would exceed KVC_PF_IMP_BUDGET floats (16 MiB)
- * takes the importance pass (kvc_pf_imp_group) over its own queries instead. */
+ * left (ntiles x nq).  The planner (_core.pyx, _position_blocks) cuts a block of positions
+ * whose buffer would exceed KVC_PF_IMP_BUDGET floats (16 MiB) in two halves when they fit; a
+ * task still over it takes the importance pass (kvc_pf_imp_group) over its own queries. */
 #define KVC_PF_PBUF_FLOATS(ntiles, nq) ((ntiles) * (nq) * (KVC_PF_TILE + 1))
 #define KVC_PF_IMP_BUDGET 4194304 /* floats: 16 MiB */
 

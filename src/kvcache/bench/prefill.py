@@ -2,8 +2,9 @@
 token of ``kvcache.runner`` against transformers.
 
 (a) Attention alone.  Per layer geometry (Llama-3-8B 32/8x128, Qwen2.5-0.5B 14/2x64) and prompt
-length T (1k, 4k, 16k): K/V rows of T positions are appended to a :class:`kvcache.LayerKvCache`
-(f32, q8), then one ``attend_all_heads`` call computes all T queries causally; torch's
+length T (1k, 4k, 16k, or ``--prefill-contexts``): K/V rows of T positions are appended to a
+:class:`kvcache.LayerKvCache` (f32, q8), then one ``attend_all_heads`` call computes all T
+queries causally; torch's
 ``scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` computes the same
 data.  Reported: seconds per call, GFLOP/s (``4 * num_heads * head_dim * T(T+1)/2`` flops: a
 multiply-add of the scores and one of the output per visible row and head), % of the FMA peak
@@ -40,7 +41,8 @@ import numpy as np
 
 from .geometry import F32, GEOMETRIES, Geometry
 from .machine import available_cpus, import_torch, package_version
-from .registry import Context, Option, Result, Section, Values, parse_geometry, parse_mode
+from .registry import Context, Option, Result, Section, Values, parse_context
+from .registry import parse_geometry, parse_mode
 from .registry import register
 from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
 from .._threads import threads as kvcache_threads
@@ -95,14 +97,16 @@ class PrefillSettings:
 def settings_of(values: Values, quick: bool) -> PrefillSettings:
     """The section's sizes for a run: the geometries of ``--prefill-geometries`` (both by
     default, Llama-3-8B alone with ``--quick``), the 4-bit modes of ``--prefill-modes``, the
-    full or the ``--quick`` lengths and repeats."""
+    prompt lengths of ``--prefill-contexts`` (else the full or the ``--quick`` ones), the full
+    or the ``--quick`` repeats."""
     geoms = [GEOMETRIES[key] for key in values.geometries]
     four = tuple(m for m in PREFILL_4BIT if m in values.modes)
+    given = tuple(values.contexts or ())
     if quick:
-        return PrefillSettings(geoms, QUICK_PREFILL_CONTEXTS, QUICK_PREFILL_REPEATS,
+        return PrefillSettings(geoms, given or QUICK_PREFILL_CONTEXTS, QUICK_PREFILL_REPEATS,
                                QUICK_TTFT_CONTEXTS, QUICK_TTFT_REPEATS,
                                fma_iters=QUICK_FMA_ITERS, four_bit=four)
-    return PrefillSettings(geoms, four_bit=four)
+    return PrefillSettings(geoms, given or PREFILL_CONTEXTS, four_bit=four)
 
 
 def attention_flops(geom: Geometry, context: int) -> float:
@@ -484,5 +488,9 @@ SECTION = register(Section(
                     tuple(GEOMETRIES), parse_geometry, ("llama3-8b",), many=True,
                     old=("--geometries",), metavar="G"),
              Option("modes", f"KV modes: f32 and q8 always, and any of {', '.join(PREFILL_4BIT)}",
-                    PREFILL_MODES, parse_mode, many=True, old=("--modes",), metavar="M")),
+                    PREFILL_MODES, parse_mode, many=True, old=("--modes",), metavar="M"),
+             Option("contexts", "prompt lengths of the attention cells, e.g. 4k 16k 32k (auto: "
+                    f"{' '.join(map(context_label, PREFILL_CONTEXTS))}; with --quick "
+                    f"{' '.join(map(context_label, QUICK_PREFILL_CONTEXTS))})", None,
+                    parse_context, many=True, metavar="T")),
     tasks=task_count, run=run_prefill, report=prefill_report))
