@@ -486,6 +486,7 @@ def test_every_query_is_in_one_task_of_its_block(rng):
     group inside one block (of ceil(192 / heads) positions from position 0), the tasks of a
     group cover its queries once, a block is whole or two halves, and a task keeps the one
     pass exactly when its buffer fits."""
+    cut = 0
     for _ in range(40):
         heads = [int(h) for h in rng.choice([0, 1, 3, 4, 7, 200], size=3)]
         if not any(heads):
@@ -517,6 +518,8 @@ def test_every_query_is_in_one_task_of_its_block(rng):
         for (g, blk), sizes in halves.items():
             nb = min(n, (blk + 1) * -(-192 // heads[g])) - blk * -(-192 // heads[g])
             assert sizes in ([nb], [nb // 2, (nb + 1) // 2])
+            cut += len(sizes) == 2
+    assert cut > 0
 
 
 def test_the_budget_is_16_mib_and_only_a_count(rng):

@@ -4,9 +4,8 @@ token of ``kvcache.runner`` against transformers.
 (a) Attention alone.  Per layer geometry (Llama-3-8B 32/8x128, Qwen2.5-0.5B 14/2x64) and prompt
 length T (1k, 4k, 16k, or ``--prefill-contexts``): K/V rows of T positions are appended to a
 :class:`kvcache.LayerKvCache` (f32, q8), then one ``attend_all_heads`` call computes all T
-queries causally; torch's
-``scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` computes the same
-data.  Reported: seconds per call, GFLOP/s (``4 * num_heads * head_dim * T(T+1)/2`` flops: a
+queries causally; torch's ``scaled_dot_product_attention(q, k, v, is_causal=True,
+enable_gqa=True)`` computes the same data.  Reported: seconds per call, GFLOP/s (``4 * num_heads * head_dim * T(T+1)/2`` flops: a
 multiply-add of the scores and one of the output per visible row and head), % of the FMA peak
 probed with ``_core.fma_probe`` (2 flops per FMA), the ratio to SDPA and q8/f32, and the largest
 difference of kvcache's output from SDPA's (checked against a tolerance per mode).  All
