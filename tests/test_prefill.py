@@ -375,9 +375,10 @@ def test_importance_is_within_its_bound_of_the_exact_sum(mode, budget, rng):
     q2, g0 = grouped(layer, q3)
     exact, n_p, dist = exact_importance(kernel_scores(layer, q2, g0), n)
     # a block holds 48 positions (192 queries); the first sees 7 tiles, the last 11.  With
-    # 7 x 192 x 65 floats every block but the last (12 positions) is cut in halves; with
-    # 9 x 192 x 65 / 2 the blocks whose halves see 9 tiles or fewer are cut, and the later
-    # ones, whose halves do not fit either, take the second pass
+    # 7 x 192 x 65 floats the first block (7 tiles, the budget exactly) and the last (12
+    # positions) stay whole and the others are cut in halves; with 9 x 192 x 65 / 2 the
+    # second and third blocks are cut, the fourth to sixth, whose halves do not fit either,
+    # take the second pass, and the last fits whole
     floats = {"one pass": _core.PREFILL_IMP_BUDGET_FLOATS, "halves": 7 * 192 * 65,
               "mixed": 9 * 192 * 65 // 2, "second pass": 0}[budget]
     out0, _ = run("blk", layer, q2, g0, n_pos=n, n_back=n, imp_mode=0)
@@ -484,8 +485,9 @@ def test_every_query_is_in_one_task_of_its_block(rng):
     """Random calls (KV groups with different head counts or none, windows, first rows,
     budgets, importance shorter than the rows): each task is a run of whole positions of one
     group inside one block (of ceil(192 / heads) positions from position 0), the tasks of a
-    group cover its queries once, a block is whole or two halves, and a task keeps the one
-    pass exactly when its buffer fits."""
+    group cover its queries once, a block is cut in halves (the later half first) exactly
+    when it does not fit whole and both halves do, and a task keeps the one pass exactly
+    when its buffer fits."""
     cut = 0
     for _ in range(40):
         heads = [int(h) for h in rng.choice([0, 1, 3, 4, 7, 200], size=3)]
@@ -502,8 +504,17 @@ def test_every_query_is_in_one_task_of_its_block(rng):
         with imp_budget(budget):
             plan = tasks_of(layer, q2, g0, n_pos=n, n_back=n, window=window, first=first,
                             imp_len=int(rng.integers(1, T + 1)))
+        vis = [ref.visible_range(T, n, i, window, first, T) for i in range(n)]
+
+        def floats(per, a, b):   # the one-pass buffer of positions [a, b) of a group
+            seen_by = [(f, e) for f, e in vis[a:b] if e > f]
+            if not seen_by:
+                return 0
+            lo, hi = min(f for f, _ in seen_by), max(e for _, e in seen_by)
+            return (-(-hi // 64) - lo // 64) * (b - a) * per * 65
+
         seen = np.zeros(int(g0[-1]), np.int64)
-        halves = {}
+        pieces = {}
         for g, j0, j1, need in plan:
             per = heads[g]
             assert per > 0 and g0[g] <= j0 < j1 <= g0[g + 1]
@@ -511,14 +522,19 @@ def test_every_query_is_in_one_task_of_its_block(rng):
             assert (j0 - g0[g]) % per == 0 and (j1 - g0[g] == per * b)
             bq = -(-192 // per)
             assert a // bq == (b - 1) // bq                          # inside one block
-            halves.setdefault((g, a // bq), []).append(b - a)
+            pieces.setdefault((g, a // bq), []).append((a, b))
             seen[j0:j1] += 1
-            assert 0 <= need <= budget
+            buf = floats(per, a, b)
+            assert need == (buf if buf <= budget else 0)            # one pass exactly if it fits
         assert (seen == 1).all()
-        for (g, blk), sizes in halves.items():
-            nb = min(n, (blk + 1) * -(-192 // heads[g])) - blk * -(-192 // heads[g])
-            assert sizes in ([nb], [nb // 2, (nb + 1) // 2])
-            cut += len(sizes) == 2
+        for (g, blk), got in pieces.items():
+            bq = -(-192 // heads[g])
+            a, b = blk * bq, min(n, (blk + 1) * bq)
+            h = a + (b - a + 1) // 2
+            halves = (floats(heads[g], a, b) > budget and b - a >= 2
+                      and floats(heads[g], a, h) <= budget >= floats(heads[g], h, b))
+            assert got == ([(h, b), (a, h)] if halves else [(a, b)])   # the later half first
+            cut += halves
     assert cut > 0
 
 

@@ -718,7 +718,8 @@ cdef inline double _block_sum(const float *p, Py_ssize_t n) noexcept nogil:
 # (kvc_store, kvc_call in _dispatch.h), _plan the visible rows and the task list of a call.
 
 # queries per task of attend_blocked (whole positions: a task holds ceil(_PF_QUERIES / heads
-# per group) positions of one KV group, so each K/V tile is loaded once for that many queries)
+# per group) positions of one KV group, so each K/V tile is loaded once for that many queries;
+# or half of such a block, where importance's one-pass buffer would pass its budget)
 cdef Py_ssize_t _PF_QUERIES = 192
 PREFILL_TASK_QUERIES = _PF_QUERIES
 PREFILL_TILE_ROWS = KVC_PF_TILE
@@ -1052,8 +1053,8 @@ cdef _Plan _plan(_Store st, _Call ca, bint blocked):
     group's queries; visible ends are capped at the probability width L.
     attend_blocked: per KV group, blocks of ceil(_PF_QUERIES / heads per group) positions, the
     latest blocks (the most rows) first and the groups interleaved, so that a dynamic schedule
-    ends on short tasks; with importance, blocks over the one-pass budget cut into pieces
-    (_position_blocks)."""
+    ends on short tasks; with importance, a block over the one-pass budget cut in two halves
+    when they fit (_position_blocks)."""
     cdef _Plan pl = _Plan.__new__(_Plan)
     cdef const Py_ssize_t[::1] gq0 = ca.group_q0
     pl.st = st
@@ -1387,8 +1388,9 @@ cdef inline float *_aligned64(float *p) noexcept nogil:
 
 
 # The largest one-pass importance buffer of one task, in floats (KVC_PF_IMP_BUDGET, 16 MiB): a
-# task that would need more takes the second pass over its own queries.  Only the tests change
-# it (_set_prefill_imp_budget), to reach that pass with small calls.
+# block that would need more is cut in halves when they fit (_position_blocks); a task still
+# over it takes the second pass over its own queries.  Only the tests change it
+# (_set_prefill_imp_budget), to reach the halves and that pass with small calls.
 cdef Py_ssize_t _pf_imp_budget = KVC_PF_IMP_BUDGET
 PREFILL_IMP_BUDGET_FLOATS = KVC_PF_IMP_BUDGET
 
