@@ -440,6 +440,24 @@ def tasks_of(layer, q2, g0, **kw):
     return _core._prefill_tasks(rows, make_call(rows, q2, g0, **kw))
 
 
+def pass_floats(vis, per, a, b):
+    """The one-pass buffer of a group's positions [a, b) (``per`` queries each, position i
+    seeing rows vis[i]): the tiles meeting the union of their visible rows, x queries x 65."""
+    seen_by = [(f, e) for f, e in vis[a:b] if e > f]
+    if not seen_by:
+        return 0
+    lo, hi = min(f for f, _ in seen_by), max(e for _, e in seen_by)
+    return (-(-hi // 64) - lo // 64) * (b - a) * per * 65
+
+
+def halved(vis, per, budget, a, b):
+    """The planner's rule for a block [a, b): its two halves' middle when the block does not
+    fit the budget and both halves do, else None."""
+    h = a + (b - a + 1) // 2
+    fits = [pass_floats(vis, per, x, y) <= budget for x, y in ((a, b), (a, h), (h, b))]
+    return h if b - a >= 2 and not fits[0] and fits[1] and fits[2] else None
+
+
 @pytest.mark.parametrize("window", [0, 150])
 def test_blocks_over_the_budget_are_cut_in_halves_that_keep_the_one_pass(window, rng):
     """With importance, a block of positions whose one-pass buffer would pass the budget is
@@ -450,13 +468,7 @@ def test_blocks_over_the_budget_are_cut_in_halves_that_keep_the_one_pass(window,
     layer = filled(nkv, hd, kc.KvMode.F32, T, rng)
     q2, g0 = grouped(layer, rng.standard_normal((n, nkv * fan, hd)).astype(np.float32))
     kw = dict(n_pos=n, n_back=n, window=window)
-    ends = np.arange(T - n + 1, T + 1)                              # (n,) position i sees [f, e)
-    firsts = np.maximum(0, ends - window) if window else np.zeros(n, np.int64)
-
-    def floats(a, b):   # the one-pass buffer of positions [a, b) of a group
-        tiles = -(-int(ends[a:b].max()) // 64) - int(firsts[a:b].min()) // 64
-        return tiles * (b - a) * fan * 65
-
+    vis = [ref.visible_range(T, n, i, window, 0, T) for i in range(n)]
     whole = tasks_of(layer, q2, g0, imp_mode=0, **kw)
     blocks = [(a, min(n, a + bq)) for a in range(0, n, bq)][::-1]   # latest first
     assert [tuple(t[:3]) for t in whole] == [(g, g0[g] + a * fan, g0[g] + b * fan)
@@ -469,14 +481,13 @@ def test_blocks_over_the_budget_are_cut_in_halves_that_keep_the_one_pass(window,
             cut = tasks_of(layer, q2, g0, **kw)
         want = []
         for a, b in blocks:
-            h = a + (b - a + 1) // 2
-            halves = floats(a, b) > budget and floats(a, h) <= budget >= floats(h, b)
+            h = halved(vis, fan, budget, a, b)
             for g in range(nkv):
-                for x, y in ([(h, b), (a, h)] if halves else [(a, b)]):
-                    need = floats(x, y)
+                for x, y in ([(h, b), (a, h)] if h else [(a, b)]):
+                    need = pass_floats(vis, fan, x, y)
                     want.append((g, g0[g] + x * fan, g0[g] + y * fan,
                                  need if need <= budget else 0))
-                    kinds.add("second pass" if need > budget else "half" if halves else "whole")
+                    kinds.add("second pass" if need > budget else "half" if h else "whole")
         assert [tuple(t) for t in cut] == want, budget
     assert kinds == {"whole", "half", "second pass"}
 
@@ -505,14 +516,6 @@ def test_every_query_is_in_one_task_of_its_block(rng):
             plan = tasks_of(layer, q2, g0, n_pos=n, n_back=n, window=window, first=first,
                             imp_len=int(rng.integers(1, T + 1)))
         vis = [ref.visible_range(T, n, i, window, first, T) for i in range(n)]
-
-        def floats(per, a, b):   # the one-pass buffer of positions [a, b) of a group
-            seen_by = [(f, e) for f, e in vis[a:b] if e > f]
-            if not seen_by:
-                return 0
-            lo, hi = min(f for f, _ in seen_by), max(e for _, e in seen_by)
-            return (-(-hi // 64) - lo // 64) * (b - a) * per * 65
-
         seen = np.zeros(int(g0[-1]), np.int64)
         pieces = {}
         for g, j0, j1, need in plan:
@@ -520,21 +523,19 @@ def test_every_query_is_in_one_task_of_its_block(rng):
             assert per > 0 and g0[g] <= j0 < j1 <= g0[g + 1]
             a, b = (j0 - g0[g]) // per, -(-(j1 - g0[g]) // per)
             assert (j0 - g0[g]) % per == 0 and (j1 - g0[g] == per * b)
-            bq = -(-192 // per)
+            bq = -(-_core.PREFILL_TASK_QUERIES // per)
             assert a // bq == (b - 1) // bq                          # inside one block
             pieces.setdefault((g, a // bq), []).append((a, b))
             seen[j0:j1] += 1
-            buf = floats(per, a, b)
+            buf = pass_floats(vis, per, a, b)
             assert need == (buf if buf <= budget else 0)            # one pass exactly if it fits
         assert (seen == 1).all()
         for (g, blk), got in pieces.items():
-            bq = -(-192 // heads[g])
+            bq = -(-_core.PREFILL_TASK_QUERIES // heads[g])
             a, b = blk * bq, min(n, (blk + 1) * bq)
-            h = a + (b - a + 1) // 2
-            halves = (floats(heads[g], a, b) > budget and b - a >= 2
-                      and floats(heads[g], a, h) <= budget >= floats(heads[g], h, b))
-            assert got == ([(h, b), (a, h)] if halves else [(a, b)])   # the later half first
-            cut += halves
+            h = halved(vis, heads[g], budget, a, b)
+            assert got == ([(h, b), (a, h)] if h else [(a, b)])       # the later half first
+            cut += h is not None
     assert cut > 0
 
 
