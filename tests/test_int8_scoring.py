@@ -270,6 +270,11 @@ def test_every_body_computes_the_same_bits(tmp_path):
     assert head == "portable 0"
     lines = ref.splitlines()
     assert len(lines) > 100000 and len(set(lines)) > 20000
+    # the 4-bit K dot products (the last 320 lines: kvc_i8x_dp16, then four chained dp4) reach
+    # both extremes, 16 x 15 x +-127, and agree in plain C
+    dots = [tuple(map(int, line.split())) for line in lines[-320:]]
+    assert all(a == b for a, b in dots)
+    assert {(-30480, -30480), (30480, 30480)} <= set(dots)
     builds = {name: (flags, name) for name, flags in X86_BODY_FLAGS.items() if name != "portable"}
     builds["vnni-emulated"] = (X86_BODY_FLAGS["avx2"] + ["-DKVC_EMULATE_VNNI"], "avx2")
     forms = {"avx2": "avx2 1", "avxvnni": "avx2 2", "avx512": "avx512 2", "vnni-emulated": "avx2 2"}

@@ -738,8 +738,8 @@ static void kvc_task_scores_i8(ptrdiff_t group, const int8_t *qi, const float *s
  *                (row p at slot p % KVC_K4_RING): s = kvc_dot_f32(q, row);
  * then, as for every kind, s * scale and the softcap (kvc_scale_scores).  The scorer folds up
  * to KVC_K4_QC queries per block and scores eight rows per vector, lanes = rows, four channel
- * codes per lane (kvc_i8x_dp4: vpdpbusd, vpmaddubsw, sdot or C), so every target computes
- * these bits.
+ * codes per lane (kvc_i8x_dp4 and kvc_i8x_dp16: vpdpbusd, vpmaddubsw, sdot or C), so every
+ * target computes these bits.
  * ------------------------------------------------------------------------------------- */
 
 /* gcc 12 warns, in the portable unit only, that kvc_dot_f32's tail loop inlined below could
@@ -839,24 +839,30 @@ KVC_INLINE void kvc_k4_score8(const uint8_t *restrict blk, ptrdiff_t tv, ptrdiff
     ptrdiff_t g, o, c;
     for (c = 0; c < NC; ++c)
         f[c] = kvc_f8_zero();
-    for (g = 0; g < ng; ++g) {
-        kvc_i8x sa[KVC_K4_QC], sb[KVC_K4_QC];       /* low and high nibbles: two chains */
-        for (c = 0; c < NC; ++c)
-            sa[c] = sb[c] = kvc_i8x_set1(0);
-        for (o = 2 * g; o < 2 * g + 2 && o < no; ++o) {
-            kvc_i8x u = kvc_i8x_loadb(blk + o * 4 * KVC_K4_BLOCK + tv * 32);
-            kvc_i8x lo = kvc_i8x_nib(u, 0), hi = kvc_i8x_nib(u, 4);
+    for (g = 0, o = 0; g < ng; ++g, o += 2) {
+        /* the group's one or two channel octets, the low and high nibbles of each; a group's
+         * int32 sum is exact, so summing its sixteen products at once (kvc_i8x_dp16) gives
+         * the bits of four chained kvc_i8x_dp4 */
+        const kvc_i8x u0 = kvc_i8x_loadb(blk + o * 4 * KVC_K4_BLOCK + tv * 32);
+        const kvc_i8x l0 = kvc_i8x_nib(u0, 0), h0 = kvc_i8x_nib(u0, 4);
+        if (o + 1 < no) {
+            const kvc_i8x u1 = kvc_i8x_loadb(blk + (o + 1) * 4 * KVC_K4_BLOCK + tv * 32);
+            const kvc_i8x l1 = kvc_i8x_nib(u1, 0), h1 = kvc_i8x_nib(u1, 4);
             for (c = 0; c < NC; ++c) {
-                int32_t w0, w1;
-                memcpy(&w0, wi + c * hd + 8 * o, 4);
-                memcpy(&w1, wi + c * hd + 8 * o + 4, 4);
-                sa[c] = kvc_i8x_dp4(sa[c], lo, w0);
-                sb[c] = kvc_i8x_dp4(sb[c], hi, w1);
+                int32_t w[4];
+                memcpy(w, wi + c * hd + 8 * o, 16);
+                f[c] = kvc_f8_fma(kvc_i8x_to_f8(kvc_i8x_dp16(l0, w[0], h0, w[1], l1, w[2], h1, w[3])),
+                                  kvc_f8_set1(sw[c * ngp + g]), f[c]);
+            }
+        } else {                                    /* a last group of eight channels */
+            for (c = 0; c < NC; ++c) {
+                int32_t w[2];
+                memcpy(w, wi + c * hd + 8 * o, 8);
+                f[c] = kvc_f8_fma(kvc_i8x_to_f8(kvc_i8x_dp4(kvc_i8x_dp4(kvc_i8x_set1(0), l0, w[0]),
+                                                            h0, w[1])),
+                                  kvc_f8_set1(sw[c * ngp + g]), f[c]);
             }
         }
-        for (c = 0; c < NC; ++c)
-            f[c] = kvc_f8_fma(kvc_i8x_to_f8(kvc_i8x_add(sa[c], sb[c])),
-                              kvc_f8_set1(sw[c * ngp + g]), f[c]);
     }
     for (c = 0; c < NC; ++c)
         kvc_f8_store(out + 8 * c, kvc_f8_add(f[c], kvc_f8_set1(bias[c])));

@@ -102,5 +102,32 @@ int main(void)
                 out(probs[i]);
         }
     }
+    {   /* the 4-bit K dot products at their extremes (every code 15 or 0, every weight byte
+         * +-127: AVX2's int16 sums of kvc_i8x_dp16 reach 15240 in magnitude) and at random:
+         * kvc_i8x_dp16 against four chained kvc_i8x_dp4, then both lane by lane */
+        static uint8_t ub[4][32];
+        const int32_t wx[] = {(int32_t)0x81818181u, 0x7f7f7f7f};
+        for (trial = 0; trial < 40; ++trial) {
+            kvc_i8x u[4], a, b;
+            int32_t w[4], la[8], lb[8];
+            for (i = 0; i < 4; ++i) {
+                for (j = 0; j < 32; ++j)
+                    ub[i][j] = (uint8_t)(trial < 4 ? (trial % 2 ? 15 : (j % 3 ? 15 : 0)) : next() % 16);
+                u[i] = kvc_i8x_loadb(ub[i]);
+                w[i] = trial < 4 ? wx[trial / 2] : (int32_t)next() ^ (int32_t)(next() << 8);
+                for (j = 0; j < 4; ++j)          /* weight bytes in [-127, 127] */
+                    if (((w[i] >> (8 * j)) & 0xff) == 0x80)
+                        w[i] ^= 1 << (8 * j);
+            }
+            a = kvc_i8x_dp16(u[0], w[0], u[1], w[1], u[2], w[2], u[3], w[3]);
+            b = kvc_i8x_set1(0);
+            for (i = 0; i < 4; ++i)
+                b = kvc_i8x_dp4(b, u[i], w[i]);
+            kvc_i8x_storeb((uint8_t *)la, a);
+            kvc_i8x_storeb((uint8_t *)lb, b);
+            for (j = 0; j < 8; ++j)
+                printf("%d %d\n", la[j], lb[j]);
+        }
+    }
     return 0;
 }
