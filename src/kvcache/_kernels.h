@@ -777,38 +777,36 @@ KVC_INLINE void kvc_k4_params(const uint16_t *restrict par, ptrdiff_t hd, float 
 KVC_INLINE float kvc_k4_fold(const float *restrict q, const float *restrict pf, ptrdiff_t hd,
                              int8_t *restrict wi, float *restrict sw, float *restrict tmp)
 {
-    const ptrdiff_t ng = KVC_I8_GROUPS(hd, 16);
-    float *w = tmp, *a = tmp + hd, *inv = a + KVC_K4_NGP(hd);
+    const kvc_f8 infv = kvc_f8_set1(INFINITY);
+    float *w = tmp;
     kvc_f8 z = kvc_f8_zero();
     ptrdiff_t g, d0;
+    /* one pass over the groups, right for a query whose w is finite everywhere (w * 0 is 0 in
+     * every lane); a group whose a is not finite leaves its codes for the pass below */
     for (g = 0, d0 = 0; d0 < hd; ++g, d0 += 16) {
+        const int two = hd - d0 >= 16;
         kvc_f8 w0 = kvc_f8_mul(kvc_f8_load(q + d0), kvc_f8_load(pf + d0)), am = kvc_f8_abs(w0);
-        kvc_f8_store(w + d0, w0);
+        kvc_f8 w1 = kvc_f8_zero();
         z = kvc_f8_fma(w0, kvc_f8_zero(), z);
-        if (hd - d0 >= 16) {
-            kvc_f8 w1 = kvc_f8_mul(kvc_f8_load(q + d0 + 8), kvc_f8_load(pf + d0 + 8));
-            kvc_f8_store(w + d0 + 8, w1);
+        if (two) {
+            w1 = kvc_f8_mul(kvc_f8_load(q + d0 + 8), kvc_f8_load(pf + d0 + 8));
             z = kvc_f8_fma(w1, kvc_f8_zero(), z);
             am = kvc_f8_max_num(am, kvc_f8_abs(w1));
         }
-        a[g] = kvc_f8_fold_max(am);
+        const float ag = kvc_f8_fold_max(am);
+        float sc = ag / 127.0f;
+        sc = sc > 1e-12f ? sc : 1e-12f;
+        sw[g] = sc;
+        if (ag <= FLT_MAX) {
+            const kvc_f8 iv = kvc_f8_set1(1.0f / sc);
+            kvc_f8_store_i8_int(wi + d0, kvc_f8_round_even(kvc_f8_mul(w0, iv)));
+            if (two)
+                kvc_f8_store_i8_int(wi + d0 + 8, kvc_f8_round_even(kvc_f8_mul(w1, iv)));
+        }
     }
-    if (kvc_f8_fold(z) == 0.0f) {                       /* every w finite */
-        for (; g < KVC_K4_NGP(hd); ++g)
-            a[g] = 0.0f;
-        for (g = 0; g < ng; g += 8) {
-            kvc_f8 sc = kvc_f8_div(kvc_f8_load(a + g), kvc_f8_set1(127.0f));
-            const kvc_f8 tiny = kvc_f8_set1(1e-12f);
-            sc = kvc_f8_sel(kvc_f8_gt(sc, tiny), sc, tiny);
-            kvc_f8_store(sw + g, sc);
-            kvc_f8_store(inv + g, kvc_f8_div(kvc_f8_set1(1.0f), sc));
-        }
-        for (d0 = 0; d0 < hd; d0 += 8) {
-            const kvc_f8 iv = kvc_f8_bcast(inv + d0 / 16);
-            kvc_f8_store_i8_int(wi + d0, kvc_f8_round_even(kvc_f8_mul(kvc_f8_load(w + d0), iv)));
-        }
-    } else {                                            /* a NaN or an infinity somewhere */
-        const kvc_f8 infv = kvc_f8_set1(INFINITY);
+    if (kvc_f8_fold(z) != 0.0f) {                       /* a NaN or an infinity somewhere */
+        for (d0 = 0; d0 < hd; d0 += 8)
+            kvc_f8_store(w + d0, kvc_f8_mul(kvc_f8_load(q + d0), kvc_f8_load(pf + d0)));
         for (g = 0, d0 = 0; d0 < hd; ++g, d0 += 16) {
             const int two = hd - d0 >= 16;
             kvc_f8 w0 = kvc_f8_load(w + d0), w1 = two ? kvc_f8_load(w + d0 + 8) : kvc_f8_zero();
