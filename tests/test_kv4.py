@@ -425,25 +425,27 @@ def test_k4_scores_match_the_twin_bit_for_bit_on_every_body(hd, n, each_level):
         assert np.array_equal(_bits(got), _bits(want)), level
 
 
-@pytest.mark.parametrize("hd", [64, 72, 40])
+@pytest.mark.parametrize("hd", [64, 72, 40, 8])
 def test_k4_fold_of_special_queries_matches_the_twin_on_every_body(hd, each_level):
     """Queries whose folded w is not finite in some groups (a NaN, an infinity, a product that
-    overflows float32) take the fold's group-by-group pass; zeros and tiny values meet the
-    scale's 1e-12 floor: every body gives the twin's bits, NaN rows where the twin has them."""
+    overflows float32) get NaN scales there; zeros and tiny values meet the scale's 1e-12
+    floor: every body gives the twin's bits, NaN rows where the twin has them."""
     rng = np.random.default_rng(hd)
     n = 70
     layer, _, _ = _k4_layer(rng, hd, n)
     st = layer.state()
     q = rng.standard_normal((8, hd)).astype(np.float32)
-    q[0, 5] = np.nan                             # one NaN: its group's scale is NaN
+    q[0, 0], q[0, 4] = 100.0, np.nan             # a NaN beside a large lane: a NaN scale
     q[1, hd - 1] = np.inf                        # an infinity in the last group
     q[2, 3] = np.float32(3e38)                   # finite, but q * step (about 5) overflows
     q[3] = 0.0                                   # every group at the scale floor
-    q[4] *= np.float32(1e-30)                    # tiny: codes from the floor's inverse
+    q[4] *= np.float32(1e-11)                    # tiny: codes from the floor's inverse
     q[5, :16] = -0.0
-    q[6, 20] = -np.inf
+    q[6, 20 % hd] = -np.inf
     q[6, 40 % hd] = np.nan
     assert st.kp[0][0].view(np.float16)[3] > 1           # channel 3's step (the outlier)
+    wi, sw = R.k4_fold(q[4], st.kp[0][0].view(np.float16)[:hd].astype(np.float32))
+    assert (sw == np.float32(1e-12)).all() and np.abs(wi).max() > 1   # the floor, codes not 0
     want = np.zeros((8, n), np.float32)
     R.k4_scores(q, st.kc[0], st.kp[0], st.kr[0], n, want)
     assert np.isnan(want[[0, 1, 2, 6], :64]).all()

@@ -771,55 +771,34 @@ KVC_INLINE void kvc_k4_params(const uint16_t *restrict par, ptrdiff_t hd, float 
 #define KVC_K4_NGP(hd) ((KVC_I8_GROUPS(hd, 16) + 7) / 8 * 8) /* group slots, whole vectors */
 
 /* The block query of q against a block's parameters pf (the definition above): codes wi (hd),
- * scales sw (KVC_I8_GROUPS(hd, 16)); returns the bias.  tmp: hd + 2 KVC_K4_NGP(hd) floats.
- * A query whose w is finite everywhere (w * 0 is 0 in every lane) takes the vector path; any
- * other the group-by-group one, which gives the same bits for its finite groups. */
+ * scales sw (KVC_I8_GROUPS(hd, 16)); returns the bias.  One pass over the groups: a group's
+ * maximum counts a NaN as +inf, so a group holding a NaN or an infinity (or a product that
+ * overflows) gets the NaN scale and zero codes, and every other group its scale and codes. */
 KVC_INLINE float kvc_k4_fold(const float *restrict q, const float *restrict pf, ptrdiff_t hd,
-                             int8_t *restrict wi, float *restrict sw, float *restrict tmp)
+                             int8_t *restrict wi, float *restrict sw)
 {
     const kvc_f8 infv = kvc_f8_set1(INFINITY);
-    float *w = tmp;
-    kvc_f8 z = kvc_f8_zero();
     ptrdiff_t g, d0;
-    /* one pass over the groups, right for a query whose w is finite everywhere (w * 0 is 0 in
-     * every lane); a group whose a is not finite leaves its codes for the pass below */
     for (g = 0, d0 = 0; d0 < hd; ++g, d0 += 16) {
         const int two = hd - d0 >= 16;
-        kvc_f8 w0 = kvc_f8_mul(kvc_f8_load(q + d0), kvc_f8_load(pf + d0)), am = kvc_f8_abs(w0);
-        kvc_f8 w1 = kvc_f8_zero();
-        z = kvc_f8_fma(w0, kvc_f8_zero(), z);
+        const kvc_f8 w0 = kvc_f8_mul(kvc_f8_load(q + d0), kvc_f8_load(pf + d0));
+        kvc_f8 w1 = kvc_f8_zero(), am = kvc_f8_sel(kvc_f8_isnan(w0), infv, kvc_f8_abs(w0));
         if (two) {
             w1 = kvc_f8_mul(kvc_f8_load(q + d0 + 8), kvc_f8_load(pf + d0 + 8));
-            z = kvc_f8_fma(w1, kvc_f8_zero(), z);
-            am = kvc_f8_max_num(am, kvc_f8_abs(w1));
+            am = kvc_f8_max_num(am, kvc_f8_sel(kvc_f8_isnan(w1), infv, kvc_f8_abs(w1)));
         }
         const float ag = kvc_f8_fold_max(am);
-        float sc = ag / 127.0f;
-        sc = sc > 1e-12f ? sc : 1e-12f;
-        sw[g] = sc;
         if (ag <= FLT_MAX) {
+            float sc = ag / 127.0f;
+            sc = sc > 1e-12f ? sc : 1e-12f;
             const kvc_f8 iv = kvc_f8_set1(1.0f / sc);
+            sw[g] = sc;
             kvc_f8_store_i8_int(wi + d0, kvc_f8_round_even(kvc_f8_mul(w0, iv)));
             if (two)
                 kvc_f8_store_i8_int(wi + d0 + 8, kvc_f8_round_even(kvc_f8_mul(w1, iv)));
-        }
-    }
-    if (kvc_f8_fold(z) != 0.0f) {                       /* a NaN or an infinity somewhere */
-        for (d0 = 0; d0 < hd; d0 += 8)
-            kvc_f8_store(w + d0, kvc_f8_mul(kvc_f8_load(q + d0), kvc_f8_load(pf + d0)));
-        for (g = 0, d0 = 0; d0 < hd; ++g, d0 += 16) {
-            const int two = hd - d0 >= 16;
-            kvc_f8 w0 = kvc_f8_load(w + d0), w1 = two ? kvc_f8_load(w + d0 + 8) : kvc_f8_zero();
-            kvc_f8 a0 = kvc_f8_sel(kvc_f8_isnan(w0), infv, kvc_f8_abs(w0));
-            kvc_f8 a1 = kvc_f8_sel(kvc_f8_isnan(w1), infv, kvc_f8_abs(w1));
-            float ag = kvc_f8_fold_max(kvc_f8_max_num(a0, a1));
-            float sc = ag / 127.0f;
-            sc = sc > 1e-12f ? sc : 1e-12f;
-            const kvc_f8 iv = kvc_f8_set1(1.0f / sc);        /* 0 when ag is inf */
-            sw[g] = ag <= FLT_MAX ? sc : NAN;
-            kvc_f8_store_i8(wi + d0, kvc_f8_round_even(kvc_f8_mul(w0, iv)));   /* NaN -> 0 */
-            if (two)
-                kvc_f8_store_i8(wi + d0 + 8, kvc_f8_round_even(kvc_f8_mul(w1, iv)));
+        } else {                            /* not finite: 1 / inf is 0, NaN codes are 0 */
+            sw[g] = NAN;
+            memset(wi + d0, 0, two ? 16 : 8);
         }
     }
     return kvc_dot_f32(q, pf + hd, hd);
@@ -893,8 +872,7 @@ static void kvc_k4_raw(const kvc_k4 *K, const float *q, ptrdiff_t nq, const ptrd
 {
     const ptrdiff_t ng = KVC_K4_NGP(hd), B = KVC_K4_BLOCK;
     float *pf = scratch, *sw = pf + 2 * hd, *bias = sw + KVC_K4_QC * ng, *tmp = bias + KVC_K4_QC;
-    float *ftmp = tmp + 8 * KVC_K4_QC;
-    int8_t *wi = (int8_t *)(ftmp + hd + 2 * ng);
+    int8_t *wi = (int8_t *)(tmp + 8 * KVC_K4_QC);
     ptrdiff_t b0, j, p;
     for (b0 = p0 / B * B; b0 < p1 && b0 < K->qlen; b0 += B) {
         const ptrdiff_t lo = b0 > p0 ? b0 : p0, hi = b0 + B < p1 ? b0 + B : p1;
@@ -908,7 +886,7 @@ static void kvc_k4_raw(const kvc_k4 *K, const float *q, ptrdiff_t nq, const ptrd
                     kvc_k4_params(K->par + b0 / B * 2 * hd, hd, pf);
                     loaded = 1;
                 }
-                bias[nc] = kvc_k4_fold(q + j * hd, pf, hd, wi + nc * hd, sw + nc * ng, ftmp);
+                bias[nc] = kvc_k4_fold(q + j * hd, pf, hd, wi + nc * hd, sw + nc * ng);
                 js[nc] = j, a[nc] = aj, e[nc] = ej, ++nc;
             }
             if (nc == KVC_K4_QC || (nc > 0 && j == nq - 1)) {

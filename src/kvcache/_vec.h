@@ -761,7 +761,7 @@ KVC_INLINE void kvc_i8_dot32x8(const int8_t *restrict q, const int8_t *restrict 
  *                           dp4 terms (u_i, w_i), from zero: exactly the int32 value of four
  *                           chained kvc_i8x_dp4.  AVX2 adds the four vpmaddubsw results as int16
  *                           (at most 4 * 2 * 15 * 127 = 15240 in magnitude, no wrap) before one
- *                           vpmaddwd, a third of the instructions of four dp4s; the other
+ *                           vpmaddwd: 8 instructions where four dp4s take 12; the other
  *                           targets chain their dp4.
  * ------------------------------------------------------------------------------------- */
 #if KVC_VEC_X86

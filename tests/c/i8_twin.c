@@ -114,7 +114,10 @@ int main(void)
                 for (j = 0; j < 32; ++j)
                     ub[i][j] = (uint8_t)(trial < 4 ? (trial % 2 ? 15 : (j % 3 ? 15 : 0)) : next() % 16);
                 u[i] = kvc_i8x_loadb(ub[i]);
-                w[i] = trial < 4 ? wx[trial / 2] : (int32_t)next() ^ (int32_t)(next() << 8);
+                w[i] = trial < 4 ? wx[trial / 2] : (int32_t)next();
+                w[i] ^= (int32_t)(next() << 8);         /* two statements: a fixed order */
+                if (trial < 4)
+                    w[i] = wx[trial / 2];
                 for (j = 0; j < 4; ++j)          /* weight bytes in [-127, 127] */
                     if (((w[i] >> (8 * j)) & 0xff) == 0x80)
                         w[i] ^= 1 << (8 * j);
