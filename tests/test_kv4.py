@@ -440,7 +440,7 @@ def test_k4_fold_of_special_queries_matches_the_twin_on_every_body(hd, each_leve
     q[2, 3] = np.float32(3e38)                   # finite, but q * step (about 5) overflows
     q[3] = 0.0                                   # every group at the scale floor
     q[4] *= np.float32(1e-11)                    # tiny: codes from the floor's inverse
-    q[5, :16] = -0.0
+    q[5, :16] = -0.0                             # negative zeros: a group at the floor
     q[6, 20 % hd] = -np.inf
     q[6, 40 % hd] = np.nan
     assert st.kp[0][0].view(np.float16)[3] > 1           # channel 3's step (the outlier)

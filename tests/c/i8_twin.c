@@ -114,8 +114,8 @@ int main(void)
                 for (j = 0; j < 32; ++j)
                     ub[i][j] = (uint8_t)(trial < 4 ? (trial % 2 ? 15 : (j % 3 ? 15 : 0)) : next() % 16);
                 u[i] = kvc_i8x_loadb(ub[i]);
-                w[i] = trial < 4 ? wx[trial / 2] : (int32_t)next();
-                w[i] ^= (int32_t)(next() << 8);         /* two statements: a fixed order */
+                w[i] = (int32_t)next();                 /* two statements: a fixed order */
+                w[i] ^= (int32_t)(next() << 8);
                 if (trial < 4)
                     w[i] = wx[trial / 2];
                 for (j = 0; j < 4; ++j)          /* weight bytes in [-127, 127] */
