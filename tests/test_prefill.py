@@ -430,7 +430,6 @@ def test_importance_bits_do_not_depend_on_threads_bodies_or_batches(mode, rng):
     one, halves, mixed, second = results.values()
     for other in (halves, mixed, second):
         assert np.array_equal(one[0], other[0])
-    for other in (halves, mixed, second):
         np.testing.assert_allclose(other[1], one[1], rtol=2e-5, atol=0)
 
 

@@ -828,16 +828,15 @@ KVC_INLINE void kvc_k4_score8(const uint8_t *restrict blk, ptrdiff_t tv, ptrdiff
             for (c = 0; c < NC; ++c) {
                 int32_t w[4];
                 memcpy(w, wi + c * hd + 8 * o, 16);
-                f[c] = kvc_f8_fma(kvc_i8x_to_f8(kvc_i8x_dp16(l0, w[0], h0, w[1], l1, w[2], h1, w[3])),
-                                  kvc_f8_set1(sw[c * ngp + g]), f[c]);
+                const kvc_i8x isum = kvc_i8x_dp16(l0, w[0], h0, w[1], l1, w[2], h1, w[3]);
+                f[c] = kvc_f8_fma(kvc_i8x_to_f8(isum), kvc_f8_set1(sw[c * ngp + g]), f[c]);
             }
         } else {                                    /* a last group of eight channels */
             for (c = 0; c < NC; ++c) {
                 int32_t w[2];
                 memcpy(w, wi + c * hd + 8 * o, 8);
-                f[c] = kvc_f8_fma(kvc_i8x_to_f8(kvc_i8x_dp4(kvc_i8x_dp4(kvc_i8x_set1(0), l0, w[0]),
-                                                            h0, w[1])),
-                                  kvc_f8_set1(sw[c * ngp + g]), f[c]);
+                const kvc_i8x isum = kvc_i8x_dp4(kvc_i8x_dp4(kvc_i8x_set1(0), l0, w[0]), h0, w[1]);
+                f[c] = kvc_f8_fma(kvc_i8x_to_f8(isum), kvc_f8_set1(sw[c * ngp + g]), f[c]);
             }
         }
     }

@@ -779,20 +779,17 @@ KVC_INLINE kvc_i8x kvc_i8x_dp4(kvc_i8x acc, kvc_i8x u, int32_t w)
                                                    _mm256_set1_epi16(1)));
 #endif
 }
+#if KVC_VEC_I8 != KVC_I8_VNNI
 KVC_INLINE kvc_i8x kvc_i8x_dp16(kvc_i8x u0, int32_t w0, kvc_i8x u1, int32_t w1, kvc_i8x u2,
                                 int32_t w2, kvc_i8x u3, int32_t w3)
 {
-#if KVC_VEC_I8 == KVC_I8_VNNI
-    return kvc_i8x_dp4(kvc_i8x_dp4(kvc_i8x_dp4(kvc_i8x_dp4(_mm256_setzero_si256(), u0, w0), u1, w1),
-                                   u2, w2), u3, w3);
-#else
     __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(u0, _mm256_set1_epi32(w0)),
                                  _mm256_maddubs_epi16(u1, _mm256_set1_epi32(w1)));
     __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(u2, _mm256_set1_epi32(w2)),
                                  _mm256_maddubs_epi16(u3, _mm256_set1_epi32(w3)));
     return _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1));
-#endif
 }
+#endif
 #elif KVC_VEC_NEON
 KVC_INLINE kvc_i8x kvc_i8x_loadb(const uint8_t *p)
 {
@@ -858,7 +855,7 @@ KVC_INLINE kvc_i8x kvc_i8x_dp4(kvc_i8x acc, kvc_i8x u, int32_t w)
     return acc;
 }
 #endif
-#if !KVC_VEC_X86
+#if !KVC_VEC_X86 || KVC_VEC_I8 == KVC_I8_VNNI    /* AVX2's own form is above */
 KVC_INLINE kvc_i8x kvc_i8x_dp16(kvc_i8x u0, int32_t w0, kvc_i8x u1, int32_t w1, kvc_i8x u2,
                                 int32_t w2, kvc_i8x u3, int32_t w3)
 {

@@ -112,7 +112,7 @@ int main(void)
             int32_t w[4], la[8], lb[8];
             for (i = 0; i < 4; ++i) {
                 for (j = 0; j < 32; ++j)
-                    ub[i][j] = (uint8_t)(trial < 4 ? (trial % 2 ? 15 : (j % 3 ? 15 : 0)) : next() % 16);
+                    ub[i][j] = (uint8_t)(trial >= 4 ? next() % 16 : trial % 2 || j % 3 ? 15 : 0);
                 u[i] = kvc_i8x_loadb(ub[i]);
                 w[i] = (int32_t)next();                 /* two statements: a fixed order */
                 w[i] ^= (int32_t)(next() << 8);

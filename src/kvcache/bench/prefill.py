@@ -9,8 +9,9 @@ enable_gqa=True)`` computes the same data.  Reported: seconds per call, GFLOP/s
 (``4 * num_heads * head_dim * T(T+1)/2`` flops: a multiply-add of the scores and one of the
 output per visible row and head), % of the FMA peak probed with ``_core.fma_probe`` (2 flops
 per FMA), the ratio to SDPA and q8/f32, and the largest difference of kvcache's output from
-SDPA's (checked against a tolerance per mode).  All threads.  The first call of a cell is timed; more follow (up to ``repeats``) while the cell has
-spent less than :data:`PREFILL_CELL_S`; a cell whose first call is estimated (from the rate
+SDPA's (checked against a tolerance per mode).  All threads.  The first call of a cell is
+timed; more follow (up to ``repeats``) while the cell has spent less than
+:data:`PREFILL_CELL_S`; a cell whose first call is estimated (from the rate
 measured at the previous length) above :data:`PREFILL_MAX_CALL_S` is not run and reported as
 skipped, with the estimate.
 
