@@ -219,7 +219,7 @@ def test_4bit_values_are_what_attention_reads(mode):
 
 
 @pytest.mark.parametrize("mode", MODES4)
-@pytest.mark.parametrize("hd", [24, 40, 56, 64, 72, 128])   # 24, 56: a last 4-bit chunk of 24
+@pytest.mark.parametrize("hd", [24, 40, 56, 64, 72, 128, 256])  # 24, 56: a last chunk of 24
 def test_bits_do_not_depend_on_body_or_threads(mode, hd, each_level):
     from threadpoolctl import threadpool_limits
     rng = np.random.default_rng(hd)

@@ -40,7 +40,7 @@ int main(void)
     static float pbuf[KVC_PF_PBUF_FLOATS(3, NQ)];
     static int8_t kq[ROWS * HDMAX], vq[ROWS * HDMAX];
     static uint8_t vc4[ROWS * HDMAX / 2], kc4[ROWS * HDMAX / 2];
-    static uint16_t vp[ROWS * 2 * KVC_V4_NG(HDMAX)], kp4[(ROWS / 16 + 1) * 2 * HDMAX];
+    static uint16_t vp[ROWS * 2 * KVC_V4_NG(HDMAX)], kp4[(ROWS / KVC_K4_BLOCK + 1) * 2 * HDMAX];
     static float kr4[KVC_K4_RING * HDMAX];
     kvc_k4 k4;
     size_t nscr = KVC_PF_SCRATCH_FLOATS(HDMAX, NQ) > KVC_PF_IMP_SCRATCH(HDMAX)
@@ -80,11 +80,14 @@ int main(void)
         if (hd % 8 == 0) {  /* the 4-bit V rows and 4-bit K of this head dim (_q4.h) */
             for (i = 0; i < ROWS; ++i)
                 kvc_v4_quant_row(v + i * hd, hd, vc4 + i * (hd / 2), vp + i * 2 * KVC_V4_NG(hd));
-            for (i = 0; i < 173; ++i) {   /* a head of 173 rows: 10 blocks, 13 in the ring */
+            /* a head of 173 rows, appended as a store does: 5 closed blocks (160 rows), each
+             * quantised from the ring when its last row arrives, and 13 open rows in the ring */
+            for (i = 0; i < 173; ++i) {
                 memcpy(kr4 + (i % KVC_K4_RING) * hd, k + i * hd, (size_t)hd * sizeof(float));
-                if (i % 16 == 15)
-                    kvc_k4_quant_block(kr4, i - 15, hd, kc4 + (i - 15) * (hd / 2),
-                                       kp4 + (i / 16) * 2 * hd);
+                if (i % KVC_K4_BLOCK == KVC_K4_BLOCK - 1)
+                    kvc_k4_quant_block(kr4, i + 1 - KVC_K4_BLOCK, hd,
+                                       kc4 + (i + 1 - KVC_K4_BLOCK) * (hd / 2),
+                                       kp4 + (i / KVC_K4_BLOCK) * 2 * hd);
             }
             k4.codes = kc4;
             k4.par = kp4;
