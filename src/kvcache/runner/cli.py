@@ -71,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the answer stops at the end-of-turn token)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
     p.add_argument("--kv", default="f32", type=_kv_name,
-                   metavar="{f32,q8,q8k,q8v,q8:cmf,q8k:cmf,q8v:cmf}",
+                   metavar="{f32,q8,q8k,q8v,q8:cmf,q4,k8v4,q4k,q4v,k4v8}",
                    help="KV storage (default f32; q8 names use the int8 scheme 'rows', ':cmf' "
-                        "the legacy column-freeze scheme; any name KvMode.parse accepts)")
+                        "the legacy column-freeze scheme; q4 and k8v4 4-bit, docs/kv4.md; any "
+                        "name KvMode.parse accepts)")
     p.add_argument("--o1", metavar="LAYERS",
                    help="O(1) Nystrom layers: all, deepN, or a list like 0,5,7 (default none)")
     p.add_argument("--o1-params", metavar="M,W,SINK[,KEEP[,RIDGE]]",
