@@ -92,6 +92,18 @@ def test_put_accepts_buffers(backend):
     assert all(type(v) is bytes for v in got)
 
 
+def test_get_many_buffers_reads_inline_values_without_a_copy(backend):
+    """An inline value comes back as a read-only view into its manifest, a split one as the
+    joined bytes; either way bytes(v) is the value, and a missing key is None."""
+    small, big = _value(100, seed=1), _value(3 * KIB + 5, seed=2)
+    backend.put("small", small)
+    backend.put("big", big)
+    got = backend.get_many_buffers(["small", "nope", "big"])
+    assert isinstance(got[0], memoryview) and got[0].readonly and bytes(got[0]) == small
+    assert got[1] is None and type(got[2]) is bytes and got[2] == big
+    assert backend.get_many(["small", "big"]) == [small, big]
+
+
 @pytest.mark.parametrize("n", [KIB - 1, KIB, KIB + 1, 2 * KIB, 10 * KIB + 7])
 def test_values_longer_than_a_part_are_split_and_read_back(backend, raw, ns, n):
     value = _value(n, seed=n)

@@ -62,7 +62,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -267,7 +267,7 @@ def stored_digest(buf: Any, n: int) -> int:
     return int(_DIGEST.unpack_from(buf, n - _DIGEST.size)[0])
 
 
-def decode(value: bytes, geom: Geometry, index: int, key: bytes,
+def decode(value: Union[bytes, memoryview], geom: Geometry, index: int, key: bytes,
            fp_digest: bytes) -> list[dict[str, npt.NDArray[Any]]]:
     """Check ``value`` as the entry of block ``index`` with ``key`` and return, per layer, its
     arrays by field name (read-only views into ``value``).  EntryError for anything wrong."""

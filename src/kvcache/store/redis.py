@@ -92,11 +92,12 @@ class _Split:
         return min(self.part_bytes, self.total - i * self.part_bytes)
 
 
-def _parse_manifest(raw: bytes) -> Union[bytes, _Split, None]:
-    """The inline value, the split manifest, or None for bytes that are not a manifest."""
+def _parse_manifest(raw: bytes) -> Union[memoryview, _Split, None]:
+    """The inline value (a view into ``raw``, not a copy), the split manifest, or None for
+    bytes that are not a manifest."""
     head = raw[: len(_INLINE)]
     if head == _INLINE:
-        return raw[len(_INLINE) :]
+        return memoryview(raw)[len(_INLINE) :]
     if head != _SPLIT or len(raw) != len(_SPLIT) + _SPLIT_FMT.size:
         return None
     count, total, part_bytes, token = _SPLIT_FMT.unpack_from(raw, len(_SPLIT))
@@ -298,10 +299,16 @@ class RedisBackend:
 
     def get_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
         """The values of ``keys`` (None for a missing or inconsistent entry), in order."""
+        return [None if v is None else bytes(v) for v in self.get_many_buffers(keys)]
+
+    def get_many_buffers(self, keys: Sequence[str]) -> list[Optional[Union[bytes, memoryview]]]:
+        """:meth:`get_many` without copying an inline value out of its manifest: each value
+        as bytes or a read-only memoryview (``bytes(v)`` is the value), None where missing.
+        The prefix store reads entries this way."""
         keys = list(keys)
         if not keys:
             return []
-        out: list[Optional[bytes]] = [None] * len(keys)
+        out: list[Optional[Union[bytes, memoryview]]] = [None] * len(keys)
         with self._errors_as_unavailable():
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
@@ -313,7 +320,7 @@ class RedisBackend:
                 if raw is None:
                     continue
                 parsed = _parse_manifest(raw)
-                if isinstance(parsed, bytes):
+                if isinstance(parsed, memoryview):
                     out[i] = parsed
                 elif isinstance(parsed, _Split):
                     split_at.append((i, parsed, self._part_keys(key, parsed)))
