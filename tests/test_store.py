@@ -432,6 +432,38 @@ def test_bit_flips_in_memory_values_are_misses(caplog):
         assert victim not in backend.keys()
 
 
+class _Buffers(MemoryBackend):
+    """Values handed over as read-only views at an odd offset into a larger buffer, as the
+    Redis backend hands over its inline values (BufferBackend)."""
+
+    def get_many_buffers(self, keys):
+        self.calls += 1
+        return [None if v is None else memoryview(b"KVR1i" + v)[5:] for v in self.get_many(keys)]
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8", "q4", "k8v4"])
+def test_entries_read_as_buffers_in_several_batches(caplog, monkeypatch, mode):
+    """A backend's buffers load the same bits as its bytes, one entry per read batch; an
+    entry damaged in the second batch ends the load there, is deleted and logged once."""
+    from kvcache.store import prefix
+    from kvcache.store.backend import BufferBackend
+    backend = _Buffers()
+    backend.calls = 0
+    assert isinstance(backend, BufferBackend) and not isinstance(MemoryBackend(), BufferBackend)
+    store, ids, b = _stored_prompt(backend, mode)
+    monkeypatch.setattr(prefix, "_READ_BATCH_BYTES", 1)         # one entry per batch
+    assert _check_loaded_prefix(store, ids, mode) == 3 * b and backend.calls == 3
+    keys = [k.hex() for k in block_keys(as_ids(ids), b"m",
+                                        Geometry(L, G, D, kc.KvMode.parse(mode), b))]
+    data = bytearray(backend.get_many([keys[1]])[0])
+    data[len(data) // 2] ^= 4
+    backend.put(keys[1], bytes(data))
+    with caplog.at_level(logging.WARNING, logger="kvcache"):
+        assert _check_loaded_prefix(store, ids, mode) == b
+    assert keys[1] not in backend.keys()
+    assert sum("unusable" in r.getMessage() for r in caplog.records) == 1
+
+
 @pytest.mark.parametrize("kind", ["memory", "dir"])
 def test_truncated_or_padded_entries_are_misses(tmp_path, kind):
     rng = np.random.default_rng(9)

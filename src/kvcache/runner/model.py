@@ -209,9 +209,10 @@ class Runner:
     config : ModelConfig
     weights : dict of str to ndarray
         Hugging Face tensor names (``model.layers.{i}.self_attn.q_proj.weight``, ...).
-    kv : {"f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "q8v:cmf"} or KvMode
+    kv : {"f32", "q8", "q8k", "q8v", "q8:cmf", "q4", "k8v4", "q4k", "q4v", "k4v8"} or KvMode
         KV storage of every layer (any name :meth:`KvMode.parse` accepts; "q8" is the default
-        int8 scheme "rows", ":cmf" the legacy column-freeze scheme).
+        int8 scheme "rows", ":cmf" the legacy column-freeze scheme; the 4-bit modes in
+        docs/kv4.md).
     o1_layers : str or sequence of int, optional
         Layers decoded with the O(1) Nystrom override (:func:`parse_layers` syntax, or
         ``"auto"``: every global layer is a candidate and seals only when its error estimate

@@ -21,16 +21,23 @@ Optional: a backend that can move a value between its storage and the caller's m
 an intermediate ``bytes`` object also implements :class:`ScatterBackend` (``put_parts``,
 ``read_parts``; the directory backend does).  The store then writes an entry straight from the
 cache's rows and reads one straight into the new cache's arrays.  Same rules as above.
+
+Optional too: ``get_many_buffers(keys)``, :class:`BufferBackend`: ``get_many`` whose values
+may be read-only buffers (a ``memoryview``) instead of ``bytes``, so that a backend can hand
+over a value without copying it out of what it received (the Redis backend's inline values).
+Same keys, order and None for a miss; each buffer must stay valid and unchanged while anyone
+holds it (never a view into a receive buffer that is reused).  The store reads entries
+through it where a backend has it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, Union, runtime_checkable
 
 from .. import _deprecated
 
-__all__ = ["StoreBackend", "BackendUnavailable", "ScatterBackend"]
+__all__ = ["StoreBackend", "BackendUnavailable", "ScatterBackend", "BufferBackend"]
 
 
 class BackendUnavailable(OSError):
@@ -71,6 +78,16 @@ class ScatterBackend(Protocol):
         """None when ``key`` is missing; else the value's length n.  When n equals the parts'
         total length, the parts (writable byte views) hold the value in order; otherwise their
         content is unspecified.  Counts as a read for LRU like ``get_many``."""
+        ...
+
+
+@runtime_checkable
+class BufferBackend(Protocol):
+    """What a backend may add to :class:`StoreBackend` to hand over values without a copy
+    (optional; the module docstring says what the buffers must guarantee)."""
+
+    def get_many_buffers(self, keys: Sequence[str]) -> list[Optional[Union[bytes, memoryview]]]:
+        """:meth:`StoreBackend.get_many`, each value as bytes or a read-only buffer."""
         ...
 
 

@@ -46,7 +46,7 @@ from ..layer import LayerKvCache
 from ..model import KvCache
 from ..modes import KvMode
 from . import entry as _entry
-from .backend import BackendUnavailable, ScatterBackend, StoreBackend
+from .backend import BackendUnavailable, BufferBackend, ScatterBackend, StoreBackend
 from .directory import DEFAULT_DIRECTORY_BUDGET, DirectoryBackend
 from .keys import (Geometry, as_fingerprint, as_ids, block_keys, fingerprint_digest,
                    output_key)
@@ -542,7 +542,8 @@ class PrefixStore:
         else:
             per_batch = max(1, _READ_BATCH_BYTES // _entry.entry_size(geom))
             # values as buffers where the backend can give them without a copy (Redis)
-            get_many = getattr(backend, "get_many_buffers", backend.get_many)
+            get_many = (backend.get_many_buffers if isinstance(backend, BufferBackend)
+                        else backend.get_many)
             stop = False
             for lo in range(0, len(raw), per_batch):
                 values = get_many(names[lo: lo + per_batch])
@@ -559,9 +560,10 @@ class PrefixStore:
                         self._bad(names[idx], raw[idx], exc)
                         stop = True
                         break
-                    if col_arrays is None:
-                        col_arrays = [{k: a[k] for k in ("kcol", "vcol", "kcol_on", "vcol_on")
-                                       if k in a} for a in layers]
+                    if col_arrays is None:       # copies: the value may go with its batch
+                        col_arrays = [{k: a[k].copy() for k in ("kcol", "vcol", "kcol_on",
+                                                                "vcol_on") if k in a}
+                                      for a in layers]
                     at = m + idx * b
                     for d, arrays in zip(dest, layers):
                         for f in rows:
