@@ -68,8 +68,13 @@ def test_bench_realmodel_takes_the_4bit_modes() -> None:
     assert list(bench_plan("--sections", "realmodel")["realmodel"].modes) == ["f32", "q8"]
     chosen = bench_plan("--sections", "realmodel", "--realmodel-modes", "q4", "q8", "k8v4")
     assert _modes(chosen["realmodel"].modes) == ("f32", "q8", "q4", "k8v4")
+    for bad in ("q3", "q8:cmf"):          # q8:cmf would have been measured as q8
+        with pytest.raises(SystemExit):
+            bench_plan("--sections", "realmodel", "--realmodel-modes", bad)
     with pytest.raises(SystemExit):
-        bench_plan("--sections", "realmodel", "--realmodel-modes", "q3")
+        bench_plan("--sections", "decode", "--decode-modes", "k8v4:cmf")
+    assert list(bench_plan("--sections", "decode", "--decode-modes", "Q8:rows", "k8v8")
+                ["decode"].modes) == ["q8"]
     side = {"tokens_per_s": 10.0, "ttft_s": 0.5, "cache_bytes": 2 ** 20,
             "decode_vs_transformers": 2.0, "ttft_vs_transformers": 0.9}
     row = {"context": 512, "steps": 2, "f32": side, "q8": side, "q4": side,

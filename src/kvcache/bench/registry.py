@@ -201,8 +201,15 @@ def parse_geometry(text: str) -> str:
 
 
 def parse_mode(text: str) -> str:
-    """A KV mode by any name :meth:`KvMode.parse` accepts, as its short name (f32, q8, ...)."""
+    """A KV mode by any name :meth:`KvMode.parse` accepts, as its short name (f32, q8, ...).
+    The benchmark measures the default int8 scheme, so a name that asks for another one
+    (``q8:cmf``) is refused rather than measured as ``q8``."""
     try:
-        return mode_name(KvMode.parse(text, "mode"))
+        mode = KvMode.parse(text, "mode")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    name = mode_name(mode)
+    if mode != KvMode.parse(name, "mode"):
+        raise argparse.ArgumentTypeError(
+            f"mode: the benchmark measures the default int8 scheme; got {text!r} (use {name!r})")
+    return name
