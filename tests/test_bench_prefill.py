@@ -100,6 +100,18 @@ def test_tables_show_every_cell(monkeypatch):
     assert "0.75x" in ttft[3] and " met" in ttft[3] and "NOT met" in ttft[3]   # f32 / q8
 
 
+def test_q8_without_importance_gets_its_own_table_and_warning():
+    res = result()
+    assert bp.q8_noimp_table(res["attention"]) == ""          # results without the cell
+    row = res["attention"][0]
+    row["q8_noimp"] = {**cell(1.2, 116.0, 83.0), "same_as_q8": False}
+    row["vs_sdpa"]["q8_noimp"], row["q8_noimp_vs_f32_noimp"] = 0.83, 1.4
+    text = bp.q8_noimp_table(res["attention"])
+    assert "0.83x" in text and "1.40x" in text and len(text.splitlines()) == 3
+    assert any(n.startswith("WARNING: llama3-8b 4k q8: the kernel without importance")
+               for n in bp.prefill_notes(res))
+
+
 def test_notes_say_what_was_not_measured_and_warn():
     notes = bp.prefill_notes(result())
     assert any("140.0 GFLOP/s" in n and "fma_probe" in n for n in notes)
@@ -147,6 +159,7 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "prefill: prompt attention" in text and "WARNING" not in text
     assert "4-bit KV" in text and " q4 " in text and " k8v4 " in text
+    assert "q8 without importance" in text
     data = json.loads(path.read_text())["sections"]["prefill"]
     assert data["settings"]["contexts"] == [256, 384] and data["settings"]["repeats"] == 1
     assert data["settings"]["geometries"] == ["qwen2.5-0.5b"] and data["peak_gflops"] > 0
@@ -158,6 +171,9 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
         assert r["f32"]["matches"] and r["q8"]["matches"]
         assert r["f32"]["max_abs_diff"] < r["q8"]["max_abs_diff"]
         assert r["q8_vs_f32"] > 0
+        for m in ("f32", "q8"):             # without importance: the same outputs
+            assert not r[f"{m}_noimp"]["skipped"] and r[f"{m}_noimp"][f"same_as_{m}"] is True
+        assert r["vs_sdpa"]["q8_noimp"] > 0 and r["q8_noimp_vs_f32_noimp"] > 0
         for name in ("q4", "k8v4"):          # the 4-bit modes asked for with --modes
             assert not r[name]["skipped"] and r[name]["matches"] and r[f"{name}_vs_f32"] > 0
             assert r[name]["max_abs_diff"] > r["f32"]["max_abs_diff"]

@@ -145,14 +145,16 @@ class PromptAttention:
     def kvcache(self, mode: str) -> Callable[[], F32]:
         """A layer in ``mode`` holding the K/V rows; the returned call attends all queries.
 
-        ``mode`` ``"f32_noimp"``: an f32 layer with ``track_importance`` False, whose prompt
-        kernel skips its importance pass: the same work as SDPA's.  The other modes track
-        importance, as a layer does by default."""
+        ``mode`` ``"f32_noimp"`` / ``"q8_noimp"``: an f32 / q8 layer with
+        ``track_importance`` False, whose prompt kernel does no importance work: the same work
+        as SDPA's (the runner's layers are so).  The other modes track importance, as a layer
+        does by default."""
         from ..layer import LayerKvCache
         from ..modes import KvMode
         g = self.geom
-        bare = mode == "f32_noimp"
-        layer = LayerKvCache(g.num_kv_heads, g.head_dim, KvMode.parse("f32" if bare else mode))
+        base, _, tail = mode.partition("_")
+        bare = tail == "noimp"
+        layer = LayerKvCache(g.num_kv_heads, g.head_dim, KvMode.parse(base))
         layer.track_importance = not bare          # False: the kernel skips its importance pass
         layer.append(self.k, self.v)
         out = np.empty_like(self.q)
@@ -214,7 +216,7 @@ def attention_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar,
             rec: Row = {"geometry": geom.key, "context": context, "flops": flops,
                         "threads": threads}
             outs: dict[str, F32] = {}
-            names = [*PREFILL_MODES, *cfg.four_bit, "f32_noimp",
+            names = [*PREFILL_MODES, *cfg.four_bit, "f32_noimp", "q8_noimp",
                      *(["sdpa"] if torch is not None else [])]
             for name in names:
                 est = flops / rate[geom.key, name] if (geom.key, name) in rate else None
@@ -232,16 +234,19 @@ def attention_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar,
                 rec[name] = {"skipped": False, "s": med, "gflops": flops / med / 1e9,
                              "pct_peak": 100 * flops / med / 1e9 / peak_gflops,
                              "samples_s": samples}
-            if "f32_noimp" in outs and "f32" in outs:
-                rec["f32_noimp"]["same_as_f32"] = bool(np.array_equal(outs["f32"],
-                                                                      outs["f32_noimp"]))
+            for m in PREFILL_MODES:                  # importance never changes an output
+                if f"{m}_noimp" in outs and m in outs:
+                    rec[f"{m}_noimp"][f"same_as_{m}"] = bool(np.array_equal(
+                        outs[m], outs[f"{m}_noimp"]))
             if "sdpa" in outs:
                 for mode in (*PREFILL_MODES, *cfg.four_bit):
                     if mode in outs:
                         diff = float(np.abs(outs[mode] - outs["sdpa"]).max())
                         rec[mode]["max_abs_diff"] = diff
                         rec[mode]["matches"] = diff <= PREFILL_TOL[mode]
-            rec["vs_sdpa"] = {m: _ratio(rec, "sdpa", m) for m in (*PREFILL_MODES, "f32_noimp")}
+            rec["vs_sdpa"] = {m: _ratio(rec, "sdpa", m)
+                              for m in (*PREFILL_MODES, "f32_noimp", "q8_noimp")}
+            rec["q8_noimp_vs_f32_noimp"] = _ratio(rec, "f32_noimp", "q8_noimp")
             rec["q8_vs_f32"] = _ratio(rec, "f32", "q8")
             for mode in cfg.four_bit:
                 rec[f"{mode}_vs_f32"] = _ratio(rec, "f32", mode)
@@ -409,6 +414,18 @@ def four_bit_table(rows: Sequence[Row]) -> str:
                          "matches SDPA"], body) if body else ""
 
 
+def q8_noimp_table(rows: Sequence[Row]) -> str:
+    """q8's prompt kernel without importance (``q8_noimp``), as the runner's q8 layers run
+    it, against SDPA and f32 without importance: one row per geometry and length ("" for
+    results that do not hold it)."""
+    body = [[GEOMETRIES[r["geometry"]].label, context_label(r["context"]),
+             *_cell_text(r["q8_noimp"], "q8"), fmt_ratio(r["vs_sdpa"].get("q8_noimp")),
+             fmt_ratio(r.get("q8_noimp_vs_f32_noimp"))]
+            for r in rows if r.get("q8_noimp")]
+    return render_table(["geometry", "prompt", "q8 no-imp s", "GFLOP/s", "%peak",
+                         "vs SDPA", "vs f32 no-imp"], body) if body else ""
+
+
 def ttft_table(rows: Sequence[Row]) -> str:
     """Time to first token: one row per prompt length."""
     def met(v: bool | None) -> str:
@@ -456,9 +473,10 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
             if c.get("matches") is False:
                 out.append(f"WARNING: {r['geometry']} {context_label(r['context'])} {mode}: "
                            f"output differs from SDPA by {c['max_abs_diff']:.2g}")
-        if (r.get("f32_noimp") or {}).get("same_as_f32") is False:
-            out.append(f"WARNING: {r['geometry']} {context_label(r['context'])}: the kernel "
-                       f"without importance gave other outputs than attend_all_heads")
+        for m in PREFILL_MODES:
+            if (r.get(f"{m}_noimp") or {}).get(f"same_as_{m}") is False:
+                out.append(f"WARNING: {r['geometry']} {context_label(r['context'])} {m}: the "
+                           f"kernel without importance gave other outputs than with it")
     for r in result["ttft"]:
         if r["max_abs_logit_diff"] > 1e-3:
             out.append(f"WARNING: at {context_label(r['context'])} the runner's f32 logits "
@@ -470,6 +488,10 @@ def prefill_report(ctx: Context, values: Values, result: Result) -> str:
     """The section's tables (prompt attention, the 4-bit modes, time to first token) and
     notes."""
     tables = [attention_table(result["attention"])]
+    q8_bare = q8_noimp_table(result["attention"])
+    if q8_bare:
+        tables.append("q8 without importance (track_importance False, as in the runner):\n"
+                      + q8_bare)
     four = four_bit_table(result["attention"])
     if four:
         tables.append("4-bit KV (docs/kv4.md), the same prompts:\n" + four)
