@@ -264,14 +264,13 @@ class LayerKvCache(LayerBytes):
     @property
     def track_importance(self) -> bool:
         """Whether :meth:`attend_all_heads` adds its attention mass into :attr:`importance`
-        (default True).  False: it does no importance work at all (the prompt kernel keeps
-        no probabilities for it and plans whole blocks, docs/numerics.md), :attr:`importance`
-        keeps its length (0 for positions appended since) and Born eviction, which ranks
-        positions by it, is refused.  For callers that never evict by importance (the runner,
-        ``kvcache.hf``).  :meth:`attend_group` and :meth:`accumulate_imp` add what they are
-        given either way.  Not in the byte formats (``install_bytes`` / ``import_wire`` keep
-        the layer's setting, layers built from bytes or files track importance); pickles keep
-        it."""
+        (default True).  False: it does no importance work at all (docs/numerics.md),
+        :attr:`importance` keeps its length (0 for positions appended since) and Born
+        eviction, which ranks positions by it, is refused.  For callers that never evict by
+        importance (the runner, ``kvcache.hf``).  :meth:`attend_group` and
+        :meth:`accumulate_imp` add what they are given either way.  Not in the byte formats
+        (``install_bytes`` / ``import_wire`` keep the layer's setting, layers built from bytes
+        or files track importance); pickles keep it."""
         return self._track_imp
 
     @track_importance.setter
@@ -604,13 +603,10 @@ class LayerKvCache(LayerBytes):
         The blocked kernel (``docs/numerics.md``, "Prompt attention") walks the rows in tiles
         of 64 at absolute row multiples with an online softmax: a query's result depends only
         on the rows it sees, so a chunk of a prompt gets the same bits alone or inside a longer
-        call; its scratch is a few tiles per thread, and the call's mass (when the layer
-        tracks importance) is summed in the same pass from each tile's kept probabilities (a
-        second pass of scores only for blocks past its buffer budget, docs/numerics.md, step 5)
-        and added to the importance once.  Its bits differ from the decode kernel's (another
-        summation order).  The decode kernel processes a long block in pieces whose
-        probabilities fit a 64 MB per-thread scratch, kept for the next call.  ``out`` may be
-        ``q`` itself.
+        call; its scratch is a few tiles per thread, and the call's mass is summed from the
+        tiles' kept probabilities (docs/numerics.md, step 5) and added to the importance once.
+        Its bits differ from the decode kernel's (another summation order), which processes a
+        long block in pieces that fit a 64 MB per-thread scratch.  ``out`` may be ``q``.
         """
         kernels = self.kernels
         self._check_exact("attend_all_heads")
