@@ -434,7 +434,9 @@ def test_bit_flips_in_memory_values_are_misses(caplog):
 
 class _Buffers(MemoryBackend):
     """Values handed over as read-only views at an odd offset into a larger buffer, as the
-    Redis backend hands over its inline values (BufferBackend)."""
+    Redis backend hands over its inline values (BufferBackend); counts its calls."""
+
+    calls = 0
 
     def get_many_buffers(self, keys):
         self.calls += 1
@@ -448,7 +450,6 @@ def test_entries_read_as_buffers_in_several_batches(caplog, monkeypatch, mode):
     from kvcache.store import prefix
     from kvcache.store.backend import BufferBackend
     backend = _Buffers()
-    backend.calls = 0
     assert isinstance(backend, BufferBackend) and not isinstance(MemoryBackend(), BufferBackend)
     store, ids, b = _stored_prompt(backend, mode)
     monkeypatch.setattr(prefix, "_READ_BATCH_BYTES", 1)         # one entry per batch

@@ -58,7 +58,7 @@ _log = logging.getLogger("kvcache")
 
 DEFAULT_BLOCK = 256
 DEFAULT_PATH = "~/.cache/kvcache"
-# Entries fetched per get_many call, at most (about): bounds the values held at once, and a
+# Entries fetched per backend call, at most (about): bounds the values held at once, and a
 # Redis pipeline's one response (a 256 MiB response read slower through redis-py than eight
 # of 32 MiB, measured on SmolLM2's 8k-token hit).
 _READ_BATCH_BYTES = 32 << 20
@@ -560,10 +560,9 @@ class PrefixStore:
                         self._bad(names[idx], raw[idx], exc)
                         stop = True
                         break
-                    if col_arrays is None:       # copies: the value may go with its batch
-                        col_arrays = [{k: a[k].copy() for k in ("kcol", "vcol", "kcol_on",
-                                                                "vcol_on") if k in a}
-                                      for a in layers]
+                    if col_arrays is None:
+                        col_arrays = [{k: a[k] for k in ("kcol", "vcol", "kcol_on", "vcol_on")
+                                       if k in a} for a in layers]
                     at = m + idx * b
                     for d, arrays in zip(dest, layers):
                         for f in rows:
