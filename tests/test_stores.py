@@ -8,7 +8,7 @@ import pytest
 
 import kvcache as kc
 from kvcache import _stores, quant
-from kvcache._stores import F32Rows, Q8Rows
+from kvcache._stores import F32Rows, K4Rows, Q8Rows, V4Rows
 
 MODES = ["f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "q8v:cmf"]
 
@@ -83,15 +83,54 @@ def test_export_and_from_state_round_trip(rng, name):
     assert bool(layer._k.col_on.any() or layer._v.col_on.any()) == frozen
 
 
-def test_float_and_int8_access_by_kind(rng):
+def test_arrays_and_int8_access_by_kind(rng):
     f = F32Rows(1, 4, 16).grown(4, 0)
     q = Q8Rows(1, 4, 8, 4, False).grown(4, 0)
     x = rng.standard_normal((2, 1, 4)).astype(np.float32)
     for st in (f, q):
         st.write(x, np.ones(1, np.uint8), np.zeros(1, dtype=np.intp))
-    assert np.array_equal(f.floats(0, 2), x[:, 0]) and f.int8(0, 2) is None
-    assert q.floats(0, 2) is None
+    assert list(f.arrays()) == ["f"] and f.arrays()["f"] is f.f
+    assert np.array_equal(f.values(0, 2), x[:, 0])
+    assert list(q.arrays()) == ["q", "s"] and q.arrays()["q"] is q.q
     codes, scales = q.int8(0, 2)
     assert codes.shape == (2, 4) and scales.shape == (2, 1)
-    assert f.parts()[1:] == (None, None) and q.parts()[0] is None
     assert f.frozen_col() is None and q.frozen_col() is None
+
+
+ALL_MODES = MODES + ["q4", "k8v4"]
+KIND_OF = {"f": F32Rows, "q": Q8Rows, "4k": K4Rows, "4v": V4Rows}
+
+
+@pytest.mark.parametrize("name", ALL_MODES)
+def test_each_kind_describes_its_arrays(rng, name):
+    """The layout that the state's checks, the byte formats and the prefix store's entries read
+    is what the store holds: names, dtypes, widths, rows for a capacity; the rows a byte format
+    carries per head; the kernels' descriptor and the state take the same arrays."""
+    mode = kc.KvMode.parse(name)
+    layer = kc.LayerKvCache(2, 16, mode=mode)
+    layer.append(rng.standard_normal((70, 2, 16)).astype(np.float32),
+                 rng.standard_normal((70, 2, 16)).astype(np.float32))
+    for c, st in (("k", layer._k), ("v", layer._v)):
+        want = (K4Rows if mode.k4 else Q8Rows if mode.quant_k else F32Rows) if c == "k" else \
+            (V4Rows if mode.v4 else Q8Rows if mode.quant_v else F32Rows)
+        assert type(st) is want is _stores.kind_of(c, mode)
+        layout = st.layout()
+        assert tuple(p.name for p in layout) == st._names == tuple(st.arrays())
+        cap = st.capacity
+        for part in layout:
+            arr = st.arrays()[part.name]
+            assert arr.dtype == part.dtype and arr.shape == (2, part.rows(cap), part.width)
+            assert part.halves == (want is F32Rows)
+        sel = st.head_rows(70)
+        assert len(sel) == len(layout)
+        for part, rows in zip(layout, sel):
+            taken = st.arrays()[part.name][0, rows]
+            # 4-bit K: the two closed blocks' codes and parameters, the ring's last 64 rows
+            want_rows = {"c": 64, "p": 2, "r": 64}[part.name] if want is K4Rows else 70
+            assert taken.shape[0] == want_rows, part.name
+    state = layer.state()
+    assert set(state.stores()) == set(_stores.state_arrays(layer._k, layer._v))
+    assert set(state.layout()) == set(state.stores())
+    rows = layer._rows()
+    assert (rows.quant_k, rows.quant_v, rows.k4, rows.v4) == (mode.quant_k, mode.quant_v,
+                                                              mode.k4, mode.v4)

@@ -3,7 +3,10 @@
 A layer's state is owned by :class:`kvcache.LayerKvCache`.  Other modules -- the byte formats
 (:mod:`kvcache.wire`) and the device mirrors (:mod:`kvcache.device`) -- read it with
 ``layer.state()`` and replace it with ``layer.install(state)``, never through
-the layer's fields, so a new kind of storage is one change here and in layer.py.
+the layer's fields.  The row stores' fields are the storage kinds' arrays
+(:mod:`kvcache._stores`: the component's letter, then the array's name), checked against the
+kinds' layouts; a new kind of storage is a class there (and fields here only for arrays of
+new names).
 
 Storage (as the layer keeps it: head-major, ``cap`` rows per head of which the first
 ``lengths[h]`` hold data):
@@ -40,19 +43,18 @@ from typing import Any, Optional, Union
 import numpy as np
 import numpy.typing as npt
 
-from . import quant
-from ._entry import K4_BLOCK, K4_RING
+from ._stores import Part, stores_for
 from .modes import KvMode
 from .o1 import O1Collecting, O1Sealed
 
 __all__ = ["LayerState", "O1State", "scheme_conflict"]
 
 O1State = Union[O1Collecting, O1Sealed, None]
+#: every state field that holds a row store (what no kind of the mode holds must be None)
+_STORE_FIELDS = ("kf", "kq", "ks", "kc", "kp", "kr", "vf", "vq", "vs", "vc", "vp")
 
 F32 = np.dtype(np.float32)
-I8 = np.dtype(np.int8)
 U8 = np.dtype(np.uint8)
-U16 = np.dtype(np.uint16)
 INTP = np.dtype(np.intp)
 
 
@@ -65,12 +67,6 @@ class LayerState:
     head_dim: int
     seq_len: int
     lengths: npt.NDArray[np.intp]
-    kf: Optional[npt.NDArray[np.float32]]
-    kq: Optional[npt.NDArray[np.int8]]
-    ks: Optional[npt.NDArray[np.float32]]
-    vf: Optional[npt.NDArray[np.float32]]
-    vq: Optional[npt.NDArray[np.int8]]
-    vs: Optional[npt.NDArray[np.float32]]
     kcol: npt.NDArray[np.float32]
     vcol: npt.NDArray[np.float32]
     kcol_on: npt.NDArray[np.uint8]
@@ -80,6 +76,14 @@ class LayerState:
     linear_scratch: Optional[npt.NDArray[np.float32]]
     o1: O1State
     owned: bool = False
+    # the row stores, by the component's letter and the store's array (kvcache._stores): the
+    # ones the mode's kinds hold, the others None
+    kf: Optional[npt.NDArray[np.float32]] = None
+    kq: Optional[npt.NDArray[np.int8]] = None
+    ks: Optional[npt.NDArray[np.float32]] = None
+    vf: Optional[npt.NDArray[np.float32]] = None
+    vq: Optional[npt.NDArray[np.int8]] = None
+    vs: Optional[npt.NDArray[np.float32]] = None
     vc: Optional[npt.NDArray[np.uint8]] = None
     vp: Optional[npt.NDArray[np.uint16]] = None
     kc: Optional[npt.NDArray[np.uint8]] = None
@@ -87,14 +91,18 @@ class LayerState:
     kr: Optional[npt.NDArray[np.float32]] = None
 
     # ---------------------------------------------------------------- derived
+    def layout(self) -> dict[str, Part]:
+        """The arrays this mode's storage kinds hold (K's, then V's), by state field, each
+        described by its :class:`kvcache._stores.Part` (ValueError for a head_dim a kind
+        cannot store)."""
+        k, v = stores_for(self.mode, 1, self.head_dim)
+        return {c + p.name: p for c, st in (("k", k), ("v", v)) for p in st.layout()}
+
     def stores(self) -> dict[str, npt.NDArray[Any]]:
-        """The (G, cap, width) row stores this mode uses, by name (``kf`` or ``kq``, ``ks``;
-        ``vf`` or ``vq``, ``vs``), in that order."""
-        names: tuple[str, ...] = (("kq", "ks") if self.mode.quant_k
-                                  else ("kc", "kp", "kr") if self.mode.k4 else ("kf",))
-        names += ("vq", "vs") if self.mode.quant_v else ("vc", "vp") if self.mode.v4 else ("vf",)
+        """The row stores this mode uses, by state field (``kf``; ``kq``, ``ks``; ``kc``,
+        ``kp``, ``kr``; ``vf``; ``vq``, ``vs``; ``vc``, ``vp``), in :meth:`layout`'s order."""
         out: dict[str, npt.NDArray[Any]] = {}
-        for name in names:
+        for name in self.layout():
             arr = getattr(self, name)
             if arr is None:
                 raise ValueError(f"state: {self.mode!r} stores {name}, which is None")
@@ -130,25 +138,15 @@ class LayerState:
         if (self.lengths < 0).any() or int(self.lengths.max(initial=0)) > seq_len:
             raise ValueError(f"state.lengths: expected 0 <= lengths <= seq_len={seq_len}, got "
                              f"{self.lengths.tolist()}")
-        ngk = quant.k_scale_count(hd, self.mode.scheme) if self.mode.quant_k else 0
-        if self.mode.v4:
-            quant.check_v4_head_dim(hd)
-        if self.mode.k4:
-            quant.check_k4_head_dim(hd)
-        widths: dict[str, tuple[int, np.dtype[Any]]] = {
-            "kf": (hd, F32), "kq": (hd, I8), "ks": (ngk, F32),
-            "vf": (hd, F32), "vq": (hd, I8), "vs": (1, F32),
-            "vc": (hd // 2, U8), "vp": (2 * quant.n_groups(hd, quant.V4_GROUP), U16),
-            "kc": (hd // 2, U8), "kp": (2 * hd, U16), "kr": (hd, F32)}
+        layout = self.layout()
         stores = self.stores()
-        for name in widths:
+        for name in _STORE_FIELDS:
             if name not in stores and getattr(self, name) is not None:
                 raise ValueError(f"state.{name}: {self.mode!r} does not store it; expected None")
         cap = self.capacity
-        rows = {"kp": -(-cap // K4_BLOCK), "kr": K4_RING}     # 4-bit K: blocks, the ring
         for name, arr in stores.items():
-            width, dtype = widths[name]
-            _check(name, arr, dtype, (nkv, rows.get(name, cap), width), self.owned)
+            part = layout[name]
+            _check(name, arr, part.dtype, (nkv, part.rows(cap), part.width), self.owned)
         if int(self.lengths.max(initial=0)) > cap:
             raise ValueError(f"state.lengths: a head holds {int(self.lengths.max())} rows, the "
                              f"stores hold {cap}")

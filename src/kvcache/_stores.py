@@ -17,31 +17,39 @@ and zeros unless a "cmf" store froze them, so that the kernels' descriptor and t
 state read the same fields whatever the kind.  Storage is head-major: a head's rows are one
 contiguous block, ``cap`` rows per head of which the layer's ``lengths[h]`` hold data.
 
-What the layer calls (one protocol for every kind; a new kind is one class here plus its
-kernels): :meth:`RowStore.grown` (a new store with room for ``cap`` rows, allocated before the
-layer changes anything), :meth:`~RowStore.write` (append rows at each head's length),
-:meth:`~RowStore.shift` (compact a head's rows), :meth:`~RowStore.freeze`,
-:meth:`~RowStore.floats` / :meth:`~RowStore.int8` (read-only access to a head's rows),
-:meth:`~RowStore.parts` (the arrays the attention kernels read, and the layer state's),
-:func:`from_state` (stores holding a state's arrays), ``row_bytes`` (sized by
-:mod:`kvcache.quant`, the one place row sizes are computed).
+What the layer calls (one protocol for every kind; a new kind is one class here, listed in
+``_KINDS``, plus its kernels): :meth:`RowStore.grown` (a new store with room for ``cap`` rows,
+allocated before the layer changes anything), :meth:`~RowStore.write` (append rows at each
+head's length), :meth:`~RowStore.shift` (compact a head's rows), :meth:`~RowStore.freeze`,
+:meth:`~RowStore.values` (a head's rows as the kernels read them), :meth:`~RowStore.arrays`
+(the arrays by name: what the kernels' descriptor, the layer state and the device mirrors
+read), ``row_bytes`` (sized by :mod:`kvcache.quant`, the one place row sizes are computed).
+
+What everything that carries a layer reads (the state's checks, the byte formats, the prefix
+store's entries): :meth:`RowStore.layout`, one :class:`Part` per array (dtype, width, rows per
+capacity) and :meth:`RowStore.head_rows` (which of a head's rows the byte formats carry), so
+that none of them branches on the kind.  The kind-specific reads (int8 rows, 4-bit codes) are
+the layer's own exports (``q8_rows``, ``k4_rows``, ``v4_rows``), which ask for the class.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, ClassVar, Optional, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, TypeVar, Union
 
 import numpy as np
 import numpy.typing as npt
 
 from . import _core, quant
-from ._state import LayerState
 from ._entry import K4_BLOCK, K4_RING, Rows, ring_slots
 from .modes import DEFAULT_SCHEME, KvMode
 
-__all__ = ["F32Rows", "K4Rows", "Q8Rows", "RowStore", "V4Rows", "from_state", "kernel_rows",
-           "stores_for"]
+if TYPE_CHECKING:
+    from ._state import LayerState
+
+__all__ = ["F32Rows", "K4Rows", "Part", "Q8Rows", "RowStore", "V4Rows", "from_state",
+           "kernel_rows", "state_arrays", "stores_for"]
 
 F32 = npt.NDArray[np.float32]
 I8 = npt.NDArray[np.int8]
@@ -51,6 +59,32 @@ IP = npt.NDArray[np.intp]
 S = TypeVar("S", bound="RowStore")
 
 _F32 = np.dtype(np.float32)
+Index = Union[slice, IP]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One array of a storage kind, (nkv, rows, width): ``name`` is the store's attribute (the
+    layer state's field is the component's letter then the name: ``kq``, ``vc``), ``per``
+    positions per element of axis 1 (1; 32 for 4-bit K's block parameters; 0 for a ring of
+    ``K4_RING`` slots, which a prefix-store entry does not carry), ``what`` names the rows in
+    errors (formatted with "key" or "value"), ``halves``: the byte formats may write it as
+    float16 (float32 rows); ``f16_bits``: uint16 holding float16 values (a device mirror
+    holds them as float16); ``settle``: a row is final only once a block of that many rows
+    closed (4-bit K's codes: a mirror re-uploads the open block)."""
+
+    name: str
+    dtype: np.dtype[Any]
+    width: int
+    what: str
+    per: int = 1
+    halves: bool = False
+    f16_bits: bool = False
+    settle: int = 1
+
+    def rows(self, cap: int) -> int:
+        """Rows along axis 1 for a store of ``cap`` rows per head."""
+        return K4_RING if self.per == 0 else -(-cap // self.per)
 
 
 class RowStore:
@@ -58,6 +92,10 @@ class RowStore:
 
     quantised: ClassVar[bool] = False
     _names: ClassVar[tuple[str, ...]] = ()    # the (nkv, cap, width) arrays, in state order
+    #: the byte formats' code of the kind (the quant_k / quant_v bytes): 0 float32, 1 int8, 2 4-bit
+    code: ClassVar[int] = 0
+    #: the kernels' descriptor flag of the kind ("quant_{}", "{}4" with k or v), "" for float32
+    _flag: ClassVar[str] = ""
 
     def __init__(self, nkv: int, hd: int, row_bytes: int) -> None:
         self.nkv, self.hd = nkv, hd
@@ -74,6 +112,39 @@ class RowStore:
     def freezes(self) -> bool:
         """Whether this store freezes a column field (int8 in the scheme "cmf")."""
         return False
+
+    @classmethod
+    def takes(cls, c: str, mode: KvMode) -> bool:
+        """Whether component ``c`` ("k" or "v") of ``mode`` is stored as this kind."""
+        raise NotImplementedError
+
+    @classmethod
+    def make(cls: type[S], c: str, mode: KvMode, nkv: int, hd: int) -> S:
+        """An empty store of component ``c`` of ``mode`` (ValueError for a head_dim the kind
+        cannot store)."""
+        raise NotImplementedError
+
+    def layout(self) -> tuple[Part, ...]:
+        """The kind's arrays, in state order."""
+        raise NotImplementedError
+
+    def arrays(self) -> dict[str, npt.NDArray[Any]]:
+        """The kind's arrays by name (:attr:`Part.name`), in state order."""
+        return {name: getattr(self, name) for name in self._names}
+
+    def head_rows(self, n: int) -> tuple[Index, ...]:
+        """Per part, the rows of a head holding ``n`` positions that the byte formats carry
+        (axis 1 of the part's array): all ``n`` unless the kind says otherwise."""
+        return (slice(0, n),) * len(self._names)
+
+    def rebuilt(self, carried: dict[str, npt.NDArray[Any]], n: int, m: int,
+                own: dict[str, Optional[npt.NDArray[Any]]]) -> dict[str, npt.NDArray[Any]]:
+        """The parts a prefix-store entry does not carry (``per`` 0), by name, for heads that
+        hold ``n`` rows after a load: ``carried`` holds the other parts' arrays (every head's
+        ``n`` rows), rows below ``m`` were the cache's own before the load and ``own`` is the
+        cache's arrays by name (None where it held none).  Nothing, unless the kind says
+        otherwise."""
+        return {}
 
     def grown(self: S, cap: int, used: int) -> S:
         """A store like this one with room for ``cap`` rows per head, rows ``[0, used)``
@@ -109,31 +180,10 @@ class RowStore:
         """The column field when some head froze one (the queries are folded with it)."""
         return self.col if self.col_on.any() else None
 
-    def floats(self, h: int, n: int) -> Optional[F32]:
-        """Head h's first ``n`` rows as float32, when stored as such (else None)."""
-        return None
-
-    def int8(self, h: int, n: int) -> Optional[tuple[I8, F32]]:
-        """Head h's first ``n`` int8 rows and their scales, when stored as such (else None)."""
-        return None
-
     def values(self, h: int, n: int) -> F32:
         """Head h's first ``n`` rows as the float32 values the kernels read: a view of the
         store for float32 rows, a new array of the dequantised values otherwise."""
         raise NotImplementedError
-
-    def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
-        """The arrays the attention kernels read: (float32 rows, int8 rows, scales), None
-        where this kind stores none (:class:`kvcache._entry.Rows`)."""
-        raise NotImplementedError
-
-    def packed(self) -> tuple[Optional[U8], Optional[U16]]:
-        """The 4-bit V arrays (codes, float16 parameters as uint16), or (None, None)."""
-        return None, None
-
-    def k4(self) -> Optional[tuple[U8, U16, F32]]:
-        """The 4-bit K arrays (codes, block parameters, ring), or None."""
-        return None
 
     def bytes_held(self, lengths: IP) -> int:
         """Bytes of the rows the heads hold (``lengths[h]`` each): what ``memory_bytes``
@@ -153,20 +203,26 @@ class F32Rows(RowStore):
         super().__init__(nkv, hd, row_bytes)
         self.f: F32 = np.zeros((nkv, 0, hd), dtype=_F32)
 
+    @classmethod
+    def takes(cls, c: str, mode: KvMode) -> bool:
+        return True                     # the last kind asked: what no other kind takes
+
+    @classmethod
+    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> F32Rows:
+        return cls(nkv, hd, quant.v_row_bytes(hd, False))
+
+    def layout(self) -> tuple[Part, ...]:
+        return (Part("f", _F32, self.hd, "{}s", halves=True),)
+
     def write(self, x3: F32, live: U8, lengths: IP) -> None:
         _core.store_rows_f32(x__nhd=x3, alive__h=live, head_len__h=lengths, store__hcd=self.f)
 
     def frozen_col(self) -> Optional[F32]:
         return None
 
-    def floats(self, h: int, n: int) -> Optional[F32]:
-        return self.f[h, :n]
-
     def values(self, h: int, n: int) -> F32:
         return self.f[h, :n]
 
-    def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
-        return self.f, None, None
 
 
 class Q8Rows(RowStore):
@@ -175,12 +231,29 @@ class Q8Rows(RowStore):
 
     quantised = True
     _names = ("q", "s")
+    code = 1
+    _flag = "quant_{}"
 
     def __init__(self, nkv: int, hd: int, row_bytes: int, group: int, cmf: bool) -> None:
         super().__init__(nkv, hd, row_bytes)
         self.group, self.cmf = group, cmf
         self.q: I8 = np.zeros((nkv, 0, hd), dtype=np.int8)
         self.s: F32 = np.zeros((nkv, 0, quant.n_groups(hd, group)), dtype=_F32)
+
+    @classmethod
+    def takes(cls, c: str, mode: KvMode) -> bool:
+        return mode.quant_k if c == "k" else mode.quant_v
+
+    @classmethod
+    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> Q8Rows:
+        if c == "k":
+            return cls(nkv, hd, quant.k_row_bytes(hd, scheme=mode.scheme),
+                       quant.k_group(mode.scheme), mode.freezes_columns)
+        return cls(nkv, hd, quant.v_row_bytes(hd), hd, mode.freezes_columns)
+
+    def layout(self) -> tuple[Part, ...]:
+        return (Part("q", np.dtype(np.int8), self.hd, "int8 {}s"),
+                Part("s", _F32, quant.n_groups(self.hd, self.group), "{} scales"))
 
     @property
     def freezes(self) -> bool:
@@ -196,7 +269,8 @@ class Q8Rows(RowStore):
             quant.freeze_columns(self.q, self.s, lengths, self.group, self.col, self.col_on,
                                  _core)
 
-    def int8(self, h: int, n: int) -> Optional[tuple[I8, F32]]:
+    def int8(self, h: int, n: int) -> tuple[I8, F32]:
+        """Head h's first ``n`` int8 rows and their scales."""
         return self.q[h, :n], self.s[h, :n]
 
     def values(self, h: int, n: int) -> F32:
@@ -206,8 +280,6 @@ class Q8Rows(RowStore):
                 out *= self.col[h]
         return out
 
-    def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
-        return None, self.q, self.s
 
 
 class V4Rows(RowStore):
@@ -217,6 +289,8 @@ class V4Rows(RowStore):
 
     quantised = True
     _names = ("c", "p")
+    code = 2
+    _flag = "{}4"
 
     def __init__(self, nkv: int, hd: int, row_bytes: int) -> None:
         quant.check_v4_head_dim(hd)
@@ -225,18 +299,25 @@ class V4Rows(RowStore):
         self.p: U16 = np.zeros((nkv, 0, 2 * quant.n_groups(hd, quant.V4_GROUP)),
                                dtype=np.uint16)
 
+    @classmethod
+    def takes(cls, c: str, mode: KvMode) -> bool:
+        return c == "v" and mode.v4
+
+    @classmethod
+    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> V4Rows:
+        return cls(nkv, hd, quant.v4_row_bytes(hd))
+
+    def layout(self) -> tuple[Part, ...]:
+        return (Part("c", np.dtype(np.uint8), self.hd // 2, "4-bit {}s"),
+                Part("p", np.dtype(np.uint16), 2 * quant.n_groups(self.hd, quant.V4_GROUP),
+                     "{} parameters", f16_bits=True))
+
     def write(self, x3: F32, live: U8, lengths: IP) -> None:
         _core.store_rows_v4(x__nhd=x3, alive__h=live, head_len__h=lengths, c__hcb=self.c,
                             p__hcp=self.p)
 
     def frozen_col(self) -> Optional[F32]:
         return None
-
-    def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
-        return None, None, None
-
-    def packed(self) -> tuple[Optional[U8], Optional[U16]]:
-        return self.c, self.p
 
     def values(self, h: int, n: int) -> F32:
         return quant.v4_values(self.c[h, :n], self.p[h, :n], self.hd)
@@ -253,6 +334,8 @@ class K4Rows(RowStore):
 
     quantised = True
     _names = ("c", "p", "r")
+    code = 2
+    _flag = "{}4"
 
     def __init__(self, nkv: int, hd: int, row_bytes: int) -> None:
         quant.check_k4_head_dim(hd)
@@ -260,6 +343,26 @@ class K4Rows(RowStore):
         self.c: U8 = np.zeros((nkv, 0, hd // 2), dtype=np.uint8)
         self.p: U16 = np.zeros((nkv, 0, 2 * hd), dtype=np.uint16)
         self.r: F32 = np.zeros((nkv, K4_RING, hd), dtype=_F32)
+
+    @classmethod
+    def takes(cls, c: str, mode: KvMode) -> bool:
+        return c == "k" and mode.k4
+
+    @classmethod
+    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> K4Rows:
+        return cls(nkv, hd, quant.k4_row_bytes(hd))
+
+    def layout(self) -> tuple[Part, ...]:
+        return (Part("c", np.dtype(np.uint8), self.hd // 2, "4-bit {}s", settle=K4_BLOCK),
+                Part("p", np.dtype(np.uint16), 2 * self.hd, "{} parameters", per=K4_BLOCK,
+                     f16_bits=True),
+                Part("r", _F32, self.hd, "{} ring", per=0))
+
+    def head_rows(self, n: int) -> tuple[Index, ...]:
+        """The codes and parameters of the closed blocks, the ring's slots of the last (up to
+        64) rows."""
+        q = n // K4_BLOCK * K4_BLOCK
+        return slice(0, q), slice(0, q // K4_BLOCK), ring_slots(max(0, n - K4_RING), n)
 
     def grown(self, cap: int, used: int) -> K4Rows:
         new = copy.copy(self)
@@ -292,6 +395,20 @@ class K4Rows(RowStore):
         out[lo:] = self.r[h, ring_slots(lo, n)]
         return out
 
+    def rebuilt(self, carried: dict[str, npt.NDArray[Any]], n: int, m: int,
+                own: dict[str, Optional[npt.NDArray[Any]]]) -> dict[str, npt.NDArray[Any]]:
+        """The ring: the cache's own rows below ``m`` (its originals), the loaded rows'
+        values from their codes."""
+        ring = np.zeros((self.nkv, K4_RING, self.hd), dtype=_F32)
+        lo = max(0, n - K4_RING)
+        slots, kept = ring_slots(lo, n), ring_slots(lo, max(lo, m))
+        old = own.get("r")
+        for h in range(self.nkv):
+            ring[h, slots] = quant.k4_values(carried["c"][h], carried["p"][h], n, lo)
+            if old is not None:
+                ring[h, kept] = old[h, kept]
+        return {"r": ring}
+
     def truncated(self, old: IP, new: IP) -> None:
         for h in range(self.nkv):
             o, n = int(old[h]), int(new[h])
@@ -313,48 +430,46 @@ class K4Rows(RowStore):
     def frozen_col(self) -> Optional[F32]:
         return None
 
-    def parts(self) -> tuple[Optional[F32], Optional[I8], Optional[F32]]:
-        return None, None, None
-
-    def k4(self) -> Optional[tuple[U8, U16, F32]]:
-        return self.c, self.p, self.r
-
     def bytes_held(self, lengths: IP) -> int:
         q = (lengths // K4_BLOCK) * K4_BLOCK
         return int((q * (self.hd // 2) + q // K4_BLOCK * 4 * self.hd
                     + np.minimum(lengths, K4_RING) * 4 * self.hd).sum())
 
 
-def _store(c: str, mode: KvMode, nkv: int, hd: int) -> RowStore:
-    """An empty store of component ``c`` ("k" or "v") in ``mode``."""
-    if c == "k" and mode.k4:
-        return K4Rows(nkv, hd, quant.k4_row_bytes(hd))
-    if c == "k" and mode.quant_k:
-        return Q8Rows(nkv, hd, quant.k_row_bytes(hd, scheme=mode.scheme),
-                      quant.k_group(mode.scheme), mode.freezes_columns)
-    if c == "v" and mode.quant_v:
-        return Q8Rows(nkv, hd, quant.v_row_bytes(hd), hd, mode.freezes_columns)
-    if c == "v" and mode.v4:
-        return V4Rows(nkv, hd, quant.v4_row_bytes(hd))
-    return F32Rows(nkv, hd, quant.v_row_bytes(hd, False))
+#: the storage kinds, asked in order which one takes a component of a mode (the last takes all)
+_KINDS: tuple[type[RowStore], ...] = (K4Rows, Q8Rows, V4Rows, F32Rows)
+
+
+def kind_of(c: str, mode: KvMode) -> type[RowStore]:
+    """The storage kind of component ``c`` ("k" or "v") of ``mode``."""
+    return next(kind for kind in _KINDS if kind.takes(c, mode))
 
 
 def stores_for(mode: KvMode, nkv: int, hd: int) -> tuple[RowStore, RowStore]:
-    """Empty (K, V) stores of a layer of ``nkv`` x ``hd`` in ``mode``."""
-    return _store("k", mode, nkv, hd), _store("v", mode, nkv, hd)
+    """Empty (K, V) stores of a layer of ``nkv`` x ``hd`` in ``mode`` (ValueError for a
+    head_dim a kind cannot store)."""
+    return (kind_of("k", mode).make("k", mode, nkv, hd),
+            kind_of("v", mode).make("v", mode, nkv, hd))
 
 
 def from_state(state: LayerState) -> tuple[RowStore, RowStore]:
     """The (K, V) stores holding a checked state's own arrays (no copies)."""
-    out = []
-    for c in ("k", "v"):
-        st = _store(c, state.mode, state.num_kv_heads, state.head_dim)
+    k, v = stores_for(state.mode, state.num_kv_heads, state.head_dim)
+    for c, st in (("k", k), ("v", v)):
         for name in st._names:
             setattr(st, name, getattr(state, c + name))
         st.col = getattr(state, c + "col")
         st.col_on = getattr(state, c + "col_on")
-        out.append(st)
-    return out[0], out[1]
+    return k, v
+
+
+def state_arrays(k: RowStore, v: RowStore) -> dict[str, npt.NDArray[Any]]:
+    """The stores' arrays by layer-state field (``kf``, ``kq``, ``ks``, ``vc``, ...)."""
+    return {c + name: arr for c, st in (("k", k), ("v", v)) for name, arr in st.arrays().items()}
+
+
+#: the kernels' descriptor's names of the 4-bit codes (the state's ``kc`` and ``vc``)
+_ROWS_NAME = {"kc": "kc4", "vc": "vc4"}
 
 
 def kernel_rows(k: RowStore, v: RowStore, lengths: IP, mode: KvMode) -> Rows:
@@ -363,18 +478,17 @@ def kernel_rows(k: RowStore, v: RowStore, lengths: IP, mode: KvMode) -> Rows:
     as wide as the mode's scheme's scale count; a mode with float32 K takes the default
     scheme's)."""
     nkv, hd = k.nkv, k.hd
-    kf, kq, ks = k.parts()
-    vf, vq, vs = v.parts()
-    vc, vp = v.packed()
-    k4 = k.k4()
-    kc, kp, kr = k4 if k4 is not None else (None, None, None)
     ef = np.zeros((nkv, 0, hd), dtype=_F32)
     eq = np.zeros((nkv, 0, hd), dtype=np.int8)
-    if ks is None:
-        ks = np.zeros((nkv, 0, quant.k_scale_count(hd, mode.scheme or DEFAULT_SCHEME)),
-                      dtype=_F32)
-    return Rows(ef if kf is None else kf, eq if kq is None else kq, ks,
-                ef if vf is None else vf, eq if vq is None else vq,
-                np.zeros((nkv, 0, 1), dtype=_F32) if vs is None else vs, v.col, lengths,
-                mode.quant_k, mode.quant_v, 0, vc, vp, vc is not None, kc, kp, kr,
-                k4 is not None)
+    kw: dict[str, Any] = dict(
+        kf=ef, kq=eq, vf=ef, vq=eq, vs=np.zeros((nkv, 0, 1), dtype=_F32),
+        ks=np.zeros((nkv, 0, quant.k_scale_count(hd, mode.scheme or DEFAULT_SCHEME)),
+                    dtype=_F32))
+    for name, arr in state_arrays(k, v).items():
+        kw[_ROWS_NAME.get(name, name)] = arr
+    for c, st in (("k", k), ("v", v)):
+        if st._flag:
+            kw[st._flag.format(c)] = True
+    kw.setdefault("quant_k", False)
+    kw.setdefault("quant_v", False)
+    return Rows(vcol=v.col, head_len=lengths, **kw)

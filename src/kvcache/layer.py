@@ -28,12 +28,13 @@ import numpy.typing as npt
 from . import quant
 from ._state import LayerState, scheme_conflict
 from ._validate import (FloatArrayLike, IntArrayLike, as_f32, as_f32_scalar, as_index, as_int,
-                        out_f32, readonly, readonly_or_none)
+                        out_f32, readonly)
 from ._attention import (Rows, RowsBinding, attend_blocks, attend_prefill, attend_rows,
                          default_scale, grouped_queries)
 from .eviction import EvictionPolicy, born_rows
 from .modes import KvMode
-from ._stores import RowStore, from_state, kernel_rows, stores_for
+from ._stores import (F32Rows, K4Rows, Q8Rows, RowStore, V4Rows, from_state, kernel_rows,
+                      state_arrays, stores_for)
 from ._layer_bytes import LayerBytes
 from ._entry import K4_BLOCK
 from ._generation import Generation
@@ -372,17 +373,18 @@ class LayerKvCache(LayerBytes):
         """Read-only float32 view (head_len(h), head_dim) of head h's keys.
 
         Empty (0, head_dim) when K is stored as int8."""
-        h = as_index("kv_head", h, self._nkv)
-        rows = self._k.floats(h, int(self._len[h]))
-        return readonly(np.zeros((0, self._hd), dtype=_F32) if rows is None else rows)
+        return self._floats(self._k, h)
 
     def head_values(self, h: int) -> F32:
         """Read-only float32 view (head_len(h), head_dim) of head h's values.
 
         Empty (0, head_dim) when V is stored as int8."""
+        return self._floats(self._v, h)
+
+    def _floats(self, st: RowStore, h: int) -> F32:
         h = as_index("kv_head", h, self._nkv)
-        rows = self._v.floats(h, int(self._len[h]))
-        return readonly(np.zeros((0, self._hd), dtype=_F32) if rows is None else rows)
+        return readonly(st.f[h, : self._len[h]] if isinstance(st, F32Rows)
+                        else np.zeros((0, self._hd), dtype=_F32))
 
     def k_heads(self) -> list[F32]:
         """List of :meth:`head_keys` views, one per KV head."""
@@ -408,7 +410,7 @@ class LayerKvCache(LayerBytes):
         vq (head_len, head_dim) int8, vs (head_len,) float32."""
         h = as_index("kv_head", h, self._nkv)
         n = int(self._len[h])
-        k, v = self._k.int8(h, n), self._v.int8(h, n)
+        k, v = (st.int8(h, n) if isinstance(st, Q8Rows) else None for st in (self._k, self._v))
         return (None if k is None else readonly(k[0]), None if k is None else readonly(k[1]),
                 None if v is None else readonly(v[0]), None if v is None else readonly(v[1][:, 0]))
 
@@ -424,10 +426,9 @@ class LayerKvCache(LayerBytes):
         read from it)."""
         h = as_index("kv_head", h, self._nkv)
         q = int(self._len[h]) // K4_BLOCK * K4_BLOCK
-        k4 = self._k.k4()
-        if k4 is None:
+        if not isinstance(self._k, K4Rows):
             return None, None, None
-        c, p, r = k4
+        c, p, r = self._k.c, self._k.p, self._k.r
         return (readonly(c[h, :q]), readonly(p[h, : q // K4_BLOCK].view(np.float16)),
                 readonly(r[h]))
 
@@ -442,10 +443,9 @@ class LayerKvCache(LayerBytes):
         ``fmaf(code_d, params[2 * (d // 16)], params[2 * (d // 16) + 1])``."""
         h = as_index("kv_head", h, self._nkv)
         n = int(self._len[h])
-        c, p = self._v.packed()
-        if c is None or p is None:
+        if not isinstance(self._v, V4Rows):
             return None, None
-        return readonly(c[h, :n]), readonly(p[h, :n].view(np.float16))
+        return readonly(self._v.c[h, :n]), readonly(self._v.p[h, :n].view(np.float16))
 
     def columns(self, h: int) -> tuple[Optional[F32], Optional[F32]]:
         """Frozen column fields of head h: (kcol, vcol), each a read-only (head_dim,) view or None."""
@@ -763,21 +763,14 @@ class LayerKvCache(LayerBytes):
         caches: ``SlotCache.state()``): how the byte formats, the prefix store and the device
         mirrors read a layer, and how :meth:`install` takes one.  The views show the storage
         as it is; read them before the layer changes again."""
-        kf, kq, ks = self._k.parts()
-        vf, vq, vs = self._v.parts()
-        vc, vp = self._v.packed()
-        k4 = self._k.k4()
-        kc, kp, kr = k4 if k4 is not None else (None, None, None)
+        arrays = {name: readonly(a) for name, a in state_arrays(self._k, self._v).items()}
         return LayerState(
             mode=self._mode, num_kv_heads=self._nkv, head_dim=self._hd, seq_len=self._seq_len,
-            lengths=readonly(self._len), kf=readonly_or_none(kf), kq=readonly_or_none(kq), ks=readonly_or_none(ks),
-            vf=readonly_or_none(vf), vq=readonly_or_none(vq), vs=readonly_or_none(vs),
-            kcol=readonly(self._k.col), vcol=readonly(self._v.col),
+            lengths=readonly(self._len), kcol=readonly(self._k.col), vcol=readonly(self._v.col),
             kcol_on=readonly(self._k.col_on), vcol_on=readonly(self._v.col_on),
             importance=readonly(self._imp[: self._imp_len]),
             linear_state=readonly(self._linear_state),
-            linear_scratch=readonly(self._linear_scratch), o1=self._o1.state, vc=readonly_or_none(vc),
-            vp=readonly_or_none(vp), kc=readonly_or_none(kc), kp=readonly_or_none(kp), kr=readonly_or_none(kr))
+            linear_scratch=readonly(self._linear_scratch), o1=self._o1.state, owned=False, **arrays)
 
     def install(self, state: LayerState, any_scheme: bool = False) -> None:
         """Replace everything the layer holds with ``state`` (from :meth:`state` of a layer of
@@ -853,7 +846,8 @@ class LayerKvCache(LayerBytes):
         stays.  ValueError / TypeError for a bad ``num_heads`` or ``max_error``, before
         anything changes.  In full: :meth:`kvcache.o1_override.O1Override.seal`, docs/o1.md.
         """
-        rows = (self._k.parts()[0], self._v.parts()[0])
+        k, v = self._k, self._v
+        rows = (k.f if isinstance(k, F32Rows) else None, v.f if isinstance(v, F32Rows) else None)
         state = self._o1.seal(self, num_heads, max_error, rows, self.kernels,
                               _core.max_threads())
         if state is None:

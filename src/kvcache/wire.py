@@ -110,14 +110,14 @@ from __future__ import annotations
 import os
 import struct
 import uuid
-from typing import TYPE_CHECKING, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
 
 import numpy as np
 import numpy.typing as npt
 
 from . import quant
 from ._state import LayerState, scheme_conflict
-from ._entry import K4_BLOCK, K4_RING, ring_slots
+from ._stores import RowStore, kind_of, stores_for
 from ._wire_io import (ALG_CRC32, ALG_NAMES as _ALG_NAMES, ALG_XXH3,
                        F16_LE as _F16, F32_LE as _F32, I8 as _I8, KIND_LAYER, KIND_MODEL, MAGIC,
                        READ_VERSIONS, U8 as _U8, U16_LE as _U16, VERSION, BufferLike, Fingerprint,
@@ -339,28 +339,14 @@ def state_plan(st: LayerState, f16: bool = False) -> _Plan:
     plan.array(st.importance, _F32)
     plan.array(st.linear_state, _F32)
     plan.array(scratch, _F32)
-    rows_dtype = _F16 if f16 else _F32
     stores = st.stores()
+    kinds = _kinds(st.mode, hd)
     for h in range(nkv):
         n = int(lens[h])
-        if mode.quant_k:
-            plan.array(stores["kq"][h, :n], _I8)
-            plan.array(stores["ks"][h, :n], _F32)
-        elif mode.k4:
-            q = n // K4_BLOCK * K4_BLOCK
-            plan.array(stores["kc"][h, :q], _U8)
-            plan.array(stores["kp"][h, : q // K4_BLOCK], _U16)
-            plan.array(stores["kr"][h, ring_slots(max(0, n - K4_RING), n)], _F32)
-        else:
-            plan.array(stores["kf"][h, :n], rows_dtype)
-        if mode.quant_v:
-            plan.array(stores["vq"][h, :n], _I8)
-            plan.array(stores["vs"][h, :n, 0], _F32)
-        elif mode.v4:
-            plan.array(stores["vc"][h, :n], _U8)
-            plan.array(stores["vp"][h, :n], _U16)
-        else:
-            plan.array(stores["vf"][h, :n], rows_dtype)
+        for c, kind in kinds:        # each part's rows that the kind carries, in layout order
+            for part, sel in zip(kind.layout(), kind.head_rows(n)):
+                plan.array(stores[c + part.name][h, sel], _F16 if f16 and part.halves
+                           else part.dtype)
     if isinstance(o1, O1Collecting):
         if o1.keep != 0 or o1.ridge != RIDGE:
             raise ValueError(f"to_bytes: this layer collects for an O(1) seal with keep="
@@ -396,13 +382,15 @@ def scheme_code(mode: KvMode) -> int:
 
 
 def v_code(mode: KvMode) -> int:
-    """The quant_v byte a body writes for ``mode``: 0 float32, 1 int8, 2 4-bit (version 3)."""
-    return 2 if mode.v4 else int(mode.quant_v)
+    """The quant_v byte a body writes for ``mode``: 0 float32, 1 int8, 2 4-bit (version 3):
+    the code of V's storage kind (:attr:`kvcache._stores.RowStore.code`)."""
+    return kind_of("v", mode).code
 
 
 def k_code(mode: KvMode) -> int:
-    """The quant_k byte a body writes for ``mode``: 0 float32, 1 int8, 2 4-bit (version 3)."""
-    return 2 if mode.k4 else int(mode.quant_k)
+    """The quant_k byte a body writes for ``mode``: 0 float32, 1 int8, 2 4-bit (version 3):
+    the code of K's storage kind."""
+    return kind_of("k", mode).code
 
 
 def _mode(qk: int, qv: int, code: int, version: int) -> KvMode:
@@ -436,11 +424,16 @@ def _mode(qk: int, qv: int, code: int, version: int) -> KvMode:
 
 
 
-def _rows_bytes(n: int, hd: int, quantised: bool, scale_bytes: int, itemsize: int) -> int:
-    """Bytes (with padding) of ``n`` rows of one component of one head in a layer body."""
-    if quantised:
-        return n * hd + _pad(n * hd) + n * scale_bytes + _pad(n * scale_bytes)
-    return n * hd * itemsize + _pad(n * hd * itemsize)
+def _kinds(mode: KvMode, hd: int) -> tuple[tuple[str, RowStore], ...]:
+    """Empty K and V stores of ``mode`` (one head: a layout does not depend on the count),
+    with their components' letters: the layouts a body's rows follow (kvcache._stores)."""
+    k, v = stores_for(mode, 1, hd)
+    return ("k", k), ("v", v)
+
+
+def _count(rows: Union[slice, npt.NDArray[np.intp]]) -> int:
+    """How many rows a :meth:`RowStore.head_rows` index selects."""
+    return rows.stop - rows.start if isinstance(rows, slice) else int(rows.size)
 
 
 def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
@@ -461,8 +454,7 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     if 2 in (qk, qv) and hd % 8:
         raise WireError(f"4-bit rows need head_dim to be a multiple of 8, got {hd}")
     mode = _mode(qk, qv, code, rd.version)
-    v4, k4 = mode.v4, mode.k4
-    nvp = 2 * quant.n_groups(hd, quant.V4_GROUP)
+    kinds = _kinds(mode, hd)
     budget = _ALLOC_FACTOR * (rd.end - rd.pos) + _ALLOC_SLACK
     seq_len, imp_len, n_lin, n_scr = rd.unpack("QQQQ", "layer lengths")
     if seq_len > MAX_POSITIONS:
@@ -492,79 +484,37 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     imp = _f32(rd.array(_F32, imp_len, "importance"), (imp_len,))
     lin = _f32(rd.array(_F32, n_lin, "linear_state"), (n_lin,))
     scr = _f32(rd.array(_F32, n_scr, "linear_scratch"), (n_scr,))
-    rows_dtype = _F16 if f16 else _F32
-    ngk = quant.k_scale_count(hd, mode.scheme) if qk == 1 else 0   # the scheme byte decides
     # the rows must be present before storage for them is allocated (a crafted header must
     # not make us allocate what the buffer does not hold)
     need = 0
     for n in (int(x) for x in lens):
-        if k4:
-            q = n // K4_BLOCK * K4_BLOCK
-            nr = min(n, K4_RING) * 4 * hd
-            need += q * hd // 2 + _pad(q * hd // 2) + q // K4_BLOCK * 4 * hd + nr
-        else:
-            need += _rows_bytes(n, hd, bool(qk), 4 * ngk, rows_dtype.itemsize)
-        if v4:
-            need += n * hd // 2 + _pad(n * hd // 2) + 2 * n * nvp + _pad(2 * n * nvp)
-        else:
-            need += _rows_bytes(n, hd, bool(qv), 4, rows_dtype.itemsize)
+        for c, kind in kinds:
+            for part, rows in zip(kind.layout(), kind.head_rows(n)):
+                size = (2 if f16 and part.halves else part.dtype.itemsize)
+                size *= _count(rows) * part.width
+                need += size + _pad(size)
     if need > rd.end - rd.pos:
         raise WireError(f"{rd.what}: truncated: the head lengths {lens.tolist()} need {need} bytes "
                         f"of rows, {rd.end - rd.pos} left")
     cap = int(lens.max(initial=0))
-    store_bytes = nkv * cap * ((quant.k4_row_bytes(hd) if k4 else
-                                quant.k_row_bytes(hd, bool(qk), scheme=mode.scheme or "rows"))
-                               + (quant.v4_row_bytes(hd) if v4 else quant.v_row_bytes(hd, bool(qv))))
+    store_bytes = nkv * cap * sum(kind.row_bytes for _, kind in kinds)
     if store_bytes > budget:
         raise WireError(f"{rd.what}: {nkv} heads of up to {cap} rows would need {store_bytes} bytes "
                         f"of storage, more than {_ALLOC_FACTOR}x the buffer; refused")
-    kf = vf = ks = vs = None
-    kq = vq = None
-    vc: Optional[npt.NDArray[np.uint8]] = None
-    vp: Optional[npt.NDArray[np.uint16]] = None
-    kc: Optional[npt.NDArray[np.uint8]] = None
-    kp: Optional[npt.NDArray[np.uint16]] = None
-    kr: Optional[npt.NDArray[np.float32]] = None
-    if k4:
-        kc = np.zeros((nkv, cap, hd // 2), np.uint8)
-        kp = np.zeros((nkv, -(-cap // K4_BLOCK), 2 * hd), np.uint16)
-        kr = np.zeros((nkv, K4_RING, hd), np.float32)
-    elif qk:
-        kq = np.zeros((nkv, cap, hd), np.int8)
-        ks = np.zeros((nkv, cap, ngk), np.float32)
-    else:
-        kf = np.zeros((nkv, cap, hd), np.float32)
-    if v4:
-        vc = np.zeros((nkv, cap, hd // 2), np.uint8)
-        vp = np.zeros((nkv, cap, nvp), np.uint16)
-    elif qv:
-        vq = np.zeros((nkv, cap, hd), np.int8)
-        vs = np.zeros((nkv, cap, 1), np.float32)
-    else:
-        vf = np.zeros((nkv, cap, hd), np.float32)
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    for c, kind in kinds:
+        for part in kind.layout():
+            arrays[c + part.name] = np.zeros((nkv, part.rows(cap), part.width), part.dtype)
     for h in range(nkv):
         n = int(lens[h])
-        if kc is not None and kp is not None and kr is not None:
-            q = n // K4_BLOCK * K4_BLOCK
-            kc[h, :q] = rd.array(_U8, q * hd // 2, f"head {h} 4-bit keys").reshape(q, hd // 2)
-            kp[h, : q // K4_BLOCK] = rd.array(_U16, q // K4_BLOCK * 2 * hd,
-                                              f"head {h} key parameters").reshape(-1, 2 * hd)
-            lo = max(0, n - K4_RING)
-            kr[h, ring_slots(lo, n)] = _f32(rd.array(_F32, (n - lo) * hd, f"head {h} key ring"),
-                                            (n - lo, hd))
-        elif kq is not None and ks is not None:
-            kq[h, :n] = rd.array(_I8, n * hd, f"head {h} int8 keys").reshape(n, hd)
-            ks[h, :n] = rd.array(_F32, n * ngk, f"head {h} key scales").reshape(n, ngk)
-        elif kf is not None:
-            kf[h, :n] = rd.array(rows_dtype, n * hd, f"head {h} keys").reshape(n, hd)
-        if vq is not None and vs is not None:
-            vq[h, :n] = rd.array(_I8, n * hd, f"head {h} int8 values").reshape(n, hd)
-            vs[h, :n, 0] = rd.array(_F32, n, f"head {h} value scales")
-        elif vc is not None and vp is not None:
-            vc[h, :n] = rd.array(_U8, n * hd // 2, f"head {h} 4-bit values").reshape(n, hd // 2)
-            vp[h, :n] = rd.array(_U16, n * nvp, f"head {h} value parameters").reshape(n, nvp)
-        elif vf is not None:
-            vf[h, :n] = rd.array(rows_dtype, n * hd, f"head {h} values").reshape(n, hd)
+        for c, kind in kinds:
+            noun = "key" if c == "k" else "value"
+            for part, rows in zip(kind.layout(), kind.head_rows(n)):
+                count = _count(rows)
+                dtype = _F16 if f16 and part.halves else part.dtype.newbyteorder("<")
+                got = rd.array(dtype, count * part.width,
+                               f"head {h} " + part.what.format(noun))
+                arrays[c + part.name][h, rows] = got.reshape(count, part.width)
     o1: Union[O1Collecting, O1Sealed, None] = None
     if o1_kind == 1:
         m, w, sink, rect, tlen = rd.unpack("IIIIQ", "O(1) collecting parameters")
@@ -575,10 +525,9 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     elif o1_kind == 2:
         o1 = _parse_sealed(rd, nkv, hd, int(seq_len), budget)
     return LayerState(mode=mode, num_kv_heads=nkv, head_dim=hd, seq_len=int(seq_len),
-                      lengths=lens, kf=kf, kq=kq, ks=ks, vf=vf, vq=vq, vs=vs, kcol=kcol,
-                      vcol=vcol, kcol_on=kcol_on, vcol_on=vcol_on, importance=imp,
-                      linear_state=lin, linear_scratch=scr, o1=o1, owned=True, vc=vc, vp=vp,
-                      kc=kc, kp=kp, kr=kr)
+                      lengths=lens, kcol=kcol, vcol=vcol, kcol_on=kcol_on, vcol_on=vcol_on,
+                      importance=imp, linear_state=lin, linear_scratch=scr, o1=o1, owned=True,
+                      **arrays)
 
 
 def _parse_sealed(rd: _Reader, nkv: int, hd: int, seq_len: int, budget: int) -> O1Sealed:

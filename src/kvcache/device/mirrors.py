@@ -243,11 +243,12 @@ class LayerMirror(Mirror):
             keep = np.minimum(self._lens, prefix)
         lens = st.lengths.copy()
         hosts = st.stores()
-        for name in ("vp", "kp"):    # 4-bit parameters travel as the float16 values they are
-            if name in hosts:
+        layout = st.layout()
+        for name, part in layout.items():   # 4-bit parameters travel as the float16 they are
+            if part.f16_bits:
                 hosts[name] = hosts[name].view(np.float16)
-        # 4-bit K's block parameters and ring are not indexed by row: copied whole each sync
-        whole = {name: hosts.pop(name) for name in ("kp", "kr") if name in hosts}
+        # parts not indexed by row (4-bit K's block parameters and ring): copied whole
+        whole = {name: hosts.pop(name) for name, part in layout.items() if part.per != 1}
         need = int(lens.max(initial=0))
         moved = 0
         same_fields = set(hosts) | set(whole) == set(self._rows)
@@ -266,7 +267,7 @@ class LayerMirror(Mirror):
         nbytes = 0
         same = bool((keep == keep[0]).all() and (lens == lens[0]).all())
         for name, host in hosts.items():
-            blk = K4_BLOCK if name == "kc" else 1    # 4-bit K codes change when a block closes
+            blk = layout[name].settle     # 4-bit K codes change until their block closes
             if same:
                 a, b = int(keep[0]) // blk * blk, int(lens[0])
                 if b > a:

@@ -67,9 +67,9 @@ from typing import Any, Optional, Union
 import numpy as np
 import numpy.typing as npt
 
-from .. import quant, wire
-from .._entry import K4_BLOCK
+from .. import wire
 from .._state import LayerState
+from .._stores import stores_for
 from .keys import Geometry
 
 __all__ = ["EntryError", "MAGIC", "VERSION", "HEADER_SIZE", "DIGEST_SIZE", "Field", "layer_fields",
@@ -85,8 +85,6 @@ _DIGEST = struct.Struct("<Q")
 DIGEST_SIZE = _DIGEST.size
 
 _U8 = np.dtype("u1")
-_I8 = np.dtype("i1")
-_U16 = np.dtype("<u2")
 _F32 = np.dtype("<f4")
 
 
@@ -124,29 +122,19 @@ def _pad8(n: int) -> int:
 def layer_fields(geom: Geometry) -> tuple[tuple[Field, ...], int]:
     """The arrays of one layer's section, in order, and the section's size in bytes."""
     g, d, b = geom.num_kv_heads, geom.head_dim, geom.block
-    specs: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = []
-    per = {"kp": K4_BLOCK}
+    specs: list[tuple[str, np.dtype[Any], tuple[int, ...], int]] = []
     if not geom.mode.is_f32:
-        specs += [("kcol_on", _U8, (g,)), ("vcol_on", _U8, (g,)), ("kcol", _F32, (g, d)),
-                  ("vcol", _F32, (g, d))]
-    if geom.mode.k4:
-        specs += [("kc", _U8, (g, b, d // 2)), ("kp", _U16, (g, b // K4_BLOCK, 2 * d))]
-    elif geom.mode.quant_k:
-        specs += [("kq", _I8, (g, b, d)), ("ks", _F32, (g, b, quant.k_scale_count(d, geom.mode.scheme)))]
-    else:
-        specs += [("kf", _F32, (g, b, d))]
-    if geom.mode.quant_v:
-        specs += [("vq", _I8, (g, b, d)), ("vs", _F32, (g, b, 1))]
-    elif geom.mode.v4:
-        specs += [("vc", _U8, (g, b, d // 2)),
-                  ("vp", _U16, (g, b, 2 * quant.n_groups(d, quant.V4_GROUP)))]
-    else:
-        specs += [("vf", _F32, (g, b, d))]
-    specs.append(("importance", _F32, (b,)))
+        specs += [("kcol_on", _U8, (g,), 1), ("vcol_on", _U8, (g,), 1),
+                  ("kcol", _F32, (g, d), 1), ("vcol", _F32, (g, d), 1)]
+    k, v = stores_for(geom.mode, 1, d)
+    for c, st in (("k", k), ("v", v)):      # the storage kinds' parts, rings excepted
+        specs += [(c + p.name, p.dtype.newbyteorder("<"), (g, b // p.per, p.width), p.per)
+                  for p in st.layout() if p.per]
+    specs.append(("importance", _F32, (b,), 1))
     out: list[Field] = []
     off = 0
-    for name, dtype, shape in specs:
-        f = Field(name, dtype, shape, off, per.get(name, 1))
+    for name, dtype, shape, per in specs:
+        f = Field(name, dtype, shape, off, per)
         out.append(f)
         off += _pad8(f.nbytes)
     return tuple(out), off

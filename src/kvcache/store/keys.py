@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from .._stores import kind_of
 from .._validate import as_token_ids
 from ..modes import KvMode
 
@@ -79,8 +80,7 @@ def _root(fp: bytes, geom: Geometry) -> bytes:
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)
     h.update(_ROOT.pack(b"root", _VERSION, len(fp)))
     h.update(fp)
-    v_code = 2 if geom.mode.v4 else int(geom.mode.quant_v)       # kvcache.wire.v_code
-    k_code = 2 if geom.mode.k4 else int(geom.mode.quant_k)       # kvcache.wire.k_code
+    k_code, v_code = kind_of("k", geom.mode).code, kind_of("v", geom.mode).code
     h.update(_SHAPE.pack(k_code, v_code, geom.n_layers,
                          geom.num_kv_heads, geom.head_dim, geom.block))
     if geom.mode.scheme == "rows":

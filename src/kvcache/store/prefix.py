@@ -40,8 +40,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import quant
-from .._entry import K4_BLOCK, K4_RING, ring_slots
 from .._state import LayerState
+from .._stores import stores_for
 from ..layer import LayerKvCache
 from ..model import KvCache
 from ..modes import KvMode
@@ -446,10 +446,10 @@ class PrefixStore:
             raise ValueError(f"block={self._block}: a {mode!r} cache needs block > "
                              f"{quant.COL_WARMUP} (its column fields freeze after "
                              f"{quant.COL_WARMUP} positions and requantise every row)")
-        if mode.k4 and self._block % K4_BLOCK:
+        per = max(p.per for st in stores_for(mode, 1, cache.head_dim) for p in st.layout())
+        if self._block % per:          # 4-bit K: one set of parameters per 32 rows
             raise ValueError(f"block={self._block}: a {mode!r} cache needs a block that is a "
-                             f"multiple of {K4_BLOCK} (its K is quantised {K4_BLOCK} rows at a "
-                             f"time)")
+                             f"multiple of {per} (its K is quantised {per} rows at a time)")
         return Geometry(len(layers), cache.num_kv_heads, cache.head_dim, mode, self._block)
 
     def _read(self, geom: Geometry, states: list[LayerState], first: int, raw: list[bytes],
@@ -575,6 +575,7 @@ class PrefixStore:
             return None
         n = m + good * b
         out: list[LayerState] = []
+        kinds = tuple(zip("kv", stores_for(geom.mode, g, geom.head_dim)))
         for i, (st, d) in enumerate(zip(states, dest)):
             if m or geom.mode.is_f32 or col_arrays is None:
                 kcol, vcol = np.array(st.kcol), np.array(st.vcol)
@@ -583,25 +584,19 @@ class PrefixStore:
                 src = col_arrays[i]
                 kcol, vcol = np.array(src["kcol"]), np.array(src["vcol"])
                 kon, von = np.array(src["kcol_on"]), np.array(src["vcol_on"])
-            kr = None
-            if geom.mode.k4:       # the ring: the cache's own rows, the loaded rows' values
-                kr = np.zeros((g, K4_RING, geom.head_dim), dtype=np.float32)
-                lo = max(0, n - K4_RING)
-                slots, own = ring_slots(lo, n), ring_slots(lo, max(lo, m))   # own: rows < m
-                for h in range(g):
-                    kr[h, slots] = quant.k4_values(d["kc"][h], d["kp"][h], n, lo)
-                    if st.kr is not None:
-                        kr[h, own] = st.kr[h, own]
+            arrays = {f.name: d[f.name] for f in rows}
+            for c, kind in kinds:
+                # what the entries do not carry (4-bit K's ring), from what they do
+                carried = {name[1:]: a for name, a in arrays.items() if name[0] == c}
+                own = {name: getattr(st, c + name) for name in kind.arrays()}
+                arrays.update((c + name, a) for name, a in
+                              kind.rebuilt(carried, n, m, own).items())
             out.append(LayerState(
                 mode=geom.mode, num_kv_heads=g, head_dim=geom.head_dim, seq_len=n,
-                lengths=np.full(g, n, dtype=np.intp),
-                kf=d.get("kf"), kq=d.get("kq"), ks=d.get("ks"),
-                vf=d.get("vf"), vq=d.get("vq"), vs=d.get("vs"),
-                kcol=kcol, vcol=vcol, kcol_on=kon, vcol_on=von,
-                importance=np.array(d["importance"][:n]),
+                lengths=np.full(g, n, dtype=np.intp), kcol=kcol, vcol=vcol, kcol_on=kon,
+                vcol_on=von, importance=np.array(d["importance"][:n]),
                 linear_state=np.zeros(0, dtype=np.float32), linear_scratch=None, o1=None,
-                owned=True, vc=d.get("vc"), vp=d.get("vp"), kc=d.get("kc"), kp=d.get("kp"),
-                kr=kr))
+                owned=True, **arrays))
         return out, good * b
 
     def _bad(self, name: str, key: bytes, exc: _entry.EntryError) -> None:
