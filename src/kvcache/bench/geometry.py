@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .. import quant
+from .._stores import stores_for
 from ..modes import KvMode
 
 
@@ -34,12 +34,8 @@ class Geometry:
 
     def step_bytes(self, context: int, mode_name: str) -> int:
         """Bytes of K and V rows (and q8 scales) one decode step reads at ``context`` rows."""
-        mode = make_mode(mode_name)
-        hd = self.head_dim
-        v_bytes = quant.v4_row_bytes(hd) if mode.v4 else quant.v_row_bytes(hd, mode.quant_v)
-        k_bytes = (quant.k4_row_bytes(hd) if mode.k4
-                   else quant.k_row_bytes(hd, mode.quant_k, scheme=mode.scheme or "rows"))
-        return self.num_kv_heads * context * (k_bytes + v_bytes)
+        k, v = stores_for(make_mode(mode_name), 1, self.head_dim)
+        return self.num_kv_heads * context * (k.row_bytes + v.row_bytes)
 
 
 GEOMETRIES = {g.key: g for g in (Geometry("llama3-8b", "Llama-3-8B", 32, 8, 128),
