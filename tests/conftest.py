@@ -10,10 +10,23 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 # the runner's weight-digest file (kvcache.runner.digest) stays out of the home folder; the
 # tests of that file point it at a temporary path
 os.environ["KVCACHE_DIGEST_CACHE"] = "off"
+
+# Property tests draw the same examples on every run and machine ("ci", the default: a test
+# that passes here passes in CI); KVCACHE_HYPOTHESIS=explore draws new ones each run, to look
+# for failures (docs/install.md).  A test's own @settings keep their example counts.
+_PROFILES = {"ci": dict(derandomize=True, database=None), "explore": dict(derandomize=False)}
+_profile = os.environ.get("KVCACHE_HYPOTHESIS", "ci")
+if _profile not in _PROFILES:
+    raise pytest.UsageError(f"KVCACHE_HYPOTHESIS={_profile!r}: expected one of "
+                            f"{sorted(_PROFILES)}")
+for _name, _kw in _PROFILES.items():
+    settings.register_profile(_name, **_kw)
+settings.load_profile(_profile)
 
 @pytest.fixture
 def rng():
