@@ -112,13 +112,13 @@ def test_store_section_tiny_run(tmp_path, capsys, monkeypatch):
         assert r["model"] == "bench"
         assert r["cold_ms"] > 0 and r["full_ms"] > 0
     assert [(r["backend"], r["mode"]) for r in ios] == [
-        ("directory", "f32"), ("directory", "q8"), ("redis", "f32"), ("redis", "q8")]
+        (b, m) for b in ("directory", "redis") for m in ("f32", "q8", "q4", "k8v4")]
     for r in ios:
         assert r["complete"] and r["put_gbs"] > 0 and r["load_gbs"] > 0
     # f32: 2 layers x K and V x 2 heads x 16 dims x 4 bytes per token, plus headers
-    f32 = ios[0]["bytes_per_token"]
-    assert 2 * 2 * 2 * 16 * 4 <= f32 < 2 * 2 * 2 * 16 * 4 * 1.2
-    assert ios[1]["bytes_per_token"] < f32 / 2
+    per = {r["mode"]: r["bytes_per_token"] for r in ios[:4]}
+    assert 2 * 2 * 2 * 16 * 4 <= per["f32"] < 2 * 2 * 2 * 16 * 4 * 1.2
+    assert per["q4"] < per["k8v4"] < per["q8"] < per["f32"] / 2
     assert data["options"]["contexts"] == [256]
     assert set(data["summary"]) == {"directory", "redis"}
 

@@ -15,8 +15,9 @@ package are there):
 - each timed run is ``Runner.prefill`` (its logits are the first token's), repeated on new
   prompts (``repeats``), median; the hits' logits must be bit-identical to the cold run's;
 - I/O: ``PrefixStore.put`` and ``load`` of a cache holding the longest prompt's rows (random
-  rows appended, f32 and q8) into a new namespace, GB/s of the entries' bytes; the lookup of a
-  prompt that is not stored (``longest_prefix``); bytes stored per token and mode.
+  rows appended, in each mode of ``STORE_MODES``) into a new namespace, GB/s of the entries'
+  bytes; the lookup of a prompt that is not stored (``longest_prefix``); bytes stored per
+  token and mode.
 
 Method: ``docs/benchmark-method.md``.
 """
@@ -57,7 +58,8 @@ REAL_CONTEXTS, QUICK_REAL_CONTEXTS = (2048, 8192), (0,)
 #: The model column of the random-weight model's rows, and of the real one's.
 BENCH_MODEL, REAL_MODEL = "bench", "SmolLM2-135M"
 STORE_REPEATS, QUICK_STORE_REPEATS = 3, 1
-STORE_MODES = ("f32", "q8")
+#: The I/O table's modes (every storage kind: f32, int8 rows, 4-bit K and V, int8 K with 4-bit V).
+STORE_MODES = ("f32", "q8", "q4", "k8v4")
 #: The model (transformers ``LlamaConfig`` keys); None: the runner section's RUNNER_MODEL.
 STORE_MODEL: dict[str, int] | None = None
 
@@ -229,7 +231,7 @@ def io_row(runner: Runner, store_of: Callable[[], PrefixStore], backend: str, mo
     ok = True
     nbytes, block = 0, 1
     for r in range(max(1, repeats)):
-        ids = np.random.default_rng([seed, context, mode == "q8", r]).integers(
+        ids = np.random.default_rng([seed, context, STORE_MODES.index(mode), r]).integers(
             0, cfg.vocab_size, context)
         store = store_of()
         try:
