@@ -16,7 +16,8 @@ from hypothesis import settings
 # tests of that file point it at a temporary path
 os.environ["KVCACHE_DIGEST_CACHE"] = "off"
 
-# Property tests draw the same examples on every run and machine ("ci", the default: a test
+# Property tests draw the same examples on every run and machine, for a given hypothesis
+# version ("ci", the default: a test
 # that passes here passes in CI); KVCACHE_HYPOTHESIS=explore draws new ones each run, to look
 # for failures (docs/install.md).  A test's own @settings keep their example counts.
 _PROFILES = {"ci": dict(derandomize=True, database=None), "explore": dict(derandomize=False)}
@@ -27,6 +28,7 @@ if _profile not in _PROFILES:
 for _name, _kw in _PROFILES.items():
     settings.register_profile(_name, **_kw)
 settings.load_profile(_profile)
+
 
 @pytest.fixture
 def rng():

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kvcache as kc
-from kvcache.quant import K4_BLOCK as B, K4_RING as RING
+from kvcache.quant import K4_BLOCK as B, K4_RING as RING, k4_values
 from kvcache import wire
 from kvcache.store import (BackendUnavailable, DirectoryBackend, MemoryBackend, StoreBackend,
                            PrefixStore, open_backend)
@@ -949,3 +949,37 @@ def test_ids_beyond_int64_are_a_value_error():
         with pytest.raises(ValueError, match="signed 64-bit"):
             as_ids(ids)
     assert as_ids([2 ** 63 - 1, 0]).tolist() == [2 ** 63 - 1, 0]
+
+
+@pytest.mark.parametrize("own", [64, 96])
+def test_a_four_bit_load_rebuilds_the_ring_from_own_rows_and_loaded_codes(rng, own):
+    """After a load into a cache that held ``own`` rows of its own, 4-bit K's ring holds the
+    cache's original rows below ``own`` and the loaded codes' values above (an entry carries
+    no ring); a rollback into the loaded rows then reads those values."""
+    n, G, D = 128, 2, 16
+    k = rng.standard_normal((n, G, D)).astype(np.float32)
+    v = rng.standard_normal((n, G, D)).astype(np.float32)
+    ids = np.arange(n)
+    src = kc.KvCache(1, G, D, max_seq_len=n, mode="q4")
+    src.layers[0].append(k, v)
+    store = PrefixStore("memory", fingerprint="ring", block=B)
+    assert store.put(ids, src) == n // B
+    dst = kc.KvCache(1, G, D, max_seq_len=n, mode="q4")
+    dst.layers[0].append(k[:own], v[:own])
+    assert store.load(ids, dst) == n - own
+    layer = dst.layers[0]
+    values = []
+    for h in range(G):
+        codes, params, ring = layer.k4_rows(h)
+        want_codes, want_params, _ = src.layers[0].k4_rows(h)
+        assert codes.tobytes() == want_codes.tobytes()
+        assert params.tobytes() == want_params.tobytes()
+        values.append(k4_values(codes, params.view(np.uint16), n))
+        for i in range(n - RING, n):
+            want = k[i, h] if i < own else values[h][i]
+            assert ring[i % RING].tobytes() == want.tobytes(), i
+    layer.truncate_last(40)                 # reopens the block of rows 64..95
+    for h in range(G):
+        keys, _ = layer.head_rows(h)
+        want = k[64:88, h] if own > 64 else values[h][64:88]
+        assert keys[64:88].tobytes() == want.tobytes()

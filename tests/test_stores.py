@@ -8,6 +8,7 @@ import pytest
 
 import kvcache as kc
 from kvcache import _stores, quant
+from kvcache.modes import MODE_NAMES
 from kvcache._stores import F32Rows, K4Rows, Q8Rows, V4Rows
 
 MODES = ["f32", "q8", "q8k", "q8v", "q8:cmf", "q8k:cmf", "q8v:cmf"]
@@ -97,11 +98,7 @@ def test_arrays_and_int8_access_by_kind(rng):
     assert f.frozen_col() is None and q.frozen_col() is None
 
 
-ALL_MODES = MODES + ["q4", "k8v4"]
-KIND_OF = {"f": F32Rows, "q": Q8Rows, "4k": K4Rows, "4v": V4Rows}
-
-
-@pytest.mark.parametrize("name", ALL_MODES)
+@pytest.mark.parametrize("name", MODE_NAMES)
 def test_each_kind_describes_its_arrays(rng, name):
     """The layout that the state's checks, the byte formats and the prefix store's entries read
     is what the store holds: names, dtypes, widths, rows for a capacity; the rows a byte format
@@ -111,26 +108,46 @@ def test_each_kind_describes_its_arrays(rng, name):
     layer.append(rng.standard_normal((70, 2, 16)).astype(np.float32),
                  rng.standard_normal((70, 2, 16)).astype(np.float32))
     for c, st in (("k", layer._k), ("v", layer._v)):
-        want = (K4Rows if mode.k4 else Q8Rows if mode.quant_k else F32Rows) if c == "k" else \
-            (V4Rows if mode.v4 else Q8Rows if mode.quant_v else F32Rows)
+        bits = mode.k_bits if c == "k" else mode.v_bits
+        want = {32: F32Rows, 8: Q8Rows, 4: K4Rows if c == "k" else V4Rows}[bits]
         assert type(st) is want is _stores.kind_of(c, mode)
-        layout = st.layout()
-        assert tuple(p.name for p in layout) == st._names == tuple(st.arrays())
+        spec = _stores.spec_of(c, mode, 16)
+        assert spec.kind is want and spec.parts == st.layout()
+        assert spec.row_bytes == st.row_bytes and spec.group == st.group
         cap = st.capacity
-        for part in layout:
-            arr = st.arrays()[part.name]
+        assert {p.name for p in spec.carried} == set(st._names) - ({"r"} if want is K4Rows
+                                                                     else set())
+        for part in spec.parts:
+            arr = getattr(st, part.name)
             assert arr.dtype == part.dtype and arr.shape == (2, part.rows(cap), part.width)
             assert part.halves == (want is F32Rows)
-        sel = st.head_rows(70)
-        assert len(sel) == len(layout)
-        for part, rows in zip(layout, sel):
-            taken = st.arrays()[part.name][0, rows]
+        sel = spec.head_rows(70)
+        assert len(sel) == len(spec.parts)
+        for part, rows in zip(spec.parts, sel):
+            taken = getattr(st, part.name)[0, rows]
             # 4-bit K: the two closed blocks' codes and parameters, the ring's last 64 rows
             want_rows = {"c": 64, "p": 2, "r": 64}[part.name] if want is K4Rows else 70
             assert taken.shape[0] == want_rows, part.name
     state = layer.state()
-    assert set(state.stores()) == set(_stores.state_arrays(layer._k, layer._v))
-    assert set(state.layout()) == set(state.stores())
+    assert set(state.stores()) == {c + n for c, st in (("k", layer._k), ("v", layer._v))
+                                   for n in st._names}
     rows = layer._rows()
     assert (rows.quant_k, rows.quant_v, rows.k4, rows.v4) == (mode.quant_k, mode.quant_v,
                                                               mode.k4, mode.v4)
+
+
+def test_a_spec_allocates_nothing():
+    """A kind's description is had without storage (a reader checks a buffer's geometry
+    with it before allocating anything): 4-bit K's ring at head_dim 2**20 would be 256 MiB."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        _stores.spec_of.cache_clear()
+        spec = _stores.spec_of("k", kc.KvMode.parse("q4"), 1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert spec.kind is K4Rows and spec.parts[2].rows(0) == 64
+    assert peak < 1 << 20, peak
+    with pytest.raises(ValueError, match="multiple of 8"):
+        _stores.spec_of("v", kc.KvMode.parse("q4"), 12)

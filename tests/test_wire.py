@@ -328,6 +328,47 @@ def test_round_trip_f16_rounds_only_float_rows(mode):
     assert len(c.to_bytes(f16=True)) < len(c.to_bytes()) or not mode.is_f32 and mode.quant_k and mode.quant_v
 
 
+FOUR_BIT = ["q4", "k8v4", "q4k", "q4v", "k4v8"]
+
+
+@pytest.mark.parametrize("name", FOUR_BIT)
+def test_round_trip_f16_of_four_bit_modes_rounds_only_float_rows(name):
+    """f16 halves the float32 rows only: 4-bit codes and parameters, int8 rows and 4-bit K's
+    float32 ring travel as they are."""
+    mode = kc.KvMode.parse(name)
+    c = filled(mode, n=80)
+    d = kc.LayerKvCache.from_bytes(c.to_bytes(f16=True))
+    assert d.mode == mode and d.importance.tobytes() == c.importance.tobytes()
+    for h in range(2):
+        for got, want in ((d.head_keys(h), c.head_keys(h)), (d.head_values(h), c.head_values(h))):
+            assert got.tobytes() == want.astype(np.float16).astype(np.float32).tobytes()
+        for got_parts, want_parts in ((d.k4_rows(h), c.k4_rows(h)), (d.v4_rows(h), c.v4_rows(h)),
+                                      (d.q8_rows(h), c.q8_rows(h))):
+            for got, want in zip(got_parts, want_parts):
+                assert (got is None and want is None) or got.tobytes() == want.tobytes()
+    floats = mode.k_bits == 32 or mode.v_bits == 32
+    assert (len(c.to_bytes(f16=True)) < len(c.to_bytes())) == floats
+
+
+def test_a_crafted_four_bit_geometry_is_refused_before_any_storage(snapshot, assert_same_state):
+    """A 4-bit layer body that claims head_dim 2**20 (4-bit K's ring alone would be 256 MiB)
+    is refused from what the buffer lacks, allocating nothing of the sort."""
+    import tracemalloc
+    buf = bytearray(filled(kc.KvMode.parse("q4"), n=3, nkv=1).to_bytes())
+    off = 32                                             # the header, empty fingerprint
+    assert struct.unpack_from("<II", buf, off) == (1, 8)
+    struct.pack_into("<I", buf, off + 4, 1 << 20)
+    buf = reseal(buf)
+    tracemalloc.start()
+    try:
+        with pytest.raises(kc.WireError, match="truncated"):
+            kc.LayerKvCache.from_bytes(buf)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+
+
 def test_golden_bytes_versioned(monkeypatch):
     c = kc.LayerKvCache(1, 2, mode=F32)
     c.append([[1.0, 2.0]], [[3.0, 4.0]])
@@ -884,6 +925,29 @@ def test_golden_digests_of_every_section(tmp_path):
     assert all(struct.unpack_from("<H", b, 8)[0] == 3 for b in bufs.values())
     got = {k: hashlib.sha256(as_version_2(v)).hexdigest() for k, v in bufs.items()}
     assert got == GOLDEN_PINNED
+
+
+GOLDEN_FOUR_BIT = {  # sha256 of a 4-bit layer's bytes and of a prefix-store entry of its rows
+    ("q4", "layer"): "f52ff6d2e1fb6e38513e88a9f615ab3feb6fb8c6522faa798067c2a40d200f7e",
+    ("q4", "entry"): "e39e903cfdc62c807870159a8a8ce4de59a4cbe12f87edec3dbf13fbaa8e21cb",
+    ("k8v4", "layer"): "e0535d2d5dcdff68598e1999cfa758333d53c763e9c5b0d47bbb1f90f8e88406",
+    ("k8v4", "entry"): "1bde46800cc1e72ea768957f0a545e36aa42083923c4b2080a44588869a7d575",
+}
+
+
+@pytest.mark.parametrize("name", ["q4", "k8v4"])
+def test_golden_digests_of_four_bit_layers_and_entries(name):
+    """Pins the 4-bit layouts (the layer body's parts per head, an entry's per block: codes,
+    block parameters, no ring) as the storage kinds describe them."""
+    from kvcache.store import entry
+    from kvcache.store.keys import Geometry
+    mode = kc.KvMode.parse(name)
+    c = exact_layer(mode, 70, hd=16, seed=11)       # two closed blocks and an open one
+    parts = entry.encode_parts(Geometry(1, 2, 16, mode, 32), 1, bytes(16), bytes(16),
+                               [c.state()])
+    got = {(name, "layer"): hashlib.sha256(c.to_bytes(fingerprint="g")).hexdigest(),
+           (name, "entry"): hashlib.sha256(b"".join(parts)).hexdigest()}
+    assert got == {k: v for k, v in GOLDEN_FOUR_BIT.items() if k[0] == name}
 
 
 def as_version_1(buf):

@@ -43,7 +43,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import numpy.typing as npt
 
-from ._stores import Part, stores_for
+from ._stores import Part, specs_of
 from .modes import KvMode
 from .o1 import O1Collecting, O1Sealed
 
@@ -95,8 +95,8 @@ class LayerState:
         """The arrays this mode's storage kinds hold (K's, then V's), by state field, each
         described by its :class:`kvcache._stores.Part` (ValueError for a head_dim a kind
         cannot store)."""
-        k, v = stores_for(self.mode, 1, self.head_dim)
-        return {c + p.name: p for c, st in (("k", k), ("v", v)) for p in st.layout()}
+        return {c + p.name: p for c, spec in specs_of(self.mode, self.head_dim)
+                for p in spec.parts}
 
     def stores(self) -> dict[str, npt.NDArray[Any]]:
         """The row stores this mode uses, by state field (``kf``; ``kq``, ``ks``; ``kc``,
@@ -150,14 +150,15 @@ class LayerState:
         if int(self.lengths.max(initial=0)) > cap:
             raise ValueError(f"state.lengths: a head holds {int(self.lengths.max())} rows, the "
                              f"stores hold {cap}")
-        for name, on, quantised in (("kcol", self.kcol_on, self.mode.quant_k),
-                                    ("vcol", self.vcol_on, self.mode.quant_v)):
+        (_, kspec), (_, vspec) = specs_of(self.mode, hd)
+        for name, on, freezable in (("kcol", self.kcol_on, kspec.kind.can_freeze),
+                                    ("vcol", self.vcol_on, vspec.kind.can_freeze)):
             _check(f"{name}_on", on, U8, (nkv,), self.owned)
             col = getattr(self, name)
             _check(name, col, F32, (nkv, hd), self.owned)
             if (on > 1).any():
                 raise ValueError(f"state.{name}_on: expected 0 or 1 per head")
-            if on.any() and not quantised:
+            if on.any() and not freezable:
                 raise ValueError(f"state.{name}_on: frozen columns on a component not stored "
                                  f"as int8")
             if on.any() and not self.mode.freezes_columns:

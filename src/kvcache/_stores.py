@@ -26,16 +26,19 @@ head's length), :meth:`~RowStore.shift` (compact a head's rows), :meth:`~RowStor
 read), ``row_bytes`` (sized by :mod:`kvcache.quant`, the one place row sizes are computed).
 
 What everything that carries a layer reads (the state's checks, the byte formats, the prefix
-store's entries): :meth:`RowStore.layout`, one :class:`Part` per array (dtype, width, rows per
-capacity) and :meth:`RowStore.head_rows` (which of a head's rows the byte formats carry), so
-that none of them branches on the kind.  The kind-specific reads (int8 rows, 4-bit codes) are
-the layer's own exports (``q8_rows``, ``k4_rows``, ``v4_rows``), which ask for the class.
+store's entries, the device mirrors): :func:`spec_of`, a :class:`Spec` had without allocating
+anything -- the kind, one :class:`Part` per array (dtype, width, rows per capacity, block
+rules), the bytes of a row -- and :meth:`RowStore.head_rows` (which of a head's rows the byte
+formats carry), so that none of them branches on the kind.  The kind-specific reads (int8
+rows, 4-bit codes) are the layer's own exports (``q8_rows``, ``k4_rows``, ``v4_rows``), which
+ask for the class.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, TypeVar, Union
 
 import numpy as np
@@ -48,8 +51,8 @@ from .modes import DEFAULT_SCHEME, KvMode
 if TYPE_CHECKING:
     from ._state import LayerState
 
-__all__ = ["F32Rows", "K4Rows", "Part", "Q8Rows", "RowStore", "V4Rows", "from_state",
-           "kernel_rows", "state_arrays", "stores_for"]
+__all__ = ["F32Rows", "K4Rows", "Part", "Q8Rows", "RowStore", "Spec", "V4Rows", "from_state",
+           "kernel_rows", "kind_of", "spec_of", "specs_of", "state_arrays", "stores_for"]
 
 F32 = npt.NDArray[np.float32]
 I8 = npt.NDArray[np.int8]
@@ -66,25 +69,53 @@ Index = Union[slice, IP]
 class Part:
     """One array of a storage kind, (nkv, rows, width): ``name`` is the store's attribute (the
     layer state's field is the component's letter then the name: ``kq``, ``vc``), ``per``
-    positions per element of axis 1 (1; 32 for 4-bit K's block parameters; 0 for a ring of
-    ``K4_RING`` slots, which a prefix-store entry does not carry), ``what`` names the rows in
-    errors (formatted with "key" or "value"), ``halves``: the byte formats may write it as
-    float16 (float32 rows); ``f16_bits``: uint16 holding float16 values (a device mirror
-    holds them as float16); ``settle``: a row is final only once a block of that many rows
-    closed (4-bit K's codes: a mirror re-uploads the open block)."""
+    positions per element of axis 1 (1; 32 for 4-bit K's block parameters), or ``fixed`` rows
+    whatever the capacity (4-bit K's ring of 64; a prefix-store entry does not carry such a
+    part, the kind rebuilds it), ``what`` names the rows in errors (formatted with "key" or
+    "value"), ``halves``: the byte formats may write it as float16 (float32 rows);
+    ``f16_bits``: uint16 holding float16 values (a device mirror holds them as float16);
+    ``settle``: a row is final only once a block of that many rows closed (4-bit K's codes: a
+    mirror re-uploads the open block, a store's load never reopens a block)."""
 
     name: str
     dtype: np.dtype[Any]
     width: int
     what: str
     per: int = 1
+    fixed: int = 0
     halves: bool = False
     f16_bits: bool = False
     settle: int = 1
 
     def rows(self, cap: int) -> int:
         """Rows along axis 1 for a store of ``cap`` rows per head."""
-        return K4_RING if self.per == 0 else -(-cap // self.per)
+        return self.fixed or -(-cap // self.per)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What component ``c`` of a mode is stored as at a head_dim, without any storage (what
+    the state's checks, the byte formats and the prefix store read; :func:`spec_of`): the
+    kind, its parts, the bytes of one stored row and the channels per scale (int8; else 0)."""
+
+    kind: type[RowStore]
+    parts: tuple[Part, ...]
+    row_bytes: int
+    group: int = 0
+
+    def head_rows(self, n: int) -> tuple[Index, ...]:
+        """:meth:`RowStore.head_rows` of the kind."""
+        return self.kind.head_rows(n)
+
+    @property
+    def carried(self) -> tuple[Part, ...]:
+        """The parts a prefix-store entry carries (those with rows per position)."""
+        return tuple(p for p in self.parts if not p.fixed)
+
+    @property
+    def settle(self) -> int:
+        """Rows after which every part's rows are final (:attr:`Part.settle`)."""
+        return max(p.settle for p in self.parts)
 
 
 class RowStore:
@@ -96,6 +127,9 @@ class RowStore:
     code: ClassVar[int] = 0
     #: the kernels' descriptor flag of the kind ("quant_{}", "{}4" with k or v), "" for float32
     _flag: ClassVar[str] = ""
+    #: whether the kind can freeze a column field (int8 rows, in the scheme "cmf")
+    can_freeze: ClassVar[bool] = False
+    group: int = 0                              # channels per scale (int8 rows)
 
     def __init__(self, nkv: int, hd: int, row_bytes: int) -> None:
         self.nkv, self.hd = nkv, hd
@@ -119,31 +153,44 @@ class RowStore:
         raise NotImplementedError
 
     @classmethod
-    def make(cls: type[S], c: str, mode: KvMode, nkv: int, hd: int) -> S:
+    def spec(cls, c: str, mode: KvMode, hd: int) -> Spec:
+        """This kind's :class:`Spec` for component ``c`` of ``mode`` at ``hd`` (ValueError for a
+        head_dim the kind cannot store); allocates nothing."""
+        raise NotImplementedError
+
+    @classmethod
+    def parts(cls, hd: int, group: int) -> tuple[Part, ...]:
+        """The kind's arrays at ``hd`` (``group`` channels per scale), in state order."""
+        raise NotImplementedError
+
+    @classmethod
+    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> RowStore:
         """An empty store of component ``c`` of ``mode`` (ValueError for a head_dim the kind
         cannot store)."""
         raise NotImplementedError
 
     def layout(self) -> tuple[Part, ...]:
         """The kind's arrays, in state order."""
-        raise NotImplementedError
+        return self.parts(self.hd, self.group)
 
     def arrays(self) -> dict[str, npt.NDArray[Any]]:
         """The kind's arrays by name (:attr:`Part.name`), in state order."""
         return {name: getattr(self, name) for name in self._names}
 
-    def head_rows(self, n: int) -> tuple[Index, ...]:
+    @classmethod
+    def head_rows(cls, n: int) -> tuple[Index, ...]:
         """Per part, the rows of a head holding ``n`` positions that the byte formats carry
         (axis 1 of the part's array): all ``n`` unless the kind says otherwise."""
-        return (slice(0, n),) * len(self._names)
+        return (slice(0, n),) * len(cls._names)
 
-    def rebuilt(self, carried: dict[str, npt.NDArray[Any]], n: int, m: int,
+    @classmethod
+    def rebuilt(cls, carried: dict[str, npt.NDArray[Any]], n: int, m: int,
                 own: dict[str, Optional[npt.NDArray[Any]]]) -> dict[str, npt.NDArray[Any]]:
-        """The parts a prefix-store entry does not carry (``per`` 0), by name, for heads that
-        hold ``n`` rows after a load: ``carried`` holds the other parts' arrays (every head's
-        ``n`` rows), rows below ``m`` were the cache's own before the load and ``own`` is the
-        cache's arrays by name (None where it held none).  Nothing, unless the kind says
-        otherwise."""
+        """The parts a prefix-store entry does not carry (:attr:`Part.fixed`), by name, for
+        heads that hold ``n`` rows after a load: ``carried`` holds the other parts' arrays
+        (every head's ``n`` rows), rows below ``m`` were the cache's own before the load and
+        ``own`` is the cache's arrays by name (None where it held none).  Nothing, unless the
+        kind says otherwise."""
         return {}
 
     def grown(self: S, cap: int, used: int) -> S:
@@ -205,15 +252,19 @@ class F32Rows(RowStore):
 
     @classmethod
     def takes(cls, c: str, mode: KvMode) -> bool:
-        return True                     # the last kind asked: what no other kind takes
+        return (mode.k_bits if c == "k" else mode.v_bits) == 32
+
+    @classmethod
+    def spec(cls, c: str, mode: KvMode, hd: int) -> Spec:
+        return Spec(cls, cls.parts(hd, 0), quant.v_row_bytes(hd, False))
+
+    @classmethod
+    def parts(cls, hd: int, group: int) -> tuple[Part, ...]:
+        return (Part("f", _F32, hd, "{}s", halves=True),)
 
     @classmethod
     def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> F32Rows:
-        return cls(nkv, hd, quant.v_row_bytes(hd, False))
-
-    def layout(self) -> tuple[Part, ...]:
-        return (Part("f", _F32, self.hd, "{}s", halves=True),)
-
+        return cls(nkv, hd, cls.spec(c, mode, hd).row_bytes)
     def write(self, x3: F32, live: U8, lengths: IP) -> None:
         _core.store_rows_f32(x__nhd=x3, alive__h=live, head_len__h=lengths, store__hcd=self.f)
 
@@ -224,7 +275,6 @@ class F32Rows(RowStore):
         return self.f[h, :n]
 
 
-
 class Q8Rows(RowStore):
     """int8 rows ``q`` (nkv, cap, hd), one float32 scale per ``group`` channels in ``s``
     (nkv, cap, ceil(hd / group)); ``cmf``: the store freezes its column field."""
@@ -233,6 +283,7 @@ class Q8Rows(RowStore):
     _names = ("q", "s")
     code = 1
     _flag = "quant_{}"
+    can_freeze = True
 
     def __init__(self, nkv: int, hd: int, row_bytes: int, group: int, cmf: bool) -> None:
         super().__init__(nkv, hd, row_bytes)
@@ -245,15 +296,22 @@ class Q8Rows(RowStore):
         return mode.quant_k if c == "k" else mode.quant_v
 
     @classmethod
-    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> Q8Rows:
-        if c == "k":
-            return cls(nkv, hd, quant.k_row_bytes(hd, scheme=mode.scheme),
-                       quant.k_group(mode.scheme), mode.freezes_columns)
-        return cls(nkv, hd, quant.v_row_bytes(hd), hd, mode.freezes_columns)
+    def spec(cls, c: str, mode: KvMode, hd: int) -> Spec:
+        if c == "k":           # K: the scheme's groups; V: one scale per row
+            group, size = quant.k_group(mode.scheme), quant.k_row_bytes(hd, scheme=mode.scheme)
+        else:
+            group, size = hd, quant.v_row_bytes(hd)
+        return Spec(cls, cls.parts(hd, group), size, group)
 
-    def layout(self) -> tuple[Part, ...]:
-        return (Part("q", np.dtype(np.int8), self.hd, "int8 {}s"),
-                Part("s", _F32, quant.n_groups(self.hd, self.group), "{} scales"))
+    @classmethod
+    def parts(cls, hd: int, group: int) -> tuple[Part, ...]:
+        return (Part("q", np.dtype(np.int8), hd, "int8 {}s"),
+                Part("s", _F32, quant.n_groups(hd, group), "{} scales"))
+
+    @classmethod
+    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> Q8Rows:
+        sp = cls.spec(c, mode, hd)
+        return cls(nkv, hd, sp.row_bytes, sp.group, mode.freezes_columns)
 
     @property
     def freezes(self) -> bool:
@@ -281,7 +339,6 @@ class Q8Rows(RowStore):
         return out
 
 
-
 class V4Rows(RowStore):
     """4-bit V rows (docs/kv4.md): codes ``c`` (nkv, cap, hd / 2) uint8, two per byte, and
     per 16 channels a float16 step and minimum in ``p`` (nkv, cap, 2 * ceil(hd / 16)), kept as
@@ -304,13 +361,19 @@ class V4Rows(RowStore):
         return c == "v" and mode.v4
 
     @classmethod
-    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> V4Rows:
-        return cls(nkv, hd, quant.v4_row_bytes(hd))
+    def spec(cls, c: str, mode: KvMode, hd: int) -> Spec:
+        quant.check_v4_head_dim(hd)
+        return Spec(cls, cls.parts(hd, 0), quant.v4_row_bytes(hd))
 
-    def layout(self) -> tuple[Part, ...]:
-        return (Part("c", np.dtype(np.uint8), self.hd // 2, "4-bit {}s"),
-                Part("p", np.dtype(np.uint16), 2 * quant.n_groups(self.hd, quant.V4_GROUP),
+    @classmethod
+    def parts(cls, hd: int, group: int) -> tuple[Part, ...]:
+        return (Part("c", np.dtype(np.uint8), hd // 2, "4-bit {}s"),
+                Part("p", np.dtype(np.uint16), 2 * quant.n_groups(hd, quant.V4_GROUP),
                      "{} parameters", f16_bits=True))
+
+    @classmethod
+    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> V4Rows:
+        return cls(nkv, hd, cls.spec(c, mode, hd).row_bytes)
 
     def write(self, x3: F32, live: U8, lengths: IP) -> None:
         _core.store_rows_v4(x__nhd=x3, alive__h=live, head_len__h=lengths, c__hcb=self.c,
@@ -349,16 +412,23 @@ class K4Rows(RowStore):
         return c == "k" and mode.k4
 
     @classmethod
-    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> K4Rows:
-        return cls(nkv, hd, quant.k4_row_bytes(hd))
+    def spec(cls, c: str, mode: KvMode, hd: int) -> Spec:
+        quant.check_k4_head_dim(hd)
+        return Spec(cls, cls.parts(hd, 0), quant.k4_row_bytes(hd))
 
-    def layout(self) -> tuple[Part, ...]:
-        return (Part("c", np.dtype(np.uint8), self.hd // 2, "4-bit {}s", settle=K4_BLOCK),
-                Part("p", np.dtype(np.uint16), 2 * self.hd, "{} parameters", per=K4_BLOCK,
+    @classmethod
+    def parts(cls, hd: int, group: int) -> tuple[Part, ...]:
+        return (Part("c", np.dtype(np.uint8), hd // 2, "4-bit {}s", settle=K4_BLOCK),
+                Part("p", np.dtype(np.uint16), 2 * hd, "{} parameters", per=K4_BLOCK,
                      f16_bits=True),
-                Part("r", _F32, self.hd, "{} ring", per=0))
+                Part("r", _F32, hd, "{} ring", fixed=K4_RING))
 
-    def head_rows(self, n: int) -> tuple[Index, ...]:
+    @classmethod
+    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> K4Rows:
+        return cls(nkv, hd, cls.spec(c, mode, hd).row_bytes)
+
+    @classmethod
+    def head_rows(cls, n: int) -> tuple[Index, ...]:
         """The codes and parameters of the closed blocks, the ring's slots of the last (up to
         64) rows."""
         q = n // K4_BLOCK * K4_BLOCK
@@ -395,15 +465,17 @@ class K4Rows(RowStore):
         out[lo:] = self.r[h, ring_slots(lo, n)]
         return out
 
-    def rebuilt(self, carried: dict[str, npt.NDArray[Any]], n: int, m: int,
+    @classmethod
+    def rebuilt(cls, carried: dict[str, npt.NDArray[Any]], n: int, m: int,
                 own: dict[str, Optional[npt.NDArray[Any]]]) -> dict[str, npt.NDArray[Any]]:
         """The ring: the cache's own rows below ``m`` (its originals), the loaded rows'
         values from their codes."""
-        ring = np.zeros((self.nkv, K4_RING, self.hd), dtype=_F32)
+        nkv, _, half = carried["c"].shape
+        ring = np.zeros((nkv, K4_RING, 2 * half), dtype=_F32)
         lo = max(0, n - K4_RING)
         slots, kept = ring_slots(lo, n), ring_slots(lo, max(lo, m))
         old = own.get("r")
-        for h in range(self.nkv):
+        for h in range(nkv):
             ring[h, slots] = quant.k4_values(carried["c"][h], carried["p"][h], n, lo)
             if old is not None:
                 ring[h, kept] = old[h, kept]
@@ -436,13 +508,28 @@ class K4Rows(RowStore):
                     + np.minimum(lengths, K4_RING) * 4 * self.hd).sum())
 
 
-#: the storage kinds, asked in order which one takes a component of a mode (the last takes all)
-_KINDS: tuple[type[RowStore], ...] = (K4Rows, Q8Rows, V4Rows, F32Rows)
+#: the storage kinds; exactly one takes each component of a mode (by its bits)
+_KINDS: tuple[type[RowStore], ...] = (F32Rows, Q8Rows, K4Rows, V4Rows)
 
 
 def kind_of(c: str, mode: KvMode) -> type[RowStore]:
     """The storage kind of component ``c`` ("k" or "v") of ``mode``."""
-    return next(kind for kind in _KINDS if kind.takes(c, mode))
+    for kind in _KINDS:
+        if kind.takes(c, mode):
+            return kind
+    raise ValueError(f"{mode!r}: no storage kind stores its {c.upper()}")
+
+
+@lru_cache(maxsize=256)
+def spec_of(c: str, mode: KvMode, hd: int) -> Spec:
+    """The :class:`Spec` of component ``c`` ("k" or "v") of ``mode`` at ``hd`` (ValueError for
+    a head_dim its kind cannot store); allocates nothing."""
+    return kind_of(c, mode).spec(c, mode, hd)
+
+
+def specs_of(mode: KvMode, hd: int) -> tuple[tuple[str, Spec], tuple[str, Spec]]:
+    """K's and V's :class:`Spec`, each with its component's letter."""
+    return ("k", spec_of("k", mode, hd)), ("v", spec_of("v", mode, hd))
 
 
 def stores_for(mode: KvMode, nkv: int, hd: int) -> tuple[RowStore, RowStore]:

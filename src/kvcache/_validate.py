@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = ["FloatArrayLike", "IntArrayLike", "as_array", "as_f32", "as_f32_scalar", "as_float",
-           "as_index", "as_int", "as_token_ids", "out_f32", "readonly", "readonly_or_none"]
+           "as_index", "as_int", "as_token_ids", "out_f32", "readonly"]
 
 F32 = npt.NDArray[np.float32]
 Shape = Sequence[Optional[int]]
@@ -164,11 +164,6 @@ def _fmt_shapes(shapes: Sequence[Shape]) -> str:
     parts = ["(" + ", ".join("n" if d is None else str(d) for d in s) + ("," if len(s) == 1 else "") + ")"
              for s in shapes]
     return " or ".join(parts)
-
-
-def readonly_or_none(arr: Optional[A]) -> Optional[A]:
-    """:func:`readonly` of ``arr``, or None for None."""
-    return None if arr is None else readonly(arr)
 
 
 def as_token_ids(ids: object, name: str = "ids", *, vocab: Optional[int] = None,

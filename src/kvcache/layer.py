@@ -372,13 +372,13 @@ class LayerKvCache(LayerBytes):
     def head_keys(self, h: int) -> F32:
         """Read-only float32 view (head_len(h), head_dim) of head h's keys.
 
-        Empty (0, head_dim) when K is stored as int8."""
+        Empty (0, head_dim) when K is not stored as float32 (int8, 4-bit)."""
         return self._floats(self._k, h)
 
     def head_values(self, h: int) -> F32:
         """Read-only float32 view (head_len(h), head_dim) of head h's values.
 
-        Empty (0, head_dim) when V is stored as int8."""
+        Empty (0, head_dim) when V is not stored as float32 (int8, 4-bit)."""
         return self._floats(self._v, h)
 
     def _floats(self, st: RowStore, h: int) -> F32:

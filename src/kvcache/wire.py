@@ -115,12 +115,11 @@ from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
 import numpy as np
 import numpy.typing as npt
 
-from . import quant
 from ._state import LayerState, scheme_conflict
-from ._stores import RowStore, kind_of, stores_for
+from ._stores import kind_of, specs_of
 from ._wire_io import (ALG_CRC32, ALG_NAMES as _ALG_NAMES, ALG_XXH3,
-                       F16_LE as _F16, F32_LE as _F32, I8 as _I8, KIND_LAYER, KIND_MODEL, MAGIC,
-                       READ_VERSIONS, U8 as _U8, U16_LE as _U16, VERSION, BufferLike, Fingerprint,
+                       F16_LE as _F16, F32_LE as _F32, KIND_LAYER, KIND_MODEL, MAGIC,
+                       READ_VERSIONS, VERSION, BufferLike, Fingerprint,
                        Hasher, Plan as _Plan, Reader as _Reader, WireError,
                        as_u8 as _as_u8, default_algorithm, digest, digest_name, fresh as _fresh,
                        hasher, pad as _pad, to_f32 as _f32)
@@ -340,13 +339,14 @@ def state_plan(st: LayerState, f16: bool = False) -> _Plan:
     plan.array(st.linear_state, _F32)
     plan.array(scratch, _F32)
     stores = st.stores()
-    kinds = _kinds(st.mode, hd)
-    for h in range(nkv):
-        n = int(lens[h])
-        for c, kind in kinds:        # each part's rows that the kind carries, in layout order
-            for part, sel in zip(kind.layout(), kind.head_rows(n)):
-                plan.array(stores[c + part.name][h, sel], _F16 if f16 and part.halves
-                           else part.dtype)
+    specs = specs_of(st.mode, hd)
+    # each part's rows that its kind carries, per head, in layout order
+    parts = [(stores[c + p.name], _F16 if f16 and p.halves else p.dtype)
+             for c, spec in specs for p in spec.parts]
+    for h, n in enumerate(lens.tolist()):
+        sels = [sel for _, spec in specs for sel in spec.head_rows(n)]
+        for (arr, dtype), sel in zip(parts, sels):
+            plan.array(arr[h, sel], dtype)
     if isinstance(o1, O1Collecting):
         if o1.keep != 0 or o1.ridge != RIDGE:
             raise ValueError(f"to_bytes: this layer collects for an O(1) seal with keep="
@@ -424,13 +424,6 @@ def _mode(qk: int, qv: int, code: int, version: int) -> KvMode:
 
 
 
-def _kinds(mode: KvMode, hd: int) -> tuple[tuple[str, RowStore], ...]:
-    """Empty K and V stores of ``mode`` (one head: a layout does not depend on the count),
-    with their components' letters: the layouts a body's rows follow (kvcache._stores)."""
-    k, v = stores_for(mode, 1, hd)
-    return ("k", k), ("v", v)
-
-
 def _count(rows: Union[slice, npt.NDArray[np.intp]]) -> int:
     """How many rows a :meth:`RowStore.head_rows` index selects."""
     return rows.stop - rows.start if isinstance(rows, slice) else int(rows.size)
@@ -454,7 +447,7 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     if 2 in (qk, qv) and hd % 8:
         raise WireError(f"4-bit rows need head_dim to be a multiple of 8, got {hd}")
     mode = _mode(qk, qv, code, rd.version)
-    kinds = _kinds(mode, hd)
+    specs = specs_of(mode, hd)
     budget = _ALLOC_FACTOR * (rd.end - rd.pos) + _ALLOC_SLACK
     seq_len, imp_len, n_lin, n_scr = rd.unpack("QQQQ", "layer lengths")
     if seq_len > MAX_POSITIONS:
@@ -484,37 +477,36 @@ def parse_layer(rd: _Reader, num_kv_heads: Optional[int] = None,
     imp = _f32(rd.array(_F32, imp_len, "importance"), (imp_len,))
     lin = _f32(rd.array(_F32, n_lin, "linear_state"), (n_lin,))
     scr = _f32(rd.array(_F32, n_scr, "linear_scratch"), (n_scr,))
+    # the parts a head's rows are read into, in order: (state field, part, dtype as stored,
+    # label) -- float32 rows as float16 when the body says so
+    parts = [(c + p.name, p, _F16 if f16 and p.halves else p.dtype.newbyteorder("<"),
+              p.what.format("key" if c == "k" else "value"))
+             for c, spec in specs for p in spec.parts]
     # the rows must be present before storage for them is allocated (a crafted header must
     # not make us allocate what the buffer does not hold)
+    rows_of = {int(n): tuple(sel for _, spec in specs for sel in spec.head_rows(int(n)))
+               for n in set(lens.tolist())}
     need = 0
-    for n in (int(x) for x in lens):
-        for c, kind in kinds:
-            for part, rows in zip(kind.layout(), kind.head_rows(n)):
-                size = (2 if f16 and part.halves else part.dtype.itemsize)
-                size *= _count(rows) * part.width
-                need += size + _pad(size)
+    for n in lens.tolist():
+        for (_, part, dtype, _), sel in zip(parts, rows_of[n]):
+            size = dtype.itemsize * _count(sel) * part.width
+            need += size + _pad(size)
     if need > rd.end - rd.pos:
         raise WireError(f"{rd.what}: truncated: the head lengths {lens.tolist()} need {need} bytes "
                         f"of rows, {rd.end - rd.pos} left")
     cap = int(lens.max(initial=0))
-    store_bytes = nkv * cap * sum(kind.row_bytes for _, kind in kinds)
+    store_bytes = nkv * cap * sum(spec.row_bytes for _, spec in specs)
     if store_bytes > budget:
         raise WireError(f"{rd.what}: {nkv} heads of up to {cap} rows would need {store_bytes} bytes "
                         f"of storage, more than {_ALLOC_FACTOR}x the buffer; refused")
-    arrays: dict[str, npt.NDArray[Any]] = {}
-    for c, kind in kinds:
-        for part in kind.layout():
-            arrays[c + part.name] = np.zeros((nkv, part.rows(cap), part.width), part.dtype)
-    for h in range(nkv):
-        n = int(lens[h])
-        for c, kind in kinds:
-            noun = "key" if c == "k" else "value"
-            for part, rows in zip(kind.layout(), kind.head_rows(n)):
-                count = _count(rows)
-                dtype = _F16 if f16 and part.halves else part.dtype.newbyteorder("<")
-                got = rd.array(dtype, count * part.width,
-                               f"head {h} " + part.what.format(noun))
-                arrays[c + part.name][h, rows] = got.reshape(count, part.width)
+    arrays: dict[str, npt.NDArray[Any]] = {
+        name: np.zeros((nkv, part.rows(cap), part.width), part.dtype)
+        for name, part, _, _ in parts}
+    for h, n in enumerate(lens.tolist()):
+        for (name, part, dtype, what), sel in zip(parts, rows_of[n]):
+            count = _count(sel)
+            got = rd.array(dtype, count * part.width, f"head {h} {what}")
+            arrays[name][h, sel] = got.reshape(count, part.width)
     o1: Union[O1Collecting, O1Sealed, None] = None
     if o1_kind == 1:
         m, w, sink, rect, tlen = rd.unpack("IIIIQ", "O(1) collecting parameters")

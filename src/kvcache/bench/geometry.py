@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .._stores import stores_for
+from .._stores import specs_of
 from ..modes import KvMode
 
 
@@ -34,8 +34,8 @@ class Geometry:
 
     def step_bytes(self, context: int, mode_name: str) -> int:
         """Bytes of K and V rows (and q8 scales) one decode step reads at ``context`` rows."""
-        k, v = stores_for(make_mode(mode_name), 1, self.head_dim)
-        return self.num_kv_heads * context * (k.row_bytes + v.row_bytes)
+        specs = specs_of(make_mode(mode_name), self.head_dim)
+        return self.num_kv_heads * context * sum(spec.row_bytes for _, spec in specs)
 
 
 GEOMETRIES = {g.key: g for g in (Geometry("llama3-8b", "Llama-3-8B", 32, 8, 128),

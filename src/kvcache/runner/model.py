@@ -54,6 +54,7 @@ import numpy.typing as npt
 
 from .. import _deprecated
 from .._prefill_steps import step_ends
+from .._stores import specs_of
 from .._threads import BlasGovernor, usable_cpus
 from .._validate import IntArrayLike, as_int, as_token_ids
 from ..eviction import EvictionPolicy
@@ -703,10 +704,13 @@ class Runner:
             marks: dict[int, Array | None] = {}
             try:                              # all_logits: every position's are computed
                 # the prompt's last hidden row, when stored, spares its chunk's computation;
-                # not with 4-bit K, whose roll-back ring would then hold rows rebuilt from the
-                # loaded codes where a cold run's holds the computed ones (docs/store.md)
+                # not when a kind rebuilds a part the entries do not carry (4-bit K's roll-back
+                # ring: rows rebuilt from the loaded codes where a cold run's holds the
+                # computed ones; docs/store.md)
+                rebuilds = any(spec.carried != spec.parts
+                               for _, spec in specs_of(self.mode, self.config.head_dim))
                 last = (st.load_output(arr, self.cache, self.config.hidden_size)
-                        if not all_logits and n % b == 0 and not self.mode.k4 else None)
+                        if not all_logits and n % b == 0 and not rebuilds else None)
                 keep = 0 if all_logits else load_prefix(st, arr, self.cache,
                                                         chunk=self.prefill_chunk,
                                                         whole=last is not None)

@@ -69,7 +69,7 @@ import numpy.typing as npt
 
 from .. import wire
 from .._state import LayerState
-from .._stores import stores_for
+from .._stores import specs_of
 from .keys import Geometry
 
 __all__ = ["EntryError", "MAGIC", "VERSION", "HEADER_SIZE", "DIGEST_SIZE", "Field", "layer_fields",
@@ -126,10 +126,9 @@ def layer_fields(geom: Geometry) -> tuple[tuple[Field, ...], int]:
     if not geom.mode.is_f32:
         specs += [("kcol_on", _U8, (g,), 1), ("vcol_on", _U8, (g,), 1),
                   ("kcol", _F32, (g, d), 1), ("vcol", _F32, (g, d), 1)]
-    k, v = stores_for(geom.mode, 1, d)
-    for c, st in (("k", k), ("v", v)):      # the storage kinds' parts, rings excepted
+    for c, spec in specs_of(geom.mode, d):     # the parts with rows per position
         specs += [(c + p.name, p.dtype.newbyteorder("<"), (g, b // p.per, p.width), p.per)
-                  for p in st.layout() if p.per]
+                  for p in spec.carried]
     specs.append(("importance", _F32, (b,), 1))
     out: list[Field] = []
     off = 0

@@ -31,6 +31,7 @@ rest of its life (one warning): ``put`` stores nothing and ``longest_prefix``/``
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -41,7 +42,7 @@ import numpy.typing as npt
 
 from .. import quant
 from .._state import LayerState
-from .._stores import stores_for
+from .._stores import specs_of
 from ..layer import LayerKvCache
 from ..model import KvCache
 from ..modes import KvMode
@@ -446,10 +447,11 @@ class PrefixStore:
             raise ValueError(f"block={self._block}: a {mode!r} cache needs block > "
                              f"{quant.COL_WARMUP} (its column fields freeze after "
                              f"{quant.COL_WARMUP} positions and requantise every row)")
-        per = max(p.per for st in stores_for(mode, 1, cache.head_dim) for p in st.layout())
-        if self._block % per:          # 4-bit K: one set of parameters per 32 rows
+        unit = math.lcm(*(max(p.per, p.settle) for _, spec in specs_of(mode, cache.head_dim)
+                          for p in spec.parts))
+        if self._block % unit:          # 4-bit K: quantised 32 rows at a time
             raise ValueError(f"block={self._block}: a {mode!r} cache needs a block that is a "
-                             f"multiple of {per} (its K is quantised {per} rows at a time)")
+                             f"multiple of {unit} (its rows are quantised in blocks of {unit})")
         return Geometry(len(layers), cache.num_kv_heads, cache.head_dim, mode, self._block)
 
     def _read(self, geom: Geometry, states: list[LayerState], first: int, raw: list[bytes],
@@ -575,7 +577,7 @@ class PrefixStore:
             return None
         n = m + good * b
         out: list[LayerState] = []
-        kinds = tuple(zip("kv", stores_for(geom.mode, g, geom.head_dim)))
+        specs = specs_of(geom.mode, geom.head_dim)
         for i, (st, d) in enumerate(zip(states, dest)):
             if m or geom.mode.is_f32 or col_arrays is None:
                 kcol, vcol = np.array(st.kcol), np.array(st.vcol)
@@ -585,12 +587,12 @@ class PrefixStore:
                 kcol, vcol = np.array(src["kcol"]), np.array(src["vcol"])
                 kon, von = np.array(src["kcol_on"]), np.array(src["vcol_on"])
             arrays = {f.name: d[f.name] for f in rows}
-            for c, kind in kinds:
+            for c, spec in specs:
                 # what the entries do not carry (4-bit K's ring), from what they do
-                carried = {name[1:]: a for name, a in arrays.items() if name[0] == c}
-                own = {name: getattr(st, c + name) for name in kind.arrays()}
+                carried = {p.name: arrays[c + p.name] for p in spec.carried}
+                own = {p.name: getattr(st, c + p.name) for p in spec.parts}
                 arrays.update((c + name, a) for name, a in
-                              kind.rebuilt(carried, n, m, own).items())
+                              spec.kind.rebuilt(carried, n, m, own).items())
             out.append(LayerState(
                 mode=geom.mode, num_kv_heads=g, head_dim=geom.head_dim, seq_len=n,
                 lengths=np.full(g, n, dtype=np.intp), kcol=kcol, vcol=vcol, kcol_on=kon,
@@ -668,9 +670,9 @@ def _check_state(i: int, st: LayerState, n: int, what: str) -> None:
                          f"importance for {st.importance.shape[0]} of its {n} positions (dead "
                          f"heads or evicted rows), which the prefix store does not handle")
     if st.mode.freezes_columns and n > quant.COL_WARMUP:
-        for name, quantised, on in (("key", st.mode.quant_k, st.kcol_on),
-                                    ("value", st.mode.quant_v, st.vcol_on)):
-            if quantised and not on.all():
+        for (_, spec), name, on in zip(specs_of(st.mode, st.head_dim), ("key", "value"),
+                                       (st.kcol_on, st.vcol_on)):
+            if spec.kind.can_freeze and not on.all():
                 raise ValueError(f"{what}: layer {i} holds {n} int8 {name} rows without frozen "
                                  f"column fields (not what appending them gives)")
     elif st.any_col_frozen():

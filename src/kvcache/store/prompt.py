@@ -34,7 +34,7 @@ from collections.abc import Collection, Iterator
 from typing import Optional, Union
 
 from .. import quant
-from .._entry import K4_BLOCK
+from .._stores import specs_of
 from ..model import KvCache
 from .keys import as_fingerprint, as_ids
 from .prefix import BackendSpec, PrefixStore
@@ -149,8 +149,9 @@ def load_prefix(store: PrefixStore, ids: object, cache: KvCache, *,
         return n
     keep = min(loaded, most)
     mode = cache.layers[0].mode
-    if keep < loaded and mode.k4:
-        keep -= keep % math.lcm(c, K4_BLOCK)      # no 4-bit K block is reopened
+    settle = max(spec.settle for _, spec in specs_of(mode, cache.head_dim))
+    if keep < loaded and settle > 1:
+        keep -= keep % math.lcm(c, settle)        # no 4-bit K block is reopened
     if keep <= quant.COL_WARMUP and mode.freezes_columns:
         keep = 0
     if keep == 0 and loaded:
