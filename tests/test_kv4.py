@@ -200,30 +200,6 @@ def test_decode_and_prompt_attention_match_the_twin(mode, hd):
             assert np.allclose(got, want, rtol=2e-4, atol=2e-5), kw
 
 
-def test_the_prompt_kernel_scores_4bit_keys_as_decode_does():
-    """Prompt attention scores 4-bit K with decode's integer arithmetic (the query folded per
-    block and quantised per 16 channels), not as float32 dot products with the keys' values:
-    with a query whose channel 0 dwarfs the others the two differ, and the kernel follows the
-    integer twin closely and the float one not."""
-    rng = np.random.default_rng(5)
-    hd, n = 64, 72                                   # two closed blocks and 8 ring rows
-    layer = kc.LayerKvCache(1, hd, mode="q4k")
-    k = rng.standard_normal((n, 1, hd)).astype(np.float32)
-    v = rng.standard_normal((n, 1, hd)).astype(np.float32)
-    k[:, 0, 0] = 0.0                    # channel 0: a constant offset to every row but one
-    k[3::32, 0, 0] = -4.0               # per block, which its score leaves out of the softmax
-    layer.append(k, v)
-    q = rng.standard_normal((30, 1, hd)).astype(np.float32)
-    q[:, :, 0] = 300.0                  # the folded query's group 0: the other channels ~0
-    got = layer.attend_all_heads(q)
-    integer = R.attend_all_heads(layer, q)
-    values = kc.LayerKvCache(1, hd, mode="f32")      # float32 scores of the same key values
-    values.append(layer.head_rows(0)[0][:, None, :], v)
-    floats = values.attend_all_heads(q)
-    assert float(np.abs(got - integer).max()) < 1e-5
-    assert float(np.abs(got - floats).max()) > 0.1
-
-
 @pytest.mark.parametrize("mode", V4_MODES)
 def test_4bit_values_are_what_attention_reads(mode):
     """Against float32 attention over the dequantised values (the same keys): 4-bit V is

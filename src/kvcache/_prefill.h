@@ -14,16 +14,12 @@
  *                multiples; a query takes the tiles that meet [f, e) in increasing order, and
  *                in each only its visible rows.
  *   scores       s = dot * scale, where dot = fma(q[d], k[d], dot) over the channels d in
- *                increasing order from 0 (one chain, no lanes) for float32 keys; for int8
+ *                increasing order from 0 (one chain, no lanes) for float32 keys and for 4-bit
+ *                keys, read as their values fmaf(code, s, m) (docs/kv4.md), and for int8
  *                keys the raw q8 score of _kernels.h (the query quantised per K group of 16
- *                or 32 channels, exact int32 group sums, groups combined with fmaf in order:
- *                the bits the decode kernel gives; kvc_pf_qk8 forms the sums 16 keys x
- *                several queries at a time); for 4-bit keys the decode kernel's raw score
- *                itself (kvc_k4_raw: per closed block the query folded with the block's
- *                steps and quantised per 16 channels, exact int32 group sums against the
- *                codes, groups combined with fmaf in order, plus the bias; the open block's
- *                rows from the ring with kvc_dot_f32; docs/kv4.md).  Softcap (> 0):
- *                s = cap * tanhf(s / cap) for finite s.
+ *                or 32 channels, exact int32 group sums, groups combined with fmaf in order: the bits
+ *                the decode kernel gives; kvc_pf_qk8 forms the sums 16 keys x several queries
+ *                at a time).  Softcap (> 0): s = cap * tanhf(s / cap) for finite s.
  *   online max   m' = max(m, max of the tile's visible scores), NaN ignored, m starts at -inf;
  *                mu = m' (0 while m' is -inf); alpha = exp(m - mu); p = exp(s - mu) with
  *                kvc_expf (the same function scalar and 8-wide).  The tile's max runs in 8
@@ -75,8 +71,8 @@ KVC_INLINE void kvc_pf_prefetch(const void *base, ptrdiff_t p0, ptrdiff_t p1, pt
  *      major inside a strip: the score kernel reads 16 keys of one channel contiguously);
  *   V  Vp[s * 64 * 16 + r * 16 + c] = v_p[16 s + c],  p = t0 + r  (strips of 16 channels, 0
  *      past head_dim).
- * float32 K only (int8 K has its own tile, kvc_pf_load_k8 below; 4-bit K is scored straight
- * from its codes, kvc_k4_raw); int8 V rows are dequantised on the way: (float)v8[d] * vs.
+ * float32 K only (int8 K has its own tile, kvc_pf_load_k8 below; 4-bit K is read as its
+ * values, kvc_pf_load_k4); int8 V rows are dequantised on the way: (float)v8[d] * vs.
  * Columns of K outside [r0, r1) hold other stored rows or copies (their scores are never
  * used); V rows outside [r0, r1) are not written (never read).
  * ------------------------------------------------------------------------------------- */
@@ -104,6 +100,72 @@ KVC_INLINE void kvc_pf_load_k(const float *kf, ptrdiff_t t0, ptrdiff_t r0, ptrdi
         for (; d < hd; ++d)
             for (i = 0; i < 8; ++i)
                 dst[d * 16 + i] = kf[src[i] * hd + d];
+    }
+}
+
+/* 4-bit K (docs/kv4.md) into the packed K tile, in kvc_pf_load_k's layout and row range: a
+ * row of a closed block as its values fmaf(code, s, m), a row of the open block as the ring
+ * holds it.  Eight rows of one closed block come from one 32-byte load per channel octet
+ * (the block layout puts eight rows in the lanes: no transpose); other groups of eight rows
+ * (the open block, the tile's last rows) are gathered row by row and transposed into place
+ * as kvc_pf_load_k does.  tmp: KVC_PF_K4_TMP(hd) floats. */
+KVC_INLINE void kvc_pf_load_k4(const kvc_k4 *K, ptrdiff_t t0, ptrdiff_t r0, ptrdiff_t r1,
+                               ptrdiff_t hd, float *restrict Kp, float *restrict tmp)
+{
+    const ptrdiff_t B = KVC_K4_BLOCK;
+    float *pf = tmp, *rows = tmp + 2 * hd;          /* 8 rows of hd */
+    ptrdiff_t g, d, i, o, blk = -1;
+    for (g = (r0 - t0) / 8 * 8; g < r1 - t0; g += 8) {
+        float *dst = Kp + (g / 16) * hd * 16 + (g % 16);
+        const ptrdiff_t p8 = t0 + g;
+        const float *src[8];
+        if (p8 + 8 <= r1 && p8 + 8 <= K->qlen) {
+            if (p8 / B != blk) {
+                blk = p8 / B;
+                kvc_k4_params(K->par + blk * 2 * hd, hd, pf);
+            }
+            const uint8_t *cb = K->codes + blk * B * (hd / 2) + (p8 % B) * 4;
+            for (o = 0; o < hd / 8; ++o) {
+                const kvc_i8x u = kvc_i8x_loadb(cb + o * 4 * B);
+#pragma GCC unroll 8
+                for (i = 0; i < 8; ++i) {
+                    d = 8 * o + i;      /* byte i % 4 of each lane, low nibble for i < 4 */
+                    kvc_f8 x = kvc_i8x_to_f8(kvc_i8x_field(u, (int)(8 * (i % 4) + 4 * (i / 4))));
+                    kvc_f8_store(dst + d * 16, kvc_f8_fma(x, kvc_f8_bcast(pf + d),
+                                                          kvc_f8_bcast(pf + hd + d)));
+                }
+            }
+            continue;
+        }
+        for (i = 0; i < 8; ++i) {
+            ptrdiff_t p = p8 + i < r1 ? p8 + i : r1 - 1;
+            float *row = rows + i * hd;
+            int shift;
+            if (p >= K->qlen) {
+                src[i] = K->ring + (p % KVC_K4_RING) * hd;
+                continue;
+            }
+            if (p / B != blk) {
+                blk = p / B;
+                kvc_k4_params(K->par + blk * 2 * hd, hd, pf);
+            }
+            const uint8_t *cb = K->codes + blk * B * (hd / 2);
+            for (d = 0; d < hd; ++d) {
+                ptrdiff_t byte = kvc_k4_byte(p % B, d, &shift);
+                row[d] = fmaf((float)((cb[byte] >> shift) & 15), pf[d], pf[hd + d]);
+            }
+            src[i] = row;
+        }
+        for (d = 0; d + 8 <= hd; d += 8) {         /* hd is a multiple of 8 */
+            kvc_f8 a[8];
+#pragma GCC unroll 8
+            for (i = 0; i < 8; ++i)
+                a[i] = kvc_f8_load(src[i] + d);
+            kvc_f8_transpose8(a);
+#pragma GCC unroll 8
+            for (i = 0; i < 8; ++i)
+                kvc_f8_store(dst + (d + i) * 16, a[i]);
+        }
     }
 }
 
@@ -685,9 +747,8 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
             continue;
         if (pbuf)   /* the tile's scores and probabilities stay in the task's buffer */
             S = pbuf + ti * nq * KVC_PF_TILE;
-        if (quant_k == KVC_K_Q4)    /* the decode kernel's integer scores, straight into S */
-            kvc_k4_raw(k4, q + ja * hd, jb - ja, qf + ja, qe + ja, r0, r1, hd,
-                       S + ja * KVC_PF_TILE, KVC_PF_TILE, t0, alpha + nq + 16);
+        if (quant_k == KVC_K_Q4)
+            kvc_pf_load_k4(k4, t0, r0, r1, hd, Kp, alpha + nq + 16);   /* KVC_PF_K4_TMP */
         else if (!quant_k)
             kvc_pf_load_k(kf, t0, r0, r1, hd, Kp);
         else
@@ -701,7 +762,7 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
             kvc_pf_scores8(qi + ja * KVC_I8_PAD(hd), qsc + ja * ng, qsum + ja * ng, ng, jb - ja,
                            K8, K8sc, hd, group, r0 - t0, r1 - t0, S + ja * KVC_PF_TILE,
                            KVC_PF_TILE);
-        } else if (!quant_k) {
+        } else {
             kvc_pf_scores(q + ja * hd, hd, jb - ja, Kp, hd, r0 - t0, r1 - t0,
                           S + ja * KVC_PF_TILE, KVC_PF_TILE);
         }
@@ -855,9 +916,11 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
     r1 = r1 < t1 ? r1 : t1;
     if (ja < 0)
         return;
-    if (!quant_k)
+    if (quant_k == KVC_K_Q4)
+        kvc_pf_load_k4(k4, t0, r0, r1, hd, Kp, S + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS);
+    else if (!quant_k)
         kvc_pf_load_k(kf, t0, r0, r1, hd, Kp);
-    else if (quant_k == KVC_K_Q8)
+    else
         kvc_pf_load_k8(kq, ks, ks_stride, ng, t0, r0, r1, hd, K8, K8sc);
     for (j = ja; j < jb; j += KVC_PF_IMP_QUERIES) {
         ptrdiff_t nr = jb - j < KVC_PF_IMP_QUERIES ? jb - j : KVC_PF_IMP_QUERIES, i;
@@ -875,10 +938,7 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
         }
         if (c0 >= c1)
             continue;
-        if (quant_k == KVC_K_Q4) {   /* the same integer scores as the task's */
-            kvc_k4_raw(k4, q + j * hd, nr, qf + j, qe + j, t0 + c0, t0 + c1, hd, S,
-                       KVC_PF_IMP_ROWS, t0, S + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS);
-        } else if (quant_k == KVC_K_Q8) {
+        if (quant_k == KVC_K_Q8) {
             kvc_pf_scores8(qi + j * KVC_I8_PAD(hd), qsc + j * ng, qsum + j * ng, ng, nr, K8,
                            K8sc, hd, group, c0, c1, S, KVC_PF_IMP_ROWS);
         } else {

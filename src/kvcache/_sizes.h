@@ -35,7 +35,7 @@
 #define KVC_I8_GROUPS(hd, group) (((hd) + (group) - 1) / (group))
 
 /* the prompt kernel (_prefill.h) */
-#define KVC_PF_K4_TMP(hd) KVC_K4_SCRATCH(hd) /* 4-bit K: the decode scorer's scratch */
+#define KVC_PF_K4_TMP(hd) (10 * (hd)) /* 4-bit K tile loader: a block's parameters, 8 rows */
 #define KVC_PF_TILE 64 /* rows per key/value tile, at absolute row multiples */
 #define KVC_PF_QR 6    /* queries per register block (scores and values) */
 #define KVC_PF_PAD16(hd) (((hd) + 15) / 16 * 16)

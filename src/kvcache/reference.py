@@ -361,9 +361,8 @@ def k4_scores(q__jd: F32, kc__cb: U8, kp__bq: U16, kr__rd: F32, n: int,
 
 
 def k4_keys(kc__cb: U8, kp__bq: U16, kr__rd: F32, n: int) -> F32:
-    """One KV group's first ``n`` 4-bit K rows as their values (docs/kv4.md): a closed
-    block's rows as fmaf(code, step, minimum), the open block's from the ring (what
-    ``head_rows`` gives; the kernels score the codes, ``k4_scores``)."""
+    """One KV group's first ``n`` 4-bit K rows as the prompt kernel reads them (docs/kv4.md):
+    a closed block's rows as fmaf(code, step, minimum), the open block's from the ring."""
     out = k4_values(kc__cb, kp__bq, n)
     q = n // K4_BLOCK * K4_BLOCK
     out[q:] = kr__rd[ring_slots(q, n)]
@@ -478,8 +477,7 @@ def attend_rows(rows: Rows, call: AttendCall) -> None:
 def attend_blocked(rows: Rows, call: AttendCall) -> None:
     """NumPy twin of ``_core.attend_blocked``: the same visible ranges and arithmetic in one
     softmax per query (the kernel's tiles change only the rounding).  int8 keys are
-    scored with the integer arithmetic of ``q8_scores`` and 4-bit keys with that of
-    ``k4_scores`` (bit for bit: the decode kernel's raw scores), int8 values are
+    scored with the integer arithmetic of ``q8_scores`` (bit for bit), int8 values are
     dequantised as int8 value times scale, every visible row is summed (no skip rule), the
     output is (sum of exp(s - max) * v) / (sum of exp(s - max)), times the V column in q8.
     Importance (imp_mode 2) is each query's exp(s - max) / sum added in (group, query) order:
@@ -502,10 +500,8 @@ def attend_blocked(rows: Rows, call: AttendCall) -> None:
         per = cnt // n_pos
         stored = int(head_len__h[g])
         keys = None if quant_k else kf__hcd[g, :stored]                        # (T, hd)
-        k4_raw = None                   # 4-bit keys: the decode kernel's raw scores, all of them
         if rows.k4 and rows.kc4 is not None and rows.kp is not None and rows.kr is not None:
-            k4_raw = _k4_raw(q__jd[int(group_q0[g]):int(group_q0[g + 1])], rows.kc4[g],
-                             rows.kp[g], rows.kr[g], stored)                 # (cnt, stored)
+            keys = k4_keys(rows.kc4[g], rows.kp[g], rows.kr[g], stored)      # their values
         if rows.v4 and rows.vc4 is not None and rows.vp is not None:
             vals = dequantize_v4(rows.vc4[g, :stored], rows.vp[g, :stored],
                                  q__jd.shape[1])                               # (T, hd)
@@ -519,9 +515,7 @@ def attend_blocked(rows: Rows, call: AttendCall) -> None:
             if e <= f:
                 continue
             with np.errstate(invalid="ignore", over="ignore"):
-                if k4_raw is not None:
-                    sc = k4_raw[jl, f:e] * scale                                # (r,)
-                elif keys is None:                                              # q8 scoring
+                if keys is None:                                                # q8 scoring
                     raw = np.zeros((1, e - f), dtype=_F32)
                     q8_scores(q__jd[j][None, :], kq__hcd[g, f:e], ks__hcg[g, f:e], raw, k_group)
                     sc = raw[0] * scale                                         # (r,)
