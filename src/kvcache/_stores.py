@@ -265,6 +265,7 @@ class F32Rows(RowStore):
     @classmethod
     def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> F32Rows:
         return cls(nkv, hd, cls.spec(c, mode, hd).row_bytes)
+
     def write(self, x3: F32, live: U8, lengths: IP) -> None:
         _core.store_rows_f32(x__nhd=x3, alive__h=live, head_len__h=lengths, store__hcd=self.f)
 
