@@ -91,6 +91,11 @@ class Part:
         """Rows along axis 1 for a store of ``cap`` rows per head."""
         return self.fixed or -(-cap // self.per)
 
+    @property
+    def by_row(self) -> bool:
+        """Whether axis 1 is indexed by position (one element per row, not fixed)."""
+        return self.per == 1 and not self.fixed
+
 
 @dataclass(frozen=True)
 class Spec:
@@ -166,8 +171,8 @@ class RowStore:
     @classmethod
     def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> RowStore:
         """An empty store of component ``c`` of ``mode`` (ValueError for a head_dim the kind
-        cannot store)."""
-        raise NotImplementedError
+        cannot store); a kind whose constructor takes more than (nkv, hd, row_bytes) says how."""
+        return cls(nkv, hd, cls.spec(c, mode, hd).row_bytes)
 
     def layout(self) -> tuple[Part, ...]:
         """The kind's arrays, in state order."""
@@ -261,10 +266,6 @@ class F32Rows(RowStore):
     @classmethod
     def parts(cls, hd: int, group: int) -> tuple[Part, ...]:
         return (Part("f", _F32, hd, "{}s", halves=True),)
-
-    @classmethod
-    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> F32Rows:
-        return cls(nkv, hd, cls.spec(c, mode, hd).row_bytes)
 
     def write(self, x3: F32, live: U8, lengths: IP) -> None:
         _core.store_rows_f32(x__nhd=x3, alive__h=live, head_len__h=lengths, store__hcd=self.f)
@@ -372,10 +373,6 @@ class V4Rows(RowStore):
                 Part("p", np.dtype(np.uint16), 2 * quant.n_groups(hd, quant.V4_GROUP),
                      "{} parameters", f16_bits=True))
 
-    @classmethod
-    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> V4Rows:
-        return cls(nkv, hd, cls.spec(c, mode, hd).row_bytes)
-
     def write(self, x3: F32, live: U8, lengths: IP) -> None:
         _core.store_rows_v4(x__nhd=x3, alive__h=live, head_len__h=lengths, c__hcb=self.c,
                             p__hcp=self.p)
@@ -423,10 +420,6 @@ class K4Rows(RowStore):
                 Part("p", np.dtype(np.uint16), 2 * hd, "{} parameters", per=K4_BLOCK,
                      f16_bits=True),
                 Part("r", _F32, hd, "{} ring", fixed=K4_RING))
-
-    @classmethod
-    def make(cls, c: str, mode: KvMode, nkv: int, hd: int) -> K4Rows:
-        return cls(nkv, hd, cls.spec(c, mode, hd).row_bytes)
 
     @classmethod
     def head_rows(cls, n: int) -> tuple[Index, ...]:

@@ -248,8 +248,7 @@ class LayerMirror(Mirror):
             if part.f16_bits:
                 hosts[name] = hosts[name].view(np.float16)
         # parts not indexed by row (4-bit K's block parameters and ring): copied whole
-        whole = {name: hosts.pop(name) for name, part in layout.items()
-                 if part.per != 1 or part.fixed}
+        whole = {name: hosts.pop(name) for name, part in layout.items() if not part.by_row}
         need = int(lens.max(initial=0))
         moved = 0
         same_fields = set(hosts) | set(whole) == set(self._rows)
