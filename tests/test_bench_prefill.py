@@ -10,7 +10,7 @@ import json
 import pytest
 
 from kvcache import bench
-from kvcache.bench import tables
+from kvcache.bench import tables, timing
 from kvcache.bench import prefill as bp
 from kvcache.bench.geometry import GEOMETRIES
 from kvcache.bench.registry import sections
@@ -160,6 +160,7 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
     assert "prefill: prompt attention" in text and "WARNING" not in text
     assert "4-bit KV" in text and " q4 " in text and " k8v4 " in text
     assert "q8 without importance" in text
+    assert bp.PAIRED_NOTE.strip("; ") in " ".join(text.split())
     data = json.loads(path.read_text())["sections"]["prefill"]
     assert data["settings"]["contexts"] == [256, 384] and data["settings"]["repeats"] == 1
     assert data["settings"]["geometries"] == ["qwen2.5-0.5b"] and data["peak_gflops"] > 0
@@ -171,6 +172,12 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
         assert r["f32"]["matches"] and r["q8"]["matches"]
         assert r["f32"]["max_abs_diff"] < r["q8"]["max_abs_diff"]
         assert r["q8_vs_f32"] > 0
+        # the cells ran side by side, a sample each per round, and ratios pair the rounds
+        timed = ("f32", "q8", "q4", "k8v4", "f32_noimp", "q8_noimp", "sdpa")
+        assert len({len(r[n]["samples_s"]) for n in timed}) == 1
+        assert r["q8_vs_f32"] == timing.paired_ratio(r["f32"]["samples_s"], r["q8"]["samples_s"])
+        assert r["vs_sdpa"]["f32"] == timing.paired_ratio(r["sdpa"]["samples_s"],
+                                                          r["f32"]["samples_s"])
         for m in ("f32", "q8"):             # without importance: the same outputs
             assert not r[f"{m}_noimp"]["skipped"] and r[f"{m}_noimp"][f"same_as_{m}"] is True
         assert r["vs_sdpa"]["q8_noimp"] > 0 and r["q8_noimp_vs_f32_noimp"] > 0
@@ -181,6 +188,8 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
     assert row["context"] == 256 and row["max_abs_logit_diff"] < 1e-3
     for name in ("f32", "q8"):
         assert row[name]["s"] > 0 and row[name]["target_met"] is None
+        assert row[name]["vs_transformers"] == timing.paired_ratio(
+            row[name]["samples_s"], row["transformers"]["samples_s"])
     assert row["transformers"]["s"] > 0
 
 

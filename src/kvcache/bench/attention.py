@@ -6,6 +6,7 @@ Method: ``docs/benchmark-method.md``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import statistics
@@ -28,8 +29,8 @@ from .tables import (
     Row, above_bandwidth, bandwidth_footnotes, context_label, fmt, fmt_ratio, pct_bandwidth_cell,
     line_style, render_table, section_text)
 from .timing import (
-    Bandwidth, Samples, median_ms, numpy_threads, omp_threads, pct_of_bandwidth, relative_error,
-    remeasure_above_bandwidth, time_repeats, torch_threads)
+    Bandwidth, Samples, median_ms, numpy_threads, omp_threads, paired_ratio, pct_of_bandwidth,
+    relative_error, time_interleaved, time_repeats, torch_threads)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -199,67 +200,72 @@ class TorchDecode:
         return out
 
 
-def run_torch(geom: Geometry, context: int, k: F32, v: F32, values: Values,
-              threads: Sequence[int], rec: Record) -> F32:
-    """Time torch SDPA per thread count; fills ``rec[n]`` and returns the first layer's output."""
-    work = TorchDecode(geom, context, values.working_set_mib * MiB, k, v)
-    rec["gqa"] = work.gqa
-    rec["layers"] = len(work.kv)
-    for n in threads:
-        with torch_threads(work.torch, n):
-            rec[n] = time_repeats(work.sweep, values.repeats)
-    out = work.output()
-    del work
-    gc.collect()
-    return out
+def _timed_rounds(works: dict[str, Any], modes: Sequence[str], values: Values,
+                  bandwidth_gbs: float) -> tuple[dict[str, Samples], set[str]]:
+    """Sweeps of every work in ``works`` side by side (:func:`time_interleaved`, ``repeats``
+    rounds), and the kvcache ``modes`` whose reading passed ``bandwidth_gbs``: then the
+    rounds are timed once more, all of them (the samples stay paired), and those modes are
+    returned as remeasured."""
+    def pct(m: str, smp: Samples) -> float:
+        w = works[m]
+        return pct_of_bandwidth(w.step_bytes, statistics.median(smp) / len(w.layers),
+                                bandwidth_gbs)
 
-
-def run_kvcache(geom: Geometry, context: int, mode_name: str, k: F32, v: F32,
-                values: Values, threads: Sequence[int], bandwidth: Bandwidth) -> Record:
-    """Time kvcache (rotated) and the reference (one layer) for one mode; returns a record.
-
-    A sweep that reads faster than ``bandwidth`` (the probe's GB/s per thread count) is timed
-    once more (``rec["remeasured"]``)."""
-    work = KvcacheDecode(geom, context, mode_name, values.working_set_mib * MiB, k, v)
-    n_layers = len(work.layers)
-    rec: Record = {"layers": n_layers, "kv": {}, "ref": {}, "remeasured": {}}
-    for n in threads:
-        def pct(samples: Samples, n: int = n) -> float:
-            return pct_of_bandwidth(work.step_bytes, statistics.median(samples) / n_layers,
-                                    bandwidth[n]["best_gbs"])
-
-        with omp_threads(n):
-            rec["kv"][n], rec["remeasured"][n] = remeasure_above_bandwidth(
-                time_repeats(work.sweep, values.repeats),
-                lambda: time_repeats(work.sweep, values.repeats), pct)
-    out = work.output()
-    if values.reference:
-        ref = ReferenceDecode(work.layers[0], work.q)
-        for n in threads:
-            with numpy_threads(n):
-                rec["ref"][n] = time_repeats(ref.step, values.ref_repeats)
-        rec["err_ref"] = relative_error(out, ref.output())
-    rec["out"] = out
-    del work
-    gc.collect()
-    return rec
+    fns = {name: w.sweep for name, w in works.items()}
+    samples = time_interleaved(fns, values.repeats)
+    above = {m for m in modes if pct(m, samples[m]) > 100.0}
+    if above:
+        samples = time_interleaved(fns, values.repeats)
+    return samples, above
 
 
 def run_context(geom: Geometry, context: int, ctx: Context, values: Values,
                 bar: ProgressBar) -> list[Row]:
-    """Every mode and thread count at one (geometry, context); returns result rows."""
+    """Every mode and thread count at one (geometry, context); returns result rows.
+
+    The modes' rotating layers (and torch's) are built together, then timed side by side per
+    thread count, each round sweeping every one of them once (docs/benchmark-method.md), so
+    their ratios are paired; the reference runs after, one mode at a time."""
     k, v = random_kv(geom, context, ctx.seed)
+    works: dict[str, Any] = {}
     torch_rec: Record = {}
-    torch_out: F32 | None = None
+    torch = None
     if use_torch(values):
         bar.set_postfix_str(f"{geom.label} {context} torch")
-        torch_out = run_torch(geom, context, k, v, values, ctx.threads, torch_rec)
-        bar.update()
+        tw = TorchDecode(geom, context, values.working_set_mib * MiB, k, v)
+        works["torch"], torch = tw, tw.torch
+        torch_rec.update(gqa=tw.gqa, layers=len(tw.kv))
     recs: dict[str, Record] = {}
     for mode_name in values.modes:
-        bar.set_postfix_str(f"{geom.label} {context} {mode_name}")
-        recs[mode_name] = run_kvcache(geom, context, mode_name, k, v, values, ctx.threads,
-                                      ctx.bandwidth)
+        w = KvcacheDecode(geom, context, mode_name, values.working_set_mib * MiB, k, v)
+        works[mode_name] = w
+        recs[mode_name] = {"layers": len(w.layers), "kv": {}, "ref": {}, "remeasured": {}}
+    for n in ctx.threads:
+        bar.set_postfix_str(f"{geom.label} {context} {n} thr")
+        with omp_threads(n), (torch_threads(torch, n) if torch is not None
+                              else contextlib.nullcontext()):
+            samples, above = _timed_rounds(works, values.modes, values,
+                                           ctx.bandwidth[n]["best_gbs"])
+        for m in values.modes:
+            recs[m]["kv"][n] = samples[m]
+            recs[m]["remeasured"][n] = m in above
+        if torch is not None:
+            torch_rec[n] = samples["torch"]
+    torch_out = works.pop("torch").output() if torch is not None else None
+    for mode_name in values.modes:
+        w = works.pop(mode_name)
+        rec = recs[mode_name]
+        rec["out"] = w.output()
+        if values.reference:
+            ref = ReferenceDecode(w.layers[0], w.q)
+            for n in ctx.threads:
+                with numpy_threads(n):
+                    rec["ref"][n] = time_repeats(ref.step, values.ref_repeats)
+            rec["err_ref"] = relative_error(rec["out"], ref.output())
+        del w
+        gc.collect()
+        bar.update()
+    if torch is not None:
         bar.update()
     del k, v
     return [make_row(geom, context, m, n, recs, torch_rec, torch_out, ctx.bandwidth)
@@ -289,6 +295,7 @@ def make_row(geom: Geometry, context: int, mode_name: str, n: int, recs: dict[st
     step_bytes = geom.step_bytes(context, mode_name)
     kv_ms = median_ms(rec["kv"][n], rec["layers"])
     row: Row = {"geometry": geom.label, "context": context, "mode": mode_name, "threads": n,
+                "paired": True,
                 "layers": rec["layers"], "step_bytes": step_bytes,
                 "working_set_bytes": step_bytes * rec["layers"],
                 "kvcache_ms": kv_ms, "kvcache_samples_s": rec["kv"][n],
@@ -307,11 +314,13 @@ def make_row(geom: Geometry, context: int, mode_name: str, n: int, recs: dict[st
         row.update(torch_f32_ms=t_ms, torch_samples_s=torch_rec[n], torch_gqa=torch_rec["gqa"],
                    torch_layers=torch_rec["layers"],
                    torch_gbs=geom.step_bytes(context, "f32") / t_ms / 1e6,
-                   speedup_vs_torch_f32=t_ms / kv_ms)
+                   speedup_vs_torch_f32=paired_ratio(torch_rec[n], rec["kv"][n],
+                                                     torch_rec["layers"], rec["layers"]))
         if mode_name == "f32" and torch_out is not None:
             row["rel_err_vs_torch"] = relative_error(rec["out"], torch_out)
     if mode_name != "f32" and "f32" in recs:
-        row["speedup_vs_f32"] = median_ms(recs["f32"]["kv"][n], recs["f32"]["layers"]) / kv_ms
+        row["speedup_vs_f32"] = paired_ratio(recs["f32"]["kv"][n], rec["kv"][n],
+                                             recs["f32"]["layers"], rec["layers"])
     return row
 
 
@@ -354,6 +363,10 @@ def notes(values: Values, rows: Sequence[Row]) -> list[str]:
                    "(torch has no int8 KV).")
     out.append("vs ref / vs torch f32: speedup of kvcache (>1 = kvcache faster); q8 vs f32: "
                "f32 time / q8 time at the same thread count.")
+    if any(r.get("paired") for r in rows):
+        out.append("side by side: at each context the modes' working sets (and torch's) were "
+                   "swept in turn, round by round; 'vs torch f32' and 'q8 vs f32' are the "
+                   "medians over rounds of each round's ratio.")
     out += bandwidth_footnotes(r["pct_bandwidth"] for r in rows)
     return out
 

@@ -46,7 +46,7 @@ from .registry import parse_geometry, parse_mode
 from .registry import register
 from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
 from .._threads import threads as kvcache_threads
-from .timing import omp_threads
+from .timing import omp_threads, paired_ratio, time_interleaved
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
@@ -71,6 +71,8 @@ PREFILL_TOL = {"f32": 1e-4, "q8": 0.1, "q4": 0.5, "k8v4": 0.25}
 #: The target marked: runner time to first token <= 1.0 x transformers' at 2k and more (the
 #: time-to-first-token issue's; the prefill section's first issue asked for 0.8).
 TTFT_TARGET = 1.0
+PAIRED_NOTE = ("; the cells of a row ran side by side, one call each per round, and a ratio is "
+               "the median over rounds of that round's ratio")
 TTFT_TARGET_FROM = 2048
 #: The TTFT model (transformers ``LlamaConfig`` keys); None: the runner section's RUNNER_MODEL.
 PREFILL_MODEL: dict[str, int] | None = None
@@ -115,17 +117,25 @@ def attention_flops(geom: Geometry, context: int) -> float:
     return 4.0 * geom.num_heads * geom.head_dim * context * (context + 1) / 2
 
 
-def _cell(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[list[float], Any]:
-    """Seconds of the first call of ``fn`` and of up to ``repeats - 1`` more while the total
-    stays under ``budget_s``; the last output."""
-    samples: list[float] = []
-    out: Any = None
-    while len(samples) < repeats and (not samples or sum(samples) < budget_s):
-        gc.collect()
-        t0 = time.perf_counter()
-        out = fn()
-        samples.append(time.perf_counter() - t0)
-    return samples, out
+def _cells(calls: Mapping[str, Callable[[], Any]], repeats: int,
+           budget_s: float) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Seconds of every call of ``calls`` side by side (:func:`time_interleaved`, no warm-up):
+    a first round calls each once, more rounds follow (up to ``repeats``) while all the calls
+    so far have taken less than ``budget_s`` per call name; and each name's last output."""
+    outs: dict[str, Any] = {}
+
+    def keeping(name: str, fn: Callable[[], Any]) -> Callable[[], None]:
+        def call() -> None:
+            outs[name] = fn()
+        return call
+
+    def go_on(samples: dict[str, list[float]]) -> bool:
+        return sum(map(sum, samples.values())) < budget_s * len(samples)
+
+    gc.collect()
+    samples = time_interleaved({name: keeping(name, fn) for name, fn in calls.items()},
+                               repeats, warmup=0, go_on=go_on)
+    return samples, outs
 
 
 class PromptAttention:
@@ -215,20 +225,22 @@ def attention_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar,
             data = PromptAttention(geom, context, seed)
             rec: Row = {"geometry": geom.key, "context": context, "flops": flops,
                         "threads": threads}
-            outs: dict[str, F32] = {}
             names = [*PREFILL_MODES, *cfg.four_bit, "f32_noimp", "q8_noimp",
                      *(["sdpa"] if torch is not None else [])]
+            calls: dict[str, Callable[[], F32]] = {}
             for name in names:
                 est = flops / rate[geom.key, name] if (geom.key, name) in rate else None
                 if est is not None and est > cfg.max_call_s:
                     rec[name] = {"skipped": True, "estimated_s": est}
                     continue
-                call = data.sdpa(torch, F) if name == "sdpa" else data.kvcache(name)
-                # every thread, as the issue's targets are stated (no adaptive count)
-                with omp_threads(threads), kvcache_threads(adaptive=False):
-                    samples, out = _cell(call, repeats, cfg.cell_s)
-                outs[name] = np.array(out)
-                del call
+                calls[name] = data.sdpa(torch, F) if name == "sdpa" else data.kvcache(name)
+            # every thread, as the issue's targets are stated (no adaptive count); the cells
+            # side by side, round by round, so that their ratios are paired
+            with omp_threads(threads), kvcache_threads(adaptive=False):
+                timed, last = _cells(calls, repeats, cfg.cell_s)
+            outs = {name: np.array(out) for name, out in last.items()}
+            del calls, last
+            for name, samples in timed.items():
                 med = statistics.median(samples)
                 rate[geom.key, name] = flops / med
                 rec[name] = {"skipped": False, "s": med, "gflops": flops / med / 1e9,
@@ -244,6 +256,7 @@ def attention_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar,
                         diff = float(np.abs(outs[mode] - outs["sdpa"]).max())
                         rec[mode]["max_abs_diff"] = diff
                         rec[mode]["matches"] = diff <= PREFILL_TOL[mode]
+            rec["paired"] = True                  # the ratios pair the rounds (_ratio)
             rec["vs_sdpa"] = {m: _ratio(rec, "sdpa", m)
                               for m in (*PREFILL_MODES, "f32_noimp", "q8_noimp")}
             rec["q8_noimp_vs_f32_noimp"] = _ratio(rec, "f32_noimp", "q8_noimp")
@@ -258,12 +271,12 @@ def attention_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar,
 
 
 def _ratio(rec: Row, slow: str, fast: str) -> float | None:
-    """Speed of ``fast`` over ``slow`` (time of slow / time of fast), None when one is
-    missing or skipped."""
+    """Speed of ``fast`` over ``slow`` (time of slow / time of fast), paired round by round
+    (:func:`paired_ratio`); None when one is missing or skipped."""
     a, b = rec.get(slow), rec.get(fast)
     if not a or not b or a.get("skipped") or b.get("skipped"):
         return None
-    return float(a["s"] / b["s"])
+    return paired_ratio(a["samples_s"], b["samples_s"])
 
 
 def ttft_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar) -> tuple[list[Row], str]:
@@ -316,7 +329,7 @@ def ttft_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar) -> tuple[list[R
                     "transformers": {"s": med["transformers"],
                                      "samples_s": samples["transformers"]}}
         for mode in PREFILL_MODES:
-            ratio = med[mode] / med["transformers"]
+            ratio = paired_ratio(samples[mode], samples["transformers"])   # runner / hf
             rec[mode] = {"s": med[mode], "samples_s": samples[mode], "vs_transformers": ratio,
                          "target_met": (ratio <= TTFT_TARGET) if context >= TTFT_TARGET_FROM
                          else None}
@@ -451,7 +464,8 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
            f"%peak of the probed FMA peak {result['peak_gflops']:.1f} GFLOP/s "
            f"(_core.fma_probe); median of up to {cfg.repeats} calls (fewer once a "
            f"cell took {cfg.cell_s:.0f} s); a cell estimated over "
-           f"{cfg.max_call_s:.0f} s per call is skipped; ratios are speeds",
+           f"{cfg.max_call_s:.0f} s per call is skipped; ratios are speeds"
+           + (PAIRED_NOTE if any(r.get("paired") for r in result["attention"]) else ""),
            "no-imp: the same f32 prompt kernel on a layer with track_importance False (no "
            "importance work), the work SDPA does; the other columns track importance",
            f"matches SDPA: max |kvcache - SDPA| <= {PREFILL_TOL['f32']:g} (f32), "

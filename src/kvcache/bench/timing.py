@@ -6,9 +6,11 @@ Method: ``docs/benchmark-method.md``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
+import time
 import timeit
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,52 @@ def time_repeats(fn: Callable[[], object], repeats: int, warmup: int = 1) -> Sam
     for _ in range(warmup):
         fn()
     return timeit.Timer(fn).repeat(repeat=repeats, number=1)
+
+
+def time_interleaved(fns: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1,
+                     go_on: Callable[[dict[str, Samples]], bool] | None = None,
+                     clock: Callable[[], float] = time.perf_counter) -> dict[str, Samples]:
+    """Seconds of ``fns`` timed side by side: after ``warmup`` untimed calls of each, up to
+    ``repeats`` rounds in which every function is called once (gc off while timing).
+
+    Round r calls the functions in their order rotated by r (A B C, B C A, C A B, ...), so no
+    function always runs first or right after the same one; sample r of every function comes
+    from round r, which is what :func:`paired_ratio` pairs.  ``go_on`` (given the samples so
+    far) may end the rounds early; the first round always runs.  ``clock`` is injectable for
+    tests."""
+    names = list(fns)
+    samples: dict[str, Samples] = {name: [] for name in names}
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(repeats):
+            if r and go_on is not None and not go_on(samples):
+                break
+            for i in range(len(names)):
+                name = names[(r + i) % len(names)]
+                t0 = clock()
+                fns[name]()
+                samples[name].append(clock() - t0)
+    finally:
+        if enabled:
+            gc.enable()
+    return samples
+
+
+def paired_ratio(slow: Sequence[float], fast: Sequence[float], slow_per: float = 1.0,
+                 fast_per: float = 1.0) -> float:
+    """How many times faster ``fast`` is than ``slow``: the median over rounds of
+    ``(slow[r] / slow_per) / (fast[r] / fast_per)`` (``*_per``: steps a sample covers), for
+    samples taken side by side (:func:`time_interleaved`).  Each round's two samples saw the
+    same state of the machine, so the ratio holds while the machine drifts, where a ratio of
+    two medians taken at different times need not."""
+    if len(slow) != len(fast) or not slow:
+        raise ValueError(f"paired_ratio needs as many samples on each side, at least one; got "
+                         f"{len(slow)} and {len(fast)}")
+    return float(statistics.median((s / slow_per) / (f / fast_per) for s, f in zip(slow, fast)))
 
 
 def omp_threads(n: int) -> threadpool_limits:
