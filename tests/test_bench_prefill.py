@@ -83,6 +83,31 @@ def test_prefill_contexts_choose_the_prompt_lengths(quick):
     assert tuple(given.ttft_contexts) == (bp.QUICK_TTFT_CONTEXTS if quick else bp.TTFT_CONTEXTS)
 
 
+@pytest.mark.parametrize("quick", [False, True])
+def test_repeats_asked_for_are_run_whatever_they_take(quick):
+    """Without --prefill-repeats / --prefill-ttft-repeats the rounds stop once a cell took its
+    time; given, exactly that many run (and the notes say so)."""
+    sec = next(s for s in sections() if s.name == "prefill")
+    auto = bp.settings_of(sec.values(quick, {}), quick)
+    assert auto.cell_s == bp.PREFILL_CELL_S and auto.ttft_cell_s == bp.TTFT_CELL_S
+    cfg = bp.settings_of(sec.values(quick, {"repeats": 7, "ttft_repeats": 2}), quick)
+    assert (cfg.repeats, cfg.cell_s, cfg.ttft_repeats, cfg.ttft_cell_s) == (7, None, 2, None)
+    res = result()
+    res["settings"] = {**cfg.__dict__, "geometries": ["llama3-8b"]}
+    notes = " ".join(" ".join(bp.prefill_notes(res)).split())
+    assert "median of 7 calls;" in notes and "median of 2 prompt(s);" in notes
+    assert "median of up to 3 calls (fewer once a cell took 20 s)" in " ".join(
+        " ".join(bp.prefill_notes(result())).split())
+    calls = []
+    samples, last = bp._cells({"a": lambda: calls.append("a") or 1.0,
+                               "b": lambda: calls.append("b") or 2.0}, 4, None)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"] and last == {"a": 1.0, "b": 2.0}
+    assert [len(v) for v in samples.values()] == [4, 4]
+    calls.clear()
+    bp._cells({"a": lambda: calls.append("a")}, 4, 0.0)         # spent: one round only
+    assert calls == ["a"]
+
+
 def test_tables_show_every_cell(monkeypatch):
     monkeypatch.setattr(tables, "MAX_WIDTH", 10_000)     # one part: rows on one line each
     text = bp.attention_table(result()["attention"])

@@ -41,7 +41,7 @@ import numpy as np
 
 from .geometry import F32, GEOMETRIES, Geometry
 from .machine import available_cpus, import_torch, package_version
-from .registry import Context, Option, Result, Section, Values, parse_context
+from .registry import Context, Option, Result, Section, Values, at_least, parse_context
 from .registry import parse_geometry, parse_mode
 from .registry import register
 from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
@@ -66,13 +66,14 @@ PREFILL_CELL_S = 20.0
 PREFILL_MAX_CALL_S = 120.0
 #: A time-to-first-token prompt length stops taking new prompts once they took this long.
 TTFT_CELL_S = 90.0
+#: What the notes say of rows whose cells were timed side by side (rows with "paired").
+PAIRED_NOTE = ("; the cells of a row ran side by side, one call each per round, and a ratio is "
+               "the median over rounds of that round's ratio")
 #: Largest |kvcache - SDPA| of an output element accepted per KV mode (q8 stores int8 rows).
 PREFILL_TOL = {"f32": 1e-4, "q8": 0.1, "q4": 0.5, "k8v4": 0.25}
 #: The target marked: runner time to first token <= 1.0 x transformers' at 2k and more (the
 #: time-to-first-token issue's; the prefill section's first issue asked for 0.8).
 TTFT_TARGET = 1.0
-PAIRED_NOTE = ("; the cells of a row ran side by side, one call each per round, and a ratio is "
-               "the median over rounds of that round's ratio")
 TTFT_TARGET_FROM = 2048
 #: The TTFT model (transformers ``LlamaConfig`` keys); None: the runner section's RUNNER_MODEL.
 PREFILL_MODEL: dict[str, int] | None = None
@@ -89,10 +90,10 @@ class PrefillSettings:
     repeats: int = PREFILL_REPEATS
     ttft_contexts: Sequence[int] = TTFT_CONTEXTS
     ttft_repeats: int = TTFT_REPEATS
-    cell_s: float = PREFILL_CELL_S
+    cell_s: float | None = PREFILL_CELL_S          # None: no time budget (--prefill-repeats)
     max_call_s: float = PREFILL_MAX_CALL_S
     fma_iters: int = FMA_ITERS
-    ttft_cell_s: float = TTFT_CELL_S
+    ttft_cell_s: float | None = TTFT_CELL_S    # None: no time budget (--prefill-ttft-repeats)
     four_bit: Sequence[str] = ()       # the 4-bit modes of --modes, timed in part (a)
 
 
@@ -105,10 +106,16 @@ def settings_of(values: Values, quick: bool) -> PrefillSettings:
     four = tuple(m for m in PREFILL_4BIT if m in values.modes)
     given = tuple(values.contexts or ())
     if quick:
-        return PrefillSettings(geoms, given or QUICK_PREFILL_CONTEXTS, QUICK_PREFILL_REPEATS,
-                               QUICK_TTFT_CONTEXTS, QUICK_TTFT_REPEATS,
-                               fma_iters=QUICK_FMA_ITERS, four_bit=four)
-    return PrefillSettings(geoms, given or PREFILL_CONTEXTS, four_bit=four)
+        cfg = PrefillSettings(geoms, given or QUICK_PREFILL_CONTEXTS, QUICK_PREFILL_REPEATS,
+                              QUICK_TTFT_CONTEXTS, QUICK_TTFT_REPEATS,
+                              fma_iters=QUICK_FMA_ITERS, four_bit=four)
+    else:
+        cfg = PrefillSettings(geoms, given or PREFILL_CONTEXTS, four_bit=four)
+    if values.repeats is not None:          # asked for: that many rounds, no time budget
+        cfg.repeats, cfg.cell_s = values.repeats, None
+    if values.ttft_repeats is not None:
+        cfg.ttft_repeats, cfg.ttft_cell_s = values.ttft_repeats, None
+    return cfg
 
 
 def attention_flops(geom: Geometry, context: int) -> float:
@@ -118,10 +125,11 @@ def attention_flops(geom: Geometry, context: int) -> float:
 
 
 def _cells(calls: Mapping[str, Callable[[], Any]], repeats: int,
-           budget_s: float) -> tuple[dict[str, list[float]], dict[str, Any]]:
+           budget_s: float | None) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Seconds of every call of ``calls`` side by side (:func:`time_interleaved`, no warm-up):
     a first round calls each once, more rounds follow (up to ``repeats``) while all the calls
-    so far have taken less than ``budget_s`` per call name; and each name's last output."""
+    so far have taken less than ``budget_s`` per call name (None: all ``repeats`` rounds);
+    and each name's last output."""
     outs: dict[str, Any] = {}
 
     def keeping(name: str, fn: Callable[[], Any]) -> Callable[[], None]:
@@ -130,7 +138,7 @@ def _cells(calls: Mapping[str, Callable[[], Any]], repeats: int,
         return call
 
     def go_on(samples: dict[str, list[float]]) -> bool:
-        return sum(map(sum, samples.values())) < budget_s * len(samples)
+        return budget_s is None or sum(map(sum, samples.values())) < budget_s * len(samples)
 
     gc.collect()
     samples = time_interleaved({name: keeping(name, fn) for name, fn in calls.items()},
@@ -302,7 +310,7 @@ def ttft_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar) -> tuple[list[R
         diff = 0.0
         spent = 0.0
         for rep in range(cfg.ttft_repeats):
-            if rep and spent >= cfg.ttft_cell_s:
+            if rep and cfg.ttft_cell_s is not None and spent >= cfg.ttft_cell_s:
                 break
             ids = np.random.default_rng([seed, context, rep]).integers(0, vocab, context)
             first: dict[str, Any] = {}
@@ -462,8 +470,10 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
            f"holding T rows vs torch SDPA (is_causal, enable_gqa) on the same data, "
            f"{result['threads']} threads; GFLOP/s = 4 x heads x head_dim x T(T+1)/2 / s; "
            f"%peak of the probed FMA peak {result['peak_gflops']:.1f} GFLOP/s "
-           f"(_core.fma_probe); median of up to {cfg.repeats} calls (fewer once a "
-           f"cell took {cfg.cell_s:.0f} s); a cell estimated over "
+           f"(_core.fma_probe); median of "
+           + (f"up to {cfg.repeats} calls (fewer once a cell took {cfg.cell_s:.0f} s)"
+              if cfg.cell_s is not None else f"{cfg.repeats} calls")
+           + f"; a cell estimated over "
            f"{cfg.max_call_s:.0f} s per call is skipped; ratios are speeds"
            + (PAIRED_NOTE if any(r.get("paired") for r in result["attention"]) else ""),
            "no-imp: the same f32 prompt kernel on a layer with track_importance False (no "
@@ -472,9 +482,11 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
            f"<= {PREFILL_TOL['q8']:g} (q8)",
            f"time to first token: Runner.prefill(ids) vs transformers "
            f"{result.get('transformers')} model(ids, logits_to_keep=1) (sdpa, new "
-           f"DynamicCache), torch {result.get('torch')}, median of up to "
-           f"{cfg.ttft_repeats} prompt(s) (fewer once a length took {cfg.ttft_cell_s:.0f} s); "
-           f"model: Llama-style, {model}; target "
+           f"DynamicCache), torch {result.get('torch')}, median of "
+           + (f"up to {cfg.ttft_repeats} prompt(s) (fewer once a length took "
+              f"{cfg.ttft_cell_s:.0f} s)" if cfg.ttft_cell_s is not None
+              else f"{cfg.ttft_repeats} prompt(s)")
+           + f"; model: Llama-style, {model}; target "
            f"runner/transformers <= {TTFT_TARGET}x at {context_label(TTFT_TARGET_FROM)} and up"]
     if any(m in INT8_KEY_MODES and (r.get(m) or {}).get("pct_peak", 0) > 100
            for r in result["attention"] for m in (*PREFILL_MODES, *PREFILL_4BIT)):
@@ -528,5 +540,11 @@ SECTION = register(Section(
              Option("contexts", "prompt lengths of the attention cells, e.g. 4k 16k 32k (auto: "
                     f"{' '.join(map(context_label, PREFILL_CONTEXTS))}; with --quick "
                     f"{' '.join(map(context_label, QUICK_PREFILL_CONTEXTS))})", None,
-                    parse_context, many=True, metavar="T")),
+                    parse_context, many=True, metavar="T"),
+             Option("repeats", f"rounds of the attention cells per prompt length (default: up to "
+                    f"{PREFILL_REPEATS}, fewer once they took {PREFILL_CELL_S:.0f} s a cell; "
+                    f"given: exactly N)", None, at_least(1), metavar="N"),
+             Option("ttft_repeats", f"prompts per time-to-first-token length (default: up to "
+                    f"{TTFT_REPEATS}, fewer once they took {TTFT_CELL_S:.0f} s; given: exactly "
+                    f"N)", None, at_least(1), metavar="N")),
     tasks=task_count, run=run_prefill, report=prefill_report))

