@@ -94,11 +94,12 @@ def test_paired_ratio_wants_as_many_samples_each_side(slow, fast):
 
 
 def test_decode_times_the_modes_side_by_side():
-    """One context of the decode section, f32 and q4 at one thread: every mode has a sample
-    per round, and its speed-up over f32 is the paired median of those samples."""
+    """One context of the decode section, f32, q8 and q4 at one thread: every mode has a
+    sample per round, and its speed-ups over f32 (and q4's over q8) are the paired medians of
+    those samples."""
     ctx = Context(quick=True, threads=[1], seed=0, bandwidth_bytes=0,
                   bandwidth={1: {"best_gbs": 1e6}})
-    values = Values({"modes": ["f32", "q4"], "repeats": 3, "ref_repeats": 1,
+    values = Values({"modes": ["f32", "q8", "q4"], "repeats": 3, "ref_repeats": 1,
                      "working_set_mib": 1, "torch": False, "reference": True})
 
     class Bar:
@@ -110,12 +111,15 @@ def test_decode_times_the_modes_side_by_side():
 
     rows = attention.run_context(attention.GEOMETRIES["qwen2.5-0.5b"], 256, ctx, values, Bar())
     by_mode = {r["mode"]: r for r in rows}
-    assert set(by_mode) == {"f32", "q4"}
-    f32, q4 = by_mode["f32"], by_mode["q4"]
-    assert len(f32["kvcache_samples_s"]) == len(q4["kvcache_samples_s"]) == 3
-    assert q4["speedup_vs_f32"] == timing.paired_ratio(
-        f32["kvcache_samples_s"], q4["kvcache_samples_s"], f32["layers"], q4["layers"])
-    assert "speedup_vs_f32" not in f32
+    assert set(by_mode) == {"f32", "q8", "q4"}
+    f32, q8, q4 = by_mode["f32"], by_mode["q8"], by_mode["q4"]
+    assert len({len(r["kvcache_samples_s"]) for r in rows}) == 1
+    assert len(q4["kvcache_samples_s"]) == 3
+    for base, r in ((f32, q8), (f32, q4), (q8, q4)):
+        assert r[f"speedup_vs_{base['mode']}"] == timing.paired_ratio(
+            base["kvcache_samples_s"], r["kvcache_samples_s"], base["layers"], r["layers"])
+    assert "speedup_vs_f32" not in f32 and "speedup_vs_q8" not in q8
+    assert "vs q8" in attention.decode_table(rows)
     for r in rows:
         assert r["rel_err_vs_reference"] < 1e-5 and not r["remeasured"] and r["paired"]
     assert any(n.startswith("side by side") for n in attention.notes(values, rows))

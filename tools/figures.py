@@ -227,16 +227,24 @@ def bench_modes(doc: Any, args: Sequence[str]) -> str:
     """Decode ms per step of each mode side by side, and the ratios between them."""
     rows = bench_section(doc, "decode")["rows"]
     modes = [m for m in ("f32", "q8", "q4", "k8v4") if any(r["mode"] == m for r in rows)]
-    cells: dict[tuple[str, int, int], dict[str, float]] = {}
+    cells: dict[tuple[str, int, int], dict[str, Any]] = {}
     for r in rows:
-        cells.setdefault((r["geometry"], r["context"], r["threads"]), {})[r["mode"]] = r["kvcache_ms"]
+        cells.setdefault((r["geometry"], r["context"], r["threads"]), {})[r["mode"]] = r
     pairs = [(a, b) for a, b in (("q8", "f32"), ("q4", "q8"), ("q4", "f32"), ("k8v4", "q8"))
              if a in modes and b in modes]
+
+    def speedup(cell: dict[str, Any], a: str, b: str) -> str:
+        if a not in cell or b not in cell:
+            return "-"
+        # the row's own (paired, in files that time the modes side by side), else of medians
+        x = cell[a].get(f"speedup_vs_{b}", cell[b]["kvcache_ms"] / cell[a]["kvcache_ms"])
+        return f"{x:.2f}x"
+
     out = []
-    for (geometry, context, threads), ms in cells.items():
+    for (geometry, context, threads), cell in cells.items():
         out.append([geometry, f"{context // 1024}k", str(threads)]
-                   + [f"{ms[m]:.2f}" if m in ms else "-" for m in modes]
-                   + [f"{ms[b] / ms[a]:.2f}x" if a in ms and b in ms else "-" for a, b in pairs])
+                   + [f"{cell[m]['kvcache_ms']:.2f}" if m in cell else "-" for m in modes]
+                   + [speedup(cell, a, b) for a, b in pairs])
     head = (["geometry", "context", "threads"] + [f"{m} ms" for m in modes]
             + [f"{a} vs {b}" for a, b in pairs])
     return bench_machine(doc) + ":\n\n" + table(head, out)
@@ -252,10 +260,12 @@ def bench_prefill_modes(doc: Any, args: Sequence[str]) -> str:
         f32 = r["f32"]["s"] if not r["f32"].get("skipped") else None
         row = [r["geometry"], f"{r['context'] // 1024}k"]
         row += [f"{r[m]['s']:.3f}" if m in r and not r[m].get("skipped") else "-" for m in modes]
-        row += [f"{f32 / r[m]['s']:.2f}x" if f32 and m in r and not r[m].get("skipped") else "-"
+        # the row's own ratios (paired in files that time the cells side by side)
+        row += [f"{r[f'{m}_vs_f32']:.2f}x" if f32 and m in r and not r[m].get("skipped") else "-"
                 for m in modes if m != "f32"]
         sdpa = r.get("sdpa", {})
-        row.append(f"{sdpa['s'] / f32:.2f}x" if f32 and sdpa and not sdpa.get("skipped") else "-")
+        row.append(f"{r['vs_sdpa']['f32']:.2f}x" if f32 and sdpa and not sdpa.get("skipped")
+                   else "-")
         out.append(row)
     head = (["geometry", "prompt"] + [f"{m} s" for m in modes]
             + [f"{m} vs f32" for m in modes if m != "f32"] + ["f32 vs SDPA"])

@@ -318,14 +318,16 @@ def make_row(geom: Geometry, context: int, mode_name: str, n: int, recs: dict[st
                                                      torch_rec["layers"], rec["layers"]))
         if mode_name == "f32" and torch_out is not None:
             row["rel_err_vs_torch"] = relative_error(rec["out"], torch_out)
-    if mode_name != "f32" and "f32" in recs:
-        row["speedup_vs_f32"] = paired_ratio(recs["f32"]["kv"][n], rec["kv"][n],
-                                             recs["f32"]["layers"], rec["layers"])
+    for base in ("f32", "q8"):               # the modes the 4-bit targets are stated against
+        if mode_name not in ("f32", base) and base in recs:
+            row[f"speedup_vs_{base}"] = paired_ratio(recs[base]["kv"][n], rec["kv"][n],
+                                                     recs[base]["layers"], rec["layers"])
     return row
 
 
 DECODE_HEADERS = ["model", "ctx", "mode", "thr", "layers x MiB", "kvcache ms", "GB/s", "%BW",
-                  "ref ms", "torch f32 ms", "torch GB/s", "vs ref", "vs torch f32", "q8 vs f32"]
+                  "ref ms", "torch f32 ms", "torch GB/s", "vs ref", "vs torch f32", "vs f32",
+                  "vs q8"]
 
 
 def decode_table(rows: Sequence[Row]) -> str:
@@ -338,7 +340,8 @@ def decode_table(rows: Sequence[Row]) -> str:
                      pct_bandwidth_cell(r["pct_bandwidth"]),
                      fmt(r.get("reference_ms")), fmt(r.get("torch_f32_ms")),
                      fmt(r.get("torch_gbs")), fmt_ratio(r.get("speedup_vs_reference")),
-                     fmt_ratio(r.get("speedup_vs_torch_f32")), fmt_ratio(r.get("speedup_vs_f32"))])
+                     fmt_ratio(r.get("speedup_vs_torch_f32")), fmt_ratio(r.get("speedup_vs_f32")),
+                     fmt_ratio(r.get("speedup_vs_q8"))])
     return render_table(DECODE_HEADERS, body)
 
 
@@ -361,11 +364,11 @@ def notes(values: Values, rows: Sequence[Row]) -> list[str]:
         out.append(f"torch: F.scaled_dot_product_attention on float32 K/V (1, nkv, T, hd), {how}, "
                    "rotated over its own working set; q8 rows compare against torch f32 "
                    "(torch has no int8 KV).")
-    out.append("vs ref / vs torch f32: speedup of kvcache (>1 = kvcache faster); q8 vs f32: "
-               "f32 time / q8 time at the same thread count.")
+    out.append("vs ref / vs torch f32: speedup of kvcache (>1 = kvcache faster); vs f32 / vs q8: "
+               "f32 (q8) time / this mode's time at the same thread count.")
     if any(r.get("paired") for r in rows):
         out.append("side by side: at each context the modes' working sets (and torch's) were "
-                   "swept in turn, round by round; 'vs torch f32' and 'q8 vs f32' are the "
+                   "swept in turn, round by round; 'vs torch f32', 'vs f32' and 'vs q8' are the "
                    "medians over rounds of each round's ratio.")
     out += bandwidth_footnotes(r["pct_bandwidth"] for r in rows)
     return out
