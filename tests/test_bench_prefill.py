@@ -83,6 +83,16 @@ def test_prefill_contexts_choose_the_prompt_lengths(quick):
     assert tuple(given.ttft_contexts) == (bp.QUICK_TTFT_CONTEXTS if quick else bp.TTFT_CONTEXTS)
 
 
+class Clock:
+    """A clock that advances only when a fake call spends time."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
 @pytest.mark.parametrize("quick", [False, True])
 def test_repeats_asked_for_are_run_whatever_they_take(quick):
     """Without --prefill-repeats / --prefill-ttft-repeats the rounds stop once a cell took its
@@ -97,7 +107,11 @@ def test_repeats_asked_for_are_run_whatever_they_take(quick):
     notes = " ".join(" ".join(bp.prefill_notes(res)).split())
     assert "median of 7 calls;" in notes and "median of 2 prompt(s);" in notes
     assert "median of up to 3 calls (fewer once a cell took 20 s)" in " ".join(
-        " ".join(bp.prefill_notes(result())).split())
+        " ".join(bp.prefill_notes(result())).split())            # an older file's rows
+    paired = result()
+    paired["attention"][0]["paired"] = True
+    assert "median of up to 3 calls (fewer once the row's cells took 20 s each on average)" \
+        in " ".join(" ".join(bp.prefill_notes(paired)).split())
     calls = []
     samples, last = bp._cells({"a": lambda: calls.append("a") or 1.0,
                                "b": lambda: calls.append("b") or 2.0}, 4, None)
@@ -106,6 +120,18 @@ def test_repeats_asked_for_are_run_whatever_they_take(quick):
     calls.clear()
     bp._cells({"a": lambda: calls.append("a")}, 4, 0.0)         # spent: one round only
     assert calls == ["a"]
+    # the budget is per cell on average: a (10 s) and b (1 s) with 6 s each go on after the
+    # first round (11 < 12) and stop after the second (22)
+    clock = Clock()
+    cost = {"a": 10.0, "b": 1.0}
+
+    def spend(name):
+        def call():
+            clock.now += cost[name]
+        return call
+
+    samples, _ = bp._cells({n: spend(n) for n in cost}, 5, 6.0, clock=clock)
+    assert samples == {"a": [10.0, 10.0], "b": [1.0, 1.0]}
 
 
 def test_tables_show_every_cell(monkeypatch):
@@ -172,6 +198,18 @@ def test_a_cell_estimated_too_slow_is_skipped():
     assert first["vs_sdpa"]["f32"] > 0 and second["vs_sdpa"]["f32"] is None
 
 
+def test_only_cells_estimated_short_are_warmed_up():
+    """A cell is called once untimed when its call is estimated under PREFILL_WARMUP_S: at the
+    first length from the FMA peak (here absurdly low, so nothing is), then from the rate the
+    cell itself reached at the previous length."""
+    cfg = bp.PrefillSettings([QWEN], contexts=(128, 256), repeats=1)
+    first, second = bp.attention_rows(cfg, 0, Bar(), peak_gflops=1e-9)
+    assert first["warmed_up"] == []
+    timed = [n for n in ("f32", "q8", "f32_noimp", "q8_noimp", "sdpa") if n in second]
+    assert {"f32", "q8", "f32_noimp", "q8_noimp"} <= set(timed)
+    assert sorted(second["warmed_up"]) == sorted(timed)
+
+
 def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setattr(bp, "PREFILL_MODEL", TINY_MODEL)
@@ -179,7 +217,8 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bp, "QUICK_TTFT_CONTEXTS", (256,))
     path = tmp_path / "prefill.json"
     argv = ["--sections", "prefill", "--quick", "--prefill-geometries", "qwen", "--no-progress",
-            "--json", str(path), "--prefill-modes", "f32", "q8", "q4", "k8v4"]
+            "--json", str(path), "--prefill-modes", "f32", "q8", "q4", "k8v4",
+            "--prefill-repeats", "2", "--prefill-ttft-repeats", "2"]
     assert bench.main(argv) == 0
     text = capsys.readouterr().out
     assert "prefill: prompt attention" in text and "WARNING" not in text
@@ -187,7 +226,7 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
     assert "q8 without importance" in text
     assert bp.PAIRED_NOTE.strip("; ") in " ".join(text.split())
     data = json.loads(path.read_text())["sections"]["prefill"]
-    assert data["settings"]["contexts"] == [256, 384] and data["settings"]["repeats"] == 1
+    assert data["settings"]["contexts"] == [256, 384] and data["settings"]["repeats"] == 2
     assert data["settings"]["geometries"] == ["qwen2.5-0.5b"] and data["peak_gflops"] > 0
     att = data["attention"]
     assert [r["context"] for r in att] == [256, 384]
@@ -199,7 +238,8 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
         assert r["q8_vs_f32"] > 0
         # the cells ran side by side, a sample each per round, and ratios pair the rounds
         timed = ("f32", "q8", "q4", "k8v4", "f32_noimp", "q8_noimp", "sdpa")
-        assert len({len(r[n]["samples_s"]) for n in timed}) == 1
+        assert {len(r[n]["samples_s"]) for n in timed} == {2}
+        assert sorted(r["warmed_up"]) == sorted(timed)      # short cells: one untimed call
         assert r["q8_vs_f32"] == timing.paired_ratio(r["f32"]["samples_s"], r["q8"]["samples_s"])
         assert r["vs_sdpa"]["f32"] == timing.paired_ratio(r["sdpa"]["samples_s"],
                                                           r["f32"]["samples_s"])
@@ -215,6 +255,8 @@ def test_quick_run_end_to_end(tmp_path, capsys, monkeypatch):
         assert row[name]["s"] > 0 and row[name]["target_met"] is None
         assert row[name]["vs_transformers"] == timing.paired_ratio(
             row[name]["samples_s"], row["transformers"]["samples_s"])
+        assert len(row[name]["samples_s"]) == 2
+    assert row["paired"] and len(row["transformers"]["samples_s"]) == 2
     assert row["transformers"]["s"] > 0
 
 

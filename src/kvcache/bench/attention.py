@@ -203,9 +203,9 @@ class TorchDecode:
 def _timed_rounds(works: dict[str, Any], modes: Sequence[str], values: Values,
                   bandwidth_gbs: float) -> tuple[dict[str, Samples], set[str]]:
     """Sweeps of every work in ``works`` side by side (:func:`time_interleaved`, ``repeats``
-    rounds), and the kvcache ``modes`` whose reading passed ``bandwidth_gbs``: then the
-    rounds are timed once more, all of them (the samples stay paired), and those modes are
-    returned as remeasured."""
+    rounds), and the kvcache ``modes`` whose reading passed ``bandwidth_gbs``: when there is
+    one, the rounds are timed once more, all of them (the samples stay paired), and every
+    mode's row says it was remeasured."""
     def pct(m: str, smp: Samples) -> float:
         w = works[m]
         return pct_of_bandwidth(w.step_bytes, statistics.median(smp) / len(w.layers),
@@ -248,7 +248,7 @@ def run_context(geom: Geometry, context: int, ctx: Context, values: Values,
                                            ctx.bandwidth[n]["best_gbs"])
         for m in values.modes:
             recs[m]["kv"][n] = samples[m]
-            recs[m]["remeasured"][n] = m in above
+            recs[m]["remeasured"][n] = bool(above)     # every mode's rounds were retaken
         if torch is not None:
             torch_rec[n] = samples["torch"]
     torch_out = works.pop("torch").output() if torch is not None else None

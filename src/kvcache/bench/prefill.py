@@ -64,6 +64,9 @@ PREFILL_4BIT = ("q4", "k8v4")
 PREFILL_CELL_S = 20.0
 #: A cell whose first call is estimated to take longer is skipped (and reported as such).
 PREFILL_MAX_CALL_S = 120.0
+#: A cell whose call is estimated to take less is called once untimed before its rounds:
+#: from the previous length's rate, else from the probed FMA peak at this share of it.
+PREFILL_WARMUP_S, PREFILL_WARMUP_SHARE = 2.0, 0.25
 #: A time-to-first-token prompt length stops taking new prompts once they took this long.
 TTFT_CELL_S = 90.0
 #: What the notes say of rows whose cells were timed side by side (rows with "paired").
@@ -124,9 +127,11 @@ def attention_flops(geom: Geometry, context: int) -> float:
     return 4.0 * geom.num_heads * geom.head_dim * context * (context + 1) / 2
 
 
-def _cells(calls: Mapping[str, Callable[[], Any]], repeats: int,
-           budget_s: float | None) -> tuple[dict[str, list[float]], dict[str, Any]]:
-    """Seconds of every call of ``calls`` side by side (:func:`time_interleaved`, no warm-up):
+def _cells(calls: Mapping[str, Callable[[], Any]], repeats: int, budget_s: float | None,
+           clock: Callable[[], float] = time.perf_counter
+           ) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Seconds of every call of ``calls`` side by side (:func:`time_interleaved`, no warm-up
+    here: :func:`attention_rows` warms up the short cells):
     a first round calls each once, more rounds follow (up to ``repeats``) while all the calls
     so far have taken less than ``budget_s`` per call name (None: all ``repeats`` rounds);
     and each name's last output."""
@@ -142,7 +147,7 @@ def _cells(calls: Mapping[str, Callable[[], Any]], repeats: int,
 
     gc.collect()
     samples = time_interleaved({name: keeping(name, fn) for name, fn in calls.items()},
-                               repeats, warmup=0, go_on=go_on)
+                               repeats, warmup=0, go_on=go_on, clock=clock)
     return samples, outs
 
 
@@ -236,17 +241,26 @@ def attention_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar,
             names = [*PREFILL_MODES, *cfg.four_bit, "f32_noimp", "q8_noimp",
                      *(["sdpa"] if torch is not None else [])]
             calls: dict[str, Callable[[], F32]] = {}
+            warm: list[str] = []
             for name in names:
                 est = flops / rate[geom.key, name] if (geom.key, name) in rate else None
                 if est is not None and est > cfg.max_call_s:
                     rec[name] = {"skipped": True, "estimated_s": est}
                     continue
                 calls[name] = data.sdpa(torch, F) if name == "sdpa" else data.kvcache(name)
+                if (est if est is not None
+                        else flops / (PREFILL_WARMUP_SHARE * peak_gflops * 1e9)) < PREFILL_WARMUP_S:
+                    warm.append(name)
             # every thread, as the issue's targets are stated (no adaptive count); the cells
-            # side by side, round by round, so that their ratios are paired
+            # side by side, round by round, so that their ratios are paired; a short cell is
+            # called once untimed first (its first call's page faults and pool start-up weigh
+            # most on it)
             with omp_threads(threads), kvcache_threads(adaptive=False):
+                for name in warm:
+                    calls[name]()
                 timed, last = _cells(calls, repeats, cfg.cell_s)
-            outs = {name: np.array(out) for name, out in last.items()}
+            rec["warmed_up"] = warm
+            outs: dict[str, F32] = last            # the last call's outputs, not copied
             del calls, last
             for name, samples in timed.items():
                 med = statistics.median(samples)
@@ -314,25 +328,31 @@ def ttft_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar) -> tuple[list[R
                 break
             ids = np.random.default_rng([seed, context, rep]).integers(0, vocab, context)
             first: dict[str, Any] = {}
-            for mode, r in runners.items():
-                r.reset()
+            hf = None
+            sides = [*runners, "transformers"]
+            for i in range(len(sides)):              # every side in turn, rotated per prompt
+                side = sides[(rep + i) % len(sides)]
                 gc.collect()
-                t0 = time.perf_counter()
-                first[mode] = r.prefill(ids)
-                samples[mode].append(time.perf_counter() - t0)
+                if side == "transformers":
+                    tokens = torch.from_numpy(ids)[None]
+                    with torch.no_grad():
+                        t0 = time.perf_counter()
+                        out = work.model(tokens, use_cache=True, logits_to_keep=1)
+                        samples[side].append(time.perf_counter() - t0)
+                    hf = out.logits[0, -1].numpy()
+                    del out
+                    continue
+                r = runners[side]
                 r.reset()
-            tokens = torch.from_numpy(ids)[None]
-            gc.collect()
-            with torch.no_grad():
                 t0 = time.perf_counter()
-                out = work.model(tokens, use_cache=True, logits_to_keep=1)
-                samples["transformers"].append(time.perf_counter() - t0)
-            hf = out.logits[0, -1].numpy()
-            del out
+                first[side] = r.prefill(ids)
+                samples[side].append(time.perf_counter() - t0)
+                r.reset()
+            assert hf is not None
             spent += sum(v[-1] for v in samples.values())
             diff = max(diff, float(np.abs(first["f32"] - hf).max()))
         med = {k: statistics.median(v) for k, v in samples.items()}
-        rec: Row = {"context": context, "repeats": len(samples["transformers"]),
+        rec: Row = {"context": context, "repeats": len(samples["transformers"]), "paired": True,
                     "max_abs_logit_diff": diff,
                     "transformers": {"s": med["transformers"],
                                      "samples_s": samples["transformers"]}}
@@ -463,6 +483,7 @@ def ttft_table(rows: Sequence[Row]) -> str:
 def prefill_notes(result: Mapping[str, Any]) -> list[str]:
     """Method lines and warnings under the two tables."""
     cfg = PrefillSettings(**{**result["settings"], "geometries": ()})
+    paired = any(r.get("paired") for r in result["attention"])
     from . import runner as runner_section
     model = PREFILL_MODEL if PREFILL_MODEL is not None else runner_section.RUNNER_MODEL
     kw = ", ".join(f"{k}={v}" for k, v in result.get("attend_kwargs", {}).items())
@@ -471,11 +492,13 @@ def prefill_notes(result: Mapping[str, Any]) -> list[str]:
            f"{result['threads']} threads; GFLOP/s = 4 x heads x head_dim x T(T+1)/2 / s; "
            f"%peak of the probed FMA peak {result['peak_gflops']:.1f} GFLOP/s "
            f"(_core.fma_probe); median of "
-           + (f"up to {cfg.repeats} calls (fewer once a cell took {cfg.cell_s:.0f} s)"
-              if cfg.cell_s is not None else f"{cfg.repeats} calls")
+           + (f"{cfg.repeats} calls" if cfg.cell_s is None
+              else f"up to {cfg.repeats} calls (fewer once the row's cells took "
+                   f"{cfg.cell_s:.0f} s each on average)" if paired
+              else f"up to {cfg.repeats} calls (fewer once a cell took {cfg.cell_s:.0f} s)")
            + f"; a cell estimated over "
            f"{cfg.max_call_s:.0f} s per call is skipped; ratios are speeds"
-           + (PAIRED_NOTE if any(r.get("paired") for r in result["attention"]) else ""),
+           + (PAIRED_NOTE if paired else ""),
            "no-imp: the same f32 prompt kernel on a layer with track_importance False (no "
            "importance work), the work SDPA does; the other columns track importance",
            f"matches SDPA: max |kvcache - SDPA| <= {PREFILL_TOL['f32']:g} (f32), "
@@ -542,9 +565,11 @@ SECTION = register(Section(
                     f"{' '.join(map(context_label, QUICK_PREFILL_CONTEXTS))})", None,
                     parse_context, many=True, metavar="T"),
              Option("repeats", f"rounds of the attention cells per prompt length (default: up to "
-                    f"{PREFILL_REPEATS}, fewer once they took {PREFILL_CELL_S:.0f} s a cell; "
-                    f"given: exactly N)", None, at_least(1), metavar="N"),
+                    f"{PREFILL_REPEATS}, {QUICK_PREFILL_REPEATS} with --quick, fewer once they "
+                    f"took {PREFILL_CELL_S:.0f} s a cell; given: exactly N)", None, at_least(1),
+                    metavar="N"),
              Option("ttft_repeats", f"prompts per time-to-first-token length (default: up to "
-                    f"{TTFT_REPEATS}, fewer once they took {TTFT_CELL_S:.0f} s; given: exactly "
-                    f"N)", None, at_least(1), metavar="N")),
+                    f"{TTFT_REPEATS}, {QUICK_TTFT_REPEATS} with --quick, fewer once they took "
+                    f"{TTFT_CELL_S:.0f} s; given: exactly N)", None, at_least(1),
+                    metavar="N")),
     tasks=task_count, run=run_prefill, report=prefill_report))

