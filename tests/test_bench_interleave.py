@@ -99,6 +99,18 @@ class Bar:
         pass
 
 
+def record_passes(monkeypatch):
+    """The names of every pass of rounds the decode section times (one list per pass)."""
+    passes = []
+
+    def recording(fns, *args, **kwargs):
+        passes.append(list(fns))
+        return timing.time_interleaved(fns, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "time_interleaved", recording)
+    return passes
+
+
 def test_decode_times_the_modes_side_by_side(monkeypatch):
     """One context of the decode section, f32, q8 and q4 at one thread: every mode has a
     sample per round, and its speed-ups over f32 (and q4's over q8) are the paired medians of
@@ -108,13 +120,7 @@ def test_decode_times_the_modes_side_by_side(monkeypatch):
     values = Values({"modes": ["f32", "q8", "q4"], "repeats": 3, "ref_repeats": 1,
                      "working_set_mib": 1, "torch": False, "reference": True})
 
-    passes = []
-
-    def recording(fns, *args, **kwargs):
-        passes.append(list(fns))
-        return timing.time_interleaved(fns, *args, **kwargs)
-
-    monkeypatch.setattr(attention, "time_interleaved", recording)
+    passes = record_passes(monkeypatch)
     rows = attention.run_context(attention.GEOMETRIES["qwen2.5-0.5b"], 256, ctx, values, Bar())
     assert passes == [["f32", "q8", "q4"]]            # one pass of rounds, every mode in it
     by_mode = {r["mode"]: r for r in rows}
@@ -141,13 +147,7 @@ def test_a_decode_reading_above_the_bandwidth_retakes_every_rounds(monkeypatch):
                   bandwidth={1: {"best_gbs": 1e-9}})
     values = Values({"modes": ["f32", "q8"], "repeats": 2, "ref_repeats": 1,
                      "working_set_mib": 1, "torch": False, "reference": False})
-    passes = []
-
-    def recording(fns, *args, **kwargs):
-        passes.append(list(fns))
-        return timing.time_interleaved(fns, *args, **kwargs)
-
-    monkeypatch.setattr(attention, "time_interleaved", recording)
+    passes = record_passes(monkeypatch)
     rows = attention.run_context(attention.GEOMETRIES["qwen2.5-0.5b"], 128, ctx, values, Bar())
     assert passes == [["f32", "q8"], ["f32", "q8"]]
     assert all(r["remeasured"] and r["above_bandwidth"] for r in rows)
