@@ -44,8 +44,8 @@ def time_interleaved(fns: Mapping[str, Callable[[], object]], repeats: int, warm
     ``repeats`` rounds in which every function is called once (gc off while timing).
 
     Round r calls the functions in their order rotated by r (A B C, B C A, C A B, ...), so no
-    function always runs first or right after the same one; sample r of every function comes
-    from round r, which is what :func:`paired_ratio` pairs.  ``go_on`` (given the samples so
+    function always runs first or last; sample r of every function comes from round r, which
+    is what :func:`paired_ratio` pairs.  ``go_on`` (given the samples so
     far) may end the rounds early; the first round always runs.  ``clock`` is injectable for
     tests."""
     names = list(fns)
