@@ -42,6 +42,9 @@ def test_rounds_rotate_the_order_and_pair_the_samples():
     assert order[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert samples == cost                                    # sample r from round r
     assert gc.isenabled()
+    assert [timing.rotated("abc", r) for r in (0, 1, 2, 3, 5)] == [
+        list("abc"), list("bca"), list("cab"), list("abc"), list("cab")]
+    assert timing.rotated([], 3) == []
 
 
 def test_go_on_ends_the_rounds_but_never_the_first():

@@ -46,7 +46,7 @@ from .registry import parse_geometry, parse_mode
 from .registry import register
 from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
 from .._threads import threads as kvcache_threads
-from .timing import omp_threads, paired_ratio, time_interleaved
+from .timing import omp_threads, paired_ratio, rotated, time_interleaved
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
@@ -329,9 +329,7 @@ def ttft_rows(cfg: PrefillSettings, seed: int, bar: ProgressBar) -> tuple[list[R
             ids = np.random.default_rng([seed, context, rep]).integers(0, vocab, context)
             first: dict[str, Any] = {}
             hf = None
-            sides = [*runners, "transformers"]
-            for i in range(len(sides)):              # every side in turn, rotated per prompt
-                side = sides[(rep + i) % len(sides)]
+            for side in rotated([*runners, "transformers"], rep):  # in turn, rotated per prompt
                 gc.collect()
                 if side == "transformers":
                     tokens = torch.from_numpy(ids)[None]

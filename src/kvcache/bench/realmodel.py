@@ -34,7 +34,7 @@ from .runner import RunnerVsTransformers
 from .registry import (Context, Option, Result, Section, Values, at_least, parse_context,
                        parse_mode, register)
 from .tables import Row, context_label, fmt, fmt_ratio, render_table, section_text
-from .timing import paired_ratio
+from .timing import paired_ratio, rotated
 
 if TYPE_CHECKING:
     from .._progress import ProgressBar
@@ -114,9 +114,7 @@ class RealModel(RunnerVsTransformers):
             ids = np.random.default_rng([self.seed, context, rep]).integers(
                 0, self.rcfg.vocab_size, context)
             logits: dict[str, Any] = {}
-            sides = [*runners, "transformers"]
-            for i in range(len(sides)):              # every side in turn, rotated per prompt
-                side = sides[(rep + i) % len(sides)]
+            for side in rotated([*runners, "transformers"], rep):  # in turn, rotated per prompt
                 gc.collect()
                 t0 = time.perf_counter()
                 if side == "transformers":

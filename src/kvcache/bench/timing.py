@@ -37,6 +37,13 @@ def time_repeats(fn: Callable[[], object], repeats: int, warmup: int = 1) -> Sam
     return timeit.Timer(fn).repeat(repeat=repeats, number=1)
 
 
+def rotated(names: Sequence[str], r: int) -> list[str]:
+    """``names`` in their order rotated by ``r`` (A B C, B C A, C A B, ... for r = 0, 1, 2):
+    round or prompt r's order, so that no side always runs first or last."""
+    k = r % len(names) if names else 0
+    return [*names[k:], *names[:k]]
+
+
 def time_interleaved(fns: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1,
                      go_on: Callable[[dict[str, Samples]], bool] | None = None,
                      clock: Callable[[], float] = time.perf_counter) -> dict[str, Samples]:
@@ -59,8 +66,7 @@ def time_interleaved(fns: Mapping[str, Callable[[], object]], repeats: int, warm
         for r in range(repeats):
             if r and go_on is not None and not go_on(samples):
                 break
-            for i in range(len(names)):
-                name = names[(r + i) % len(names)]
+            for name in rotated(names, r):
                 t0 = clock()
                 fns[name]()
                 samples[name].append(clock() - t0)
