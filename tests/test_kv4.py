@@ -5,6 +5,7 @@ counts, block boundaries, rollback and replay, eviction, byte formats and bad in
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import subprocess
 import sys
@@ -542,6 +543,140 @@ def test_k4_a_deeper_rollback_reopens_blocks_from_their_4bit_values():
     again.append(vals[B:50, None, :], v[B:50])          # the same rows as the layer holds
     q = rng.standard_normal((2, hd)).astype(np.float32)
     assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(again.attend_all_heads(q)))
+
+
+def _k4_bytes(layer, n):
+    """The closed blocks' codes and parameters and the ring of a 4-bit K layer at length n."""
+    st = layer.state()
+    return (st.kc[:, :B * (n // B)].tobytes(), st.kp[:, :n // B].tobytes(), st.kr.tobytes())
+
+
+@pytest.mark.parametrize("length", [70, 100, 150, 161, 257])
+def test_k4_a_deep_rollback_and_replay_restore_every_byte(length):
+    """Past the ring, a reopened block's rows are read back from its codes; when the same rows
+    are appended again the block keeps its codes and parameters, so the layer comes back to
+    every byte it held, whatever the depth and however the rows arrive (docs/kv4.md)."""
+    rng = np.random.default_rng(length)
+    hd = 40
+    layer, k, v = _k4_layer(rng, hd, length, nkv=2, scale=3.0)
+    q = rng.standard_normal((4, hd)).astype(np.float32)
+    ref, want = layer.attend_all_heads(q), _k4_bytes(layer, length)
+    depths = {33, 40, 50, 63, 64, 65, 96, 100, 130, length - 1, length} - {d for d in
+                                                                         range(length + 1, 300)}
+    for back, pieces in itertools.product(sorted(depths), [(1000,), (1, 7, 31, 5, 64, 1000)]):
+        layer.truncate_last(back)
+        i = length - back
+        for step in pieces:
+            j = min(length, i + step)
+            layer.append(k[i:j], v[i:j])
+            i = j
+        assert _k4_bytes(layer, length) == want, (back, pieces)
+        assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(ref)), (back, pieces)
+
+
+def test_k4_rollbacks_in_a_row_and_partial_replays_restore_every_byte():
+    rng = np.random.default_rng(44)
+    hd, n = 64, 200
+    layer, k, v = _k4_layer(rng, hd, n, nkv=2, scale=2.0)
+    want = _k4_bytes(layer, n)
+    for trial in range(12):
+        at = n
+        for _ in range(4):                  # back, forward part of the way, back again
+            back = int(rng.integers(1, at + 1))
+            layer.truncate_last(back)
+            at -= back
+            fwd = int(rng.integers(0, n - at + 1))
+            layer.append(k[at:at + fwd], v[at:at + fwd])
+            at += fwd
+        layer.append(k[at:], v[at:])
+        assert _k4_bytes(layer, n) == want, trial
+
+
+def test_k4_a_deep_rollback_after_a_byte_round_trip_replays_exactly():
+    """A layer read from bytes holds its ring as saved (rows that are already the codes'
+    values among them): a deep rollback into it and a replay still restore every byte."""
+    rng = np.random.default_rng(45)
+    hd, n = 40, 150
+    layer, k, v = _k4_layer(rng, hd, n, nkv=2)
+    layer.truncate_last(70)                 # the ring now holds rows 16..79, some as values
+    layer.append(k[80:120], v[80:120])
+    want = _k4_bytes(layer, 120)
+    other = kc.LayerKvCache(2, hd, mode="q4")
+    other.install_bytes(layer.to_bytes())
+    assert _k4_bytes(other, 120) == want
+    other.truncate_last(90)
+    other.append(k[30:120], v[30:120])
+    assert _k4_bytes(other, 120)[:2] == want[:2]
+    # the ring's closed rows are the replayed originals now, as in a cold layer of the rows
+    cold, _, _ = _k4_layer(rng, hd, 0, nkv=2)
+    cold.append(k[:120], v[:120])
+    assert _k4_bytes(other, 120) == _k4_bytes(cold, 120)
+
+
+def test_k4_a_reopened_block_refilled_with_other_rows_is_quantised_afresh():
+    """Rows other than the rolled-back ones: the block is quantised again from what the ring
+    holds (the rows read back from the codes, then the new rows), deterministically."""
+    rng = np.random.default_rng(46)
+    hd = 64
+    layer, k, v = _k4_layer(rng, hd, 150)
+    vals = quant.k4_values(layer.state().kc[0], layer.state().kp[0], 150)
+    layer.truncate_last(100)                 # block 1 reopens, rows 32..49 from the codes
+    new = rng.standard_normal((30, 1, hd)).astype(np.float32)
+    layer.append(new, v[50:80])
+    block = np.concatenate([vals[B:50], new[:2 * B - 50, 0]])
+    c, p = R.quantize_k4_block(block)
+    st = layer.state()
+    assert st.kc[0, B:2 * B].tobytes() == c.tobytes()
+    assert st.kp[0, 1].tobytes() == p.tobytes()
+    again = kc.LayerKvCache(1, hd, mode="q4")
+    again.append(k[:B], v[:B])
+    again.append(vals[B:50, None, :], v[B:50])
+    again.append(new, v[50:80])
+    assert _k4_bytes(again, 80)[:2] == _k4_bytes(layer, 80)[:2]
+    q = rng.standard_normal((2, hd)).astype(np.float32)
+    assert np.array_equal(_bits(layer.attend_all_heads(q)), _bits(again.attend_all_heads(q)))
+
+
+def test_k4_a_reopened_block_keeps_its_codes_for_rows_that_quantise_to_them():
+    """The rule that makes a replay exact, on rows that are not the originals: rows that
+    quantise to the block's old codes under its old parameters leave the block as it was."""
+    rng = np.random.default_rng(47)
+    hd = 64
+    layer, k, v = _k4_layer(rng, hd, 150)
+    want = _k4_bytes(layer, 64)
+    st = layer.state()
+    step = st.kp[0, 1, :hd].view(np.float16).astype(np.float32)
+    images = quant.k4_values(st.kc[0], st.kp[0], 2 * B, B)
+    layer.truncate_last(100)
+    near = k[50:64].copy()                   # halfway to their codes' values: the same codes
+    near[:, 0] += (images[50 - B:] - near[:, 0]) * np.float32(0.5)
+    assert (near[:, 0] != k[50:64, 0]).any(axis=1).all()
+    layer.append(near, v[50:64])
+    assert _k4_bytes(layer, 64)[:2] == want[:2]
+    far = k[50:64].copy()
+    far[:, 0, 3] += 10 * step[3]             # one channel moves by ten steps: afresh
+    layer.truncate_last(14)
+    layer.append(far, v[50:64])
+    assert _k4_bytes(layer, 64)[1] != want[1]
+
+
+def test_k4_refills_reads_rows_as_images_or_as_their_codes():
+    rng = np.random.default_rng(48)
+    hd = 16
+    x = (rng.standard_normal((B, hd)) * 2).astype(np.float32)
+    c, p = R.quantize_k4_block(x)
+    assert quant.k4_refills(x, c, p)                           # the originals
+    images = quant.k4_values(c, p[None], B)
+    assert quant.k4_refills(images, c, p)                      # the codes' values
+    mixed = np.concatenate([images[:10], x[10:]])
+    assert quant.k4_refills(mixed, c, p)
+    for bad in (np.nan, np.inf, 1e6):
+        y = x.copy()
+        y[5, 2] = bad
+        assert not quant.k4_refills(y, c, p), bad
+    y = x.copy()
+    y[7] = -y[7]
+    assert not quant.k4_refills(y, c, p)
 
 
 @pytest.mark.parametrize("mode", K4_MODES)

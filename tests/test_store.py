@@ -958,6 +958,7 @@ def test_a_four_bit_load_rebuilds_the_ring_from_own_rows_and_loaded_codes(rng, o
     no ring); a rollback into the loaded rows then reads those values."""
     n, G, D = 128, 2, 16
     k = rng.standard_normal((n, G, D)).astype(np.float32)
+    k[:, :, 3] = k[:, :, 3] * np.float32(0.3) + np.float32(300)      # a channel far off zero
     v = rng.standard_normal((n, G, D)).astype(np.float32)
     ids = np.arange(n)
     src = kc.KvCache(1, G, D, max_seq_len=n, mode="q4")
@@ -983,3 +984,11 @@ def test_a_four_bit_load_rebuilds_the_ring_from_own_rows_and_loaded_codes(rng, o
         keys, _ = layer.head_rows(h)
         want = k[64:88, h] if own > 64 else values[h][64:88]
         assert keys[64:88].tobytes() == want.tobytes()
+    layer.append(k[88:], v[88:])            # the same rows again: the blocks come back
+    layer.truncate_last(70)                 # and from deeper, through the loaded rows
+    layer.append(k[58:], v[58:])
+    for h in range(G):
+        codes, params, _ = layer.k4_rows(h)
+        want_codes, want_params, _ = src.layers[0].k4_rows(h)
+        assert codes.tobytes() == want_codes.tobytes()
+        assert params.tobytes() == want_params.tobytes()

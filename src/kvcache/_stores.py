@@ -390,8 +390,9 @@ class K4Rows(RowStore):
     layout); their parameters ``p`` (nkv, ceil(cap / 32), 2 * hd) float16 as uint16 bits (per
     block the hd steps, then the hd minimums); the float32 ring ``r`` (nkv, K4_RING, hd) of
     each head's last 64 rows (row ``i`` at slot ``i % 64``), which holds the open block and
-    lets a rollback of up to 32 rows reopen blocks from their original values.  Head h's rows
-    below ``32 * (len // 32)`` are read as codes, the others from the ring."""
+    lets a rollback of up to 32 rows reopen blocks from their original values (deeper, from
+    the codes' values: :meth:`truncated`, :meth:`write`).  Head h's rows below
+    ``32 * (len // 32)`` are read as codes, the others from the ring."""
 
     quantised = True
     _names = ("c", "p", "r")
@@ -404,6 +405,9 @@ class K4Rows(RowStore):
         self.c: U8 = np.zeros((nkv, 0, hd // 2), dtype=np.uint8)
         self.p: U16 = np.zeros((nkv, 0, 2 * hd), dtype=np.uint16)
         self.r: F32 = np.zeros((nkv, K4_RING, hd), dtype=_F32)
+        #: head -> its open block, when a rollback reopened that block with rows read back
+        #: from its codes, which (with its parameters) are still those it had (:meth:`write`)
+        self.reopened: dict[int, int] = {}
 
     @classmethod
     def takes(cls, c: str, mode: KvMode) -> bool:
@@ -436,9 +440,35 @@ class K4Rows(RowStore):
         new.p = np.empty((self.nkv, nb, 2 * self.hd), dtype=np.uint16)
         new.p[:, :used_b] = self.p[:, :used_b]
         new.r = self.r.copy()
+        new.reopened = dict(self.reopened)
         return new
 
     def write(self, x3: F32, live: U8, lengths: IP) -> None:
+        """Append rows; a block completes and is quantised from the ring.  A block a rollback
+        reopened from its codes keeps its previous codes and parameters when its rows came
+        back as they were (:func:`quant.k4_refills`: appending the rolled-back rows again), so
+        a deep rollback and replay restore every byte; otherwise it is quantised afresh from
+        the ring (docs/kv4.md, "Rollback").  The rows are written up to each such block's end
+        first, so the result does not depend on how they arrive."""
+        while self.reopened:
+            ends = {h: K4_BLOCK * (b + 1) - int(lengths[h]) for h, b in self.reopened.items()
+                    if live[h]}
+            r = min(ends.values(), default=x3.shape[0] + 1)
+            if r > x3.shape[0]:
+                break
+            closing = {h: self.reopened.pop(h) for h, e in ends.items() if e == r}
+            old = {h: (self.c[h, K4_BLOCK * b:K4_BLOCK * (b + 1)].copy(), self.p[h, b].copy())
+                   for h, b in closing.items()}
+            self._write(x3[:r], live, lengths)
+            for h, b in closing.items():
+                rows = self.r[h, ring_slots(K4_BLOCK * b, K4_BLOCK * (b + 1))]
+                if quant.k4_refills(rows, *old[h]):
+                    self.c[h, K4_BLOCK * b:K4_BLOCK * (b + 1)], self.p[h, b] = old[h]
+            x3, lengths = x3[r:], lengths + live.astype(np.intp) * r
+        if x3.shape[0]:
+            self._write(x3, live, lengths)
+
+    def _write(self, x3: F32, live: U8, lengths: IP) -> None:
         _core.store_rows_k4(x__nhd=x3, alive__h=live, head_len__h=lengths, c__hcb=self.c,
                             p__hbq=self.p, r__hrd=self.r)
 
@@ -476,15 +506,25 @@ class K4Rows(RowStore):
         return {"r": ring}
 
     def truncated(self, old: IP, new: IP) -> None:
+        """The ring's rows below the new lengths that left it since: their values from the
+        codes; and which heads' open blocks that reopens with such rows (:meth:`write`)."""
+        B = K4_BLOCK
         for h in range(self.nkv):
             o, n = int(old[h]), int(new[h])
             lo, hi = max(0, n - K4_RING), min(n, o - K4_RING)
             if hi > lo:            # slots overwritten since: the rows' values from the codes
                 # (rows below o - 64 are in blocks that were closed: whole blocks up to hi)
-                vals = quant.k4_values(self.c[h], self.p[h], -(-hi // K4_BLOCK) * K4_BLOCK, lo)
+                vals = quant.k4_values(self.c[h], self.p[h], -(-hi // B) * B, lo)
                 self.r[h, ring_slots(lo, hi)] = vals[: hi - lo]
+            b, was = n // B, self.reopened.pop(h, None)
+            if n % B and (B * (b + 1) <= o or was == b):     # its codes are still the block's
+                images = quant.k4_values(self.c[h], self.p[h], B * (b + 1), B * b)[: n - B * b]
+                ring = self.r[h, ring_slots(B * b, n)]
+                if (images.view(np.uint32) == ring.view(np.uint32)).all(axis=1).any():
+                    self.reopened[h] = b
 
     def shift(self, h: int, n: int, keep_idx: Optional[IP] = None, drop: int = 0) -> None:
+        self.reopened.pop(h, None)           # the head's rows are quantised again from 0
         rows = self.nearest(h, n)
         rows = rows[drop:n] if keep_idx is None else rows[keep_idx]
         x3 = np.zeros((rows.shape[0], self.nkv, self.hd), dtype=_F32)

@@ -49,7 +49,7 @@ the open block and the 32 rows before it."""
 __all__ = ["K4_BLOCK", "K4_RING", "COL_WARMUP", "K_GROUPS", "k_group", "COL_FLOOR", "CHUNK_ROWS",
            "COPY_CHUNK_BYTES", "n_groups", "k_scale_count", "k_row_bytes", "v_row_bytes",
            "q8_row_bytes", "v4_row_bytes", "check_v4_head_dim", "V4_GROUP", "k4_row_bytes",
-           "check_k4_head_dim", "k4_values", "k4_pack_block", "k4_unpack_blocks", "unpack_codes",
+           "check_k4_head_dim", "k4_values", "k4_refills", "k4_pack_block", "k4_unpack_blocks", "unpack_codes",
            "dequantize", "column_field", "freeze_columns"]
 
 COL_WARMUP = 64
@@ -137,6 +137,29 @@ def k4_values(codes: npt.NDArray[np.uint8], par: npt.NDArray[np.uint16],
             vals = c * step + low         # code * step is exact in float32: this is fmaf
         out[: q - lo] = vals[lo - B * b0:]
     return out
+
+
+def k4_refills(rows: npt.NDArray[np.float32], codes: npt.NDArray[np.uint8],
+               par: npt.NDArray[np.uint16]) -> bool:
+    """Whether a block of 4-bit K reopened by a rollback came back as it was: every one of
+    its K4_BLOCK rows (K4_BLOCK, hd) is bit for bit its codes' value fmaf(code, step, minimum)
+    under the block's previous codes (K4_BLOCK, hd / 2) and parameters (2 * hd,) -- a row
+    the rollback read back from the codes -- or quantises to those codes with those
+    parameters as ``_q4.h``'s kvc_q4_code does (code 0 in a channel whose step is 0 or NaN;
+    a non-finite value never matches a finite channel) -- a row appended again, as the
+    first time (docs/kv4.md, "Rollback")."""
+    hd = rows.shape[1]
+    old = k4_unpack_blocks(codes)
+    images = k4_values(codes, par[None], K4_BLOCK)
+    is_image = (images.view(np.uint32) == rows.view(np.uint32)).all(axis=1)
+    pf = par.view(np.float16).astype(np.float32)
+    step, low = pf[:hd], pf[hd:]
+    used = np.isfinite(step) & np.isfinite(low) & (step > 0)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        t = np.floor((rows - low) / step + np.float32(0.5))
+    code = np.where(used, np.clip(np.nan_to_num(t), 0, 15), 0)
+    same = (code == old) & (np.isfinite(rows) | ~used)
+    return bool((is_image | same.all(axis=1)).all())
 
 
 def k4_pack_block(codes: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
