@@ -660,6 +660,74 @@ def test_k4_a_reopened_block_keeps_its_codes_for_rows_that_quantise_to_them():
     assert _k4_bytes(layer, 64)[1] != want[1]
 
 
+def test_k4_a_replay_that_grows_the_layer_keeps_the_reopened_block():
+    """Growing the arrays while a block is reopened carries its codes and parameters, which
+    lie past the head's length: a replay across the growth is exact, and rows that arrive one
+    by one give what one call gives."""
+    rng = np.random.default_rng(49)
+    hd, n = 40, 356
+    cold, k, v = _k4_layer(rng, hd, n, nkv=2, scale=3.0)
+    for fill in (256, 512 - 76):
+        if fill > n:
+            continue
+        for one_by_one in (False, True):
+            layer = kc.LayerKvCache(2, hd, mode="q4")
+            layer.append(k[:fill], v[:fill])
+            layer.truncate_last(76)
+            rows = range(fill - 76, n)
+            if one_by_one:
+                for i in rows:
+                    layer.append(k[i:i + 1], v[i:i + 1])
+            else:
+                layer.append(k[fill - 76:], v[fill - 76:])
+            assert _k4_bytes(layer, n) == _k4_bytes(cold, n), (fill, one_by_one)
+
+
+def test_k4_gqa_heads_at_other_lengths_replay_exactly():
+    rng = np.random.default_rng(50)
+    hd, n, nkv = 64, 180, 4
+    k = (rng.standard_normal((n, nkv, hd)) * 2).astype(np.float32)
+    k[:, :, 5] += 300
+    v = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+    alive = [np.array([1, i >= 30, 1, i >= 45], bool) for i in range(n)]   # heads join late
+    layer = kc.LayerKvCache(nkv, hd, mode="q4")
+    for i in range(n):
+        layer.append(k[i:i + 1], v[i:i + 1], alive=alive[i])
+    lengths = [layer.head_len(h) for h in range(nkv)]
+    want = [layer._k.c[h, :B * (lengths[h] // B)].tobytes() for h in range(nkv)]
+    wantp = [layer._k.p[h, :lengths[h] // B].tobytes() for h in range(nkv)]
+    assert lengths == [180, 150, 180, 135]           # the blocks at other phases
+    for back in (100, 37, 130):
+        layer.truncate_last(back)
+        for i in range(n - back, n):
+            layer.append(k[i:i + 1], v[i:i + 1], alive=alive[i])
+        for h in range(nkv):
+            assert layer.head_len(h) == lengths[h]
+            assert layer._k.c[h, :B * (lengths[h] // B)].tobytes() == want[h], (back, h)
+            assert layer._k.p[h, :lengths[h] // B].tobytes() == wantp[h], (back, h)
+
+
+def test_k4_a_shallow_rollback_then_other_rows_equals_a_cold_layer():
+    """Within the ring a reopened block holds its own rows, so other rows appended after a
+    rollback give what a cold layer of the same rows gives, even for keys that lie on the
+    4-bit grid (their rows equal the codes' values bit for bit)."""
+    rng = np.random.default_rng(51)
+    hd = 16
+    k = rng.integers(0, 16, (100, 1, hd)).astype(np.float32)
+    k[[0, 32], 0], k[[1, 33], 0] = 0, 15                 # step 1, minimum 0: on the grid
+    v = rng.standard_normal((100, 1, hd)).astype(np.float32)
+    layer = kc.LayerKvCache(1, hd, mode="q4")
+    layer.append(k[:70], v[:70])
+    layer.truncate_last(20)                              # block 1 reopens, rows 32..49
+    other = k[50:70].copy()
+    other[:, 0, :] += 0.25           # the same codes under the old step, off the grid, and
+    # a maximum of 15.25: afresh, the block's step is float16(15.25 / 15), not 1
+    layer.append(other, v[50:70])
+    cold = kc.LayerKvCache(1, hd, mode="q4")
+    cold.append(np.concatenate([k[:50], other]), v[:70])
+    assert _k4_bytes(layer, 70) == _k4_bytes(cold, 70)
+
+
 def test_k4_refills_reads_rows_as_images_or_as_their_codes():
     rng = np.random.default_rng(48)
     hd = 16
@@ -677,6 +745,17 @@ def test_k4_refills_reads_rows_as_images_or_as_their_codes():
     y = x.copy()
     y[7] = -y[7]
     assert not quant.k4_refills(y, c, p)
+    lo, hi = x.min(0), x.max(0)
+    for far in (lo[4] - 1e4, hi[4] + 1e4, lo[4] - 5 * (hi[4] - lo[4]) / 15):
+        y = x.copy()                 # the clamped code 0 or 15, but no row of the block
+        y[9, 4] = far
+        assert not quant.k4_refills(y, c, p), far
+    z = x.copy()
+    z[:, 6] = 5.0                    # a constant channel: step 0, code 0 whatever the value
+    c, p = R.quantize_k4_block(z)
+    assert p.view(np.float16)[6] == 0 and quant.k4_refills(z, c, p)
+    z[3, 6] = 1000.0
+    assert not quant.k4_refills(z, c, p)
 
 
 @pytest.mark.parametrize("mode", K4_MODES)

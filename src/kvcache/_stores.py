@@ -228,6 +228,9 @@ class RowStore:
     def freeze(self, lengths: IP) -> None:
         """Freeze the column field of every head holding rows (only a "cmf" store does)."""
 
+    def installed(self, lengths: IP) -> None:
+        """The store now holds a state's arrays (:func:`from_state`), heads of ``lengths``."""
+
     def frozen_col(self) -> Optional[F32]:
         """The column field when some head froze one (the queries are folded with it)."""
         return self.col if self.col_on.any() else None
@@ -408,6 +411,12 @@ class K4Rows(RowStore):
         #: head -> its open block, when a rollback reopened that block with rows read back
         #: from its codes, which (with its parameters) are still those it had (:meth:`write`)
         self.reopened: dict[int, int] = {}
+        #: per head, the rows [read[h, 0], read[h, 1]) of the ring that a rollback read back
+        #: from the codes (the rows it wrote, and those it kept of an earlier one)
+        self.read: IP = np.zeros((nkv, 2), dtype=np.intp)
+        #: per head, the length it had when the store took a state's arrays: the ring's rows
+        #: below it may have been read back from the codes (a load, a byte format's reader)
+        self.unsure: IP = np.zeros(nkv, dtype=np.intp)
 
     @classmethod
     def takes(cls, c: str, mode: KvMode) -> bool:
@@ -436,11 +445,15 @@ class K4Rows(RowStore):
         new = copy.copy(self)
         nb, used_b = -(-cap // K4_BLOCK), used // K4_BLOCK
         new.c = np.empty((self.nkv, cap, self.hd // 2), dtype=np.uint8)
-        new.c[:, :used] = self.c[:, :used]
         new.p = np.empty((self.nkv, nb, 2 * self.hd), dtype=np.uint16)
+        if self.reopened:       # a reopened block's codes and parameters, past the length
+            used_b = min(-(-used // K4_BLOCK), self.p.shape[1])
+            used = min(used_b * K4_BLOCK, self.c.shape[1])
+        new.c[:, :used] = self.c[:, :used]
         new.p[:, :used_b] = self.p[:, :used_b]
         new.r = self.r.copy()
         new.reopened = dict(self.reopened)
+        new.read, new.unsure = self.read.copy(), self.unsure.copy()
         return new
 
     def write(self, x3: F32, live: U8, lengths: IP) -> None:
@@ -512,19 +525,31 @@ class K4Rows(RowStore):
         for h in range(self.nkv):
             o, n = int(old[h]), int(new[h])
             lo, hi = max(0, n - K4_RING), min(n, o - K4_RING)
+            read = self.read[h]
+            read[1] = min(read[1], n)
             if hi > lo:            # slots overwritten since: the rows' values from the codes
                 # (rows below o - 64 are in blocks that were closed: whole blocks up to hi)
                 vals = quant.k4_values(self.c[h], self.p[h], -(-hi // B) * B, lo)
                 self.r[h, ring_slots(lo, hi)] = vals[: hi - lo]
+                read[:] = lo, max(hi, read[1])   # (the rows kept of earlier ones start at o - 64)
             b, was = n // B, self.reopened.pop(h, None)
-            if n % B and (B * (b + 1) <= o or was == b):     # its codes are still the block's
-                images = quant.k4_values(self.c[h], self.p[h], B * (b + 1), B * b)[: n - B * b]
-                ring = self.r[h, ring_slots(B * b, n)]
+            if not n % B or (B * (b + 1) > o and was != b):  # its codes are not the block's
+                continue
+            if was == b or read[1] > max(B * b, read[0]):     # it holds rows read back
+                self.reopened[h] = b
+            elif self.unsure[h] > B * b:    # rows a load may have read back: by their bits
+                top = min(n, int(self.unsure[h]))
+                images = quant.k4_values(self.c[h], self.p[h], B * (b + 1), B * b)[: top - B * b]
+                ring = self.r[h, ring_slots(B * b, top)]
                 if (images.view(np.uint32) == ring.view(np.uint32)).all(axis=1).any():
                     self.reopened[h] = b
 
+    def installed(self, lengths: IP) -> None:
+        self.unsure = lengths.copy()
+
     def shift(self, h: int, n: int, keep_idx: Optional[IP] = None, drop: int = 0) -> None:
         self.reopened.pop(h, None)           # the head's rows are quantised again from 0
+        self.read[h], self.unsure[h] = 0, 0
         rows = self.nearest(h, n)
         rows = rows[drop:n] if keep_idx is None else rows[keep_idx]
         x3 = np.zeros((rows.shape[0], self.nkv, self.hd), dtype=_F32)
@@ -581,6 +606,7 @@ def from_state(state: LayerState) -> tuple[RowStore, RowStore]:
             setattr(st, name, getattr(state, c + name))
         st.col = getattr(state, c + "col")
         st.col_on = getattr(state, c + "col_on")
+        st.installed(state.lengths)
     return k, v
 
 

@@ -652,9 +652,9 @@ class LayerKvCache(LayerBytes):
         Drops min(n, seq_len) positions from every head (dead heads saturate at 0) and from
         the importance; keeps the column fields and the linear state.  Appending the same rows
         again restores every stored byte in float32, in the int8 scheme "rows" and in 4-bit
-        (K's codes and block parameters at any depth, docs/kv4.md); in the scheme "cmf" a
-        column frozen by the dropped positions stays frozen, so rolling back across position
-        64 does not restore what was stored before.  A sealed O(1) layer
+        (K's codes and block parameters at any depth; the limits in docs/kv4.md); in the
+        scheme "cmf" a column frozen by the dropped positions stays frozen, so rolling back
+        across position 64 does not restore what was stored before.  A sealed O(1) layer
         raises RuntimeError (its far-field insertions cannot be undone): roll it back with
         :meth:`o1_snapshot` / :meth:`o1_restore` instead."""
         n = as_int("n", n, minimum=0)

@@ -144,21 +144,32 @@ def k4_refills(rows: npt.NDArray[np.float32], codes: npt.NDArray[np.uint8],
     """Whether a block of 4-bit K reopened by a rollback came back as it was: every one of
     its K4_BLOCK rows (K4_BLOCK, hd) is bit for bit its codes' value fmaf(code, step, minimum)
     under the block's previous codes (K4_BLOCK, hd / 2) and parameters (2 * hd,) -- a row
-    the rollback read back from the codes -- or quantises to those codes with those
-    parameters as ``_q4.h``'s kvc_q4_code does (code 0 in a channel whose step is 0 or NaN;
-    a non-finite value never matches a finite channel) -- a row appended again, as the
-    first time (docs/kv4.md, "Rollback")."""
+    the rollback read back from the codes -- or could have been one of the rows those
+    parameters were made from and quantises to those codes -- a row appended again.  A
+    channel with a step takes the code ``_q4.h``'s kvc_q4_code gives, floor((x - m) / s +
+    0.5), before its clamp to 0..15 at most ``k`` codes outside that range, ``k`` covering
+    the float16 roundings of m and s (a block's minimum lies within half a float16 spacing
+    of m); a channel whose step rounded to 0 takes values within that much of m; a channel
+    stored as NaN (a non-finite key) any value (docs/kv4.md, "Rollback")."""
     hd = rows.shape[1]
     old = k4_unpack_blocks(codes)
     images = k4_values(codes, par[None], K4_BLOCK)
     is_image = (images.view(np.uint32) == rows.view(np.uint32)).all(axis=1)
-    pf = par.view(np.float16).astype(np.float32)
+    half = par.view(np.float16)
+    pf = half.astype(np.float32)
     step, low = pf[:hd], pf[hd:]
-    used = np.isfinite(step) & np.isfinite(low) & (step > 0)
+    finite = np.isfinite(step) & np.isfinite(low)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        # half a float16 spacing at |m| (the wider one beside it) and at s, as float32
+        gap = (np.spacing(np.abs(half)).astype(np.float32) * np.float32(0.5))
+        slack = gap[hd:] + np.float32(15) * gap[:hd]
         t = np.floor((rows - low) / step + np.float32(0.5))
-    code = np.where(used, np.clip(np.nan_to_num(t), 0, 15), 0)
-    same = (code == old) & (np.isfinite(rows) | ~used)
+        k = np.ceil(slack / step) + 2
+        near = np.abs(rows - low) <= slack + np.float32(15 * 2.0 ** -24)
+    stepped = finite & (step > 0)
+    inside = np.where(stepped, (t >= -k) & (t <= 15 + k), near)
+    code = np.where(stepped, np.clip(np.nan_to_num(t), 0, 15), 0)
+    same = ((code == old) & inside) | ~finite
     return bool((is_image | same.all(axis=1)).all())
 
 
