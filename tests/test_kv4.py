@@ -642,7 +642,10 @@ def test_k4_a_reopened_block_keeps_its_codes_for_rows_that_quantise_to_them():
     quantise to the block's old codes under its old parameters leave the block as it was."""
     rng = np.random.default_rng(47)
     hd = 64
-    layer, k, v = _k4_layer(rng, hd, 150)
+    _, k, v = _k4_layer(rng, hd, 150)
+    k[:, :, 5] = k[:, :, 5] * np.float32(0.3) + np.float32(300)    # afresh would move it
+    layer = kc.LayerKvCache(1, hd, mode="q4")
+    layer.append(k, v)
     want = _k4_bytes(layer, 64)
     st = layer.state()
     step = st.kp[0, 1, :hd].view(np.float16).astype(np.float32)
@@ -726,6 +729,28 @@ def test_k4_a_shallow_rollback_then_other_rows_equals_a_cold_layer():
     cold = kc.LayerKvCache(1, hd, mode="q4")
     cold.append(np.concatenate([k[:50], other]), v[:70])
     assert _k4_bytes(layer, 70) == _k4_bytes(cold, 70)
+
+
+def test_k4_rows_appended_after_a_load_are_not_taken_as_read_back():
+    """After a load, only the loaded rows of the ring may be rows read back from the codes:
+    rows appended after a rollback below the loaded length are the rows themselves, so a
+    shallow rollback over them followed by other rows still equals a cold layer."""
+    rng = np.random.default_rng(52)
+    hd = 16
+    rows = rng.integers(0, 16, (64, 1, hd)).astype(np.float32)     # on the 4-bit grid
+    rows[[0, 32]], rows[[1, 33]] = 0, 15                          # step 1, minimum 0
+    src = kc.LayerKvCache(1, hd, mode="q4")
+    src.append(rows[:40], rows[:40])
+    layer = kc.LayerKvCache(1, hd, mode="q4")
+    layer.install_bytes(src.to_bytes())                           # a load at 40
+    layer.truncate_last(20)
+    layer.append(rows[20:64], rows[20:64])                        # blocks 0 and 1 close
+    layer.truncate_last(20)                                       # within the ring
+    rows[44:64] += np.float32(0.25)                               # the same codes
+    layer.append(rows[44:64], rows[44:64])
+    cold = kc.LayerKvCache(1, hd, mode="q4")
+    cold.append(rows, rows)
+    assert _k4_bytes(layer, 64)[:2] == _k4_bytes(cold, 64)[:2]
 
 
 def test_k4_refills_reads_rows_as_images_or_as_their_codes():

@@ -527,6 +527,7 @@ class K4Rows(RowStore):
             lo, hi = max(0, n - K4_RING), min(n, o - K4_RING)
             read = self.read[h]
             read[1] = min(read[1], n)
+            self.unsure[h] = min(self.unsure[h], n)    # rows appended since are the rows
             if hi > lo:            # slots overwritten since: the rows' values from the codes
                 # (rows below o - 64 are in blocks that were closed: whole blocks up to hi)
                 vals = quant.k4_values(self.c[h], self.p[h], -(-hi // B) * B, lo)
