@@ -49,8 +49,8 @@ the open block and the 32 rows before it."""
 __all__ = ["K4_BLOCK", "K4_RING", "COL_WARMUP", "K_GROUPS", "k_group", "COL_FLOOR", "CHUNK_ROWS",
            "COPY_CHUNK_BYTES", "n_groups", "k_scale_count", "k_row_bytes", "v_row_bytes",
            "q8_row_bytes", "v4_row_bytes", "check_v4_head_dim", "V4_GROUP", "k4_row_bytes",
-           "check_k4_head_dim", "k4_values", "k4_refills", "k4_pack_block", "k4_unpack_blocks", "unpack_codes",
-           "dequantize", "column_field", "freeze_columns"]
+           "check_k4_head_dim", "k4_values", "k4_refills", "k4_pack_block", "k4_unpack_blocks",
+           "unpack_codes", "dequantize", "column_field", "freeze_columns"]
 
 COL_WARMUP = 64
 K_GROUPS: dict[str, int] = {"rows": 16, "cmf": 32}
@@ -145,12 +145,12 @@ def k4_refills(rows: npt.NDArray[np.float32], codes: npt.NDArray[np.uint8],
     its K4_BLOCK rows (K4_BLOCK, hd) is bit for bit its codes' value fmaf(code, step, minimum)
     under the block's previous codes (K4_BLOCK, hd / 2) and parameters (2 * hd,) -- a row
     the rollback read back from the codes -- or could have been one of the rows those
-    parameters were made from and quantises to those codes -- a row appended again.  A
-    channel with a step takes the code ``_q4.h``'s kvc_q4_code gives, floor((x - m) / s +
-    0.5), before its clamp to 0..15 at most ``k`` codes outside that range, ``k`` covering
-    the float16 roundings of m and s (a block's minimum lies within half a float16 spacing
-    of m); a channel whose step rounded to 0 takes values within that much of m; a channel
-    stored as NaN (a non-finite key) any value (docs/kv4.md, "Rollback")."""
+    parameters were made from and quantises to those codes -- a row appended again.  In a
+    channel with a step, the code is ``_q4.h``'s kvc_q4_code, floor((x - m) / s + 0.5)
+    clamped to 0..15, and before the clamp it may lie at most ``k`` codes outside 0..15,
+    ``k`` covering the float16 roundings of m and s (a block's minimum lies within half a
+    float16 spacing of m); a channel whose step rounded to 0 takes values within that much
+    of m; a channel stored as NaN (a non-finite key) any value (docs/kv4.md, "Rollback")."""
     hd = rows.shape[1]
     old = k4_unpack_blocks(codes)
     images = k4_values(codes, par[None], K4_BLOCK)
