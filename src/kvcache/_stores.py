@@ -443,12 +443,10 @@ class K4Rows(RowStore):
 
     def grown(self, cap: int, used: int) -> K4Rows:
         new = copy.copy(self)
-        nb, used_b = -(-cap // K4_BLOCK), used // K4_BLOCK
+        nb, used_b = -(-cap // K4_BLOCK), -(-used // K4_BLOCK)
         new.c = np.empty((self.nkv, cap, self.hd // 2), dtype=np.uint8)
         new.p = np.empty((self.nkv, nb, 2 * self.hd), dtype=np.uint16)
-        if self.reopened:       # a reopened block's codes and parameters, past the length
-            used_b = min(-(-used // K4_BLOCK), self.p.shape[1])
-            used = min(used_b * K4_BLOCK, self.c.shape[1])
+        used = min(used_b * K4_BLOCK, self.c.shape[1])  # whole blocks: a reopened one's codes
         new.c[:, :used] = self.c[:, :used]
         new.p[:, :used_b] = self.p[:, :used_b]
         new.r = self.r.copy()
@@ -539,10 +537,8 @@ class K4Rows(RowStore):
             if was == b or read[1] > max(B * b, read[0]):     # it holds rows read back
                 self.reopened[h] = b
             elif self.unsure[h] > B * b:    # rows a load may have read back: by their bits
-                top = min(n, int(self.unsure[h]))
-                images = quant.k4_values(self.c[h], self.p[h], B * (b + 1), B * b)[: top - B * b]
-                ring = self.r[h, ring_slots(B * b, top)]
-                if (images.view(np.uint32) == ring.view(np.uint32)).all(axis=1).any():
+                ring = self.r[h, ring_slots(B * b, min(n, int(self.unsure[h])))]
+                if quant.k4_read_back(ring, self.c[h], self.p[h], B * b).any():
                     self.reopened[h] = b
 
     def installed(self, lengths: IP) -> None:

@@ -49,7 +49,8 @@ the open block and the 32 rows before it."""
 __all__ = ["K4_BLOCK", "K4_RING", "COL_WARMUP", "K_GROUPS", "k_group", "COL_FLOOR", "CHUNK_ROWS",
            "COPY_CHUNK_BYTES", "n_groups", "k_scale_count", "k_row_bytes", "v_row_bytes",
            "q8_row_bytes", "v4_row_bytes", "check_v4_head_dim", "V4_GROUP", "k4_row_bytes",
-           "check_k4_head_dim", "k4_values", "k4_refills", "k4_pack_block", "k4_unpack_blocks",
+           "check_k4_head_dim", "k4_values", "k4_read_back", "k4_refills", "k4_pack_block",
+           "k4_unpack_blocks",
            "unpack_codes", "dequantize", "column_field", "freeze_columns"]
 
 COL_WARMUP = 64
@@ -139,6 +140,17 @@ def k4_values(codes: npt.NDArray[np.uint8], par: npt.NDArray[np.uint16],
     return out
 
 
+def k4_read_back(rows: npt.NDArray[np.float32], codes: npt.NDArray[np.uint8],
+                 par: npt.NDArray[np.uint16], lo: int = 0) -> npt.NDArray[np.bool_]:
+    """Which of ``rows`` (rows lo, lo + 1, ... of one head's 4-bit K, in blocks whose codes and
+    parameters, as ``k4_values`` takes them, are those given) equal bit for bit their codes'
+    values: the rows a rollback read back from the codes."""
+    m = rows.shape[0]
+    images = k4_values(codes, par, -(-(lo + m) // K4_BLOCK) * K4_BLOCK, lo)[:m]
+    same: npt.NDArray[np.bool_] = (images.view(np.uint32) == rows.view(np.uint32)).all(axis=1)
+    return same
+
+
 def k4_refills(rows: npt.NDArray[np.float32], codes: npt.NDArray[np.uint8],
                par: npt.NDArray[np.uint16]) -> bool:
     """Whether a block of 4-bit K reopened by a rollback came back as it was: every one of
@@ -153,8 +165,7 @@ def k4_refills(rows: npt.NDArray[np.float32], codes: npt.NDArray[np.uint8],
     of m; a channel stored as NaN (a non-finite key) any value (docs/kv4.md, "Rollback")."""
     hd = rows.shape[1]
     old = k4_unpack_blocks(codes)
-    images = k4_values(codes, par[None], K4_BLOCK)
-    is_image = (images.view(np.uint32) == rows.view(np.uint32)).all(axis=1)
+    is_image = k4_read_back(rows, codes, par[None])
     half = par.view(np.float16)
     pf = half.astype(np.float32)
     step, low = pf[:hd], pf[hd:]
