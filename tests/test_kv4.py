@@ -458,6 +458,29 @@ def test_k4_fold_of_special_queries_matches_the_twin_on_every_body(hd, each_leve
         assert np.array_equal(_bits(got), _bits(want)), level
 
 
+@pytest.mark.parametrize("hd", [64, 40])
+def test_an_infinite_query_over_a_constant_key_channel_scores_nan(hd, each_level):
+    """q * step is inf * 0 = NaN where a block's key channel is constant: that group's scale
+    is NaN, so the score is NaN (not the bias's infinity) on every body, as in the twin."""
+    rng = np.random.default_rng(hd + 1)
+    n = 2 * B + 5
+    layer = kc.LayerKvCache(1, hd, mode="q4")
+    k = rng.standard_normal((n, 1, hd)).astype(np.float32)
+    k[:B, 0, 5] = 2.0                                  # constant in block 0: step 0, minimum 2
+    layer.append(k, rng.standard_normal((n, 1, hd)).astype(np.float32))
+    st = layer.state()
+    q = rng.standard_normal((2, hd)).astype(np.float32)
+    q[0, 5] = np.inf
+    want = np.zeros((2, n), np.float32)
+    R.k4_scores(q, st.kc[0], st.kp[0], st.kr[0], n, want)
+    assert np.isnan(want[0, :B]).all() and np.isfinite(want[1]).all()
+    for level in each_level:
+        _core.set_isa(level)
+        got = np.zeros((2, n), np.float32)
+        _core.k4_scores(q, st.kc[0], st.kp[0], st.kr[0], n, got)
+        assert np.array_equal(_bits(got), _bits(want)), level
+
+
 def test_k4_blocks_are_the_documented_quantiser():
     rng = np.random.default_rng(4)
     hd = 40

@@ -367,6 +367,48 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
                  * bytes ch0 / 2 + i hold channel ch0 + i (low nibble) and ch0 + cn / 2 + i
                  * (high) (docs/kv4.md) */
                 const ptrdiff_t ch0 = d0 & ~(ptrdiff_t)31, cn = hd - ch0 < 32 ? hd - ch0 : 32;
+#if KVC_VEC_AVX512
+                if (dn == 32) {
+                    /* AVX-512: the block's 32 channels as two zmm per query (channels 0-15,
+                     * 16-31), the same per-element chains as the 8-lane code below */
+#define KVC_LD16(J, R) (J < nj ? kvc_f16_load(acc + (j0 + J) * hd + d0 + 16 * R) : kvc_f16_zero())
+                    kvc_f16 z00 = KVC_LD16(0, 0), z01 = KVC_LD16(0, 1);
+                    kvc_f16 z10 = KVC_LD16(1, 0), z11 = KVC_LD16(1, 1);
+                    kvc_f16 z20 = KVC_LD16(2, 0), z21 = KVC_LD16(2, 1);
+                    kvc_f16 z30 = KVC_LD16(3, 0), z31 = KVC_LD16(3, 1);
+#undef KVC_LD16
+                    for (p = c0; p < c1; ++p) {
+                        int32_t m = use[p - c0];
+                        kvc_f16 v0, v1;
+                        if (d0 == 0 && p + KVC_PREFETCH_ROWS < c1)
+                            kvc_prefetch_rows(base, p + KVC_PREFETCH_ROWS, 1, rb);
+                        if (!m)
+                            continue;
+                        if (q4) {
+                            /* a whole 32-channel chunk: byte i holds channels i and 16 + i */
+                            const uint8_t *src = v4 + p * rb + d0 / 2;
+                            const float *par = pf + (p - c0) * np + 2 * (d0 / 16);
+                            v0 = kvc_f16_fma(kvc_f16_from_u4(src, 0), kvc_f16_set1(par[0]),
+                                             kvc_f16_set1(par[1]));
+                            v1 = kvc_f16_fma(kvc_f16_from_u4(src, 4), kvc_f16_set1(par[2]),
+                                             kvc_f16_set1(par[3]));
+                        } else {
+                            v0 = kvc_f16_from_s8(vq + p * hd + d0);
+                            v1 = kvc_f16_from_s8(vq + p * hd + d0 + 16);
+                        }
+                        const float *w = wq + (p - c0);
+#define KVC_UPD16(J) if (m >> J & 1) { kvc_f16 wb = kvc_f16_bcast(w + J * KVC_VROWS); \
+                            z##J##0 = kvc_f16_fma(wb, v0, z##J##0); z##J##1 = kvc_f16_fma(wb, v1, z##J##1); }
+                        KVC_UPD16(0) KVC_UPD16(1) KVC_UPD16(2) KVC_UPD16(3)
+#undef KVC_UPD16
+                    }
+#define KVC_ST16(J) if (J < nj) { float *y = acc + (j0 + J) * hd + d0; \
+                        kvc_f16_store(y, z##J##0); kvc_f16_store(y + 16, z##J##1); }
+                    KVC_ST16(0) KVC_ST16(1) KVC_ST16(2) KVC_ST16(3)
+#undef KVC_ST16
+                    continue;
+                }
+#endif
                 if (dn == KVC_VBLOCK && (!q4 || KVC_VBLOCK == 32 || cn != 24)) {
                     /* named registers: an array here ends up on the stack.  With 16-channel
                      * blocks the registers of vectors 2 and 3 are never touched. */
@@ -781,6 +823,29 @@ KVC_INLINE float kvc_k4_fold(const float *restrict q, const float *restrict pf, 
     ptrdiff_t g, d0;
     for (g = 0, d0 = 0; d0 < hd; ++g, d0 += 16) {
         const int two = hd - d0 >= 16;
+#if KVC_VEC_AVX512
+        if (two) {
+            /* a whole group on one zmm: the same values (the maximum of |w| with NaN as +inf
+             * does not depend on the order it is taken in) */
+            const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(q + d0), _mm512_loadu_ps(pf + d0));
+            const __m512 a = _mm512_mask_mov_ps(_mm512_abs_ps(w),
+                                                _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q),
+                                                _mm512_set1_ps(INFINITY));
+            const float ag = _mm512_reduce_max_ps(a);
+            if (ag <= FLT_MAX) {
+                float sc = ag / 127.0f;
+                sc = sc > 1e-12f ? sc : 1e-12f;
+                sw[g] = sc;
+                const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(w, _mm512_set1_ps(1.0f / sc)),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                _mm_storeu_si128((__m128i *)(wi + d0), _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(r)));
+            } else {
+                sw[g] = NAN;
+                memset(wi + d0, 0, 16);
+            }
+            continue;
+        }
+#endif
         const kvc_f8 w0 = kvc_f8_mul(kvc_f8_load(q + d0), kvc_f8_load(pf + d0));
         kvc_f8 w1 = kvc_f8_zero(), am = kvc_f8_sel(kvc_f8_isnan(w0), infv, kvc_f8_abs(w0));
         if (two) {
@@ -844,11 +909,63 @@ KVC_INLINE void kvc_k4_score8(const uint8_t *restrict blk, ptrdiff_t tv, ptrdiff
         kvc_f8_store(out + 8 * c, kvc_f8_add(f[c], kvc_f8_set1(bias[c])));
 }
 
-/* kvc_k4_score8 for nc (1 .. KVC_K4_QC) queries, specialised for the common head dims. */
-static void kvc_k4_score8_n(const uint8_t *blk, ptrdiff_t tv, ptrdiff_t hd, ptrdiff_t nc,
-                            const int8_t *wi, const float *sw, const float *bias, float *out)
+#if KVC_VEC_AVX512
+/* kvc_k4_score8 on sixteen rows, 16 tv .. 16 tv + 15 (one zmm of lanes = rows): the same
+ * chain per lane. */
+KVC_INLINE void kvc_k4_score16(const uint8_t *restrict blk, ptrdiff_t tv, ptrdiff_t hd,
+                               const ptrdiff_t NC, const int8_t *restrict wi,
+                               const float *restrict sw, const float *restrict bias,
+                               float *restrict out)
 {
-#define KVC_K4_S8(HD, NC) kvc_k4_score8(blk, tv, HD, NC, wi, sw, bias, out)
+    const ptrdiff_t ng = KVC_I8_GROUPS(hd, 16), ngp = KVC_K4_NGP(hd), no = hd / 8;
+    const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f);
+    __m512 f[KVC_K4_QC];
+    ptrdiff_t g, o, c;
+    for (c = 0; c < NC; ++c)
+        f[c] = _mm512_setzero_ps();
+    for (g = 0, o = 0; g < ng; ++g, o += 2) {
+        const __m512i u0 = _mm512_loadu_si512(blk + o * 4 * KVC_K4_BLOCK + tv * 64);
+        const __m512i l0 = _mm512_and_si512(u0, nib);
+        const __m512i h0 = _mm512_and_si512(_mm512_srli_epi32(u0, 4), nib);
+        if (o + 1 < no) {
+            const __m512i u1 = _mm512_loadu_si512(blk + (o + 1) * 4 * KVC_K4_BLOCK + tv * 64);
+            const __m512i l1 = _mm512_and_si512(u1, nib);
+            const __m512i h1 = _mm512_and_si512(_mm512_srli_epi32(u1, 4), nib);
+            for (c = 0; c < NC; ++c) {
+                int32_t w[4];
+                memcpy(w, wi + c * hd + 8 * o, 16);
+                __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, _mm512_set1_epi32(w[0]));
+                isum = _mm512_dpbusd_epi32(isum, h0, _mm512_set1_epi32(w[1]));
+                isum = _mm512_dpbusd_epi32(isum, l1, _mm512_set1_epi32(w[2]));
+                isum = _mm512_dpbusd_epi32(isum, h1, _mm512_set1_epi32(w[3]));
+                f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(sw[c * ngp + g]), f[c]);
+            }
+        } else {                                    /* a last group of eight channels */
+            for (c = 0; c < NC; ++c) {
+                int32_t w[2];
+                memcpy(w, wi + c * hd + 8 * o, 8);
+                __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, _mm512_set1_epi32(w[0]));
+                isum = _mm512_dpbusd_epi32(isum, h0, _mm512_set1_epi32(w[1]));
+                f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(sw[c * ngp + g]), f[c]);
+            }
+        }
+    }
+    for (c = 0; c < NC; ++c)
+        _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(f[c], _mm512_set1_ps(bias[c])));
+}
+#define KVC_K4_ROWS 16  /* rows per call of the scorer */
+#define kvc_k4_score_rows kvc_k4_score16
+#else
+#define KVC_K4_ROWS 8
+#define kvc_k4_score_rows kvc_k4_score8
+#endif
+
+/* kvc_k4_score_rows (KVC_K4_ROWS rows) for nc (1 .. KVC_K4_QC) queries, specialised for the
+ * common head dims. */
+static void kvc_k4_score_n(const uint8_t *blk, ptrdiff_t tv, ptrdiff_t hd, ptrdiff_t nc,
+                           const int8_t *wi, const float *sw, const float *bias, float *out)
+{
+#define KVC_K4_S8(HD, NC) kvc_k4_score_rows(blk, tv, HD, NC, wi, sw, bias, out)
 #define KVC_K4_S8_HD(NC) switch (hd) { \
         case 64: KVC_K4_S8(64, NC); break; \
         case 128: KVC_K4_S8(128, NC); break; \
@@ -869,9 +986,9 @@ static void kvc_k4_raw(const kvc_k4 *K, const float *q, ptrdiff_t nq, const ptrd
                        const ptrdiff_t *qe, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd,
                        float *out, ptrdiff_t ldo, ptrdiff_t base, float *scratch)
 {
-    const ptrdiff_t ng = KVC_K4_NGP(hd), B = KVC_K4_BLOCK;
+    const ptrdiff_t ng = KVC_K4_NGP(hd), B = KVC_K4_BLOCK, R = KVC_K4_ROWS;
     float *pf = scratch, *sw = pf + 2 * hd, *bias = sw + KVC_K4_QC * ng, *tmp = bias + KVC_K4_QC;
-    int8_t *wi = (int8_t *)(tmp + 8 * KVC_K4_QC);
+    int8_t *wi = (int8_t *)(tmp + R * KVC_K4_QC);
     ptrdiff_t b0, j, p;
     for (b0 = p0 / B * B; b0 < p1 && b0 < K->qlen; b0 += B) {
         const ptrdiff_t lo = b0 > p0 ? b0 : p0, hi = b0 + B < p1 ? b0 + B : p1;
@@ -894,17 +1011,17 @@ static void kvc_k4_raw(const kvc_k4 *K, const float *q, ptrdiff_t nq, const ptrd
                     ua = a[c] < ua ? a[c] : ua;
                     ue = e[c] > ue ? e[c] : ue;
                 }
-                for (tv = (ua - b0) / 8; tv * 8 + b0 < ue; ++tv) {
-                    const ptrdiff_t r0 = b0 + 8 * tv;
-                    kvc_k4_score8_n(blk, tv, hd, nc, wi, sw, bias, tmp);
+                for (tv = (ua - b0) / R; tv * R + b0 < ue; ++tv) {
+                    const ptrdiff_t r0 = b0 + R * tv;
+                    kvc_k4_score_n(blk, tv, hd, nc, wi, sw, bias, tmp);
                     for (c = 0; c < nc; ++c) {
                         float *o = out + js[c] * ldo - base;
-                        if (a[c] <= r0 && r0 + 8 <= e[c])
-                            kvc_f8_store(o + r0, kvc_f8_load(tmp + 8 * c));
+                        if (a[c] <= r0 && r0 + R <= e[c])
+                            memcpy(o + r0, tmp + R * c, R * sizeof(float));
                         else
-                            for (l = 0; l < 8; ++l)
+                            for (l = 0; l < R; ++l)
                                 if (r0 + l >= a[c] && r0 + l < e[c])
-                                    o[r0 + l] = tmp[8 * c + l];
+                                    o[r0 + l] = tmp[R * c + l];
                     }
                 }
                 nc = 0;

@@ -16,9 +16,9 @@
                                 ? KVC_SCRATCH_FLOATS_V(hd) : KVC_K4_SCRATCH(hd))
 
 /* Floats of scratch the 4-bit K scorer needs (_kernels.h, kvc_k4_raw): a block's parameters
- * (2 hd), then the scales, biases, scores and int8 codes of KVC_K4_QC (4) folded queries.
- * KVC_SCRATCH_FLOATS(hd) covers it. */
-#define KVC_K4_SCRATCH(hd) (3 * (hd) + 4 * ((KVC_I8_GROUPS(hd, 16) + 7) / 8 * 8) + 40)
+ * (2 hd), then the scales, biases, scores (16 rows each) and int8 codes of KVC_K4_QC (4)
+ * folded queries.  KVC_SCRATCH_FLOATS(hd) covers it. */
+#define KVC_K4_SCRATCH(hd) (3 * (hd) + 4 * ((KVC_I8_GROUPS(hd, 16) + 7) / 8 * 8) + 72)
 
 /* the K kinds a kvc_store's quant_k holds: float32, int8, 4-bit */
 #define KVC_K_F32 0

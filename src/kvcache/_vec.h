@@ -525,6 +525,18 @@ KVC_INLINE kvc_f16 kvc_f16_pair(kvc_f8 lo, kvc_f8 hi)
 {
     return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
+/* sixteen signed bytes widened to floats; the low (shift 0) or high (shift 4) nibbles of the
+ * sixteen bytes at p as floats 0..15 (kvc_f8_from_s8 and kvc_f8_from_u4 on 16 lanes) */
+KVC_INLINE kvc_f16 kvc_f16_from_s8(const int8_t *p)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+KVC_INLINE kvc_f16 kvc_f16_from_u4(const uint8_t *p, int shift)
+{
+    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, (unsigned)shift),
+                                               _mm512_set1_epi32(15)));
+}
 
 #else
 
