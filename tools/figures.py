@@ -276,14 +276,15 @@ def bench_prefill_modes(doc: Any, args: Sequence[str]) -> str:
 def bench_ab(doc: Any, args: Sequence[str]) -> str:
     """An interleaved A/B of two source trees: each cell's times per tree, in run order, and
     the ratio of the medians (after / before: below 1 the change is faster)."""
-    cells: dict[tuple[str, int, str], dict[str, list[float]]] = {}
+    cells: dict[tuple[str, int, str, int], dict[str, list[float]]] = {}
     for run in doc["runs"]:
         for r in run["rows"]:
-            key = (r["geometry"], r["context"], r["mode"])
+            key = (r["geometry"], r["context"], r["mode"], r.get("threads", 0))
             cells.setdefault(key, {"before": [], "after": []})[run["tree"]].append(r["ms"])
+    several = len({key[3] for key in cells}) > 1     # name the thread count only then
     out = []
-    for (geometry, context, mode), t in cells.items():
-        out.append([geometry, f"{context // 1024}k {mode}",
+    for (geometry, context, mode, threads), t in cells.items():
+        out.append([geometry, f"{context // 1024}k {mode}" + (f" {threads}t" if several else ""),
                     ", ".join(f"{x:.3f}" for x in t["before"]),
                     ", ".join(f"{x:.3f}" for x in t["after"]),
                     f"{statistics.median(t['after']) / statistics.median(t['before']):.2f}x"])

@@ -306,6 +306,66 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
 #else
 #define KVC_VBLOCK 32
 #endif
+/* Queries per pass over a chunk's rows: eight on AVX-512, whose 512-bit accumulators hold a
+ * block of 32 channels for eight queries in 16 registers (a KV group of seven or eight queries,
+ * as Qwen2.5's or Llama-3-70B's, widens each row once instead of twice), four elsewhere.  Each
+ * query's chain is the same either way. */
+#if KVC_VEC_AVX512
+#define KVC_VQ 8
+#else
+#define KVC_VQ 4
+#endif
+
+#if KVC_VEC_AVX512
+/* One 32-channel block of the quantised value pass on AVX-512 (kvc_task_values_quad, whose
+ * scratch wq, use and pf it reads): the block as two zmm per query (channels 0-15, 16-31), for
+ * nj <= NJ queries (NJ 4 or 8, a constant at each call) whose accumulators start at
+ * acc + J * hd + d0; the same per-element chains as the 8-lane code. */
+KVC_INLINE void kvc_values_block32(const int q4, const void *base, const uint8_t *v4,
+                                   const int8_t *vq, const float *pf, ptrdiff_t np,
+                                   ptrdiff_t rb, const float *wq, const int32_t *use,
+                                   ptrdiff_t c0, ptrdiff_t c1,
+                                   ptrdiff_t hd, ptrdiff_t d0, float *acc, ptrdiff_t nj,
+                                   const int NJ)
+{
+    ptrdiff_t p;
+#define KVC_LD16(J, R) (J < nj && J < NJ ? kvc_f16_load(acc + J * hd + d0 + 16 * R) \
+                        : kvc_f16_zero())
+    kvc_f16 z00 = KVC_LD16(0, 0), z01 = KVC_LD16(0, 1), z10 = KVC_LD16(1, 0), z11 = KVC_LD16(1, 1);
+    kvc_f16 z20 = KVC_LD16(2, 0), z21 = KVC_LD16(2, 1), z30 = KVC_LD16(3, 0), z31 = KVC_LD16(3, 1);
+    kvc_f16 z40 = KVC_LD16(4, 0), z41 = KVC_LD16(4, 1), z50 = KVC_LD16(5, 0), z51 = KVC_LD16(5, 1);
+    kvc_f16 z60 = KVC_LD16(6, 0), z61 = KVC_LD16(6, 1), z70 = KVC_LD16(7, 0), z71 = KVC_LD16(7, 1);
+#undef KVC_LD16
+    for (p = c0; p < c1; ++p) {
+        int32_t m = use[p - c0];
+        kvc_f16 v0, v1;
+        if (d0 == 0 && p + KVC_PREFETCH_ROWS < c1)
+            kvc_prefetch_rows(base, p + KVC_PREFETCH_ROWS, 1, rb);
+        if (!m)
+            continue;
+        if (q4) {
+            /* a whole 32-channel chunk: byte i holds channels i and 16 + i */
+            const uint8_t *src = v4 + p * rb + d0 / 2;
+            const float *par = pf + (p - c0) * np + 2 * (d0 / 16);
+            v0 = kvc_f16_fma(kvc_f16_from_u4(src, 0), kvc_f16_set1(par[0]), kvc_f16_set1(par[1]));
+            v1 = kvc_f16_fma(kvc_f16_from_u4(src, 4), kvc_f16_set1(par[2]), kvc_f16_set1(par[3]));
+        } else {
+            v0 = kvc_f16_from_s8(vq + p * hd + d0);
+            v1 = kvc_f16_from_s8(vq + p * hd + d0 + 16);
+        }
+        const float *w = wq + (p - c0);
+#define KVC_UPD16(J) if (J < NJ && (m >> J & 1)) { kvc_f16 wb = kvc_f16_bcast(w + J * KVC_VROWS); \
+            z##J##0 = kvc_f16_fma(wb, v0, z##J##0); z##J##1 = kvc_f16_fma(wb, v1, z##J##1); }
+        KVC_UPD16(0) KVC_UPD16(1) KVC_UPD16(2) KVC_UPD16(3)
+        KVC_UPD16(4) KVC_UPD16(5) KVC_UPD16(6) KVC_UPD16(7)
+#undef KVC_UPD16
+    }
+#define KVC_ST16(J) if (J < nj && J < NJ) { float *y = acc + J * hd + d0; \
+        kvc_f16_store(y, z##J##0); kvc_f16_store(y + 16, z##J##1); }
+    KVC_ST16(0) KVC_ST16(1) KVC_ST16(2) KVC_ST16(3) KVC_ST16(4) KVC_ST16(5) KVC_ST16(6) KVC_ST16(7)
+#undef KVC_ST16
+}
+#endif
 
 KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t nq,
                                      const ptrdiff_t *qf, const ptrdiff_t *qe, const int kind,
@@ -317,13 +377,13 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
     const ptrdiff_t np = 2 * KVC_V4_NG(hd), rb = q4 ? hd / 2 : hd;   /* params, row bytes */
     const void *base = q4 ? (const void *)v4 : (const void *)vq;
     float *wq = scratch;                     /* query jj's weight of row c0 + i: wq[jj * VROWS + i] */
-    int32_t *use = (int32_t *)(scratch + KVC_VROWS * 4);
-    float *pf = scratch + KVC_VROWS * 5;     /* 4-bit: the chunk's parameters as float32 */
+    int32_t *use = (int32_t *)(scratch + KVC_VROWS * KVC_VQ);
+    float *pf = scratch + KVC_VROWS * (KVC_VQ + 1);  /* 4-bit: the chunk's parameters as float32 */
     float vrow[KVC_VBLOCK];
     ptrdiff_t j0, p, d0, d;
     memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
-    for (j0 = 0; j0 < nq; j0 += 4) {
-        ptrdiff_t nj = nq - j0 < 4 ? nq - j0 : 4, jj;
+    for (j0 = 0; j0 < nq; j0 += KVC_VQ) {
+        ptrdiff_t nj = nq - j0 < KVC_VQ ? nq - j0 : KVC_VQ, jj;
         ptrdiff_t c0, c1 = p0;
         for (c0 = p0; c0 < p1; c0 = c1) {
             c1 = p1 - c0 < KVC_VROWS ? p1 : c0 + KVC_VROWS;
@@ -363,52 +423,22 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
                         kvc_v4_params(vp + p * np, hd, pf + (p - c0) * np);
             for (d0 = 0; d0 < hd; d0 += KVC_VBLOCK) {
                 ptrdiff_t dn = hd - d0 < KVC_VBLOCK ? hd - d0 : KVC_VBLOCK;
+#if KVC_VEC_AVX512
+                if (dn == 32) {
+                    /* the 8-query form costs a quad a few per-row tests more */
+                    if (nj > 4)
+                        kvc_values_block32(q4, base, v4, vq, pf, np, rb, wq, use, c0, c1, hd, d0,
+                                           acc + j0 * hd, nj, 8);
+                    else
+                        kvc_values_block32(q4, base, v4, vq, pf, np, rb, wq, use, c0, c1, hd, d0,
+                                           acc + j0 * hd, nj, 4);
+                    continue;
+                }
+#else
                 /* 4-bit: the 32-channel chunk ch0 holding the block, of cn channels; chunk
                  * bytes ch0 / 2 + i hold channel ch0 + i (low nibble) and ch0 + cn / 2 + i
                  * (high) (docs/kv4.md) */
                 const ptrdiff_t ch0 = d0 & ~(ptrdiff_t)31, cn = hd - ch0 < 32 ? hd - ch0 : 32;
-#if KVC_VEC_AVX512
-                if (dn == 32) {
-                    /* AVX-512: the block's 32 channels as two zmm per query (channels 0-15,
-                     * 16-31), the same per-element chains as the 8-lane code below */
-#define KVC_LD16(J, R) (J < nj ? kvc_f16_load(acc + (j0 + J) * hd + d0 + 16 * R) : kvc_f16_zero())
-                    kvc_f16 z00 = KVC_LD16(0, 0), z01 = KVC_LD16(0, 1);
-                    kvc_f16 z10 = KVC_LD16(1, 0), z11 = KVC_LD16(1, 1);
-                    kvc_f16 z20 = KVC_LD16(2, 0), z21 = KVC_LD16(2, 1);
-                    kvc_f16 z30 = KVC_LD16(3, 0), z31 = KVC_LD16(3, 1);
-#undef KVC_LD16
-                    for (p = c0; p < c1; ++p) {
-                        int32_t m = use[p - c0];
-                        kvc_f16 v0, v1;
-                        if (d0 == 0 && p + KVC_PREFETCH_ROWS < c1)
-                            kvc_prefetch_rows(base, p + KVC_PREFETCH_ROWS, 1, rb);
-                        if (!m)
-                            continue;
-                        if (q4) {
-                            /* a whole 32-channel chunk: byte i holds channels i and 16 + i */
-                            const uint8_t *src = v4 + p * rb + d0 / 2;
-                            const float *par = pf + (p - c0) * np + 2 * (d0 / 16);
-                            v0 = kvc_f16_fma(kvc_f16_from_u4(src, 0), kvc_f16_set1(par[0]),
-                                             kvc_f16_set1(par[1]));
-                            v1 = kvc_f16_fma(kvc_f16_from_u4(src, 4), kvc_f16_set1(par[2]),
-                                             kvc_f16_set1(par[3]));
-                        } else {
-                            v0 = kvc_f16_from_s8(vq + p * hd + d0);
-                            v1 = kvc_f16_from_s8(vq + p * hd + d0 + 16);
-                        }
-                        const float *w = wq + (p - c0);
-#define KVC_UPD16(J) if (m >> J & 1) { kvc_f16 wb = kvc_f16_bcast(w + J * KVC_VROWS); \
-                            z##J##0 = kvc_f16_fma(wb, v0, z##J##0); z##J##1 = kvc_f16_fma(wb, v1, z##J##1); }
-                        KVC_UPD16(0) KVC_UPD16(1) KVC_UPD16(2) KVC_UPD16(3)
-#undef KVC_UPD16
-                    }
-#define KVC_ST16(J) if (J < nj) { float *y = acc + (j0 + J) * hd + d0; \
-                        kvc_f16_store(y, z##J##0); kvc_f16_store(y + 16, z##J##1); }
-                    KVC_ST16(0) KVC_ST16(1) KVC_ST16(2) KVC_ST16(3)
-#undef KVC_ST16
-                    continue;
-                }
-#endif
                 if (dn == KVC_VBLOCK && (!q4 || KVC_VBLOCK == 32 || cn != 24)) {
                     /* named registers: an array here ends up on the stack.  With 16-channel
                      * blocks the registers of vectors 2 and 3 are never touched. */
@@ -471,6 +501,7 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
 #undef KVC_W32
                     continue;
                 }
+#endif
                 /* a last block of fewer than KVC_VBLOCK channels (or, with 16-channel
                  * blocks, one in a last 4-bit chunk of 24 channels): the same values and
                  * chain, element by element */
@@ -823,44 +854,25 @@ KVC_INLINE float kvc_k4_fold(const float *restrict q, const float *restrict pf, 
     ptrdiff_t g, d0;
     for (g = 0, d0 = 0; d0 < hd; ++g, d0 += 16) {
         const int two = hd - d0 >= 16;
-#if KVC_VEC_AVX512
-        if (two) {
-            /* a whole group on one zmm: the same values (the maximum of |w| with NaN as +inf
-             * does not depend on the order it is taken in) */
-            const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(q + d0), _mm512_loadu_ps(pf + d0));
-            const __m512 a = _mm512_mask_mov_ps(_mm512_abs_ps(w),
-                                                _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q),
-                                                _mm512_set1_ps(INFINITY));
-            const float ag = _mm512_reduce_max_ps(a);
-            if (ag <= FLT_MAX) {
-                float sc = ag / 127.0f;
-                sc = sc > 1e-12f ? sc : 1e-12f;
-                sw[g] = sc;
-                const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(w, _mm512_set1_ps(1.0f / sc)),
-                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                _mm_storeu_si128((__m128i *)(wi + d0), _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(r)));
-            } else {
-                sw[g] = NAN;
-                memset(wi + d0, 0, 16);
-            }
-            continue;
+        float ag;
+        kvc_f16 w;
+        kvc_f8 w0 = kvc_f8_zero();
+        if (two) {                          /* a whole group: 16 lanes */
+            w = kvc_f16_mul(kvc_f16_load(q + d0), kvc_f16_load(pf + d0));
+            ag = kvc_f16_absmax_inf(w);
+        } else {                            /* a last group of eight channels */
+            w0 = kvc_f8_mul(kvc_f8_load(q + d0), kvc_f8_load(pf + d0));
+            ag = kvc_f8_fold_max(kvc_f8_sel(kvc_f8_isnan(w0), infv, kvc_f8_abs(w0)));
         }
-#endif
-        const kvc_f8 w0 = kvc_f8_mul(kvc_f8_load(q + d0), kvc_f8_load(pf + d0));
-        kvc_f8 w1 = kvc_f8_zero(), am = kvc_f8_sel(kvc_f8_isnan(w0), infv, kvc_f8_abs(w0));
-        if (two) {
-            w1 = kvc_f8_mul(kvc_f8_load(q + d0 + 8), kvc_f8_load(pf + d0 + 8));
-            am = kvc_f8_max_num(am, kvc_f8_sel(kvc_f8_isnan(w1), infv, kvc_f8_abs(w1)));
-        }
-        const float ag = kvc_f8_fold_max(am);
         if (ag <= FLT_MAX) {
             float sc = ag / 127.0f;
             sc = sc > 1e-12f ? sc : 1e-12f;
-            const kvc_f8 iv = kvc_f8_set1(1.0f / sc);
             sw[g] = sc;
-            kvc_f8_store_i8_int(wi + d0, kvc_f8_round_even(kvc_f8_mul(w0, iv)));
             if (two)
-                kvc_f8_store_i8_int(wi + d0 + 8, kvc_f8_round_even(kvc_f8_mul(w1, iv)));
+                kvc_f16_store_i8_round(wi + d0, w, 1.0f / sc);
+            else
+                kvc_f8_store_i8_int(wi + d0,
+                                    kvc_f8_round_even(kvc_f8_mul(w0, kvc_f8_set1(1.0f / sc))));
         } else {                            /* not finite: 1 / inf is 0, NaN codes are 0 */
             sw[g] = NAN;
             memset(wi + d0, 0, two ? 16 : 8);
@@ -909,50 +921,47 @@ KVC_INLINE void kvc_k4_score8(const uint8_t *restrict blk, ptrdiff_t tv, ptrdiff
         kvc_f8_store(out + 8 * c, kvc_f8_add(f[c], kvc_f8_set1(bias[c])));
 }
 
-#if KVC_VEC_AVX512
-/* kvc_k4_score8 on sixteen rows, 16 tv .. 16 tv + 15 (one zmm of lanes = rows): the same
- * chain per lane. */
+/* kvc_k4_score8 on sixteen rows, 16 tv .. 16 tv + 15 (kvc_i16x lanes = rows): the same chain
+ * per lane.  The AVX-512 body's scorer (one register of sixteen lanes); elsewhere the halves
+ * would hold twice the registers of kvc_k4_score8 for the same work. */
 KVC_INLINE void kvc_k4_score16(const uint8_t *restrict blk, ptrdiff_t tv, ptrdiff_t hd,
                                const ptrdiff_t NC, const int8_t *restrict wi,
                                const float *restrict sw, const float *restrict bias,
                                float *restrict out)
 {
     const ptrdiff_t ng = KVC_I8_GROUPS(hd, 16), ngp = KVC_K4_NGP(hd), no = hd / 8;
-    const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f);
-    __m512 f[KVC_K4_QC];
+    kvc_f16 f[KVC_K4_QC];
     ptrdiff_t g, o, c;
     for (c = 0; c < NC; ++c)
-        f[c] = _mm512_setzero_ps();
+        f[c] = kvc_f16_zero();
     for (g = 0, o = 0; g < ng; ++g, o += 2) {
-        const __m512i u0 = _mm512_loadu_si512(blk + o * 4 * KVC_K4_BLOCK + tv * 64);
-        const __m512i l0 = _mm512_and_si512(u0, nib);
-        const __m512i h0 = _mm512_and_si512(_mm512_srli_epi32(u0, 4), nib);
+        const kvc_i16x u0 = kvc_i16x_loadb(blk + o * 4 * KVC_K4_BLOCK + tv * 64);
+        const kvc_i16x l0 = kvc_i16x_nib(u0, 0), h0 = kvc_i16x_nib(u0, 4);
         if (o + 1 < no) {
-            const __m512i u1 = _mm512_loadu_si512(blk + (o + 1) * 4 * KVC_K4_BLOCK + tv * 64);
-            const __m512i l1 = _mm512_and_si512(u1, nib);
-            const __m512i h1 = _mm512_and_si512(_mm512_srli_epi32(u1, 4), nib);
+            const kvc_i16x u1 = kvc_i16x_loadb(blk + (o + 1) * 4 * KVC_K4_BLOCK + tv * 64);
+            const kvc_i16x l1 = kvc_i16x_nib(u1, 0), h1 = kvc_i16x_nib(u1, 4);
             for (c = 0; c < NC; ++c) {
                 int32_t w[4];
                 memcpy(w, wi + c * hd + 8 * o, 16);
-                __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, _mm512_set1_epi32(w[0]));
-                isum = _mm512_dpbusd_epi32(isum, h0, _mm512_set1_epi32(w[1]));
-                isum = _mm512_dpbusd_epi32(isum, l1, _mm512_set1_epi32(w[2]));
-                isum = _mm512_dpbusd_epi32(isum, h1, _mm512_set1_epi32(w[3]));
-                f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(sw[c * ngp + g]), f[c]);
+                const kvc_i16x isum = kvc_i16x_dp4(kvc_i16x_dp4(kvc_i16x_dp4(kvc_i16x_dp4(
+                    kvc_i16x_set1(0), l0, w[0]), h0, w[1]), l1, w[2]), h1, w[3]);
+                f[c] = kvc_f16_fma(kvc_i16x_to_f16(isum), kvc_f16_set1(sw[c * ngp + g]), f[c]);
             }
         } else {                                    /* a last group of eight channels */
             for (c = 0; c < NC; ++c) {
                 int32_t w[2];
                 memcpy(w, wi + c * hd + 8 * o, 8);
-                __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, _mm512_set1_epi32(w[0]));
-                isum = _mm512_dpbusd_epi32(isum, h0, _mm512_set1_epi32(w[1]));
-                f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(sw[c * ngp + g]), f[c]);
+                const kvc_i16x isum = kvc_i16x_dp4(kvc_i16x_dp4(kvc_i16x_set1(0), l0, w[0]), h0,
+                                                   w[1]);
+                f[c] = kvc_f16_fma(kvc_i16x_to_f16(isum), kvc_f16_set1(sw[c * ngp + g]), f[c]);
             }
         }
     }
     for (c = 0; c < NC; ++c)
-        _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(f[c], _mm512_set1_ps(bias[c])));
+        kvc_f16_store(out + 16 * c, kvc_f16_add(f[c], kvc_f16_set1(bias[c])));
 }
+
+#if KVC_VEC_AVX512
 #define KVC_K4_ROWS 16  /* rows per call of the scorer */
 #define kvc_k4_score_rows kvc_k4_score16
 #else

@@ -7,11 +7,11 @@
 /* the decode value pass (_kernels.h) */
 #define KVC_VROWS 256 /* rows of one task at most: the chunk size of _core.pyx */
 
-/* Per-thread scratch floats a task needs: the int8 and 4-bit value passes' KVC_VROWS x 4
- * weights and KVC_VROWS masks, and the 4-bit pass's parameters of KVC_VROWS rows (two per
- * 16 channels), or the 4-bit K scorer's (below), whichever is more; the other passes read the
- * rows in place. */
-#define KVC_SCRATCH_FLOATS_V(hd) (5 * KVC_VROWS + KVC_VROWS * 2 * (((hd) + 15) / 16))
+/* Per-thread scratch floats a task needs: the int8 and 4-bit value passes' KVC_VROWS x 8
+ * weights (four or eight queries per pass: _kernels.h's KVC_VQ) and KVC_VROWS masks, and the
+ * 4-bit pass's parameters of KVC_VROWS rows (two per 16 channels), or the 4-bit K scorer's
+ * (below), whichever is more; the other passes read the rows in place. */
+#define KVC_SCRATCH_FLOATS_V(hd) (9 * KVC_VROWS + KVC_VROWS * 2 * (((hd) + 15) / 16))
 #define KVC_SCRATCH_FLOATS(hd) (KVC_SCRATCH_FLOATS_V(hd) > KVC_K4_SCRATCH(hd) \
                                 ? KVC_SCRATCH_FLOATS_V(hd) : KVC_K4_SCRATCH(hd))
 

@@ -525,19 +525,6 @@ KVC_INLINE kvc_f16 kvc_f16_pair(kvc_f8 lo, kvc_f8 hi)
 {
     return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
-/* sixteen signed bytes widened to floats; the low (shift 0) or high (shift 4) nibbles of the
- * sixteen bytes at p as floats 0..15 (kvc_f8_from_s8 and kvc_f8_from_u4 on 16 lanes) */
-KVC_INLINE kvc_f16 kvc_f16_from_s8(const int8_t *p)
-{
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-KVC_INLINE kvc_f16 kvc_f16_from_u4(const uint8_t *p, int shift)
-{
-    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, (unsigned)shift),
-                                               _mm512_set1_epi32(15)));
-}
-
 #else
 
 typedef struct { kvc_f8 lo, hi; } kvc_f16;
@@ -1238,6 +1225,85 @@ KVC_INLINE kvc_i8x kvc_m8_bit(kvc_m8 m, int32_t b)
     for (l = 0; l < 8; ++l)
         r.v[l] = m.v[l] & b;
     return r;
+}
+#endif
+
+/* --- 16-lane operations of 4-bit K's fold and scorer and the quantised value pass --- */
+/* Exact semantics, lane by lane, on every target (AVX-512 on __m512 / __m512i, elsewhere the
+ * two 8-lane halves through the operations above, so every target gives the same values):
+ *   kvc_f16_from_s8(p)            the sixteen signed bytes at p as floats
+ *   kvc_f16_from_u4(p, sh)        the low (sh 0) or high (sh 4) nibbles of the sixteen bytes
+ *                                 at p as floats 0..15
+ *   kvc_i16x_nib(v, sh)           kvc_i8x_nib on sixteen lanes
+ *   kvc_i16x_dp4(acc, u, w)       kvc_i8x_dp4 on sixteen lanes (u's bytes in [0, 15])
+ *   kvc_f16_absmax_inf(a)         the largest |a[l]|, a NaN lane counted as +inf: the lanes are
+ *                                 then never NaN nor -0, so the order of the maximum (halves
+ *                                 first, then kvc_f8_fold_max) does not show in the value
+ *   kvc_f16_store_i8_round(d, a, s)  d[l] = round-half-even(a[l] * s) as int8, lanes whose
+ *                                 product rounds into [-128, 127] (no NaN: the caller checks) */
+#if KVC_VEC_AVX512
+KVC_INLINE kvc_f16 kvc_f16_from_s8(const int8_t *p)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+KVC_INLINE kvc_f16 kvc_f16_from_u4(const uint8_t *p, int shift)
+{
+    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, (unsigned)shift),
+                                               _mm512_set1_epi32(15)));
+}
+KVC_INLINE kvc_i16x kvc_i16x_nib(kvc_i16x v, int sh)
+{
+    return _mm512_and_si512(_mm512_srli_epi32(v, (unsigned)sh), _mm512_set1_epi32(0x0f0f0f0f));
+}
+KVC_INLINE kvc_i16x kvc_i16x_dp4(kvc_i16x acc, kvc_i16x u, int32_t w)
+{
+    return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(w));
+}
+KVC_INLINE float kvc_f16_absmax_inf(kvc_f16 a)
+{
+    __m512 m = _mm512_mask_mov_ps(_mm512_abs_ps(a), _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q),
+                                  _mm512_set1_ps(INFINITY));
+    return kvc_f8_fold_max(_mm256_max_ps(kvc_f16_lo(m), kvc_f16_hi(m)));
+}
+KVC_INLINE void kvc_f16_store_i8_round(int8_t *dst, kvc_f16 a, float s)
+{
+    __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(s)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(r)));
+}
+#else
+KVC_INLINE kvc_f16 kvc_f16_from_s8(const int8_t *p)
+{
+    return kvc_f16_pair(kvc_f8_from_s8(p), kvc_f8_from_s8(p + 8));
+}
+KVC_INLINE kvc_f16 kvc_f16_from_u4(const uint8_t *p, int shift)
+{
+    return kvc_f16_pair(kvc_f8_from_u4(p, shift), kvc_f8_from_u4(p + 8, shift));
+}
+KVC_INLINE kvc_i16x kvc_i16x_nib(kvc_i16x v, int sh)
+{
+    v.lo = kvc_i8x_nib(v.lo, sh);
+    v.hi = kvc_i8x_nib(v.hi, sh);
+    return v;
+}
+KVC_INLINE kvc_i16x kvc_i16x_dp4(kvc_i16x acc, kvc_i16x u, int32_t w)
+{
+    acc.lo = kvc_i8x_dp4(acc.lo, u.lo, w);
+    acc.hi = kvc_i8x_dp4(acc.hi, u.hi, w);
+    return acc;
+}
+KVC_INLINE float kvc_f16_absmax_inf(kvc_f16 a)
+{
+    const kvc_f8 infv = kvc_f8_set1(INFINITY), lo = kvc_f16_lo(a), hi = kvc_f16_hi(a);
+    return kvc_f8_fold_max(kvc_f8_max_num(kvc_f8_sel(kvc_f8_isnan(lo), infv, kvc_f8_abs(lo)),
+                                          kvc_f8_sel(kvc_f8_isnan(hi), infv, kvc_f8_abs(hi))));
+}
+KVC_INLINE void kvc_f16_store_i8_round(int8_t *dst, kvc_f16 a, float s)
+{
+    const kvc_f8 sv = kvc_f8_set1(s);
+    kvc_f8_store_i8_int(dst, kvc_f8_round_even(kvc_f8_mul(kvc_f16_lo(a), sv)));
+    kvc_f8_store_i8_int(dst + 8, kvc_f8_round_even(kvc_f8_mul(kvc_f16_hi(a), sv)));
 }
 #endif
 
