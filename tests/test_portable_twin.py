@@ -51,3 +51,19 @@ def test_every_x86_body_and_the_portable_twin_agree_bit_for_bit(tmp_path):
         assert not diff, f"{body}: {len(diff)} of {len(lines_s)} results differ, first at line {diff[0]}"
         ran.append(body)
     assert ran == [b for b in X86_BODY_FLAGS if b != "portable" and cpu_runs(b)]
+
+
+def test_the_avx512_forms_emulated_give_the_portable_bits(tmp_path):
+    """The AVX-512 body's own forms (the value pass up to eight queries at a time on 16-lane
+    registers, 4-bit K scored sixteen rows per register) built with -DKVC_EMULATE_512 on the
+    portable layer, and on AVX2 where this CPU runs it, so that a CPU without AVX-512 checks
+    their bits too."""
+    portable = run(build(tmp_path, "portable", X86_BODY_FLAGS["portable"])).splitlines()
+    builds = {"portable-512": [*X86_BODY_FLAGS["portable"], "-DKVC_EMULATE_512"]}
+    if cpu_runs("avx2"):
+        builds["avx2-512"] = [*X86_BODY_FLAGS["avx2"], "-DKVC_EMULATE_512"]
+    for name, flags in builds.items():
+        lines = run(build(tmp_path, name, flags)).splitlines()
+        assert len(lines) == len(portable)
+        diff = [i for i, (a, b) in enumerate(zip(lines, portable)) if a != b]
+        assert not diff, f"{name}: {len(diff)} of {len(lines)} results differ, first at {diff[0]}"

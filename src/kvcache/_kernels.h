@@ -301,7 +301,15 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
  * scratch: KVC_SCRATCH_FLOATS(hd). */
 /* Channels per block: 32 where the target has 32 vector registers (the quad's 16 accumulators
  * fit), 16 on AVX2's 16 (8 accumulators; 32 spilled them).  The same chains either way. */
-#if KVC_VEC_AVX2
+/* KVC_WIDE: the AVX-512 body's forms of the quantised value pass and 4-bit K scorer (16-lane
+ * registers), or a test build that runs them on pairs of 8-lane vectors (KVC_EMULATE_512, as
+ * _mla.h's) so that a CPU without AVX-512 checks their bits. */
+#if KVC_VEC_AVX512 || defined(KVC_EMULATE_512)
+#define KVC_WIDE 1
+#else
+#define KVC_WIDE 0
+#endif
+#if KVC_VEC_AVX2 && !KVC_WIDE
 #define KVC_VBLOCK 16
 #else
 #define KVC_VBLOCK 32
@@ -310,13 +318,13 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
  * block of 32 channels for eight queries in 16 registers (a KV group of seven or eight queries,
  * as Qwen2.5's or Llama-3-70B's, widens each row once instead of twice), four elsewhere.  Each
  * query's chain is the same either way. */
-#if KVC_VEC_AVX512
+#if KVC_WIDE
 #define KVC_VQ 8
 #else
 #define KVC_VQ 4
 #endif
 
-#if KVC_VEC_AVX512
+#if KVC_WIDE
 /* One 32-channel block of the quantised value pass on AVX-512 (kvc_task_values_quad, whose
  * scratch wq, use and pf it reads): the block as two zmm per query (channels 0-15, 16-31), for
  * nj <= NJ queries (NJ 4 or 8, a constant at each call) whose accumulators start at
@@ -423,7 +431,7 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
                         kvc_v4_params(vp + p * np, hd, pf + (p - c0) * np);
             for (d0 = 0; d0 < hd; d0 += KVC_VBLOCK) {
                 ptrdiff_t dn = hd - d0 < KVC_VBLOCK ? hd - d0 : KVC_VBLOCK;
-#if KVC_VEC_AVX512
+#if KVC_WIDE
                 if (dn == 32) {
                     /* the 8-query form costs a quad a few per-row tests more */
                     if (nj > 4)
@@ -810,9 +818,9 @@ static void kvc_task_scores_i8(ptrdiff_t group, const int8_t *qi, const float *s
  *   open rows    rows at or past qlen = 32 * floor(head_len / 32) are float32 in the ring
  *                (row p at slot p % KVC_K4_RING): s = kvc_dot_f32(q, row);
  * then, as for every kind, s * scale and the softcap (kvc_scale_scores).  The scorer folds up
- * to KVC_K4_QC queries per block and scores eight rows per vector, lanes = rows, four channel
- * codes per lane (kvc_i8x_dp4 and kvc_i8x_dp16: vpdpbusd, vpmaddubsw, sdot or C), so every
- * target computes these bits.
+ * to KVC_K4_QC queries per block and scores eight rows per vector (sixteen on AVX-512),
+ * lanes = rows, four channel codes per lane (kvc_i8x_dp4 and kvc_i8x_dp16, kvc_i16x_dp4:
+ * vpdpbusd, vpmaddubsw, sdot or C), so every target computes these bits.
  * ------------------------------------------------------------------------------------- */
 
 /* gcc 12 warns, in the portable unit only, that kvc_dot_f32's tail loop inlined below could
@@ -855,7 +863,7 @@ KVC_INLINE float kvc_k4_fold(const float *restrict q, const float *restrict pf, 
     for (g = 0, d0 = 0; d0 < hd; ++g, d0 += 16) {
         const int two = hd - d0 >= 16;
         float ag;
-        kvc_f16 w;
+        kvc_f16 w = kvc_f16_zero();
         kvc_f8 w0 = kvc_f8_zero();
         if (two) {                          /* a whole group: 16 lanes */
             w = kvc_f16_mul(kvc_f16_load(q + d0), kvc_f16_load(pf + d0));
@@ -961,7 +969,7 @@ KVC_INLINE void kvc_k4_score16(const uint8_t *restrict blk, ptrdiff_t tv, ptrdif
         kvc_f16_store(out + 16 * c, kvc_f16_add(f[c], kvc_f16_set1(bias[c])));
 }
 
-#if KVC_VEC_AVX512
+#if KVC_WIDE
 #define KVC_K4_ROWS 16  /* rows per call of the scorer */
 #define kvc_k4_score_rows kvc_k4_score16
 #else

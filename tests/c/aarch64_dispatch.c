@@ -71,7 +71,7 @@ static int8_t kq[ROWS * HDMAX], vq[ROWS * HDMAX];
 static void run_table(const kvc_ops *t)
 {
     static float probs[NQ * NL], acc[NQ * HDMAX];
-    static float scratch[5 * KVC_VROWS];   /* KVC_SCRATCH_FLOATS(hd), a constant */
+    static float scratch[KVC_SCRATCH_FLOATS(HDMAX)];
     static int8_t qi[NQ * KVC_I8_PAD(HDMAX)];
     static float sq[NQ * NG];
     static int32_t qsum[NQ * NG];
