@@ -299,8 +299,6 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
  * then acc = fma(w_p, v, acc) over the visible rows whose |w_p| >= 1e-12, in order.  `kind`
  * (KVC_V_Q8 or KVC_V_Q4) is a constant at every call, so each kind compiles to its own loop.
  * scratch: KVC_SCRATCH_FLOATS(hd). */
-/* Channels per block: 32 where the target has 32 vector registers (the quad's 16 accumulators
- * fit), 16 on AVX2's 16 (8 accumulators; 32 spilled them).  The same chains either way. */
 /* KVC_WIDE: the AVX-512 body's forms of the quantised value pass and 4-bit K scorer (16-lane
  * registers), or a test build that runs them on pairs of 8-lane vectors (KVC_EMULATE_512, as
  * _mla.h's) so that a CPU without AVX-512 checks their bits. */
@@ -309,6 +307,8 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
 #else
 #define KVC_WIDE 0
 #endif
+/* Channels per block: 32 where the target has 32 vector registers (the quad's 16 accumulators
+ * fit), 16 on AVX2's 16 (8 accumulators; 32 spilled them).  The same chains either way. */
 #if KVC_VEC_AVX2 && !KVC_WIDE
 #define KVC_VBLOCK 16
 #else
@@ -329,13 +329,13 @@ KVC_INLINE void kvc_task_scores_impl(const float *q, ptrdiff_t nq, const ptrdiff
  * scratch wq, use and pf it reads): the block as two zmm per query (channels 0-15, 16-31), for
  * nj <= NJ queries (NJ 4 or 8, a constant at each call) whose accumulators start at
  * acc + J * hd + d0; the same per-element chains as the 8-lane code. */
-KVC_INLINE void kvc_values_block32(const int q4, const void *base, const uint8_t *v4,
-                                   const int8_t *vq, const float *pf, ptrdiff_t np,
-                                   ptrdiff_t rb, const float *wq, const int32_t *use,
-                                   ptrdiff_t c0, ptrdiff_t c1,
-                                   ptrdiff_t hd, ptrdiff_t d0, float *acc, ptrdiff_t nj,
-                                   const int NJ)
+KVC_INLINE void kvc_values_block32(const int q4, const uint8_t *v4, const int8_t *vq,
+                                   const float *pf, const float *wq, const int32_t *use,
+                                   ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t hd, ptrdiff_t d0,
+                                   float *acc, ptrdiff_t nj, const int NJ)
 {
+    const ptrdiff_t np = 2 * KVC_V4_NG(hd), rb = q4 ? hd / 2 : hd;   /* params, row bytes */
+    const void *base = q4 ? (const void *)v4 : (const void *)vq;
     ptrdiff_t p;
 #define KVC_LD16(J, R) (J < nj && J < NJ ? kvc_f16_load(acc + J * hd + d0 + 16 * R) \
                         : kvc_f16_zero())
@@ -383,7 +383,6 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
 {
     const int q4 = kind == KVC_V_Q4;
     const ptrdiff_t np = 2 * KVC_V4_NG(hd), rb = q4 ? hd / 2 : hd;   /* params, row bytes */
-    const void *base = q4 ? (const void *)v4 : (const void *)vq;
     float *wq = scratch;                     /* query jj's weight of row c0 + i: wq[jj * VROWS + i] */
     int32_t *use = (int32_t *)(scratch + KVC_VROWS * KVC_VQ);
     float *pf = scratch + KVC_VROWS * (KVC_VQ + 1);  /* 4-bit: the chunk's parameters as float32 */
@@ -435,10 +434,10 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
                 if (dn == 32) {
                     /* the 8-query form costs a quad a few per-row tests more */
                     if (nj > 4)
-                        kvc_values_block32(q4, base, v4, vq, pf, np, rb, wq, use, c0, c1, hd, d0,
+                        kvc_values_block32(q4, v4, vq, pf, wq, use, c0, c1, hd, d0,
                                            acc + j0 * hd, nj, 8);
                     else
-                        kvc_values_block32(q4, base, v4, vq, pf, np, rb, wq, use, c0, c1, hd, d0,
+                        kvc_values_block32(q4, v4, vq, pf, wq, use, c0, c1, hd, d0,
                                            acc + j0 * hd, nj, 4);
                     continue;
                 }
@@ -447,6 +446,7 @@ KVC_INLINE void kvc_task_values_quad(const float *probs, ptrdiff_t L, ptrdiff_t 
                  * bytes ch0 / 2 + i hold channel ch0 + i (low nibble) and ch0 + cn / 2 + i
                  * (high) (docs/kv4.md) */
                 const ptrdiff_t ch0 = d0 & ~(ptrdiff_t)31, cn = hd - ch0 < 32 ? hd - ch0 : 32;
+                const void *base = q4 ? (const void *)v4 : (const void *)vq;
                 if (dn == KVC_VBLOCK && (!q4 || KVC_VBLOCK == 32 || cn != 24)) {
                     /* named registers: an array here ends up on the stack.  With 16-channel
                      * blocks the registers of vectors 2 and 3 are never touched. */
