@@ -37,6 +37,7 @@ TABLE = {
     "amd-zen3.txt": ({"avx2", "fma", "f16c"}, AVX2),
     "amd-epyc-zen4-vm.txt": (BASE512 | {"avx512vnni", "avx512bf16"}, AVX512),
     "amd-zen5.txt": (BASE512 | {"avx512vnni", "avx512bf16", "avxvnni"}, AVX512),
+    "amd-epyc-zen5-vm.txt": (BASE512 | {"avx512vnni", "avx512bf16", "avxvnni"}, AVX512),
     "arm-cortex-a53-rpi3.txt": ({"neon"}, NEON),                   # no asimddp
     "arm-cortex-a72-graviton.txt": ({"neon"}, NEON),
     "arm-neoverse-n1-graviton2.txt": ({"neon", "dotprod"}, NEONDOT),
