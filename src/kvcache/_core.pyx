@@ -116,8 +116,8 @@ cdef extern from "_dispatch.h" nogil:
     ctypedef struct kvc_ops:
         const char *name
         void (*task_scores)(const kvc_store *s, const kvc_call *c, const kvc_task *t) noexcept nogil
-        void (*task_scores_i8)(const kvc_store *s, const kvc_call *c,
-                               const kvc_task *t) noexcept nogil
+        void (*task_scores_i8)(const kvc_store *s, const kvc_call *c, const kvc_task *t,
+                               float *scratch) noexcept nogil
         void (*task_scores_k4)(const kvc_store *s, const kvc_call *c, const kvc_task *t,
                                float *scratch) noexcept nogil
         void (*task_values)(const kvc_store *s, const kvc_call *c, const kvc_task *t,
@@ -1314,7 +1314,7 @@ def attend_rows(rows, call):
         for t in prange(t0, t1, nogil=True, num_threads=n_threads, schedule="static",
                         use_threads_if=par):
             if quant_k:
-                q8.task_scores_i8(s, c, tasks + t)
+                q8.task_scores_i8(s, c, tasks + t, scratch + omp_get_thread_num() * nscr)
             elif k4:
                 q8.task_scores_k4(s, c, tasks + t, scratch + omp_get_thread_num() * nscr)
             else:

@@ -140,7 +140,8 @@ typedef struct kvc_ops {
     /* decode: scores of a task's queries over its rows into c->probs (float32 keys, int8
      * keys), their weighted values into acc ((j1 - j0) x hd); raw q8 scores (no scale) */
     void (*task_scores)(const kvc_store *s, const kvc_call *c, const kvc_task *t);
-    void (*task_scores_i8)(const kvc_store *s, const kvc_call *c, const kvc_task *t);
+    void (*task_scores_i8)(const kvc_store *s, const kvc_call *c, const kvc_task *t,
+                           float *scratch);
     void (*task_scores_k4)(const kvc_store *s, const kvc_call *c, const kvc_task *t,
                            float *scratch);
     void (*task_values)(const kvc_store *s, const kvc_call *c, const kvc_task *t, float *acc,

@@ -25,14 +25,15 @@ static void kvc_entry_task_scores(const kvc_store *s, const kvc_call *c, const k
                     c->probs + j0 * c->L, c->L);
 }
 
-static void kvc_entry_task_scores_i8(const kvc_store *s, const kvc_call *c, const kvc_task *t)
+static void kvc_entry_task_scores_i8(const kvc_store *s, const kvc_call *c, const kvc_task *t,
+                                     float *scratch)
 {
     const ptrdiff_t hd = s->hd, j0 = t->j0, ng = KVC_I8_GROUPS(hd, s->k_group);
     kvc_task_scores_i8(s->k_group, c->qi + j0 * KVC_I8_PAD(hd), c->qsc + j0 * ng,
                        c->qsum + j0 * ng, t->j1 - j0, c->qf + j0, c->qe + j0,
                        s->kq + t->g * s->kcap * hd, s->ks + t->g * s->kcap * s->ks_stride,
                        s->ks_stride, t->p0, t->p1, hd, c->scale, c->softcap,
-                       c->probs + j0 * c->L, c->L);
+                       c->probs + j0 * c->L, c->L, scratch);
 }
 
 /* Group g's 4-bit K as the scorer reads it. */

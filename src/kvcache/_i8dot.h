@@ -95,4 +95,112 @@ static void kvc_i8_rows(ptrdiff_t group, const int8_t *qi, const float *sq, cons
 #undef KVC_I8_CALL
 }
 
+/* ---------------------------------------------------------------------------------------
+ * int8 K, blocked across queries: the decode task's scorer (kvc_task_scores_i8) and the prompt
+ * kernel's (_prefill.h).  kvc_k8_pack packs rows [r0, r1) of the tile at t0 (a row past r1, in
+ * the last group of eight, stands in as a copy of row r1 - 1; its scores are never used) as
+ *   codes   Kb[s * KVC_K8_STRIP(hd) + o * 64 + 4 c + i] = kform(k_p[4 o + i]),
+ *           p = t0 + 16 s + c: strips of 16 keys, quads of channels o < ceil(hd / 4), past hd
+ *           kform(0) (adds 0: the query's codes are 0 there);
+ *   scales  Ksc[(s * ng + g) * 16 + c] = the row's scale of K group g.
+ * kvc_k8_qk then forms, for NR quantised queries and NS strips, each group's exact int32
+ * sum of q k (16 keys per vector, four channels per step) and combines the groups in order
+ * as kvc_i8_score1 does, acc = fma((float)isum, sq_g * sk_g, acc) from 0: the same bits as
+ * the query-by-query kvc_i8_rows, at a quarter of the instructions of the float tile.
+ * ------------------------------------------------------------------------------------- */
+#define KVC_K8_STRIP(hd) (((hd) + 3) / 4 * 64) /* bytes of one 16-key strip */
+#if KVC_VEC_AVX512
+#define KVC_K8_QR 6      /* 12 int and 12 float zmm accumulators over two strips */
+#define KVC_K8_STRIPS 2
+#else
+#define KVC_K8_QR 3      /* 6 + 6 ymm halves over one strip */
+#define KVC_K8_STRIPS 1
+#endif
+
+KVC_INLINE void kvc_k8_pack(const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
+                               ptrdiff_t ng, ptrdiff_t t0, ptrdiff_t r0, ptrdiff_t r1,
+                               ptrdiff_t hd, uint8_t *restrict Kb, float *restrict Ksc)
+{
+    const ptrdiff_t nquad = (hd + 3) / 4;
+    ptrdiff_t g, o, i, gi;
+    for (g = (r0 - t0) / 8 * 8; g < r1 - t0; g += 8) {
+        const ptrdiff_t s = g / 16, c0 = g % 16;
+        uint8_t *dst = Kb + s * KVC_K8_STRIP(hd) + 4 * c0;
+        ptrdiff_t src[8];
+        for (i = 0; i < 8; ++i)
+            src[i] = t0 + g + i < r1 ? t0 + g + i : r1 - 1;
+        for (gi = 0; gi < ng; ++gi)
+            for (i = 0; i < 8; ++i)
+                Ksc[(s * ng + gi) * 16 + c0 + i] = ks[src[i] * ks_stride + gi];
+        /* 8 rows x 8 quads at a time: row i in a[i], transposed so that a[j] holds quad o + j
+         * of the 8 rows (one contiguous store each) */
+        for (o = 0; 4 * o + 32 <= hd; o += 8) {
+            kvc_i8x a[8];
+#pragma GCC unroll 8
+            for (i = 0; i < 8; ++i)
+                a[i] = kvc_i8x_loadb((const uint8_t *)(kq + src[i] * hd + 4 * o));
+            kvc_i8x_transpose8(a);
+#pragma GCC unroll 8
+            for (i = 0; i < 8; ++i)
+                kvc_i8x_storeb(dst + (o + i) * 64, kvc_i8x_kform(a[i]));
+        }
+        for (; o < nquad; ++o)
+            for (i = 0; i < 8; ++i) {
+                int b;
+                for (b = 0; b < 4; ++b) {
+                    const ptrdiff_t d = 4 * o + b;
+                    const uint8_t x = d < hd ? (uint8_t)kq[src[i] * hd + d] : 0;
+                    dst[o * 64 + 4 * i + b] = (uint8_t)(x ^ (KVC_I8_KOFF ? 0x80 : 0));
+                }
+            }
+    }
+}
+
+KVC_INLINE void kvc_k8_qk(const int8_t *restrict qi, ptrdiff_t ldqi, const float *restrict sq,
+                           const int32_t *restrict qsum, ptrdiff_t ng, const int NR,
+                           const int NS, const uint8_t *restrict Kb, const float *restrict Ksc,
+                           ptrdiff_t hd, ptrdiff_t group, float *restrict S, ptrdiff_t lds)
+{
+    const ptrdiff_t sb = KVC_K8_STRIP(hd), nquad = (hd + 3) / 4, gq = group / 4;
+    ptrdiff_t g, o;
+    int q, t;
+    kvc_f16 acc[6][2];      /* NR <= 5 at the remainder calls of every body */
+    kvc_i16x ia[6][2];
+#pragma GCC unroll 6
+    for (q = 0; q < NR; ++q)
+        for (t = 0; t < NS; ++t)
+            acc[q][t] = kvc_f16_zero();
+    for (g = 0; g < ng; ++g) {
+        const ptrdiff_t o1 = (g + 1) * gq < nquad ? (g + 1) * gq : nquad;
+#pragma GCC unroll 6
+        for (q = 0; q < NR; ++q)
+            for (t = 0; t < NS; ++t)
+                ia[q][t] = kvc_i16x_set1(-KVC_I8_KOFF * qsum[q * ng + g]);
+        for (o = g * gq; o < o1; ++o) {
+            kvc_i16x k[2];
+            for (t = 0; t < NS; ++t)
+                k[t] = kvc_i16x_loadb(Kb + t * sb + o * 64);
+#pragma GCC unroll 6
+            for (q = 0; q < NR; ++q) {
+                int32_t w;
+                memcpy(&w, qi + q * ldqi + 4 * o, 4);
+                for (t = 0; t < NS; ++t)
+                    ia[q][t] = kvc_i16x_dp4k(ia[q][t], k[t], w);
+            }
+        }
+#pragma GCC unroll 6
+        for (q = 0; q < NR; ++q) {
+            const kvc_f16 sqg = kvc_f16_set1(sq[q * ng + g]);
+            for (t = 0; t < NS; ++t)
+                acc[q][t] = kvc_f16_fma(kvc_i16x_to_f16(ia[q][t]),
+                                        kvc_f16_mul(sqg, kvc_f16_load(Ksc + (t * ng + g) * 16)),
+                                        acc[q][t]);
+        }
+    }
+#pragma GCC unroll 6
+    for (q = 0; q < NR; ++q)
+        for (t = 0; t < NS; ++t)
+            kvc_f16_store(S + q * lds + 16 * t, acc[q][t]);
+}
+
 #endif

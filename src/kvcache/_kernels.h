@@ -779,16 +779,87 @@ KVC_INLINE float kvc_i8_score1(const int8_t *restrict qi, const float *restrict 
 
 /* Scores of one decode task (kvc_task_scores with int8 keys): queries j < nq (quantised:
  * qi + j * KVC_I8_PAD(hd), sq / qsum + j * KVC_I8_GROUPS(hd, group)) over their visible rows
- * in [p0, p1): probs[j * L + p] = raw score * scale, softcapped. */
+ * in [p0, p1): probs[j * L + p] = raw score * scale, softcapped.  Blocks of KVC_I8_BLOCK rows;
+ * in each, every query's raw scores are the bits of kvc_i8_rows (kvc_i8_score1's definition),
+ * formed one of two ways:
+ *   KVC_WIDE (the AVX-512 body)  the rows some query sees are packed once (kvc_k8_pack: 16 rows
+ *                  per vector, four channels per lane) and scored for all the task's queries,
+ *                  KVC_K8_QR at a time (kvc_k8_qk), with the task's next block prefetched
+ *                  towards L2: the rows are read once for the KV group, with no horizontal
+ *                  sums;
+ *   elsewhere      kvc_i8_rows query by query (on AVX2 and AVX-VNNI the packed form measured
+ *                  slower: its 8-lane integer steps save nothing over the row form's, and the
+ *                  packing is extra).
+ * scratch: KVC_K8_SCRATCH(hd) floats (KVC_WIDE only). */
 static void kvc_task_scores_i8(ptrdiff_t group, const int8_t *qi, const float *sq,
                                const int32_t *qsum,
                                ptrdiff_t nq, const ptrdiff_t *qf, const ptrdiff_t *qe,
                                const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
                                ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t hd, float scale,
-                               float softcap, float *probs, ptrdiff_t L)
+                               float softcap, float *probs, ptrdiff_t L, float *scratch)
 {
     const ptrdiff_t hdp = KVC_I8_PAD(hd), ng = KVC_I8_GROUPS(hd, group);
     ptrdiff_t b0, j;
+#if KVC_WIDE
+    const ptrdiff_t sb = KVC_K8_STRIP(hd);
+    uint8_t *Kb = (uint8_t *)scratch;                          /* KVC_I8_BLOCK / 16 strips */
+    float *Ksc = scratch + KVC_I8_BLOCK / 16 * sb / 4;          /* their scales */
+    float *tmp = Ksc + KVC_I8_BLOCK * ng;                       /* KVC_K8_QR x 32 scores */
+    ptrdiff_t jj, k0;
+    for (b0 = p0; b0 < p1; b0 += KVC_I8_BLOCK) {
+        const ptrdiff_t b1 = p1 - b0 < KVC_I8_BLOCK ? p1 : b0 + KVC_I8_BLOCK;
+        ptrdiff_t lo = b1, hi = b0;
+        for (j = 0; j < nq; ++j) {                      /* the rows some query sees */
+            const ptrdiff_t a = b0 > qf[j] ? b0 : qf[j], e = b1 < qe[j] ? b1 : qe[j];
+            if (a < e) {
+                lo = a < lo ? a : lo;
+                hi = e > hi ? e : hi;
+            }
+        }
+        if (lo >= hi)
+            continue;
+        if (b1 < p1) {   /* the task's next block towards L2 while this one is scored */
+            const ptrdiff_t nn = p1 - b1 < KVC_I8_BLOCK ? p1 - b1 : KVC_I8_BLOCK;
+            kvc_prefetch_rows_to(kq, b1, nn, hd, 1);
+            kvc_prefetch_rows_to(ks, b1, nn, ks_stride * (ptrdiff_t)sizeof(float), 1);
+        }
+        kvc_k8_pack(kq, ks, ks_stride, ng, lo, lo, hi, hd, Kb, Ksc);
+        for (k0 = lo; k0 < hi; ) {
+            /* strips of 16 rows from lo: two at a time where the body takes two */
+            const int ns = KVC_K8_STRIPS == 2 && k0 + 16 < hi ? 2 : 1;
+            const uint8_t *Ks = Kb + (k0 - lo) / 16 * sb;
+            const float *Kc = Ksc + (k0 - lo) / 16 * ng * 16;
+            const ptrdiff_t k1 = hi - k0 < 16 * ns ? hi : k0 + 16 * ns;
+            for (j = 0; j < nq; j += KVC_K8_QR) {
+                const ptrdiff_t nr = nq - j < KVC_K8_QR ? nq - j : KVC_K8_QR;
+#define KVC_K8_QK(NR, NS) kvc_k8_qk(qi + j * hdp, hdp, sq + j * ng, qsum + j * ng, ng, NR, NS, \
+                                    Ks, Kc, hd, group, tmp, 32)
+#define KVC_K8_QK_NR(NS) switch (nr) { \
+                    case 1: KVC_K8_QK(1, NS); break; \
+                    case 2: KVC_K8_QK(2, NS); break; \
+                    case 3: KVC_K8_QK(3, NS); break; \
+                    case 4: if (KVC_K8_QR >= 4) KVC_K8_QK(4, NS); break; \
+                    case 5: if (KVC_K8_QR >= 5) KVC_K8_QK(5, NS); break; \
+                    default: if (KVC_K8_QR >= 6) KVC_K8_QK(6, NS); break; }
+                if (ns == 2)
+                    KVC_K8_QK_NR(2)
+                else
+                    KVC_K8_QK_NR(1)
+#undef KVC_K8_QK_NR
+#undef KVC_K8_QK
+                for (jj = 0; jj < nr; ++jj) {           /* each query's visible rows */
+                    const ptrdiff_t a = k0 > qf[j + jj] ? k0 : qf[j + jj];
+                    const ptrdiff_t e = k1 < qe[j + jj] ? k1 : qe[j + jj];
+                    if (a < e)
+                        memcpy(probs + (j + jj) * L + a, tmp + jj * 32 + (a - k0),
+                               (size_t)(e - a) * sizeof(float));
+                }
+            }
+            k0 = k1;
+        }
+    }
+#else
+    (void)scratch;
     for (b0 = p0; b0 < p1; b0 += KVC_I8_BLOCK) {
         ptrdiff_t b1 = p1 - b0 < KVC_I8_BLOCK ? p1 : b0 + KVC_I8_BLOCK;
         for (j = 0; j < nq; ++j) {
@@ -798,6 +869,7 @@ static void kvc_task_scores_i8(ptrdiff_t group, const int8_t *qi, const float *s
                                 ks + lo * ks_stride, ks_stride, hd, hi - lo, probs + j * L + lo);
         }
     }
+#endif
     kvc_scale_scores(nq, qf, qe, p0, p1, scale, softcap, probs, L);
 }
 

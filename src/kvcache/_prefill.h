@@ -18,7 +18,7 @@
  *                keys, read as their values fmaf(code, s, m) (docs/kv4.md), and for int8
  *                keys the raw q8 score of _kernels.h (the query quantised per K group of 16
  *                or 32 channels, exact int32 group sums, groups combined with fmaf in order: the bits
- *                the decode kernel gives; kvc_pf_qk8 forms the sums 16 keys x several queries
+ *                the decode kernel gives; kvc_k8_qk forms the sums 16 keys x several queries
  *                at a time).  Softcap (> 0): s = cap * tanhf(s / cap) for finite s.
  *   online max   m' = max(m, max of the tile's visible scores), NaN ignored, m starts at -inf;
  *                mu = m' (0 while m' is -inf); alpha = exp(m - mu); p = exp(s - mu) with
@@ -71,7 +71,7 @@ KVC_INLINE void kvc_pf_prefetch(const void *base, ptrdiff_t p0, ptrdiff_t p1, pt
  *      major inside a strip: the score kernel reads 16 keys of one channel contiguously);
  *   V  Vp[s * 64 * 16 + r * 16 + c] = v_p[16 s + c],  p = t0 + r  (strips of 16 channels, 0
  *      past head_dim).
- * float32 K only (int8 K has its own tile, kvc_pf_load_k8 below; 4-bit K is read as its
+ * float32 K only (int8 K has its own tile, kvc_k8_pack below; 4-bit K is read as its
  * values, kvc_pf_load_k4); int8 V rows are dequantised on the way: (float)v8[d] * vs.
  * Columns of K outside [r0, r1) hold other stored rows or copies (their scores are never
  * used); V rows outside [r0, r1) are not written (never read).
@@ -314,120 +314,15 @@ KVC_INLINE void kvc_pf_scores(const float *Q, ptrdiff_t ldq, ptrdiff_t nq, const
     }
 }
 
-/* ---------------------------------------------------------------------------------------
- * int8 K, blocked across queries.  kvc_pf_load_k8 packs rows [r0, r1) of the tile at t0 (the
- * same row range and stand-in rows as kvc_pf_load_k) as
- *   codes   Kb[s * KVC_PF_K8_STRIP(hd) + o * 64 + 4 c + i] = kform(k_p[4 o + i]),
- *           p = t0 + 16 s + c: strips of 16 keys, quads of channels o < ceil(hd / 4), past hd
- *           kform(0) (adds 0: the query's codes are 0 there);
- *   scales  Ksc[(s * ng + g) * 16 + c] = the row's scale of K group g.
- * kvc_pf_qk8 then forms, for NR quantised queries and NS strips, each group's exact int32
- * sum of q k (16 keys per vector, four channels per step) and combines the groups in order
- * as kvc_i8_score1 does, acc = fma((float)isum, sq_g * sk_g, acc) from 0: the same bits as
- * the query-by-query kvc_i8_rows, at a quarter of the instructions of the float tile.
- * ------------------------------------------------------------------------------------- */
-#define KVC_PF_K8_STRIP(hd) (((hd) + 3) / 4 * 64) /* bytes of one 16-key strip */
-#if KVC_VEC_AVX512
-#define KVC_PF_QR8 6   /* 12 int and 12 float zmm accumulators over two strips */
-#else
-#define KVC_PF_QR8 3   /* 6 + 6 ymm halves over one strip */
-#endif
-
-KVC_INLINE void kvc_pf_load_k8(const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
-                               ptrdiff_t ng, ptrdiff_t t0, ptrdiff_t r0, ptrdiff_t r1,
-                               ptrdiff_t hd, uint8_t *restrict Kb, float *restrict Ksc)
-{
-    const ptrdiff_t nquad = (hd + 3) / 4;
-    ptrdiff_t g, o, i, gi;
-    for (g = (r0 - t0) / 8 * 8; g < r1 - t0; g += 8) {
-        const ptrdiff_t s = g / 16, c0 = g % 16;
-        uint8_t *dst = Kb + s * KVC_PF_K8_STRIP(hd) + 4 * c0;
-        ptrdiff_t src[8];
-        for (i = 0; i < 8; ++i)
-            src[i] = t0 + g + i < r1 ? t0 + g + i : r1 - 1;
-        for (gi = 0; gi < ng; ++gi)
-            for (i = 0; i < 8; ++i)
-                Ksc[(s * ng + gi) * 16 + c0 + i] = ks[src[i] * ks_stride + gi];
-        /* 8 rows x 8 quads at a time: row i in a[i], transposed so that a[j] holds quad o + j
-         * of the 8 rows (one contiguous store each) */
-        for (o = 0; 4 * o + 32 <= hd; o += 8) {
-            kvc_i8x a[8];
-#pragma GCC unroll 8
-            for (i = 0; i < 8; ++i)
-                a[i] = kvc_i8x_loadb((const uint8_t *)(kq + src[i] * hd + 4 * o));
-            kvc_i8x_transpose8(a);
-#pragma GCC unroll 8
-            for (i = 0; i < 8; ++i)
-                kvc_i8x_storeb(dst + (o + i) * 64, kvc_i8x_kform(a[i]));
-        }
-        for (; o < nquad; ++o)
-            for (i = 0; i < 8; ++i) {
-                int b;
-                for (b = 0; b < 4; ++b) {
-                    const ptrdiff_t d = 4 * o + b;
-                    const uint8_t x = d < hd ? (uint8_t)kq[src[i] * hd + d] : 0;
-                    dst[o * 64 + 4 * i + b] = (uint8_t)(x ^ (KVC_I8_KOFF ? 0x80 : 0));
-                }
-            }
-    }
-}
-
-KVC_INLINE void kvc_pf_qk8(const int8_t *restrict qi, ptrdiff_t ldqi, const float *restrict sq,
-                           const int32_t *restrict qsum, ptrdiff_t ng, const int NR,
-                           const int NS, const uint8_t *restrict Kb, const float *restrict Ksc,
-                           ptrdiff_t hd, ptrdiff_t group, float *restrict S, ptrdiff_t lds)
-{
-    const ptrdiff_t sb = KVC_PF_K8_STRIP(hd), nquad = (hd + 3) / 4, gq = group / 4;
-    ptrdiff_t g, o;
-    int q, t;
-    kvc_f16 acc[6][2];      /* NR <= 5 at the remainder calls of every body */
-    kvc_i16x ia[6][2];
-#pragma GCC unroll 6
-    for (q = 0; q < NR; ++q)
-        for (t = 0; t < NS; ++t)
-            acc[q][t] = kvc_f16_zero();
-    for (g = 0; g < ng; ++g) {
-        const ptrdiff_t o1 = (g + 1) * gq < nquad ? (g + 1) * gq : nquad;
-#pragma GCC unroll 6
-        for (q = 0; q < NR; ++q)
-            for (t = 0; t < NS; ++t)
-                ia[q][t] = kvc_i16x_set1(-KVC_I8_KOFF * qsum[q * ng + g]);
-        for (o = g * gq; o < o1; ++o) {
-            kvc_i16x k[2];
-            for (t = 0; t < NS; ++t)
-                k[t] = kvc_i16x_loadb(Kb + t * sb + o * 64);
-#pragma GCC unroll 6
-            for (q = 0; q < NR; ++q) {
-                int32_t w;
-                memcpy(&w, qi + q * ldqi + 4 * o, 4);
-                for (t = 0; t < NS; ++t)
-                    ia[q][t] = kvc_i16x_dp4k(ia[q][t], k[t], w);
-            }
-        }
-#pragma GCC unroll 6
-        for (q = 0; q < NR; ++q) {
-            const kvc_f16 sqg = kvc_f16_set1(sq[q * ng + g]);
-            for (t = 0; t < NS; ++t)
-                acc[q][t] = kvc_f16_fma(kvc_i16x_to_f16(ia[q][t]),
-                                        kvc_f16_mul(sqg, kvc_f16_load(Ksc + (t * ng + g) * 16)),
-                                        acc[q][t]);
-        }
-    }
-#pragma GCC unroll 6
-    for (q = 0; q < NR; ++q)
-        for (t = 0; t < NS; ++t)
-            kvc_f16_store(S + q * lds + 16 * t, acc[q][t]);
-}
-
-/* kvc_pf_qk8 for nq queries (nq any): blocks of KVC_PF_QR8, then the rest. */
+/* kvc_k8_qk for nq queries (nq any): blocks of KVC_K8_QR, then the rest. */
 KVC_INLINE void kvc_pf_qk8_rows(const int8_t *qi, ptrdiff_t ldqi, const float *sq,
                                 const int32_t *qsum, ptrdiff_t ng, ptrdiff_t nq, const int NS,
                                 const uint8_t *Kb, const float *Ksc, ptrdiff_t hd,
                                 ptrdiff_t group, float *S, ptrdiff_t lds)
 {
-#define KVC_PF_QK8(J, N) kvc_pf_qk8(qi + (J) * ldqi, ldqi, sq + (J) * ng, qsum + (J) * ng, ng, \
+#define KVC_PF_QK8(J, N) kvc_k8_qk(qi + (J) * ldqi, ldqi, sq + (J) * ng, qsum + (J) * ng, ng, \
                                     N, NS, Kb, Ksc, hd, group, S + (J) * lds, lds)
-    KVC_PF_BLOCKS(nq, KVC_PF_QR8, KVC_PF_QK8);
+    KVC_PF_BLOCKS(nq, KVC_K8_QR, KVC_PF_QK8);
 #undef KVC_PF_QK8
 }
 
@@ -441,7 +336,7 @@ KVC_INLINE void kvc_pf_scores8(const int8_t *qi, const float *sq, const int32_t 
     const ptrdiff_t ldqi = KVC_I8_PAD(hd);
     ptrdiff_t k0;
     for (k0 = c0 / 16 * 16; k0 < c1; k0 += 16) {
-        const uint8_t *Ks = Kb + (k0 / 16) * KVC_PF_K8_STRIP(hd);
+        const uint8_t *Ks = Kb + (k0 / 16) * KVC_K8_STRIP(hd);
         const float *Kc = Ksc + (k0 / 16) * ng * 16;
         if (KVC_PF_STRIPS == 2 && k0 + 16 < c1) {
             kvc_pf_qk8_rows(qi, ldqi, sq, qsum, ng, nq, 2, Ks, Kc, hd, group, S + k0, lds);
@@ -752,7 +647,7 @@ KVC_INLINE void kvc_pf_task_impl(const float *q, ptrdiff_t nq, const ptrdiff_t *
         else if (!quant_k)
             kvc_pf_load_k(kf, t0, r0, r1, hd, Kp);
         else
-            kvc_pf_load_k8(kq, ks, ks_stride, ng, t0, r0, r1, hd, K8, K8sc);
+            kvc_k8_pack(kq, ks, ks_stride, ng, t0, r0, r1, hd, K8, K8sc);
         kvc_pf_load_v(vf, vq, vs, vs_stride, quant_v, vc4, vp, t0, r0, r1, hd, Vp);
         /* the next tile's rows go to L2 while this one is computed, a few rows per block
          * of queries (a burst of prefetches would stall on the miss buffers) */
@@ -921,7 +816,7 @@ static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
     else if (!quant_k)
         kvc_pf_load_k(kf, t0, r0, r1, hd, Kp);
     else
-        kvc_pf_load_k8(kq, ks, ks_stride, ng, t0, r0, r1, hd, K8, K8sc);
+        kvc_k8_pack(kq, ks, ks_stride, ng, t0, r0, r1, hd, K8, K8sc);
     for (j = ja; j < jb; j += KVC_PF_IMP_QUERIES) {
         ptrdiff_t nr = jb - j < KVC_PF_IMP_QUERIES ? jb - j : KVC_PF_IMP_QUERIES, i;
         if (j + nr < jb)   /* the next queries, into L2 while these are scored */

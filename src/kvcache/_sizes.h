@@ -9,16 +9,23 @@
 
 /* Per-thread scratch floats a task needs: the int8 and 4-bit value passes' KVC_VROWS x 8
  * weights (four or eight queries per pass: _kernels.h's KVC_VQ) and KVC_VROWS masks, and the
- * 4-bit pass's parameters of KVC_VROWS rows (two per 16 channels), or the 4-bit K scorer's
- * (below), whichever is more; the other passes read the rows in place. */
+ * 4-bit pass's parameters of KVC_VROWS rows (two per 16 channels), or the 4-bit or int8 K
+ * scorer's (below), whichever is most; the other passes read the rows in place. */
 #define KVC_SCRATCH_FLOATS_V(hd) (9 * KVC_VROWS + KVC_VROWS * 2 * (((hd) + 15) / 16))
-#define KVC_SCRATCH_FLOATS(hd) (KVC_SCRATCH_FLOATS_V(hd) > KVC_K4_SCRATCH(hd) \
-                                ? KVC_SCRATCH_FLOATS_V(hd) : KVC_K4_SCRATCH(hd))
+#define KVC_MAX2_(a, b) ((a) > (b) ? (a) : (b))
+#define KVC_SCRATCH_FLOATS(hd) KVC_MAX2_(KVC_MAX2_(KVC_SCRATCH_FLOATS_V(hd), KVC_K4_SCRATCH(hd)), \
+                                         KVC_K8_SCRATCH(hd))
 
 /* Floats of scratch the 4-bit K scorer needs (_kernels.h, kvc_k4_raw): a block's parameters
  * (2 hd), then the scales, biases, scores (16 rows each) and int8 codes of KVC_K4_QC (4)
  * folded queries.  KVC_SCRATCH_FLOATS(hd) covers it. */
 #define KVC_K4_SCRATCH(hd) (3 * (hd) + 4 * ((KVC_I8_GROUPS(hd, 16) + 7) / 8 * 8) + 72)
+
+/* Floats of scratch the int8 K scorer of a decode task needs (_kernels.h,
+ * kvc_task_scores_i8): 64 rows packed (four channels per byte lane: 64 x ceil(hd / 4) floats),
+ * their scales (64 per group of 16 channels at most) and six queries' scores of 32 rows.
+ * KVC_SCRATCH_FLOATS(hd) covers it. */
+#define KVC_K8_SCRATCH(hd) (64 * (((hd) + 3) / 4) + 64 * (((hd) + 15) / 16) + 6 * 32)
 
 /* the K kinds a kvc_store's quant_k holds: float32, int8, 4-bit */
 #define KVC_K_F32 0

@@ -156,7 +156,7 @@ static void run_table(const kvc_ops *t)
                 memset(probs, 0, sizeof probs);
                 begin();
                 c.scale = 0.17f;
-                t->task_scores_i8(&st, &c, &all);
+                t->task_scores_i8(&st, &c, &all, scratch);
                 floats(probs, NQ * NL);
                 end(t, "task_scores_i8", hd, 2 * cap + group / 32);
             }

@@ -31,6 +31,7 @@ static void out(float x)
 int main(void)
 {
     static float q[NQ * HDMAX], ks[ROWS * 17], res[ROWS], probs[NQ * ROWS];
+    static float scratch[KVC_SCRATCH_FLOATS(HDMAX)];
     static int8_t kq[ROWS * HDMAX], qi[NQ * KVC_I8_PAD(HDMAX)];   /* codes padded to 32 */
     static float sq[NQ * 17];
     static int32_t qsum[NQ * 17];
@@ -97,7 +98,7 @@ int main(void)
             }
             memset(probs, 0, sizeof probs);
             kvc_task_scores_i8(group, qi, sq, qsum, NQ, qf, qe, kq, ks, 17, 2, ROWS, hd, 0.17f,
-                               trial % 2 ? 5.0f : 0.0f, probs, ROWS);
+                               trial % 2 ? 5.0f : 0.0f, probs, ROWS, scratch);
             for (i = 0; i < NQ * ROWS; ++i)
                 out(probs[i]);
         }

@@ -147,7 +147,8 @@ int main(void)
                                     sq + i * KVC_I8_GROUPS(hd, 32),
                                     qsum + i * KVC_I8_GROUPS(hd, 32));
                 kvc_task_scores_i8(32, qi, sq, qsum, 8,
-                                   qf, qe, kq, ks, ng, 0, ROWS, hd, 0.3f, 2.5f, probs, 64);
+                                   qf, qe, kq, ks, ng, 0, ROWS, hd, 0.3f, 2.5f, probs, 64,
+                                   v4scr);
             } else {
                 kvc_task_scores(q, 8, qf, qe, k, 0, ROWS, hd, 0.3f, 2.5f, probs, 64);
             }

@@ -153,7 +153,7 @@ int main(void)
                             const ptrdiff_t t0 = t0s[ti], r0 = t0 + offs[oi];
                             ptrdiff_t r1 = e ? r0 + 29 : t0 + KVC_PF_TILE, j, p;
                             r1 = r1 < ROWS ? r1 : ROWS;
-                            kvc_pf_load_k8(kq, ks, KS, ng, t0, r0, r1, hd, k8, k8sc);
+                            kvc_k8_pack(kq, ks, KS, ng, t0, r0, r1, hd, k8, k8sc);
                             kvc_pf_scores8(qi, qsc, qsum, ng, NQ, k8, k8sc, hd, group, r0 - t0,
                                            r1 - t0, s8, KVC_PF_TILE);
                             for (j = 0; j < NQ; ++j)
