@@ -1,5 +1,5 @@
 """The choice of instruction-set body per kernel family (kvcache._dispatch, docs/numerics.md
-"Dispatch"), held against the real flag lines of ten x86-64 and four aarch64 CPUs
+"Dispatch"), held against the real flag lines of eleven x86-64 and four aarch64 CPUs
 (tests/data/cpu-flags).
 
 Detection is replaced by each CPU's flags: features are a set, so an AVX-512 CPU without

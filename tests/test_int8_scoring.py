@@ -264,8 +264,9 @@ def _output(exe: Path) -> tuple[str, str]:
 
 def test_every_body_computes_the_same_bits(tmp_path):
     """One build of the twin per x86 body (and the VNNI code on an exact AVX2 emulation of
-    vpdpbusd, so it runs on any AVX2 CPU): each runs where the CPU has its features, is
-    compiled only elsewhere, and gives the portable build's bits."""
+    vpdpbusd, so it runs on any AVX2 CPU; and the AVX-512 body's packed decode scorer on pairs
+    of 8-lane vectors, KVC_EMULATE_512): each runs where the CPU has its features, is compiled
+    only elsewhere, and gives the portable build's bits."""
     head, ref = _output(_twin(tmp_path, "portable", X86_BODY_FLAGS["portable"]))
     assert head == "portable 0"
     lines = ref.splitlines()
@@ -277,7 +278,11 @@ def test_every_body_computes_the_same_bits(tmp_path):
     assert {(-30480, -30480), (30480, 30480)} <= set(dots)
     builds = {name: (flags, name) for name, flags in X86_BODY_FLAGS.items() if name != "portable"}
     builds["vnni-emulated"] = (X86_BODY_FLAGS["avx2"] + ["-DKVC_EMULATE_VNNI"], "avx2")
-    forms = {"avx2": "avx2 1", "avxvnni": "avx2 2", "avx512": "avx512 2", "vnni-emulated": "avx2 2"}
+    # the AVX-512 body's packed decode scorer (KVC_WIDE) on pairs of 8-lane vectors
+    builds["wide-emulated"] = (X86_BODY_FLAGS["avx2"] + ["-DKVC_EMULATE_512"], "avx2")
+    builds["wide-portable"] = (X86_BODY_FLAGS["portable"] + ["-DKVC_EMULATE_512"], "portable")
+    forms = {"avx2": "avx2 1", "avxvnni": "avx2 2", "avx512": "avx512 2", "vnni-emulated": "avx2 2",
+             "wide-emulated": "avx2 1", "wide-portable": "portable 0"}
     ran = 0
     for name, (flags, needs) in builds.items():
         exe = _twin(tmp_path, name, flags)

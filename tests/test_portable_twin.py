@@ -55,7 +55,8 @@ def test_every_x86_body_and_the_portable_twin_agree_bit_for_bit(tmp_path):
 
 def test_the_avx512_forms_emulated_give_the_portable_bits(tmp_path):
     """The AVX-512 body's own forms (the value pass up to eight queries at a time on 16-lane
-    registers, 4-bit K scored sixteen rows per register) built with -DKVC_EMULATE_512 on the
+    registers, 4-bit K scored sixteen rows per register, int8 K packed once per block and
+    scored for all the group's queries) built with -DKVC_EMULATE_512 on the
     portable layer, and on AVX2 where this CPU runs it, so that a CPU without AVX-512 checks
     their bits too."""
     portable = run(build(tmp_path, "portable", X86_BODY_FLAGS["portable"])).splitlines()

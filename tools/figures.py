@@ -297,6 +297,32 @@ def bench_ab(doc: Any, args: Sequence[str]) -> str:
             f"at most {busy:.2f} cores busy:\n\n" + table(head, out))
 
 
+@renderer("ab-forms")
+def ab_forms(doc: Any, args: Sequence[str]) -> str:
+    """Two forms of one kernel alternating in one process: per cell the median and range over
+    rounds of each round's old / new time (above 1 the new form is faster), and whether the two
+    gave the same bits."""
+    out = [[r["body"], f"{r['geometry']} {r['context'] // 1024}k {r['mode']} {r['threads']}t",
+            f"{r['layers']} x {r['rounds']}", f"{r['speedup_median']:.2f}x",
+            f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}x", "yes" if r["same_bits"] else "no"]
+           for r in doc["rows"]]
+    head = ["body", "cell", "layers x rounds", "old / new (median)", "range", "same bits"]
+    return (f"{doc['machine']['cpu_model']}, {doc['machine']['cpu_count']} CPUs, "
+            f"{doc['date']}:\n\n" + table(head, out))
+
+
+@renderer("prompt-pair")
+def prompt_pair(doc: Any, args: Sequence[str]) -> str:
+    """Two trees taking turns, each run timing q4 against f32 in one process: per cell and run,
+    the median over rounds of the paired f32 / q4 ratio, with and without importance."""
+    cells = list(doc["runs"][0]["res"])
+    head = ["cell"] + [f"{run['tree']} (run {i + 1})" for i, run in enumerate(doc["runs"])]
+    out = [[cell] + [f"{run['res'][cell]['q4/f32']:.2f}x / {run['res'][cell]['q4/f32 noimp']:.2f}x"
+                     for run in doc["runs"]] for cell in cells]
+    return (f"{doc['machine']['cpu_model']}, {doc['machine']['cpu_count']} CPUs, {doc['date']}; "
+            "q4's speed against f32 with importance / without:\n\n" + table(head, out))
+
+
 # ---------------------------------------------------------------------------------------------
 # tools/blas_row_bits.py --json
 

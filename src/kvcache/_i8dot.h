@@ -97,8 +97,10 @@ static void kvc_i8_rows(ptrdiff_t group, const int8_t *qi, const float *sq, cons
 
 /* ---------------------------------------------------------------------------------------
  * int8 K, blocked across queries: the decode task's scorer (kvc_task_scores_i8) and the prompt
- * kernel's (_prefill.h).  kvc_k8_pack packs rows [r0, r1) of the tile at t0 (a row past r1, in
- * the last group of eight, stands in as a copy of row r1 - 1; its scores are never used) as
+ * kernel's (_prefill.h).  kvc_k8_pack packs rows [r0, r1) of the tile at t0, in whole groups of
+ * eight from the one holding r0 (rows of that group before r0 are packed from the store as
+ * they are; a row past r1 in the last group stands in as a copy of row r1 - 1; the scores of
+ * neither are used) as
  *   codes   Kb[s * KVC_K8_STRIP(hd) + o * 64 + 4 c + i] = kform(k_p[4 o + i]),
  *           p = t0 + 16 s + c: strips of 16 keys, quads of channels o < ceil(hd / 4), past hd
  *           kform(0) (adds 0: the query's codes are 0 there);
@@ -116,10 +118,12 @@ static void kvc_i8_rows(ptrdiff_t group, const int8_t *qi, const float *sq, cons
 #define KVC_K8_QR 3      /* 6 + 6 ymm halves over one strip */
 #define KVC_K8_STRIPS 1
 #endif
+/* kvc_k8_qk's accumulators, the decode scorer's query blocks and its scratch hold six */
+_Static_assert(KVC_K8_QR <= 6, "at most six queries per kvc_k8_qk call");
 
 KVC_INLINE void kvc_k8_pack(const int8_t *kq, const float *ks, ptrdiff_t ks_stride,
-                               ptrdiff_t ng, ptrdiff_t t0, ptrdiff_t r0, ptrdiff_t r1,
-                               ptrdiff_t hd, uint8_t *restrict Kb, float *restrict Ksc)
+                            ptrdiff_t ng, ptrdiff_t t0, ptrdiff_t r0, ptrdiff_t r1,
+                            ptrdiff_t hd, uint8_t *restrict Kb, float *restrict Ksc)
 {
     const ptrdiff_t nquad = (hd + 3) / 4;
     ptrdiff_t g, o, i, gi;
@@ -157,9 +161,9 @@ KVC_INLINE void kvc_k8_pack(const int8_t *kq, const float *ks, ptrdiff_t ks_stri
 }
 
 KVC_INLINE void kvc_k8_qk(const int8_t *restrict qi, ptrdiff_t ldqi, const float *restrict sq,
-                           const int32_t *restrict qsum, ptrdiff_t ng, const int NR,
-                           const int NS, const uint8_t *restrict Kb, const float *restrict Ksc,
-                           ptrdiff_t hd, ptrdiff_t group, float *restrict S, ptrdiff_t lds)
+                          const int32_t *restrict qsum, ptrdiff_t ng, const int NR,
+                          const int NS, const uint8_t *restrict Kb, const float *restrict Ksc,
+                          ptrdiff_t hd, ptrdiff_t group, float *restrict S, ptrdiff_t lds)
 {
     const ptrdiff_t sb = KVC_K8_STRIP(hd), nquad = (hd + 3) / 4, gq = group / 4;
     ptrdiff_t g, o;

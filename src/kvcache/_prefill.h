@@ -321,7 +321,7 @@ KVC_INLINE void kvc_pf_qk8_rows(const int8_t *qi, ptrdiff_t ldqi, const float *s
                                 ptrdiff_t group, float *S, ptrdiff_t lds)
 {
 #define KVC_PF_QK8(J, N) kvc_k8_qk(qi + (J) * ldqi, ldqi, sq + (J) * ng, qsum + (J) * ng, ng, \
-                                    N, NS, Kb, Ksc, hd, group, S + (J) * lds, lds)
+                                   N, NS, Kb, Ksc, hd, group, S + (J) * lds, lds)
     KVC_PF_BLOCKS(nq, KVC_K8_QR, KVC_PF_QK8);
 #undef KVC_PF_QK8
 }

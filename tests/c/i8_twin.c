@@ -26,7 +26,7 @@ static void out(float x)
 
 #define HDMAX 264
 #define ROWS 77
-#define NQ 5
+#define NQ 8   /* two query blocks of the AVX-512 decode scorer (six, then two) */
 
 int main(void)
 {
@@ -36,7 +36,7 @@ int main(void)
     static float sq[NQ * 17];
     static int32_t qsum[NQ * 17];
     ptrdiff_t hds[] = {1, 7, 8, 16, 31, 32, 33, 40, 64, 72, 96, 100, 128, 136, 160, 256, 264};
-    ptrdiff_t qf[NQ] = {0, 3, 0, 9, 20}, qe[NQ] = {77, 77, 70, 40, 21};
+    ptrdiff_t qf[NQ] = {0, 3, 0, 9, 20, 5, 66, 2}, qe[NQ] = {77, 77, 70, 40, 21, 60, 77, 3};
     int trial, h, i, j;
     printf("%s %d\n", KVC_VEC_NAME, KVC_VEC_I8);
     {   /* the row quantiser on halfway cases (scale exactly 1: |max| = 127), with and without a
