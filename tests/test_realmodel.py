@@ -84,14 +84,18 @@ def test_tokenizer_ids_equal_transformers(gguf_file, tokenizer):
 
 
 def check_against_transformers(runner, hf_model, ids, atol, steps):
-    """The runner's prompt logits within ``atol`` of transformers' own on the same weights,
-    and its ``steps`` greedy tokens equal to transformers' generate."""
+    """The runner's prompt logits within ``atol`` of transformers' own on the same weights run
+    in float64 (the exact logits, up to float64's rounding: transformers' float32 logits carry
+    rounding of their own that depends on the CPU's kernels, as large as ours on a Zen 5), and
+    its ``steps`` greedy tokens equal to transformers' generate."""
+    import copy
+
     import torch
     runner.reset()
     ours = runner.prefill(np.array(ids), all_logits=True)
     with torch.no_grad():
-        theirs = hf_model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=atol)
+        exact = copy.deepcopy(hf_model).double()(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(ours, exact, rtol=0, atol=atol)
     runner.reset()
     tokens = runner.generate(ids, steps, stop=())
     runner.reset()
