@@ -773,9 +773,43 @@ KVC_INLINE float kvc_i8_score1(const int8_t *restrict qi, const float *restrict 
     return acc;
 }
 
+/* CALL(J, N) for the runs [J, J + N) of queries 0..nq-1: blocks of QR, then the rest (QR <=
+ * 6), N a constant at every call so that each is its own unrolled kernel (the int8 K tile
+ * scorer's in decode, the prompt kernel's score and value blocks). */
+#define KVC_QBLOCKS(nq, QR, CALL)                                                            \
+    do {                                                                                     \
+        ptrdiff_t jb_;                                                                       \
+        for (jb_ = 0; jb_ + (QR) <= (nq); jb_ += (QR))                                       \
+            CALL(jb_, QR);                                                                   \
+        switch ((nq) - jb_) {                                                                \
+        case 5: CALL(jb_, 5); break;                                                         \
+        case 4: CALL(jb_, 4); break;                                                         \
+        case 3: CALL(jb_, 3); break;                                                         \
+        case 2: CALL(jb_, 2); break;                                                         \
+        case 1: CALL(jb_, 1); break;                                                         \
+        default: break;                                                                      \
+        }                                                                                    \
+    } while (0)
+
 #include "_i8dot.h"
 
 #define KVC_I8_BLOCK 64 /* rows scored for every query of a task before the next rows */
+
+#if KVC_WIDE
+/* The scores tmp[jj * 32 + p - k0] of nr queries (visible ranges qf[jj], qe[jj]) for rows
+ * [k0, k1) into out[jj * L + p], each query's visible rows only. */
+KVC_INLINE void kvc_k8_visible(const float *tmp, ptrdiff_t nr, const ptrdiff_t *qf,
+                               const ptrdiff_t *qe, ptrdiff_t k0, ptrdiff_t k1, float *out,
+                               ptrdiff_t L)
+{
+    ptrdiff_t jj;
+    for (jj = 0; jj < nr; ++jj) {
+        const ptrdiff_t a = k0 > qf[jj] ? k0 : qf[jj], e = k1 < qe[jj] ? k1 : qe[jj];
+        if (a < e)
+            memcpy(out + jj * L + a, tmp + jj * 32 + (a - k0), (size_t)(e - a) * sizeof(float));
+    }
+}
+#endif
 
 /* Scores of one decode task (kvc_task_scores with int8 keys): queries j < nq (quantised:
  * qi + j * KVC_I8_PAD(hd), sq / qsum + j * KVC_I8_GROUPS(hd, group)) over their visible rows
@@ -805,7 +839,7 @@ static void kvc_task_scores_i8(ptrdiff_t group, const int8_t *qi, const float *s
     uint8_t *Kb = (uint8_t *)scratch;                          /* KVC_I8_BLOCK / 16 strips */
     float *Ksc = scratch + KVC_I8_BLOCK / 16 * sb / 4;          /* their scales */
     float *tmp = Ksc + KVC_I8_BLOCK * ng;                       /* KVC_K8_QR x 32 scores */
-    ptrdiff_t jj, k0;
+    ptrdiff_t k0;
     for (b0 = p0; b0 < p1; b0 += KVC_I8_BLOCK) {
         const ptrdiff_t b1 = p1 - b0 < KVC_I8_BLOCK ? p1 : b0 + KVC_I8_BLOCK;
         ptrdiff_t lo = b1, hi = b0;
@@ -830,31 +864,21 @@ static void kvc_task_scores_i8(ptrdiff_t group, const int8_t *qi, const float *s
             const uint8_t *Ks = Kb + (k0 - lo) / 16 * sb;
             const float *Kc = Ksc + (k0 - lo) / 16 * ng * 16;
             const ptrdiff_t k1 = hi - k0 < 16 * ns ? hi : k0 + 16 * ns;
-            for (j = 0; j < nq; j += KVC_K8_QR) {
-                const ptrdiff_t nr = nq - j < KVC_K8_QR ? nq - j : KVC_K8_QR;
-#define KVC_K8_QK(NR, NS) kvc_k8_qk(qi + j * hdp, hdp, sq + j * ng, qsum + j * ng, ng, NR, NS, \
-                                    Ks, Kc, hd, group, tmp, 32)
-#define KVC_K8_QK_NR(NS) switch (nr) { \
-                    case 1: KVC_K8_QK(1, NS); break; \
-                    case 2: KVC_K8_QK(2, NS); break; \
-                    case 3: KVC_K8_QK(3, NS); break; \
-                    case 4: if (KVC_K8_QR >= 4) KVC_K8_QK(4, NS); break; \
-                    case 5: if (KVC_K8_QR >= 5) KVC_K8_QK(5, NS); break; \
-                    default: if (KVC_K8_QR >= 6) KVC_K8_QK(6, NS); break; }
-                if (ns == 2)
-                    KVC_K8_QK_NR(2)
-                else
-                    KVC_K8_QK_NR(1)
-#undef KVC_K8_QK_NR
-#undef KVC_K8_QK
-                for (jj = 0; jj < nr; ++jj) {           /* each query's visible rows */
-                    const ptrdiff_t a = k0 > qf[j + jj] ? k0 : qf[j + jj];
-                    const ptrdiff_t e = k1 < qe[j + jj] ? k1 : qe[j + jj];
-                    if (a < e)
-                        memcpy(probs + (j + jj) * L + a, tmp + jj * 32 + (a - k0),
-                               (size_t)(e - a) * sizeof(float));
-                }
-            }
+            /* a run of N queries from J scored into tmp, then each one's visible rows out */
+#define KVC_K8_RUN(J, N, NS) do { \
+                kvc_k8_qk(qi + (J) * hdp, hdp, sq + (J) * ng, qsum + (J) * ng, ng, N, NS, Ks, \
+                          Kc, hd, group, tmp, 32); \
+                kvc_k8_visible(tmp, N, qf + (J), qe + (J), k0, k1, probs + (J) * L, L); \
+            } while (0)
+#define KVC_K8_RUN1(J, N) KVC_K8_RUN(J, N, 1)
+#define KVC_K8_RUN2(J, N) KVC_K8_RUN(J, N, 2)
+            if (ns == 2)
+                KVC_QBLOCKS(nq, KVC_K8_QR, KVC_K8_RUN2);
+            else
+                KVC_QBLOCKS(nq, KVC_K8_QR, KVC_K8_RUN1);
+#undef KVC_K8_RUN2
+#undef KVC_K8_RUN1
+#undef KVC_K8_RUN
             k0 = k1;
         }
     }

@@ -242,23 +242,6 @@ KVC_INLINE void kvc_pf_load_v(const float *vf, const int8_t *vq, const float *vs
 #define KVC_PF_STRIPS 1   /* 16 ymm registers: one strip (2 NR accumulator halves) */
 #endif
 
-/* CALL(J, N) for the runs [J, J + N) of queries 0..nq-1: blocks of QR, then the rest (QR <=
- * 6), N a constant at every call so that each is its own unrolled kernel. */
-#define KVC_PF_BLOCKS(nq, QR, CALL)                                                          \
-    do {                                                                                     \
-        ptrdiff_t jb_;                                                                       \
-        for (jb_ = 0; jb_ + (QR) <= (nq); jb_ += (QR))                                       \
-            CALL(jb_, QR);                                                                   \
-        switch ((nq) - jb_) {                                                                \
-        case 5: CALL(jb_, 5); break;                                                         \
-        case 4: CALL(jb_, 4); break;                                                         \
-        case 3: CALL(jb_, 3); break;                                                         \
-        case 2: CALL(jb_, 2); break;                                                         \
-        case 1: CALL(jb_, 1); break;                                                         \
-        default: break;                                                                      \
-        }                                                                                    \
-    } while (0)
-
 KVC_INLINE void kvc_pf_qk(const float *restrict Q, ptrdiff_t ldq, const int NR, const int NS,
                           const float *restrict Ks, ptrdiff_t hd, float *restrict S,
                           ptrdiff_t lds)
@@ -292,7 +275,7 @@ KVC_INLINE void kvc_pf_qk_rows(const float *Q, ptrdiff_t ldq, ptrdiff_t nq, cons
                                const float *Ks, ptrdiff_t hd, float *S, ptrdiff_t lds)
 {
 #define KVC_PF_QK(J, N) kvc_pf_qk(Q + (J) * ldq, ldq, N, NS, Ks, hd, S + (J) * lds, lds)
-    KVC_PF_BLOCKS(nq, KVC_PF_QR, KVC_PF_QK);
+    KVC_QBLOCKS(nq, KVC_PF_QR, KVC_PF_QK);
 #undef KVC_PF_QK
 }
 
@@ -322,7 +305,7 @@ KVC_INLINE void kvc_pf_qk8_rows(const int8_t *qi, ptrdiff_t ldqi, const float *s
 {
 #define KVC_PF_QK8(J, N) kvc_k8_qk(qi + (J) * ldqi, ldqi, sq + (J) * ng, qsum + (J) * ng, ng, \
                                    N, NS, Kb, Ksc, hd, group, S + (J) * lds, lds)
-    KVC_PF_BLOCKS(nq, KVC_K8_QR, KVC_PF_QK8);
+    KVC_QBLOCKS(nq, KVC_K8_QR, KVC_PF_QK8);
 #undef KVC_PF_QK8
 }
 
@@ -520,7 +503,7 @@ KVC_INLINE void kvc_pf_pv_nr(const float *P, int nr, const int NS, const float *
 {
     /* one run of nr (a block of KVC_PF_QR, or the rest) */
 #define KVC_PF_PV(J, N) kvc_pf_pv16(P, N, NS, Vs, ra, rb, O, ldo, alpha)
-    KVC_PF_BLOCKS(nr, KVC_PF_QR, KVC_PF_PV);
+    KVC_QBLOCKS(nr, KVC_PF_QR, KVC_PF_PV);
 #undef KVC_PF_PV
 }
 
