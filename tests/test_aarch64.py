@@ -362,7 +362,7 @@ SMULL = r"smlal2?\s|smull2?\s"
 # (each: the symbols it may be compiled into, the entry or the family function it calls)
 F32_KERNELS = (("kvc_entry_task_scores",), ("kvc_entry_task_values",), ("kvc_softmax",),
                ("kvc_axpy_f32",), ("kvc_entry_pf_task", "kvc_pf_task"),
-               ("kvc_entry_pf_imp", "kvc_pf_imp_group"), ("kvc_entry_mla_task", "kvc_mla_task"),
+               ("kvc_entry_mla_task", "kvc_mla_task"),
                ("kvc_entry_mla_fold",), ("kvc_entry_o1_absorb",),
                ("kvc_entry_o1_step_head", "kvc_o1_head"),
                ("kvc_fma_probe",))

@@ -1,6 +1,6 @@
 """track_importance: a cache or layer that never evicts by importance can switch off the
-importance work (the prompt kernel's kept probabilities and their column sums, or its second
-pass of scores past the buffer budget) without changing any output."""
+importance work (the prompt kernel's kept probabilities and their column sums) without
+changing any output."""
 
 from __future__ import annotations
 

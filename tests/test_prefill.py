@@ -3,8 +3,8 @@
 Against its NumPy twin over shapes, head dims, GQA fan-outs, windows, softcaps, ``first``,
 tile-boundary lengths and the four storage modes; thread counts and chunk independence bit
 for bit; importance against the twin and the materialised kernel (``attend_rows``), against
-the float64 importance of the kernel's own scores within its documented bound, in one pass
-and through the second pass a task over its buffer budget takes, bit for bit across threads
+the float64 importance of the kernel's own scores within its documented bound, in whole
+blocks and in the pieces a block over its buffer budget is cut in, bit for bit across threads
 and bodies; decode
 bits unchanged; NaN/inf like the decode kernel; bad input refused before any work; the AVX2
 and portable C paths of the header bit for bit.
@@ -319,15 +319,15 @@ def test_against_attend_rows(mode, window, softcap, rng):
 
 
 # ---------------------------------------------------------------------------------------------
-# importance in one pass (kvc_pf_imp_fold), the second pass it falls back to, and its bound
+# importance in one pass (kvc_pf_imp_fold), blocks cut in pieces to fit its budget, its bound
 
 IMP_ULPS = 64   # docs/numerics.md, "Prompt attention": |imp - exact| <= (n_p + 64 + R) 2^-24 exact
 
 
 @contextlib.contextmanager
 def imp_budget(floats):
-    """The one-pass buffer budget of a task set to ``floats`` (0: every task takes the second
-    pass), restored afterwards."""
+    """The one-pass buffer budget of a task set to ``floats`` (0: every block cut in pieces of
+    one position), restored afterwards."""
     old = _core._set_prefill_imp_budget(floats)
     try:
         yield
@@ -374,11 +374,11 @@ def exact_importance(scores, n_pos):
 
 
 @pytest.mark.parametrize("mode", MODES[:2], ids=MODE_IDS[:2])
-@pytest.mark.parametrize("budget", ["one pass", "halves", "mixed", "second pass"])
+@pytest.mark.parametrize("budget", ["whole", "halves", "quarters", "one position"])
 def test_importance_is_within_its_bound_of_the_exact_sum(mode, budget, rng):
-    """Both formulas (p * exp(mt - m) / l from the kept tiles, exp(s - m) / l recomputed), and
-    a call that mixes them, stay within (n_p + 64 + R) 2^-24 of the float64 importance of the
-    kernel's own scores; the outputs are the same bits whichever a task takes."""
+    """Whole blocks, blocks cut in halves, in narrower pieces and in single positions (over
+    the budget) stay within (n_p + 64 + R) 2^-24 of the float64 importance of the kernel's own
+    scores; the outputs are the same bits however a block is cut."""
     nkv, fan, hd, T, n = 2, 4, 64, 700, 300
     layer = filled(nkv, hd, mode, T, rng)
     q3 = (rng.standard_normal((n, nkv * fan, hd)) * 3).astype(np.float32)
@@ -386,19 +386,20 @@ def test_importance_is_within_its_bound_of_the_exact_sum(mode, budget, rng):
     exact, n_p, dist = exact_importance(kernel_scores(layer, q2, g0), n)
     # a block holds 48 positions (192 queries); the first sees 7 tiles, the last 11.  With
     # 7 x 192 x 65 floats the first block (7 tiles, the budget exactly) and the last (12
-    # positions) stay whole and the others are cut in halves; with 9 x 192 x 65 / 2 the
-    # second and third blocks are cut, the fourth to sixth, whose halves do not fit either,
-    # take the second pass, and the last fits whole
-    floats = {"one pass": _core.PREFILL_IMP_BUDGET_FLOATS, "halves": 7 * 192 * 65,
-              "mixed": 9 * 192 * 65 // 2, "second pass": 0}[budget]
+    # positions) stay whole and the others are cut in halves; with 11 x 48 x 65 no half
+    # fits and every block but the last is cut in quarters (12 positions, 48 queries)
+    floats = {"whole": _core.PREFILL_IMP_BUDGET_FLOATS, "halves": 7 * 192 * 65,
+              "quarters": 11 * 48 * 65, "one position": 0}[budget]
     out0, _ = run("blk", layer, q2, g0, n_pos=n, n_back=n, imp_mode=0)
     with imp_budget(floats):
         plan = tasks_of(layer, q2, g0, n_pos=n, n_back=n)
         out, imp = run("blk", layer, q2, g0, n_pos=n, n_back=n, n_threads=2)
-    second = plan[:, 3] == 0                      # 14 tasks when no block is cut
-    assert {"one pass": not second.any() and len(plan) == 14,
-            "halves": not second.any() and len(plan) > 14,
-            "mixed": second.any() and not second.all(), "second pass": second.all()}[budget]
+    width = (plan[:, 2] - plan[:, 1]) // fan                    # positions per task
+    assert (plan[:, 3] > 0).all()                               # every task keeps its tiles
+    assert (plan[:, 3] <= floats).all() or budget == "one position"
+    assert {"whole": len(plan) == 14, "halves": set(width.tolist()) == {12, 24, 48},
+            "quarters": (width == 12).all() and len(plan) == 50,
+            "one position": (width == 1).all()}[budget]
     assert np.array_equal(out, out0)
     err = np.abs(imp - exact) / exact
     bound = (n_p + IMP_ULPS + dist) * 2.0 ** -24
@@ -408,8 +409,8 @@ def test_importance_is_within_its_bound_of_the_exact_sum(mode, budget, rng):
 
 @pytest.mark.parametrize("mode", ["f32", "q8", "q8k", "q4", "k8v4", "q4k"])
 def test_importance_bits_do_not_depend_on_threads_bodies_or_batches(mode, rng):
-    """One pass, second pass and a mix: the same bits for 1, 2 and 3 threads and on every
-    body this CPU runs; the one pass and the second pass agree within the bound's scale."""
+    """Whole blocks, halves, narrower pieces and single positions: the same bits for 1, 2 and 3
+    threads and on every body this CPU runs; the cuts agree within the bound's scale."""
     layer = kc.LayerKvCache(2, 64, mode=mode)
     layer.append(rng.standard_normal((400, 2, 64)).astype(np.float32),
                  rng.standard_normal((400, 2, 64)).astype(np.float32))
@@ -423,7 +424,8 @@ def test_importance_bits_do_not_depend_on_threads_bodies_or_batches(mode, rng):
     try:
         # blocks of 48 positions (192 queries) over 4 tiles, the last of 38 positions: with
         # 4 * 160 * 65 floats the others are cut in halves; with 24000 the last is cut in
-        # halves and the others, whose halves do not fit, take the second pass
+        # halves and the others, whose halves do not fit, in quarters; with 0 in single
+        # positions
         for floats in (_core.PREFILL_IMP_BUDGET_FLOATS, 4 * 160 * 65, 24000, 0):
             got = {}
             with imp_budget(floats):
@@ -437,8 +439,8 @@ def test_importance_bits_do_not_depend_on_threads_bodies_or_batches(mode, rng):
             results[floats] = first
     finally:
         _core.set_isa(before)
-    one, halves, mixed, second = results.values()
-    for other in (halves, mixed, second):
+    one, halves, quarters, single = results.values()
+    for other in (halves, quarters, single):
         assert np.array_equal(one[0], other[0])
         np.testing.assert_allclose(other[1], one[1], rtol=2e-5, atol=0)
 
@@ -459,20 +461,27 @@ def pass_floats(vis, per, a, b):
     return (-(-hi // 64) - lo // 64) * (b - a) * per * 65
 
 
-def halved(vis, per, budget, a, b):
-    """The planner's rule for a block [a, b): its two halves' middle when the block does not
-    fit the budget and both halves do, else None."""
-    h = a + (b - a + 1) // 2
-    fits = [pass_floats(vis, per, x, y) <= budget for x, y in ((a, b), (a, h), (h, b))]
-    return h if b - a >= 2 and not fits[0] and fits[1] and fits[2] else None
+def pieces(vis, per, budget, a, b):
+    """The planner's rule for a block [a, b), as its tasks (latest first): pieces of
+    s = ceil(nb / k) positions for the first k of 1, 2, 4, ... below nb whose pieces all fit
+    the budget, else pieces of one position."""
+    nb, k, s = b - a, 1, 1
+    while k < nb:
+        cut = [(x, min(b, x + -(-nb // k))) for x in range(a, b, -(-nb // k))]
+        if all(pass_floats(vis, per, x, y) <= budget for x, y in cut):
+            s = -(-nb // k)
+            break
+        k *= 2
+    return [(x, min(b, x + s)) for x in range(a, b, s)][::-1]
 
 
 @pytest.mark.parametrize("window", [0, 150])
-def test_blocks_over_the_budget_are_cut_in_halves_that_keep_the_one_pass(window, rng):
+def test_blocks_over_the_budget_are_cut_in_pieces_that_keep_the_one_pass(window, rng):
     """With importance, a block of positions whose one-pass buffer would pass the budget is
-    cut in two halves (the first one position longer when odd, the later half listed first)
-    when both fit; a block whose halves do not fit stays whole and takes the second pass;
-    without importance, or within the budget, the blocks stay as they are."""
+    cut in the fewest pieces (halves, quarters, ...: ceil(nb / k) positions, the last one
+    shorter, the latest listed first) that all fit, or in single positions when none does;
+    every task keeps its one pass.  Without importance, or within the budget, the blocks
+    stay as they are."""
     nkv, fan, hd, T, n, bq = 2, 4, 16, 700, 300, 48
     layer = filled(nkv, hd, kc.KvMode.F32, T, rng)
     q2, g0 = grouped(layer, rng.standard_normal((n, nkv * fan, hd)).astype(np.float32))
@@ -485,29 +494,30 @@ def test_blocks_over_the_budget_are_cut_in_halves_that_keep_the_one_pass(window,
     assert (whole[:, 3] == 0).all()
     assert np.array_equal(tasks_of(layer, q2, g0, **kw)[:, :3], whole[:, :3])   # fits 16 MiB
     kinds = set()
-    for budget in (7 * 192 * 65, 8 * 192 * 65, 24960, 24000, 9 * 4 * 65):
+    for budget in (7 * 192 * 65, 8 * 192 * 65, 24960, 24000, 9 * 4 * 65, 0):
         with imp_budget(budget):
             cut = tasks_of(layer, q2, g0, **kw)
         want = []
         for a, b in blocks:
-            h = halved(vis, fan, budget, a, b)
+            got = pieces(vis, fan, budget, a, b)
+            kinds.add({1: "whole", 2: "halves"}.get(len(got), "narrower"))
             for g in range(nkv):
-                for x, y in ([(h, b), (a, h)] if h else [(a, b)]):
-                    need = pass_floats(vis, fan, x, y)
+                for x, y in got:
                     want.append((g, g0[g] + x * fan, g0[g] + y * fan,
-                                 need if need <= budget else 0))
-                    kinds.add("second pass" if need > budget else "half" if h else "whole")
+                                 pass_floats(vis, fan, x, y)))
+                    if pass_floats(vis, fan, x, y) > budget:
+                        assert y - x == 1
+                        kinds.add("one position over the budget")
         assert [tuple(t) for t in cut] == want, budget
-    assert kinds == {"whole", "half", "second pass"}
+    assert kinds == {"whole", "halves", "narrower", "one position over the budget"}
 
 
 def test_every_query_is_in_one_task_of_its_block(rng):
     """Random calls (KV groups with different head counts or none, windows, first rows,
     budgets, importance shorter than the rows): each task is a run of whole positions of one
     group inside one block (of ceil(192 / heads) positions from position 0), the tasks of a
-    group cover its queries once, a block is cut in halves (the later half first) exactly
-    when it does not fit whole and both halves do, and a task keeps the one pass exactly
-    when its buffer fits."""
+    group cover its queries once, a block is cut in the pieces of the planner's rule (the
+    latest first), and every task keeps the one pass with its own buffer."""
     cut = 0
     for _ in range(40):
         heads = [int(h) for h in rng.choice([0, 1, 3, 4, 7, 200], size=3)]
@@ -526,7 +536,7 @@ def test_every_query_is_in_one_task_of_its_block(rng):
                             imp_len=int(rng.integers(1, T + 1)))
         vis = [ref.visible_range(T, n, i, window, first, T) for i in range(n)]
         seen = np.zeros(int(g0[-1]), np.int64)
-        pieces = {}
+        tasks = {}
         for g, j0, j1, need in plan:
             per = heads[g]
             assert per > 0 and g0[g] <= j0 < j1 <= g0[g + 1]
@@ -534,17 +544,17 @@ def test_every_query_is_in_one_task_of_its_block(rng):
             assert (j0 - g0[g]) % per == 0 and (j1 - g0[g] == per * b)
             bq = -(-_core.PREFILL_TASK_QUERIES // per)
             assert a // bq == (b - 1) // bq                          # inside one block
-            pieces.setdefault((g, a // bq), []).append((a, b))
+            tasks.setdefault((g, a // bq), []).append((a, b))
             seen[j0:j1] += 1
             buf = pass_floats(vis, per, a, b)
-            assert need == (buf if buf <= budget else 0)            # one pass exactly if it fits
+            assert need == buf                                       # its one-pass buffer
         assert (seen == 1).all()
-        for (g, blk), got in pieces.items():
+        for (g, blk), got in tasks.items():
             bq = -(-_core.PREFILL_TASK_QUERIES // heads[g])
             a, b = blk * bq, min(n, (blk + 1) * bq)
-            h = halved(vis, heads[g], budget, a, b)
-            assert got == ([(h, b), (a, h)] if h else [(a, b)])       # the later half first
-            cut += h is not None
+            want = pieces(vis, heads[g], budget, a, b)
+            assert got == want                                       # the latest first
+            cut += len(want) > 1
     assert cut > 0
 
 

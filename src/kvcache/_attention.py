@@ -132,8 +132,8 @@ def prefill_work(n: int, maxlen: int, window: int, num_heads: int, num_kv_heads:
     """Multiply-adds and tasks of one ``attend_blocked`` call over ``n`` positions: scores and
     values of every visible row (2 x head_dim each per query head), and one task per KV group
     and block of ``ceil(PREFILL_TASK_QUERIES / heads_per_group)`` positions (the kernel's
-    split before it halves blocks over importance's buffer budget, which only long prompts
-    have)."""
+    split before it cuts blocks over importance's buffer budget in pieces, which only long
+    prompts have)."""
     from . import _core   # here: importing kvcache.layer first explains a missing extension
 
     ends = np.arange(maxlen - n + 1, maxlen + 1, dtype=np.int64).clip(0, None)   # (n,)

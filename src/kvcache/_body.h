@@ -15,7 +15,7 @@ const kvc_ops KVC_BODY_TABLE = {
     kvc_entry_task_values, kvc_entry_q8_rows,
     kvc_axpy_f32, kvc_softmax,
     kvc_quant_row, kvc_quant_query,
-    kvc_entry_pf_task, kvc_entry_pf_imp,
+    kvc_entry_pf_task,
     kvc_entry_o1_absorb, kvc_entry_o1_step_head,
     kvc_entry_mla_fold, kvc_entry_mla_task, kvc_entry_mla_merge, kvc_entry_mla_path,
     kvc_fma_probe,

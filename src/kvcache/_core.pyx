@@ -131,8 +131,6 @@ cdef extern from "_dispatch.h" nogil:
                             float *sq, int32_t *qsum) noexcept nogil
         void (*pf_task)(const kvc_store *s, const kvc_call *c, const kvc_task *t,
                         float *scratch, float *pbuf, float *colsum) noexcept nogil
-        void (*pf_imp)(const kvc_store *s, const kvc_call *c, const kvc_task *t, float *colsum,
-                       float *scratch) noexcept nogil
         void (*o1_absorb)(const kvc_o1 *o, Py_ssize_t h, const float *k, const float *v,
                           float *scr) noexcept nogil
         void (*o1_step_head)(const kvc_o1 *o, Py_ssize_t h) noexcept nogil
@@ -166,7 +164,6 @@ cdef extern from "_dispatch.h" nogil:
     Py_ssize_t KVC_PF_QR
     Py_ssize_t KVC_PF_IMP_ROWS
     Py_ssize_t KVC_PF_SCRATCH_FLOATS(Py_ssize_t hd, Py_ssize_t nq)
-    Py_ssize_t KVC_PF_IMP_SCRATCH(Py_ssize_t hd)
     Py_ssize_t KVC_PF_PBUF_FLOATS(Py_ssize_t ntiles, Py_ssize_t nq)
     Py_ssize_t KVC_PF_IMP_BUDGET
 
@@ -719,7 +716,7 @@ cdef inline double _block_sum(const float *p, Py_ssize_t n) noexcept nogil:
 
 # queries per task of attend_blocked (whole positions: a task holds ceil(_PF_QUERIES / heads
 # per group) positions of one KV group, so each K/V tile is loaded once for that many queries;
-# or half of such a block, where importance's one-pass buffer would pass its budget)
+# or a piece of such a block, where importance's one-pass buffer would pass its budget)
 cdef Py_ssize_t _PF_QUERIES = 192
 PREFILL_TASK_QUERIES = _PF_QUERIES
 PREFILL_TILE_ROWS = KVC_PF_TILE
@@ -1053,8 +1050,8 @@ cdef _Plan _plan(_Store st, _Call ca, bint blocked):
     group's queries; visible ends are capped at the probability width L.
     attend_blocked: per KV group, blocks of ceil(_PF_QUERIES / heads per group) positions, the
     latest blocks (the most rows) first and the groups interleaved, so that a dynamic schedule
-    ends on short tasks; with importance, a block over the one-pass budget cut in two halves
-    when they fit (_position_blocks)."""
+    ends on short tasks; with importance, a block over the one-pass budget cut in pieces that
+    fit (_position_blocks)."""
     cdef _Plan pl = _Plan.__new__(_Plan)
     cdef const Py_ssize_t[::1] gq0 = ca.group_q0
     pl.st = st
@@ -1149,26 +1146,29 @@ cdef Py_ssize_t _pf_buffer(const Py_ssize_t *qf, const Py_ssize_t *qe, Py_ssize_
 cdef Py_ssize_t _pf_piece(const Py_ssize_t *qf, const Py_ssize_t *qe, Py_ssize_t j0,
                           Py_ssize_t per, Py_ssize_t nb, Py_ssize_t budget) noexcept nogil:
     """Positions per piece of a block of nb positions (per queries each, from query j0) whose
-    importance is wanted: nb when the block's one-pass buffer fits the budget; else
-    ceil(nb / 2) when both halves fit (the block becomes two tasks); else nb, and the block's
-    task takes the second pass.  Never more than two pieces: each task reads and packs every
-    tile it sees, so narrower tasks spend more per query on that (docs/numerics.md)."""
-    cdef Py_ssize_t tlo, thi, h
-    if _pf_buffer(qf, qe, j0, j0 + nb * per, &tlo, &thi) <= budget or nb < 2:
-        return nb
-    h = (nb + 1) // 2
-    if (_pf_buffer(qf, qe, j0, j0 + h * per, &tlo, &thi) <= budget
-            and _pf_buffer(qf, qe, j0 + h * per, j0 + nb * per, &tlo, &thi) <= budget):
-        return h
-    return nb
+    importance is wanted: s = ceil(nb / k) for the first k of 1, 2, 4, 8, ... whose pieces
+    ([0, s), [s, 2s), ... the last one shorter) all fit the budget; 1 when k reaches nb
+    (pieces of one position, kept even over the budget).  Each task reads and packs every
+    tile it sees, so the fewest pieces that fit (docs/numerics.md, "Prompt attention")."""
+    cdef Py_ssize_t tlo, thi, k = 1, s, a
+    while k < nb:
+        s = (nb + k - 1) // k
+        a = 0
+        while a < nb and _pf_buffer(qf, qe, j0 + a * per, j0 + min(nb, a + s) * per,
+                                    &tlo, &thi) <= budget:
+            a += s
+        if a >= nb:
+            return s
+        k *= 2
+    return 1
 
 
 cdef int _position_blocks(_Plan pl, const Py_ssize_t[::1] gq0, Py_ssize_t n_pos) except -1:
     """attend_blocked's tasks: blocks of whole positions of each group, bq =
     ceil(_PF_QUERIES / per) positions at multiples of bq from position 0, the latest block
     first, the groups interleaved block by block.  With importance (pl.imp), a block whose
-    one-pass buffer would pass the budget is cut in two halves when they fit (_pf_piece),
-    the later half first: so a longer prompt keeps its one pass, in narrower tasks."""
+    one-pass buffer would pass the budget is cut in pieces that fit (_pf_piece), the latest
+    piece first: so every prompt takes one pass, a longer one in narrower tasks."""
     cdef Py_ssize_t nkv = gq0.shape[0] - 1, g, cnt, per, bq, b, i0, nb, s, a, k
     cdef Py_ssize_t t = 0, total = 0
     cdef Py_ssize_t *g_bq = <Py_ssize_t *> pl.alloc(2 * (nkv + 1) * sizeof(Py_ssize_t))
@@ -1388,16 +1388,16 @@ cdef inline float *_aligned64(float *p) noexcept nogil:
 
 
 # The largest one-pass importance buffer of one task, in floats (KVC_PF_IMP_BUDGET, 16 MiB): a
-# block that would need more is cut in halves when they fit (_position_blocks); a task still
-# over it takes the second pass over its own queries.  Only the tests change it
-# (_set_prefill_imp_budget), to reach the halves and that pass with small calls.
+# block that would need more is cut in pieces that fit (_position_blocks; a piece of one
+# position is kept even over it).  Only the tests change it (_set_prefill_imp_budget), to reach
+# the pieces with small calls.
 cdef Py_ssize_t _pf_imp_budget = KVC_PF_IMP_BUDGET
 PREFILL_IMP_BUDGET_FLOATS = KVC_PF_IMP_BUDGET
 
 
 def _set_prefill_imp_budget(Py_ssize_t floats):
-    """Set the one-pass importance budget of a task (floats, >= 0; 0: every task takes the
-    second pass); returns the previous one.  For tests."""
+    """Set the one-pass importance budget of a task (floats, >= 0; 0: every block is cut in
+    pieces of one position); returns the previous one.  For tests."""
     global _pf_imp_budget
     if floats < 0:
         raise ValueError(f"expected a budget >= 0, got {floats}")
@@ -1406,30 +1406,14 @@ def _set_prefill_imp_budget(Py_ssize_t floats):
     return old
 
 
-cdef void _pf_second_pass(const kvc_ops *pf, const kvc_store *s, const kvc_call *c,
-                          const kvc_task *t, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t end,
-                          float *colsum, float *scratch) noexcept nogil:
-    """The importance of task t's queries by the second pass (kvc_pf_imp_group), blocks of
-    KVC_PF_IMP_ROWS rows from r0 (a tile start) below end: colsum[r] for r in [r0, r1), 0
-    where none of them sees r."""
-    cdef Py_ssize_t b = r0
-    cdef kvc_task blk
-    memset(colsum + r0, 0, (r1 - r0) * sizeof(float))
-    while b < end:
-        blk = _task(t.g, t.j0, t.j1, b, min(b + KVC_PF_IMP_ROWS, end))
-        pf.pf_imp(s, c, &blk, colsum + b, scratch)
-        b += KVC_PF_IMP_ROWS
-
-
 cdef Py_ssize_t _pf_geo(_Plan pl, Py_ssize_t *geo) noexcept nogil:
     """Per task t of an attend_blocked plan: the tiles [geo[3t], geo[3t + 1]) that its visible
-    rows meet and its one-pass buffer geo[3t + 2] (floats; 0: over the budget, the second
-    pass, or no row seen).  Returns the largest buffer."""
-    cdef Py_ssize_t t, need, npb = 0
+    rows meet and its one-pass buffer geo[3t + 2] (floats; 0: no row seen).  Returns the
+    largest buffer."""
+    cdef Py_ssize_t t, npb = 0
     for t in range(pl.ntasks):
-        need = _pf_buffer(pl.qf, pl.qe, pl.tasks[t].j0, pl.tasks[t].j1, geo + 3 * t,
-                          geo + 3 * t + 1)
-        geo[3 * t + 2] = need if need <= pl.budget else 0
+        geo[3 * t + 2] = _pf_buffer(pl.qf, pl.qe, pl.tasks[t].j0, pl.tasks[t].j1, geo + 3 * t,
+                                    geo + 3 * t + 1)
         if geo[3 * t + 2] > npb:
             npb = geo[3 * t + 2]
     return npb
@@ -1438,8 +1422,8 @@ cdef Py_ssize_t _pf_geo(_Plan pl, Py_ssize_t *geo) noexcept nogil:
 def _prefill_tasks(rows, call):
     """attend_blocked's tasks for ``call`` without running it (for tests): an (ntasks, 4)
     int64 array, per task in order its KV group, first and end query, and its one-pass
-    importance buffer in floats (0: the task takes the second pass or sees no row; 0 for
-    every task of a call without importance).  Checked as attend_blocked checks."""
+    importance buffer in floats (0: the task sees no row; 0 for every task of a call without
+    importance).  Checked as attend_blocked checks."""
     cdef _Plan pl = _attention(rows, call, True)
     if pl is None:
         return np.zeros((0, 4), np.int64)
@@ -1464,10 +1448,9 @@ def attend_blocked(rows, call):
     multiples (orders in _prefill.h, docs/numerics.md), so a query's bits depend only on its
     own visible rows.  imp_mode 0: importance untouched; 2: every row p < len(imp) gets, once,
     the sum of the query's final probabilities of row p over the call's queries: per task (a
-    KV group's block of positions, or half of one where the block's one-pass buffer would
-    pass the budget) in query order from the probabilities the task kept (one pass; a block
-    whose halves do not fit either recomputes its scores), the tasks' sums added in task
-    order.  Checked by kvcache._entry (check_rows when not bound, check_call;
+    KV group's block of positions, or a piece of one where the block's one-pass buffer would
+    pass the budget) in query order from the probabilities the task kept (one pass), the
+    tasks' sums added in task order.  Checked by kvcache._entry (check_rows when not bound, check_call;
     ValueError, TypeError) before any work.
     """
     cdef _Plan pl = _attention(rows, call, True)
@@ -1490,8 +1473,8 @@ def attend_blocked(rows, call):
     cdef float *pp
     cdef Py_ssize_t *geo
     cdef const kvc_ops *pf = _ops(KVC_FAM_PREFILL)   # the family's body, once per call
-    # per thread: a task's tiles, or the second pass's rows and column sums
-    nscr = max(KVC_PF_SCRATCH_FLOATS(hd, pl.width), KVC_PF_IMP_SCRATCH(hd) + KVC_PF_IMP_ROWS)
+    # per thread: a task's tiles
+    nscr = KVC_PF_SCRATCH_FLOATS(hd, pl.width)
     nscr = (nscr + 15) // 16 * 16
     scr = _aligned64(<float *> pl.alloc((n_threads * nscr + 16) * sizeof(float)))
     c.qm = <float *> pl.alloc(nq * sizeof(float))
@@ -1508,7 +1491,7 @@ def attend_blocked(rows, call):
         return
 
     # ---- with importance: per task its tiles [geo[3t], geo[3t + 1]) and its one-pass buffer
-    # (geo[3t + 2] floats; 0: the second pass) ------------------------------------------------
+    # (geo[3t + 2] floats; 0: no row seen) -----------------------------------------------------
     geo = <Py_ssize_t *> pl.alloc(3 * ntasks * sizeof(Py_ssize_t))
     npb = _pf_geo(pl, geo)
     npb = (npb + 15) // 16 * 16
@@ -1532,10 +1515,6 @@ def attend_blocked(rows, call):
                            part + (t - b0) * slot)
             else:
                 pf.pf_task(s, c, tasks + t, scr + tid * nscr, NULL, NULL)
-                if geo[3 * t + 1] > geo[3 * t]:
-                    _pf_second_pass(pf, s, c, tasks + t, geo[3 * t], geo[3 * t + 1],
-                                    min(geo[3 * t + 1], lim), part + (t - b0) * slot,
-                                    scr + tid * nscr)
         # ---- 2. their column sums added row by row in task order -------------------------
         for ch in prange(nch, nogil=True, num_threads=n_threads, schedule="static",
                          use_threads_if=par and b1 - b0 > 1):

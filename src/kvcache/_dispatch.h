@@ -155,12 +155,9 @@ typedef struct kvc_ops {
     void (*quant_query)(const float *x, ptrdiff_t hd, ptrdiff_t group, int8_t *qi, float *sq,
                         int32_t *qsum);
     /* prompt attention: a task's outputs, running maxima and sums (with pbuf, its one-pass
-     * importance into colsum, indexed by row); the importance of the rows [t->p0, t->p1) of
-     * group t->g added into colsum (the second pass) */
+     * importance into colsum, indexed by row) */
     void (*pf_task)(const kvc_store *s, const kvc_call *c, const kvc_task *t, float *scratch,
                     float *pbuf, float *colsum);
-    void (*pf_imp)(const kvc_store *s, const kvc_call *c, const kvc_task *t, float *colsum,
-                   float *scratch);
     /* O(1): absorb one key/value row into head h's far field; head h's part of a step */
     void (*o1_absorb)(const kvc_o1 *o, ptrdiff_t h, const float *k, const float *v,
                       float *scr);

@@ -109,19 +109,6 @@ static void kvc_entry_pf_task(const kvc_store *s, const kvc_call *c, const kvc_t
                 KVC_AT(c->qsum, j0 * ng));
 }
 
-static void kvc_entry_pf_imp(const kvc_store *s, const kvc_call *c, const kvc_task *t,
-                             float *colsum, float *scratch)
-{
-    const ptrdiff_t hd = s->hd, j0 = t->j0, g = t->g, ng = KVC_I8_GROUPS(hd, s->k_group);
-    kvc_k4 k4 = kvc_entry_k4(s, g);
-    kvc_pf_imp_group(c->q + j0 * hd, t->j1 - j0, c->qf + j0, c->qe + j0, c->qm + j0,
-                     c->ql + j0, KVC_AT(s->kf, g * s->kcap * hd),
-                     KVC_AT(s->kq, g * s->kcap * hd), KVC_AT(s->ks, g * s->kcap * s->ks_stride),
-                     s->ks_stride, s->quant_k, &k4, hd, c->scale, c->softcap, t->p0, t->p1, colsum,
-                     scratch, s->k_group, KVC_AT(c->qi, j0 * KVC_I8_PAD(hd)),
-                     KVC_AT(c->qsc, j0 * ng), KVC_AT(c->qsum, j0 * ng));
-}
-
 /* ---------------------------------------------------------------------------------------
  * O(1) step
  * ------------------------------------------------------------------------------------- */

@@ -39,12 +39,9 @@
  *                driver adds the tasks' column sums row by row in task order (the order of
  *                the task list, fixed by the call: never by the thread count), then the
  *                result once to imp.  A block of positions whose buffer would exceed
- *                KVC_PF_IMP_BUDGET is planned as two tasks, its halves, when they fit
- *                (_core.pyx, _position_blocks); a task still over it takes the second
- *                pass instead (kvc_pf_imp_group over its own queries):
- *                each score recomputed bit for bit, exp(s - m) / l added per row, the
- *                queries in order, into the same column sum.  (l is used only when it is
- *                > 0, else 1, in both.)
+ *                KVC_PF_IMP_BUDGET is planned as pieces that fit, each a task (_core.pyx,
+ *                _pf_piece, _position_blocks), so no score is computed twice.  (l is used
+ *                only when it is > 0, else 1.)
  */
 #ifndef KVCACHE_PREFILL_H
 #define KVCACHE_PREFILL_H
@@ -759,91 +756,6 @@ static void kvc_pf_task(const float *q, ptrdiff_t nq, const ptrdiff_t *qf, const
     default: KVC_PF_TASK(hd); break;
     }
 #undef KVC_PF_TASK
-}
-
-/* ---------------------------------------------------------------------------------------
- * Importance of one KV group over the rows [t0, t1) (t0 a multiple of 64, t1 - t0 <=
- * KVC_PF_IMP_ROWS): for the group's queries in order, colsum[p - t0] += exp(s - qm[j]) / ql[j]
- * over the query's visible rows.  scratch: KVC_PF_IMP_SCRATCH(hd) floats.
- * ------------------------------------------------------------------------------------- */
-
-static void kvc_pf_imp_group(const float *q, ptrdiff_t nq, const ptrdiff_t *qf,
-                             const ptrdiff_t *qe, const float *qm, const float *ql,
-                             const float *kf, const int8_t *kq, const float *ks,
-                             ptrdiff_t ks_stride, int quant_k, const kvc_k4 *k4,
-                             ptrdiff_t hd, float scale,
-                             float softcap, ptrdiff_t t0, ptrdiff_t t1, float *colsum,
-                             float *scratch, ptrdiff_t group, const int8_t *qi,
-                             const float *qsc, const int32_t *qsum)
-{
-    float *Kp = scratch;
-    float *S = Kp + KVC_PF_IMP_KP_FLOATS(hd);
-    const ptrdiff_t ng = quant_k == KVC_K_Q8 ? KVC_I8_GROUPS(hd, group) : 0;
-    float *K8sc = Kp;                                  /* int8 keys: scales, then codes */
-    uint8_t *K8 = (uint8_t *)(Kp + KVC_PF_IMP_ROWS * ng);
-    ptrdiff_t j, ja = -1, jb = -1, r0 = t1, r1 = t0, k;
-    for (j = 0; j < nq; ++j)
-        if (qf[j] < t1 && qe[j] > t0 && qe[j] > qf[j]) {
-            if (ja < 0)
-                ja = j;
-            jb = j + 1;
-            r0 = qf[j] < r0 ? qf[j] : r0;
-            r1 = qe[j] > r1 ? qe[j] : r1;
-        }
-    r0 = r0 > t0 ? r0 : t0;
-    r1 = r1 < t1 ? r1 : t1;
-    if (ja < 0)
-        return;
-    if (quant_k == KVC_K_Q4)
-        kvc_pf_load_k4(k4, t0, r0, r1, hd, Kp, S + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS);
-    else if (!quant_k)
-        kvc_pf_load_k(kf, t0, r0, r1, hd, Kp);
-    else
-        kvc_k8_pack(kq, ks, ks_stride, ng, t0, r0, r1, hd, K8, K8sc);
-    for (j = ja; j < jb; j += KVC_PF_IMP_QUERIES) {
-        ptrdiff_t nr = jb - j < KVC_PF_IMP_QUERIES ? jb - j : KVC_PF_IMP_QUERIES, i;
-        if (j + nr < jb)   /* the next queries, into L2 while these are scored */
-            kvc_pf_prefetch(q, j + nr, jb - j - nr < KVC_PF_IMP_QUERIES ? jb : j + nr + KVC_PF_IMP_QUERIES,
-                            hd * 4);
-        ptrdiff_t c0 = r1 - t0, c1 = r0 - t0;   /* the columns this block sees */
-        for (i = 0; i < nr; ++i) {
-            ptrdiff_t jj = j + i;
-            if (!(qe[jj] > qf[jj]) || qf[jj] >= t1 || qe[jj] <= t0)
-                continue;
-            ptrdiff_t a = (qf[jj] > r0 ? qf[jj] : r0) - t0, b = (qe[jj] < r1 ? qe[jj] : r1) - t0;
-            c0 = a < c0 ? a : c0;
-            c1 = b > c1 ? b : c1;
-        }
-        if (c0 >= c1)
-            continue;
-        if (quant_k == KVC_K_Q8) {
-            kvc_pf_scores8(qi + j * KVC_I8_PAD(hd), qsc + j * ng, qsum + j * ng, ng, nr, K8,
-                           K8sc, hd, group, c0, c1, S, KVC_PF_IMP_ROWS);
-        } else {
-            kvc_pf_scores(q + j * hd, hd, nr, Kp, hd, c0, c1, S, KVC_PF_IMP_ROWS);
-        }
-        for (i = 0; i < nr; ++i) {
-            ptrdiff_t jj = j + i;
-            ptrdiff_t a = (qf[jj] > t0 ? qf[jj] : t0) - t0, b = (qe[jj] < t1 ? qe[jj] : t1) - t0;
-            float *s = S + i * KVC_PF_IMP_ROWS;
-            if (!(qe[jj] > qf[jj]) || a >= b)
-                continue;
-            kvc_pf_scale(s, a, b, scale, softcap);
-            /* the sum divides only when it is > 0 (a NaN sum leaves exp(s - m)), as in
-             * kvc_softmax */
-            float m = qm[jj], l = ql[jj] > 0.0f ? ql[jj] : 1.0f;
-            k = a;
-            {
-                kvc_f8 mv = kvc_f8_set1(m), lv = kvc_f8_set1(l);
-                for (; k + 8 <= b; k += 8) {
-                    kvc_f8 p = kvc_f8_div(kvc_f8_exp(kvc_f8_sub(kvc_f8_load(s + k), mv)), lv);
-                    kvc_f8_store(colsum + k, kvc_f8_add(kvc_f8_load(colsum + k), p));
-                }
-            }
-            for (; k < b; ++k)
-                colsum[k] = colsum[k] + kvc_expf(s[k] - m) / l;
-        }
-    }
 }
 
 #endif

@@ -59,18 +59,13 @@
 
 /* One-pass importance (kvc_pf_task with pbuf): per task, the probabilities of its nq queries
  * over the ntiles tiles its visible rows meet (ntiles x nq x 64) and the running max each tile
- * left (ntiles x nq).  The planner (_core.pyx, _position_blocks) cuts a block of positions
- * whose buffer would exceed KVC_PF_IMP_BUDGET floats (16 MiB) in two halves when they fit; a
- * task still over it takes the importance pass (kvc_pf_imp_group) over its own queries. */
+ * left (ntiles x nq).  The planner (_core.pyx, _pf_piece) cuts a block of positions whose
+ * buffer would exceed KVC_PF_IMP_BUDGET floats (16 MiB) in pieces that fit (a piece of one
+ * position is kept even over it). */
 #define KVC_PF_PBUF_FLOATS(ntiles, nq) ((ntiles) * (nq) * (KVC_PF_TILE + 1))
 #define KVC_PF_IMP_BUDGET 4194304 /* floats: 16 MiB */
-
+/* rows per chunk when the driver adds the tasks' column sums (one thread per chunk) */
 #define KVC_PF_IMP_ROWS 256
-#define KVC_PF_IMP_QUERIES 48 /* queries scored together: each K strip is read once for them */
-/* the second pass's packed K rows: 256 x hd floats, or the int8 rows' scales and codes */
-#define KVC_PF_IMP_KP_FLOATS(hd) (KVC_PF_IMP_ROWS * (hd) + 512)
-#define KVC_PF_IMP_SCRATCH(hd) (KVC_PF_IMP_KP_FLOATS(hd) + KVC_PF_IMP_QUERIES * KVC_PF_IMP_ROWS + 64 \
-                                + KVC_PF_K4_TMP(hd))
 
 /* MLA decode (_mla.h) */
 #define KVC_MLA_BLOCK 64          /* rows per online-softmax block (~147 KiB at r=512) */

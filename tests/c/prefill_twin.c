@@ -1,5 +1,5 @@
 /* Runs the blocked prompt kernel of _prefill.h (tasks with and without their one-pass
- * importance, and the second importance pass; float32 keys, q8 keys in groups of 32 and of 16
+ * importance; float32 keys, q8 keys in groups of 32 and of 16
  * channels, and 4-bit keys; float32, int8 and 4-bit values) on fixed pseudo-random inputs and
  * prints every result as raw bits; it also checks the blocked int8 scores against
  * kvc_i8_score1 bit for bit (exit status 2 on a difference).  The body is the one
@@ -36,16 +36,14 @@ int main(void)
     static int32_t qsum[NQ * KVC_I8_GROUPS(HDMAX, 16)];
     static float q[NQ * HDMAX], k[ROWS * HDMAX], v[ROWS * HDMAX], ks[ROWS * KS], vs[ROWS];
     static float vcol[HDMAX], o[NQ * HDMAX], o2[NQ * HDMAX], qm[NQ], ql[NQ];
-    static float colsum[KVC_PF_IMP_ROWS], colsum1[3 * KVC_PF_TILE];
+    static float colsum1[3 * KVC_PF_TILE];
     static float pbuf[KVC_PF_PBUF_FLOATS(3, NQ)];
     static int8_t kq[ROWS * HDMAX], vq[ROWS * HDMAX];
     static uint8_t vc4[ROWS * HDMAX / 2], kc4[ROWS * HDMAX / 2];
     static uint16_t vp[ROWS * 2 * KVC_V4_NG(HDMAX)], kp4[(ROWS / KVC_K4_BLOCK + 1) * 2 * HDMAX];
     static float kr4[KVC_K4_RING * HDMAX];
     kvc_k4 k4;
-    size_t nscr = KVC_PF_SCRATCH_FLOATS(HDMAX, NQ) > KVC_PF_IMP_SCRATCH(HDMAX)
-                      ? KVC_PF_SCRATCH_FLOATS(HDMAX, NQ) : KVC_PF_IMP_SCRATCH(HDMAX);
-    float *scratch = malloc(sizeof(float) * nscr);
+    float *scratch = malloc(sizeof(float) * KVC_PF_SCRATCH_FLOATS(HDMAX, NQ));
     ptrdiff_t hds[] = {1, 7, 8, 16, 24, 40, 64, 72, 128, 136};
     ptrdiff_t qf[NQ], qe[NQ];
     int i, h, mode, cap;
@@ -101,7 +99,7 @@ int main(void)
                 if ((hd % 8 && (quant_k == 2 || quant_v == 2)) || (group == 16 && quant_k != 1))
                     continue;
                 float softcap = cap ? 2.5f : 0.0f;
-                ptrdiff_t t0, j;
+                ptrdiff_t j;
                 kvc_pf_task(q, NQ, qf, qe, k, kq, ks, KS, quant_k, &k4, v, vq, vs, 1, quant_v, vc4, vp,
                             vcol, hd, 0.3f, softcap, o, qm, ql, scratch, NULL, NULL, group, qi, qsc,
                             qsum);
@@ -120,16 +118,6 @@ int main(void)
                     return 1;
                 for (i = 0; i < 3 * KVC_PF_TILE; ++i)
                     out(colsum1[i]);
-                /* the importance pass over blocks of 64 rows, then over one block */
-                for (t0 = 0; t0 < 173 + 64; t0 += 64) {
-                    ptrdiff_t a0 = t0 < 173 ? t0 : 0, t1 = t0 < 173 ? t0 + 64 : 173;
-                    t1 = t1 < 173 ? t1 : 173;
-                    memset(colsum, 0, sizeof colsum);
-                    kvc_pf_imp_group(q, NQ, qf, qe, qm, ql, k, kq, ks, KS, quant_k, &k4, hd, 0.3f,
-                                     softcap, a0, t1, colsum, scratch, group, qi, qsc, qsum);
-                    for (i = 0; i < t1 - a0; ++i)
-                        out(colsum[i]);
-                }
             }
     }
     /* The blocked int8 scores against the query-by-query definition (kvc_i8_score1), bit for
