@@ -1450,8 +1450,8 @@ def attend_blocked(rows, call):
     the sum of the query's final probabilities of row p over the call's queries: per task (a
     KV group's block of positions, or a piece of one where the block's one-pass buffer would
     pass the budget) in query order from the probabilities the task kept (one pass), the
-    tasks' sums added in task order.  Checked by kvcache._entry (check_rows when not bound, check_call;
-    ValueError, TypeError) before any work.
+    tasks' sums added in task order.  Checked by kvcache._entry (check_rows when not bound,
+    check_call; ValueError, TypeError) before any work.
     """
     cdef _Plan pl = _attention(rows, call, True)
     if pl is None:

@@ -18,7 +18,7 @@
  * Families (kvcache/_dispatch.py holds the bodies each one has and the rule that chooses):
  *   KVC_FAM_F32      decode attention over float32 rows, softmax, the O(1) step
  *   KVC_FAM_Q8       q8 scoring (int8 keys) of decode, and the row and query quantisers
- *   KVC_FAM_PREFILL  prompt attention (attend_blocked) and its importance pass
+ *   KVC_FAM_PREFILL  prompt attention (attend_blocked) and its one-pass importance
  *   KVC_FAM_MLA      MLA decode
  */
 #ifndef KVCACHE_DISPATCH_H

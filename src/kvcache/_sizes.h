@@ -50,7 +50,7 @@
  * and codes (64 x hd rounded up to 4 bytes), which this bounds for every hd. */
 #define KVC_PF_KP_FLOATS(hd) (KVC_PF_TILE * (hd) + 128)
 
-/* Per-thread scratch floats of a task with up to nq queries (the importance pass needs less):
+/* Per-thread scratch floats of a task with up to nq queries:
  * the packed K tile (KVC_PF_KP_FLOATS), the packed V tile (64 x hd rounded up to 16), scores and
  * probabilities (nq x 64), the partial outputs (nq x padded hd), alpha (nq), and slack. */
 #define KVC_PF_SCRATCH_FLOATS(hd, nq) \
