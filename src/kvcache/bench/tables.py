@@ -138,10 +138,8 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
 
 def _render(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     try:
-        # optional and untyped; pyproject's list of untyped packages does not name it yet
-        from tabulate import (
-            tabulate,
-        )
+        # optional (the bench and test extras); untyped, listed in pyproject's mypy overrides
+        from tabulate import tabulate
     except ImportError:
         pass
     else:
