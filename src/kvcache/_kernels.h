@@ -131,26 +131,22 @@ KVC_INLINE void kvc_axpy4_f32(float *restrict y, const float *w, const float *x0
     }
 }
 
-/* Max over s[0:n]; NaN entries are ignored, the fold starts at -inf (order does not matter). */
+/* Max over s[0:n]; NaN entries are ignored, the fold starts at -inf (order does not matter:
+ * the max of a -0 and a +0 may come out as either, and s - m is the same for both). */
 static inline float kvc_max(const float *restrict s, ptrdiff_t n)
 {
     ptrdiff_t i = 0;
-    float m = -INFINITY, tmp[32];
+    float m = -INFINITY, tmp[16];
     int l;
-    kvc_f8 m0 = kvc_f8_set1(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+    kvc_f16 m0 = kvc_f16_set1(-INFINITY), m1 = m0;
     for (; i + 32 <= n; i += 32) {
-        m0 = kvc_f8_max_num(m0, kvc_f8_load(s + i));
-        m1 = kvc_f8_max_num(m1, kvc_f8_load(s + i + 8));
-        m2 = kvc_f8_max_num(m2, kvc_f8_load(s + i + 16));
-        m3 = kvc_f8_max_num(m3, kvc_f8_load(s + i + 24));
+        m0 = kvc_f16_max_num(m0, kvc_f16_load(s + i));
+        m1 = kvc_f16_max_num(m1, kvc_f16_load(s + i + 16));
     }
-    for (; i + 8 <= n; i += 8)
-        m0 = kvc_f8_max_num(m0, kvc_f8_load(s + i));
-    kvc_f8_store(tmp, m0);
-    kvc_f8_store(tmp + 8, m1);
-    kvc_f8_store(tmp + 16, m2);
-    kvc_f8_store(tmp + 24, m3);
-    for (l = 0; l < 32; ++l)
+    for (; i + 16 <= n; i += 16)
+        m0 = kvc_f16_max_num(m0, kvc_f16_load(s + i));
+    kvc_f16_store(tmp, kvc_f16_max_num(m0, m1));
+    for (l = 0; l < 16; ++l)
         m = tmp[l] > m ? tmp[l] : m;
     for (; i < n; ++i)
         m = s[i] > m ? s[i] : m;
@@ -158,22 +154,22 @@ static inline float kvc_max(const float *restrict s, ptrdiff_t n)
 }
 
 /* In-place stable softmax of s[0:n]: m = max (NaN ignored), e = exp(s - m), summed in the
- * canonical 16-lane order (kvc_f8_fold16), divided by the sum only when it is > 0. */
+ * canonical 16-lane order (lane l takes the elements i with i % 16 == l of the whole 16-element
+ * blocks, kvc_f16_fold folds the lanes, the tail is added after in order), divided by the sum
+ * only when it is > 0.  On 16-lane vectors (one __m512 on AVX-512, two 8-lane halves elsewhere:
+ * the same lanes and bits). */
 static inline void kvc_softmax(float *restrict s, ptrdiff_t n)
 {
     float m = kvc_max(s, n);
     float tail = 0.0f, sum;
     ptrdiff_t i = 0;
-    kvc_f8 mv = kvc_f8_set1(m), lo = kvc_f8_zero(), hi = kvc_f8_zero();
+    kvc_f16 mv = kvc_f16_set1(m), acc = kvc_f16_zero();
     for (; i + KVC_LANES <= n; i += KVC_LANES) {
-        kvc_f8 e0 = kvc_f8_exp(kvc_f8_sub(kvc_f8_load(s + i), mv));
-        kvc_f8 e1 = kvc_f8_exp(kvc_f8_sub(kvc_f8_load(s + i + 8), mv));
-        kvc_f8_store(s + i, e0);
-        kvc_f8_store(s + i + 8, e1);
-        lo = kvc_f8_add(lo, e0);
-        hi = kvc_f8_add(hi, e1);
+        kvc_f16 e = kvc_f16_exp(kvc_f16_sub(kvc_f16_load(s + i), mv));
+        kvc_f16_store(s + i, e);
+        acc = kvc_f16_add(acc, e);
     }
-    sum = kvc_f8_fold16(lo, hi);
+    sum = kvc_f16_fold(acc);
     for (; i < n; ++i) {
         float e = kvc_expf(s[i] - m);
         s[i] = e;
@@ -181,10 +177,10 @@ static inline void kvc_softmax(float *restrict s, ptrdiff_t n)
     }
     sum = sum + tail;
     if (sum > 0.0f) {
-        kvc_f8 sv = kvc_f8_set1(sum);
+        kvc_f16 sv = kvc_f16_set1(sum);
         i = 0;
-        for (; i + 8 <= n; i += 8)
-            kvc_f8_store(s + i, kvc_f8_div(kvc_f8_load(s + i), sv));
+        for (; i + 16 <= n; i += 16)
+            kvc_f16_store(s + i, kvc_f16_div(kvc_f16_load(s + i), sv));
         for (; i < n; ++i)
             s[i] = s[i] / sum;
     }

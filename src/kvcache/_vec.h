@@ -516,6 +516,9 @@ KVC_INLINE kvc_f16 kvc_f16_fma(kvc_f16 a, kvc_f16 b, kvc_f16 c) { return _mm512_
 KVC_INLINE kvc_f16 kvc_f16_add(kvc_f16 a, kvc_f16 b) { return _mm512_add_ps(a, b); }
 KVC_INLINE kvc_f16 kvc_f16_sub(kvc_f16 a, kvc_f16 b) { return _mm512_sub_ps(a, b); }
 KVC_INLINE kvc_f16 kvc_f16_mul(kvc_f16 a, kvc_f16 b) { return _mm512_mul_ps(a, b); }
+KVC_INLINE kvc_f16 kvc_f16_div(kvc_f16 a, kvc_f16 b) { return _mm512_div_ps(a, b); }
+/* kvc_f8_max_num on 16 lanes: v where v > acc, else acc (a NaN in v ignored) */
+KVC_INLINE kvc_f16 kvc_f16_max_num(kvc_f16 acc, kvc_f16 v) { return _mm512_max_ps(v, acc); }
 KVC_INLINE kvc_f8 kvc_f16_lo(kvc_f16 a) { return _mm512_castps512_ps256(a); }
 KVC_INLINE kvc_f8 kvc_f16_hi(kvc_f16 a)
 {
@@ -543,6 +546,14 @@ KVC_INLINE kvc_f16 kvc_f16_fma(kvc_f16 a, kvc_f16 b, kvc_f16 c)
 KVC_INLINE kvc_f16 kvc_f16_add(kvc_f16 a, kvc_f16 b) { return kvc_f16_pair(kvc_f8_add(a.lo, b.lo), kvc_f8_add(a.hi, b.hi)); }
 KVC_INLINE kvc_f16 kvc_f16_sub(kvc_f16 a, kvc_f16 b) { return kvc_f16_pair(kvc_f8_sub(a.lo, b.lo), kvc_f8_sub(a.hi, b.hi)); }
 KVC_INLINE kvc_f16 kvc_f16_mul(kvc_f16 a, kvc_f16 b) { return kvc_f16_pair(kvc_f8_mul(a.lo, b.lo), kvc_f8_mul(a.hi, b.hi)); }
+KVC_INLINE kvc_f16 kvc_f16_div(kvc_f16 a, kvc_f16 b)
+{
+    return kvc_f16_pair(kvc_f8_div(a.lo, b.lo), kvc_f8_div(a.hi, b.hi));
+}
+KVC_INLINE kvc_f16 kvc_f16_max_num(kvc_f16 acc, kvc_f16 v)
+{
+    return kvc_f16_pair(kvc_f8_max_num(acc.lo, v.lo), kvc_f8_max_num(acc.hi, v.hi));
+}
 
 #endif
 
