@@ -20,7 +20,7 @@ A buffer is a header, a body, and an 8-byte digest of every byte before it::
     offset size
     0      8    magic  89 4B 56 43 41 43 48 45  ("\\x89KVCACHE": the high bit catches 7-bit
                                                  channels, the text catches mix-ups)
-    8      2    u16 format version (2; a reader also takes 1, see "Versions" below)
+    8      2    u16 format version (3; a reader also takes 2 and 1, see "Versions" below)
     10     1    u8  kind: 1 = one LayerKvCache, 2 = a KvCache (every layer of a model)
     11     1    u8  digest algorithm: 1 = XXH3-64 (``xxhash``), 2 = CRC-32 (``zlib``, zero-extended)
     12     4    u32 flags (0; any other value is refused)
@@ -84,15 +84,15 @@ Model body (kind 2)::
     per layer: u64 body length, then the layer body (its length is a multiple of 8)
 
 Versions.  Version 3 (written since 4-bit storage exists) is version 2 with one more value of
-the quant_k and quant_v bytes: 2, 4-bit rows, stored as above.  Version 2 records the int8 scheme (:attr:`KvMode.scheme`) in the scheme bytes
-above; a layer without an int8 component writes 0 there, one with int8 rows 1 ("rows") or 2
-("cmf"), and any other combination is refused.  Version 1 (kvcache before the scheme existed)
-had zeros in those bytes (a u32 reserved field in the layer body, a u8 reserved field in the
-model body) and knew only the column-freeze scheme: a reader takes a version-1 buffer as it
-was written, its int8 rows in scheme "cmf".  A writer always writes version 3; version 2 and
-1 buffers are still read (they cannot hold 4-bit rows).  The scheme
-byte also decides how many K scales a stored int8 row has (``ceil(D / 16)`` for "rows",
-``ceil(D / 32)`` for "cmf" and every version-1 buffer).
+the quant_k and quant_v bytes: 2, 4-bit rows, stored as above.  Version 2 records the int8
+scheme (:attr:`KvMode.scheme`) in the scheme bytes above; a layer without an int8 component
+writes 0 there, one with int8 rows 1 ("rows") or 2 ("cmf"), and any other combination is
+refused.  Version 1 (kvcache before the scheme existed) had zeros in those bytes (a u32 reserved
+field in the layer body, a u8 reserved field in the model body) and knew only the column-freeze
+scheme: a reader takes a version-1 buffer as it was written, its int8 rows in scheme "cmf".  A
+writer always writes version 3; version 2 and 1 buffers are still read (they cannot hold 4-bit
+rows).  The scheme byte also decides how many K scales a stored int8 row has (``ceil(D / 16)``
+for "rows", ``ceil(D / 32)`` for "cmf" and every version-1 buffer).
 
 Import verifies, in order: the minimum length, the magic, the version, the total length field
 against the buffer (truncated / trailing bytes), the flags, the digest algorithm, the digest,

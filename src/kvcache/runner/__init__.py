@@ -21,9 +21,10 @@ it in NumPy float32, with every attention layer's K/V in a
 - a prefix store (``store=`` of :meth:`Runner.prefill` and :meth:`Runner.generate`, a
   :class:`kvcache.store.PrefixStore` or a backend spec) supplies the prompt's stored leading
   positions, bit-identical to computing them, keyed by :attr:`Runner.fingerprint`;
-- KV storage f32 or q8 (``kv="q8"``, any name :meth:`kvcache.KvMode.parse` accepts), and the
-  O(1) Nystrom override on chosen layers (``o1_layers``): those layers seal the prompt at the
-  end of the prefill and decode with ``o1_step`` in constant time and memory;
+- KV storage f32, q8 or 4-bit (``kv="q8"``, ``kv="q4"``, any name
+  :meth:`kvcache.KvMode.parse` accepts), and the O(1) Nystrom override on chosen layers
+  (``o1_layers``): those layers seal the prompt at the end of the prefill and decode with
+  ``o1_step`` in constant time and memory;
 - greedy or temperature / top-p sampling (:meth:`Runner.generate`), and speculative rollback
   (:meth:`Runner.truncate_last`, the same on every layer).
 
