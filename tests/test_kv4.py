@@ -238,8 +238,8 @@ def test_bits_do_not_depend_on_body_or_threads(mode, hd, each_level):
                                 layer.attend_all_heads(q7, window=300, softcap=1.5),
                                 layer.attend_all_heads(qn, window=90, softcap=2.0)))
     for level, threads, *outs in results[1:]:
-        for got, want in zip(outs, results[0][2:]):
-            assert np.array_equal(_bits(got), _bits(want)), (level, threads)
+        for k, (got, want) in enumerate(zip(outs, results[0][2:], strict=True)):
+            assert np.array_equal(_bits(got), _bits(want)), (level, threads, k)
     # a query's output does not depend on the other queries of its group (one quad or two)
     four = layer.attend_all_heads(q7[[0, 1, 2, 3, 7, 8, 9, 10]])          # 4 per group
     assert np.array_equal(_bits(results[0][4][:4]), _bits(four[:4]))

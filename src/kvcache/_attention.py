@@ -1,6 +1,6 @@
 """The grouped-query attention driver shared by every cache that stores head-major rows.
 
-``LayerKvCache`` (float32 or int8 rows) and ``StaticKvCache`` (float32 rows in preallocated
+``LayerKvCache`` (float32, int8 or 4-bit rows) and ``StaticKvCache`` (float32 rows in preallocated
 storage) both hand their rows to one compiled kernel, ``attend_rows``.  What lies between a
 public ``attend`` call and that kernel is the same for both and lives here once:
 

@@ -3,8 +3,9 @@ and the checks that make it safe to run.
 
 Every attention kernel takes one **storage descriptor** and one **call descriptor**:
 
-- :class:`Rows` -- one layer's stored rows, head-major ``(nkv, capacity, .)``: float32 or int8
-  K and V, their scales and frozen V column, each KV group's row count, the K scale group;
+- :class:`Rows` -- one layer's stored rows, head-major ``(nkv, capacity, .)``: float32, int8 or
+  4-bit K and V, their scales, parameters and frozen V column, each KV group's row count, the K
+  scale group;
 - :class:`AttendCall` -- the queries of one call (gathered per KV group), the rows each sees
   (``n_pos``, ``n_back``, ``window``, ``first``), scale and softcap, the outputs and the
   thread count.

@@ -132,7 +132,7 @@ KVC_INLINE void kvc_axpy4_f32(float *restrict y, const float *w, const float *x0
 }
 
 /* Max over s[0:n]; NaN entries are ignored, the fold starts at -inf (order does not matter:
- * the max of a -0 and a +0 may come out as either, and s - m is the same for both). */
+ * the max of a -0 and a +0 may come out as either, and exp(s - m) is the same for both). */
 static inline float kvc_max(const float *restrict s, ptrdiff_t n)
 {
     ptrdiff_t i = 0;
