@@ -413,11 +413,12 @@ def filled(mode, context=1500, nkv=4, hd=64, seed=0):
     return c
 
 
-@pytest.mark.parametrize("mode", ["f32", "q8"])
+@pytest.mark.parametrize("mode", ["f32", "q8", "q4", "k8v4"])
 @pytest.mark.parametrize("n_pos", [0, 5])
 def test_results_are_bit_identical_for_every_count(mode, n_pos):
     """Decode (one position) and a multi-position block under each count the policy can pick,
-    forced, and the adaptive default: the same bits, importance included."""
+    forced, and the adaptive default: the same bits, importance included (the 4-bit modes
+    too)."""
     rng = np.random.default_rng(1)
     shape = (16, 64) if n_pos == 0 else (n_pos, 16, 64)
     q = rng.standard_normal(shape, dtype=np.float32)
