@@ -465,14 +465,14 @@ def pieces(vis, per, budget, a, b):
     """The planner's rule for a block [a, b), as its tasks (latest first): pieces of
     s = ceil(nb / k) positions for the first k of 1, 2, 4, ... below nb whose pieces all fit
     the budget, else pieces of one position."""
-    nb, k, s = b - a, 1, 1
+    nb, k = b - a, 1
     while k < nb:
-        cut = [(x, min(b, x + -(-nb // k))) for x in range(a, b, -(-nb // k))]
+        s = -(-nb // k)
+        cut = [(x, min(b, x + s)) for x in range(a, b, s)]
         if all(pass_floats(vis, per, x, y) <= budget for x, y in cut):
-            s = -(-nb // k)
-            break
+            return cut[::-1]
         k *= 2
-    return [(x, min(b, x + s)) for x in range(a, b, s)][::-1]
+    return [(x, x + 1) for x in range(a, b)][::-1]
 
 
 @pytest.mark.parametrize("window", [0, 150])
@@ -503,9 +503,9 @@ def test_blocks_over_the_budget_are_cut_in_pieces_that_keep_the_one_pass(window,
             kinds.add({1: "whole", 2: "halves"}.get(len(got), "narrower"))
             for g in range(nkv):
                 for x, y in got:
-                    want.append((g, g0[g] + x * fan, g0[g] + y * fan,
-                                 pass_floats(vis, fan, x, y)))
-                    if pass_floats(vis, fan, x, y) > budget:
+                    need = pass_floats(vis, fan, x, y)
+                    want.append((g, g0[g] + x * fan, g0[g] + y * fan, need))
+                    if need > budget:
                         assert y - x == 1
                         kinds.add("one position over the budget")
         assert [tuple(t) for t in cut] == want, budget

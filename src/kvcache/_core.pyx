@@ -949,7 +949,6 @@ cdef class _Plan:
     cdef Py_ssize_t maxlen      # the largest end of a visible range
     cdef Py_ssize_t width       # attend_rows: most queries of a group; attend_blocked: of a task
     cdef bint imp               # imp_mode 2 with a row of importance to add to
-    cdef Py_ssize_t budget      # attend_blocked: the one-pass buffer budget when planned
     cdef void *_owned[24]
     cdef int _n_owned
 
@@ -1093,7 +1092,6 @@ cdef _Plan _plan(_Store st, _Call ca, bint blocked):
             if hi > pl.maxlen:
                 pl.maxlen = hi
     pl.imp = ca.imp_mode == 2 and ca.imp__l.shape[0] > 0 and pl.maxlen > 0
-    pl.budget = _pf_imp_budget
     if blocked:
         _position_blocks(pl, gq0, ca.n_pos)
     else:
@@ -1195,7 +1193,8 @@ cdef int _position_blocks(_Plan pl, const Py_ssize_t[::1] gq0, Py_ssize_t n_pos)
         for b in range(g_blk0[g + 1] - g_blk0[g]):
             i0 = b * bq
             nb = min(n_pos, i0 + bq) - i0
-            s = _pf_piece(pl.qf, pl.qe, gq0[g] + i0 * per, per, nb, pl.budget) if pl.imp else nb
+            s = (_pf_piece(pl.qf, pl.qe, gq0[g] + i0 * per, per, nb, _pf_imp_budget)
+                 if pl.imp else nb)
             piece[g_blk0[g] + b] = s
             pl.ntasks += (nb + s - 1) // s
             pl.width = max(pl.width, s * per)
